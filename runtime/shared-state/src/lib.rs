@@ -1,0 +1,398 @@
+//! Node-wide shared state for filters.
+//!
+//! Every worker thread of a proxy runs its own filter instances, but a rate limit or a
+//! circuit breaker must see node-wide truth. This crate is the store behind the
+//! `shared-state` WIT import: integers with time-to-live, compare-and-swap, and an
+//! atomic token-bucket take, in a sharded [`DashMap`] so workers rarely contend.
+//!
+//! Each operation is atomic for its key (it runs under the key's shard lock), and the
+//! decisions are made whole inside one call, so guests never loop on compare-and-swap.
+//! Keys are namespaced: a [`Namespace`] (one per filter) can only reach its own keys.
+//! Expired entries are removed lazily on access and by [`SharedState::sweep_expired`],
+//! and the store refuses new keys beyond its configured capacity rather than growing
+//! without bound.
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+use dashmap::DashMap;
+use dashmap::mapref::entry::Entry as MapEntry;
+use dpumesh_clock::SharedClock;
+
+/// Longest key a filter may use, in bytes.
+pub const MAX_KEY_LEN: usize = 256;
+
+/// Why a shared-state operation failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// The key is empty or longer than [`MAX_KEY_LEN`].
+    #[error("shared-state key must be 1..={MAX_KEY_LEN} bytes")]
+    InvalidKey,
+    /// The key holds a value of the other kind (integer vs token bucket).
+    #[error("shared-state key holds a value of another kind")]
+    WrongType,
+    /// The store is at capacity even after sweeping expired entries.
+    #[error("shared-state store is full")]
+    Full,
+}
+
+/// Limits of the store.
+#[derive(Debug, Clone, Copy)]
+pub struct StateLimits {
+    /// Most live entries across all namespaces.
+    pub max_entries: usize,
+}
+
+impl Default for StateLimits {
+    fn default() -> Self {
+        // ~100 bytes an entry: 1M entries is ~100 MiB on an Arm core's node, the most a
+        // DPU should spend on policy state.
+        Self {
+            max_entries: 1_000_000,
+        }
+    }
+}
+
+/// The result of [`Namespace::token_bucket_take`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketResult {
+    /// Whether the tokens were taken.
+    pub allowed: bool,
+    /// Tokens left after the call.
+    pub remaining: u64,
+    /// Milliseconds until the next refill.
+    pub reset_after_ms: u64,
+}
+
+/// Parameters of a token bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketSpec {
+    /// Most tokens the bucket holds; it starts full.
+    pub capacity: u64,
+    /// Tokens added per whole interval.
+    pub refill_tokens: u64,
+    /// Length of an interval in milliseconds (0 is treated as 1).
+    pub refill_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Int(i64),
+    Bucket { tokens: u64, last_refill_ms: u64 },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    value: Value,
+    /// Monotonic milliseconds at which the entry expires; 0 = never.
+    expires_at_ms: u64,
+}
+
+impl Slot {
+    fn live(&self, now_ms: u64) -> bool {
+        self.expires_at_ms == 0 || now_ms < self.expires_at_ms
+    }
+}
+
+type Key = (u32, Box<str>);
+
+/// The node-wide store. Cheap to share: wrap it in an [`Arc`].
+#[derive(Debug)]
+pub struct SharedState {
+    entries: DashMap<Key, Slot>,
+    live: AtomicUsize,
+    namespaces: DashMap<Box<str>, u32>,
+    next_namespace: AtomicU32,
+    clock: SharedClock,
+    limits: StateLimits,
+}
+
+impl SharedState {
+    /// An empty store reading time from `clock`.
+    pub fn new(clock: SharedClock, limits: StateLimits) -> Arc<Self> {
+        Arc::new(Self {
+            entries: DashMap::new(),
+            live: AtomicUsize::new(0),
+            namespaces: DashMap::new(),
+            next_namespace: AtomicU32::new(0),
+            clock,
+            limits,
+        })
+    }
+
+    /// The namespace `name` (a filter's name). The same name always reaches the same keys.
+    pub fn namespace(self: &Arc<Self>, name: &str) -> Namespace {
+        let id = *self
+            .namespaces
+            .entry(name.into())
+            .or_insert_with(|| self.next_namespace.fetch_add(1, Ordering::Relaxed));
+        Namespace {
+            state: Arc::clone(self),
+            id,
+        }
+    }
+
+    /// Number of entries held (live or expired but not yet swept).
+    pub fn len(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Whether the store holds no entries.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Removes every expired entry; returns how many were removed.
+    pub fn sweep_expired(&self) -> usize {
+        let now = self.clock.monotonic_ms();
+        let mut removed = 0;
+        self.entries.retain(|_, slot| {
+            let keep = slot.live(now);
+            if !keep {
+                removed += 1;
+            }
+            keep
+        });
+        self.live.fetch_sub(removed, Ordering::Relaxed);
+        removed
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.monotonic_ms()
+    }
+
+    /// Reserves room for one new entry, sweeping once if the store looks full.
+    fn reserve(&self) -> Result<(), StateError> {
+        if self.live.fetch_add(1, Ordering::AcqRel) < self.limits.max_entries {
+            return Ok(());
+        }
+        self.live.fetch_sub(1, Ordering::AcqRel);
+        Err(StateError::Full)
+    }
+}
+
+fn check_key(key: &str) -> Result<(), StateError> {
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        return Err(StateError::InvalidKey);
+    }
+    Ok(())
+}
+
+fn expiry(now_ms: u64, ttl_ms: u64) -> u64 {
+    if ttl_ms == 0 {
+        0
+    } else {
+        now_ms.saturating_add(ttl_ms)
+    }
+}
+
+/// One filter's view of the store.
+#[derive(Debug, Clone)]
+pub struct Namespace {
+    state: Arc<SharedState>,
+    id: u32,
+}
+
+impl Namespace {
+    fn key(&self, key: &str) -> Result<Key, StateError> {
+        check_key(key)?;
+        Ok((self.id, key.into()))
+    }
+
+    /// Runs `f` on the entry for `key` under its shard lock. `f` sees the live slot (an
+    /// expired one is presented as absent) and returns the new slot (`None` removes it)
+    /// and a result. New entries are counted against the capacity.
+    fn update<R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(Option<Slot>, u64) -> Result<(Option<Slot>, R), StateError>,
+    ) -> Result<R, StateError> {
+        let key = self.key(key)?;
+        let state = &*self.state;
+        if state.len() >= state.limits.max_entries {
+            // Sweep before taking a shard lock: sweeping visits every shard.
+            state.sweep_expired();
+        }
+        let now = state.now_ms();
+        match state.entries.entry(key) {
+            MapEntry::Occupied(mut occupied) => {
+                let current = Some(*occupied.get()).filter(|slot| slot.live(now));
+                let (next, result) = f(current, now)?;
+                match next {
+                    Some(slot) => {
+                        occupied.insert(slot);
+                    }
+                    None => {
+                        occupied.remove();
+                        state.live.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+                Ok(result)
+            }
+            MapEntry::Vacant(vacant) => {
+                let (next, result) = f(None, now)?;
+                if let Some(slot) = next {
+                    state.reserve()?;
+                    vacant.insert(slot);
+                }
+                Ok(result)
+            }
+        }
+    }
+
+    /// Adds `delta` to the integer at `key` and returns the new value. A missing or
+    /// expired key starts at 0 with `ttl_ms` from now (0 = never expires); an existing
+    /// key keeps its expiry, which makes this a fixed-window counter.
+    pub fn increment(&self, key: &str, delta: i64, ttl_ms: u64) -> Result<i64, StateError> {
+        self.update(key, |current, now| match current {
+            Some(Slot {
+                value: Value::Int(v),
+                expires_at_ms,
+            }) => {
+                let next = v.saturating_add(delta);
+                Ok((
+                    Some(Slot {
+                        value: Value::Int(next),
+                        expires_at_ms,
+                    }),
+                    next,
+                ))
+            }
+            Some(_) => Err(StateError::WrongType),
+            None => Ok((
+                Some(Slot {
+                    value: Value::Int(delta),
+                    expires_at_ms: expiry(now, ttl_ms),
+                }),
+                delta,
+            )),
+        })
+    }
+
+    /// The integer at `key`, if present and live.
+    pub fn get(&self, key: &str) -> Result<Option<i64>, StateError> {
+        let key = self.key(key)?;
+        let now = self.state.now_ms();
+        match self.state.entries.get(&key).map(|slot| *slot) {
+            Some(slot) if slot.live(now) => match slot.value {
+                Value::Int(v) => Ok(Some(v)),
+                Value::Bucket { .. } => Err(StateError::WrongType),
+            },
+            _ => Ok(None),
+        }
+    }
+
+    /// Sets `key` to `desired` (with `ttl_ms` from now) if it currently holds
+    /// `expected` (`None` = absent or expired). On a mismatch returns `Err(current)`.
+    pub fn compare_and_swap(
+        &self,
+        key: &str,
+        expected: Option<i64>,
+        desired: i64,
+        ttl_ms: u64,
+    ) -> Result<Result<(), Option<i64>>, StateError> {
+        self.update(key, |current, now| {
+            let current_value = match current {
+                Some(Slot {
+                    value: Value::Int(v),
+                    ..
+                }) => Some(v),
+                Some(_) => return Err(StateError::WrongType),
+                None => None,
+            };
+            if current_value == expected {
+                let slot = Slot {
+                    value: Value::Int(desired),
+                    expires_at_ms: expiry(now, ttl_ms),
+                };
+                Ok((Some(slot), Ok(())))
+            } else {
+                Ok((current, Err(current_value)))
+            }
+        })
+    }
+
+    /// Removes `key`; returns whether a live entry was there.
+    pub fn delete(&self, key: &str) -> Result<bool, StateError> {
+        let key = self.key(key)?;
+        let now = self.state.now_ms();
+        match self.state.entries.remove(&key) {
+            Some((_, slot)) => {
+                self.state.live.fetch_sub(1, Ordering::AcqRel);
+                Ok(slot.live(now))
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Takes `cost` tokens from the bucket at `key` if it holds that many.
+    ///
+    /// The bucket starts full and gains `refill_tokens` per whole interval (Envoy's
+    /// local rate limit semantics). It expires when it would be full again, so an idle
+    /// bucket costs no memory and a recreated one behaves exactly as the old would have.
+    pub fn token_bucket_take(
+        &self,
+        key: &str,
+        spec: BucketSpec,
+        cost: u64,
+    ) -> Result<BucketResult, StateError> {
+        let interval = spec.refill_interval_ms.max(1);
+        let capacity = spec.capacity;
+        self.update(key, |current, now| {
+            let (mut tokens, mut last_refill) = match current {
+                Some(Slot {
+                    value:
+                        Value::Bucket {
+                            tokens,
+                            last_refill_ms,
+                        },
+                    ..
+                }) => (tokens.min(capacity), last_refill_ms),
+                Some(_) => return Err(StateError::WrongType),
+                None => (capacity, now),
+            };
+            let elapsed_intervals = now.saturating_sub(last_refill) / interval;
+            if elapsed_intervals > 0 {
+                tokens = tokens
+                    .saturating_add(elapsed_intervals.saturating_mul(spec.refill_tokens))
+                    .min(capacity);
+                last_refill = last_refill.saturating_add(elapsed_intervals * interval);
+            }
+            let allowed = tokens >= cost;
+            if allowed {
+                tokens -= cost;
+            }
+            let reset_after_ms = interval - now.saturating_sub(last_refill).min(interval - 1);
+            let missing = capacity - tokens;
+            let expires_at_ms = if missing == 0 || spec.refill_tokens == 0 {
+                // A full bucket is indistinguishable from a new one; keep it one interval
+                // so repeated takes reuse the slot. A bucket that never refills must
+                // never expire, or it would come back full.
+                if spec.refill_tokens == 0 { 0 } else { last_refill + interval }
+            } else {
+                let intervals_to_full = missing.div_ceil(spec.refill_tokens);
+                last_refill.saturating_add(intervals_to_full.saturating_mul(interval))
+            };
+            let slot = Slot {
+                value: Value::Bucket {
+                    tokens,
+                    last_refill_ms: last_refill,
+                },
+                expires_at_ms,
+            };
+            Ok((
+                Some(slot),
+                BucketResult {
+                    allowed,
+                    remaining: tokens,
+                    reset_after_ms,
+                },
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,215 @@
+use std::sync::Arc;
+use std::thread;
+
+use dpumesh_clock::{ManualClock, SharedClock};
+use proptest::prelude::*;
+
+use super::*;
+
+fn store(max_entries: usize) -> (Arc<ManualClock>, Arc<SharedState>) {
+    let clock = ManualClock::at_unix_secs(1_700_000_000);
+    let shared: SharedClock = clock.clone();
+    (clock, SharedState::new(shared, StateLimits { max_entries }))
+}
+
+#[test]
+fn increment_counts_and_expires_with_fixed_window() {
+    let (clock, state) = store(100);
+    let ns = state.namespace("ratelimit");
+    assert_eq!(ns.increment("k", 1, 1000), Ok(1));
+    clock.advance_ms(600);
+    assert_eq!(ns.increment("k", 2, 1000), Ok(3));
+    // The window was fixed at creation: 400 ms later it has expired.
+    clock.advance_ms(400);
+    assert_eq!(ns.get("k"), Ok(None));
+    assert_eq!(ns.increment("k", 1, 1000), Ok(1));
+}
+
+#[test]
+fn ttl_zero_never_expires() {
+    let (clock, state) = store(100);
+    let ns = state.namespace("a");
+    ns.increment("k", 5, 0).unwrap();
+    clock.advance_secs(86_400 * 365);
+    assert_eq!(ns.get("k"), Ok(Some(5)));
+}
+
+#[test]
+fn namespaces_are_isolated() {
+    let (_clock, state) = store(100);
+    let a = state.namespace("a");
+    let b = state.namespace("b");
+    a.increment("k", 1, 0).unwrap();
+    assert_eq!(b.get("k"), Ok(None));
+    // The same name reaches the same keys.
+    assert_eq!(state.namespace("a").get("k"), Ok(Some(1)));
+}
+
+#[test]
+fn compare_and_swap_reports_the_current_value() {
+    let (clock, state) = store(100);
+    let ns = state.namespace("cb");
+    assert_eq!(ns.compare_and_swap("s", None, 7, 100), Ok(Ok(())));
+    assert_eq!(ns.compare_and_swap("s", None, 8, 100), Ok(Err(Some(7))));
+    assert_eq!(ns.compare_and_swap("s", Some(6), 8, 100), Ok(Err(Some(7))));
+    assert_eq!(ns.compare_and_swap("s", Some(7), 9, 100), Ok(Ok(())));
+    assert_eq!(ns.get("s"), Ok(Some(9)));
+    clock.advance_ms(100);
+    // Expired counts as absent.
+    assert_eq!(ns.compare_and_swap("s", Some(9), 1, 100), Ok(Err(None)));
+    assert_eq!(ns.compare_and_swap("s", None, 1, 100), Ok(Ok(())));
+}
+
+#[test]
+fn delete_removes_and_frees_capacity() {
+    let (_clock, state) = store(1);
+    let ns = state.namespace("a");
+    ns.increment("x", 1, 0).unwrap();
+    assert_eq!(ns.increment("y", 1, 0), Err(StateError::Full));
+    assert_eq!(ns.delete("x"), Ok(true));
+    assert_eq!(ns.delete("x"), Ok(false));
+    assert_eq!(ns.increment("y", 1, 0), Ok(1));
+    assert_eq!(state.len(), 1);
+}
+
+#[test]
+fn full_store_sweeps_expired_entries_before_refusing() {
+    let (clock, state) = store(2);
+    let ns = state.namespace("a");
+    ns.increment("x", 1, 10).unwrap();
+    ns.increment("y", 1, 0).unwrap();
+    assert_eq!(ns.increment("z", 1, 0), Err(StateError::Full));
+    clock.advance_ms(10);
+    assert_eq!(ns.increment("z", 1, 0), Ok(1));
+    assert_eq!(state.len(), 2);
+}
+
+#[test]
+fn invalid_keys_and_wrong_types_are_errors() {
+    let (_clock, state) = store(10);
+    let ns = state.namespace("a");
+    assert_eq!(ns.increment("", 1, 0), Err(StateError::InvalidKey));
+    let long = "k".repeat(MAX_KEY_LEN + 1);
+    assert_eq!(ns.get(&long), Err(StateError::InvalidKey));
+    let spec = BucketSpec {
+        capacity: 1,
+        refill_tokens: 1,
+        refill_interval_ms: 1000,
+    };
+    ns.token_bucket_take("b", spec, 1).unwrap();
+    assert_eq!(ns.increment("b", 1, 0), Err(StateError::WrongType));
+    assert_eq!(ns.get("b"), Err(StateError::WrongType));
+    ns.increment("i", 1, 0).unwrap();
+    assert_eq!(
+        ns.token_bucket_take("i", spec, 1),
+        Err(StateError::WrongType)
+    );
+}
+
+#[test]
+fn token_bucket_starts_full_and_refills_whole_intervals() {
+    let (clock, state) = store(10);
+    let ns = state.namespace("rl");
+    let spec = BucketSpec {
+        capacity: 3,
+        refill_tokens: 1,
+        refill_interval_ms: 1000,
+    };
+    for remaining in [2, 1, 0] {
+        let r = ns.token_bucket_take("b", spec, 1).unwrap();
+        assert!(r.allowed);
+        assert_eq!(r.remaining, remaining);
+    }
+    let denied = ns.token_bucket_take("b", spec, 1).unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.reset_after_ms, 1000);
+    clock.advance_ms(999);
+    let still = ns.token_bucket_take("b", spec, 1).unwrap();
+    assert!(!still.allowed);
+    assert_eq!(still.reset_after_ms, 1);
+    clock.advance_ms(1);
+    let refilled = ns.token_bucket_take("b", spec, 1).unwrap();
+    assert!(refilled.allowed);
+    assert_eq!(refilled.remaining, 0);
+    // Idle long enough to be full again: the slot expired and comes back full.
+    clock.advance_secs(10);
+    let r = ns.token_bucket_take("b", spec, 1).unwrap();
+    assert_eq!((r.allowed, r.remaining), (true, 2));
+}
+
+#[test]
+fn bucket_that_never_refills_never_comes_back() {
+    let (clock, state) = store(10);
+    let ns = state.namespace("rl");
+    let spec = BucketSpec {
+        capacity: 1,
+        refill_tokens: 0,
+        refill_interval_ms: 1000,
+    };
+    assert!(ns.token_bucket_take("b", spec, 1).unwrap().allowed);
+    clock.advance_secs(3600);
+    assert!(!ns.token_bucket_take("b", spec, 1).unwrap().allowed);
+}
+
+#[test]
+fn counters_are_exact_across_threads() {
+    let (_clock, state) = store(10);
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let ns = state.namespace("shared");
+            thread::spawn(move || {
+                for _ in 0..10_000 {
+                    ns.increment("hits", 1, 0).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert_eq!(state.namespace("shared").get("hits"), Ok(Some(80_000)));
+}
+
+#[test]
+fn bucket_admits_exactly_capacity_across_threads() {
+    let (_clock, state) = store(10);
+    let spec = BucketSpec {
+        capacity: 5_000,
+        refill_tokens: 1,
+        refill_interval_ms: 60_000,
+    };
+    let threads: Vec<_> = (0..16)
+        .map(|_| {
+            let ns = state.namespace("rl");
+            thread::spawn(move || {
+                (0..1_000)
+                    .filter(|_| ns.token_bucket_take("b", spec, 1).unwrap().allowed)
+                    .count()
+            })
+        })
+        .collect();
+    let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(admitted, 5_000);
+}
+
+proptest! {
+    /// Over any schedule of takes and clock steps, the bucket never admits more than
+    /// capacity + refills, and never reports more remaining tokens than capacity.
+    #[test]
+    fn bucket_never_over_admits(steps in prop::collection::vec((0u64..2500, 1u64..3), 1..200)) {
+        let (clock, state) = store(10);
+        let ns = state.namespace("p");
+        let spec = BucketSpec { capacity: 5, refill_tokens: 2, refill_interval_ms: 1000 };
+        let mut admitted = 0u64;
+        let mut elapsed = 0u64;
+        for (advance, cost) in steps {
+            clock.advance_ms(advance);
+            elapsed += advance;
+            let r = ns.token_bucket_take("b", spec, cost).unwrap();
+            prop_assert!(r.remaining <= spec.capacity);
+            prop_assert!(r.reset_after_ms >= 1 && r.reset_after_ms <= 1000);
+            if r.allowed { admitted += cost; }
+        }
+        prop_assert!(admitted <= spec.capacity + (elapsed / 1000) * spec.refill_tokens);
+    }
+}
