@@ -1,1 +1,194 @@
+//! Write DPUmesh filters in Rust.
+//!
+//! A filter is a type implementing [`Filter`]: it is built once per instance from its
+//! configuration ([`Filter::Config`], parsed from JSON), sees the head of every request
+//! routed through its chain in [`Filter::on_request`], and may watch the outcome in
+//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.0`
+//! component when built for `wasm32-wasip2`.
+//!
+//! ```
+//! use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, export_filter};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Config {
+//!     header: String,
+//! }
+//!
+//! struct RequireHeader {
+//!     header: String,
+//! }
+//!
+//! impl Filter for RequireHeader {
+//!     type Config = Config;
+//!
+//!     fn new(config: Config) -> Result<Self, String> {
+//!         Ok(Self { header: config.header })
+//!     }
+//!
+//!     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
+//!         match req.header(&self.header) {
+//!             Some(_) => Verdict::Continue,
+//!             None => LocalReply::new(400).body("missing header").into(),
+//!         }
+//!     }
+//! }
+//!
+//! export_filter!(RequireHeader);
+//! ```
+//!
+//! Host services (logging, clocks, metrics, node-wide shared state, signature
+//! verification) are in the [`log`], [`clock`], [`metrics`], [`shared`] and [`crypto`]
+//! modules. On a native target they are served by the [`mock`] host, so `cargo test`
+//! runs a filter's logic without wasmtime.
 
+#![deny(unsafe_code)]
+
+pub mod clock;
+pub mod crypto;
+pub mod log;
+pub mod metrics;
+pub mod shared;
+pub mod util;
+
+mod request;
+mod verdict;
+
+#[cfg(target_arch = "wasm32")]
+mod guest;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod mock;
+
+pub use request::{HeadAccess, HeaderError, Peer, Request, RequestLine};
+pub use verdict::{FailureKind, LocalReply, ResponseInfo, Verdict};
+
+/// The bindings generated from `wit/filter.wit` (guest side). Filter authors rarely
+/// need them: [`Filter`] and the helper modules cover the whole world.
+#[cfg(target_arch = "wasm32")]
+#[expect(missing_docs, reason = "bindgen-generated")]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "filter",
+        pub_export_macro: true,
+        export_macro_name: "__export_filter_world",
+        default_bindings_module: "dpumesh_filter_sdk::bindings",
+        generate_all,
+    });
+}
+
+/// A DPUmesh filter.
+///
+/// Only [`Filter::new`] and [`Filter::on_request`] are required; the response phase
+/// defaults to doing nothing. One value lives per instance, and an instance handles
+/// one request at a time, so `&mut self` is safe for caches and counters (for state
+/// every worker must agree on, use [`shared`]).
+pub trait Filter: Sized + 'static {
+    /// The filter's configuration, parsed from the JSON string the proxy passes to
+    /// `configure`. An empty string parses as `{}` (or `null`), so a config type whose
+    /// fields all have defaults needs no configuration at all.
+    type Config: serde::de::DeserializeOwned;
+
+    /// Builds the filter from its configuration. An error rejects the configuration:
+    /// the proxy refuses to load (or reload) it and says why.
+    fn new(config: Self::Config) -> Result<Self, String>;
+
+    /// Decides about one request.
+    fn on_request(&mut self, req: &Request<'_>) -> Verdict;
+
+    /// Observes the outcome of a request whose `on_request` ran (reverse chain order).
+    fn on_response(&mut self, req: &Request<'_>, info: &ResponseInfo) {
+        let _ = (req, info);
+    }
+}
+
+/// Parses a filter configuration the way the export glue does: JSON, with an empty
+/// string meaning `{}` (or `null`). Errors read `invalid config: <cause>`.
+pub fn parse_config<C: serde::de::DeserializeOwned>(config: &str) -> Result<C, String> {
+    if config.trim().is_empty() {
+        return serde_json::from_str("{}")
+            .or_else(|_| serde_json::from_str("null"))
+            .map_err(|e| format!("invalid config: the filter needs a configuration ({e})"));
+    }
+    serde_json::from_str(config).map_err(|e| format!("invalid config: {e}"))
+}
+
+/// Builds a filter from a configuration string: [`parse_config`] then [`Filter::new`].
+pub fn configure<F: Filter>(config: &str) -> Result<F, String> {
+    F::new(parse_config(config)?)
+}
+
+/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.0` world.
+///
+/// Expands to nothing on native targets, so the same crate builds for unit tests.
+#[macro_export]
+macro_rules! export_filter {
+    ($ty:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            struct __DpumeshFilterGuest;
+
+            ::std::thread_local! {
+                static FILTER: ::core::cell::RefCell<::core::option::Option<$ty>> =
+                    const { ::core::cell::RefCell::new(::core::option::Option::None) };
+            }
+
+            impl $crate::bindings::Guest for __DpumeshFilterGuest {
+                fn configure(
+                    config: ::std::string::String,
+                ) -> ::core::result::Result<(), ::std::string::String> {
+                    $crate::__private::configure::<$ty>(&FILTER, &config)
+                }
+
+                fn on_request(
+                    line: $crate::bindings::dpumesh::filter::types::RequestLine,
+                    head: &$crate::bindings::dpumesh::filter::types::RequestHead,
+                ) -> $crate::bindings::dpumesh::filter::types::Verdict {
+                    $crate::__private::on_request::<$ty>(&FILTER, line, head)
+                }
+
+                fn on_response(
+                    head: &$crate::bindings::dpumesh::filter::types::RequestHead,
+                    info: $crate::bindings::dpumesh::filter::types::ResponseInfo,
+                ) {
+                    $crate::__private::on_response::<$ty>(&FILTER, head, info)
+                }
+            }
+
+            $crate::bindings::__export_filter_world!(
+                __DpumeshFilterGuest with_types_in $crate::bindings
+            );
+        };
+    };
+}
+
+#[doc(hidden)]
+#[cfg(target_arch = "wasm32")]
+pub mod __private {
+    pub use crate::guest::{configure, on_request, on_response};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Cfg {
+        #[serde(default)]
+        n: u32,
+    }
+
+    #[test]
+    fn empty_config_means_defaults() {
+        assert_eq!(parse_config::<Cfg>("  "), Ok(Cfg { n: 0 }));
+        assert_eq!(parse_config::<()>(""), Ok(()));
+    }
+
+    #[test]
+    fn config_errors_name_the_cause() {
+        let err = parse_config::<Cfg>(r#"{"m": 1}"#).unwrap_err();
+        assert!(err.starts_with("invalid config: unknown field `m`"), "{err}");
+        let err = parse_config::<Cfg>("{").unwrap_err();
+        assert!(err.contains("EOF"), "{err}");
+    }
+}

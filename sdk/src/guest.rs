@@ -1,0 +1,166 @@
+//! The Wasm glue: binds a [`Filter`] to the world's exports and the request-head
+//! resource to [`HeadAccess`]. Thin on purpose: all policy lives in the filter.
+
+use std::cell::RefCell;
+use std::thread::LocalKey;
+
+use crate::bindings::dpumesh::filter::types as wit;
+use crate::{
+    FailureKind, Filter, HeadAccess, HeaderError, LocalReply, Peer, Request, RequestLine,
+    ResponseInfo, Verdict,
+};
+
+type Slot<F> = LocalKey<RefCell<Option<F>>>;
+
+struct Head<'a>(&'a wit::RequestHead);
+
+fn header_error(e: wit::HeaderError) -> HeaderError {
+    match e {
+        wit::HeaderError::InvalidName => HeaderError::InvalidName,
+        wit::HeaderError::InvalidValue => HeaderError::InvalidValue,
+        wit::HeaderError::ReadOnly => HeaderError::ReadOnly,
+    }
+}
+
+impl HeadAccess for Head<'_> {
+    fn line(&self) -> RequestLine {
+        RequestLine {
+            method: self.0.method(),
+            scheme: self.0.scheme(),
+            authority: self.0.authority(),
+            path: self.0.path(),
+        }
+    }
+
+    fn query(&self) -> Option<String> {
+        self.0.query()
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.0.header(name)
+    }
+
+    fn header_all(&self, name: &str) -> Vec<String> {
+        self.0.header_all(name)
+    }
+
+    fn headers(&self, names: &[&str]) -> Vec<Option<String>> {
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        self.0.headers(&names)
+    }
+
+    fn header_names(&self) -> Vec<String> {
+        self.0.header_names()
+    }
+
+    fn source(&self) -> Peer {
+        let peer = self.0.source();
+        Peer {
+            address: peer.address,
+            port: peer.port,
+            identity: peer.identity,
+        }
+    }
+
+    fn destination(&self) -> Option<String> {
+        self.0.destination()
+    }
+
+    fn set_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
+        self.0.set_header(name, value).map_err(header_error)
+    }
+
+    fn append_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
+        self.0.append_header(name, value).map_err(header_error)
+    }
+
+    fn remove_header(&self, name: &str) -> Result<(), HeaderError> {
+        self.0.remove_header(name).map_err(header_error)
+    }
+
+    fn metadata(&self, key: &str) -> Option<String> {
+        self.0.metadata(key)
+    }
+
+    fn set_metadata(&self, key: &str, value: &str) {
+        self.0.set_metadata(key, value)
+    }
+}
+
+/// `configure` export: parse, build, keep.
+pub fn configure<F: Filter>(slot: &'static Slot<F>, config: &str) -> Result<(), String> {
+    let filter = crate::configure::<F>(config)?;
+    slot.with(|cell| *cell.borrow_mut() = Some(filter));
+    Ok(())
+}
+
+/// Builds the filter from an empty config when the host never called `configure`.
+fn ensure_configured<F: Filter>(slot: &'static Slot<F>) -> Result<(), String> {
+    if slot.with(|cell| cell.borrow().is_some()) {
+        return Ok(());
+    }
+    configure(slot, "")
+}
+
+/// `on-request` export.
+pub fn on_request<F: Filter>(
+    slot: &'static Slot<F>,
+    line: wit::RequestLine,
+    head: &wit::RequestHead,
+) -> wit::Verdict {
+    if let Err(e) = ensure_configured(slot) {
+        return deny(LocalReply::new(500).body(format!("filter is not configured: {e}")));
+    }
+    let line = RequestLine {
+        method: line.method,
+        scheme: line.scheme,
+        authority: line.authority,
+        path: line.path,
+    };
+    let access = Head(head);
+    let request = Request::with_line(line, &access);
+    let verdict = slot.with(|cell| match cell.borrow_mut().as_mut() {
+        Some(filter) => filter.on_request(&request),
+        None => Verdict::Continue,
+    });
+    match verdict {
+        Verdict::Continue => wit::Verdict::Continue,
+        Verdict::Deny(reply) => deny(reply),
+    }
+}
+
+fn deny(reply: LocalReply) -> wit::Verdict {
+    wit::Verdict::Deny(wit::LocalReply {
+        status: reply.status,
+        headers: reply.headers,
+        body: reply.body,
+    })
+}
+
+/// `on-response` export.
+pub fn on_response<F: Filter>(
+    slot: &'static Slot<F>,
+    head: &wit::RequestHead,
+    info: wit::ResponseInfo,
+) {
+    let info = ResponseInfo {
+        status: info.status,
+        latency_ns: info.latency_ns,
+        upstream: info.upstream,
+        failure: match info.failure {
+            wit::FailureKind::None => FailureKind::None,
+            wit::FailureKind::ConnectFailure => FailureKind::ConnectFailure,
+            wit::FailureKind::UpstreamReset => FailureKind::UpstreamReset,
+            wit::FailureKind::Timeout => FailureKind::Timeout,
+            wit::FailureKind::LocalReply => FailureKind::LocalReply,
+            wit::FailureKind::Internal => FailureKind::Internal,
+        },
+    };
+    let access = Head(head);
+    let request = Request::lazy(&access);
+    slot.with(|cell| {
+        if let Some(filter) = cell.borrow_mut().as_mut() {
+            filter.on_response(&request, &info);
+        }
+    });
+}

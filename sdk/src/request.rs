@@ -1,0 +1,216 @@
+//! The request a filter sees: the line by value, everything else pulled lazily.
+
+use std::cell::OnceCell;
+use std::fmt;
+
+/// The four fields every filter gets by value with `on_request`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestLine {
+    /// Method as sent, e.g. `GET`.
+    pub method: String,
+    /// `http` or `https`.
+    pub scheme: String,
+    /// The authority, e.g. `api.example.com`.
+    pub authority: String,
+    /// The path without the query.
+    pub path: String,
+}
+
+/// The peer that sent a request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Peer {
+    /// IP address as text.
+    pub address: String,
+    /// Source port.
+    pub port: u16,
+    /// Workload identity (e.g. a SPIFFE id) when the mesh knows it.
+    pub identity: Option<String>,
+}
+
+/// Why a header edit was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderError {
+    /// Not a valid HTTP field name.
+    InvalidName,
+    /// The value holds bytes not allowed in a field value.
+    InvalidValue,
+    /// The proxy owns this header (framing, hop-by-hop, pseudo-headers, `host`).
+    ReadOnly,
+}
+
+impl fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::InvalidName => "invalid header name",
+            Self::InvalidValue => "invalid header value",
+            Self::ReadOnly => "header is owned by the proxy",
+        })
+    }
+}
+
+impl std::error::Error for HeaderError {}
+
+/// Access to a request head owned by the host. Implemented by the Wasm glue (each call
+/// crosses into the proxy) and by the [`mock`](crate::mock) host; filters use
+/// [`Request`] instead.
+pub trait HeadAccess {
+    /// The request line (method, scheme, authority, path).
+    fn line(&self) -> RequestLine;
+    /// The raw query string.
+    fn query(&self) -> Option<String>;
+    /// First value of a header.
+    fn header(&self, name: &str) -> Option<String>;
+    /// All values of a header.
+    fn header_all(&self, name: &str) -> Vec<String>;
+    /// First values of several headers in one call.
+    fn headers(&self, names: &[&str]) -> Vec<Option<String>>;
+    /// Distinct header names, lower-cased.
+    fn header_names(&self) -> Vec<String>;
+    /// The sending peer.
+    fn source(&self) -> Peer;
+    /// The destination service.
+    fn destination(&self) -> Option<String>;
+    /// Replaces a header.
+    fn set_header(&self, name: &str, value: &str) -> Result<(), HeaderError>;
+    /// Adds a header value.
+    fn append_header(&self, name: &str, value: &str) -> Result<(), HeaderError>;
+    /// Removes a header.
+    fn remove_header(&self, name: &str) -> Result<(), HeaderError>;
+    /// Reads per-request metadata.
+    fn metadata(&self, key: &str) -> Option<String>;
+    /// Writes per-request metadata.
+    fn set_metadata(&self, key: &str, value: &str);
+}
+
+/// The request being filtered.
+///
+/// The method, scheme, authority and path are at hand; every other accessor asks the
+/// proxy (a few hundred nanoseconds each), so fetch only what the decision needs, and
+/// use [`Request::headers`] to fetch several headers in one call.
+pub struct Request<'a> {
+    line: OnceCell<RequestLine>,
+    head: &'a dyn HeadAccess,
+}
+
+impl fmt::Debug for Request<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Request")
+            .field("line", &self.line.get())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Request<'a> {
+    /// A request whose line is already known (the `on_request` case).
+    pub fn with_line(line: RequestLine, head: &'a dyn HeadAccess) -> Self {
+        Self {
+            line: OnceCell::from(line),
+            head,
+        }
+    }
+
+    /// A request whose line is fetched from the head on first use (the `on_response`
+    /// case).
+    pub fn lazy(head: &'a dyn HeadAccess) -> Self {
+        Self {
+            line: OnceCell::new(),
+            head,
+        }
+    }
+
+    fn line(&self) -> &RequestLine {
+        self.line.get_or_init(|| self.head.line())
+    }
+
+    /// The method, e.g. `GET`.
+    pub fn method(&self) -> &str {
+        &self.line().method
+    }
+
+    /// `http` or `https`.
+    pub fn scheme(&self) -> &str {
+        &self.line().scheme
+    }
+
+    /// The authority.
+    pub fn authority(&self) -> &str {
+        &self.line().authority
+    }
+
+    /// The path without the query.
+    pub fn path(&self) -> &str {
+        &self.line().path
+    }
+
+    /// The raw query string, without `?`.
+    pub fn query(&self) -> Option<String> {
+        self.head.query()
+    }
+
+    /// The first value of query parameter `name`, percent-decoded (`+` is a space).
+    pub fn query_param(&self, name: &str) -> Option<String> {
+        crate::util::query_param(&self.query()?, name)
+    }
+
+    /// The first value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.header(name)
+    }
+
+    /// All values of header `name`, in arrival order.
+    pub fn header_all(&self, name: &str) -> Vec<String> {
+        self.head.header_all(name)
+    }
+
+    /// The first value of each of `names`, fetched in one call.
+    pub fn headers(&self, names: &[&str]) -> Vec<Option<String>> {
+        self.head.headers(names)
+    }
+
+    /// The distinct header names, lower-cased.
+    pub fn header_names(&self) -> Vec<String> {
+        self.head.header_names()
+    }
+
+    /// The value of cookie `name` from the `Cookie` headers.
+    pub fn cookie(&self, name: &str) -> Option<String> {
+        self.header_all("cookie")
+            .iter()
+            .find_map(|line| crate::util::cookie(line, name))
+    }
+
+    /// Who sent the request.
+    pub fn source(&self) -> Peer {
+        self.head.source()
+    }
+
+    /// The destination service the router chose, if routing has happened.
+    pub fn destination(&self) -> Option<String> {
+        self.head.destination()
+    }
+
+    /// Replaces every value of header `name`.
+    pub fn set_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
+        self.head.set_header(name, value)
+    }
+
+    /// Adds one more value of header `name`.
+    pub fn append_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
+        self.head.append_header(name, value)
+    }
+
+    /// Removes header `name`.
+    pub fn remove_header(&self, name: &str) -> Result<(), HeaderError> {
+        self.head.remove_header(name)
+    }
+
+    /// Metadata set earlier in the chain.
+    pub fn metadata(&self, key: &str) -> Option<String> {
+        self.head.metadata(key)
+    }
+
+    /// Sets metadata for later filters and the response phase.
+    pub fn set_metadata(&self, key: &str, value: &str) {
+        self.head.set_metadata(key, value)
+    }
+}
