@@ -1,1 +1,39 @@
+//! The DPUmesh DPU proxy runtime.
+//!
+//! This crate runs WebAssembly filter components against request heads: one wasmtime
+//! [`Engine`](wasmtime::Engine) per proxy, each filter compiled once (with an on-disk
+//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.0` world, instantiated
+//! from a pooling allocator per worker thread, and run in [chains](FilterChain) with a
+//! memory cap, a CPU deadline per call and a failure policy per filter.
+//!
+//! ```text
+//! Runtime::load_filter ──▶ LoadedFilter (compiled, checked, configure()d once)
+//!        FilterChain [jwt, rbac, ratelimit, ...]   (shared definition)
+//!        WorkerPool ──▶ worker thread ──▶ ChainRunner (its own instances)
+//!                                 on-request in order, first deny wins
+//!                                 on-response in reverse
+//! ```
 
+#![deny(unsafe_code)]
+
+mod bindings;
+mod cache;
+mod chain;
+mod error;
+mod filter;
+mod host;
+mod instance;
+mod limits;
+mod runtime;
+mod stderr;
+mod worker;
+
+pub use bindings::{FailureKind, ResponseInfo};
+pub use chain::{ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, LocalReply};
+pub use dpumesh_head::{HeaderError, Peer, RequestHead};
+pub use error::{FaultKind, FilterFault, LoadError, Phase};
+pub use filter::{FailurePolicy, FilterSettings, LoadedFilter, WIT_VERSION};
+pub use host::HostServices;
+pub use instance::FilterInstance;
+pub use runtime::{Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
+pub use worker::{PoolError, RequestDone, WorkerPool};

@@ -187,7 +187,10 @@ mod tests {
     #[test]
     fn config_errors_name_the_cause() {
         let err = parse_config::<Cfg>(r#"{"m": 1}"#).unwrap_err();
-        assert!(err.starts_with("invalid config: unknown field `m`"), "{err}");
+        assert!(
+            err.starts_with("invalid config: unknown field `m`"),
+            "{err}"
+        );
         let err = parse_config::<Cfg>("{").unwrap_err();
         assert!(err.contains("EOF"), "{err}");
     }

@@ -41,9 +41,7 @@ use dpumesh_shared_state::{Namespace, SharedState, StateLimits};
 
 use crate::log::Level;
 use crate::metrics::{Kind, MetricError};
-use crate::{
-    Filter, HeadAccess, HeaderError, Peer, Request, RequestLine, ResponseInfo, Verdict,
-};
+use crate::{Filter, HeadAccess, HeaderError, Peer, Request, RequestLine, ResponseInfo, Verdict};
 
 /// Where the mock clock starts: 2023-11-14T22:13:20Z.
 pub const DEFAULT_UNIX_SECS: u64 = 1_700_000_000;
@@ -139,7 +137,9 @@ impl MockHost {
 
     /// Loads one HMAC secret as key set `name`.
     pub fn with_secret(self, name: &str, kid: Option<&str>, secret: &[u8]) -> Self {
-        self.inner.keys.insert(name, KeySet::from_secret(kid, secret));
+        self.inner
+            .keys
+            .insert(name, KeySet::from_secret(kid, secret));
         self
     }
 
@@ -234,7 +234,10 @@ impl MockHost {
 
     pub(crate) fn push_log(&self, level: Level, message: &str) {
         if self.log_enabled(level) {
-            self.inner.logs.borrow_mut().push((level, message.to_owned()));
+            self.inner
+                .logs
+                .borrow_mut()
+                .push((level, message.to_owned()));
         }
     }
 
@@ -247,7 +250,10 @@ impl MockHost {
         if !valid_name(name, true) {
             return Err(MetricError::InvalidName);
         }
-        if labels.iter().any(|(k, _)| *k == "filter" || !valid_name(k, false)) {
+        if labels
+            .iter()
+            .any(|(k, _)| *k == "filter" || !valid_name(k, false))
+        {
             return Err(MetricError::InvalidLabel);
         }
         let mut metrics = self.inner.metrics.borrow_mut();
@@ -291,7 +297,10 @@ fn same_labels(have: &[(String, String)], want: &[(&str, &str)]) -> bool {
 /// Prometheus name rules: metric names may contain `:`, label names may not.
 fn valid_name(name: &str, allow_colon: bool) -> bool {
     let ok = |c: char, first: bool| {
-        c == '_' || c.is_ascii_alphabetic() || (allow_colon && c == ':') || (!first && c.is_ascii_digit())
+        c == '_'
+            || c.is_ascii_alphabetic()
+            || (allow_colon && c == ':')
+            || (!first && c.is_ascii_digit())
     };
     let mut chars = name.chars();
     chars.next().is_some_and(|c| ok(c, true)) && chars.all(|c| ok(c, false))
@@ -483,7 +492,9 @@ mod tests {
     #[test]
     fn each_thread_gets_a_fresh_host() {
         shared::increment("k", 1, 0).unwrap();
-        let seen = std::thread::spawn(|| shared::get("k").unwrap()).join().unwrap();
+        let seen = std::thread::spawn(|| shared::get("k").unwrap())
+            .join()
+            .unwrap();
         assert_eq!(seen, None);
         assert_eq!(shared::get("k"), Ok(Some(1)));
     }
@@ -513,10 +524,7 @@ mod tests {
             .unwrap()
             .increment(1);
         assert_eq!(host.metric("denied_total", &[("reason", "expired")]), 3.0);
-        assert_eq!(
-            Counter::new("bad name", &[]),
-            Err(MetricError::InvalidName)
-        );
+        assert_eq!(Counter::new("bad name", &[]), Err(MetricError::InvalidName));
         assert_eq!(
             Counter::new("ok", &[("filter", "x")]),
             Err(MetricError::InvalidLabel)
@@ -533,7 +541,9 @@ mod tests {
 
     #[test]
     fn crypto_uses_loaded_keys() {
-        let _host = MockHost::new().with_secret("s", Some("k"), b"key").install();
+        let _host = MockHost::new()
+            .with_secret("s", Some("k"), b"key")
+            .install();
         assert_eq!(
             crate::crypto::verify(crate::crypto::Algorithm::Hs256, "s", None, b"m", b"bad"),
             Err(crate::crypto::VerifyError::InvalidSignature)

@@ -110,9 +110,7 @@ impl ResponseInfo {
     pub fn is_upstream_failure(&self) -> bool {
         match self.failure {
             FailureKind::None => self.status >= 500,
-            FailureKind::ConnectFailure | FailureKind::UpstreamReset | FailureKind::Timeout => {
-                true
-            }
+            FailureKind::ConnectFailure | FailureKind::UpstreamReset | FailureKind::Timeout => true,
             FailureKind::LocalReply | FailureKind::Internal => false,
         }
     }

@@ -119,7 +119,11 @@ impl RequestHead {
 
     /// All values of `name`, in arrival order.
     pub fn header_all(&self, name: &str) -> Vec<String> {
-        self.headers.get_all(name).iter().map(value_string).collect()
+        self.headers
+            .get_all(name)
+            .iter()
+            .map(value_string)
+            .collect()
     }
 
     /// The distinct header names present, lower-cased.
@@ -273,7 +277,10 @@ mod tests {
     #[test_case("\n")]
     fn values_that_could_split_headers_are_refused(value: &str) {
         let mut head = head();
-        assert_eq!(head.set_header("x-ok", value), Err(HeaderError::InvalidValue));
+        assert_eq!(
+            head.set_header("x-ok", value),
+            Err(HeaderError::InvalidValue)
+        );
         assert_eq!(head.header("x-ok"), None);
     }
 

@@ -145,7 +145,9 @@ impl fmt::Display for Algorithm {
 
 /// An algorithm name that is not one of ours.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown signature algorithm {0:?} (expected one of HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA)")]
+#[error(
+    "unknown signature algorithm {0:?} (expected one of HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA)"
+)]
 pub struct UnknownAlgorithm(pub String);
 
 impl FromStr for Algorithm {

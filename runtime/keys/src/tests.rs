@@ -48,7 +48,10 @@ fn every_algorithm_verifies_with_and_without_kid(alg: Algorithm, kid: &str) {
     let set = jwks();
     let message = b"header.payload";
     let sig = sign(alg, message);
-    assert_eq!(set.verify(alg, Some(kid), message, &sig), Ok(kid.to_owned()));
+    assert_eq!(
+        set.verify(alg, Some(kid), message, &sig),
+        Ok(kid.to_owned())
+    );
     // Without a kid, every key of the right kind is tried.
     assert_eq!(set.verify(alg, None, message, &sig), Ok(kid.to_owned()));
     // A changed message does not verify.
@@ -137,15 +140,21 @@ fn jwk_alg_restricts_the_key() {
 #[test]
 fn bad_key_sets_give_precise_errors() {
     let err = KeySet::from_jwks("{").unwrap_err();
-    assert!(err.to_string().starts_with("not a JSON Web Key Set"), "{err}");
+    assert!(
+        err.to_string().starts_with("not a JSON Web Key Set"),
+        "{err}"
+    );
     let err = KeySet::from_jwks(r#"{"keys":[{"kty":"RSA","kid":"a","n":"!!!","e":"AQAB"}]}"#)
         .unwrap_err();
     assert!(err.to_string().contains("key #0 (kid \"a\")"), "{err}");
     let err = KeySet::from_jwks(r#"{"keys":[{"kty":"RSA","use":"enc","n":"AQAB","e":"AQAB"}]}"#)
         .unwrap_err();
-    assert!(matches!(err, KeySetError::NoUsableKeys { skipped: 1 }), "{err}");
-    let err = KeySet::from_jwks(r#"{"keys":[{"kty":"oct","alg":"RS256","k":"c2VjcmV0"}]}"#)
-        .unwrap_err();
+    assert!(
+        matches!(err, KeySetError::NoUsableKeys { skipped: 1 }),
+        "{err}"
+    );
+    let err =
+        KeySet::from_jwks(r#"{"keys":[{"kty":"oct","alg":"RS256","k":"c2VjcmV0"}]}"#).unwrap_err();
     assert!(err.to_string().contains("does not fit"), "{err}");
 }
 
@@ -167,7 +176,11 @@ fn store_replacement_bumps_versions_and_keeps_readers_consistent() {
             .decode(s)
             .unwrap()
     };
-    assert!(store.verify(Algorithm::Hs256, "a", None, b"m", &sig_one).is_ok());
+    assert!(
+        store
+            .verify(Algorithm::Hs256, "a", None, b"m", &sig_one)
+            .is_ok()
+    );
     store.replace_all([("a".to_owned(), KeySet::from_secret(Some("k"), b"two"))]);
     assert!(store.version("a") > v1);
     assert_eq!(

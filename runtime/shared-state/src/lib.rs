@@ -370,7 +370,11 @@ impl Namespace {
                 // A full bucket is indistinguishable from a new one; keep it one interval
                 // so repeated takes reuse the slot. A bucket that never refills must
                 // never expire, or it would come back full.
-                if spec.refill_tokens == 0 { 0 } else { last_refill + interval }
+                if spec.refill_tokens == 0 {
+                    0
+                } else {
+                    last_refill + interval
+                }
             } else {
                 let intervals_to_full = missing.div_ceil(spec.refill_tokens);
                 last_refill.saturating_add(intervals_to_full.saturating_mul(interval))

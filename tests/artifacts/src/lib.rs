@@ -1,1 +1,15 @@
+//! Paths of the guest components built for tests and benches (see `build.rs`).
 
+/// The configurable test filter (`tests/programs/test-filter`).
+pub const TEST_FILTER: &str = env!("TEST_FILTER_WASM");
+
+/// The sample `guard` filter (`samples/filters/guard`).
+pub const SAMPLE_GUARD: &str = env!("SAMPLE_GUARD_WASM");
+
+/// Reads a component's bytes.
+///
+/// # Panics
+/// If the file is missing (the build script guarantees it is not).
+pub fn read(path: &str) -> Vec<u8> {
+    std::fs::read(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
+}

@@ -100,11 +100,17 @@ impl Rule {
     fn matches(&self, req: &Request<'_>) -> bool {
         req.path().starts_with(&self.path_prefix)
             && (self.methods.is_empty()
-                || self.methods.iter().any(|m| m.eq_ignore_ascii_case(req.method())))
-            && self.header.as_ref().is_none_or(|h| match req.header(&h.name) {
-                None => false,
-                Some(value) => h.value.as_ref().is_none_or(|want| *want == value),
-            })
+                || self
+                    .methods
+                    .iter()
+                    .any(|m| m.eq_ignore_ascii_case(req.method())))
+            && self
+                .header
+                .as_ref()
+                .is_none_or(|h| match req.header(&h.name) {
+                    None => false,
+                    Some(value) => h.value.as_ref().is_none_or(|want| *want == value),
+                })
     }
 }
 
@@ -128,7 +134,11 @@ impl Filter for Guard {
                 config.deny_status
             ));
         }
-        if let Some(rule) = config.rules.iter().find(|r| !r.path_prefix.starts_with('/')) {
+        if let Some(rule) = config
+            .rules
+            .iter()
+            .find(|r| !r.path_prefix.starts_with('/'))
+        {
             return Err(format!(
                 "rule {}: path_prefix must start with '/', got {:?}",
                 rule.name, rule.path_prefix
@@ -207,14 +217,23 @@ mod tests {
         assert!(reply.body.contains("admin-other"));
 
         let delete = MockRequest::new("DELETE", "/items/1");
-        assert_eq!(host.on_request(&mut guard, &delete).reply().unwrap().status, 403);
+        assert_eq!(
+            host.on_request(&mut guard, &delete).reply().unwrap().status,
+            403
+        );
 
         let plain = MockRequest::get("/items");
         assert!(host.on_request(&mut guard, &plain).is_continue());
         assert_eq!(plain.header("x-guard"), None);
 
-        assert_eq!(host.metric("guard_denied_total", &[("rule", "admin-other")]), 1.0);
-        assert_eq!(host.metric("guard_denied_total", &[("rule", "no-delete")]), 1.0);
+        assert_eq!(
+            host.metric("guard_denied_total", &[("rule", "admin-other")]),
+            1.0
+        );
+        assert_eq!(
+            host.metric("guard_denied_total", &[("rule", "no-delete")]),
+            1.0
+        );
     }
 
     #[test]
@@ -225,16 +244,23 @@ mod tests {
             .unwrap();
         let verdict = host.on_request(&mut guard, &MockRequest::get("/"));
         assert_eq!(verdict.reply().unwrap().status, 401);
-        assert_eq!(host.metric("guard_denied_total", &[("rule", "default")]), 1.0);
+        assert_eq!(
+            host.metric("guard_denied_total", &[("rule", "default")]),
+            1.0
+        );
     }
 
     #[test]
     fn bad_configs_are_refused_with_the_cause() {
         let host = MockHost::new().install();
-        let err = host.configure::<Guard>(r#"{"deny_status": 42}"#).unwrap_err();
+        let err = host
+            .configure::<Guard>(r#"{"deny_status": 42}"#)
+            .unwrap_err();
         assert!(err.contains("deny_status"), "{err}");
         let err = host
-            .configure::<Guard>(r#"{"rules": [{"name": "x", "path_prefix": "admin", "action": "deny"}]}"#)
+            .configure::<Guard>(
+                r#"{"rules": [{"name": "x", "path_prefix": "admin", "action": "deny"}]}"#,
+            )
             .unwrap_err();
         assert!(err.contains("must start with '/'"), "{err}");
         let err = host.configure::<Guard>(r#"{"rulez": []}"#).unwrap_err();

@@ -1,0 +1,358 @@
+//! Filter chains: `on-request` in order until the first deny, `on-response` in
+//! reverse for every filter whose `on-request` ran, metadata and header edits flowing
+//! from each filter to the next.
+
+use std::sync::Arc;
+
+use dpumesh_head::RequestHead;
+use http::{HeaderName, HeaderValue};
+
+use crate::bindings::{self, RequestLine, ResponseInfo};
+use crate::error::{FaultKind, FilterFault, Phase};
+use crate::filter::{FailurePolicy, LoadedFilter};
+use crate::instance::FilterInstance;
+
+/// An ordered list of loaded filters: the definition of a chain, shared by every
+/// worker.
+#[derive(Debug, Clone)]
+pub struct FilterChain {
+    name: String,
+    filters: Vec<Arc<LoadedFilter>>,
+}
+
+impl FilterChain {
+    /// A chain named `name` running `filters` in order.
+    pub fn new(name: impl Into<String>, filters: Vec<Arc<LoadedFilter>>) -> Self {
+        Self {
+            name: name.into(),
+            filters,
+        }
+    }
+
+    /// The chain's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The filters, in order.
+    pub fn filters(&self) -> &[Arc<LoadedFilter>] {
+        &self.filters
+    }
+}
+
+/// A reply the proxy sends instead of forwarding a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    /// HTTP status.
+    pub status: u16,
+    /// Headers, in order.
+    pub headers: Vec<(String, String)>,
+    /// Body.
+    pub body: String,
+}
+
+impl LocalReply {
+    /// The first value of header `name` (ASCII case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Why a request was denied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DenyCause {
+    /// The filter's policy said no.
+    Policy,
+    /// The filter faulted and its policy is fail-closed (or its reply was invalid).
+    Fault(FilterFault),
+}
+
+/// What the chain decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Forward the request.
+    Continue,
+    /// Answer with `reply`.
+    Deny {
+        /// The filter that denied.
+        filter: Arc<str>,
+        /// The reply to send.
+        reply: LocalReply,
+        /// Policy or fault.
+        cause: DenyCause,
+    },
+}
+
+impl Decision {
+    /// The reply of a denial.
+    pub fn reply(&self) -> Option<&LocalReply> {
+        match self {
+            Self::Continue => None,
+            Self::Deny { reply, .. } => Some(reply),
+        }
+    }
+}
+
+/// The result of running a chain's request phase.
+#[derive(Debug)]
+pub struct ChainOutcome {
+    /// The head with every filter's edits.
+    pub head: RequestHead,
+    /// Continue or deny.
+    pub decision: Decision,
+    /// How many filters' `on-request` ran (the response phase runs these, reversed).
+    pub ran: usize,
+    /// Faults met on the way, including those a fail-open policy skipped.
+    pub faults: Vec<FilterFault>,
+}
+
+struct Slot {
+    filter: Arc<LoadedFilter>,
+    instance: Option<FilterInstance>,
+    invocations: metrics::Counter,
+}
+
+/// Runs one chain on one worker: owns an instance of each filter, reused across
+/// requests and replaced after a fault.
+pub struct ChainRunner {
+    chain: Arc<FilterChain>,
+    slots: Vec<Slot>,
+}
+
+impl std::fmt::Debug for ChainRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChainRunner")
+            .field("chain", &self.chain.name)
+            .field("instances", &self.instances())
+            .finish()
+    }
+}
+
+fn fault_reply(fault: &FilterFault) -> LocalReply {
+    LocalReply {
+        status: 500,
+        headers: vec![
+            ("content-type".to_owned(), "text/plain".to_owned()),
+            ("x-dpumesh-filter-fault".to_owned(), fault.filter.clone()),
+        ],
+        body: format!(
+            "dpumesh: filter \"{}\" {} in {}; the request was denied (fail-closed)\n",
+            fault.filter, fault.kind, fault.phase
+        ),
+    }
+}
+
+/// Checks a filter's reply can be sent as HTTP.
+fn checked_reply(reply: bindings::LocalReply) -> Result<LocalReply, String> {
+    if !(100..=599).contains(&reply.status) {
+        return Err(format!("status {} is outside 100-599", reply.status));
+    }
+    for (name, value) in &reply.headers {
+        HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| format!("header name {name:?} is not valid HTTP"))?;
+        HeaderValue::from_str(value)
+            .map_err(|_| format!("value of header {name:?} is not valid HTTP"))?;
+    }
+    Ok(LocalReply {
+        status: reply.status,
+        headers: reply.headers,
+        body: reply.body,
+    })
+}
+
+impl ChainRunner {
+    /// A runner with one fresh instance per filter. An instance that cannot be created
+    /// now is retried before the next request that needs it.
+    pub fn new(chain: Arc<FilterChain>) -> Self {
+        let slots = chain
+            .filters
+            .iter()
+            .map(|filter| Slot {
+                instance: instantiate(filter),
+                invocations: metrics::counter!(
+                    "dpumesh_filter_invocations_total",
+                    "chain" => chain.name.clone(),
+                    "filter" => filter.name().to_owned(),
+                ),
+                filter: filter.clone(),
+            })
+            .collect();
+        Self { chain, slots }
+    }
+
+    /// The chain this runner runs.
+    pub fn chain(&self) -> &Arc<FilterChain> {
+        &self.chain
+    }
+
+    /// Live instances (one per filter when healthy).
+    pub fn instances(&self) -> usize {
+        self.slots.iter().filter(|s| s.instance.is_some()).count()
+    }
+
+    /// Re-creates instances discarded after faults. Workers call this between requests
+    /// so the next request does not pay for it.
+    pub fn repair(&mut self) {
+        for slot in &mut self.slots {
+            if slot.instance.is_none() {
+                slot.instance = instantiate(&slot.filter);
+            }
+        }
+    }
+
+    /// Runs the request phase.
+    pub fn on_request(&mut self, mut head: RequestHead) -> ChainOutcome {
+        let mut faults = Vec::new();
+        for index in 0..self.slots.len() {
+            let filter = self.slots[index].filter.clone();
+            let (returned, result) = self.call(index, head);
+            head = returned;
+            let fault = match result {
+                Ok(bindings::Verdict::Continue) => continue,
+                Ok(bindings::Verdict::Deny(reply)) => match checked_reply(reply) {
+                    Ok(reply) => {
+                        return ChainOutcome {
+                            head,
+                            decision: Decision::Deny {
+                                filter: filter.tag.name.clone(),
+                                reply,
+                                cause: DenyCause::Policy,
+                            },
+                            ran: index + 1,
+                            faults,
+                        };
+                    }
+                    Err(detail) => {
+                        // An unsendable reply is a bug in the filter: always 500.
+                        let fault = self.fault(index, Phase::Request, FaultKind::BadReply(detail));
+                        return ChainOutcome {
+                            head,
+                            decision: Decision::Deny {
+                                filter: filter.tag.name.clone(),
+                                reply: fault_reply(&fault),
+                                cause: DenyCause::Fault(fault.clone()),
+                            },
+                            ran: index + 1,
+                            faults: {
+                                faults.push(fault);
+                                faults
+                            },
+                        };
+                    }
+                },
+                Err(kind) => self.fault(index, Phase::Request, kind),
+            };
+            faults.push(fault.clone());
+            match filter.settings.failure_policy {
+                FailurePolicy::FailOpen => continue,
+                FailurePolicy::FailClosed => {
+                    return ChainOutcome {
+                        head,
+                        decision: Decision::Deny {
+                            filter: filter.tag.name.clone(),
+                            reply: fault_reply(&fault),
+                            cause: DenyCause::Fault(fault),
+                        },
+                        ran: index + 1,
+                        faults,
+                    };
+                }
+            }
+        }
+        ChainOutcome {
+            head,
+            decision: Decision::Continue,
+            ran: self.slots.len(),
+            faults,
+        }
+    }
+
+    /// Runs the response phase on the first `ran` filters, last first. Faults here
+    /// cannot change the response; they are reported and the instance replaced.
+    pub fn on_response(
+        &mut self,
+        mut head: RequestHead,
+        info: &ResponseInfo,
+        ran: usize,
+    ) -> (RequestHead, Vec<FilterFault>) {
+        let mut faults = Vec::new();
+        for index in (0..ran.min(self.slots.len())).rev() {
+            let Some(instance) = self.slots[index].instance.as_mut() else {
+                continue;
+            };
+            let (returned, result) = instance.on_response(head, info.clone());
+            head = returned;
+            if let Err(kind) = result {
+                faults.push(self.fault(index, Phase::Response, kind));
+            }
+        }
+        (head, faults)
+    }
+
+    /// Calls filter `index`'s `on-request`, creating its instance first if a fault
+    /// discarded it and `repair` has not run since.
+    fn call(
+        &mut self,
+        index: usize,
+        head: RequestHead,
+    ) -> (RequestHead, Result<bindings::Verdict, FaultKind>) {
+        let slot = &mut self.slots[index];
+        slot.invocations.increment(1);
+        if slot.instance.is_none() {
+            match FilterInstance::new(&slot.filter) {
+                Ok(instance) => slot.instance = Some(instance),
+                Err(e) => return (head, Err(FaultKind::Unavailable(e.to_string()))),
+            }
+        }
+        let Some(instance) = slot.instance.as_mut() else {
+            return (head, Err(FaultKind::Unavailable("no instance".to_owned())));
+        };
+        let line = RequestLine {
+            method: head.method.clone(),
+            scheme: head.scheme.clone(),
+            authority: head.authority.clone(),
+            path: head.path.clone(),
+        };
+        instance.on_request(line, head)
+    }
+
+    /// Records a fault: the instance is discarded (it cannot be re-entered after a
+    /// trap) and the fault logged and counted.
+    fn fault(&mut self, index: usize, phase: Phase, kind: FaultKind) -> FilterFault {
+        let slot = &mut self.slots[index];
+        slot.instance = None;
+        let fault = FilterFault {
+            filter: slot.filter.name().to_owned(),
+            phase,
+            kind,
+        };
+        metrics::counter!(
+            "dpumesh_filter_faults_total",
+            "filter" => fault.filter.clone(),
+            "kind" => fault.kind.label(),
+        )
+        .increment(1);
+        tracing::warn!(
+            chain = %self.chain.name,
+            filter = %fault.filter,
+            phase = %phase,
+            kind = fault.kind.label(),
+            "filter fault: {}",
+            fault.kind
+        );
+        fault
+    }
+}
+
+fn instantiate(filter: &Arc<LoadedFilter>) -> Option<FilterInstance> {
+    match FilterInstance::new(filter) {
+        Ok(instance) => Some(instance),
+        Err(e) => {
+            tracing::error!(filter = filter.name(), error = %e, "cannot create filter instance");
+            None
+        }
+    }
+}

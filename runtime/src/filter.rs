@@ -1,0 +1,275 @@
+//! Loading a filter: compile (once), check it targets our world, prepare instantiation,
+//! and validate its configuration by configuring one instance.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use wasmtime::component::{Component, ComponentExportIndex, InstancePre};
+
+use crate::cache::{CompileError, content_hash};
+use crate::error::LoadError;
+use crate::host::{FilterTag, HostState};
+use crate::instance::FilterInstance;
+use crate::runtime::Runtime;
+
+/// The version of the `dpumesh:filter` package this runtime serves.
+pub const WIT_VERSION: &str = "0.1.0";
+const WIT_PACKAGE: &str = "dpumesh:filter";
+/// Types the `filter` world `use`s at its top level; components import them by these
+/// plain names.
+const WORLD_TYPES: [&str; 4] = ["request-line", "request-head", "verdict", "response-info"];
+
+/// What happens to a request when a filter faults (traps, runs past its deadline,
+/// exceeds its memory cap).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FailurePolicy {
+    /// Deny with 500 and a body naming the filter and the cause. The default: an
+    /// authentication filter that fails must not let requests through.
+    #[default]
+    FailClosed,
+    /// Skip the filter and go on with the chain.
+    FailOpen,
+}
+
+/// How one filter of a chain is configured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FilterSettings {
+    /// Name used in logs, metrics, errors and as the shared-state namespace.
+    pub name: String,
+    /// The string passed to `configure` (usually JSON).
+    pub config: String,
+    /// What a fault does to the request.
+    pub failure_policy: FailurePolicy,
+    /// Most linear memory one instance may use.
+    pub memory_cap: usize,
+    /// CPU deadline of one `on-request` or `on-response` call.
+    pub deadline: Duration,
+    /// CPU deadline of `configure` (interpreted guests start slowly).
+    pub configure_deadline: Duration,
+    /// Shared-state namespace; the filter's name when `None`. Filters that share a
+    /// namespace share counters and buckets.
+    pub namespace: Option<String>,
+}
+
+impl FilterSettings {
+    /// Settings with the defaults: fail-closed, 64 MiB, 5 ms per call, 1 s configure.
+    pub fn new(name: impl Into<String>, config: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            config: config.into(),
+            failure_policy: FailurePolicy::FailClosed,
+            memory_cap: 64 << 20,
+            deadline: Duration::from_millis(5),
+            configure_deadline: Duration::from_secs(1),
+            namespace: None,
+        }
+    }
+
+    /// Sets the failure policy.
+    pub fn failure_policy(mut self, policy: FailurePolicy) -> Self {
+        self.failure_policy = policy;
+        self
+    }
+
+    /// Sets the memory cap.
+    pub fn memory_cap(mut self, bytes: usize) -> Self {
+        self.memory_cap = bytes;
+        self
+    }
+
+    /// Sets the per-call CPU deadline.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// Sets the shared-state namespace.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = Some(namespace.into());
+        self
+    }
+}
+
+/// Where the world's exports are in a component.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Exports {
+    pub(crate) configure: Option<ComponentExportIndex>,
+    pub(crate) on_request: ComponentExportIndex,
+    pub(crate) on_response: Option<ComponentExportIndex>,
+}
+
+/// A compiled, checked and validated filter version, ready to instantiate on any
+/// worker. Shared by `Arc`.
+pub struct LoadedFilter {
+    pub(crate) settings: FilterSettings,
+    pub(crate) runtime: Runtime,
+    pub(crate) pre: InstancePre<HostState>,
+    pub(crate) exports: Exports,
+    pub(crate) tag: Arc<FilterTag>,
+    hash: String,
+}
+
+impl std::fmt::Debug for LoadedFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedFilter")
+            .field("name", &self.settings.name)
+            .field("hash", &self.hash)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LoadedFilter {
+    /// The filter's settings.
+    pub fn settings(&self) -> &FilterSettings {
+        &self.settings
+    }
+
+    /// The filter's name.
+    pub fn name(&self) -> &str {
+        &self.settings.name
+    }
+
+    /// SHA-256 of the component bytes (hex): the filter's version.
+    pub fn version_hash(&self) -> &str {
+        &self.hash
+    }
+
+    /// Whether the component exports `on-response`.
+    pub fn has_response_phase(&self) -> bool {
+        self.exports.on_response.is_some()
+    }
+
+    /// A new instance, configured. Used by workers; also how a load is validated.
+    pub fn instantiate(self: &Arc<Self>) -> Result<FilterInstance, LoadError> {
+        FilterInstance::new(self)
+    }
+}
+
+impl Runtime {
+    /// Loads a filter from component bytes: compiles it (or takes it from the cache),
+    /// checks that it targets `dpumesh:filter@0.1.0`, and configures one instance to
+    /// validate the configuration. Nothing is published; the caller decides.
+    pub fn load_filter(
+        &self,
+        settings: FilterSettings,
+        bytes: &[u8],
+    ) -> Result<Arc<LoadedFilter>, LoadError> {
+        let name = settings.name.clone();
+        if settings.memory_cap > self.inner.config.max_memory_bytes {
+            return Err(LoadError::Settings {
+                filter: name,
+                detail: format!(
+                    "memory cap of {} MiB exceeds the runtime maximum of {} MiB",
+                    settings.memory_cap >> 20,
+                    self.inner.config.max_memory_bytes >> 20
+                ),
+            });
+        }
+        let hash = content_hash(bytes);
+        let component = self
+            .inner
+            .cache
+            .get_or_compile(&self.inner.engine, &hash, bytes)
+            .map_err(|e| match e {
+                CompileError::NotAComponent(detail) => LoadError::NotAComponent {
+                    filter: name.clone(),
+                    detail,
+                },
+                CompileError::Compile(detail) => LoadError::Compile {
+                    filter: name.clone(),
+                    detail,
+                },
+            })?;
+        self.prepare(settings, component, hash)
+    }
+
+    /// Loads a filter from a component file; see [`Runtime::load_filter`].
+    pub fn load_filter_file(
+        &self,
+        settings: FilterSettings,
+        path: &Path,
+    ) -> Result<Arc<LoadedFilter>, LoadError> {
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
+            filter: settings.name.clone(),
+            path: path.to_owned(),
+            source,
+        })?;
+        self.load_filter(settings, &bytes)
+    }
+
+    fn prepare(
+        &self,
+        settings: FilterSettings,
+        component: Component,
+        hash: String,
+    ) -> Result<Arc<LoadedFilter>, LoadError> {
+        let name = settings.name.clone();
+        check_imports(&name, &component, &self.inner.engine)?;
+        let export = |export: &'static str| component.get_export_index(None, export);
+        let exports = Exports {
+            configure: export("configure"),
+            on_request: export("on-request").ok_or_else(|| LoadError::MissingExport {
+                filter: name.clone(),
+                export: "on-request",
+            })?,
+            on_response: export("on-response"),
+        };
+        let pre =
+            self.inner
+                .linker
+                .instantiate_pre(&component)
+                .map_err(|e| LoadError::Instantiate {
+                    filter: name.clone(),
+                    detail: format!("{e:#}"),
+                })?;
+        let tag = Arc::new(FilterTag {
+            name: Arc::from(name.as_str()),
+        });
+        let loaded = Arc::new(LoadedFilter {
+            settings,
+            runtime: self.clone(),
+            pre,
+            exports,
+            tag,
+            hash,
+        });
+        // Configure one instance now, so a bad configuration is refused at load time
+        // rather than at the first request.
+        loaded.instantiate()?;
+        Ok(loaded)
+    }
+}
+
+/// Refuses components built for another version of our package or for another world,
+/// with a message naming what they import.
+fn check_imports(
+    filter: &str,
+    component: &Component,
+    engine: &wasmtime::Engine,
+) -> Result<(), LoadError> {
+    let wanted_prefix = format!("{WIT_PACKAGE}/");
+    let (major_minor, _) = WIT_VERSION.rsplit_once('.').unwrap_or((WIT_VERSION, ""));
+    for (import, _) in component.component_type().imports(engine) {
+        if let Some(rest) = import.strip_prefix(&wanted_prefix) {
+            let version = rest.split_once('@').map(|(_, v)| v).unwrap_or("");
+            let compatible = version
+                .strip_prefix(major_minor)
+                .is_some_and(|patch| patch.starts_with('.'));
+            if !compatible {
+                return Err(LoadError::WrongVersion {
+                    filter: filter.to_owned(),
+                    found: import.to_owned(),
+                    expected: WIT_VERSION,
+                });
+            }
+        } else if !import.starts_with("wasi:") && !WORLD_TYPES.contains(&import) {
+            return Err(LoadError::UnknownImport {
+                filter: filter.to_owned(),
+                import: import.to_owned(),
+            });
+        }
+    }
+    Ok(())
+}

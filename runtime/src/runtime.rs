@@ -1,0 +1,212 @@
+//! The [`Runtime`]: one wasmtime engine, the linker with the filter world's imports,
+//! the compile cache, node-wide host services and the epoch ticker that enforces CPU
+//! deadlines.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use dpumesh_clock::{SharedClock, SystemClock};
+use dpumesh_keys::KeyStore;
+use dpumesh_shared_state::{SharedState, StateLimits};
+use wasmtime::component::{HasSelf, Linker};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
+
+use crate::cache::CompileCache;
+use crate::host::{HostServices, HostState};
+
+/// How the runtime is set up. [`RuntimeConfig::default`] suits one proxy process.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// Directory for compiled `.cwasm` artifacts; `None` keeps them in memory only.
+    pub cache_dir: Option<PathBuf>,
+    /// Most filter instances alive at once (workers × filters, plus headroom for
+    /// validation and replacement during reloads). Sizes the pooling allocator.
+    pub max_instances: u32,
+    /// Largest linear memory any filter may have; per-filter caps must not exceed it.
+    pub max_memory_bytes: usize,
+    /// Granularity of CPU deadlines: the epoch advances this often.
+    pub epoch_tick: Duration,
+    /// Time source for filters and shared state.
+    pub clock: SharedClock,
+    /// Capacity of the node-wide shared state.
+    pub state_limits: StateLimits,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            cache_dir: default_cache_dir(),
+            max_instances: 256,
+            max_memory_bytes: 256 << 20,
+            epoch_tick: Duration::from_millis(1),
+            clock: SystemClock::shared(),
+            state_limits: StateLimits::default(),
+        }
+    }
+}
+
+/// `$DPUMESH_CACHE_DIR`, else `$XDG_CACHE_HOME/dpumesh/cwasm`, else
+/// `~/.cache/dpumesh/cwasm`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("DPUMESH_CACHE_DIR") {
+        return Some(PathBuf::from(dir));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("dpumesh").join("cwasm"))
+}
+
+/// Why the runtime could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot create the Wasm engine: {0}")]
+pub struct RuntimeError(String);
+
+pub(crate) struct RuntimeInner {
+    pub(crate) engine: Engine,
+    pub(crate) linker: Linker<HostState>,
+    pub(crate) services: HostServices,
+    pub(crate) cache: CompileCache,
+    pub(crate) config: RuntimeConfig,
+    ticker_stop: Arc<AtomicBool>,
+    ticker: Option<JoinHandle<()>>,
+}
+
+impl Drop for RuntimeInner {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+        if let Some(ticker) = self.ticker.take() {
+            let _ = ticker.join();
+        }
+    }
+}
+
+/// The filter runtime of one proxy. Cheap to clone.
+#[derive(Clone)]
+pub struct Runtime {
+    pub(crate) inner: Arc<RuntimeInner>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// Creates the engine, linker and services, and starts the epoch ticker.
+    pub fn new(config: RuntimeConfig) -> Result<Self, RuntimeError> {
+        let engine =
+            Engine::new(&engine_config(&config)).map_err(|e| RuntimeError(format!("{e:#}")))?;
+        let mut linker = Linker::<HostState>::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .map_err(|e| RuntimeError(format!("linking WASI: {e:#}")))?;
+        crate::bindings::Filter::add_to_linker::<HostState, HasSelf<HostState>>(
+            &mut linker,
+            |state| state,
+        )
+        .map_err(|e| RuntimeError(format!("linking the filter world: {e:#}")))?;
+        let services = HostServices {
+            clock: config.clock.clone(),
+            state: SharedState::new(config.clock.clone(), config.state_limits),
+            keys: KeyStore::new(),
+        };
+        let cache = CompileCache::new(&engine, config.cache_dir.clone());
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        let ticker = spawn_ticker(
+            engine.clone(),
+            services.state.clone(),
+            config.epoch_tick,
+            ticker_stop.clone(),
+        )
+        .map_err(|e| RuntimeError(format!("starting the epoch ticker: {e}")))?;
+        Ok(Self {
+            inner: Arc::new(RuntimeInner {
+                engine,
+                linker,
+                services,
+                cache,
+                config,
+                ticker_stop,
+                ticker: Some(ticker),
+            }),
+        })
+    }
+
+    /// The node-wide services (clock, shared state, key store).
+    pub fn services(&self) -> &HostServices {
+        &self.inner.services
+    }
+
+    /// The key store filters verify against.
+    pub fn keys(&self) -> &Arc<KeyStore> {
+        &self.inner.services.keys
+    }
+
+    /// The node-wide shared state.
+    pub fn shared_state(&self) -> &Arc<SharedState> {
+        &self.inner.services.state
+    }
+
+    /// The configuration the runtime was built with.
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.inner.config
+    }
+
+    /// The wasmtime engine.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+}
+
+fn engine_config(config: &RuntimeConfig) -> Config {
+    let mut wasm = Config::new();
+    wasm.wasm_component_model(true)
+        .epoch_interruption(true)
+        .cranelift_opt_level(wasmtime::OptLevel::Speed);
+    let instances = config.max_instances.max(1);
+    let mut pool = PoolingAllocationConfig::default();
+    // Interpreted guests (Python, JavaScript) are components of many core modules with
+    // several memories and large tables; size per-component limits for them.
+    pool.total_component_instances(instances)
+        .total_core_instances(instances.saturating_mul(16))
+        .total_memories(instances.saturating_mul(4))
+        .total_tables(instances.saturating_mul(8))
+        .max_core_instances_per_component(64)
+        .max_memories_per_component(8)
+        .max_tables_per_component(16)
+        .max_memory_size(config.max_memory_bytes)
+        .table_elements(100_000)
+        .max_component_instance_size(4 << 20)
+        .max_core_instance_size(4 << 20);
+    wasm.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    wasm
+}
+
+/// Advances the engine's epoch every `tick` (CPU deadlines are counted in ticks) and
+/// sweeps expired shared-state entries about once a second.
+fn spawn_ticker(
+    engine: Engine,
+    state: Arc<SharedState>,
+    tick: Duration,
+    stop: Arc<AtomicBool>,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("dpumesh-epoch".to_owned())
+        .spawn(move || {
+            let mut last_sweep = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(tick);
+                engine.increment_epoch();
+                if last_sweep.elapsed() >= Duration::from_secs(1) {
+                    state.sweep_expired();
+                    last_sweep = Instant::now();
+                }
+            }
+        })
+}

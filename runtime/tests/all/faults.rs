@@ -1,0 +1,158 @@
+//! Misbehaving filters: deadlines, memory caps, traps, invalid replies, and the
+//! failure policy applied to each.
+
+use std::time::{Duration, Instant};
+
+use dpumesh_runtime::{ChainRunner, Decision, DenyCause, FailurePolicy, FaultKind, FilterSettings};
+use serde_json::json;
+
+use crate::support::{chain, get, runtime, settings};
+
+fn marker() -> FilterSettings {
+    settings(
+        "after",
+        json!({"request": [{"set_header": ["x-after", "ran"]}]}),
+    )
+}
+
+fn fault_of(decision: &Decision) -> &dpumesh_runtime::FilterFault {
+    match decision {
+        Decision::Deny {
+            cause: DenyCause::Fault(fault),
+            ..
+        } => fault,
+        other => panic!("expected a fault denial, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_infinite_loop_is_interrupted_at_its_deadline_and_fails_closed() {
+    let rt = runtime();
+    let spin =
+        settings("spinner", json!({"request": ["spin"]})).deadline(Duration::from_millis(20));
+    let mut runner = ChainRunner::new(chain(&rt, vec![spin, marker()]));
+    let started = Instant::now();
+    let outcome = runner.on_request(get("/"));
+    let elapsed = started.elapsed();
+    let fault = fault_of(&outcome.decision);
+    assert_eq!(fault.filter, "spinner");
+    assert_eq!(fault.kind, FaultKind::Deadline(Duration::from_millis(20)));
+    let reply = outcome.decision.reply().unwrap();
+    assert_eq!(reply.status, 500);
+    assert!(reply.body.contains("\"spinner\""), "{}", reply.body);
+    assert!(reply.body.contains("CPU deadline"), "{}", reply.body);
+    assert_eq!(outcome.head.header("x-after"), None);
+    // Interrupted, not left running: generous bound for a loaded 2-core machine.
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+}
+
+#[test]
+fn fail_open_skips_the_faulting_filter_and_continues() {
+    let rt = runtime();
+    let spin = settings("spinner", json!({"request": ["spin"]}))
+        .deadline(Duration::from_millis(10))
+        .failure_policy(FailurePolicy::FailOpen);
+    let mut runner = ChainRunner::new(chain(&rt, vec![spin, marker()]));
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.decision, Decision::Continue);
+    assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
+    assert_eq!(outcome.faults.len(), 1);
+    assert_eq!(outcome.faults[0].kind.label(), "deadline");
+}
+
+#[test]
+fn a_memory_bomb_is_stopped_at_its_cap() {
+    let rt = runtime();
+    let bomb = settings("bomb", json!({"request": [{"alloc_mib": 64}]}))
+        .memory_cap(8 << 20)
+        .deadline(Duration::from_secs(5));
+    let mut runner = ChainRunner::new(chain(&rt, vec![bomb, marker()]));
+    let outcome = runner.on_request(get("/"));
+    let fault = fault_of(&outcome.decision);
+    assert_eq!(fault.kind, FaultKind::MemoryCap(8 << 20));
+    assert!(
+        outcome
+            .decision
+            .reply()
+            .unwrap()
+            .body
+            .contains("memory cap of 8192 KiB"),
+        "{:?}",
+        outcome.decision
+    );
+}
+
+#[test]
+fn a_trapping_instance_is_replaced_and_the_next_request_succeeds() {
+    let rt = runtime();
+    let trapper = settings(
+        "trapper",
+        json!({"request": [{"panic_if_header": "x-boom"}, {"increment": "served"}]}),
+    );
+    let mut runner = ChainRunner::new(chain(&rt, vec![trapper]));
+    let mut boom = get("/");
+    boom.append_received("x-boom", "1").unwrap();
+    let outcome = runner.on_request(boom);
+    let fault = fault_of(&outcome.decision);
+    let FaultKind::Trap(message) = &fault.kind else {
+        panic!("expected a trap, got {:?}", fault.kind);
+    };
+    // The guest's panic message is quoted.
+    assert!(message.contains("header x-boom present"), "{message}");
+    assert_eq!(runner.instances(), 0, "the trapped instance is discarded");
+    runner.repair();
+    assert_eq!(runner.instances(), 1);
+    for _ in 0..3 {
+        assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+    }
+    let served = rt.shared_state().namespace("test").get("served").unwrap();
+    assert_eq!(served, Some(3));
+}
+
+#[test]
+fn a_discarded_instance_is_recreated_even_without_repair() {
+    let rt = runtime();
+    let trapper = settings(
+        "trapper",
+        json!({"request": [{"panic_if_header": "x-boom"}]}),
+    );
+    let mut runner = ChainRunner::new(chain(&rt, vec![trapper]));
+    let mut boom = get("/");
+    boom.append_received("x-boom", "1").unwrap();
+    assert!(matches!(
+        runner.on_request(boom).decision,
+        Decision::Deny { .. }
+    ));
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+}
+
+#[test]
+fn an_invalid_reply_is_a_500_naming_the_filter() {
+    let rt = runtime();
+    let bad = settings("bad", json!({"request": [{"deny": [42, "x"]}]}))
+        .failure_policy(FailurePolicy::FailOpen);
+    let outcome = ChainRunner::new(chain(&rt, vec![bad])).on_request(get("/"));
+    let fault = fault_of(&outcome.decision);
+    assert_eq!(fault.filter, "bad");
+    assert!(matches!(&fault.kind, FaultKind::BadReply(m) if m.contains("status 42")));
+    assert_eq!(outcome.decision.reply().unwrap().status, 500);
+}
+
+#[test]
+fn faults_in_the_response_phase_are_reported_and_do_not_poison_requests() {
+    let rt = runtime();
+    let f = settings("resp", json!({"response": [{"panic": "late"}]}));
+    let mut runner = ChainRunner::new(chain(&rt, vec![f]));
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.decision, Decision::Continue);
+    let info = dpumesh_runtime::ResponseInfo {
+        status: 200,
+        latency_ns: 1,
+        upstream: Some("10.0.0.2:8080".to_owned()),
+        failure: dpumesh_runtime::FailureKind::None,
+    };
+    let (_, faults) = runner.on_response(outcome.head, &info, outcome.ran);
+    assert_eq!(faults.len(), 1);
+    assert_eq!(faults[0].phase, dpumesh_runtime::Phase::Response);
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+}

@@ -1,0 +1,51 @@
+//! Shared helpers: a runtime with a test-wide compile cache, and chains of the
+//! configurable test filter.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dpumesh_runtime::{
+    FilterChain, FilterSettings, LoadedFilter, RequestHead, Runtime, RuntimeConfig,
+};
+use dpumesh_test_artifacts as artifacts;
+
+pub fn cache_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cwasm-cache")
+}
+
+pub fn runtime() -> Runtime {
+    Runtime::new(RuntimeConfig {
+        cache_dir: Some(cache_dir()),
+        max_instances: 32,
+        ..RuntimeConfig::default()
+    })
+    .expect("runtime starts")
+}
+
+/// Test-filter settings with namespace `test`, so filters of one chain share counters.
+///
+/// Deadlines are counted in wall-clock epoch ticks, and tests run many threads on two
+/// cores: a generous deadline keeps a preempted call from being interrupted. Tests of
+/// the deadline itself set their own.
+pub fn settings(name: &str, config: serde_json::Value) -> FilterSettings {
+    FilterSettings::new(name, config.to_string())
+        .namespace("test")
+        .deadline(Duration::from_secs(2))
+}
+
+pub fn load(rt: &Runtime, settings: FilterSettings) -> Arc<LoadedFilter> {
+    rt.load_filter(settings, &artifacts::read(artifacts::TEST_FILTER))
+        .expect("test filter loads")
+}
+
+pub fn chain(rt: &Runtime, filters: Vec<FilterSettings>) -> Arc<FilterChain> {
+    let loaded = filters.into_iter().map(|s| load(rt, s)).collect();
+    Arc::new(FilterChain::new("test-chain", loaded))
+}
+
+pub fn get(target: &str) -> RequestHead {
+    let mut head = RequestHead::new("GET", target);
+    head.authority = "api.example.com".to_owned();
+    head
+}

@@ -1,0 +1,74 @@
+//! Worker threads: node-wide shared state and per-worker instances.
+
+use std::sync::Arc;
+
+use dpumesh_runtime::{Decision, WorkerPool};
+use serde_json::json;
+
+use crate::support::{chain, get, runtime, settings};
+
+#[test]
+fn shared_state_counters_are_consistent_across_workers() {
+    let rt = runtime();
+    let counting = chain(
+        &rt,
+        vec![settings(
+            "count",
+            json!({"request": [{"increment": "hits"}]}),
+        )],
+    );
+    let pool = Arc::new(WorkerPool::start(vec![counting], 4).unwrap());
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                for _ in 0..250 {
+                    let done = pool.on_request(0, get("/")).unwrap();
+                    assert_eq!(done.outcome.decision, Decision::Continue);
+                }
+            })
+        })
+        .collect();
+    for client in clients {
+        client.join().unwrap();
+    }
+    let hits = rt.shared_state().namespace("test").get("hits").unwrap();
+    assert_eq!(hits, Some(2000));
+}
+
+#[test]
+fn requests_spread_over_workers_and_responses_return_to_them() {
+    let rt = runtime();
+    let c = chain(
+        &rt,
+        vec![settings(
+            "r",
+            json!({"tag": "r", "response": [{"record_order": "resp"}]}),
+        )],
+    );
+    let pool = WorkerPool::start(vec![c], 3).unwrap();
+    let mut workers = std::collections::HashSet::new();
+    for _ in 0..6 {
+        let done = pool.on_request(0, get("/")).unwrap();
+        workers.insert(done.worker);
+        let info = dpumesh_runtime::ResponseInfo {
+            status: 200,
+            latency_ns: 5,
+            upstream: None,
+            failure: dpumesh_runtime::FailureKind::None,
+        };
+        let (_, faults) = pool
+            .on_response(done.worker, 0, done.outcome.head, info, done.outcome.ran)
+            .unwrap();
+        assert!(faults.is_empty());
+    }
+    assert_eq!(workers.len(), 3);
+    assert_eq!(
+        rt.shared_state().namespace("test").get("seq").unwrap(),
+        Some(6)
+    );
+    assert!(matches!(
+        pool.on_request(7, get("/")),
+        Err(dpumesh_runtime::PoolError::UnknownChain(7))
+    ));
+}

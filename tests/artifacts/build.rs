@@ -1,0 +1,80 @@
+//! Builds the guest components used by tests and benches (`wasm32-wasip2`, release)
+//! and exports their paths as compile-time environment variables. Components are build
+//! outputs, never committed.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// (cargo package, crate file stem, exported variable)
+const GUESTS: &[(&str, &str, &str)] = &[
+    (
+        "dpumesh-test-filter",
+        "dpumesh_test_filter",
+        "TEST_FILTER_WASM",
+    ),
+    (
+        "dpumesh-sample-guard",
+        "dpumesh_sample_guard",
+        "SAMPLE_GUARD_WASM",
+    ),
+];
+
+fn main() {
+    let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let workspace = manifest_dir.join("../..").canonicalize().unwrap();
+    for watched in [
+        "wit",
+        "sdk",
+        "tests/programs",
+        "samples/filters",
+        "Cargo.lock",
+    ] {
+        println!(
+            "cargo:rerun-if-changed={}",
+            workspace.join(watched).display()
+        );
+    }
+    let target_dir = workspace.join("target").join("wasm-artifacts");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(&workspace)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .arg("--target-dir")
+        .arg(&target_dir);
+    for (package, _, _) in GUESTS {
+        cmd.args(["-p", package]);
+    }
+    // Settings of the outer build must not leak into the guest build.
+    for var in [
+        "CARGO_ENCODED_RUSTFLAGS",
+        "RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET",
+        "CARGO_MAKEFLAGS",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "CARGO_PRIMARY_PACKAGE",
+    ] {
+        cmd.env_remove(var);
+    }
+    cmd.env("CARGO_PROFILE_RELEASE_DEBUG", "false")
+        .env("CARGO_PROFILE_RELEASE_STRIP", "true");
+    let status = cmd
+        .status()
+        .expect("run cargo to build the guest components");
+    assert!(
+        status.success(),
+        "building guest components failed; is the wasm32-wasip2 target installed? (rustup target add wasm32-wasip2)"
+    );
+    for (_, stem, var) in GUESTS {
+        let path = target_dir
+            .join("wasm32-wasip2")
+            .join("release")
+            .join(format!("{stem}.wasm"));
+        assert!(exists(&path), "expected {}", path.display());
+        println!("cargo:rustc-env={var}={}", path.display());
+    }
+}
+
+fn exists(path: &Path) -> bool {
+    path.is_file()
+}
