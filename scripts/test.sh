@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs every check and test: formatting, clippy (warnings are errors), and the whole
+# workspace's tests (guest components are built for wasm32-wasip2 by the test build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/install-toolchain.sh
+echo "==> cargo fmt --check"
+cargo fmt --all --check
+echo "==> cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "==> cargo clippy (guest crates for wasm32-wasip2)"
+cargo clippy --locked --target wasm32-wasip2 -p dpumesh-filter-sdk -p dpumesh-sample-guard -p dpumesh-test-filter -- -D warnings
+echo "==> cargo test"
+cargo test --workspace --locked
