@@ -6,7 +6,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,11 @@ use dpumesh_runtime::{
 };
 
 #[derive(Debug, Parser)]
-#[command(name = "dpumesh", version, about = "DPUmesh: a service mesh whose L7 policy runs as Wasm filters on the DPU")]
+#[command(
+    name = "dpumesh",
+    version,
+    about = "DPUmesh: a service mesh whose L7 policy runs as Wasm filters on the DPU"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -28,7 +32,10 @@ enum Command {
     /// Load a filter and run sample requests through it on a pool of workers.
     Demo {
         /// The filter component (`.wasm`).
-        #[arg(long, default_value = "target/wasm32-wasip2/release/dpumesh_sample_guard.wasm")]
+        #[arg(
+            long,
+            default_value = "target/wasm32-wasip2/release/dpumesh_sample_guard.wasm"
+        )]
         filter: PathBuf,
         /// The filter's configuration (JSON).
         #[arg(long, default_value = DEMO_CONFIG)]
@@ -75,7 +82,11 @@ fn main() -> Result<()> {
     }
 }
 
-fn load(runtime: &Runtime, path: &PathBuf, config: &str) -> Result<Arc<dpumesh_runtime::LoadedFilter>> {
+fn load(
+    runtime: &Runtime,
+    path: &Path,
+    config: &str,
+) -> Result<Arc<dpumesh_runtime::LoadedFilter>> {
     if !path.is_file() {
         bail!(
             "{} not found: build the sample filter first (cargo build --release --target wasm32-wasip2 -p dpumesh-sample-guard), or run ./scripts/setup.sh",
@@ -100,13 +111,17 @@ fn load(runtime: &Runtime, path: &PathBuf, config: &str) -> Result<Arc<dpumesh_r
     Ok(filter)
 }
 
-fn check(path: &PathBuf, config: &str) -> Result<()> {
+fn check(path: &Path, config: &str) -> Result<()> {
     let runtime = Runtime::new(RuntimeConfig::default())?;
     let filter = load(&runtime, path, config)?;
     println!(
         "ok: targets dpumesh:filter@{}; response phase: {}",
         dpumesh_runtime::WIT_VERSION,
-        if filter.has_response_phase() { "yes" } else { "no" }
+        if filter.has_response_phase() {
+            "yes"
+        } else {
+            "no"
+        }
     );
     Ok(())
 }
@@ -133,7 +148,7 @@ fn sample_requests() -> Vec<(String, RequestHead)> {
     ]
 }
 
-fn demo(path: &PathBuf, config: &str, workers: usize, requests: usize) -> Result<()> {
+fn demo(path: &Path, config: &str, workers: usize, requests: usize) -> Result<()> {
     let runtime = Runtime::new(RuntimeConfig::default())?;
     let filter = load(&runtime, path, config)?;
     let chain = Arc::new(FilterChain::new("demo", vec![filter]));
@@ -144,7 +159,10 @@ fn demo(path: &PathBuf, config: &str, workers: usize, requests: usize) -> Result
         match &done.outcome.decision {
             Decision::Continue => println!(
                 "  {label:<40} -> forward (x-guard: {})",
-                done.outcome.head.header("x-guard").unwrap_or_else(|| "-".into())
+                done.outcome
+                    .head
+                    .header("x-guard")
+                    .unwrap_or_else(|| "-".into())
             ),
             Decision::Deny { filter, reply, .. } => println!(
                 "  {label:<40} -> {} from {filter}: {}",
@@ -175,7 +193,11 @@ fn demo(path: &PathBuf, config: &str, workers: usize, requests: usize) -> Result
         .collect();
     let mut latencies = Vec::new();
     for client in clients {
-        latencies.extend(client.join().map_err(|_| anyhow::anyhow!("client panicked"))??);
+        latencies.extend(
+            client
+                .join()
+                .map_err(|_| anyhow::anyhow!("client panicked"))??,
+        );
     }
     let elapsed = started.elapsed();
     latencies.sort();

@@ -1,1 +1,129 @@
-fn main() {}
+//! On-request through chains of 1 and 4 small filters, as Wasm components and as the
+//! same Rust compiled natively (the baseline, measured in the same run), and instance
+//! creation from the pooling allocator.
+//!
+//! `cargo bench -p dpumesh-runtime --bench chain`
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_main};
+use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+use dpumesh_runtime::{
+    ChainRunner, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig,
+};
+use dpumesh_sample_guard::Guard;
+use dpumesh_test_artifacts as artifacts;
+
+/// Four rules: the request below matches the third, so every rule is evaluated as in a
+/// typical allow-list.
+const GUARD: &str = r#"{"rules": [
+  {"name": "health", "path_prefix": "/healthz", "action": "allow"},
+  {"name": "admin-other", "path_prefix": "/admin", "methods": ["DELETE"], "action": "deny"},
+  {"name": "api", "path_prefix": "/api", "header": {"name": "x-tenant"}, "action": "allow"},
+  {"name": "rest", "action": "deny"}
+]}"#;
+
+fn request() -> RequestHead {
+    let mut head = RequestHead::new("GET", "/api/v1/items?page=2");
+    head.authority = "api.example.com".to_owned();
+    for (n, v) in [
+        ("user-agent", "wrk"),
+        ("accept", "*/*"),
+        ("x-tenant", "acme"),
+        ("authorization", "Bearer abc.def.ghi"),
+        ("x-request-id", "7b0e4c6a-1d3c-4c43-9d7e-6c1f5d1b2a90"),
+    ] {
+        head.append_received(n, v).unwrap();
+    }
+    head
+}
+
+fn runtime() -> Runtime {
+    Runtime::new(RuntimeConfig {
+        max_instances: 64,
+        ..RuntimeConfig::default()
+    })
+    .unwrap()
+}
+
+fn chains(c: &mut Criterion) {
+    let rt = runtime();
+    let bytes = artifacts::read(artifacts::SAMPLE_GUARD);
+    let guard = |i: usize| {
+        rt.load_filter(
+            FilterSettings::new(format!("guard{i}"), GUARD).deadline(Duration::from_secs(1)),
+            &bytes,
+        )
+        .unwrap()
+    };
+    let template = request();
+    let mut group = c.benchmark_group("on_request");
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+
+    for n in [1usize, 4] {
+        let host = MockHost::new().install();
+        let mut natives: Vec<Guard> = (0..n).map(|_| host.configure(GUARD).unwrap()).collect();
+        group.bench_function(format!("native_guard_x{n}"), |b| {
+            b.iter(|| {
+                let req = MockRequest::from_head(template.clone());
+                for filter in &mut natives {
+                    assert!(host.on_request(filter, &req).is_continue());
+                }
+                req
+            })
+        });
+
+        let chain = Arc::new(FilterChain::new("bench", (0..n).map(guard).collect()));
+        let mut runner = ChainRunner::new(chain);
+        group.bench_function(format!("wasm_guard_x{n}"), |b| {
+            b.iter(|| {
+                let outcome = runner.on_request(template.clone());
+                assert!(outcome.decision.reply().is_none());
+                outcome
+            })
+        });
+    }
+
+    // The floor: a filter that does nothing, so only the crossing is measured.
+    let noop = rt
+        .load_filter(
+            FilterSettings::new("noop", "{}").deadline(Duration::from_secs(1)),
+            &artifacts::read(artifacts::TEST_FILTER),
+        )
+        .unwrap();
+    let mut runner = ChainRunner::new(Arc::new(FilterChain::new("noop", vec![noop])));
+    group.bench_function("wasm_noop_x1", |b| {
+        b.iter(|| runner.on_request(template.clone()))
+    });
+    group.bench_function("clone_head_only", |b| b.iter(|| template.clone()));
+    group.finish();
+}
+
+fn instances(c: &mut Criterion) {
+    let rt = runtime();
+    let guard = rt
+        .load_filter(
+            FilterSettings::new("guard", GUARD).deadline(Duration::from_secs(1)),
+            &artifacts::read(artifacts::SAMPLE_GUARD),
+        )
+        .unwrap();
+    let mut group = c.benchmark_group("instance");
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    // Instantiate from the pool and run configure (what a worker does).
+    group.bench_function("guard_instantiate_and_configure", |b| {
+        b.iter(|| guard.instantiate().unwrap())
+    });
+    group.finish();
+}
+
+#[allow(missing_docs, reason = "criterion-generated")]
+mod group {
+    use super::{chains, instances};
+    criterion::criterion_group!(benches, chains, instances);
+}
+criterion_main!(group::benches);

@@ -50,6 +50,9 @@ enum MetricKind {
     Histogram,
 }
 
+/// A metric's identity within an instance: kind, name and labels.
+type MetricKey = (MetricKind, String, Vec<(String, String)>);
+
 enum MetricHandle {
     Counter(::metrics::Counter),
     Gauge(::metrics::Gauge),
@@ -66,7 +69,7 @@ pub(crate) struct HostState {
     services: HostServices,
     namespace: Namespace,
     metrics: Vec<MetricHandle>,
-    metric_ids: HashMap<(MetricKind, String, Vec<(String, String)>), u32>,
+    metric_ids: HashMap<MetricKey, u32>,
     wasi: WasiCtx,
     table: ResourceTable,
 }

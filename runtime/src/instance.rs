@@ -168,7 +168,7 @@ impl FilterInstance {
         head: RequestHead,
         info: ResponseInfo,
     ) -> (RequestHead, Result<(), FaultKind>) {
-        let Some(on_response) = self.on_response.clone() else {
+        let Some(on_response) = self.on_response else {
             return (head, Ok(()));
         };
         self.arm();

@@ -325,6 +325,13 @@ impl MockRequest {
         }
     }
 
+    /// A request with this head (to replay heads captured elsewhere).
+    pub fn from_head(head: RequestHead) -> Self {
+        Self {
+            head: RefCell::new(head),
+        }
+    }
+
     /// A `GET` request.
     pub fn get(target: &str) -> Self {
         Self::new("GET", target)
