@@ -65,6 +65,7 @@ pub use verdict::{FailureKind, LocalReply, ResponseInfo, Verdict};
 /// need them: [`Filter`] and the helper modules cover the whole world.
 #[cfg(target_arch = "wasm32")]
 #[expect(missing_docs, reason = "bindgen-generated")]
+#[allow(clippy::too_many_arguments, reason = "bindgen-generated")]
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../wit",
