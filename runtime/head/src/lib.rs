@@ -293,6 +293,25 @@ mod tests {
         assert_eq!(head.header("x-bin").as_deref(), Some("caf\u{fffd}"));
     }
 
+    proptest::proptest! {
+        /// Whatever a filter passes, an accepted edit never leaves a value that could
+        /// split a header line, and a refused one changes nothing.
+        #[test]
+        fn edits_never_corrupt_the_head(name in ".{0,12}", value in ".{0,24}") {
+            let mut head = head();
+            let before = head.headers().clone();
+            match head.set_header(&name, &value) {
+                Ok(()) => {
+                    proptest::prop_assert_eq!(head.header(&name), Some(value.clone()));
+                }
+                Err(_) => proptest::prop_assert_eq!(head.headers(), &before),
+            }
+            for (_, v) in head.headers() {
+                proptest::prop_assert!(!v.as_bytes().iter().any(|b| matches!(b, b'\r' | b'\n' | 0)));
+            }
+        }
+    }
+
     #[test]
     fn metadata_overwrites_in_place() {
         let mut head = head();

@@ -198,3 +198,28 @@ fn algorithm_names_round_trip() {
     }
     assert!("none".parse::<Algorithm>().is_err());
 }
+
+proptest::proptest! {
+    /// Arbitrary documents load or fail with an error, never panic.
+    #[test]
+    fn arbitrary_documents_never_panic(doc in ".{0,200}") {
+        let _ = KeySet::from_jwks(&doc);
+    }
+
+    /// Keys with arbitrary parameters are refused or usable, never a panic later.
+    #[test]
+    fn arbitrary_key_parameters_never_panic(
+        kty in "(RSA|EC|OKP|oct|xx)",
+        crv in "(P-256|P-384|P-521|Ed25519|X25519)",
+        x in "[A-Za-z0-9_-]{0,60}",
+        y in "[A-Za-z0-9_-]{0,60}",
+        sig in proptest::collection::vec(proptest::num::u8::ANY, 0..80),
+    ) {
+        let doc = serde_json::json!({"keys": [{"kty": kty, "crv": crv, "x": x, "y": y, "n": x, "e": "AQAB", "k": y}]});
+        if let Ok(set) = KeySet::from_jwks(&doc.to_string()) {
+            for alg in Algorithm::ALL {
+                let _ = set.verify(alg, None, b"m", &sig);
+            }
+        }
+    }
+}
