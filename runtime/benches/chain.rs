@@ -98,6 +98,14 @@ fn chains(c: &mut Criterion) {
     group.bench_function("wasm_noop_x1", |b| {
         b.iter(|| runner.on_request(template.clone()))
     });
+    let mut empty = template.clone();
+    empty.method.clear();
+    empty.authority.clear();
+    empty.path.clear();
+    empty.scheme.clear();
+    group.bench_function("wasm_noop_x1_empty_line", |b| {
+        b.iter(|| runner.on_request(empty.clone()))
+    });
     group.bench_function("clone_head_only", |b| b.iter(|| template.clone()));
     group.finish();
 }
@@ -117,6 +125,16 @@ fn instances(c: &mut Criterion) {
     // Instantiate from the pool and run configure (what a worker does).
     group.bench_function("guard_instantiate_and_configure", |b| {
         b.iter(|| guard.instantiate().unwrap())
+    });
+    // The same with a filter whose configure does (almost) nothing: the pool's share.
+    let noop = rt
+        .load_filter(
+            FilterSettings::new("noop", "{}").deadline(Duration::from_secs(1)),
+            &artifacts::read(artifacts::TEST_FILTER),
+        )
+        .unwrap();
+    group.bench_function("noop_instantiate_and_configure", |b| {
+        b.iter(|| noop.instantiate().unwrap())
     });
     group.finish();
 }

@@ -311,8 +311,8 @@ impl ChainRunner {
             return (head, Err(FaultKind::Unavailable("no instance".to_owned())));
         };
         let line = RequestLine {
-            method: head.method.clone(),
-            scheme: head.scheme.clone(),
+            method: crate::host::wit_method(&head.method),
+            scheme: crate::host::wit_scheme(&head.scheme),
             authority: head.authority.clone(),
             path: head.path.clone(),
         };

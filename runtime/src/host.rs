@@ -217,15 +217,39 @@ fn header_error(e: dpumesh_head::HeaderError) -> types::HeaderError {
     }
 }
 
+/// The method as the world passes it: common methods as cases, others as text.
+pub(crate) fn wit_method(method: &str) -> types::Method {
+    match method {
+        "GET" => types::Method::Get,
+        "HEAD" => types::Method::Head,
+        "POST" => types::Method::Post,
+        "PUT" => types::Method::Put,
+        "DELETE" => types::Method::Delete,
+        "CONNECT" => types::Method::Connect,
+        "OPTIONS" => types::Method::Options,
+        "TRACE" => types::Method::Trace,
+        "PATCH" => types::Method::Patch,
+        other => types::Method::Other(other.to_owned()),
+    }
+}
+
+pub(crate) fn wit_scheme(scheme: &str) -> types::Scheme {
+    if scheme.eq_ignore_ascii_case("https") {
+        types::Scheme::Https
+    } else {
+        types::Scheme::Http
+    }
+}
+
 impl types::Host for HostState {}
 
 impl types::HostRequestHead for HostState {
-    fn method(&mut self, _: Resource<HeadHandle>) -> String {
-        self.head().method.clone()
+    fn method(&mut self, _: Resource<HeadHandle>) -> types::Method {
+        wit_method(&self.head().method)
     }
 
-    fn scheme(&mut self, _: Resource<HeadHandle>) -> String {
-        self.head().scheme.clone()
+    fn scheme(&mut self, _: Resource<HeadHandle>) -> types::Scheme {
+        wit_scheme(&self.head().scheme)
     }
 
     fn authority(&mut self, _: Resource<HeadHandle>) -> String {

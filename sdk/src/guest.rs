@@ -6,8 +6,8 @@ use std::thread::LocalKey;
 
 use crate::bindings::dpumesh::filter::types as wit;
 use crate::{
-    FailureKind, Filter, HeadAccess, HeaderError, LocalReply, Peer, Request, RequestLine,
-    ResponseInfo, Verdict,
+    FailureKind, Filter, HeadAccess, HeaderError, LocalReply, Method, Peer, Request, RequestLine,
+    ResponseInfo, Scheme, Verdict,
 };
 
 type Slot<F> = LocalKey<RefCell<Option<F>>>;
@@ -25,8 +25,8 @@ fn header_error(e: wit::HeaderError) -> HeaderError {
 impl HeadAccess for Head<'_> {
     fn line(&self) -> RequestLine {
         RequestLine {
-            method: self.0.method(),
-            scheme: self.0.scheme(),
+            method: method(self.0.method()),
+            scheme: scheme(self.0.scheme()),
             authority: self.0.authority(),
             path: self.0.path(),
         }
@@ -87,6 +87,28 @@ impl HeadAccess for Head<'_> {
     }
 }
 
+fn method(m: wit::Method) -> Method {
+    match m {
+        wit::Method::Get => Method::Get,
+        wit::Method::Head => Method::Head,
+        wit::Method::Post => Method::Post,
+        wit::Method::Put => Method::Put,
+        wit::Method::Delete => Method::Delete,
+        wit::Method::Connect => Method::Connect,
+        wit::Method::Options => Method::Options,
+        wit::Method::Trace => Method::Trace,
+        wit::Method::Patch => Method::Patch,
+        wit::Method::Other(name) => Method::Other(name),
+    }
+}
+
+fn scheme(s: wit::Scheme) -> Scheme {
+    match s {
+        wit::Scheme::Http => Scheme::Http,
+        wit::Scheme::Https => Scheme::Https,
+    }
+}
+
 /// `configure` export: parse, build, keep.
 pub fn configure<F: Filter>(slot: &'static Slot<F>, config: &str) -> Result<(), String> {
     let filter = crate::configure::<F>(config)?;
@@ -112,8 +134,8 @@ pub fn on_request<F: Filter>(
         return deny(LocalReply::new(500).body(format!("filter is not configured: {e}")));
     }
     let line = RequestLine {
-        method: line.method,
-        scheme: line.scheme,
+        method: method(line.method),
+        scheme: scheme(line.scheme),
         authority: line.authority,
         path: line.path,
     };

@@ -58,7 +58,7 @@ mod guest;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod mock;
 
-pub use request::{HeadAccess, HeaderError, Peer, Request, RequestLine};
+pub use request::{HeadAccess, HeaderError, Method, Peer, Request, RequestLine, Scheme};
 pub use verdict::{FailureKind, LocalReply, ResponseInfo, Verdict};
 
 /// The bindings generated from `wit/filter.wit` (guest side). Filter authors rarely

@@ -411,8 +411,12 @@ impl HeadAccess for MockRequest {
     fn line(&self) -> RequestLine {
         let head = self.head.borrow();
         RequestLine {
-            method: head.method.clone(),
-            scheme: head.scheme.clone(),
+            method: crate::Method::parse(&head.method),
+            scheme: if head.scheme.eq_ignore_ascii_case("https") {
+                crate::Scheme::Https
+            } else {
+                crate::Scheme::Http
+            },
             authority: head.authority.clone(),
             path: head.path.clone(),
         }

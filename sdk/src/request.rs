@@ -3,13 +3,85 @@
 use std::cell::OnceCell;
 use std::fmt;
 
+/// A request method.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+#[allow(missing_docs)]
+pub enum Method {
+    #[default]
+    Get,
+    Head,
+    Post,
+    Put,
+    Delete,
+    Connect,
+    Options,
+    Trace,
+    Patch,
+    /// Any other method, as sent.
+    Other(String),
+}
+
+impl Method {
+    /// The method from its name as sent (case-sensitive, as HTTP is).
+    pub fn parse(name: &str) -> Self {
+        match name {
+            "GET" => Self::Get,
+            "HEAD" => Self::Head,
+            "POST" => Self::Post,
+            "PUT" => Self::Put,
+            "DELETE" => Self::Delete,
+            "CONNECT" => Self::Connect,
+            "OPTIONS" => Self::Options,
+            "TRACE" => Self::Trace,
+            "PATCH" => Self::Patch,
+            other => Self::Other(other.to_owned()),
+        }
+    }
+
+    /// The method's name, e.g. `GET`.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::Get => "GET",
+            Self::Head => "HEAD",
+            Self::Post => "POST",
+            Self::Put => "PUT",
+            Self::Delete => "DELETE",
+            Self::Connect => "CONNECT",
+            Self::Options => "OPTIONS",
+            Self::Trace => "TRACE",
+            Self::Patch => "PATCH",
+            Self::Other(name) => name,
+        }
+    }
+}
+
+/// The scheme the request arrived on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Scheme {
+    /// Plain HTTP.
+    #[default]
+    Http,
+    /// HTTP over TLS.
+    Https,
+}
+
+impl Scheme {
+    /// `http` or `https`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Http => "http",
+            Self::Https => "https",
+        }
+    }
+}
+
 /// The four fields every filter gets by value with `on_request`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestLine {
-    /// Method as sent, e.g. `GET`.
-    pub method: String,
-    /// `http` or `https`.
-    pub scheme: String,
+    /// The method.
+    pub method: Method,
+    /// The scheme.
+    pub scheme: Scheme,
     /// The authority, e.g. `api.example.com`.
     pub authority: String,
     /// The path without the query.
@@ -124,12 +196,17 @@ impl<'a> Request<'a> {
 
     /// The method, e.g. `GET`.
     pub fn method(&self) -> &str {
+        self.line().method.as_str()
+    }
+
+    /// The method as an enum.
+    pub fn method_kind(&self) -> &Method {
         &self.line().method
     }
 
     /// `http` or `https`.
     pub fn scheme(&self) -> &str {
-        &self.line().scheme
+        self.line().scheme.as_str()
     }
 
     /// The authority.

@@ -292,7 +292,21 @@ impl KeySet {
                     }
                 },
                 AlgorithmParameters::OctetKeyPair(okp) => match okp.curve {
-                    EllipticCurve::Ed25519 => KeyKind::Ed25519,
+                    EllipticCurve::Ed25519 => {
+                        // jsonwebtoken slices `x` to 32 bytes without checking.
+                        let x = base64::Engine::decode(
+                            &base64::engine::general_purpose::URL_SAFE_NO_PAD,
+                            okp.x.trim_end_matches('='),
+                        )
+                        .map_err(|e| invalid(format!("x is not base64url: {e}")))?;
+                        if x.len() != 32 {
+                            return Err(invalid(format!(
+                                "an Ed25519 public key is 32 bytes, x has {}",
+                                x.len()
+                            )));
+                        }
+                        KeyKind::Ed25519
+                    }
                     ref other => {
                         skipped.push(format!("{label}: unsupported OKP curve {other:?}"));
                         continue;
@@ -325,7 +339,8 @@ impl KeySet {
                 KeyKind::P384 => Algorithm::Es384,
                 KeyKind::Ed25519 => Algorithm::EdDsa,
             });
-            (DEFAULT_PROVIDER.verifier_factory)(&probe.to_jwt(), &decoding)
+            guarded(|| (DEFAULT_PROVIDER.verifier_factory)(&probe.to_jwt(), &decoding).map(drop))
+                .ok_or_else(|| invalid("the crypto provider cannot use this key".to_owned()))?
                 .map_err(|e| invalid(e.to_string()))?;
             keys.push(Key {
                 kid,
@@ -410,10 +425,19 @@ impl KeySet {
 fn verify_with(key: &Key, alg: Algorithm, message: &[u8], signature: &Vec<u8>) -> bool {
     // The verifier is built per call: jsonwebtoken's verifiers are not `Send`, and
     // building one only clones the key bytes.
-    match (DEFAULT_PROVIDER.verifier_factory)(&alg.to_jwt(), &key.decoding) {
-        Ok(verifier) => verifier.verify(message, signature).is_ok(),
-        Err(_) => false,
-    }
+    guarded(
+        || match (DEFAULT_PROVIDER.verifier_factory)(&alg.to_jwt(), &key.decoding) {
+            Ok(verifier) => verifier.verify(message, signature).is_ok(),
+            Err(_) => false,
+        },
+    )
+    .unwrap_or(false)
+}
+
+/// Runs crypto-provider code that must never take the proxy down: a panic inside it
+/// (a library bug on hostile input) becomes `None`, i.e. "does not verify".
+fn guarded<T>(f: impl FnOnce() -> T) -> Option<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).ok()
 }
 
 #[derive(Debug)]
