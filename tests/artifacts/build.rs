@@ -17,14 +17,21 @@ const GUESTS: &[(&str, &str, &str)] = &[
         "dpumesh_sample_guard",
         "SAMPLE_GUARD_WASM",
     ),
+    (
+        "dpumesh-filter-trace",
+        "dpumesh_filter_trace",
+        "FILTER_TRACE_WASM",
+    ),
 ];
 
 fn main() {
     let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
     let workspace = manifest_dir.join("../..").canonicalize().unwrap();
+    println!("cargo:rerun-if-changed=build.rs");
     for watched in [
         "wit",
         "sdk",
+        "filters",
         "tests/programs",
         "samples/filters",
         "Cargo.lock",

@@ -6,6 +6,12 @@ pub const TEST_FILTER: &str = env!("TEST_FILTER_WASM");
 /// The sample `guard` filter (`samples/filters/guard`).
 pub const SAMPLE_GUARD: &str = env!("SAMPLE_GUARD_WASM");
 
+/// The built-in `trace` filter (`filters/trace`).
+pub const FILTER_TRACE: &str = env!("FILTER_TRACE_WASM");
+
+/// The built-in filters by folder name under `filters/` (and `tests/conformance/`).
+pub const BUILTIN_FILTERS: &[(&str, &str)] = &[("trace", FILTER_TRACE)];
+
 /// Reads a component's bytes.
 ///
 /// # Panics

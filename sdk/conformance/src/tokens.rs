@@ -1,0 +1,165 @@
+//! Tokens for suites: signed by the runner from a header, claims and a private key, so
+//! suites stay language-neutral data and signatures are real.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use jsonwebtoken::{Algorithm, EncodingKey};
+use serde_json::Value;
+
+use crate::suite::{Suite, TokenSpec};
+
+/// Why a token could not be made.
+#[derive(Debug, thiserror::Error)]
+#[error("token {name}: {message}")]
+pub struct TokenError {
+    /// The token's name.
+    pub name: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Makes every token of `suite` at its clock.
+pub fn mint_all(suite: &Suite) -> Result<BTreeMap<String, String>, TokenError> {
+    suite
+        .tokens
+        .iter()
+        .map(|(name, spec)| {
+            mint(suite, spec)
+                .map(|t| (name.clone(), t))
+                .map_err(|message| TokenError {
+                    name: name.clone(),
+                    message,
+                })
+        })
+        .collect()
+}
+
+fn relative_time(value: &Value, now: u64) -> Value {
+    let Some(text) = value.as_str() else {
+        return value.clone();
+    };
+    let offset = if text == "now" {
+        Some(0i64)
+    } else if let Some(n) = text.strip_prefix("now+") {
+        n.parse::<i64>().ok()
+    } else if let Some(n) = text.strip_prefix("now-") {
+        n.parse::<i64>().ok().map(|n| -n)
+    } else {
+        None
+    };
+    match offset {
+        Some(offset) => Value::from(now as i64 + offset),
+        None => value.clone(),
+    }
+}
+
+fn mint(suite: &Suite, spec: &TokenSpec) -> Result<String, String> {
+    if let Some(raw) = &spec.raw {
+        return Ok(raw.clone());
+    }
+    let alg_name = spec
+        .alg
+        .clone()
+        .ok_or("alg is required unless raw is given")?;
+    let mut header = serde_json::Map::new();
+    header.insert("alg".into(), Value::from(alg_name.clone()));
+    header.insert("typ".into(), Value::from("JWT"));
+    for (k, v) in &spec.header {
+        if v.is_null() {
+            header.remove(k);
+        } else {
+            header.insert(k.clone(), v.clone());
+        }
+    }
+    let claims: serde_json::Map<String, Value> = spec
+        .claims
+        .iter()
+        .map(|(k, v)| (k.clone(), relative_time(v, suite.clock)))
+        .collect();
+    let signing_input = format!(
+        "{}.{}",
+        URL_SAFE_NO_PAD.encode(Value::Object(header).to_string()),
+        URL_SAFE_NO_PAD.encode(Value::Object(claims).to_string())
+    );
+    if alg_name == "none" {
+        return Ok(format!("{signing_input}."));
+    }
+    let alg = Algorithm::from_str(&alg_name).map_err(|e| format!("alg {alg_name}: {e}"))?;
+    let key = match (&spec.secret, &spec.key_file) {
+        (Some(secret), _) => EncodingKey::from_secret(secret.as_bytes()),
+        (None, Some(file)) => {
+            let path = suite.resolve(file);
+            let pem = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let parsed = match alg {
+                Algorithm::RS256
+                | Algorithm::RS384
+                | Algorithm::RS512
+                | Algorithm::PS256
+                | Algorithm::PS384
+                | Algorithm::PS512 => EncodingKey::from_rsa_pem(&pem),
+                Algorithm::ES256 | Algorithm::ES384 => EncodingKey::from_ec_pem(&pem),
+                Algorithm::EdDSA => EncodingKey::from_ed_pem(&pem),
+                _ => return Err(format!("{alg_name} needs a secret, not a key file")),
+            };
+            parsed.map_err(|e| format!("{}: {e}", path.display()))?
+        }
+        (None, None) => return Err("secret or key_file is required".to_owned()),
+    };
+    let signature = jsonwebtoken::crypto::sign(signing_input.as_bytes(), &key, alg)
+        .map_err(|e| format!("signing: {e}"))?;
+    Ok(format!("{signing_input}.{signature}"))
+}
+
+/// Replaces every `${token.NAME}` in `text`.
+pub fn substitute(text: &str, tokens: &BTreeMap<String, String>) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find("${token.") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + "${token.".len()..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("unterminated ${{token.…}} in {text:?}"))?;
+        let name = &after[..end];
+        let token = tokens
+            .get(name)
+            .ok_or_else(|| format!("no token named {name:?}"))?;
+        out.push_str(token);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn substitution_replaces_every_reference() {
+        let tokens = BTreeMap::from([("a".to_owned(), "AAA".to_owned())]);
+        assert_eq!(
+            substitute("Bearer ${token.a} ${token.a}!", &tokens).unwrap(),
+            "Bearer AAA AAA!"
+        );
+        assert!(
+            substitute("${token.b}", &tokens)
+                .unwrap_err()
+                .contains("\"b\"")
+        );
+        assert!(substitute("${token.a", &tokens).is_err());
+    }
+
+    #[test]
+    fn relative_times_follow_the_clock() {
+        assert_eq!(relative_time(&Value::from("now+60"), 100), Value::from(160));
+        assert_eq!(relative_time(&Value::from("now-60"), 100), Value::from(40));
+        assert_eq!(
+            relative_time(&Value::from("later"), 100),
+            Value::from("later")
+        );
+    }
+}
