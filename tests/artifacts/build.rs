@@ -22,6 +22,11 @@ const GUESTS: &[(&str, &str, &str)] = &[
         "dpumesh_filter_trace",
         "FILTER_TRACE_WASM",
     ),
+    (
+        "dpumesh-filter-ratelimit",
+        "dpumesh_filter_ratelimit",
+        "FILTER_RATELIMIT_WASM",
+    ),
 ];
 
 fn main() {

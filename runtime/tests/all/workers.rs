@@ -72,3 +72,61 @@ fn requests_spread_over_workers_and_responses_return_to_them() {
         Err(dpumesh_runtime::PoolError::UnknownChain(7))
     ));
 }
+
+#[test]
+fn a_node_wide_rate_limit_is_exact_under_16_workers() {
+    use std::sync::Barrier;
+
+    use dpumesh_clock::ManualClock;
+    use dpumesh_runtime::{FilterChain, FilterSettings, Runtime, RuntimeConfig};
+
+    let clock = ManualClock::at_unix_secs(1_700_000_000);
+    let rt = Runtime::new(RuntimeConfig {
+        cache_dir: Some(crate::support::cache_dir()),
+        max_instances: 48,
+        clock: clock.clone(),
+        ..RuntimeConfig::default()
+    })
+    .unwrap();
+    let config = json!({"default_bucket": {"max_tokens": 100, "fill_interval_ms": 1000}});
+    let filter = rt
+        .load_filter(
+            FilterSettings::new("rl", config.to_string())
+                .deadline(std::time::Duration::from_secs(2)),
+            &dpumesh_test_artifacts::read(dpumesh_test_artifacts::FILTER_RATELIMIT),
+        )
+        .unwrap();
+    let pool = Arc::new(
+        WorkerPool::start(vec![Arc::new(FilterChain::new("rl", vec![filter]))], 16).unwrap(),
+    );
+    const CLIENTS: usize = 16;
+    const ROUNDS: usize = 10;
+    let barrier = Arc::new(Barrier::new(CLIENTS + 1));
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (pool, barrier) = (pool.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let mut admitted = 0;
+                for _ in 0..ROUNDS {
+                    barrier.wait();
+                    for _ in 0..20 {
+                        let done = pool.on_request(0, get("/")).unwrap();
+                        if done.outcome.decision == Decision::Continue {
+                            admitted += 1;
+                        }
+                    }
+                    barrier.wait();
+                }
+                admitted
+            })
+        })
+        .collect();
+    for _ in 0..ROUNDS {
+        barrier.wait(); // round starts
+        barrier.wait(); // round done: 320 offered against 100 tokens
+        clock.advance_ms(1000);
+    }
+    let admitted: usize = clients.into_iter().map(|c| c.join().unwrap()).sum();
+    // 100 per one-second interval, node-wide, however the 16 workers interleave.
+    assert_eq!(admitted, ROUNDS * 100);
+}

@@ -9,8 +9,12 @@ pub const SAMPLE_GUARD: &str = env!("SAMPLE_GUARD_WASM");
 /// The built-in `trace` filter (`filters/trace`).
 pub const FILTER_TRACE: &str = env!("FILTER_TRACE_WASM");
 
+/// The built-in `ratelimit` filter (`filters/ratelimit`).
+pub const FILTER_RATELIMIT: &str = env!("FILTER_RATELIMIT_WASM");
+
 /// The built-in filters by folder name under `filters/` (and `tests/conformance/`).
-pub const BUILTIN_FILTERS: &[(&str, &str)] = &[("trace", FILTER_TRACE)];
+pub const BUILTIN_FILTERS: &[(&str, &str)] =
+    &[("trace", FILTER_TRACE), ("ratelimit", FILTER_RATELIMIT)];
 
 /// Reads a component's bytes.
 ///

@@ -1,0 +1,283 @@
+//! `ratelimit`: node-wide token buckets, chosen by descriptor.
+//!
+//! Descriptors are checked in order; the first whose entries all match picks the
+//! bucket, one bucket per distinct value (so `[{claim: sub}]` limits each subject).
+//! Requests no descriptor matches use `default_bucket`, or are not limited. Every
+//! worker shares each bucket through the host's atomic `token-bucket-take`, so the
+//! limit holds for the node, not per worker. Buckets refill in whole intervals, as
+//! Envoy's `local_ratelimit` does.
+//!
+//! Where we differ from Envoy: the `x-ratelimit-*` headers go on 429 replies only; the
+//! filter world has no response-header mutation yet, so allowed responses carry none.
+//! Metrics: `ratelimit_requests_total{descriptor, result=allowed|limited|shadow_limited}`.
+
+#![forbid(unsafe_code)]
+
+pub mod config;
+
+use std::collections::HashMap;
+
+use dpumesh_filter_sdk::metrics::Counter;
+use dpumesh_filter_sdk::shared::{self, TokenBucket};
+use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, export_filter, log};
+use sha2::{Digest, Sha256};
+
+use crate::config::{CheckedBucket, Config, Entry, RawConfig};
+
+/// Keys longer than this are hashed (the host limits keys to 256 bytes).
+const MAX_PLAIN_KEY: usize = 200;
+
+/// The filter.
+#[derive(Debug)]
+pub struct RateLimit {
+    config: Config,
+    counters: HashMap<(String, &'static str), Counter>,
+}
+
+/// A JWT claim from the metadata the JWT filter leaves: top-level claims under
+/// `jwt.claim.<name>`, the whole payload under `jwt.payload` for nested paths.
+pub fn claim(req: &Request<'_>, path: &str) -> Option<String> {
+    if !path.contains('.') {
+        return req.metadata(&format!("jwt.claim.{path}"));
+    }
+    let payload: serde_json::Value = serde_json::from_str(&req.metadata("jwt.payload")?).ok()?;
+    let value = path.split('.').try_fold(&payload, |v, part| v.get(part))?;
+    Some(match value {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    })
+}
+
+/// The values a descriptor's entries produce, or `None` if one does not match.
+fn extract(entries: &[Entry], req: &Request<'_>) -> Option<Vec<String>> {
+    let mut values = Vec::new();
+    for entry in entries {
+        match entry {
+            Entry::Header(name) => values.push(req.header(name)?),
+            Entry::PathPrefix(prefix) => {
+                if !req.path().starts_with(prefix.as_str()) {
+                    return None;
+                }
+            }
+            Entry::Claim(path) => values.push(claim(req, path)?),
+            Entry::SourceIp => values.push(req.source().address),
+            Entry::Destination => values.push(req.destination()?),
+            Entry::DestinationIs(service) => {
+                if req.destination().as_deref() != Some(service.as_str()) {
+                    return None;
+                }
+            }
+            Entry::Method(method) => {
+                if !req.method().eq_ignore_ascii_case(method) {
+                    return None;
+                }
+            }
+        }
+    }
+    Some(values)
+}
+
+/// The shared-state key of a bucket: descriptor name and values, hashed when long.
+fn bucket_key(name: &str, values: &[String]) -> String {
+    let plain = std::iter::once(name)
+        .chain(values.iter().map(String::as_str))
+        .collect::<Vec<_>>()
+        .join("|");
+    if plain.len() <= MAX_PLAIN_KEY {
+        plain
+    } else {
+        format!("{name}#{}", hex::encode(Sha256::digest(plain.as_bytes())))
+    }
+}
+
+fn secs_ceil(ms: u64) -> u64 {
+    ms.div_ceil(1000).max(1)
+}
+
+impl RateLimit {
+    fn count(&mut self, descriptor: &str, result: &'static str) {
+        let counter = self
+            .counters
+            .entry((descriptor.to_owned(), result))
+            .or_insert_with(|| {
+                Counter::new(
+                    "ratelimit_requests_total",
+                    &[("descriptor", descriptor), ("result", result)],
+                )
+                .unwrap_or_else(|_| {
+                    Counter::new("ratelimit_requests_total", &[]).expect("plain counter")
+                })
+            });
+        counter.increment(1);
+    }
+
+    fn take(&mut self, descriptor: &str, key: &str, bucket: CheckedBucket) -> Verdict {
+        let spec = TokenBucket {
+            capacity: bucket.max_tokens,
+            refill_tokens: bucket.tokens_per_fill,
+            refill_interval_ms: bucket.fill_interval_ms,
+        };
+        let result = match shared::token_bucket_take(key, spec, 1) {
+            Ok(result) => result,
+            Err(e) => {
+                self.count(descriptor, "state_error");
+                log::warn(&format!(
+                    "rate limit state unavailable ({e}); {}",
+                    if self.config.deny_on_state_error {
+                        "denying"
+                    } else {
+                        "allowing"
+                    }
+                ));
+                return if self.config.deny_on_state_error {
+                    LocalReply::new(503).body("rate limit unavailable\n").into()
+                } else {
+                    Verdict::Continue
+                };
+            }
+        };
+        if result.allowed {
+            self.count(descriptor, "allowed");
+            return Verdict::Continue;
+        }
+        if self.config.shadow {
+            self.count(descriptor, "shadow_limited");
+            dpumesh_filter_sdk::log!(
+                log::Level::Info,
+                "shadow: would rate-limit descriptor {descriptor}"
+            );
+            return Verdict::Continue;
+        }
+        self.count(descriptor, "limited");
+        let reset = secs_ceil(result.reset_after_ms);
+        let mut reply = LocalReply::new(self.config.status)
+            .header("content-type", "text/plain")
+            .header("retry-after", reset.to_string())
+            .body("rate limited\n");
+        if self.config.x_ratelimit_headers {
+            reply = reply
+                .header("x-ratelimit-limit", bucket.max_tokens.to_string())
+                .header("x-ratelimit-remaining", result.remaining.to_string())
+                .header("x-ratelimit-reset", reset.to_string());
+        }
+        reply.into()
+    }
+}
+
+impl Filter for RateLimit {
+    type Config = RawConfig;
+
+    fn new(raw: RawConfig) -> Result<Self, String> {
+        Ok(Self {
+            config: Config::try_from(raw)?,
+            counters: HashMap::new(),
+        })
+    }
+
+    fn on_request(&mut self, req: &Request<'_>) -> Verdict {
+        let matched = self
+            .config
+            .descriptors
+            .iter()
+            .find_map(|d| extract(&d.entries, req).map(|values| (d, values)));
+        match matched {
+            Some((descriptor, values)) => {
+                let (name, bucket) = (descriptor.name.clone(), descriptor.bucket);
+                let key = bucket_key(&name, &values);
+                self.take(&name, &key, bucket)
+            }
+            None => match self.config.default_bucket {
+                Some(bucket) => self.take("default", "default", bucket),
+                None => Verdict::Continue,
+            },
+        }
+    }
+}
+
+export_filter!(RateLimit);
+
+#[cfg(test)]
+mod tests {
+    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+
+    use super::*;
+
+    #[test]
+    fn per_value_buckets_refill_on_the_clock() {
+        let host = MockHost::new().install();
+        let mut f: RateLimit = host
+            .configure(r#"{"descriptors": [{"name": "key", "entries": [{"header": "x-api-key"}], "bucket": {"max_tokens": 2, "fill_interval_ms": 1000}}]}"#)
+            .unwrap();
+        let a = || MockRequest::get("/").with_header("x-api-key", "a");
+        assert!(host.on_request(&mut f, &a()).is_continue());
+        assert!(host.on_request(&mut f, &a()).is_continue());
+        let denied = host.on_request(&mut f, &a());
+        let reply = denied.reply().unwrap();
+        assert_eq!(reply.status, 429);
+        assert_eq!(reply.header_value("retry-after"), Some("1"));
+        assert_eq!(reply.header_value("x-ratelimit-remaining"), Some("0"));
+        // Another key has its own bucket; no key is not limited.
+        let b = MockRequest::get("/").with_header("x-api-key", "b");
+        assert!(host.on_request(&mut f, &b).is_continue());
+        assert!(
+            host.on_request(&mut f, &MockRequest::get("/"))
+                .is_continue()
+        );
+        host.advance_ms(1000);
+        assert!(host.on_request(&mut f, &a()).is_continue());
+        assert_eq!(
+            host.metric(
+                "ratelimit_requests_total",
+                &[("descriptor", "key"), ("result", "limited")]
+            ),
+            1.0
+        );
+    }
+
+    #[test]
+    fn long_values_are_hashed_into_short_keys() {
+        let key = bucket_key("d", &["x".repeat(1000)]);
+        assert!(key.len() < 100, "{key}");
+        assert_ne!(key, bucket_key("d", &["y".repeat(1000)]));
+        assert_eq!(bucket_key("d", &["a".into(), "b".into()]), "d|a|b");
+    }
+
+    #[test]
+    fn nested_claims_come_from_the_payload() {
+        let host = MockHost::new().install();
+        let mut f: RateLimit = host
+            .configure(r#"{"descriptors": [{"name": "org", "entries": [{"claim": "org.id"}], "bucket": {"max_tokens": 1, "fill_interval_ms": 60000}}]}"#)
+            .unwrap();
+        let req = || MockRequest::get("/").with_metadata("jwt.payload", r#"{"org": {"id": 42}}"#);
+        assert!(host.on_request(&mut f, &req()).is_continue());
+        assert!(!host.on_request(&mut f, &req()).is_continue());
+        assert!(host.namespace().get("org|42").is_err());
+    }
+
+    #[test]
+    fn configs_are_checked() {
+        let host = MockHost::new().install();
+        for (config, needle) in [
+            (r#"{"status": 200}"#, "4xx or 5xx"),
+            (
+                r#"{"default_bucket": {"max_tokens": 0, "fill_interval_ms": 1}}"#,
+                "max_tokens",
+            ),
+            (
+                r#"{"descriptors": [{"name": "a", "entries": [], "bucket": {"max_tokens": 1, "fill_interval_ms": 1}}]}"#,
+                "entries",
+            ),
+            (
+                r#"{"descriptors": [{"name": "a", "entries": [{"path_prefix": "x"}], "bucket": {"max_tokens": 1, "fill_interval_ms": 1}}]}"#,
+                "path_prefix",
+            ),
+            (
+                r#"{"descriptors": [{"name": "a", "entries": [{"bogus": 1}], "bucket": {"max_tokens": 1, "fill_interval_ms": 1}}]}"#,
+                "unknown variant",
+            ),
+        ] {
+            let err = host.configure::<RateLimit>(config).unwrap_err();
+            assert!(err.contains(needle), "{config}: {err}");
+        }
+    }
+}
