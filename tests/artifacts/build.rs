@@ -27,6 +27,11 @@ const GUESTS: &[(&str, &str, &str)] = &[
         "dpumesh_filter_ratelimit",
         "FILTER_RATELIMIT_WASM",
     ),
+    (
+        "dpumesh-filter-circuit-breaker",
+        "dpumesh_filter_circuit_breaker",
+        "FILTER_CIRCUIT_BREAKER_WASM",
+    ),
 ];
 
 fn main() {

@@ -208,32 +208,51 @@ fn run_case(
         Ok(head) => head,
         Err(e) => return report(vec![format!("bad case: {e}")]),
     };
-    let mut outcome = None;
+    let info = match &case.response {
+        None => None,
+        Some(response) => match failure_kind(&response.failure) {
+            Ok(failure) => Some(ResponseInfo {
+                status: response.status,
+                latency_ns: response.latency_ms.saturating_mul(1_000_000),
+                upstream: response.upstream.clone(),
+                failure,
+            }),
+            Err(e) => return report(vec![format!("bad case: {e}")]),
+        },
+    };
+    let mut last = None;
+    let mut response_faults = Vec::new();
     for _ in 0..case.repeat.max(1) {
-        let result = runner.on_request(head.clone());
+        let mut outcome = runner.on_request(head.clone());
         runner.repair();
-        outcome = Some(result);
+        // Each request gets its response phase, as in the proxy: the upstream's answer
+        // when it was forwarded, the local reply when a filter denied it.
+        if let Some(info) = &info {
+            let info = match outcome.decision.reply() {
+                Some(reply) => ResponseInfo {
+                    status: reply.status,
+                    latency_ns: 0,
+                    upstream: None,
+                    failure: FailureKind::LocalReply,
+                },
+                None => info.clone(),
+            };
+            let (head, faults) = runner.on_response(outcome.head, &info, outcome.ran);
+            runner.repair();
+            outcome.head = head;
+            response_faults.extend(faults);
+        }
+        last = Some(outcome);
     }
-    let Some(outcome) = outcome else {
+    let Some(outcome) = last else {
         return report(vec!["no request was sent".to_owned()]);
     };
     let mut failures = check(&case.expect, &outcome);
-    if let Some(response) = &case.response {
-        match failure_kind(&response.failure) {
-            Ok(failure) => {
-                let info = ResponseInfo {
-                    status: response.status,
-                    latency_ns: response.latency_ms.saturating_mul(1_000_000),
-                    upstream: response.upstream.clone(),
-                    failure,
-                };
-                let (_, faults) = runner.on_response(outcome.head, &info, outcome.ran);
-                runner.repair();
-                failures.extend(faults.iter().map(|f| format!("on-response fault: {f}")));
-            }
-            Err(e) => failures.push(format!("bad case: {e}")),
-        }
-    }
+    failures.extend(
+        response_faults
+            .iter()
+            .map(|f| format!("on-response fault: {f}")),
+    );
     report(failures)
 }
 

@@ -12,9 +12,15 @@ pub const FILTER_TRACE: &str = env!("FILTER_TRACE_WASM");
 /// The built-in `ratelimit` filter (`filters/ratelimit`).
 pub const FILTER_RATELIMIT: &str = env!("FILTER_RATELIMIT_WASM");
 
+/// The built-in `circuit-breaker` filter (`filters/circuit-breaker`).
+pub const FILTER_CIRCUIT_BREAKER: &str = env!("FILTER_CIRCUIT_BREAKER_WASM");
+
 /// The built-in filters by folder name under `filters/` (and `tests/conformance/`).
-pub const BUILTIN_FILTERS: &[(&str, &str)] =
-    &[("trace", FILTER_TRACE), ("ratelimit", FILTER_RATELIMIT)];
+pub const BUILTIN_FILTERS: &[(&str, &str)] = &[
+    ("trace", FILTER_TRACE),
+    ("ratelimit", FILTER_RATELIMIT),
+    ("circuit-breaker", FILTER_CIRCUIT_BREAKER),
+];
 
 /// Reads a component's bytes.
 ///
