@@ -32,6 +32,11 @@ const GUESTS: &[(&str, &str, &str)] = &[
         "dpumesh_filter_circuit_breaker",
         "FILTER_CIRCUIT_BREAKER_WASM",
     ),
+    (
+        "dpumesh-filter-rbac",
+        "dpumesh_filter_rbac",
+        "FILTER_RBAC_WASM",
+    ),
 ];
 
 fn main() {

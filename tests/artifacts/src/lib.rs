@@ -15,11 +15,15 @@ pub const FILTER_RATELIMIT: &str = env!("FILTER_RATELIMIT_WASM");
 /// The built-in `circuit-breaker` filter (`filters/circuit-breaker`).
 pub const FILTER_CIRCUIT_BREAKER: &str = env!("FILTER_CIRCUIT_BREAKER_WASM");
 
+/// The built-in `rbac` filter (`filters/rbac`).
+pub const FILTER_RBAC: &str = env!("FILTER_RBAC_WASM");
+
 /// The built-in filters by folder name under `filters/` (and `tests/conformance/`).
 pub const BUILTIN_FILTERS: &[(&str, &str)] = &[
     ("trace", FILTER_TRACE),
     ("ratelimit", FILTER_RATELIMIT),
     ("circuit-breaker", FILTER_CIRCUIT_BREAKER),
+    ("rbac", FILTER_RBAC),
 ];
 
 /// Reads a component's bytes.
