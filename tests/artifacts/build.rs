@@ -37,6 +37,11 @@ const GUESTS: &[(&str, &str, &str)] = &[
         "dpumesh_filter_rbac",
         "FILTER_RBAC_WASM",
     ),
+    (
+        "dpumesh-filter-jwt",
+        "dpumesh_filter_jwt",
+        "FILTER_JWT_WASM",
+    ),
 ];
 
 fn main() {

@@ -12,7 +12,7 @@ use dpumesh_runtime::{
     RequestHead, ResponseInfo, Runtime, RuntimeConfig,
 };
 
-use crate::suite::{Case, Expect, KeySource, RequestSpec, Suite, Verdict};
+use crate::suite::{Case, Expect, RequestSpec, Suite, Verdict};
 use crate::tokens;
 
 /// The result of one case.
@@ -107,9 +107,9 @@ pub fn run_suite(suite: &Suite, component: &[u8], options: &RunOptions) -> Suite
         Err(e) => return setup_error(suite, e.to_string()),
     };
     for (name, source) in &suite.keys {
-        let set = match source {
-            KeySource::Jwks(doc) => KeySet::from_jwks(&doc.to_string()),
-            KeySource::JwksFile(file) => {
+        let set = match (&source.jwks, &source.jwks_file, &source.secret) {
+            (Some(doc), None, None) => KeySet::from_jwks(&doc.to_string()),
+            (None, Some(file), None) => {
                 let path = suite.resolve(file);
                 match std::fs::read_to_string(&path) {
                     Ok(text) => KeySet::from_jwks(&text),
@@ -121,8 +121,15 @@ pub fn run_suite(suite: &Suite, component: &[u8], options: &RunOptions) -> Suite
                     }
                 }
             }
-            KeySource::Secret { secret, kid } => {
-                Ok(KeySet::from_secret(kid.as_deref(), secret.as_bytes()))
+            (None, None, Some(secret)) => Ok(KeySet::from_secret(
+                source.kid.as_deref(),
+                secret.as_bytes(),
+            )),
+            _ => {
+                return setup_error(
+                    suite,
+                    format!("key set {name}: give exactly one of jwks, jwks_file, secret"),
+                );
             }
         };
         match set {

@@ -38,22 +38,22 @@ fn default_clock() -> u64 {
     1_700_000_000
 }
 
-/// Where a key set comes from.
+/// Where a key set comes from: exactly one of `jwks`, `jwks_file`, `secret`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "snake_case")]
-pub enum KeySource {
+#[serde(deny_unknown_fields)]
+pub struct KeySource {
     /// A JWKS document, inline.
-    Jwks(serde_json::Value),
+    #[serde(default)]
+    pub jwks: Option<serde_json::Value>,
     /// A JWKS file, relative to the suite.
-    JwksFile(PathBuf),
-    /// One HMAC secret (its UTF-8 bytes), with an optional key id.
-    Secret {
-        /// The secret.
-        secret: String,
-        /// Its key id.
-        #[serde(default)]
-        kid: Option<String>,
-    },
+    #[serde(default)]
+    pub jwks_file: Option<PathBuf>,
+    /// One HMAC secret (its UTF-8 bytes).
+    #[serde(default)]
+    pub secret: Option<String>,
+    /// The secret's key id.
+    #[serde(default)]
+    pub kid: Option<String>,
 }
 
 /// A token the runner signs (or a literal one, for hostile cases).
@@ -79,6 +79,13 @@ pub struct TokenSpec {
     /// A literal token, used as is (everything else ignored).
     #[serde(default)]
     pub raw: Option<String>,
+    /// After signing, add `"tampered": true` to the payload and keep the signature (a
+    /// token whose signature no longer verifies).
+    #[serde(default)]
+    pub tamper: bool,
+    /// Add a claim `pad` of this many bytes (for size limits).
+    #[serde(default)]
+    pub pad_claim_bytes: usize,
 }
 
 /// One request and what must come of it.

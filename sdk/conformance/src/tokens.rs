@@ -74,15 +74,18 @@ fn mint(suite: &Suite, spec: &TokenSpec) -> Result<String, String> {
             header.insert(k.clone(), v.clone());
         }
     }
-    let claims: serde_json::Map<String, Value> = spec
+    let mut claims: serde_json::Map<String, Value> = spec
         .claims
         .iter()
         .map(|(k, v)| (k.clone(), relative_time(v, suite.clock)))
         .collect();
+    if spec.pad_claim_bytes > 0 {
+        claims.insert("pad".into(), Value::from("x".repeat(spec.pad_claim_bytes)));
+    }
+    let header_b64 = URL_SAFE_NO_PAD.encode(Value::Object(header).to_string());
     let signing_input = format!(
-        "{}.{}",
-        URL_SAFE_NO_PAD.encode(Value::Object(header).to_string()),
-        URL_SAFE_NO_PAD.encode(Value::Object(claims).to_string())
+        "{header_b64}.{}",
+        URL_SAFE_NO_PAD.encode(Value::Object(claims.clone()).to_string())
     );
     if alg_name == "none" {
         return Ok(format!("{signing_input}."));
@@ -110,6 +113,11 @@ fn mint(suite: &Suite, spec: &TokenSpec) -> Result<String, String> {
     };
     let signature = jsonwebtoken::crypto::sign(signing_input.as_bytes(), &key, alg)
         .map_err(|e| format!("signing: {e}"))?;
+    if spec.tamper {
+        claims.insert("tampered".into(), Value::from(true));
+        let payload = URL_SAFE_NO_PAD.encode(Value::Object(claims).to_string());
+        return Ok(format!("{header_b64}.{payload}.{signature}"));
+    }
     Ok(format!("{signing_input}.{signature}"))
 }
 

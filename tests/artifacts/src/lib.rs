@@ -18,12 +18,16 @@ pub const FILTER_CIRCUIT_BREAKER: &str = env!("FILTER_CIRCUIT_BREAKER_WASM");
 /// The built-in `rbac` filter (`filters/rbac`).
 pub const FILTER_RBAC: &str = env!("FILTER_RBAC_WASM");
 
+/// The built-in `jwt` filter (`filters/jwt`).
+pub const FILTER_JWT: &str = env!("FILTER_JWT_WASM");
+
 /// The built-in filters by folder name under `filters/` (and `tests/conformance/`).
 pub const BUILTIN_FILTERS: &[(&str, &str)] = &[
     ("trace", FILTER_TRACE),
     ("ratelimit", FILTER_RATELIMIT),
     ("circuit-breaker", FILTER_CIRCUIT_BREAKER),
     ("rbac", FILTER_RBAC),
+    ("jwt", FILTER_JWT),
 ];
 
 /// Reads a component's bytes.

@@ -1,0 +1,218 @@
+//! `jwt`: JWT authentication, after Envoy's `jwt_authn`.
+//!
+//! For the first rule matching the request (path prefix, methods), the rule's provider
+//! looks for a token in its sources (default `Authorization: Bearer`, then configured
+//! headers with prefixes, query parameters, cookies), parses it strictly, checks the
+//! header (`alg` in the provider's list — `none` never is —, no `crit`, `typ`), has the
+//! host verify the signature with the provider's key set (natively; the key never
+//! enters the filter, and HMAC-with-an-RSA-key confusion is impossible because keys
+//! only serve their own algorithm family), then checks `iss`, `aud`, `exp`, `nbf`,
+//! `iat` with clock skew, `require_expiration` and the maximum lifetime.
+//!
+//! On success the verified claims go into metadata (`jwt.payload`, `jwt.claim.<name>`,
+//! `jwt.provider`) for RBAC and rate limits, configured claims are copied into headers,
+//! the payload is forwarded if asked, and the token stripped if asked. On failure the
+//! reply is 401 with `WWW-Authenticate: Bearer error="invalid_token",
+//! error_description="…"` (RFC 6750); a missing token gets `Bearer` without `error`.
+//! Verified tokens are cached (bounded, by SHA-256, until they expire, invalidated when
+//! the key set changes).
+
+#![forbid(unsafe_code)]
+
+pub mod cache;
+pub mod config;
+pub mod extractor;
+pub mod matcher;
+pub mod token;
+pub mod verifier;
+
+use dpumesh_filter_sdk::metrics::Counter;
+use dpumesh_filter_sdk::util::base64url_encode;
+use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, clock, crypto, export_filter, log};
+use serde_json::Value;
+
+use crate::cache::{TokenCache, Verified};
+use crate::config::{Config, Mode, Provider, RawConfig};
+use crate::extractor::Location;
+use crate::verifier::Failure;
+
+/// The filter.
+#[derive(Debug)]
+pub struct Jwt {
+    config: Config,
+    cache: TokenCache,
+    verified: Counter,
+    cache_hits: Counter,
+    missing: Counter,
+    failures: Vec<(&'static str, Counter)>,
+}
+
+/// A claim value as metadata: strings raw, everything else as JSON.
+fn metadata_value(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn verify(token: &str, provider: &Provider, now: f64) -> Result<Verified, Failure> {
+    let parsed = token::parse(token).map_err(Failure::Parse)?;
+    let (alg, kid) = verifier::check_header(&parsed, provider)?;
+    verifier::check_signature(&parsed, provider, alg, kid)?;
+    let window = verifier::check_claims(&parsed, provider, now)?;
+    Ok(Verified {
+        provider: 0,
+        key_version: 0,
+        window,
+        payload: String::from_utf8_lossy(&parsed.payload_json).into_owned(),
+        claims: parsed
+            .claims
+            .iter()
+            .map(|(k, v)| (k.clone(), metadata_value(v)))
+            .collect(),
+    })
+}
+
+fn unauthorized(failure: Option<Failure>) -> Verdict {
+    let (challenge, body) = match failure {
+        None => ("Bearer".to_owned(), "Jwt is missing".to_owned()),
+        Some(f) => (
+            format!("Bearer error=\"invalid_token\", error_description=\"{f}\""),
+            f.to_string(),
+        ),
+    };
+    LocalReply::new(401)
+        .header("www-authenticate", challenge)
+        .header("content-type", "text/plain")
+        .body(format!("{body}\n"))
+        .into()
+}
+
+impl Jwt {
+    fn fail(&self, failure: Failure) {
+        if let Some((_, counter)) = self.failures.iter().find(|(l, _)| *l == failure.label()) {
+            counter.increment(1);
+        }
+        dpumesh_filter_sdk::log!(log::Level::Debug, "jwt rejected: {failure}");
+    }
+
+    fn apply(req: &Request<'_>, provider: &Provider, verified: &Verified, location: &Location) {
+        req.set_metadata("jwt.provider", &provider.name);
+        req.set_metadata("jwt.payload", &verified.payload);
+        for (name, value) in &verified.claims {
+            req.set_metadata(&format!("jwt.claim.{name}"), value);
+        }
+        if !provider.raw.claim_to_headers.is_empty() {
+            let payload: Value = serde_json::from_str(&verified.payload).unwrap_or(Value::Null);
+            for c in &provider.raw.claim_to_headers {
+                let value = c.claim.split('.').try_fold(&payload, |v, part| v.get(part));
+                match value {
+                    Some(v) if !v.is_null() => {
+                        let _ = req.set_header(&c.header, &metadata_value(v));
+                    }
+                    // A forged header of the same name must not survive.
+                    _ => {
+                        let _ = req.remove_header(&c.header);
+                    }
+                }
+            }
+        }
+        if let Some(header) = &provider.raw.forward_payload_header {
+            let _ = req.set_header(header, &base64url_encode(verified.payload.as_bytes()));
+        }
+        if provider.raw.strip_token
+            && let Location::Header(name) = location
+        {
+            let _ = req.remove_header(name);
+        }
+    }
+}
+
+impl Filter for Jwt {
+    type Config = RawConfig;
+
+    fn new(raw: RawConfig) -> Result<Self, String> {
+        let config = Config::try_from(raw)?;
+        let counter = |labels: &[(&str, &str)]| {
+            Counter::new("jwt_requests_total", labels).map_err(|e| e.to_string())
+        };
+        let labels = [
+            "too_large",
+            "malformed",
+            "algorithm",
+            "header",
+            "no_key",
+            "signature",
+            "time_claims",
+            "expired",
+            "not_yet_valid",
+            "issuer",
+            "audience",
+        ];
+        Ok(Self {
+            cache: TokenCache::new(config.cache_entries),
+            verified: counter(&[("result", "verified")])?,
+            cache_hits: counter(&[("result", "cache_hit")])?,
+            missing: counter(&[("result", "missing")])?,
+            failures: labels
+                .into_iter()
+                .map(|l| counter(&[("result", l)]).map(|c| (l, c)))
+                .collect::<Result<_, _>>()?,
+            config,
+        })
+    }
+
+    fn on_request(&mut self, req: &Request<'_>) -> Verdict {
+        let Some(rule) = matcher::find(&self.config.rules, req.method(), req.path()) else {
+            return Verdict::Continue;
+        };
+        let (Some(index), mode) = (rule.provider, rule.mode) else {
+            return Verdict::Continue;
+        };
+        let provider = &self.config.providers[index];
+        let Some((token, location)) = extractor::extract(req, provider) else {
+            self.missing.increment(1);
+            return match mode {
+                Mode::Required => unauthorized(None),
+                Mode::AllowMissing | Mode::AllowMissingOrFailed => Verdict::Continue,
+            };
+        };
+        let now = clock::wall_ns() as f64 / 1e9;
+        let result = if token.len() > provider.raw.max_token_bytes {
+            Err(Failure::TooLarge)
+        } else if token.is_empty() {
+            Err(Failure::Parse(token::ParseError::Segments))
+        } else {
+            let key_version = crypto::key_set_version(&provider.raw.key_set);
+            let key = TokenCache::key(&token);
+            if let Some(hit) = self.cache.get(&key, index, key_version, now) {
+                self.cache_hits.increment(1);
+                Ok(hit.clone())
+            } else {
+                verify(&token, provider, now).map(|mut verified| {
+                    verified.provider = index;
+                    verified.key_version = key_version;
+                    self.cache.insert(key, verified.clone(), now);
+                    verified
+                })
+            }
+        };
+        let provider = &self.config.providers[index];
+        match result {
+            Ok(verified) => {
+                self.verified.increment(1);
+                Self::apply(req, provider, &verified, &location);
+                Verdict::Continue
+            }
+            Err(failure) => {
+                self.fail(failure);
+                match mode {
+                    Mode::AllowMissingOrFailed => Verdict::Continue,
+                    Mode::Required | Mode::AllowMissing => unauthorized(Some(failure)),
+                }
+            }
+        }
+    }
+}
+
+export_filter!(Jwt);
