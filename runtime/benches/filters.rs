@@ -1,0 +1,240 @@
+//! The built-in filters as Wasm components vs the same crates compiled natively (the
+//! SDK's mock host), the full chain trace → jwt(HS256) → rbac → ratelimit →
+//! circuit-breaker with p50/p99, and JWT verification through the crypto import vs
+//! `jsonwebtoken` called directly — all in one run.
+//!
+//! `cargo bench -p dpumesh-runtime --bench filters`
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_main};
+use dpumesh_filter_sdk::Filter;
+use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+use dpumesh_runtime::{ChainRunner, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig};
+use dpumesh_test_artifacts as artifacts;
+use jsonwebtoken::{Algorithm, EncodingKey, Header, Validation};
+
+const KEYS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/keys");
+const SECRET: &[u8] = b"bench-hmac-secret-0123456789abcdef";
+
+fn fixture(name: &str) -> Vec<u8> {
+    std::fs::read(format!("{KEYS}/{name}")).unwrap()
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn token(alg: Algorithm, kid: Option<&str>, key: &EncodingKey) -> String {
+    let mut header = Header::new(alg);
+    header.kid = kid.map(str::to_owned);
+    let claims = serde_json::json!({
+        "iss": "https://issuer.example", "aud": "api", "sub": "alice",
+        "roles": ["reader"], "iat": now(), "exp": now() + 3600
+    });
+    jsonwebtoken::encode(&header, &claims, key).unwrap()
+}
+
+fn jwt_config(algs: &[&str], key_set: &str, cache_entries: usize) -> String {
+    serde_json::json!({
+        "providers": {"p": {"issuer": "https://issuer.example", "audiences": ["api"],
+            "algorithms": algs, "key_set": key_set}},
+        "rules": [{"path_prefix": "/", "provider": "p"}],
+        "cache_entries": cache_entries,
+    })
+    .to_string()
+}
+
+const RBAC: &str = r#"{"action": "ALLOW", "policies": [
+  {"name": "admins", "permissions": [{"path": {"prefix": "/admin"}}], "principals": [{"claim": {"name": "roles", "contains": "admin"}}]},
+  {"name": "readers", "permissions": [{"and": [{"method": "GET"}, {"path": {"prefix": "/api/"}}]}], "principals": [{"claim": {"name": "roles", "contains": "reader"}}]}
+]}"#;
+const RATELIMIT: &str = r#"{"descriptors": [{"name": "per-user", "entries": [{"claim": "sub"}], "bucket": {"max_tokens": 1000000000, "fill_interval_ms": 1000}}]}"#;
+const BREAKER: &str = r#"{"consecutive_failures": 5}"#;
+const TRACE: &str = "{}";
+
+fn head(token: &str) -> RequestHead {
+    let mut head = RequestHead::new("GET", "/api/v1/items");
+    head.authority = "api.example.com".to_owned();
+    head.destination = Some("items".to_owned());
+    for (n, v) in [
+        ("authorization", format!("Bearer {token}")),
+        ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned()),
+        ("x-request-id", "7b0e4c6a-1d3c-4c43-9d7e-6c1f5d1b2a90".to_owned()),
+        ("user-agent", "wrk".to_owned()),
+        ("accept", "*/*".to_owned()),
+    ] {
+        head.append_received(n, &v).unwrap();
+    }
+    // What the JWT filter leaves for RBAC and rate limit when they run alone.
+    head.set_metadata("jwt.payload", r#"{"sub":"alice","roles":["reader"]}"#);
+    head.set_metadata("jwt.claim.sub", "alice");
+    head
+}
+
+struct Setup {
+    rt: Runtime,
+    host: MockHost,
+    hs_token: String,
+    rs_token: String,
+    es_token: String,
+}
+
+fn setup() -> Setup {
+    let rt = Runtime::new(RuntimeConfig {
+        max_instances: 64,
+        ..RuntimeConfig::default()
+    })
+    .unwrap();
+    let jwks = String::from_utf8(fixture("jwks.json")).unwrap();
+    rt.keys().insert("idp", dpumesh_keys::KeySet::from_jwks(&jwks).unwrap());
+    rt.keys().insert("shared", dpumesh_keys::KeySet::from_secret(None, SECRET));
+    let host = MockHost::new()
+        .at_unix_secs(now())
+        .with_jwks("idp", &jwks)
+        .unwrap()
+        .with_secret("shared", None, SECRET)
+        .install();
+    Setup {
+        hs_token: token(Algorithm::HS256, None, &EncodingKey::from_secret(SECRET)),
+        rs_token: token(Algorithm::RS256, Some("rsa-1"), &EncodingKey::from_rsa_pem(&fixture("rsa.pem")).unwrap()),
+        es_token: token(Algorithm::ES256, Some("ec-p256"), &EncodingKey::from_ec_pem(&fixture("p256.pem")).unwrap()),
+        rt,
+        host,
+    }
+}
+
+fn wasm(rt: &Runtime, name: &str, component: &str, config: &str) -> ChainRunner {
+    let filter = rt
+        .load_filter(
+            FilterSettings::new(name, config).deadline(Duration::from_secs(1)),
+            &artifacts::read(component),
+        )
+        .unwrap();
+    ChainRunner::new(Arc::new(FilterChain::new(name, vec![filter])))
+}
+
+fn pair<F: Filter>(c: &mut Criterion, s: &Setup, name: &str, component: &str, config: &str, template: &RequestHead) {
+    let mut group = c.benchmark_group(format!("filter/{name}"));
+    group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    let mut native: F = s.host.configure(config).unwrap();
+    group.bench_function("native", |b| {
+        b.iter(|| {
+            let req = MockRequest::from_head(template.clone());
+            assert!(s.host.on_request(&mut native, &req).is_continue());
+            req
+        })
+    });
+    let mut runner = wasm(&s.rt, name, component, config);
+    group.bench_function("wasm", |b| {
+        b.iter(|| {
+            let outcome = runner.on_request(template.clone());
+            assert!(outcome.decision.reply().is_none(), "{:?}", outcome.decision);
+            outcome
+        })
+    });
+    group.finish();
+}
+
+fn filters(c: &mut Criterion) {
+    let s = setup();
+    let hs = head(&s.hs_token);
+    let rs = head(&s.rs_token);
+    let es = head(&s.es_token);
+    pair::<dpumesh_filter_trace::Trace>(c, &s, "trace", artifacts::FILTER_TRACE, TRACE, &hs);
+    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_hs256_cached", artifacts::FILTER_JWT, &jwt_config(&["HS256"], "shared", 1000), &hs);
+    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_hs256_uncached", artifacts::FILTER_JWT, &jwt_config(&["HS256"], "shared", 0), &hs);
+    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_rs256_uncached", artifacts::FILTER_JWT, &jwt_config(&["RS256"], "idp", 0), &rs);
+    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_rs256_cached", artifacts::FILTER_JWT, &jwt_config(&["RS256"], "idp", 1000), &rs);
+    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_es256_uncached", artifacts::FILTER_JWT, &jwt_config(&["ES256"], "idp", 0), &es);
+    pair::<dpumesh_filter_rbac::Rbac>(c, &s, "rbac", artifacts::FILTER_RBAC, RBAC, &hs);
+    pair::<dpumesh_filter_ratelimit::RateLimit>(c, &s, "ratelimit", artifacts::FILTER_RATELIMIT, RATELIMIT, &hs);
+    pair::<dpumesh_filter_circuit_breaker::CircuitBreaker>(c, &s, "circuit_breaker", artifacts::FILTER_CIRCUIT_BREAKER, BREAKER, &hs);
+
+    // The crypto crate called directly: full decode (parse, verify, validate claims).
+    let mut group = c.benchmark_group("jwt_direct");
+    group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    let jwks: jsonwebtoken::jwk::JwkSet = serde_json::from_slice(&fixture("jwks.json")).unwrap();
+    for (name, tok, alg, kid) in [("rs256", &s.rs_token, Algorithm::RS256, "rsa-1"), ("es256", &s.es_token, Algorithm::ES256, "ec-p256")] {
+        let key = jsonwebtoken::DecodingKey::from_jwk(jwks.find(kid).unwrap()).unwrap();
+        let mut validation = Validation::new(alg);
+        validation.set_audience(&["api"]);
+        validation.set_issuer(&["https://issuer.example"]);
+        group.bench_function(name, |b| {
+            b.iter(|| jsonwebtoken::decode::<serde_json::Value>(tok, &key, &validation).unwrap())
+        });
+    }
+    group.finish();
+}
+
+/// The full chain, timed per request for percentiles (criterion reports means).
+fn full_chain(c: &mut Criterion) {
+    let s = setup();
+    let load = |name: &str, component: &str, config: &str| {
+        s.rt.load_filter(
+            FilterSettings::new(name, config).deadline(Duration::from_secs(1)),
+            &artifacts::read(component),
+        )
+        .unwrap()
+    };
+    let chain = Arc::new(FilterChain::new(
+        "full",
+        vec![
+            load("trace", artifacts::FILTER_TRACE, TRACE),
+            load("jwt", artifacts::FILTER_JWT, &jwt_config(&["HS256"], "shared", 1000)),
+            load("rbac", artifacts::FILTER_RBAC, RBAC),
+            load("ratelimit", artifacts::FILTER_RATELIMIT, RATELIMIT),
+            load("breaker", artifacts::FILTER_CIRCUIT_BREAKER, BREAKER),
+        ],
+    ));
+    let mut runner = ChainRunner::new(chain);
+    let mut template = head(&s.hs_token);
+    // In the chain, JWT sets these itself.
+    template = {
+        let mut h = RequestHead::new(&template.method, &template.path);
+        h.authority = template.authority.clone();
+        h.destination = template.destination.clone();
+        h.set_headers(template.headers().clone());
+        h
+    };
+    let mut group = c.benchmark_group("full_chain");
+    group.measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    group.bench_function("trace_jwt_rbac_ratelimit_breaker", |b| {
+        b.iter(|| {
+            let outcome = runner.on_request(template.clone());
+            assert!(outcome.decision.reply().is_none(), "{:?}", outcome.decision);
+            outcome
+        })
+    });
+    group.finish();
+    let mut samples: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let head = template.clone();
+            let t = Instant::now();
+            let outcome = runner.on_request(head);
+            let elapsed = t.elapsed();
+            drop(outcome);
+            elapsed
+        })
+        .collect();
+    samples.sort();
+    let pct = |p: f64| samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)];
+    println!(
+        "full_chain percentiles over {} requests (one core, incl. head clone): p50 {:?}  p99 {:?}  p99.9 {:?}",
+        samples.len(),
+        pct(0.50),
+        pct(0.99),
+        pct(0.999)
+    );
+}
+
+#[allow(missing_docs, reason = "criterion-generated")]
+mod group {
+    use super::{filters, full_chain};
+    criterion::criterion_group!(benches, filters, full_chain);
+}
+criterion_main!(group::benches);
