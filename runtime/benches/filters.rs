@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_main};
 use dpumesh_filter_sdk::Filter;
 use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
-use dpumesh_runtime::{ChainRunner, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig};
+use dpumesh_runtime::{
+    ChainRunner, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig,
+};
 use dpumesh_test_artifacts as artifacts;
 use jsonwebtoken::{Algorithm, EncodingKey, Header, Validation};
 
@@ -63,8 +65,14 @@ fn head(token: &str) -> RequestHead {
     head.destination = Some("items".to_owned());
     for (n, v) in [
         ("authorization", format!("Bearer {token}")),
-        ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned()),
-        ("x-request-id", "7b0e4c6a-1d3c-4c43-9d7e-6c1f5d1b2a90".to_owned()),
+        (
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+        ),
+        (
+            "x-request-id",
+            "7b0e4c6a-1d3c-4c43-9d7e-6c1f5d1b2a90".to_owned(),
+        ),
         ("user-agent", "wrk".to_owned()),
         ("accept", "*/*".to_owned()),
     ] {
@@ -91,8 +99,10 @@ fn setup() -> Setup {
     })
     .unwrap();
     let jwks = String::from_utf8(fixture("jwks.json")).unwrap();
-    rt.keys().insert("idp", dpumesh_keys::KeySet::from_jwks(&jwks).unwrap());
-    rt.keys().insert("shared", dpumesh_keys::KeySet::from_secret(None, SECRET));
+    rt.keys()
+        .insert("idp", dpumesh_keys::KeySet::from_jwks(&jwks).unwrap());
+    rt.keys()
+        .insert("shared", dpumesh_keys::KeySet::from_secret(None, SECRET));
     let host = MockHost::new()
         .at_unix_secs(now())
         .with_jwks("idp", &jwks)
@@ -101,8 +111,16 @@ fn setup() -> Setup {
         .install();
     Setup {
         hs_token: token(Algorithm::HS256, None, &EncodingKey::from_secret(SECRET)),
-        rs_token: token(Algorithm::RS256, Some("rsa-1"), &EncodingKey::from_rsa_pem(&fixture("rsa.pem")).unwrap()),
-        es_token: token(Algorithm::ES256, Some("ec-p256"), &EncodingKey::from_ec_pem(&fixture("p256.pem")).unwrap()),
+        rs_token: token(
+            Algorithm::RS256,
+            Some("rsa-1"),
+            &EncodingKey::from_rsa_pem(&fixture("rsa.pem")).unwrap(),
+        ),
+        es_token: token(
+            Algorithm::ES256,
+            Some("ec-p256"),
+            &EncodingKey::from_ec_pem(&fixture("p256.pem")).unwrap(),
+        ),
         rt,
         host,
     }
@@ -118,9 +136,18 @@ fn wasm(rt: &Runtime, name: &str, component: &str, config: &str) -> ChainRunner 
     ChainRunner::new(Arc::new(FilterChain::new(name, vec![filter])))
 }
 
-fn pair<F: Filter>(c: &mut Criterion, s: &Setup, name: &str, component: &str, config: &str, template: &RequestHead) {
+fn pair<F: Filter>(
+    c: &mut Criterion,
+    s: &Setup,
+    name: &str,
+    component: &str,
+    config: &str,
+    template: &RequestHead,
+) {
     let mut group = c.benchmark_group(format!("filter/{name}"));
-    group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    group
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
     let mut native: F = s.host.configure(config).unwrap();
     group.bench_function("native", |b| {
         b.iter(|| {
@@ -146,20 +173,74 @@ fn filters(c: &mut Criterion) {
     let rs = head(&s.rs_token);
     let es = head(&s.es_token);
     pair::<dpumesh_filter_trace::Trace>(c, &s, "trace", artifacts::FILTER_TRACE, TRACE, &hs);
-    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_hs256_cached", artifacts::FILTER_JWT, &jwt_config(&["HS256"], "shared", 1000), &hs);
-    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_hs256_uncached", artifacts::FILTER_JWT, &jwt_config(&["HS256"], "shared", 0), &hs);
-    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_rs256_uncached", artifacts::FILTER_JWT, &jwt_config(&["RS256"], "idp", 0), &rs);
-    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_rs256_cached", artifacts::FILTER_JWT, &jwt_config(&["RS256"], "idp", 1000), &rs);
-    pair::<dpumesh_filter_jwt::Jwt>(c, &s, "jwt_es256_uncached", artifacts::FILTER_JWT, &jwt_config(&["ES256"], "idp", 0), &es);
+    pair::<dpumesh_filter_jwt::Jwt>(
+        c,
+        &s,
+        "jwt_hs256_cached",
+        artifacts::FILTER_JWT,
+        &jwt_config(&["HS256"], "shared", 1000),
+        &hs,
+    );
+    pair::<dpumesh_filter_jwt::Jwt>(
+        c,
+        &s,
+        "jwt_hs256_uncached",
+        artifacts::FILTER_JWT,
+        &jwt_config(&["HS256"], "shared", 0),
+        &hs,
+    );
+    pair::<dpumesh_filter_jwt::Jwt>(
+        c,
+        &s,
+        "jwt_rs256_uncached",
+        artifacts::FILTER_JWT,
+        &jwt_config(&["RS256"], "idp", 0),
+        &rs,
+    );
+    pair::<dpumesh_filter_jwt::Jwt>(
+        c,
+        &s,
+        "jwt_rs256_cached",
+        artifacts::FILTER_JWT,
+        &jwt_config(&["RS256"], "idp", 1000),
+        &rs,
+    );
+    pair::<dpumesh_filter_jwt::Jwt>(
+        c,
+        &s,
+        "jwt_es256_uncached",
+        artifacts::FILTER_JWT,
+        &jwt_config(&["ES256"], "idp", 0),
+        &es,
+    );
     pair::<dpumesh_filter_rbac::Rbac>(c, &s, "rbac", artifacts::FILTER_RBAC, RBAC, &hs);
-    pair::<dpumesh_filter_ratelimit::RateLimit>(c, &s, "ratelimit", artifacts::FILTER_RATELIMIT, RATELIMIT, &hs);
-    pair::<dpumesh_filter_circuit_breaker::CircuitBreaker>(c, &s, "circuit_breaker", artifacts::FILTER_CIRCUIT_BREAKER, BREAKER, &hs);
+    pair::<dpumesh_filter_ratelimit::RateLimit>(
+        c,
+        &s,
+        "ratelimit",
+        artifacts::FILTER_RATELIMIT,
+        RATELIMIT,
+        &hs,
+    );
+    pair::<dpumesh_filter_circuit_breaker::CircuitBreaker>(
+        c,
+        &s,
+        "circuit_breaker",
+        artifacts::FILTER_CIRCUIT_BREAKER,
+        BREAKER,
+        &hs,
+    );
 
     // The crypto crate called directly: full decode (parse, verify, validate claims).
     let mut group = c.benchmark_group("jwt_direct");
-    group.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    group
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
     let jwks: jsonwebtoken::jwk::JwkSet = serde_json::from_slice(&fixture("jwks.json")).unwrap();
-    for (name, tok, alg, kid) in [("rs256", &s.rs_token, Algorithm::RS256, "rsa-1"), ("es256", &s.es_token, Algorithm::ES256, "ec-p256")] {
+    for (name, tok, alg, kid) in [
+        ("rs256", &s.rs_token, Algorithm::RS256, "rsa-1"),
+        ("es256", &s.es_token, Algorithm::ES256, "ec-p256"),
+    ] {
         let key = jsonwebtoken::DecodingKey::from_jwk(jwks.find(kid).unwrap()).unwrap();
         let mut validation = Validation::new(alg);
         validation.set_audience(&["api"]);
@@ -185,7 +266,11 @@ fn full_chain(c: &mut Criterion) {
         "full",
         vec![
             load("trace", artifacts::FILTER_TRACE, TRACE),
-            load("jwt", artifacts::FILTER_JWT, &jwt_config(&["HS256"], "shared", 1000)),
+            load(
+                "jwt",
+                artifacts::FILTER_JWT,
+                &jwt_config(&["HS256"], "shared", 1000),
+            ),
             load("rbac", artifacts::FILTER_RBAC, RBAC),
             load("ratelimit", artifacts::FILTER_RATELIMIT, RATELIMIT),
             load("breaker", artifacts::FILTER_CIRCUIT_BREAKER, BREAKER),
@@ -202,7 +287,9 @@ fn full_chain(c: &mut Criterion) {
         h
     };
     let mut group = c.benchmark_group("full_chain");
-    group.measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
     group.bench_function("trace_jwt_rbac_ratelimit_breaker", |b| {
         b.iter(|| {
             let outcome = runner.on_request(template.clone());

@@ -211,3 +211,71 @@ fn the_sample_guard_filter_runs_in_the_runtime() {
     assert_eq!(reply.status, 403);
     assert!(reply.body.contains("admin-other"));
 }
+
+#[test]
+fn replacing_a_key_set_takes_effect_at_once_even_for_cached_tokens() {
+    use dpumesh_keys::KeySet;
+
+    let rt = runtime();
+    rt.keys().insert(
+        "shared",
+        KeySet::from_secret(None, b"first-secret-0123456789abcdef"),
+    );
+    let config = json!({
+        "providers": {"p": {"algorithms": ["HS256"], "key_set": "shared", "clock_skew_secs": 0}},
+        "rules": [{"path_prefix": "/", "provider": "p"}],
+    });
+    let jwt = rt
+        .load_filter(
+            dpumesh_runtime::FilterSettings::new("jwt", config.to_string())
+                .deadline(std::time::Duration::from_secs(2)),
+            &dpumesh_test_artifacts::read(dpumesh_test_artifacts::FILTER_JWT),
+        )
+        .unwrap();
+    let mut runner = ChainRunner::new(std::sync::Arc::new(dpumesh_runtime::FilterChain::new(
+        "j",
+        vec![jwt],
+    )));
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 3600;
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &json!({"sub": "alice", "exp": exp}),
+        &jsonwebtoken::EncodingKey::from_secret(b"first-secret-0123456789abcdef"),
+    )
+    .unwrap();
+    let request = || {
+        let mut head = get("/");
+        head.append_received("authorization", &format!("Bearer {token}"))
+            .unwrap();
+        head
+    };
+    // Verified, then served from the filter's cache.
+    for _ in 0..2 {
+        let outcome = runner.on_request(request());
+        assert_eq!(
+            outcome.decision,
+            Decision::Continue,
+            "{:?}",
+            outcome.decision
+        );
+        assert_eq!(outcome.head.metadata("jwt.claim.sub"), Some("alice"));
+    }
+    // Rotate the key: the cached verification must not outlive the old key.
+    rt.keys().insert(
+        "shared",
+        KeySet::from_secret(None, b"second-secret-0123456789abcdef"),
+    );
+    let outcome = runner.on_request(request());
+    let reply = outcome.decision.reply().expect("refused after rotation");
+    assert_eq!(reply.status, 401);
+    assert!(
+        reply
+            .header("www-authenticate")
+            .unwrap()
+            .contains("verification fails")
+    );
+}
