@@ -228,18 +228,16 @@ impl ChainRunner {
                     Err(detail) => {
                         // An unsendable reply is a bug in the filter: always 500.
                         let fault = self.fault(index, Phase::Request, FaultKind::BadReply(detail));
+                        faults.push(fault.clone());
                         return ChainOutcome {
                             head,
                             decision: Decision::Deny {
                                 filter: filter.tag.name.clone(),
                                 reply: fault_reply(&fault),
-                                cause: DenyCause::Fault(fault.clone()),
+                                cause: DenyCause::Fault(fault),
                             },
                             ran: index + 1,
-                            faults: {
-                                faults.push(fault);
-                                faults
-                            },
+                            faults,
                         };
                     }
                 },

@@ -178,6 +178,7 @@ impl Filter for Jwt {
             };
         };
         let now = clock::wall_ns() as f64 / 1e9;
+        // Applied in place: a cache hit is used by reference, never copied per request.
         let result = if token.len() > provider.raw.max_token_bytes {
             Err(Failure::TooLarge)
         } else if token.is_empty() {
@@ -187,21 +188,20 @@ impl Filter for Jwt {
             let key = TokenCache::key(&token);
             if let Some(hit) = self.cache.get(&key, index, key_version, now) {
                 self.cache_hits.increment(1);
-                Ok(hit.clone())
+                Self::apply(req, provider, hit, &location);
+                Ok(())
             } else {
                 verify(&token, provider, now).map(|mut verified| {
                     verified.provider = index;
                     verified.key_version = key_version;
-                    self.cache.insert(key, verified.clone(), now);
-                    verified
+                    Self::apply(req, provider, &verified, &location);
+                    self.cache.insert(key, verified, now);
                 })
             }
         };
-        let provider = &self.config.providers[index];
         match result {
-            Ok(verified) => {
+            Ok(()) => {
                 self.verified.increment(1);
-                Self::apply(req, provider, &verified, &location);
                 Verdict::Continue
             }
             Err(failure) => {

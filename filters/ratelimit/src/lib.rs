@@ -15,8 +15,6 @@
 
 pub mod config;
 
-use std::collections::HashMap;
-
 use dpumesh_filter_sdk::metrics::Counter;
 use dpumesh_filter_sdk::shared::{self, TokenBucket};
 use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, export_filter, log};
@@ -31,7 +29,36 @@ const MAX_PLAIN_KEY: usize = 200;
 #[derive(Debug)]
 pub struct RateLimit {
     config: Config,
-    counters: HashMap<(String, &'static str), Counter>,
+    /// Counters per descriptor (the default bucket last), defined once at configure
+    /// time so the request path never allocates for metrics.
+    counters: Vec<Outcomes>,
+}
+
+/// The counters of one descriptor, by result.
+#[derive(Debug)]
+struct Outcomes {
+    allowed: Counter,
+    limited: Counter,
+    shadow_limited: Counter,
+    state_error: Counter,
+}
+
+impl Outcomes {
+    fn new(descriptor: &str) -> Result<Self, String> {
+        let counter = |result: &str| {
+            Counter::new(
+                "ratelimit_requests_total",
+                &[("descriptor", descriptor), ("result", result)],
+            )
+            .map_err(|e| e.to_string())
+        };
+        Ok(Self {
+            allowed: counter("allowed")?,
+            limited: counter("limited")?,
+            shadow_limited: counter("shadow_limited")?,
+            state_error: counter("state_error")?,
+        })
+    }
 }
 
 /// A JWT claim from the metadata the JWT filter leaves: top-level claims under
@@ -95,23 +122,15 @@ fn secs_ceil(ms: u64) -> u64 {
 }
 
 impl RateLimit {
-    fn count(&mut self, descriptor: &str, result: &'static str) {
-        let counter = self
-            .counters
-            .entry((descriptor.to_owned(), result))
-            .or_insert_with(|| {
-                Counter::new(
-                    "ratelimit_requests_total",
-                    &[("descriptor", descriptor), ("result", result)],
-                )
-                .unwrap_or_else(|_| {
-                    Counter::new("ratelimit_requests_total", &[]).expect("plain counter")
-                })
-            });
-        counter.increment(1);
-    }
-
-    fn take(&mut self, descriptor: &str, key: &str, bucket: CheckedBucket) -> Verdict {
+    /// `index` is the descriptor's position, or the number of descriptors for the
+    /// default bucket.
+    fn take(&self, index: usize, key: &str, bucket: CheckedBucket) -> Verdict {
+        let counters = &self.counters[index];
+        let descriptor = self
+            .config
+            .descriptors
+            .get(index)
+            .map_or("default", |d| d.name.as_str());
         let spec = TokenBucket {
             capacity: bucket.max_tokens,
             refill_tokens: bucket.tokens_per_fill,
@@ -120,7 +139,7 @@ impl RateLimit {
         let result = match shared::token_bucket_take(key, spec, 1) {
             Ok(result) => result,
             Err(e) => {
-                self.count(descriptor, "state_error");
+                counters.state_error.increment(1);
                 log::warn(&format!(
                     "rate limit state unavailable ({e}); {}",
                     if self.config.deny_on_state_error {
@@ -137,18 +156,18 @@ impl RateLimit {
             }
         };
         if result.allowed {
-            self.count(descriptor, "allowed");
+            counters.allowed.increment(1);
             return Verdict::Continue;
         }
         if self.config.shadow {
-            self.count(descriptor, "shadow_limited");
+            counters.shadow_limited.increment(1);
             dpumesh_filter_sdk::log!(
                 log::Level::Info,
                 "shadow: would rate-limit descriptor {descriptor}"
             );
             return Verdict::Continue;
         }
-        self.count(descriptor, "limited");
+        counters.limited.increment(1);
         let reset = secs_ceil(result.reset_after_ms);
         let mut reply = LocalReply::new(self.config.status)
             .header("content-type", "text/plain")
@@ -168,26 +187,30 @@ impl Filter for RateLimit {
     type Config = RawConfig;
 
     fn new(raw: RawConfig) -> Result<Self, String> {
-        Ok(Self {
-            config: Config::try_from(raw)?,
-            counters: HashMap::new(),
-        })
+        let config = Config::try_from(raw)?;
+        let counters = config
+            .descriptors
+            .iter()
+            .map(|d| d.name.as_str())
+            .chain(std::iter::once("default"))
+            .map(Outcomes::new)
+            .collect::<Result<_, _>>()?;
+        Ok(Self { config, counters })
     }
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
-        let matched = self
-            .config
-            .descriptors
+        let descriptors = &self.config.descriptors;
+        let matched = descriptors
             .iter()
-            .find_map(|d| extract(&d.entries, req).map(|values| (d, values)));
+            .enumerate()
+            .find_map(|(i, d)| extract(&d.entries, req).map(|values| (i, d, values)));
         match matched {
-            Some((descriptor, values)) => {
-                let (name, bucket) = (descriptor.name.clone(), descriptor.bucket);
-                let key = bucket_key(&name, &values);
-                self.take(&name, &key, bucket)
+            Some((index, descriptor, values)) => {
+                let key = bucket_key(&descriptor.name, &values);
+                self.take(index, &key, descriptor.bucket)
             }
             None => match self.config.default_bucket {
-                Some(bucket) => self.take("default", "default", bucket),
+                Some(bucket) => self.take(descriptors.len(), "default", bucket),
                 None => Verdict::Continue,
             },
         }

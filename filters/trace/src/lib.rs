@@ -116,11 +116,13 @@ impl Filter for Trace {
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
         let c = &self.config;
-        let mut names = vec![c.request_id_header.as_str()];
-        if !c.trace_id_header.is_empty() {
-            names.push(c.trace_id_header.as_str());
-        }
-        let values = req.headers(&names);
+        let both = [c.request_id_header.as_str(), c.trace_id_header.as_str()];
+        let names = if c.trace_id_header.is_empty() {
+            &both[..1]
+        } else {
+            &both[..]
+        };
+        let values = req.headers(names);
         let request_id = values[0].clone();
         let trace_id_header = values.get(1).cloned().flatten();
 
