@@ -139,9 +139,45 @@ fn instances(c: &mut Criterion) {
     group.finish();
 }
 
+/// What one kind of host call costs: a filter making ten of them against the noop
+/// filter, in the same run ((t - noop) / 10 per call).
+fn host_calls(c: &mut Criterion) {
+    let rt = runtime();
+    let bytes = artifacts::read(artifacts::TEST_FILTER);
+    let ten = |action: &str| format!(r#"{{"request": [{}]}}"#, vec![action; 10].join(","));
+    let cases = [
+        ("noop", "{}".to_owned()),
+        (
+            "header_read_absent_x10",
+            ten(r#"{"deny_if_header": ["x-absent", 400]}"#),
+        ),
+        ("set_header_x10", ten(r#"{"set_header": ["x-a", "1"]}"#)),
+        (
+            "set_metadata_x10_batched",
+            ten(r#"{"set_metadata": ["k", "v"]}"#),
+        ),
+    ];
+    let template = request();
+    let mut group = c.benchmark_group("host_call");
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    for (name, config) in cases {
+        let filter = rt
+            .load_filter(
+                FilterSettings::new(name, config).deadline(Duration::from_secs(1)),
+                &bytes,
+            )
+            .unwrap();
+        let mut runner = ChainRunner::new(Arc::new(FilterChain::new(name, vec![filter])));
+        group.bench_function(name, |b| b.iter(|| runner.on_request(template.clone())));
+    }
+    group.finish();
+}
+
 #[allow(missing_docs, reason = "criterion-generated")]
 mod group {
-    use super::{chains, instances};
-    criterion::criterion_group!(benches, chains, instances);
+    use super::{chains, host_calls, instances};
+    criterion::criterion_group!(benches, chains, instances, host_calls);
 }
 criterion_main!(group::benches);

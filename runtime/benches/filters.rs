@@ -286,11 +286,38 @@ fn full_chain(c: &mut Criterion) {
         h.set_headers(template.headers().clone());
         h
     };
+    // The same five crates compiled natively, one after another on the mock host.
+    let mut trace: dpumesh_filter_trace::Trace = s.host.configure(TRACE).unwrap();
+    let mut jwt: dpumesh_filter_jwt::Jwt = s
+        .host
+        .configure(&jwt_config(&["HS256"], "shared", 1000))
+        .unwrap();
+    let mut rbac: dpumesh_filter_rbac::Rbac = s.host.configure(RBAC).unwrap();
+    let mut ratelimit: dpumesh_filter_ratelimit::RateLimit = s.host.configure(RATELIMIT).unwrap();
+    let mut breaker: dpumesh_filter_circuit_breaker::CircuitBreaker =
+        s.host.configure(BREAKER).unwrap();
+    let mut native = |head: RequestHead| {
+        let req = MockRequest::from_head(head);
+        let continues = s.host.on_request(&mut trace, &req).is_continue()
+            && s.host.on_request(&mut jwt, &req).is_continue()
+            && s.host.on_request(&mut rbac, &req).is_continue()
+            && s.host.on_request(&mut ratelimit, &req).is_continue()
+            && s.host.on_request(&mut breaker, &req).is_continue();
+        (continues, req)
+    };
+
     let mut group = c.benchmark_group("full_chain");
     group
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
-    group.bench_function("trace_jwt_rbac_ratelimit_breaker", |b| {
+    group.bench_function("native", |b| {
+        b.iter(|| {
+            let (continues, req) = native(template.clone());
+            assert!(continues);
+            req
+        })
+    });
+    group.bench_function("wasm", |b| {
         b.iter(|| {
             let outcome = runner.on_request(template.clone());
             assert!(outcome.decision.reply().is_none(), "{:?}", outcome.decision);
@@ -298,7 +325,9 @@ fn full_chain(c: &mut Criterion) {
         })
     });
     group.finish();
-    let mut samples: Vec<Duration> = (0..20_000)
+
+    // Percentiles (head clones outside the timed part).
+    let wasm_samples: Vec<Duration> = (0..20_000)
         .map(|_| {
             let head = template.clone();
             let t = Instant::now();
@@ -308,14 +337,35 @@ fn full_chain(c: &mut Criterion) {
             elapsed
         })
         .collect();
-    samples.sort();
-    let pct = |p: f64| samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)];
+    let native_samples: Vec<Duration> = (0..20_000)
+        .map(|_| {
+            let head = template.clone();
+            let t = Instant::now();
+            let out = native(head);
+            let elapsed = t.elapsed();
+            drop(out);
+            elapsed
+        })
+        .collect();
+    let (mut wasm_samples, mut native_samples) = (wasm_samples, native_samples);
+    for samples in [&mut wasm_samples, &mut native_samples] {
+        samples.sort();
+    }
+    let pct = |samples: &[Duration], p: f64| {
+        samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)]
+    };
+    for (name, samples) in [("wasm", &wasm_samples), ("native", &native_samples)] {
+        println!(
+            "full_chain {name} percentiles over {} requests (one core, head clone excluded): p50 {:?}  p99 {:?}  p99.9 {:?}",
+            samples.len(),
+            pct(samples, 0.50),
+            pct(samples, 0.99),
+            pct(samples, 0.999)
+        );
+    }
     println!(
-        "full_chain percentiles over {} requests (one core, incl. head clone): p50 {:?}  p99 {:?}  p99.9 {:?}",
-        samples.len(),
-        pct(0.50),
-        pct(0.99),
-        pct(0.999)
+        "full_chain wasm/native at p50: {:.2}x",
+        pct(&wasm_samples, 0.5).as_secs_f64() / pct(&native_samples, 0.5).as_secs_f64()
     );
 }
 

@@ -332,6 +332,13 @@ impl types::HostRequestHead for HostState {
         self.head_mut().set_metadata(&key, &value)
     }
 
+    fn set_metadata_batch(&mut self, _: Resource<HeadHandle>, entries: Vec<(String, String)>) {
+        let head = self.head_mut();
+        for (key, value) in &entries {
+            head.set_metadata(key, value);
+        }
+    }
+
     fn drop(&mut self, _: Resource<HeadHandle>) -> wasmtime::Result<()> {
         // Heads are only ever lent (borrowed), never owned by a guest.
         Ok(())
@@ -409,6 +416,12 @@ impl metrics::Host for HostState {
     fn increment(&mut self, id: u32, delta: u64) {
         if let Some(MetricHandle::Counter(c)) = self.metrics.get(id as usize) {
             c.increment(delta);
+        }
+    }
+
+    fn increment_batch(&mut self, deltas: Vec<(u32, u64)>) {
+        for (id, delta) in deltas {
+            metrics::Host::increment(self, id, delta);
         }
     }
 

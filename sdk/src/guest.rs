@@ -12,7 +12,33 @@ use crate::{
 
 type Slot<F> = LocalKey<RefCell<Option<F>>>;
 
-struct Head<'a>(&'a wit::RequestHead);
+/// The head lent for one call. Metadata writes are kept here and sent in one host call
+/// when the filter returns (reads see them meanwhile): filters such as JWT set a dozen
+/// entries per request, and each crossing costs more than the write itself.
+struct Head<'a> {
+    head: &'a wit::RequestHead,
+    metadata: RefCell<Vec<(String, String)>>,
+}
+
+impl<'a> Head<'a> {
+    fn new(head: &'a wit::RequestHead) -> Self {
+        Self {
+            head,
+            metadata: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Sends the pending metadata and counter increments.
+    fn flush(self) {
+        let metadata = self.metadata.into_inner();
+        match metadata.as_slice() {
+            [] => {}
+            [(key, value)] => self.head.set_metadata(key, value),
+            entries => self.head.set_metadata_batch(entries),
+        }
+        crate::metrics::pending::flush();
+    }
+}
 
 fn header_error(e: wit::HeaderError) -> HeaderError {
     match e {
@@ -25,36 +51,36 @@ fn header_error(e: wit::HeaderError) -> HeaderError {
 impl HeadAccess for Head<'_> {
     fn line(&self) -> RequestLine {
         RequestLine {
-            method: method(self.0.method()),
-            scheme: scheme(self.0.scheme()),
-            authority: self.0.authority(),
-            path: self.0.path(),
+            method: method(self.head.method()),
+            scheme: scheme(self.head.scheme()),
+            authority: self.head.authority(),
+            path: self.head.path(),
         }
     }
 
     fn query(&self) -> Option<String> {
-        self.0.query()
+        self.head.query()
     }
 
     fn header(&self, name: &str) -> Option<String> {
-        self.0.header(name)
+        self.head.header(name)
     }
 
     fn header_all(&self, name: &str) -> Vec<String> {
-        self.0.header_all(name)
+        self.head.header_all(name)
     }
 
     fn headers(&self, names: &[&str]) -> Vec<Option<String>> {
         let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-        self.0.headers(&names)
+        self.head.headers(&names)
     }
 
     fn header_names(&self) -> Vec<String> {
-        self.0.header_names()
+        self.head.header_names()
     }
 
     fn source(&self) -> Peer {
-        let peer = self.0.source();
+        let peer = self.head.source();
         Peer {
             address: peer.address,
             port: peer.port,
@@ -63,27 +89,35 @@ impl HeadAccess for Head<'_> {
     }
 
     fn destination(&self) -> Option<String> {
-        self.0.destination()
+        self.head.destination()
     }
 
     fn set_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
-        self.0.set_header(name, value).map_err(header_error)
+        self.head.set_header(name, value).map_err(header_error)
     }
 
     fn append_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
-        self.0.append_header(name, value).map_err(header_error)
+        self.head.append_header(name, value).map_err(header_error)
     }
 
     fn remove_header(&self, name: &str) -> Result<(), HeaderError> {
-        self.0.remove_header(name).map_err(header_error)
+        self.head.remove_header(name).map_err(header_error)
     }
 
     fn metadata(&self, key: &str) -> Option<String> {
-        self.0.metadata(key)
+        let pending = self.metadata.borrow();
+        match pending.iter().find(|(k, _)| k == key) {
+            Some((_, value)) => Some(value.clone()),
+            None => self.head.metadata(key),
+        }
     }
 
     fn set_metadata(&self, key: &str, value: &str) {
-        self.0.set_metadata(key, value)
+        let mut pending = self.metadata.borrow_mut();
+        match pending.iter_mut().find(|(k, _)| k == key) {
+            Some((_, v)) => value.clone_into(v),
+            None => pending.push((key.to_owned(), value.to_owned())),
+        }
     }
 }
 
@@ -111,7 +145,9 @@ fn scheme(s: wit::Scheme) -> Scheme {
 
 /// `configure` export: parse, build, keep.
 pub fn configure<F: Filter>(slot: &'static Slot<F>, config: &str) -> Result<(), String> {
-    let filter = crate::configure::<F>(config)?;
+    let filter = crate::configure::<F>(config);
+    crate::metrics::pending::flush();
+    let filter = filter?;
     slot.with(|cell| *cell.borrow_mut() = Some(filter));
     Ok(())
 }
@@ -139,12 +175,14 @@ pub fn on_request<F: Filter>(
         authority: line.authority,
         path: line.path,
     };
-    let access = Head(head);
+    let access = Head::new(head);
     let request = Request::with_line(line, &access);
     let verdict = slot.with(|cell| match cell.borrow_mut().as_mut() {
         Some(filter) => filter.on_request(&request),
         None => Verdict::Continue,
     });
+    drop(request);
+    access.flush();
     match verdict {
         Verdict::Continue => wit::Verdict::Continue,
         Verdict::Deny(reply) => deny(reply),
@@ -178,11 +216,13 @@ pub fn on_response<F: Filter>(
             wit::FailureKind::Internal => FailureKind::Internal,
         },
     };
-    let access = Head(head);
+    let access = Head::new(head);
     let request = Request::lazy(&access);
     slot.with(|cell| {
         if let Some(filter) = cell.borrow_mut().as_mut() {
             filter.on_response(&request, &info);
         }
     });
+    drop(request);
+    access.flush();
 }

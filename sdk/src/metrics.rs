@@ -72,10 +72,11 @@ impl Counter {
         define(Kind::Counter, name, labels).map(Self)
     }
 
-    /// Adds `delta`.
+    /// Adds `delta`. Inside a Wasm filter, increments are gathered during the call and
+    /// handed to the proxy in one host call when it returns.
     pub fn increment(&self, delta: u64) {
         #[cfg(target_arch = "wasm32")]
-        crate::bindings::dpumesh::filter::metrics::increment(self.0, delta);
+        pending::add(self.0, delta);
         #[cfg(not(target_arch = "wasm32"))]
         crate::mock::MockHost::current().update_metric(self.0, Kind::Counter, |v| v + delta as f64);
     }
@@ -125,5 +126,37 @@ impl Histogram {
         crate::bindings::dpumesh::filter::metrics::observe(self.0, value);
         #[cfg(not(target_arch = "wasm32"))]
         crate::mock::MockHost::current().update_metric(self.0, Kind::Histogram, |v| v + value);
+    }
+}
+
+/// Counter increments gathered during one export call: a host call per increment costs
+/// more than the rest of a typical filter, so they are sent in one batch when the call
+/// returns ([`flush`](pending::flush), called by the export glue).
+#[cfg(target_arch = "wasm32")]
+pub(crate) mod pending {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static PENDING: RefCell<Vec<(u32, u64)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(crate) fn add(id: u32, delta: u64) {
+        PENDING.with_borrow_mut(|pending| match pending.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, sum)) => *sum = sum.saturating_add(delta),
+            None => pending.push((id, delta)),
+        });
+    }
+
+    /// Sends and clears the gathered increments.
+    pub(crate) fn flush() {
+        use crate::bindings::dpumesh::filter::metrics as wit;
+        PENDING.with_borrow_mut(|pending| {
+            match pending.as_slice() {
+                [] => return,
+                [(id, delta)] => wit::increment(*id, *delta),
+                deltas => wit::increment_batch(deltas),
+            }
+            pending.clear();
+        });
     }
 }

@@ -1,11 +1,10 @@
-//! A bounded cache of verified tokens, keyed by the SHA-256 of the token, so a
+//! A bounded cache of verified tokens, keyed by the token itself (SipHash with a
+//! per-instance random key, so crafted tokens cannot collide into one bucket), so a
 //! repeated token skips parsing and signature checks. Entries remember the key-set
 //! version they were verified with and their validity window; time is re-checked on
 //! every hit.
 
 use std::collections::HashMap;
-
-use sha2::{Digest, Sha256};
 
 use crate::verifier::Window;
 
@@ -28,7 +27,7 @@ pub struct Verified {
 #[derive(Debug)]
 pub struct TokenCache {
     max: usize,
-    entries: HashMap<[u8; 32], Verified>,
+    entries: HashMap<Box<str>, Verified>,
 }
 
 impl TokenCache {
@@ -40,34 +39,29 @@ impl TokenCache {
         }
     }
 
-    /// The cache key of a token.
-    pub fn key(token: &str) -> [u8; 32] {
-        Sha256::digest(token.as_bytes()).into()
-    }
-
     /// A cached verification still valid at `now` for `provider` with `key_version`.
     pub fn get(
         &mut self,
-        key: &[u8; 32],
+        token: &str,
         provider: usize,
         key_version: u64,
         now: f64,
     ) -> Option<&Verified> {
-        let fresh = self.entries.get(key).is_some_and(|v| {
+        let fresh = self.entries.get(token).is_some_and(|v| {
             v.provider == provider
                 && v.key_version == key_version
                 && now < v.window.1
                 && now >= v.window.0
         });
         if !fresh {
-            self.entries.remove(key);
+            self.entries.remove(token);
             return None;
         }
-        self.entries.get(key)
+        self.entries.get(token)
     }
 
     /// Remembers a verification, evicting expired entries (then arbitrary ones) when full.
-    pub fn insert(&mut self, key: [u8; 32], verified: Verified, now: f64) {
+    pub fn insert(&mut self, token: &str, verified: Verified, now: f64) {
         if self.max == 0 {
             return;
         }
@@ -75,12 +69,12 @@ impl TokenCache {
             self.entries.retain(|_, v| now < v.window.1);
         }
         while self.entries.len() >= self.max {
-            let Some(victim) = self.entries.keys().next().copied() else {
+            let Some(victim) = self.entries.keys().next().cloned() else {
                 break;
             };
             self.entries.remove(&victim);
         }
-        self.entries.insert(key, verified);
+        self.entries.insert(token.into(), verified);
     }
 
     /// Entries held.

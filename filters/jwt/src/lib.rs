@@ -14,7 +14,7 @@
 //! the payload is forwarded if asked, and the token stripped if asked. On failure the
 //! reply is 401 with `WWW-Authenticate: Bearer error="invalid_token",
 //! error_description="…"` (RFC 6750); a missing token gets `Bearer` without `error`.
-//! Verified tokens are cached (bounded, by SHA-256, until they expire, invalidated when
+//! Verified tokens are cached (bounded, by token, until they expire, invalidated when
 //! the key set changes).
 
 #![forbid(unsafe_code)]
@@ -185,8 +185,7 @@ impl Filter for Jwt {
             Err(Failure::Parse(token::ParseError::Segments))
         } else {
             let key_version = crypto::key_set_version(&provider.raw.key_set);
-            let key = TokenCache::key(&token);
-            if let Some(hit) = self.cache.get(&key, index, key_version, now) {
+            if let Some(hit) = self.cache.get(&token, index, key_version, now) {
                 self.cache_hits.increment(1);
                 Self::apply(req, provider, hit, &location);
                 Ok(())
@@ -195,7 +194,7 @@ impl Filter for Jwt {
                     verified.provider = index;
                     verified.key_version = key_version;
                     Self::apply(req, provider, &verified, &location);
-                    self.cache.insert(key, verified, now);
+                    self.cache.insert(&token, verified, now);
                 })
             }
         };

@@ -15,12 +15,14 @@
 
 #![forbid(unsafe_code)]
 
+pub mod ids;
 pub mod traceparent;
 
 use dpumesh_filter_sdk::metrics::Counter;
 use dpumesh_filter_sdk::{Filter, Request, Verdict, export_filter};
 use serde::Deserialize;
 
+use crate::ids::IdSource;
 use crate::traceparent::{TraceParent, hex, parse_trace_id};
 
 /// Configuration; every field has a default.
@@ -61,23 +63,12 @@ pub struct Trace {
     generated: Counter,
     replaced: Counter,
     new_traces: Counter,
-}
-
-fn random<const N: usize>() -> [u8; N] {
-    let mut bytes = [0u8; N];
-    // WASI random never fails in the proxy; a zero id would be refused by consumers,
-    // so retry on the impossible all-zero draw.
-    while bytes == [0u8; N] {
-        if getrandom::fill(&mut bytes).is_err() {
-            bytes[N - 1] = 1;
-        }
-    }
-    bytes
+    ids: IdSource,
 }
 
 /// A random UUID version 4, e.g. `7b0e4c6a-1d3c-4c43-9d7e-6c1f5d1b2a90`.
-pub fn uuid_v4() -> String {
-    let mut b: [u8; 16] = random();
+pub fn uuid_v4(ids: &mut IdSource) -> String {
+    let mut b: [u8; 16] = ids.bytes();
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
     let h = hex(&b);
@@ -111,6 +102,7 @@ impl Filter for Trace {
             replaced: counter("trace_headers_replaced_total")?,
             new_traces: counter("trace_new_traces_total")?,
             config,
+            ids: IdSource::from_entropy(),
         })
     }
 
@@ -133,7 +125,7 @@ impl Filter for Trace {
                     self.replaced.increment(1);
                 }
                 self.generated.increment(1);
-                let id = uuid_v4();
+                let id = uuid_v4(&mut self.ids);
                 // Edits of a configured, valid header name cannot be refused.
                 let _ = req.set_header(&c.request_id_header, &id);
                 Some(id)
@@ -154,7 +146,7 @@ impl Filter for Trace {
             };
             let next = match parsed {
                 Some(parent) => TraceParent {
-                    parent_id: random(),
+                    parent_id: self.ids.bytes(),
                     ..parent
                 },
                 None => {
@@ -167,8 +159,8 @@ impl Filter for Trace {
                         trace_id: trace_id_header
                             .as_deref()
                             .and_then(parse_trace_id)
-                            .unwrap_or_else(random),
-                        parent_id: random(),
+                            .unwrap_or_else(|| self.ids.bytes()),
+                        parent_id: self.ids.bytes(),
                         flags: u8::from(c.sample_new_traces),
                     }
                 }
@@ -195,11 +187,12 @@ mod tests {
 
     #[test]
     fn uuids_are_version_4() {
-        let id = uuid_v4();
+        let mut ids = IdSource::from_entropy();
+        let id = uuid_v4(&mut ids);
         assert_eq!(id.len(), 36);
         assert_eq!(&id[14..15], "4");
         assert!(matches!(&id[19..20], "8" | "9" | "a" | "b"));
-        assert_ne!(uuid_v4(), id);
+        assert_ne!(uuid_v4(&mut ids), id);
     }
 
     #[test]

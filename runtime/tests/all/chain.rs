@@ -99,7 +99,10 @@ fn metadata_and_header_edits_flow_downstream() {
             settings(
                 "producer",
                 json!({"request": [
+                    {"set_metadata": ["jwt.sub", "bob"]},
                     {"set_metadata": ["jwt.sub", "alice"]},
+                    // A filter reads its own writes (the SDK sends them when it returns).
+                    {"metadata_to_header": ["jwt.sub", "x-own"]},
                     {"set_header": ["x-added", "1"]},
                     {"remove_header": "x-secret"},
                     {"set_header": ["x-replaced", "new"]},
@@ -133,6 +136,8 @@ fn metadata_and_header_edits_flow_downstream() {
     assert_eq!(outcome.head.header_all("x-replaced"), vec!["new"]);
     assert_eq!(outcome.head.header("x-joined").as_deref(), Some("1,new,-"));
     assert_eq!(outcome.head.metadata("jwt.sub"), Some("alice"));
+    assert_eq!(outcome.head.header("x-own").as_deref(), Some("alice"));
+    assert_eq!(outcome.head.metadata_entries().len(), 1);
 
     // Without the producer, the consumer denies: the metadata really came from it.
     let alone = crate::support::chain(
@@ -278,4 +283,57 @@ fn replacing_a_key_set_takes_effect_at_once_even_for_cached_tokens() {
             .unwrap()
             .contains("verification fails")
     );
+}
+
+#[test]
+fn filter_counters_reach_the_proxy_recorder() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let rt = runtime();
+        let trace = rt
+            .load_filter(
+                settings("trace", json!({})),
+                &dpumesh_test_artifacts::read(dpumesh_test_artifacts::FILTER_TRACE),
+            )
+            .unwrap();
+        let mut runner = ChainRunner::new(std::sync::Arc::new(dpumesh_runtime::FilterChain::new(
+            "traced",
+            vec![trace],
+        )));
+        // No ids: two counters per request (one batch). A valid traceparent and request
+        // id: none.
+        for _ in 0..5 {
+            runner.on_request(get("/"));
+        }
+        let mut head = get("/");
+        head.append_received("x-request-id", "abc").unwrap();
+        head.append_received(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
+        .unwrap();
+        runner.on_request(head);
+    });
+    // A snapshot drains counters, so take one.
+    let snapshot = snapshotter.snapshot().into_vec();
+    let counter = |name: &str| {
+        snapshot
+            .iter()
+            .find(|(key, ..)| {
+                key.key().name() == name
+                    && key
+                        .key()
+                        .labels()
+                        .any(|l| l.key() == "filter" && l.value() == "trace")
+            })
+            .map(|(.., value)| match value {
+                DebugValue::Counter(n) => *n,
+                other => panic!("{name} is not a counter: {other:?}"),
+            })
+    };
+    assert_eq!(counter("trace_request_ids_generated_total"), Some(5));
+    assert_eq!(counter("trace_new_traces_total"), Some(5));
 }
