@@ -144,7 +144,7 @@ fn instances(c: &mut Criterion) {
 fn host_calls(c: &mut Criterion) {
     let rt = runtime();
     let bytes = artifacts::read(artifacts::TEST_FILTER);
-    let ten = |action: &str| format!(r#"{{"request": [{}]}}"#, vec![action; 10].join(","));
+    let ten = |action: &str| format!(r#"{{"request": [{}]}}"#, [action; 10].join(","));
     let cases = [
         ("noop", "{}".to_owned()),
         (
