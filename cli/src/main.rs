@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use dpumesh_runtime::{
-    Decision, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig, WorkerPool,
+    Decision, FilterChain, FilterSettings, Generation, RequestHead, Runtime, RuntimeConfig,
+    WorkerPool,
 };
 
 #[derive(Debug, Parser)]
@@ -152,7 +153,7 @@ fn demo(path: &Path, config: &str, workers: usize, requests: usize) -> Result<()
     let runtime = Runtime::new(RuntimeConfig::default())?;
     let filter = load(&runtime, path, config)?;
     let chain = Arc::new(FilterChain::new("demo", vec![filter]));
-    let pool = Arc::new(WorkerPool::start(vec![chain], workers)?);
+    let pool = Arc::new(WorkerPool::start(Generation::new(1, vec![chain]), workers)?);
     println!("\nsample requests through {workers} workers:");
     for (label, head) in sample_requests() {
         let done = pool.on_request(0, head)?;

@@ -10,6 +10,7 @@ use http::{HeaderName, HeaderValue};
 use crate::bindings::{self, RequestLine, ResponseInfo};
 use crate::error::{FaultKind, FilterFault, Phase};
 use crate::filter::{FailurePolicy, LoadedFilter};
+use crate::health::HealthState;
 use crate::instance::FilterInstance;
 
 /// An ordered list of loaded filters: the definition of a chain, shared by every
@@ -113,6 +114,14 @@ struct Slot {
     filter: Arc<LoadedFilter>,
     instance: Option<FilterInstance>,
     invocations: metrics::Counter,
+    skipped: metrics::Counter,
+}
+
+/// One filter's answer.
+enum Step {
+    Continue,
+    Deny(LocalReply),
+    Fault(FilterFault),
 }
 
 /// Runs one chain on one worker: owns an instance of each filter, reused across
@@ -132,8 +141,13 @@ impl std::fmt::Debug for ChainRunner {
 }
 
 fn fault_reply(fault: &FilterFault) -> LocalReply {
+    // A degraded filter is temporarily unavailable rather than broken by this request.
+    let status = match fault.kind {
+        FaultKind::Degraded { .. } => 503,
+        _ => 500,
+    };
     LocalReply {
-        status: 500,
+        status,
         headers: vec![
             ("content-type".to_owned(), "text/plain".to_owned()),
             ("x-dpumesh-filter-fault".to_owned(), fault.filter.clone()),
@@ -177,6 +191,11 @@ impl ChainRunner {
                     "chain" => chain.name.clone(),
                     "filter" => filter.name().to_owned(),
                 ),
+                skipped: metrics::counter!(
+                    "dpumesh_filter_skipped_total",
+                    "chain" => chain.name.clone(),
+                    "filter" => filter.name().to_owned(),
+                ),
                 filter: filter.clone(),
             })
             .collect();
@@ -208,57 +227,48 @@ impl ChainRunner {
         let mut faults = Vec::new();
         for index in 0..self.slots.len() {
             let filter = self.slots[index].filter.clone();
-            let (returned, result) = self.call(index, head);
-            head = returned;
-            let fault = match result {
-                Ok(bindings::Verdict::Continue) => continue,
-                Ok(bindings::Verdict::Deny(reply)) => match checked_reply(reply) {
-                    Ok(reply) => {
-                        return ChainOutcome {
-                            head,
-                            decision: Decision::Deny {
-                                filter: filter.tag.name.clone(),
-                                reply,
-                                cause: DenyCause::Policy,
-                            },
-                            ran: index + 1,
-                            faults,
-                        };
+            let policy = filter.settings.failure_policy;
+            let step = if let HealthState::Degraded { retry_in_ms } = filter.health.state() {
+                Step::Fault(self.skipped(index, retry_in_ms))
+            } else {
+                // A retry must see the head as it was, not half-edited by the failed call.
+                let original = (policy == FailurePolicy::Reload).then(|| head.clone());
+                let (returned, step) = self.step(index, head);
+                head = returned;
+                match (step, original) {
+                    (Step::Fault(fault), Some(original)) if fault.kind.retryable() => {
+                        faults.push(fault);
+                        let (returned, step) = self.step(index, original);
+                        head = returned;
+                        step
                     }
-                    Err(detail) => {
-                        // An unsendable reply is a bug in the filter: always 500.
-                        let fault = self.fault(index, Phase::Request, FaultKind::BadReply(detail));
-                        faults.push(fault.clone());
-                        return ChainOutcome {
-                            head,
-                            decision: Decision::Deny {
-                                filter: filter.tag.name.clone(),
-                                reply: fault_reply(&fault),
-                                cause: DenyCause::Fault(fault),
-                            },
-                            ran: index + 1,
-                            faults,
-                        };
-                    }
-                },
-                Err(kind) => self.fault(index, Phase::Request, kind),
-            };
-            faults.push(fault.clone());
-            match filter.settings.failure_policy {
-                FailurePolicy::FailOpen => continue,
-                FailurePolicy::FailClosed => {
-                    return ChainOutcome {
-                        head,
-                        decision: Decision::Deny {
-                            filter: filter.tag.name.clone(),
-                            reply: fault_reply(&fault),
-                            cause: DenyCause::Fault(fault),
-                        },
-                        ran: index + 1,
-                        faults,
-                    };
+                    (step, _) => step,
                 }
-            }
+            };
+            let (reply, cause) = match step {
+                Step::Continue => continue,
+                Step::Deny(reply) => (reply, DenyCause::Policy),
+                Step::Fault(fault) => {
+                    faults.push(fault.clone());
+                    // An unsendable reply is a bug in the filter: always denied.
+                    let open = policy == FailurePolicy::FailOpen
+                        && !matches!(fault.kind, FaultKind::BadReply(_));
+                    if open {
+                        continue;
+                    }
+                    (fault_reply(&fault), DenyCause::Fault(fault))
+                }
+            };
+            return ChainOutcome {
+                head,
+                decision: Decision::Deny {
+                    filter: filter.tag.name.clone(),
+                    reply,
+                    cause,
+                },
+                ran: index + 1,
+                faults,
+            };
         }
         ChainOutcome {
             head,
@@ -268,8 +278,43 @@ impl ChainRunner {
         }
     }
 
+    /// Calls one filter's `on-request` and sorts out the result.
+    fn step(&mut self, index: usize, head: RequestHead) -> (RequestHead, Step) {
+        let (head, result) = self.call(index, head);
+        let step = match result {
+            Ok(bindings::Verdict::Continue) => {
+                self.slots[index].filter.health.record_success();
+                Step::Continue
+            }
+            Ok(bindings::Verdict::Deny(reply)) => match checked_reply(reply) {
+                Ok(reply) => {
+                    self.slots[index].filter.health.record_success();
+                    Step::Deny(reply)
+                }
+                Err(detail) => {
+                    Step::Fault(self.fault(index, Phase::Request, FaultKind::BadReply(detail)))
+                }
+            },
+            Err(kind) => Step::Fault(self.fault(index, Phase::Request, kind)),
+        };
+        (head, step)
+    }
+
+    /// The fault of a filter skipped because it is degraded: counted, not logged per
+    /// request (the degradation itself was).
+    fn skipped(&self, index: usize, retry_in_ms: u64) -> FilterFault {
+        let slot = &self.slots[index];
+        slot.skipped.increment(1);
+        FilterFault {
+            filter: slot.filter.name().to_owned(),
+            phase: Phase::Request,
+            kind: FaultKind::Degraded { retry_in_ms },
+        }
+    }
+
     /// Runs the response phase on the first `ran` filters, last first. Faults here
     /// cannot change the response; they are reported and the instance replaced.
+    /// Degraded filters are skipped.
     pub fn on_response(
         &mut self,
         mut head: RequestHead,
@@ -278,6 +323,9 @@ impl ChainRunner {
     ) -> (RequestHead, Vec<FilterFault>) {
         let mut faults = Vec::new();
         for index in (0..ran.min(self.slots.len())).rev() {
+            if self.slots[index].filter.health.is_degraded() {
+                continue;
+            }
             let Some(instance) = self.slots[index].instance.as_mut() else {
                 continue;
             };
@@ -322,6 +370,14 @@ impl ChainRunner {
     fn fault(&mut self, index: usize, phase: Phase, kind: FaultKind) -> FilterFault {
         let slot = &mut self.slots[index];
         slot.instance = None;
+        if let Some(backoff_ms) = slot.filter.health.record_fault() {
+            tracing::warn!(
+                chain = %self.chain.name,
+                filter = %slot.filter.name(),
+                backoff_ms,
+                "filter degraded after repeated faults: its failure policy applies without calling it until the backoff ends"
+            );
+        }
         let fault = FilterFault {
             filter: slot.filter.name().to_owned(),
             phase,

@@ -127,11 +127,22 @@ pub enum FaultKind {
     BadReply(String),
     /// No instance could be created.
     Unavailable(String),
+    /// Not called: repeated faults put the filter in backoff.
+    Degraded {
+        /// Milliseconds until the next attempt.
+        retry_in_ms: u64,
+    },
 }
 
 impl FaultKind {
+    /// Whether a fresh instance might not fault again (traps, deadlines, memory): the
+    /// `reload` policy retries only these.
+    pub fn retryable(&self) -> bool {
+        matches!(self, Self::Deadline(_) | Self::MemoryCap(_) | Self::Trap(_))
+    }
+
     /// A short, stable label for metrics: `deadline`, `memory`, `trap`, `bad_reply`,
-    /// `unavailable`.
+    /// `unavailable`, `degraded`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Deadline(_) => "deadline",
@@ -139,6 +150,7 @@ impl FaultKind {
             Self::Trap(_) => "trap",
             Self::BadReply(_) => "bad_reply",
             Self::Unavailable(_) => "unavailable",
+            Self::Degraded { .. } => "degraded",
         }
     }
 }
@@ -151,6 +163,10 @@ impl fmt::Display for FaultKind {
             Self::Trap(msg) => write!(f, "trapped: {msg}"),
             Self::BadReply(msg) => write!(f, "returned an invalid reply: {msg}"),
             Self::Unavailable(msg) => write!(f, "has no instance: {msg}"),
+            Self::Degraded { retry_in_ms } => write!(
+                f,
+                "is degraded after repeated faults (next attempt in {retry_in_ms} ms)"
+            ),
         }
     }
 }

@@ -3,12 +3,14 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use wasmtime::component::{Component, ComponentExportIndex, InstancePre};
 
 use crate::cache::{CompileError, content_hash};
 use crate::error::LoadError;
+use crate::health::{FilterHealth, HealthPolicy};
 use crate::host::{FilterTag, HostState};
 use crate::instance::FilterInstance;
 use crate::runtime::Runtime;
@@ -31,6 +33,10 @@ pub enum FailurePolicy {
     FailClosed,
     /// Skip the filter and go on with the chain.
     FailOpen,
+    /// Replace the instance and retry the call once on the head as it was before the
+    /// failed call; deny with 500 if the retry faults too. For filters whose faults are
+    /// rare and tied to instance state (a leak, a corrupted cache).
+    Reload,
 }
 
 /// How one filter of a chain is configured.
@@ -51,6 +57,8 @@ pub struct FilterSettings {
     /// Shared-state namespace; the filter's name when `None`. Filters that share a
     /// namespace share counters and buckets.
     pub namespace: Option<String>,
+    /// When repeated faults degrade the filter.
+    pub health: HealthPolicy,
 }
 
 impl FilterSettings {
@@ -64,6 +72,7 @@ impl FilterSettings {
             deadline: Duration::from_millis(5),
             configure_deadline: Duration::from_secs(1),
             namespace: None,
+            health: HealthPolicy::default(),
         }
     }
 
@@ -82,6 +91,18 @@ impl FilterSettings {
     /// Sets the per-call CPU deadline.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;
+        self
+    }
+
+    /// Sets the CPU deadline of `configure`.
+    pub fn configure_deadline(mut self, deadline: Duration) -> Self {
+        self.configure_deadline = deadline;
+        self
+    }
+
+    /// Sets when repeated faults degrade the filter.
+    pub fn health(mut self, policy: HealthPolicy) -> Self {
+        self.health = policy;
         self
     }
 
@@ -108,6 +129,8 @@ pub struct LoadedFilter {
     pub(crate) pre: InstancePre<HostState>,
     pub(crate) exports: Exports,
     pub(crate) tag: Arc<FilterTag>,
+    pub(crate) health: FilterHealth,
+    pub(crate) live: AtomicUsize,
     hash: String,
 }
 
@@ -134,6 +157,16 @@ impl LoadedFilter {
     /// SHA-256 of the component bytes (hex): the filter's version.
     pub fn version_hash(&self) -> &str {
         &self.hash
+    }
+
+    /// Whether repeated faults have put the filter in backoff.
+    pub fn health(&self) -> &FilterHealth {
+        &self.health
+    }
+
+    /// Instances alive now, on every worker.
+    pub fn live_instances(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
     }
 
     /// Whether the component exports `on-response`.
@@ -224,6 +257,7 @@ impl Runtime {
                     filter: name.clone(),
                     detail: format!("{e:#}"),
                 })?;
+        let settings_health = settings.health;
         let tag = Arc::new(FilterTag {
             name: Arc::from(name.as_str()),
         });
@@ -233,6 +267,8 @@ impl Runtime {
             pre,
             exports,
             tag,
+            health: FilterHealth::new(self.inner.config.clock.clone(), settings_health),
+            live: AtomicUsize::new(0),
             hash,
         });
         // Configure one instance now, so a bad configuration is refused at load time

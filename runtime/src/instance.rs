@@ -124,6 +124,9 @@ impl FilterInstance {
                 }
             }
         }
+        filter
+            .live
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
             deadline_ticks: ticks(settings.deadline, tick),
             filter: filter.clone(),
@@ -183,6 +186,14 @@ impl FilterInstance {
     fn take_head(&mut self) -> RequestHead {
         // The head was lent just before the call and nothing else takes it.
         self.store.data_mut().head.take().unwrap_or_default()
+    }
+}
+
+impl Drop for FilterInstance {
+    fn drop(&mut self) {
+        self.filter
+            .live
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -21,6 +21,7 @@ mod cache;
 mod chain;
 mod error;
 mod filter;
+mod health;
 mod host;
 mod instance;
 mod limits;
@@ -33,7 +34,8 @@ pub use chain::{ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, Loc
 pub use dpumesh_head::{HeaderError, Peer, RequestHead};
 pub use error::{FaultKind, FilterFault, LoadError, Phase};
 pub use filter::{FailurePolicy, FilterSettings, LoadedFilter, WIT_VERSION};
+pub use health::{FilterHealth, HealthPolicy, HealthState};
 pub use host::HostServices;
 pub use instance::FilterInstance;
 pub use runtime::{Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
-pub use worker::{PoolError, RequestDone, WorkerPool};
+pub use worker::{Generation, PoolError, RequestDone, Ticket, WorkerPool};

@@ -1,17 +1,33 @@
 //! Worker threads: each owns a [`ChainRunner`] per chain (so its own stores and
 //! instances) and processes requests start to finish. Requests reach a worker over its
 //! own channel; nothing on the request path takes a lock shared with other workers.
+//!
+//! Chains are published as numbered [`Generation`]s. Every job carries the generation
+//! it started in, so a request's response phase runs on the same filter versions (and
+//! instances) as its request phase even if a reload happened in between; a newer
+//! generation makes the worker switch between two jobs. Publishing also tells idle
+//! workers to switch at once, so they build their new instances before the next
+//! request rather than during it.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use crossbeam_channel::{Receiver, Sender};
 use dpumesh_head::RequestHead;
+use tokio::sync::oneshot;
 
 use crate::bindings::ResponseInfo;
 use crate::chain::{ChainOutcome, ChainRunner, FilterChain};
 use crate::error::FilterFault;
+
+/// Retired generations a worker keeps for responses still to come.
+const MAX_RETIRED: usize = 3;
+/// A retired generation with requests still open is dropped after this long anyway
+/// (their callers never came back for the response phase).
+const RETIRED_TTL: Duration = Duration::from_secs(30);
 
 /// Why the pool could not take a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -22,37 +38,90 @@ pub enum PoolError {
     /// The pool has shut down.
     #[error("the worker pool has stopped")]
     Stopped,
+    /// Generations must be published in increasing order.
+    #[error("generation {published} is not newer than the current {current}")]
+    StaleGeneration {
+        /// What was published.
+        published: u64,
+        /// What was current.
+        current: u64,
+    },
 }
 
-/// The request phase's result, with the worker that ran it (the response phase must
-/// run on the same worker).
+/// A published, numbered set of chains.
+#[derive(Debug)]
+pub struct Generation {
+    number: u64,
+    chains: Vec<Arc<FilterChain>>,
+}
+
+impl Generation {
+    /// Generation `number` of `chains`.
+    pub fn new(number: u64, chains: Vec<Arc<FilterChain>>) -> Arc<Self> {
+        Arc::new(Self { number, chains })
+    }
+
+    /// The generation number.
+    pub fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// The chains.
+    pub fn chains(&self) -> &[Arc<FilterChain>] {
+        &self.chains
+    }
+
+    /// The index of the chain named `name`.
+    pub fn chain_index(&self, name: &str) -> Option<usize> {
+        self.chains.iter().position(|c| c.name() == name)
+    }
+}
+
+/// Where a request's response phase must run: the worker, generation and chain of its
+/// request phase, and how many filters ran.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    /// The worker that ran the request phase.
+    pub worker: usize,
+    /// The generation it ran in.
+    pub generation: Arc<Generation>,
+    /// The chain's index in that generation.
+    pub chain: usize,
+    /// Filters whose `on-request` ran.
+    pub ran: usize,
+}
+
+/// The request phase's result.
 #[derive(Debug)]
 pub struct RequestDone {
-    /// The worker that ran the chain.
-    pub worker: usize,
+    /// Where the response phase must run.
+    pub ticket: Ticket,
     /// What the chain decided.
     pub outcome: ChainOutcome,
 }
 
 enum Job {
     Request {
+        generation: Arc<Generation>,
         chain: usize,
         head: RequestHead,
-        reply: Sender<RequestDone>,
+        reply: oneshot::Sender<RequestDone>,
     },
     Response {
-        chain: usize,
+        ticket: Ticket,
         head: RequestHead,
         info: ResponseInfo,
-        ran: usize,
-        reply: Sender<(RequestHead, Vec<FilterFault>)>,
+        reply: oneshot::Sender<(RequestHead, Vec<FilterFault>)>,
     },
+    Switch(Arc<Generation>),
 }
 
 /// A fixed set of worker threads running filter chains.
 pub struct WorkerPool {
     senders: Vec<Sender<Job>>,
-    chains: usize,
+    current: ArcSwap<Generation>,
+    /// The generation each worker runs new requests on.
+    on: Arc<[AtomicU64]>,
     next: AtomicUsize,
     threads: Vec<JoinHandle<()>>,
 }
@@ -61,26 +130,29 @@ impl std::fmt::Debug for WorkerPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerPool")
             .field("workers", &self.senders.len())
-            .field("chains", &self.chains)
+            .field("generation", &self.current.load().number)
             .finish()
     }
 }
 
 impl WorkerPool {
-    /// Starts `workers` threads, each creating its instances of every chain before
-    /// taking requests.
-    pub fn start(chains: Vec<Arc<FilterChain>>, workers: usize) -> std::io::Result<Self> {
+    /// Starts `workers` threads on `generation`, each creating its instances of every
+    /// chain before taking requests.
+    pub fn start(generation: Arc<Generation>, workers: usize) -> std::io::Result<Self> {
         let workers = workers.max(1);
+        let on: Arc<[AtomicU64]> = (0..workers)
+            .map(|_| AtomicU64::new(generation.number))
+            .collect();
         let mut senders = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
         let (ready_tx, ready_rx) = crossbeam_channel::bounded::<()>(workers);
         for id in 0..workers {
             let (tx, rx) = crossbeam_channel::unbounded();
-            let chains = chains.clone();
+            let worker = Worker::new(id, generation.clone(), on.clone());
             let ready = ready_tx.clone();
             let thread = std::thread::Builder::new()
                 .name(format!("dpumesh-worker-{id}"))
-                .spawn(move || run_worker(id, chains, rx, ready))?;
+                .spawn(move || worker.run(rx, ready))?;
             senders.push(tx);
             threads.push(thread);
         }
@@ -90,7 +162,8 @@ impl WorkerPool {
         }
         Ok(Self {
             senders,
-            chains: chains.len(),
+            current: ArcSwap::new(generation),
+            on,
             next: AtomicUsize::new(0),
             threads,
         })
@@ -101,43 +174,119 @@ impl WorkerPool {
         self.senders.len()
     }
 
-    /// Runs chain `chain`'s request phase on the next worker (round robin) and waits.
-    pub fn on_request(&self, chain: usize, head: RequestHead) -> Result<RequestDone, PoolError> {
-        if chain >= self.chains {
+    /// The generation new requests run on.
+    pub fn current(&self) -> Arc<Generation> {
+        self.current.load_full()
+    }
+
+    /// The generation each worker has switched to.
+    pub fn worker_generations(&self) -> Vec<u64> {
+        self.on.iter().map(|g| g.load(Ordering::Acquire)).collect()
+    }
+
+    /// Makes `generation` current: requests submitted from now on run on it, and every
+    /// worker switches as soon as it finishes its current job. Requests already
+    /// submitted finish on the generation they were submitted with.
+    pub fn publish(&self, generation: Arc<Generation>) -> Result<(), PoolError> {
+        let current = self.current.load().number;
+        if generation.number <= current {
+            return Err(PoolError::StaleGeneration {
+                published: generation.number,
+                current,
+            });
+        }
+        self.current.store(generation.clone());
+        for sender in &self.senders {
+            let _ = sender.send(Job::Switch(generation.clone()));
+        }
+        Ok(())
+    }
+
+    fn submit(
+        &self,
+        generation: Arc<Generation>,
+        chain: usize,
+        head: RequestHead,
+    ) -> Result<oneshot::Receiver<RequestDone>, PoolError> {
+        if chain >= generation.chains.len() {
             return Err(PoolError::UnknownChain(chain));
         }
         let worker = self.next.fetch_add(1, Ordering::Relaxed) % self.senders.len();
-        let (reply, done) = crossbeam_channel::bounded(1);
+        let (reply, done) = oneshot::channel();
         self.senders[worker]
-            .send(Job::Request { chain, head, reply })
-            .map_err(|_| PoolError::Stopped)?;
-        done.recv().map_err(|_| PoolError::Stopped)
-    }
-
-    /// Runs the response phase on the worker that ran the request phase, and waits.
-    pub fn on_response(
-        &self,
-        worker: usize,
-        chain: usize,
-        head: RequestHead,
-        info: ResponseInfo,
-        ran: usize,
-    ) -> Result<(RequestHead, Vec<FilterFault>), PoolError> {
-        if chain >= self.chains {
-            return Err(PoolError::UnknownChain(chain));
-        }
-        let sender = self.senders.get(worker).ok_or(PoolError::Stopped)?;
-        let (reply, done) = crossbeam_channel::bounded(1);
-        sender
-            .send(Job::Response {
+            .send(Job::Request {
+                generation,
                 chain,
                 head,
-                info,
-                ran,
                 reply,
             })
             .map_err(|_| PoolError::Stopped)?;
-        done.recv().map_err(|_| PoolError::Stopped)
+        Ok(done)
+    }
+
+    /// Runs chain `chain` of the current generation on the next worker (round robin)
+    /// and waits. Not for async contexts: use [`WorkerPool::request`] there.
+    pub fn on_request(&self, chain: usize, head: RequestHead) -> Result<RequestDone, PoolError> {
+        self.submit(self.current(), chain, head)?
+            .blocking_recv()
+            .map_err(|_| PoolError::Stopped)
+    }
+
+    /// Runs chain `chain` of `generation` (resolved by the caller, e.g. from a route
+    /// table published with it) on the next worker.
+    pub async fn request(
+        &self,
+        generation: Arc<Generation>,
+        chain: usize,
+        head: RequestHead,
+    ) -> Result<RequestDone, PoolError> {
+        self.submit(generation, chain, head)?
+            .await
+            .map_err(|_| PoolError::Stopped)
+    }
+
+    fn submit_response(
+        &self,
+        ticket: Ticket,
+        head: RequestHead,
+        info: ResponseInfo,
+    ) -> Result<oneshot::Receiver<(RequestHead, Vec<FilterFault>)>, PoolError> {
+        let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
+        let (reply, done) = oneshot::channel();
+        sender
+            .send(Job::Response {
+                ticket,
+                head,
+                info,
+                reply,
+            })
+            .map_err(|_| PoolError::Stopped)?;
+        Ok(done)
+    }
+
+    /// Runs the response phase where `ticket` says, and waits. Not for async contexts:
+    /// use [`WorkerPool::response`] there.
+    pub fn on_response(
+        &self,
+        ticket: Ticket,
+        head: RequestHead,
+        info: ResponseInfo,
+    ) -> Result<(RequestHead, Vec<FilterFault>), PoolError> {
+        self.submit_response(ticket, head, info)?
+            .blocking_recv()
+            .map_err(|_| PoolError::Stopped)
+    }
+
+    /// Runs the response phase where `ticket` says.
+    pub async fn response(
+        &self,
+        ticket: Ticket,
+        head: RequestHead,
+        info: ResponseInfo,
+    ) -> Result<(RequestHead, Vec<FilterFault>), PoolError> {
+        self.submit_response(ticket, head, info)?
+            .await
+            .map_err(|_| PoolError::Stopped)
     }
 }
 
@@ -151,31 +300,133 @@ impl Drop for WorkerPool {
     }
 }
 
-fn run_worker(id: usize, chains: Vec<Arc<FilterChain>>, jobs: Receiver<Job>, ready: Sender<()>) {
-    let mut runners: Vec<ChainRunner> = chains.into_iter().map(ChainRunner::new).collect();
-    let _ = ready.send(());
-    drop(ready);
-    while let Ok(job) = jobs.recv() {
-        match job {
-            Job::Request { chain, head, reply } => {
-                let outcome = runners[chain].on_request(head);
-                let _ = reply.send(RequestDone {
-                    worker: id,
-                    outcome,
-                });
-                runners[chain].repair();
-            }
-            Job::Response {
-                chain,
-                head,
-                info,
-                ran,
-                reply,
-            } => {
-                let result = runners[chain].on_response(head, &info, ran);
-                let _ = reply.send(result);
-                runners[chain].repair();
+/// One generation's runners on one worker.
+struct Runners {
+    generation: Arc<Generation>,
+    runners: Vec<ChainRunner>,
+    /// Requests whose response phase has not run yet.
+    open: usize,
+    last_used: Instant,
+}
+
+impl Runners {
+    fn new(generation: Arc<Generation>) -> Self {
+        let runners = generation
+            .chains
+            .iter()
+            .cloned()
+            .map(ChainRunner::new)
+            .collect();
+        Self {
+            generation,
+            runners,
+            open: 0,
+            last_used: Instant::now(),
+        }
+    }
+}
+
+struct Worker {
+    id: usize,
+    current: Runners,
+    /// Older generations with responses still to come, newest first.
+    retired: Vec<Runners>,
+    on: Arc<[AtomicU64]>,
+}
+
+impl Worker {
+    fn new(id: usize, generation: Arc<Generation>, on: Arc<[AtomicU64]>) -> Self {
+        Self {
+            id,
+            current: Runners::new(generation),
+            retired: Vec::new(),
+            on,
+        }
+    }
+
+    fn run(mut self, jobs: Receiver<Job>, ready: Sender<()>) {
+        let _ = ready.send(());
+        drop(ready);
+        while let Ok(job) = jobs.recv() {
+            match job {
+                Job::Request {
+                    generation,
+                    chain,
+                    head,
+                    reply,
+                } => {
+                    let worker = self.id;
+                    let runners = self.runners(&generation);
+                    runners.open += 1;
+                    let runner = &mut runners.runners[chain];
+                    let outcome = runner.on_request(head);
+                    let ticket = Ticket {
+                        worker,
+                        generation,
+                        chain,
+                        ran: outcome.ran,
+                    };
+                    let _ = reply.send(RequestDone { ticket, outcome });
+                    runner.repair();
+                }
+                Job::Response {
+                    ticket,
+                    head,
+                    info,
+                    reply,
+                } => {
+                    let runners = self.runners(&ticket.generation);
+                    runners.open = runners.open.saturating_sub(1);
+                    let runner = &mut runners.runners[ticket.chain];
+                    let result = runner.on_response(head, &info, ticket.ran);
+                    let _ = reply.send(result);
+                    runner.repair();
+                    self.sweep();
+                }
+                Job::Switch(generation) => {
+                    self.runners(&generation);
+                }
             }
         }
+    }
+
+    /// The runners of `generation`: the current ones, a retired set, or new ones (after
+    /// switching to it when it is newer than the current generation).
+    fn runners(&mut self, generation: &Arc<Generation>) -> &mut Runners {
+        let number = generation.number;
+        if number > self.current.generation.number {
+            let old = std::mem::replace(&mut self.current, Runners::new(generation.clone()));
+            self.on[self.id].store(number, Ordering::Release);
+            self.retired.insert(0, old);
+            self.sweep();
+        }
+        if number == self.current.generation.number {
+            self.current.last_used = Instant::now();
+            return &mut self.current;
+        }
+        let index = match self
+            .retired
+            .iter()
+            .position(|r| r.generation.number == number)
+        {
+            Some(index) => index,
+            None => {
+                // A request submitted before a publish reached a worker that had
+                // already dropped (or never had) its generation: build it again.
+                self.retired.push(Runners::new(generation.clone()));
+                self.retired.len() - 1
+            }
+        };
+        let runners = &mut self.retired[index];
+        runners.last_used = Instant::now();
+        runners
+    }
+
+    /// Drops retired generations with no open requests, and the oldest beyond the
+    /// limit or idle too long.
+    fn sweep(&mut self) {
+        self.retired
+            .retain(|r| r.open > 0 && r.last_used.elapsed() < RETIRED_TTL);
+        self.retired.truncate(MAX_RETIRED);
     }
 }

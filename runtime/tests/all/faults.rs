@@ -156,3 +156,126 @@ fn faults_in_the_response_phase_are_reported_and_do_not_poison_requests() {
     assert_eq!(faults[0].phase, dpumesh_runtime::Phase::Response);
     assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
 }
+
+#[test]
+fn the_reload_policy_retries_once_on_a_fresh_instance_with_the_original_head() {
+    let rt = runtime();
+    let flaky = |policy| {
+        settings(
+            "flaky",
+            json!({"request": [
+                {"append_header": ["x-seen", "1"]},
+                {"panic_on_call": 3},
+            ]}),
+        )
+        .failure_policy(policy)
+    };
+    let mut runner = ChainRunner::new(chain(&rt, vec![flaky(FailurePolicy::Reload), marker()]));
+    // Request 3 faults and is retried on a fresh instance (whose own third call is
+    // request 5, past this loop).
+    for i in 1..=4 {
+        let outcome = runner.on_request(get("/"));
+        assert_eq!(outcome.decision, Decision::Continue, "request {i}");
+        // The failed call's edit was not kept: the retry started from the original.
+        assert_eq!(outcome.head.header_all("x-seen"), vec!["1"], "request {i}");
+        assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
+        assert_eq!(outcome.faults.len(), usize::from(i == 3), "request {i}");
+    }
+
+    // The same filter failing closed denies the third request.
+    let mut runner = ChainRunner::new(chain(&rt, vec![flaky(FailurePolicy::FailClosed)]));
+    let statuses: Vec<Option<u16>> = (0..4)
+        .map(|_| {
+            runner
+                .on_request(get("/"))
+                .decision
+                .reply()
+                .map(|r| r.status)
+        })
+        .collect();
+    assert_eq!(statuses, [None, None, Some(500), None]);
+}
+
+#[test]
+fn a_retry_that_faults_again_fails_closed() {
+    let rt = runtime();
+    let broken = settings("broken", json!({"request": [{"panic": "always"}]}))
+        .failure_policy(FailurePolicy::Reload);
+    let mut runner = ChainRunner::new(chain(&rt, vec![broken, marker()]));
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.decision.reply().map(|r| r.status), Some(500));
+    assert_eq!(outcome.faults.len(), 2, "the call and its retry");
+}
+
+#[test]
+fn repeated_faults_degrade_a_filter_until_its_backoff_ends() {
+    use dpumesh_clock::ManualClock;
+    use dpumesh_runtime::{HealthState, Runtime, RuntimeConfig};
+
+    let clock = ManualClock::at_unix_secs(1_700_000_000);
+    let rt = Runtime::new(RuntimeConfig {
+        cache_dir: Some(crate::support::cache_dir()),
+        max_instances: 8,
+        clock: clock.clone(),
+        ..RuntimeConfig::default()
+    })
+    .unwrap();
+    let trapper = settings(
+        "trapper",
+        json!({"request": [{"increment": "calls"}, {"panic_if_header": "x-boom"}]}),
+    );
+    let chain = chain(&rt, vec![trapper]);
+    let filter = chain.filters()[0].clone();
+    let mut runner = ChainRunner::new(chain);
+    let boom = || {
+        let mut head = get("/");
+        head.append_received("x-boom", "1").unwrap();
+        head
+    };
+    let calls = || {
+        rt.shared_state()
+            .namespace("test")
+            .get("calls")
+            .unwrap()
+            .unwrap_or(0)
+    };
+    for _ in 0..5 {
+        assert_eq!(
+            runner.on_request(boom()).decision.reply().map(|r| r.status),
+            Some(500)
+        );
+    }
+    assert_eq!(calls(), 5);
+    assert_eq!(
+        filter.health().state(),
+        HealthState::Degraded { retry_in_ms: 1000 }
+    );
+
+    // Degraded: the policy applies without calling the filter, even for good requests.
+    let outcome = runner.on_request(get("/"));
+    let reply = outcome.decision.reply().unwrap();
+    assert_eq!(reply.status, 503);
+    assert!(reply.body.contains("degraded"), "{}", reply.body);
+    assert_eq!(fault_of(&outcome.decision).kind.label(), "degraded");
+    assert_eq!(calls(), 5, "a degraded filter is not called");
+
+    // After the backoff the filter is tried again; a success makes it healthy.
+    clock.advance_ms(1000);
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+    assert_eq!(calls(), 6);
+    assert_eq!(filter.health().state(), HealthState::Healthy);
+}
+
+#[test]
+fn a_degraded_fail_open_filter_is_skipped() {
+    let rt = runtime();
+    let trapper = settings("trapper", json!({"request": [{"panic": "always"}]}))
+        .failure_policy(FailurePolicy::FailOpen);
+    let mut runner = ChainRunner::new(chain(&rt, vec![trapper, marker()]));
+    for _ in 0..8 {
+        let outcome = runner.on_request(get("/"));
+        assert_eq!(outcome.decision, Decision::Continue);
+        assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
+    }
+    assert!(runner.chain().filters()[0].health().is_degraded());
+}

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use dpumesh_runtime::{Decision, WorkerPool};
+use dpumesh_runtime::{Decision, Generation, WorkerPool};
 use serde_json::json;
 
 use crate::support::{chain, get, runtime, settings};
@@ -17,7 +17,7 @@ fn shared_state_counters_are_consistent_across_workers() {
             json!({"request": [{"increment": "hits"}]}),
         )],
     );
-    let pool = Arc::new(WorkerPool::start(vec![counting], 4).unwrap());
+    let pool = Arc::new(WorkerPool::start(Generation::new(1, vec![counting]), 4).unwrap());
     let clients: Vec<_> = (0..8)
         .map(|_| {
             let pool = pool.clone();
@@ -46,11 +46,11 @@ fn requests_spread_over_workers_and_responses_return_to_them() {
             json!({"tag": "r", "response": [{"record_order": "resp"}]}),
         )],
     );
-    let pool = WorkerPool::start(vec![c], 3).unwrap();
+    let pool = WorkerPool::start(Generation::new(1, vec![c]), 3).unwrap();
     let mut workers = std::collections::HashSet::new();
     for _ in 0..6 {
         let done = pool.on_request(0, get("/")).unwrap();
-        workers.insert(done.worker);
+        workers.insert(done.ticket.worker);
         let info = dpumesh_runtime::ResponseInfo {
             status: 200,
             latency_ns: 5,
@@ -58,7 +58,7 @@ fn requests_spread_over_workers_and_responses_return_to_them() {
             failure: dpumesh_runtime::FailureKind::None,
         };
         let (_, faults) = pool
-            .on_response(done.worker, 0, done.outcome.head, info, done.outcome.ran)
+            .on_response(done.ticket, done.outcome.head, info)
             .unwrap();
         assert!(faults.is_empty());
     }
@@ -97,7 +97,11 @@ fn a_node_wide_rate_limit_is_exact_under_16_workers() {
         )
         .unwrap();
     let pool = Arc::new(
-        WorkerPool::start(vec![Arc::new(FilterChain::new("rl", vec![filter]))], 16).unwrap(),
+        WorkerPool::start(
+            Generation::new(1, vec![Arc::new(FilterChain::new("rl", vec![filter]))]),
+            16,
+        )
+        .unwrap(),
     );
     const CLIENTS: usize = 16;
     const ROUNDS: usize = 10;
@@ -129,4 +133,58 @@ fn a_node_wide_rate_limit_is_exact_under_16_workers() {
     let admitted: usize = clients.into_iter().map(|c| c.join().unwrap()).sum();
     // 100 per one-second interval, node-wide, however the 16 workers interleave.
     assert_eq!(admitted, ROUNDS * 100);
+}
+
+#[test]
+fn a_published_generation_takes_over_while_open_requests_finish_on_theirs() {
+    let rt = runtime();
+    let tagged = |tag: &str| {
+        chain(
+            &rt,
+            vec![settings(
+                "t",
+                json!({"tag": tag, "request": [{"set_header": ["x-gen", tag]}],
+                       "response": [{"record_order": "resp"}]}),
+            )],
+        )
+    };
+    let pool = WorkerPool::start(Generation::new(1, vec![tagged("g1")]), 2).unwrap();
+    let first = pool.on_request(0, get("/")).unwrap();
+    assert_eq!(first.outcome.head.header("x-gen").as_deref(), Some("g1"));
+
+    pool.publish(Generation::new(2, vec![tagged("g2")]))
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pool.worker_generations() != [2, 2] {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "workers never switched"
+        );
+        std::thread::yield_now();
+    }
+    let second = pool.on_request(0, get("/")).unwrap();
+    assert_eq!(second.outcome.head.header("x-gen").as_deref(), Some("g2"));
+
+    // The request that started on generation 1 finishes there.
+    let info = dpumesh_runtime::ResponseInfo {
+        status: 200,
+        latency_ns: 5,
+        upstream: None,
+        failure: dpumesh_runtime::FailureKind::None,
+    };
+    pool.on_response(first.ticket, first.outcome.head, info.clone())
+        .unwrap();
+    pool.on_response(second.ticket, second.outcome.head, info)
+        .unwrap();
+    let ns = rt.shared_state().namespace("test");
+    assert_eq!(ns.get("resp-g1").unwrap(), Some(1));
+    assert_eq!(ns.get("resp-g2").unwrap(), Some(2));
+
+    assert!(matches!(
+        pool.publish(Generation::new(2, vec![tagged("again")])),
+        Err(dpumesh_runtime::PoolError::StaleGeneration {
+            published: 2,
+            current: 2
+        })
+    ));
 }

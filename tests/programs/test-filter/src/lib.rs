@@ -43,6 +43,9 @@ pub enum Action {
     Panic(String),
     /// Panic when header `name` is present.
     PanicIfHeader(String),
+    /// Panic on this instance's `n`th request (1-based): a fault tied to instance
+    /// state, which a fresh instance does not repeat.
+    PanicOnCall(u32),
     /// Loop forever when header `name` is present.
     SpinIfHeader(String),
     /// Write to stderr.
@@ -84,6 +87,8 @@ pub struct TestFilter {
     config: Config,
     /// Keeps allocations alive so the memory bomb is not optimized away.
     hoard: Vec<Vec<u8>>,
+    /// Requests this instance has seen.
+    calls: u32,
 }
 
 fn spin() -> ! {
@@ -146,6 +151,11 @@ impl TestFilter {
                     }
                 }
                 Action::Panic(message) => panic!("{message}"),
+                Action::PanicOnCall(n) => {
+                    if self.calls == *n {
+                        panic!("instance fault on call {n}");
+                    }
+                }
                 Action::PanicIfHeader(n) => {
                     if req.header(n).is_some() {
                         panic!("header {n} present");
@@ -214,10 +224,12 @@ impl Filter for TestFilter {
         Ok(Self {
             config,
             hoard: Vec::new(),
+            calls: 0,
         })
     }
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
+        self.calls += 1;
         // Taken out and put back rather than cloned, so benches measure host calls.
         let actions = std::mem::take(&mut self.config.request);
         let verdict = self.run(req, &actions);
