@@ -1,0 +1,662 @@
+//! The proxy config file: YAML, every section checked, every error naming the file,
+//! the key path and the line.
+//!
+//! ```yaml
+//! admin: 127.0.0.1:9901          # admin API (/healthz, /metrics, /filters, /reload)
+//! listener: 127.0.0.1:8080       # loopback HTTP listener answering the verdict
+//! workers: 4
+//! log: {level: info, format: text}
+//! key_sets:
+//!   idp: {jwks_file: keys/jwks.json}
+//!   shared: {secret: "..."}
+//! filters:
+//!   jwt:
+//!     component: filters/jwt.wasm  # relative to this file
+//!     config: {providers: {...}}   # or config_file: jwt.json
+//!     failure_policy: fail-closed  # fail-open, reload
+//!     memory_cap: 32MiB
+//!     deadline: 5ms
+//! chains:
+//!   api: [jwt]
+//! services:
+//!   items: {chain: api}
+//! routes:
+//!   - {host: api.example.com, path_prefix: /api, service: items}
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use dpumesh_runtime::FailurePolicy;
+use serde::Deserialize;
+
+/// A config error: where and what.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    /// The file.
+    pub file: PathBuf,
+    /// Key path, e.g. `chains.api[2]`; empty for the whole file.
+    pub path: String,
+    /// 1-based line, when known.
+    pub line: Option<usize>,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.file.display())?;
+        if let Some(line) = self.line {
+            write!(f, ":{line}")?;
+        }
+        if !self.path.is_empty() {
+            write!(f, ": {}", self.path)?;
+        }
+        write!(f, ": {}", self.message)
+    }
+}
+
+/// Log settings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// A `tracing` filter: `info`, `dpumesh=debug,warn`, ... (`DPUMESH_LOG` overrides).
+    #[serde(default = "default_level")]
+    pub level: String,
+    /// `text` or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+fn default_level() -> String {
+    "info".to_owned()
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            level: default_level(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable, one line per event.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Where a key set comes from (exactly one source).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeySetSource {
+    /// Inline JWKS (JSON text).
+    pub jwks: Option<String>,
+    /// JWKS file, relative to the config file.
+    pub jwks_file: Option<PathBuf>,
+    /// Inline HMAC secret.
+    pub secret: Option<String>,
+    /// File holding the HMAC secret (bytes as they are).
+    pub secret_file: Option<PathBuf>,
+    /// `kid` of the secret's key.
+    pub kid: Option<String>,
+}
+
+/// One filter definition.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterConfig {
+    /// The component (`.wasm`), relative to the config file.
+    pub component: PathBuf,
+    /// Inline configuration, handed to `configure` as JSON.
+    pub config: Option<serde_json::Value>,
+    /// Configuration file (JSON passed as is; YAML converted to JSON).
+    pub config_file: Option<PathBuf>,
+    /// `fail-closed` (default), `fail-open` or `reload`.
+    #[serde(default)]
+    pub failure_policy: FailurePolicy,
+    /// Memory cap, e.g. `32MiB` (default 64MiB).
+    pub memory_cap: Option<ByteSize>,
+    /// CPU deadline per call, e.g. `5ms` (default 5ms).
+    pub deadline: Option<Span>,
+    /// CPU deadline of `configure` (default 1s; interpreted guests need more).
+    pub configure_deadline: Option<Span>,
+    /// Shared-state namespace (default: the filter's name).
+    pub namespace: Option<String>,
+}
+
+/// A service: where routed requests go, and the chain they pass.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceConfig {
+    /// The chain for requests to this service.
+    pub chain: String,
+}
+
+/// A route: the first whose host and path prefix match picks the service.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Host to match (`api.example.com`, `*.example.com`); any host when absent.
+    pub host: Option<String>,
+    /// Path prefix (default `/`).
+    #[serde(default = "root")]
+    pub path_prefix: String,
+    /// The service.
+    pub service: String,
+    /// A chain overriding the service's.
+    pub chain: Option<String>,
+}
+
+fn root() -> String {
+    "/".to_owned()
+}
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// Admin API address.
+    pub admin: Option<SocketAddr>,
+    /// Loopback test listener address.
+    pub listener: Option<SocketAddr>,
+    /// Worker threads (default: available cores).
+    pub workers: Option<usize>,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// `.cwasm` cache directory (default: the user cache dir).
+    pub cache_dir: Option<PathBuf>,
+    /// Key sets by name.
+    #[serde(default)]
+    pub key_sets: BTreeMap<String, KeySetSource>,
+    /// Filters by name.
+    #[serde(default)]
+    pub filters: BTreeMap<String, FilterConfig>,
+    /// Chains by name: filter names in order.
+    #[serde(default)]
+    pub chains: BTreeMap<String, Vec<String>>,
+    /// Services by name.
+    #[serde(default)]
+    pub services: BTreeMap<String, ServiceConfig>,
+    /// Routes, in order.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+}
+
+/// A duration written `500us`, `5ms`, `2s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span(pub Duration);
+
+impl<'de> Deserialize<'de> for Span {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        parse_span(&text)
+            .map(Span)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+fn parse_span(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{text:?} has no unit (use us, ms or s)"))?;
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 5ms"))?;
+    match unit.trim() {
+        "us" => Ok(Duration::from_micros(n)),
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        other => Err(format!(
+            "unknown unit {other:?} in {text:?} (use us, ms or s)"
+        )),
+    }
+}
+
+/// A size written `65536`, `64KiB`, `32MiB`, `1GiB`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub usize);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(usize),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(Self(n)),
+            Raw::Text(text) => parse_size(&text)
+                .map(Self)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+fn parse_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: usize = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size like 32MiB"))?;
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (use KiB, MiB or GiB)"
+            ));
+        }
+    };
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+/// A parsed and checked config, with the file it came from.
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    /// The file.
+    pub file: PathBuf,
+    /// Its text (for locating later errors).
+    pub text: String,
+    /// The content.
+    pub config: ProxyConfig,
+}
+
+impl LoadedConfig {
+    /// Reads, parses and checks `file`.
+    pub fn read(file: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(file).map_err(|e| ConfigError {
+            file: file.to_owned(),
+            path: String::new(),
+            line: None,
+            message: format!("cannot read: {e}"),
+        })?;
+        Self::parse(file, text)
+    }
+
+    /// Parses and checks `text` as if read from `file`.
+    pub fn parse(file: &Path, text: String) -> Result<Self, ConfigError> {
+        let deserializer = serde_norway::Deserializer::from_str(&text);
+        let config: ProxyConfig = match serde_path_to_error::deserialize(deserializer) {
+            Ok(config) => config,
+            Err(e) => {
+                let path = e.path().to_string();
+                let path = if path == "." { String::new() } else { path };
+                let inner = e.into_inner();
+                let line = inner
+                    .location()
+                    .map(|l| l.line())
+                    .or_else(|| locate(&text, &path));
+                // serde_norway appends "at line N column M"; the line is reported apart.
+                let mut message = inner.to_string();
+                if let Some(at) = message.find(" at line ") {
+                    message.truncate(at);
+                }
+                return Err(ConfigError {
+                    file: file.to_owned(),
+                    path,
+                    line,
+                    message,
+                });
+            }
+        };
+        let loaded = Self {
+            file: file.to_owned(),
+            text,
+            config,
+        };
+        loaded.check()?;
+        Ok(loaded)
+    }
+
+    /// An error at key path `path`.
+    pub fn error(&self, path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        let path = path.into();
+        ConfigError {
+            file: self.file.clone(),
+            line: locate(&self.text, &path),
+            path,
+            message: message.into(),
+        }
+    }
+
+    /// `path` relative to the config file's directory.
+    pub fn resolve(&self, path: &Path) -> PathBuf {
+        match self.file.parent() {
+            Some(dir) if path.is_relative() => dir.join(path),
+            _ => path.to_owned(),
+        }
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        let c = &self.config;
+        if c.workers == Some(0) {
+            return Err(self.error("workers", "must be at least 1"));
+        }
+        for (name, source) in &c.key_sets {
+            let sources = [
+                source.jwks.is_some(),
+                source.jwks_file.is_some(),
+                source.secret.is_some(),
+                source.secret_file.is_some(),
+            ];
+            if sources.iter().filter(|s| **s).count() != 1 {
+                return Err(self.error(
+                    format!("key_sets.{name}"),
+                    "give exactly one of jwks, jwks_file, secret, secret_file",
+                ));
+            }
+        }
+        for (name, filter) in &c.filters {
+            if filter.config.is_some() && filter.config_file.is_some() {
+                return Err(self.error(
+                    format!("filters.{name}"),
+                    "give config or config_file, not both",
+                ));
+            }
+        }
+        for (chain, filters) in &c.chains {
+            for (i, filter) in filters.iter().enumerate() {
+                if !c.filters.contains_key(filter) {
+                    return Err(self.error(
+                        format!("chains.{chain}[{i}]"),
+                        format!("no filter named {filter:?} under filters"),
+                    ));
+                }
+                if filters[..i].contains(filter) {
+                    return Err(self.error(
+                        format!("chains.{chain}[{i}]"),
+                        format!("filter {filter:?} appears twice in the chain"),
+                    ));
+                }
+            }
+        }
+        for (name, service) in &c.services {
+            if !c.chains.contains_key(&service.chain) {
+                return Err(self.error(
+                    format!("services.{name}.chain"),
+                    format!("no chain named {:?} under chains", service.chain),
+                ));
+            }
+        }
+        for (i, route) in c.routes.iter().enumerate() {
+            if !c.services.contains_key(&route.service) {
+                return Err(self.error(
+                    format!("routes[{i}].service"),
+                    format!("no service named {:?} under services", route.service),
+                ));
+            }
+            if let Some(chain) = &route.chain
+                && !c.chains.contains_key(chain)
+            {
+                return Err(self.error(
+                    format!("routes[{i}].chain"),
+                    format!("no chain named {chain:?} under chains"),
+                ));
+            }
+            if !route.path_prefix.starts_with('/') {
+                return Err(self.error(format!("routes[{i}].path_prefix"), "must start with /"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every file the config names (components, config files, key files), resolved:
+    /// what the watcher watches besides the config itself.
+    pub fn referenced_files(&self) -> Vec<PathBuf> {
+        let c = &self.config;
+        let mut files = Vec::new();
+        for filter in c.filters.values() {
+            files.push(self.resolve(&filter.component));
+            if let Some(f) = &filter.config_file {
+                files.push(self.resolve(f));
+            }
+        }
+        for source in c.key_sets.values() {
+            for f in [&source.jwks_file, &source.secret_file]
+                .into_iter()
+                .flatten()
+            {
+                files.push(self.resolve(f));
+            }
+        }
+        files
+    }
+}
+
+/// The 1-based line of key path `path` (`a.b[2].c`) in block-style YAML, or of its
+/// nearest ancestor found. Flow collections (`[a, b]`) are located by their key.
+pub fn locate(text: &str, path: &str) -> Option<usize> {
+    let target = segments(path);
+    if target.is_empty() {
+        return None;
+    }
+    for len in (1..=target.len()).rev() {
+        if let Some(line) = locate_exact(text, &target[..len]) {
+            return Some(line);
+        }
+    }
+    None
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    Key(String),
+    Index(usize),
+}
+
+fn segments(path: &str) -> Vec<Segment> {
+    let mut out = Vec::new();
+    for part in path.split('.').filter(|p| !p.is_empty()) {
+        let (key, mut rest) = match part.find('[') {
+            Some(i) => (&part[..i], &part[i..]),
+            None => (part, ""),
+        };
+        if !key.is_empty() {
+            out.push(Segment::Key(key.to_owned()));
+        }
+        while let Some(end) = rest.find(']') {
+            if let Ok(i) = rest[1..end].parse() {
+                out.push(Segment::Index(i));
+            }
+            rest = &rest[end + 1..];
+        }
+    }
+    out
+}
+
+fn locate_exact(text: &str, target: &[Segment]) -> Option<usize> {
+    // Open nodes: (indent, path segment); sequence counters per indent.
+    let mut stack: Vec<(usize, Segment)> = Vec::new();
+    let mut seq_counts: Vec<(usize, usize)> = Vec::new();
+    for (number, raw) in text.lines().enumerate() {
+        let content = raw.trim_start();
+        if content.is_empty() || content.starts_with('#') {
+            continue;
+        }
+        let mut indent = raw.len() - content.len();
+        let mut rest = content;
+        // `- ` items, possibly `- key: value` on the same line.
+        while let Some(after) = rest
+            .strip_prefix("- ")
+            .or(rest.strip_prefix('-').filter(|r| r.is_empty()))
+        {
+            stack.retain(|(i, _)| *i < indent);
+            seq_counts.retain(|(i, _)| *i <= indent);
+            let index = match seq_counts.iter_mut().find(|(i, _)| *i == indent) {
+                Some((_, n)) => {
+                    *n += 1;
+                    *n
+                }
+                None => {
+                    seq_counts.push((indent, 0));
+                    0
+                }
+            };
+            stack.push((indent, Segment::Index(index)));
+            if stack.iter().map(|(_, s)| s).eq(target.iter()) {
+                return Some(number + 1);
+            }
+            let skipped = rest.len() - after.len();
+            indent += skipped + (after.len() - after.trim_start().len());
+            rest = after.trim_start();
+        }
+        let Some(colon) = key_end(rest) else {
+            continue;
+        };
+        let key = rest[..colon].trim().trim_matches(|c| c == '"' || c == '\'');
+        stack.retain(|(i, _)| *i < indent);
+        seq_counts.retain(|(i, _)| *i <= indent);
+        stack.push((indent, Segment::Key(key.to_owned())));
+        if stack.iter().map(|(_, s)| s).eq(target.iter()) {
+            return Some(number + 1);
+        }
+    }
+    None
+}
+
+/// Where a `key:` ends (a colon followed by a space or the end of the line).
+fn key_end(line: &str) -> Option<usize> {
+    let bytes = line.as_bytes();
+    (0..bytes.len()).find(|&i| bytes[i] == b':' && (i + 1 == bytes.len() || bytes[i + 1] == b' '))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+admin: 127.0.0.1:9901
+workers: 2
+key_sets:
+  shared: {secret: "s3cret"}
+filters:
+  guard:
+    component: guard.wasm
+    config: {rules: []}
+    deadline: 5ms
+    memory_cap: 32MiB
+  trace:
+    component: trace.wasm
+chains:
+  api: [trace, guard]
+services:
+  items:
+    chain: api
+routes:
+  - host: api.example.com
+    path_prefix: /api
+    service: items
+  - service: items
+"#;
+
+    fn parse(text: &str) -> Result<LoadedConfig, ConfigError> {
+        LoadedConfig::parse(Path::new("/etc/dpumesh/proxy.yaml"), text.to_owned())
+    }
+
+    #[test]
+    fn a_good_config_parses_into_checked_types() {
+        let c = parse(GOOD).unwrap();
+        let guard = &c.config.filters["guard"];
+        assert_eq!(guard.deadline, Some(Span(Duration::from_millis(5))));
+        assert_eq!(guard.memory_cap, Some(ByteSize(32 << 20)));
+        assert_eq!(guard.failure_policy, FailurePolicy::FailClosed);
+        assert_eq!(c.config.routes[1].path_prefix, "/");
+        assert_eq!(
+            c.resolve(&guard.component),
+            PathBuf::from("/etc/dpumesh/guard.wasm")
+        );
+        assert_eq!(c.referenced_files().len(), 2);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_path_and_line() {
+        let text = GOOD.replace("    deadline: 5ms", "    deadlien: 5ms");
+        let e = parse(&text).unwrap_err();
+        assert_eq!(e.path, "filters.guard.deadlien");
+        assert_eq!(e.line, Some(10));
+        assert!(e.message.contains("unknown field `deadlien`"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("/etc/dpumesh/proxy.yaml:10: filters.guard.deadlien: "),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let e = parse(&GOOD.replace("deadline: 5ms", "deadline: 5 parsecs")).unwrap_err();
+        assert_eq!(e.path, "filters.guard.deadline");
+        assert!(e.message.contains("unknown unit"), "{e}");
+        let e = parse(
+            &GOOD
+                .replace("fail", "x")
+                .replace("workers: 2", "workers: two"),
+        )
+        .unwrap_err();
+        assert_eq!(e.path, "workers");
+        assert_eq!(e.line, Some(3));
+    }
+
+    #[test]
+    fn references_are_checked_with_the_line_of_the_reference() {
+        let e = parse(&GOOD.replace("[trace, guard]", "[trace, gaurd]")).unwrap_err();
+        assert_eq!(e.path, "chains.api[1]");
+        assert_eq!(e.line, Some(15), "flow lists are located by their key");
+        assert!(e.message.contains("no filter named \"gaurd\""), "{e}");
+
+        let e = parse(&GOOD.replace("    chain: api", "    chain: apj")).unwrap_err();
+        assert_eq!(
+            (e.path.as_str(), e.line),
+            ("services.items.chain", Some(18))
+        );
+
+        let e = parse(&GOOD.replace("  - service: items", "  - service: nope")).unwrap_err();
+        assert_eq!((e.path.as_str(), e.line), ("routes[1].service", Some(23)));
+    }
+
+    #[test]
+    fn key_sets_need_exactly_one_source() {
+        let e = parse(&GOOD.replace("{secret: \"s3cret\"}", "{secret: a, jwks: b}")).unwrap_err();
+        assert_eq!((e.path.as_str(), e.line), ("key_sets.shared", Some(5)));
+    }
+
+    #[test]
+    fn malformed_yaml_names_the_line() {
+        let e = parse("workers: [1,\nadmin: x").unwrap_err();
+        assert!(e.line.is_some(), "{e}");
+        let e = parse("admin: not-an-address").unwrap_err();
+        assert_eq!(e.path, "admin");
+    }
+
+    #[test]
+    fn sizes_and_spans() {
+        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_size("100"), Ok(100));
+        assert!(parse_size("1TB").is_err());
+        assert!(parse_size("99999999999999999999GiB").is_err());
+        assert_eq!(parse_span("250us"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_span("2s"), Ok(Duration::from_secs(2)));
+        assert!(parse_span("5").is_err());
+        assert!(parse_span("ms").is_err());
+    }
+}
