@@ -2,7 +2,8 @@
 //!
 //! Today: `dpumesh demo` (run a filter chain on sample requests through the worker
 //! pool) and `dpumesh check` (load a filter component and validate its configuration).
-//! Later issues add `up`, `proxy`, `ingress`, `dpa`, `filter` and `bench`.
+//! `dpumesh proxy --config FILE` runs the DPU proxy. Later issues add `up`, `ingress`,
+//! `dpa`, `filter` and `bench`.
 
 #![forbid(unsafe_code)]
 
@@ -48,6 +49,16 @@ enum Command {
         #[arg(long, default_value_t = 20_000)]
         requests: usize,
     },
+    /// Run the DPU proxy from a config file: workers, hot reload (the file is watched;
+    /// `POST /reload` on the admin API), admin API, loopback listener.
+    Proxy {
+        /// The proxy config (YAML); see samples/proxy/proxy.yaml.
+        #[arg(long)]
+        config: PathBuf,
+        /// Do not watch the config and the files it names.
+        #[arg(long)]
+        no_watch: bool,
+    },
     /// Load a filter component and validate its configuration.
     Check {
         /// The filter component (`.wasm`).
@@ -66,13 +77,17 @@ const DEMO_CONFIG: &str = r#"{"rules": [
 ], "default": "allow"}"#;
 
 fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Command::Proxy { config, no_watch } = &cli.command {
+        return proxy(config, *no_watch);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
-    match Cli::parse().command {
+    match cli.command {
         Command::Demo {
             filter,
             config,
@@ -80,7 +95,41 @@ fn main() -> Result<()> {
             requests,
         } => demo(&filter, &config, workers, requests),
         Command::Check { filter, config } => check(&filter, &config),
+        Command::Proxy { .. } => Ok(()),
     }
+}
+
+fn proxy(config: &Path, no_watch: bool) -> Result<()> {
+    // Log settings come from the file; read it once for them (the proxy re-reads it).
+    let log = dpumesh_proxy::config::LoadedConfig::read(config)
+        .map(|c| c.config.log)
+        .unwrap_or_default();
+    dpumesh_proxy::logging::init(&log);
+    let options = dpumesh_proxy::Options {
+        watch: (!no_watch).then(|| Duration::from_millis(250)),
+    };
+    let proxy = dpumesh_proxy::Proxy::start(config, options)?;
+    let snapshot = proxy.control().snapshot();
+    println!(
+        "dpumesh proxy: generation {} with {} chains on {} workers",
+        snapshot.generation.number(),
+        snapshot.generation.chains().len(),
+        proxy.control().pool().workers()
+    );
+    if let Some(addr) = proxy.admin_addr() {
+        println!(
+            "  admin API   http://{addr}/  (/healthz /readyz /metrics /filters, POST /reload)"
+        );
+    }
+    if let Some(addr) = proxy.listener_addr() {
+        println!("  listener    http://{addr}/  (runs the routed chain, answers the verdict)");
+    }
+    println!(
+        "  config      {} ({})",
+        config.display(),
+        if no_watch { "not watched" } else { "watched" }
+    );
+    proxy.wait()
 }
 
 fn load(

@@ -1,0 +1,378 @@
+//! The control side of the proxy: turns a config file into a published generation
+//! (key sets, filters, chains, routes), and reloads it — whole or not at all — when the
+//! file or anything it names changes, or when asked.
+//!
+//! A reload compiles and configures every filter on the calling thread (never a
+//! worker), so requests keep flowing on the old generation meanwhile; only when all of
+//! it loaded are the key sets swapped and the new generation published.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+use dpumesh_keys::KeySet;
+use dpumesh_runtime::{
+    FilterChain, FilterSettings, Generation, LoadedFilter, Runtime, RuntimeConfig, WorkerPool,
+};
+use parking_lot::Mutex;
+
+use crate::config::{ConfigError, LoadedConfig};
+use crate::routes::RouteTable;
+
+/// Why a (re)load was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The config file, or a file or filter it names, is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The runtime or the workers could not start.
+    #[error("cannot start the proxy: {0}")]
+    Start(String),
+}
+
+/// What runs now.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// The published chains.
+    pub generation: Arc<Generation>,
+    /// Routes into those chains.
+    pub routes: RouteTable,
+    /// The config they came from.
+    pub config: Arc<LoadedConfig>,
+    /// When it was published.
+    pub published_at: SystemTime,
+}
+
+/// The result of a successful reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reloaded {
+    /// The new generation.
+    pub generation: u64,
+    /// Time spent compiling and configuring (before the publish).
+    pub build: Duration,
+}
+
+/// The running proxy's configuration state.
+pub struct Control {
+    file: PathBuf,
+    runtime: Runtime,
+    pool: WorkerPool,
+    snapshot: ArcSwap<Snapshot>,
+    /// One reload at a time.
+    reloading: Mutex<()>,
+    last_error: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Control")
+            .field("file", &self.file)
+            .field("generation", &self.snapshot.load().generation.number())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Instances the pooling allocator must hold: every worker's instance of every chained
+/// filter, for the current generation, up to three retired ones and one being built,
+/// plus load-time validation instances.
+fn pool_slots(config: &LoadedConfig, workers: usize) -> u32 {
+    let chained: usize = config.config.chains.values().map(Vec::len).sum();
+    let per_generation = workers.saturating_mul(chained.max(1));
+    (per_generation.saturating_mul(5) + 16).clamp(64, 4096) as u32
+}
+
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl Control {
+    /// Loads `file`, starts the runtime and the workers on generation 1.
+    pub fn start(file: &Path) -> Result<Arc<Self>, ReloadError> {
+        let config = LoadedConfig::read(file)?;
+        let workers = config.config.workers.unwrap_or_else(default_workers);
+        let runtime = Runtime::new(RuntimeConfig {
+            cache_dir: config
+                .config
+                .cache_dir
+                .as_ref()
+                .map(|d| config.resolve(d))
+                .or_else(dpumesh_runtime::default_cache_dir),
+            max_instances: pool_slots(&config, workers),
+            ..RuntimeConfig::default()
+        })
+        .map_err(|e| ReloadError::Start(e.to_string()))?;
+        let built = build(&runtime, &config, 1)?;
+        runtime.keys().replace_all(built.key_sets);
+        let pool = WorkerPool::start(built.generation.clone(), workers)
+            .map_err(|e| ReloadError::Start(format!("starting workers: {e}")))?;
+        metrics::gauge!("dpumesh_generation").set(1.0);
+        Ok(Arc::new(Self {
+            file: file.to_owned(),
+            runtime,
+            pool,
+            snapshot: ArcSwap::from_pointee(Snapshot {
+                generation: built.generation,
+                routes: built.routes,
+                config: Arc::new(config),
+                published_at: SystemTime::now(),
+            }),
+            reloading: Mutex::new(()),
+            last_error: Mutex::new(None),
+        }))
+    }
+
+    /// The config file.
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    /// What runs now.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// The workers.
+    pub fn pool(&self) -> &WorkerPool {
+        &self.pool
+    }
+
+    /// The filter runtime.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// The last reload error, until a reload succeeds.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().clone()
+    }
+
+    /// Re-reads the config file and everything it names, and publishes it as the next
+    /// generation. On any error nothing changes: the old generation keeps serving.
+    pub fn reload(&self) -> Result<Reloaded, ReloadError> {
+        let _one = self.reloading.lock();
+        let started = Instant::now();
+        let result = self.try_reload();
+        match &result {
+            Ok(done) => {
+                metrics::counter!("dpumesh_reloads_total", "result" => "ok").increment(1);
+                metrics::gauge!("dpumesh_generation").set(done.generation as f64);
+                *self.last_error.lock() = None;
+                tracing::info!(
+                    generation = done.generation,
+                    build_ms = done.build.as_millis() as u64,
+                    total_ms = started.elapsed().as_millis() as u64,
+                    "config reloaded"
+                );
+            }
+            Err(e) => {
+                metrics::counter!("dpumesh_reloads_total", "result" => "failed").increment(1);
+                *self.last_error.lock() = Some(e.to_string());
+                tracing::error!(error = %e, "reload rejected; the previous generation keeps serving");
+            }
+        }
+        result
+    }
+
+    fn try_reload(&self) -> Result<Reloaded, ReloadError> {
+        let started = Instant::now();
+        let config = LoadedConfig::read(&self.file)?;
+        let current = self.snapshot();
+        let old = &current.config.config;
+        let new = &config.config;
+        // The workers, sockets and compile cache are set up once per process.
+        for (key, changed) in [
+            ("workers", old.workers != new.workers),
+            ("admin", old.admin != new.admin),
+            ("listener", old.listener != new.listener),
+            ("cache_dir", old.cache_dir != new.cache_dir),
+        ] {
+            if changed {
+                return Err(config
+                    .error(key, "changing this needs a restart of the proxy")
+                    .into());
+            }
+        }
+        let number = current.generation.number() + 1;
+        let built = build(&self.runtime, &config, number)?;
+        let build_time = started.elapsed();
+        self.runtime.keys().replace_all(built.key_sets);
+        self.pool
+            .publish(built.generation.clone())
+            .map_err(|e| ReloadError::Start(e.to_string()))?;
+        self.snapshot.store(Arc::new(Snapshot {
+            generation: built.generation,
+            routes: built.routes,
+            config: Arc::new(config),
+            published_at: SystemTime::now(),
+        }));
+        Ok(Reloaded {
+            generation: number,
+            build: build_time,
+        })
+    }
+
+    /// Whether every worker runs the published generation.
+    pub fn settled(&self) -> bool {
+        let current = self.snapshot().generation.number();
+        self.pool.worker_generations().iter().all(|g| *g == current)
+    }
+
+    /// Watches the config file and the files it names, reloading on change, on a
+    /// thread of its own until `self` is dropped.
+    pub fn watch(self: &Arc<Self>, every: Duration) -> std::io::Result<()> {
+        let control = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("dpumesh-watch".to_owned())
+            .spawn(move || {
+                let mut seen = control.upgrade().map(|c| c.fingerprint());
+                loop {
+                    std::thread::sleep(every);
+                    let Some(control) = control.upgrade() else {
+                        return;
+                    };
+                    let now = control.fingerprint();
+                    if Some(&now) == seen.as_ref() {
+                        continue;
+                    }
+                    // Let a writer finish: reload once the files stop changing.
+                    std::thread::sleep(every);
+                    let settled = control.fingerprint();
+                    if settled != now {
+                        continue;
+                    }
+                    tracing::info!("config or a file it names changed; reloading");
+                    let _ = control.reload();
+                    seen = Some(control.fingerprint());
+                }
+            })?;
+        Ok(())
+    }
+
+    /// Size and modification time of the config and every file it names.
+    fn fingerprint(&self) -> Vec<(PathBuf, Option<(SystemTime, u64)>)> {
+        let mut files = vec![self.file.clone()];
+        // The files the current config names, and those a changed config names.
+        files.extend(self.snapshot().config.referenced_files());
+        if let Ok(config) = LoadedConfig::read(&self.file) {
+            files.extend(config.referenced_files());
+        }
+        files.sort();
+        files.dedup();
+        files
+            .into_iter()
+            .map(|f| {
+                let meta = std::fs::metadata(&f)
+                    .ok()
+                    .and_then(|m| Some((m.modified().ok()?, m.len())));
+                (f, meta)
+            })
+            .collect()
+    }
+}
+
+struct Built {
+    generation: Arc<Generation>,
+    routes: RouteTable,
+    key_sets: Vec<(String, KeySet)>,
+}
+
+fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built, ConfigError> {
+    let c = &config.config;
+    let read = |path: &Path, key: &str| {
+        std::fs::read(config.resolve(path)).map_err(|e| {
+            config.error(
+                key,
+                format!("cannot read {}: {e}", config.resolve(path).display()),
+            )
+        })
+    };
+    let mut key_sets = Vec::new();
+    for (name, source) in &c.key_sets {
+        let key = format!("key_sets.{name}");
+        let jwks = match (&source.jwks, &source.jwks_file) {
+            (Some(text), _) => Some(text.clone()),
+            (None, Some(file)) => Some(
+                String::from_utf8(read(file, &key)?)
+                    .map_err(|_| config.error(&key, "the JWKS file is not UTF-8"))?,
+            ),
+            (None, None) => None,
+        };
+        let set = match jwks {
+            Some(jwks) => {
+                KeySet::from_jwks(&jwks).map_err(|e| config.error(&key, e.to_string()))?
+            }
+            None => {
+                let secret = match (&source.secret, &source.secret_file) {
+                    (Some(secret), _) => secret.as_bytes().to_vec(),
+                    (None, Some(file)) => read(file, &key)?,
+                    (None, None) => return Err(config.error(&key, "no key source")),
+                };
+                if secret.is_empty() {
+                    return Err(config.error(&key, "the secret is empty"));
+                }
+                KeySet::from_secret(source.kid.as_deref(), &secret)
+            }
+        };
+        key_sets.push((name.clone(), set));
+    }
+
+    let mut loaded: Vec<(&String, Arc<LoadedFilter>)> = Vec::new();
+    for (name, f) in &c.filters {
+        let key = format!("filters.{name}");
+        let filter_config = match (&f.config, &f.config_file) {
+            (Some(value), _) => value.to_string(),
+            (None, Some(file)) => {
+                let text = String::from_utf8(read(file, &format!("{key}.config_file"))?)
+                    .map_err(|_| config.error(format!("{key}.config_file"), "not UTF-8"))?;
+                let yaml = file.extension().is_some_and(|e| e == "yaml" || e == "yml");
+                if yaml {
+                    let value: serde_json::Value = serde_norway::from_str(&text)
+                        .map_err(|e| config.error(format!("{key}.config_file"), e.to_string()))?;
+                    value.to_string()
+                } else {
+                    text
+                }
+            }
+            (None, None) => String::new(),
+        };
+        let mut settings =
+            FilterSettings::new(name.clone(), filter_config).failure_policy(f.failure_policy);
+        if let Some(cap) = f.memory_cap {
+            settings = settings.memory_cap(cap.0);
+        }
+        if let Some(deadline) = f.deadline {
+            settings = settings.deadline(deadline.0);
+        }
+        if let Some(deadline) = f.configure_deadline {
+            settings = settings.configure_deadline(deadline.0);
+        }
+        if let Some(ns) = &f.namespace {
+            settings = settings.namespace(ns.clone());
+        }
+        let bytes = read(&f.component, &format!("{key}.component"))?;
+        let filter = runtime
+            .load_filter(settings, &bytes)
+            .map_err(|e| config.error(&key, e.to_string()))?;
+        loaded.push((name, filter));
+    }
+
+    let chains: Vec<Arc<FilterChain>> = c
+        .chains
+        .iter()
+        .map(|(name, filters)| {
+            let filters = filters
+                .iter()
+                .filter_map(|f| loaded.iter().find(|(n, _)| *n == f).map(|(_, l)| l.clone()))
+                .collect();
+            Arc::new(FilterChain::new(name.clone(), filters))
+        })
+        .collect();
+    let generation = Generation::new(number, chains);
+    let routes = RouteTable::new(c, |name| generation.chain_index(name));
+    Ok(Built {
+        generation,
+        routes,
+        key_sets,
+    })
+}
