@@ -1,0 +1,386 @@
+//! The proxy under load: reloads (config changes and component swaps) with zero failed
+//! requests, rejected reloads that leave the old behaviour serving, faulty filters
+//! isolated from other chains, and admin endpoints that return what they claim.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dpumesh_proxy::{Options, Proxy};
+use dpumesh_test_artifacts as artifacts;
+
+/// A minimal HTTP/1.1 exchange: status, headers (lower-cased names), body.
+fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    host: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).expect("read response");
+    let (head, body) = raw.split_once("\r\n\r\n").expect("a complete response");
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+struct Setup {
+    dir: tempfile::TempDir,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(artifacts::TEST_FILTER, dir.path().join("test.wasm")).unwrap();
+        std::fs::copy(artifacts::SAMPLE_GUARD, dir.path().join("guard.wasm")).unwrap();
+        std::fs::copy(artifacts::FILTER_TRACE, dir.path().join("trace.wasm")).unwrap();
+        Self { dir }
+    }
+
+    fn config(&self) -> PathBuf {
+        self.dir.path().join("proxy.yaml")
+    }
+
+    /// Writes a config whose `api` chain runs `filter` (test filter tagging responses
+    /// with `version`, or the guard) and whose `other` chain runs `other`.
+    fn write(&self, api: &str, other: &str) {
+        let text = format!(
+            r#"admin: 127.0.0.1:0
+listener: 127.0.0.1:0
+workers: 2
+cache_dir: cache
+filters:
+{api}
+{other}
+  trace:
+    component: trace.wasm
+chains:
+  api: [trace, main]
+  other: [side]
+services:
+  api: {{chain: api}}
+  other: {{chain: other}}
+routes:
+  - {{host: other.test, service: other}}
+  - {{service: api}}
+"#
+        );
+        // Write then rename, as editors and config management do.
+        let tmp = self.dir.path().join("proxy.yaml.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, self.config()).unwrap();
+    }
+}
+
+fn tagged(name: &str, version: usize) -> String {
+    format!(
+        "  {name}:\n    component: test.wasm\n    config: {{request: [{{set_header: [x-version, \"{version}\"]}}]}}"
+    )
+}
+
+fn guard(name: &str) -> String {
+    format!(
+        "  {name}:\n    component: guard.wasm\n    config: {{rules: [{{name: no-delete, methods: [DELETE], action: deny}}], default: allow}}"
+    )
+}
+
+fn start(setup: &Setup) -> Proxy {
+    Proxy::start(&setup.config(), Options { watch: None }).expect("proxy starts")
+}
+
+#[test]
+fn ten_reloads_under_load_fail_no_request_and_switch_behaviour() {
+    let setup = Setup::new();
+    setup.write(&tagged("main", 0), &tagged("side", 0));
+    let proxy = start(&setup);
+    let addr = proxy.listener_addr().unwrap();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let served = Arc::new(AtomicUsize::new(0));
+    let load: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, served) = (stop.clone(), served.clone());
+            std::thread::spawn(move || {
+                let mut failures = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let (status, _, body) = http(addr, "GET", "/items", "api.test");
+                    if status != 200 {
+                        failures.push(format!("{status}: {body}"));
+                    }
+                    served.fetch_add(1, Ordering::Relaxed);
+                }
+                failures
+            })
+        })
+        .collect();
+
+    for round in 1..=10 {
+        // Odd rounds change the config of the test filter, even rounds swap in the
+        // guard component.
+        let main = if round % 2 == 1 {
+            tagged("main", round)
+        } else {
+            guard("main")
+        };
+        setup.write(&main, &tagged("side", 0));
+        let done = proxy.control().reload().expect("reload succeeds");
+        assert_eq!(done.generation, round as u64 + 1);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !proxy.control().settled() {
+            assert!(Instant::now() < deadline, "workers did not switch");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (status, headers, body) = http(addr, "GET", "/items", "api.test");
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            header(&headers, "x-dpumesh-generation"),
+            Some((round + 1).to_string().as_str())
+        );
+        if round % 2 == 1 {
+            assert!(
+                body.contains(&format!("[\"x-version\",\"{round}\"]")),
+                "round {round}: {body}"
+            );
+        } else {
+            assert!(!body.contains("x-version"), "round {round}: {body}");
+            let (status, _, _) = http(addr, "DELETE", "/items/1", "api.test");
+            assert_eq!(status, 403, "round {round}: the guard runs");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let failures: Vec<String> = load.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    assert!(failures.is_empty(), "failed requests: {failures:?}");
+    assert!(served.load(Ordering::Relaxed) > 20, "the load kept flowing");
+}
+
+#[test]
+fn a_broken_reload_is_rejected_and_the_old_behaviour_continues() {
+    let setup = Setup::new();
+    setup.write(&tagged("main", 1), &tagged("side", 0));
+    let proxy = start(&setup);
+    let (addr, admin) = (proxy.listener_addr().unwrap(), proxy.admin_addr().unwrap());
+
+    // A configure() error, a component that is not Wasm, bad YAML, a bad reference.
+    std::fs::write(setup.dir.path().join("junk.wasm"), b"not wasm").unwrap();
+    let broken = [
+        (
+            "config",
+            tagged("main", 2).replace("request:", "reject: nope, request:"),
+        ),
+        (
+            "component",
+            tagged("main", 2).replace("test.wasm", "junk.wasm"),
+        ),
+        ("yaml", "  main: [unclosed".to_owned()),
+    ];
+    for (what, main) in broken {
+        setup.write(&main, &tagged("side", 0));
+        let (status, _, body) = http(admin, "POST", "/reload", "admin");
+        assert_eq!(status, 422, "{what}: {body}");
+        assert!(
+            body.contains("proxy.yaml"),
+            "{what}: the error names the file: {body}"
+        );
+        let (status, headers, body) = http(addr, "GET", "/", "api.test");
+        assert_eq!(status, 200);
+        assert_eq!(
+            header(&headers, "x-dpumesh-generation"),
+            Some("1"),
+            "{what}"
+        );
+        assert!(body.contains("[\"x-version\",\"1\"]"), "{what}: {body}");
+    }
+    let (_, _, filters) = http(admin, "GET", "/filters", "admin");
+    let filters: serde_json::Value = serde_json::from_str(&filters).unwrap();
+    assert_eq!(filters["generation"], 1);
+    assert!(filters["last_reload_error"].as_str().is_some());
+
+    // Fixed: the next reload goes through.
+    setup.write(&tagged("main", 3), &tagged("side", 0));
+    let (status, _, body) = http(admin, "POST", "/reload", "admin");
+    assert_eq!(status, 200, "{body}");
+    let (_, _, body) = http(addr, "GET", "/", "api.test");
+    assert!(body.contains("[\"x-version\",\"3\"]"), "{body}");
+}
+
+#[test]
+fn a_watched_config_reloads_on_change() {
+    let setup = Setup::new();
+    setup.write(&tagged("main", 1), &tagged("side", 0));
+    let proxy = Proxy::start(
+        &setup.config(),
+        Options {
+            watch: Some(Duration::from_millis(20)),
+        },
+    )
+    .unwrap();
+    let addr = proxy.listener_addr().unwrap();
+    setup.write(&tagged("main", 2), &tagged("side", 0));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, _, body) = http(addr, "GET", "/", "api.test");
+        if body.contains("[\"x-version\",\"2\"]") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the change was never picked up: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn faulty_filters_under_load_leave_other_chains_serving() {
+    let setup = Setup::new();
+    let main = "  main:\n    component: test.wasm\n    deadline: 20ms\n    memory_cap: 8MiB\n    config: {request: [{spin_if_header: x-spin}, {panic_if_header: x-panic}]}";
+    setup.write(main, &tagged("side", 7));
+    let proxy = start(&setup);
+    let addr = proxy.listener_addr().unwrap();
+
+    let bad: Vec<_> = (0..2)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut statuses = Vec::new();
+                for _ in 0..15 {
+                    let path = if i == 0 { "/spin" } else { "/panic" };
+                    let mut stream = TcpStream::connect(addr).unwrap();
+                    let header = if i == 0 { "x-spin" } else { "x-panic" };
+                    write!(
+                        stream,
+                        "GET {path} HTTP/1.1\r\nhost: api.test\r\n{header}: 1\r\nconnection: close\r\n\r\n"
+                    )
+                    .unwrap();
+                    let mut raw = String::new();
+                    stream.read_to_string(&mut raw).unwrap();
+                    statuses.push(raw.split(' ').nth(1).unwrap().to_owned());
+                }
+                statuses
+            })
+        })
+        .collect();
+    for _ in 0..50 {
+        let (status, _, body) = http(addr, "GET", "/", "other.test");
+        assert_eq!(status, 200, "{body}");
+        assert!(body.contains("[\"x-version\",\"7\"]"), "{body}");
+    }
+    for statuses in bad.into_iter().map(|t| t.join().unwrap()) {
+        // Fail-closed: every faulting request is denied (500), or 503 once the filter
+        // is degraded; never served.
+        assert!(
+            statuses.iter().all(|s| s == "500" || s == "503"),
+            "{statuses:?}"
+        );
+    }
+    // Good requests on the faulting chain are served again once the backoff ends.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, _, _) = http(addr, "GET", "/", "api.test");
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503);
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn admin_endpoints_return_what_they_claim() {
+    let setup = Setup::new();
+    setup.write(&guard("main"), &tagged("side", 0));
+    let proxy = start(&setup);
+    let (addr, admin) = (proxy.listener_addr().unwrap(), proxy.admin_addr().unwrap());
+    assert_eq!(http(admin, "GET", "/healthz", "a").0, 200);
+    assert_eq!(http(admin, "GET", "/readyz", "a").0, 200);
+    assert_eq!(http(admin, "GET", "/nope", "a").0, 404);
+    assert_eq!(http(admin, "GET", "/reload", "a").0, 405);
+    for _ in 0..3 {
+        assert_eq!(http(addr, "DELETE", "/x", "api.test").0, 403);
+    }
+    assert_eq!(http(addr, "GET", "/x", "api.test").0, 200);
+
+    let (status, headers, text) = http(admin, "GET", "/metrics", "a");
+    assert_eq!(status, 200);
+    assert!(
+        header(&headers, "content-type")
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    // Parse the exposition format: `name{labels} value` lines.
+    let samples: Vec<(String, f64)> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (key, value) = l.rsplit_once(' ').expect("name and value");
+            (key.to_owned(), value.parse().expect("a number"))
+        })
+        .collect();
+    let value = |key: &str| {
+        samples
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("{key} missing from\n{text}"))
+    };
+    // Other tests in this process record into the same global recorder under the same
+    // chain names, so these are lower bounds.
+    assert!(value(r#"dpumesh_denials_total{chain="api",filter="main",status="403"}"#) >= 3.0);
+    assert!(value(r#"dpumesh_filter_invocations_total{chain="api",filter="main"}"#) >= 4.0);
+    assert!(value(r#"dpumesh_filter_instances{chain="api",filter="main"}"#) >= 2.0);
+    assert!(
+        text.contains("dpumesh_request_duration_seconds_bucket"),
+        "{text}"
+    );
+    assert!(text.contains("dpumesh_generation"), "{text}");
+
+    let (_, _, filters) = http(admin, "GET", "/filters", "a");
+    let filters: serde_json::Value = serde_json::from_str(&filters).unwrap();
+    let api = filters["chains"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["chain"] == "api")
+        .unwrap();
+    let names: Vec<&str> = api["filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["trace", "main"]);
+    assert_eq!(api["filters"][1]["state"], "healthy");
+    assert_eq!(api["filters"][1]["version"].as_str().unwrap().len(), 64);
+    assert_eq!(filters["workers"], serde_json::json!([1, 1]));
+}
