@@ -62,6 +62,39 @@ pub struct Control {
     /// One reload at a time.
     reloading: Mutex<()>,
     last_error: Mutex<Option<String>>,
+    /// The files as they were just before the last (re)load attempt read them: the
+    /// watcher reloads when they differ from that, so a change made while a load was
+    /// running is never missed, and a failed attempt is not retried until something
+    /// changes again.
+    attempted: Mutex<Fingerprint>,
+}
+
+/// A hash of the config file's text (two saves within one timestamp tick must still
+/// differ), and size and modification time of every file it names.
+type Fingerprint = (u64, Vec<(PathBuf, Option<(SystemTime, u64)>)>);
+
+fn fingerprint(file: &Path) -> Fingerprint {
+    use std::hash::{Hash, Hasher};
+
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return (0, Vec::new());
+    };
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut hasher);
+    let stamps = match LoadedConfig::parse(file, text) {
+        Ok(config) => config
+            .referenced_files()
+            .into_iter()
+            .map(|f| {
+                let meta = std::fs::metadata(&f)
+                    .ok()
+                    .and_then(|m| Some((m.modified().ok()?, m.len())));
+                (f, meta)
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    (hasher.finish(), stamps)
 }
 
 impl std::fmt::Debug for Control {
@@ -89,6 +122,7 @@ fn default_workers() -> usize {
 impl Control {
     /// Loads `file`, starts the runtime and the workers on generation 1.
     pub fn start(file: &Path) -> Result<Arc<Self>, ReloadError> {
+        let attempted = fingerprint(file);
         let config = LoadedConfig::read(file)?;
         let workers = config.config.workers.unwrap_or_else(default_workers);
         let runtime = Runtime::new(RuntimeConfig {
@@ -119,6 +153,7 @@ impl Control {
             }),
             reloading: Mutex::new(()),
             last_error: Mutex::new(None),
+            attempted: Mutex::new(attempted),
         }))
     }
 
@@ -176,6 +211,7 @@ impl Control {
 
     fn try_reload(&self) -> Result<Reloaded, ReloadError> {
         let started = Instant::now();
+        *self.attempted.lock() = fingerprint(&self.file);
         let config = LoadedConfig::read(&self.file)?;
         let current = self.snapshot();
         let old = &current.config.config;
@@ -225,49 +261,25 @@ impl Control {
         std::thread::Builder::new()
             .name("dpumesh-watch".to_owned())
             .spawn(move || {
-                let mut seen = control.upgrade().map(|c| c.fingerprint());
                 loop {
                     std::thread::sleep(every);
                     let Some(control) = control.upgrade() else {
                         return;
                     };
-                    let now = control.fingerprint();
-                    if Some(&now) == seen.as_ref() {
+                    let now = fingerprint(&control.file);
+                    if now == *control.attempted.lock() {
                         continue;
                     }
                     // Let a writer finish: reload once the files stop changing.
                     std::thread::sleep(every);
-                    let settled = control.fingerprint();
-                    if settled != now {
+                    if fingerprint(&control.file) != now {
                         continue;
                     }
                     tracing::info!("config or a file it names changed; reloading");
                     let _ = control.reload();
-                    seen = Some(control.fingerprint());
                 }
             })?;
         Ok(())
-    }
-
-    /// Size and modification time of the config and every file it names.
-    fn fingerprint(&self) -> Vec<(PathBuf, Option<(SystemTime, u64)>)> {
-        let mut files = vec![self.file.clone()];
-        // The files the current config names, and those a changed config names.
-        files.extend(self.snapshot().config.referenced_files());
-        if let Ok(config) = LoadedConfig::read(&self.file) {
-            files.extend(config.referenced_files());
-        }
-        files.sort();
-        files.dedup();
-        files
-            .into_iter()
-            .map(|f| {
-                let meta = std::fs::metadata(&f)
-                    .ok()
-                    .and_then(|m| Some((m.modified().ok()?, m.len())));
-                (f, meta)
-            })
-            .collect()
     }
 }
 

@@ -235,7 +235,7 @@ fn a_broken_reload_is_rejected_and_the_old_behaviour_continues() {
 }
 
 #[test]
-fn a_watched_config_reloads_on_change() {
+fn a_watched_config_reloads_on_change_and_skips_broken_saves() {
     let setup = Setup::new();
     setup.write(&tagged("main", 1), &tagged("side", 0));
     let proxy = Proxy::start(
@@ -245,20 +245,32 @@ fn a_watched_config_reloads_on_change() {
         },
     )
     .unwrap();
-    let addr = proxy.listener_addr().unwrap();
-    setup.write(&tagged("main", 2), &tagged("side", 0));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (_, _, body) = http(addr, "GET", "/", "api.test");
-        if body.contains("[\"x-version\",\"2\"]") {
-            break;
+    let (addr, admin) = (proxy.listener_addr().unwrap(), proxy.admin_addr().unwrap());
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !done() {
+            assert!(Instant::now() < deadline, "never happened: {what}");
+            std::thread::sleep(Duration::from_millis(20));
         }
-        assert!(
-            Instant::now() < deadline,
-            "the change was never picked up: {body}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    };
+
+    // A broken save is refused; the error shows in /filters; generation 1 serves on.
+    setup.write("  main: [unclosed", &tagged("side", 0));
+    wait_for("the broken save is seen", &|| {
+        let (_, _, filters) = http(admin, "GET", "/filters", "admin");
+        filters.contains("proxy.yaml")
+    });
+    let (_, headers, _) = http(addr, "GET", "/", "api.test");
+    assert_eq!(header(&headers, "x-dpumesh-generation"), Some("1"));
+
+    // The fixed save is picked up.
+    setup.write(&tagged("main", 2), &tagged("side", 0));
+    wait_for("the fixed save is picked up", &|| {
+        let (_, _, body) = http(addr, "GET", "/", "api.test");
+        body.contains("[\"x-version\",\"2\"]")
+    });
+    let (_, headers, _) = http(addr, "GET", "/", "api.test");
+    assert_eq!(header(&headers, "x-dpumesh-generation"), Some("2"));
 }
 
 #[test]
