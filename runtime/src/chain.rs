@@ -115,6 +115,7 @@ struct Slot {
     instance: Option<FilterInstance>,
     invocations: metrics::Counter,
     skipped: metrics::Counter,
+    duration: metrics::Histogram,
 }
 
 /// One filter's answer.
@@ -193,6 +194,11 @@ impl ChainRunner {
                 ),
                 skipped: metrics::counter!(
                     "dpumesh_filter_skipped_total",
+                    "chain" => chain.name.clone(),
+                    "filter" => filter.name().to_owned(),
+                ),
+                duration: metrics::histogram!(
+                    "dpumesh_filter_duration_seconds",
                     "chain" => chain.name.clone(),
                     "filter" => filter.name().to_owned(),
                 ),
@@ -362,7 +368,10 @@ impl ChainRunner {
             authority: head.authority.clone(),
             path: head.path.clone(),
         };
-        instance.on_request(line, head)
+        let started = std::time::Instant::now();
+        let result = instance.on_request(line, head);
+        slot.duration.record(started.elapsed().as_secs_f64());
+        result
     }
 
     /// Records a fault: the instance is discarded (it cannot be re-entered after a

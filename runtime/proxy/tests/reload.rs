@@ -276,19 +276,19 @@ fn a_watched_config_reloads_on_change_and_skips_broken_saves() {
 #[test]
 fn faulty_filters_under_load_leave_other_chains_serving() {
     let setup = Setup::new();
-    let main = "  main:\n    component: test.wasm\n    deadline: 20ms\n    memory_cap: 8MiB\n    config: {request: [{spin_if_header: x-spin}, {panic_if_header: x-panic}]}";
+    let main = "  main:\n    component: test.wasm\n    deadline: 20ms\n    memory_cap: 8MiB\n    config: {request: [{spin_if_header: x-spin}, {panic_if_header: x-panic}, {alloc_mib_if_header: [x-bomb, 64]}]}";
     setup.write(main, &tagged("side", 7));
     let proxy = start(&setup);
     let addr = proxy.listener_addr().unwrap();
 
-    let bad: Vec<_> = (0..2)
-        .map(|i| {
+    let bad: Vec<_> = ["x-spin", "x-panic", "x-bomb"]
+        .into_iter()
+        .map(|header| {
             std::thread::spawn(move || {
                 let mut statuses = Vec::new();
                 for _ in 0..15 {
-                    let path = if i == 0 { "/spin" } else { "/panic" };
+                    let path = "/bad";
                     let mut stream = TcpStream::connect(addr).unwrap();
-                    let header = if i == 0 { "x-spin" } else { "x-panic" };
                     write!(
                         stream,
                         "GET {path} HTTP/1.1\r\nhost: api.test\r\n{header}: 1\r\nconnection: close\r\n\r\n"
@@ -395,4 +395,76 @@ fn admin_endpoints_return_what_they_claim() {
     assert_eq!(api["filters"][1]["state"], "healthy");
     assert_eq!(api["filters"][1]["version"].as_str().unwrap().len(), 64);
     assert_eq!(filters["workers"], serde_json::json!([1, 1]));
+}
+
+#[test]
+fn a_new_key_set_takes_effect_on_reload() {
+    use jsonwebtoken::{EncodingKey, Header};
+
+    let setup = Setup::new();
+    std::fs::copy(artifacts::FILTER_JWT, setup.dir.path().join("jwt.wasm")).unwrap();
+    let write = |secret: &str| {
+        let text = format!(
+            r#"admin: 127.0.0.1:0
+listener: 127.0.0.1:0
+workers: 2
+cache_dir: cache
+key_sets:
+  shared: {{secret: "{secret}"}}
+filters:
+  jwt:
+    component: jwt.wasm
+    config:
+      providers: {{p: {{issuer: "https://idp.test", audiences: [api], algorithms: [HS256], key_set: shared}}}}
+      rules: [{{path_prefix: /, provider: p}}]
+chains: {{api: [jwt]}}
+services: {{api: {{chain: api}}}}
+routes: [{{service: api}}]
+"#
+        );
+        std::fs::write(setup.config(), text).unwrap();
+    };
+    let token = |secret: &str| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let claims = serde_json::json!({"iss": "https://idp.test", "aud": "api", "sub": "alice", "exp": now + 600});
+        jsonwebtoken::encode(
+            &Header::default(),
+            &claims,
+            &EncodingKey::from_secret(secret.as_bytes()),
+        )
+        .unwrap()
+    };
+    let get = |addr: SocketAddr, token: &str| {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        write!(
+            stream,
+            "GET / HTTP/1.1\r\nhost: api.test\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).unwrap();
+        raw.split(' ').nth(1).unwrap().parse::<u16>().unwrap()
+    };
+
+    write("first-secret-0123456789abcdef0123");
+    let proxy = start(&setup);
+    let addr = proxy.listener_addr().unwrap();
+    let (old, new) = (
+        token("first-secret-0123456789abcdef0123"),
+        token("second-secret-0123456789abcdef012"),
+    );
+    assert_eq!(get(addr, &old), 200);
+    assert_eq!(get(addr, &new), 401);
+
+    write("second-secret-0123456789abcdef012");
+    proxy.control().reload().unwrap();
+    assert_eq!(
+        get(addr, &old),
+        401,
+        "a cached verification does not outlive its key"
+    );
+    assert_eq!(get(addr, &new), 200);
 }

@@ -39,6 +39,8 @@ pub enum Action {
     Spin,
     /// Allocate and touch this many MiB.
     AllocMib(u32),
+    /// Allocate and touch this many MiB when header `name` is present.
+    AllocMibIfHeader(String, u32),
     /// Panic with this message.
     Panic(String),
     /// Panic when header `name` is present.
@@ -99,6 +101,14 @@ fn spin() -> ! {
 }
 
 impl TestFilter {
+    fn alloc(&mut self, mib: u32) {
+        for _ in 0..mib {
+            let mut block = vec![0u8; 1 << 20];
+            block[0] = 1;
+            self.hoard.push(std::hint::black_box(block));
+        }
+    }
+
     fn run(&mut self, req: &Request<'_>, actions: &[Action]) -> Verdict {
         for action in actions {
             match action {
@@ -143,11 +153,10 @@ impl TestFilter {
                         spin()
                     }
                 }
-                Action::AllocMib(mib) => {
-                    for _ in 0..*mib {
-                        let mut block = vec![0u8; 1 << 20];
-                        block[0] = 1;
-                        self.hoard.push(std::hint::black_box(block));
+                Action::AllocMib(mib) => self.alloc(*mib),
+                Action::AllocMibIfHeader(n, mib) => {
+                    if req.header(n).is_some() {
+                        self.alloc(*mib);
                     }
                 }
                 Action::Panic(message) => panic!("{message}"),
