@@ -648,6 +648,42 @@ routes:
         assert_eq!(e.path, "admin");
     }
 
+    proptest::proptest! {
+        /// Whatever the text, parsing ends in a config or an error, never a panic; the
+        /// locator never panics either.
+        #[test]
+        fn arbitrary_text_never_panics(text in "(?s).{0,400}") {
+            let _ = parse(&text);
+            let _ = locate(&text, "a.b[1].c");
+        }
+
+        /// Mutations of a good config (lines dropped, duplicated, re-indented).
+        #[test]
+        fn mangled_configs_never_panic(
+            edits in proptest::collection::vec((0usize..30, 0u8..4), 1..6)
+        ) {
+            let mut lines: Vec<String> = GOOD.lines().map(str::to_owned).collect();
+            for (at, edit) in edits {
+                if lines.is_empty() {
+                    break;
+                }
+                let at = at % lines.len();
+                match edit {
+                    0 => {
+                        lines.remove(at);
+                    }
+                    1 => lines.insert(at, lines[at].clone()),
+                    2 => lines[at] = format!("  {}", lines[at]),
+                    _ => lines[at] = lines[at].trim_start().to_owned(),
+                }
+            }
+            let text = lines.join("\n");
+            if let Err(e) = parse(&text) {
+                proptest::prop_assert!(!e.to_string().is_empty());
+            }
+        }
+    }
+
     #[test]
     fn sizes_and_spans() {
         assert_eq!(parse_size("64KiB"), Ok(64 << 10));

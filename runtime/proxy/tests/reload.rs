@@ -468,3 +468,50 @@ routes: [{{service: api}}]
     );
     assert_eq!(get(addr, &new), 200);
 }
+
+#[test]
+fn a_filter_config_file_is_read_and_watched() {
+    let setup = Setup::new();
+    let main = "  main:\n    component: test.wasm\n    config_file: main.yaml";
+    let write_main = |version: usize| {
+        let text = format!("request:\n  - set_header: [x-version, \"{version}\"]\n");
+        let tmp = setup.dir.path().join("main.yaml.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, setup.dir.path().join("main.yaml")).unwrap();
+    };
+    write_main(1);
+    std::fs::write(
+        setup.dir.path().join("side.json"),
+        r#"{"request": [{"set_header": ["x-side", "json"]}]}"#,
+    )
+    .unwrap();
+    setup.write(
+        main,
+        "  side:\n    component: test.wasm\n    config_file: side.json",
+    );
+    let proxy = Proxy::start(
+        &setup.config(),
+        Options {
+            watch: Some(Duration::from_millis(20)),
+        },
+    )
+    .unwrap();
+    let addr = proxy.listener_addr().unwrap();
+    let (_, _, body) = http(addr, "GET", "/", "api.test");
+    assert!(body.contains("[\"x-version\",\"1\"]"), "{body}");
+    let (_, _, body) = http(addr, "GET", "/", "other.test");
+    assert!(body.contains("[\"x-side\",\"json\"]"), "{body}");
+
+    // Only the filter's config file changes: the watcher sees it.
+    write_main(2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, headers, body) = http(addr, "GET", "/", "api.test");
+        if body.contains("[\"x-version\",\"2\"]") {
+            assert_eq!(header(&headers, "x-dpumesh-generation"), Some("2"));
+            break;
+        }
+        assert!(Instant::now() < deadline, "never reloaded: {body}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
