@@ -109,10 +109,15 @@ impl std::fmt::Debug for Control {
 /// Instances the pooling allocator must hold: every worker's instance of every chained
 /// filter, for the current generation, up to three retired ones and one being built,
 /// plus load-time validation instances.
+/// Sized at start with room for chains to double, so ordinary reloads fit.
 fn pool_slots(config: &LoadedConfig, workers: usize) -> u32 {
     let chained: usize = config.config.chains.values().map(Vec::len).sum();
     let per_generation = workers.saturating_mul(chained.max(1));
     (per_generation.saturating_mul(5) + 16).clamp(64, 4096) as u32
+}
+
+fn pool_capacity(config: &LoadedConfig, workers: usize) -> u32 {
+    pool_slots(config, workers).saturating_mul(2).min(8192)
 }
 
 fn default_workers() -> usize {
@@ -132,7 +137,7 @@ impl Control {
                 .as_ref()
                 .map(|d| config.resolve(d))
                 .or_else(dpumesh_runtime::default_cache_dir),
-            max_instances: pool_slots(&config, workers),
+            max_instances: pool_capacity(&config, workers),
             ..RuntimeConfig::default()
         })
         .map_err(|e| ReloadError::Start(e.to_string()))?;
@@ -228,6 +233,18 @@ impl Control {
                     .error(key, "changing this needs a restart of the proxy")
                     .into());
             }
+        }
+        let workers = self.pool.workers();
+        let capacity = self.runtime.config().max_instances;
+        if pool_slots(&config, workers) > capacity {
+            return Err(config
+                .error(
+                    "chains",
+                    format!(
+                        "the instance pool was sized at start for {capacity} instances; these chains on {workers} workers need more: restart the proxy to grow it"
+                    ),
+                )
+                .into());
         }
         let number = current.generation.number() + 1;
         let built = build(&self.runtime, &config, number)?;

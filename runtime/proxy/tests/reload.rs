@@ -515,3 +515,21 @@ fn a_filter_config_file_is_read_and_watched() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn a_reload_that_outgrows_the_instance_pool_asks_for_a_restart() {
+    let setup = Setup::new();
+    setup.write(&tagged("main", 1), &tagged("side", 0));
+    let proxy = start(&setup);
+    let many: Vec<String> = (0..40).map(|i| tagged(&format!("f{i}"), i)).collect();
+    let names: Vec<String> = (0..40).map(|i| format!("f{i}")).collect();
+    let text = format!(
+        "admin: 127.0.0.1:0\nlistener: 127.0.0.1:0\nworkers: 2\ncache_dir: cache\nfilters:\n{}\nchains:\n  api: [{}]\nservices:\n  api: {{chain: api}}\nroutes:\n  - {{service: api}}\n",
+        many.join("\n"),
+        names.join(", ")
+    );
+    std::fs::write(setup.config(), text).unwrap();
+    let e = proxy.control().reload().unwrap_err().to_string();
+    assert!(e.contains("restart the proxy to grow it"), "{e}");
+    assert_eq!(proxy.control().snapshot().generation.number(), 1);
+}
