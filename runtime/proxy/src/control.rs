@@ -221,12 +221,13 @@ impl Control {
         let current = self.snapshot();
         let old = &current.config.config;
         let new = &config.config;
-        // The workers, sockets and compile cache are set up once per process.
+        // Workers, sockets, the compile cache and logging are set up once per process.
         for (key, changed) in [
             ("workers", old.workers != new.workers),
             ("admin", old.admin != new.admin),
             ("listener", old.listener != new.listener),
             ("cache_dir", old.cache_dir != new.cache_dir),
+            ("log", old.log != new.log),
         ] {
             if changed {
                 return Err(config
