@@ -7,7 +7,10 @@
 
 #![forbid(unsafe_code)]
 
+mod filter;
+
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,6 +62,11 @@ enum Command {
         #[arg(long)]
         no_watch: bool,
     },
+    /// Filter development: the conformance kit.
+    Filter {
+        #[command(subcommand)]
+        command: FilterCommand,
+    },
     /// Load a filter component and validate its configuration.
     Check {
         /// The filter component (`.wasm`).
@@ -69,6 +77,22 @@ enum Command {
     },
 }
 
+#[derive(Debug, Subcommand)]
+enum FilterCommand {
+    /// Run conformance suites against a component (any language): prints each case,
+    /// `N passed, N failed`, and exits non-zero on any failure.
+    Test {
+        /// The filter component (`.wasm`).
+        component: PathBuf,
+        /// Suite files, or directories of them.
+        #[arg(required = true)]
+        suites: Vec<PathBuf>,
+        /// Print one JSON document instead.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 const DEMO_CONFIG: &str = r#"{"rules": [
   {"name": "health", "path_prefix": "/healthz", "action": "allow"},
   {"name": "admin", "path_prefix": "/admin", "header": {"name": "x-role", "value": "admin"}, "action": "allow"},
@@ -76,10 +100,10 @@ const DEMO_CONFIG: &str = r#"{"rules": [
   {"name": "no-delete", "methods": ["DELETE"], "action": "deny"}
 ], "default": "allow"}"#;
 
-fn main() -> Result<()> {
+fn main() -> Result<ExitCode> {
     let cli = Cli::parse();
     if let Command::Proxy { config, no_watch } = &cli.command {
-        return proxy(config, *no_watch);
+        return proxy(config, *no_watch).map(|()| ExitCode::SUCCESS);
     }
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -93,9 +117,17 @@ fn main() -> Result<()> {
             config,
             workers,
             requests,
-        } => demo(&filter, &config, workers, requests),
-        Command::Check { filter, config } => check(&filter, &config),
-        Command::Proxy { .. } => Ok(()),
+        } => demo(&filter, &config, workers, requests).map(|()| ExitCode::SUCCESS),
+        Command::Check { filter, config } => check(&filter, &config).map(|()| ExitCode::SUCCESS),
+        Command::Filter {
+            command:
+                FilterCommand::Test {
+                    component,
+                    suites,
+                    json,
+                },
+        } => filter::test(&component, &suites, json),
+        Command::Proxy { .. } => Ok(ExitCode::SUCCESS),
     }
 }
 

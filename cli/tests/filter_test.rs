@@ -1,0 +1,117 @@
+//! `dpumesh filter test` as a user runs it: the built-in filters pass their suites
+//! through the command, a wrong implementation fails with a readable diff and a failing
+//! exit code, and `--json` reports the same totals.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use dpumesh_test_artifacts as artifacts;
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn dpumesh(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(args)
+        .current_dir(workspace())
+        // A private compile cache, so tests never share one with a user's.
+        .env(
+            "DPUMESH_CACHE_DIR",
+            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-cwasm"),
+        )
+        .output()
+        .expect("run dpumesh")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[test]
+fn the_built_in_filters_pass_their_suites_through_the_cli() {
+    for (name, component) in artifacts::BUILTIN_FILTERS {
+        let suites = format!("tests/conformance/{name}");
+        let output = dpumesh(&["filter", "test", component, &suites]);
+        let out = stdout(&output);
+        assert!(
+            output.status.success(),
+            "{name}:\n{out}{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let total = out.lines().last().unwrap_or_default();
+        assert!(total.ends_with(" passed, 0 failed"), "{name}: {total}");
+        let passed: usize = total
+            .trim_start_matches("total: ")
+            .split(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(passed >= 25, "{name}: only {passed} cases");
+    }
+}
+
+#[test]
+fn a_wrong_implementation_fails_with_a_readable_diff() {
+    // The test filter does nothing by default: every trace expectation is missed.
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        artifacts::TEST_FILTER,
+        "tests/conformance/trace/defaults.yaml",
+    ]);
+    let out = stdout(&output);
+    assert_eq!(output.status.code(), Some(1), "{out}");
+    assert!(out.contains("... FAILED"), "{out}");
+    assert!(
+        out.contains("request header x-request-id: expected 36 characters, got (absent)"),
+        "{out}"
+    );
+    let last = out.lines().last().unwrap();
+    assert!(
+        last.contains(" passed, ") && !last.ends_with(" 0 failed"),
+        "{last}"
+    );
+}
+
+#[test]
+fn json_output_carries_the_same_totals() {
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        "--json",
+        artifacts::TEST_FILTER,
+        "tests/conformance/trace/defaults.yaml",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON");
+    let cases = report["suites"][0]["cases"].as_array().unwrap();
+    let failed = cases
+        .iter()
+        .filter(|c| !c["failures"].as_array().unwrap().is_empty())
+        .count();
+    assert_eq!(report["failed"], failed);
+    assert_eq!(report["passed"], cases.len() - failed);
+    assert!(failed > 0);
+}
+
+#[test]
+fn missing_files_are_named() {
+    let output = dpumesh(&["filter", "test", "nope.wasm", "tests/conformance/trace"]);
+    assert!(!output.status.success());
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert!(err.contains("nope.wasm"), "{err}");
+
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        artifacts::FILTER_TRACE,
+        "no-such-suite.yaml",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stdout(&output).contains("no-such-suite.yaml"),
+        "{}",
+        stdout(&output)
+    );
+}
