@@ -115,3 +115,16 @@ fn missing_files_are_named() {
         stdout(&output)
     );
 }
+
+#[test]
+fn the_rust_sample_passes_the_shared_policy_suite() {
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        artifacts::SAMPLE_APIKEY,
+        "samples/filters/apikey.suite.yaml",
+    ]);
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}");
+    assert!(out.ends_with("8 passed, 0 failed\n"), "{out}");
+}

@@ -18,6 +18,11 @@ const GUESTS: &[(&str, &str, &str)] = &[
         "SAMPLE_GUARD_WASM",
     ),
     (
+        "dpumesh-sample-apikey",
+        "dpumesh_sample_apikey",
+        "SAMPLE_APIKEY_WASM",
+    ),
+    (
         "dpumesh-filter-trace",
         "dpumesh_filter_trace",
         "FILTER_TRACE_WASM",

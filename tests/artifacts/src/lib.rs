@@ -6,6 +6,9 @@ pub const TEST_FILTER: &str = env!("TEST_FILTER_WASM");
 /// The sample `guard` filter (`samples/filters/guard`).
 pub const SAMPLE_GUARD: &str = env!("SAMPLE_GUARD_WASM");
 
+/// The API-key sample filter in Rust (`samples/filters/rust`).
+pub const SAMPLE_APIKEY: &str = env!("SAMPLE_APIKEY_WASM");
+
 /// The built-in `trace` filter (`filters/trace`).
 pub const FILTER_TRACE: &str = env!("FILTER_TRACE_WASM");
 
