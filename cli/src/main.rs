@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod filter;
+mod scaffold;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -79,6 +80,26 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum FilterCommand {
+    /// Create a filter project that builds and passes its own suite out of the box.
+    New {
+        /// The project (and package) name.
+        name: String,
+        /// The language.
+        #[arg(long, value_enum, default_value = "rust")]
+        lang: scaffold::Lang,
+        /// Where to create it.
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+        /// The filter SDK to depend on (default: the one this binary was built with).
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
+    /// Build a filter project into `build/NAME.wasm` and a precompiled `build/NAME.cwasm`.
+    Build {
+        /// The project directory.
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+    },
     /// Run conformance suites against a component (any language): prints each case,
     /// `N passed, N failed`, and exits non-zero on any failure.
     Test {
@@ -119,14 +140,28 @@ fn main() -> Result<ExitCode> {
             requests,
         } => demo(&filter, &config, workers, requests).map(|()| ExitCode::SUCCESS),
         Command::Check { filter, config } => check(&filter, &config).map(|()| ExitCode::SUCCESS),
-        Command::Filter {
-            command:
-                FilterCommand::Test {
-                    component,
-                    suites,
-                    json,
-                },
-        } => filter::test(&component, &suites, json),
+        Command::Filter { command } => match command {
+            FilterCommand::Test {
+                component,
+                suites,
+                json,
+            } => filter::test(&component, &suites, json),
+            FilterCommand::New {
+                name,
+                lang,
+                dir,
+                sdk,
+            } => {
+                let project = scaffold::new(&name, lang, &dir, sdk.as_deref())?;
+                println!(
+                    "created {}
+next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/suite.yaml",
+                    project.display()
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+            FilterCommand::Build { dir } => scaffold::build(&dir).map(|_| ExitCode::SUCCESS),
+        },
         Command::Proxy { .. } => Ok(ExitCode::SUCCESS),
     }
 }

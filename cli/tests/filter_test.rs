@@ -128,3 +128,72 @@ fn the_rust_sample_passes_the_shared_policy_suite() {
     assert!(output.status.success(), "{out}");
     assert!(out.ends_with("8 passed, 0 failed\n"), "{out}");
 }
+
+#[test]
+fn new_build_test_works_end_to_end_for_rust() {
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().to_str().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(args)
+            .current_dir(dir.path())
+            // Shared across runs so the SDK's dependencies are compiled once.
+            .env(
+                "CARGO_TARGET_DIR",
+                workspace().join("target/filter-projects"),
+            )
+            .env(
+                "DPUMESH_CACHE_DIR",
+                PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-cwasm"),
+            )
+            .output()
+            .expect("run dpumesh")
+    };
+    let created = run(&[
+        "filter",
+        "new",
+        "edge-auth",
+        "--lang",
+        "rust",
+        "--dir",
+        parent,
+    ]);
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    for file in ["Cargo.toml", "src/lib.rs", "suite.yaml", "README.md"] {
+        assert!(dir.path().join("edge-auth").join(file).is_file(), "{file}");
+    }
+
+    let built = run(&["filter", "build", "edge-auth"]);
+    assert!(
+        built.status.success(),
+        "{}{}",
+        stdout(&built),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let component = dir.path().join("edge-auth/build/edge-auth.wasm");
+    assert!(component.is_file());
+    assert!(dir.path().join("edge-auth/build/edge-auth.cwasm").is_file());
+
+    let tested = run(&[
+        "filter",
+        "test",
+        component.to_str().unwrap(),
+        "edge-auth/suite.yaml",
+    ]);
+    let out = stdout(&tested);
+    assert!(tested.status.success(), "{out}");
+    assert!(out.starts_with("suite edge-auth\n"), "{out}");
+    assert!(out.ends_with("8 passed, 0 failed\n"), "{out}");
+
+    // Scaffolding over an existing project, bad names and non-projects are refused.
+    let again = run(&["filter", "new", "edge-auth", "--dir", parent]);
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already exists"));
+    let bad = run(&["filter", "new", "Bad Name", "--dir", parent]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a valid filter name"));
+    let none = run(&["filter", "build", "."]);
+    assert!(String::from_utf8_lossy(&none.stderr).contains("is not a filter project"));
+}

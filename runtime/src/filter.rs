@@ -218,6 +218,22 @@ impl Runtime {
         self.prepare(settings, component, hash)
     }
 
+    /// Compiles a component ahead of time for this runtime's engine (a `.cwasm`), after
+    /// checking it targets `dpumesh:filter@0.1.0`. Loading it back is only for files
+    /// this machine produced: see the compile cache.
+    pub fn precompile(&self, name: &str, bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
+        let engine = &self.inner.engine;
+        let component = Component::new(engine, bytes).map_err(|e| LoadError::Compile {
+            filter: name.to_owned(),
+            detail: format!("{e:#}"),
+        })?;
+        check_imports(name, &component, engine)?;
+        component.serialize().map_err(|e| LoadError::Compile {
+            filter: name.to_owned(),
+            detail: format!("{e:#}"),
+        })
+    }
+
     /// Loads a filter from a component file; see [`Runtime::load_filter`].
     pub fn load_filter_file(
         &self,

@@ -1,0 +1,202 @@
+//! `dpumesh filter new` and `dpumesh filter build`: a filter project from a template,
+//! and the project built into a component and a precompiled `.cwasm`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use dpumesh_runtime::{Runtime, RuntimeConfig};
+
+/// Languages a project can be written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Lang {
+    /// Rust with the `dpumesh-filter-sdk` crate.
+    Rust,
+}
+
+/// The sample policy's suite, shared by every language's template and sample.
+const SUITE: &str = include_str!("../../samples/filters/apikey.suite.yaml");
+
+const RUST_FILES: &[(&str, &str)] = &[
+    (
+        "Cargo.toml",
+        include_str!("../templates/rust/Cargo.toml.tmpl"),
+    ),
+    (
+        "rust-toolchain.toml",
+        include_str!("../templates/rust/rust-toolchain.toml.tmpl"),
+    ),
+    (
+        ".gitignore",
+        include_str!("../templates/rust/gitignore.tmpl"),
+    ),
+    (
+        "README.md",
+        include_str!("../templates/rust/README.md.tmpl"),
+    ),
+    // The Rust sample is the template: the scaffold and the sample cannot drift.
+    (
+        "src/lib.rs",
+        include_str!("../../samples/filters/rust/src/lib.rs"),
+    ),
+];
+
+/// The SDK next to the sources this binary was built from.
+fn default_sdk() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sdk")
+}
+
+/// Package names: lower-case ASCII letters, digits, `-` and `_`, starting with a letter.
+fn check_name(name: &str) -> Result<()> {
+    let ok = name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if !ok {
+        bail!(
+            "{name:?} is not a valid filter name: use lower-case letters, digits, - and _, starting with a letter"
+        );
+    }
+    Ok(())
+}
+
+/// Creates project `name` in `parent/name`.
+pub fn new(name: &str, lang: Lang, parent: &Path, sdk: Option<&Path>) -> Result<PathBuf> {
+    check_name(name)?;
+    let dir = parent.join(name);
+    if dir.exists() {
+        bail!("{} already exists", dir.display());
+    }
+    let sdk = sdk.map_or_else(default_sdk, Path::to_path_buf);
+    let sdk = sdk
+        .canonicalize()
+        .with_context(|| format!("the filter SDK is not at {} (pass --sdk)", sdk.display()))?;
+    let files = match lang {
+        Lang::Rust => RUST_FILES,
+    };
+    for (path, text) in files {
+        let text = text
+            .replace("{{name}}", name)
+            .replace("{{sdk}}", &sdk.display().to_string())
+            .replace("dpumesh-sample-apikey", name);
+        write(&dir.join(path), &text)?;
+    }
+    let suite = SUITE.replacen("suite: apikey", &format!("suite: {name}"), 1);
+    write(&dir.join("suite.yaml"), &suite)?;
+    Ok(dir)
+}
+
+fn write(path: &Path, text: &str) -> Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// The package name in a Cargo manifest's `[package]` section.
+fn package_name(manifest: &str) -> Option<String> {
+    let mut in_package = false;
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_package = line == "[package]";
+        } else if in_package
+            && let Some(value) = line.strip_prefix("name")
+            && let Some(value) = value.trim_start().strip_prefix('=')
+        {
+            return Some(value.trim().trim_matches('"').to_owned());
+        }
+    }
+    None
+}
+
+/// Builds the project in `dir` into `dir/build/NAME.wasm` and `NAME.cwasm`; returns
+/// the component's path.
+pub fn build(dir: &Path) -> Result<PathBuf> {
+    let manifest = dir.join("Cargo.toml");
+    if !manifest.is_file() {
+        bail!(
+            "{} is not a filter project: no Cargo.toml (create one with `dpumesh filter new NAME --lang rust`)",
+            dir.display()
+        );
+    }
+    let text = std::fs::read_to_string(&manifest)?;
+    let name = package_name(&text)
+        .with_context(|| format!("no [package] name in {}", manifest.display()))?;
+    let started = Instant::now();
+    println!("building {name} (Rust) for wasm32-wasip2 ...");
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    cargo
+        .current_dir(dir)
+        .args(["build", "--release", "--target", "wasm32-wasip2"]);
+    // A cargo running us (tests, xtasks) must not pass its own settings on.
+    for var in [
+        "CARGO_ENCODED_RUSTFLAGS",
+        "RUSTFLAGS",
+        "CARGO_BUILD_TARGET",
+        "CARGO_MAKEFLAGS",
+    ] {
+        cargo.env_remove(var);
+    }
+    let status = cargo.status().map_err(|e| {
+        anyhow::anyhow!("cannot run cargo ({e}): install Rust with ./scripts/install-toolchain.sh")
+    })?;
+    if !status.success() {
+        bail!(
+            "cargo build failed for {}; if the target is missing: rustup target add wasm32-wasip2",
+            dir.display()
+        );
+    }
+    let target_dir =
+        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| dir.join("target"), PathBuf::from);
+    let artifact = target_dir
+        .join("wasm32-wasip2/release")
+        .join(format!("{}.wasm", name.replace('-', "_")));
+    let bytes = std::fs::read(&artifact)
+        .with_context(|| format!("cargo built no component at {}", artifact.display()))?;
+    let compiled = started.elapsed();
+
+    let out = dir.join("build");
+    std::fs::create_dir_all(&out)?;
+    let component = out.join(format!("{name}.wasm"));
+    std::fs::write(&component, &bytes)?;
+    let started = Instant::now();
+    let runtime = Runtime::new(RuntimeConfig {
+        cache_dir: None,
+        ..RuntimeConfig::default()
+    })?;
+    let precompiled = runtime.precompile(&name, &bytes)?;
+    let cwasm = out.join(format!("{name}.cwasm"));
+    std::fs::write(&cwasm, &precompiled)?;
+    println!(
+        "  {} ({:.1} KiB, built in {:.1} s)\n  {} ({:.1} KiB, precompiled in {:.0} ms)",
+        component.display(),
+        bytes.len() as f64 / 1024.0,
+        compiled.as_secs_f64(),
+        cwasm.display(),
+        precompiled.len() as f64 / 1024.0,
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(component)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(check_name("my-filter_2").is_ok());
+        for bad in ["", "2fast", "My", "a b", "../x", "a/b"] {
+            assert!(check_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_package_name_is_read_from_the_package_section() {
+        let manifest = "[workspace]\nname = \"no\"\n[package]\nversion = \"1\"\nname = \"yes\"\n";
+        assert_eq!(package_name(manifest).as_deref(), Some("yes"));
+        assert_eq!(package_name("[lib]\nname = \"x\"\n"), None);
+    }
+}
