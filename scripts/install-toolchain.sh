@@ -16,3 +16,15 @@ rustup component list --toolchain "$channel" --installed | grep -q '^clippy' \
     || rustup component add --toolchain "$channel" clippy
 rustup target list --toolchain "$channel" --installed | grep -qx wasm32-wasip2 \
     || rustup target add --toolchain "$channel" wasm32-wasip2
+
+# Guest toolchains for `dpumesh filter build` in other languages.
+# Python: componentize-py from PyPI.
+componentize_py_version=0.25.1
+if ! command -v componentize-py >/dev/null 2>&1 \
+    || [ "$(componentize-py --version 2>/dev/null)" != "componentize-py ${componentize_py_version}" ]; then
+    if command -v pip3 >/dev/null 2>&1; then
+        pip3 install --quiet --disable-pip-version-check "componentize-py==${componentize_py_version}"
+    else
+        echo "warning: pip3 not found; Python filters need: pip install componentize-py==${componentize_py_version}" >&2
+    fi
+fi

@@ -13,7 +13,27 @@ use dpumesh_runtime::{Runtime, RuntimeConfig};
 pub enum Lang {
     /// Rust with the `dpumesh-filter-sdk` crate.
     Rust,
+    /// Python, componentized by componentize-py.
+    Python,
 }
+
+impl Lang {
+    /// The language of the project in `dir`, by its marker file.
+    fn detect(dir: &Path) -> Option<Self> {
+        if dir.join("Cargo.toml").is_file() {
+            Some(Self::Rust)
+        } else if dir.join("app.py").is_file() {
+            Some(Self::Python)
+        } else {
+            None
+        }
+    }
+}
+
+/// The WIT contract this binary serves, handed to guest toolchains.
+const WIT: &str = include_str!("../../wit/filter.wit");
+
+const COMPONENTIZE_PY: &str = "componentize-py==0.25.1";
 
 /// The sample policy's suite, shared by every language's template and sample.
 const SUITE: &str = include_str!("../../samples/filters/apikey.suite.yaml");
@@ -39,6 +59,22 @@ const RUST_FILES: &[(&str, &str)] = &[
     (
         "src/lib.rs",
         include_str!("../../samples/filters/rust/src/lib.rs"),
+    ),
+];
+
+const PYTHON_FILES: &[(&str, &str)] = &[
+    (
+        ".gitignore",
+        include_str!("../templates/python/gitignore.tmpl"),
+    ),
+    (
+        "README.md",
+        include_str!("../templates/python/README.md.tmpl"),
+    ),
+    // The Python sample is the template.
+    (
+        "app.py",
+        include_str!("../../samples/filters/python/app.py"),
     ),
 ];
 
@@ -68,12 +104,18 @@ pub fn new(name: &str, lang: Lang, parent: &Path, sdk: Option<&Path>) -> Result<
     if dir.exists() {
         bail!("{} already exists", dir.display());
     }
-    let sdk = sdk.map_or_else(default_sdk, Path::to_path_buf);
-    let sdk = sdk
-        .canonicalize()
-        .with_context(|| format!("the filter SDK is not at {} (pass --sdk)", sdk.display()))?;
+    let sdk = match lang {
+        Lang::Rust => {
+            let sdk = sdk.map_or_else(default_sdk, Path::to_path_buf);
+            sdk.canonicalize().with_context(|| {
+                format!("the filter SDK is not at {} (pass --sdk)", sdk.display())
+            })?
+        }
+        Lang::Python => PathBuf::new(),
+    };
     let files = match lang {
         Lang::Rust => RUST_FILES,
+        Lang::Python => PYTHON_FILES,
     };
     for (path, text) in files {
         let text = text
@@ -114,17 +156,47 @@ fn package_name(manifest: &str) -> Option<String> {
 /// Builds the project in `dir` into `dir/build/NAME.wasm` and `NAME.cwasm`; returns
 /// the component's path.
 pub fn build(dir: &Path) -> Result<PathBuf> {
-    let manifest = dir.join("Cargo.toml");
-    if !manifest.is_file() {
+    let Some(lang) = Lang::detect(dir) else {
         bail!(
-            "{} is not a filter project: no Cargo.toml (create one with `dpumesh filter new NAME --lang rust`)",
+            "{} is not a filter project: no Cargo.toml (Rust) or app.py (Python); create one with `dpumesh filter new NAME --lang LANG`",
             dir.display()
         );
-    }
+    };
+    // Absolute: guest toolchains run in the project directory.
+    let out = std::path::absolute(dir.join("build"))?;
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let started = Instant::now();
+    let (name, bytes) = match lang {
+        Lang::Rust => build_rust(dir)?,
+        Lang::Python => build_python(dir, &out)?,
+    };
+    let compiled = started.elapsed();
+    let component = out.join(format!("{name}.wasm"));
+    std::fs::write(&component, &bytes)?;
+
+    let started = Instant::now();
+    println!("precompiling for this machine's engine ...");
+    let runtime = Runtime::new(RuntimeConfig::default())?;
+    let precompiled = runtime.precompile(&name, &bytes)?;
+    let cwasm = out.join(format!("{name}.cwasm"));
+    std::fs::write(&cwasm, &precompiled)?;
+    println!(
+        "  {} ({:.1} KiB, built in {:.1} s)\n  {} ({:.1} KiB, precompiled in {:.0} ms)",
+        component.display(),
+        bytes.len() as f64 / 1024.0,
+        compiled.as_secs_f64(),
+        cwasm.display(),
+        precompiled.len() as f64 / 1024.0,
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    Ok(component)
+}
+
+fn build_rust(dir: &Path) -> Result<(String, Vec<u8>)> {
+    let manifest = dir.join("Cargo.toml");
     let text = std::fs::read_to_string(&manifest)?;
     let name = package_name(&text)
         .with_context(|| format!("no [package] name in {}", manifest.display()))?;
-    let started = Instant::now();
     println!("building {name} (Rust) for wasm32-wasip2 ...");
     let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     cargo
@@ -155,30 +227,49 @@ pub fn build(dir: &Path) -> Result<PathBuf> {
         .join(format!("{}.wasm", name.replace('-', "_")));
     let bytes = std::fs::read(&artifact)
         .with_context(|| format!("cargo built no component at {}", artifact.display()))?;
-    let compiled = started.elapsed();
+    Ok((name, bytes))
+}
 
-    let out = dir.join("build");
-    std::fs::create_dir_all(&out)?;
+/// The project's name: its directory's name.
+fn dir_name(dir: &Path) -> Result<String> {
+    let absolute = dir.canonicalize()?;
+    absolute
+        .file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_owned)
+        .with_context(|| format!("{} has no usable name", dir.display()))
+}
+
+fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
+    let name = dir_name(dir)?;
+    // The contract this binary serves, unless the project pins its own.
+    let wit = if dir.join("wit").is_dir() {
+        std::path::absolute(dir.join("wit"))?
+    } else {
+        let wit = out.join("wit");
+        write(&wit.join("filter.wit"), WIT)?;
+        wit
+    };
     let component = out.join(format!("{name}.wasm"));
-    std::fs::write(&component, &bytes)?;
-    let started = Instant::now();
-    let runtime = Runtime::new(RuntimeConfig {
-        cache_dir: None,
-        ..RuntimeConfig::default()
-    })?;
-    let precompiled = runtime.precompile(&name, &bytes)?;
-    let cwasm = out.join(format!("{name}.cwasm"));
-    std::fs::write(&cwasm, &precompiled)?;
-    println!(
-        "  {} ({:.1} KiB, built in {:.1} s)\n  {} ({:.1} KiB, precompiled in {:.0} ms)",
-        component.display(),
-        bytes.len() as f64 / 1024.0,
-        compiled.as_secs_f64(),
-        cwasm.display(),
-        precompiled.len() as f64 / 1024.0,
-        started.elapsed().as_secs_f64() * 1e3
-    );
-    Ok(component)
+    println!("building {name} (Python) with componentize-py (takes a few seconds) ...");
+    let status = Command::new("componentize-py")
+        .current_dir(dir)
+        .arg("-d")
+        .arg(&wit)
+        .args(["-w", "filter", "componentize", "app", "-o"])
+        .arg(&component)
+        .status()
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot run componentize-py ({e}): install it with `pip install {COMPONENTIZE_PY}` (or ./scripts/install-toolchain.sh)"
+            )
+        })?;
+    if !status.success() {
+        bail!("componentize-py failed for {}", dir.display());
+    }
+    let bytes = std::fs::read(&component)
+        .with_context(|| format!("componentize-py wrote no {}", component.display()))?;
+    Ok((name, bytes))
 }
 
 #[cfg(test)]

@@ -197,3 +197,48 @@ fn new_build_test_works_end_to_end_for_rust() {
     let none = run(&["filter", "build", "."]);
     assert!(String::from_utf8_lossy(&none.stderr).contains("is not a filter project"));
 }
+
+#[test]
+fn new_build_test_works_end_to_end_for_python() {
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().to_str().unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(args)
+            .current_dir(dir.path())
+            .env(
+                "DPUMESH_CACHE_DIR",
+                PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli-cwasm"),
+            )
+            .output()
+            .expect("run dpumesh")
+    };
+    let created = run(&[
+        "filter", "new", "py-auth", "--lang", "python", "--dir", parent,
+    ]);
+    assert!(
+        created.status.success(),
+        "{}",
+        String::from_utf8_lossy(&created.stderr)
+    );
+    let built = run(&["filter", "build", "py-auth"]);
+    assert!(
+        built.status.success(),
+        "{}{}",
+        stdout(&built),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    assert!(dir.path().join("py-auth/build/py-auth.cwasm").is_file());
+    let tested = run(&[
+        "filter",
+        "test",
+        dir.path()
+            .join("py-auth/build/py-auth.wasm")
+            .to_str()
+            .unwrap(),
+        "py-auth/suite.yaml",
+    ]);
+    let out = stdout(&tested);
+    assert!(tested.status.success(), "{out}");
+    assert!(out.ends_with("8 passed, 0 failed\n"), "{out}");
+}

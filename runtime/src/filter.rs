@@ -223,10 +223,21 @@ impl Runtime {
     /// this machine produced: see the compile cache.
     pub fn precompile(&self, name: &str, bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
         let engine = &self.inner.engine;
-        let component = Component::new(engine, bytes).map_err(|e| LoadError::Compile {
-            filter: name.to_owned(),
-            detail: format!("{e:#}"),
-        })?;
+        // Through the compile cache, so loading the same component next is instant.
+        let component = self
+            .inner
+            .cache
+            .get_or_compile(engine, &content_hash(bytes), bytes)
+            .map_err(|e| match e {
+                CompileError::NotAComponent(detail) => LoadError::NotAComponent {
+                    filter: name.to_owned(),
+                    detail,
+                },
+                CompileError::Compile(detail) => LoadError::Compile {
+                    filter: name.to_owned(),
+                    detail,
+                },
+            })?;
         check_imports(name, &component, engine)?;
         component.serialize().map_err(|e| LoadError::Compile {
             filter: name.to_owned(),
