@@ -28,3 +28,17 @@ if ! command -v componentize-py >/dev/null 2>&1 \
         echo "warning: pip3 not found; Python filters need: pip install componentize-py==${componentize_py_version}" >&2
     fi
 fi
+
+# JavaScript: ComponentizeJS from npm, driven through its JS API by `dpumesh filter build`.
+componentize_js_version=0.23.0
+js_tools="${DPUMESH_JS_TOOLS:-${XDG_CACHE_HOME:-$HOME/.cache}/dpumesh/js-tools}"
+js_installed="$js_tools/node_modules/@bytecodealliance/componentize-js/package.json"
+if ! grep -q "\"version\": \"${componentize_js_version}\"" "$js_installed" 2>/dev/null; then
+    if command -v npm >/dev/null 2>&1; then
+        mkdir -p "$js_tools"
+        npm install --silent --no-audit --no-fund --prefix "$js_tools" \
+            "@bytecodealliance/componentize-js@${componentize_js_version}"
+    else
+        echo "warning: npm not found; JavaScript filters need Node.js and npm (apt install nodejs npm)" >&2
+    fi
+fi

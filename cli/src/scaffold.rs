@@ -15,6 +15,8 @@ pub enum Lang {
     Rust,
     /// Python, componentized by componentize-py.
     Python,
+    /// JavaScript, componentized by ComponentizeJS.
+    Js,
 }
 
 impl Lang {
@@ -24,6 +26,8 @@ impl Lang {
             Some(Self::Rust)
         } else if dir.join("app.py").is_file() {
             Some(Self::Python)
+        } else if dir.join("filter.js").is_file() {
+            Some(Self::Js)
         } else {
             None
         }
@@ -34,6 +38,9 @@ impl Lang {
 const WIT: &str = include_str!("../../wit/filter.wit");
 
 const COMPONENTIZE_PY: &str = "componentize-py==0.25.1";
+const COMPONENTIZE_JS: &str = "@bytecodealliance/componentize-js@0.23";
+/// Runs ComponentizeJS through its JS API (its CLI fails on file access here).
+const COMPONENTIZE_MJS: &str = include_str!("../templates/js/componentize.mjs");
 
 /// The sample policy's suite, shared by every language's template and sample.
 const SUITE: &str = include_str!("../../samples/filters/apikey.suite.yaml");
@@ -78,6 +85,29 @@ const PYTHON_FILES: &[(&str, &str)] = &[
     ),
 ];
 
+const JS_FILES: &[(&str, &str)] = &[
+    (".gitignore", include_str!("../templates/js/gitignore.tmpl")),
+    ("README.md", include_str!("../templates/js/README.md.tmpl")),
+    // The JavaScript sample is the template.
+    (
+        "filter.js",
+        include_str!("../../samples/filters/js/filter.js"),
+    ),
+];
+
+/// Where `install-toolchain.sh` puts ComponentizeJS: `$DPUMESH_JS_TOOLS`, else
+/// `$XDG_CACHE_HOME/dpumesh/js-tools`, else `~/.cache/dpumesh/js-tools`.
+fn js_tools() -> PathBuf {
+    if let Some(dir) = std::env::var_os("DPUMESH_JS_TOOLS") {
+        return PathBuf::from(dir);
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from("."));
+    cache.join("dpumesh").join("js-tools")
+}
+
 /// The SDK next to the sources this binary was built from.
 fn default_sdk() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sdk")
@@ -111,11 +141,12 @@ pub fn new(name: &str, lang: Lang, parent: &Path, sdk: Option<&Path>) -> Result<
                 format!("the filter SDK is not at {} (pass --sdk)", sdk.display())
             })?
         }
-        Lang::Python => PathBuf::new(),
+        Lang::Python | Lang::Js => PathBuf::new(),
     };
     let files = match lang {
         Lang::Rust => RUST_FILES,
         Lang::Python => PYTHON_FILES,
+        Lang::Js => JS_FILES,
     };
     for (path, text) in files {
         let text = text
@@ -158,7 +189,7 @@ fn package_name(manifest: &str) -> Option<String> {
 pub fn build(dir: &Path) -> Result<PathBuf> {
     let Some(lang) = Lang::detect(dir) else {
         bail!(
-            "{} is not a filter project: no Cargo.toml (Rust) or app.py (Python); create one with `dpumesh filter new NAME --lang LANG`",
+            "{} is not a filter project: no Cargo.toml (Rust), app.py (Python) or filter.js (JavaScript); create one with `dpumesh filter new NAME --lang LANG`",
             dir.display()
         );
     };
@@ -169,6 +200,7 @@ pub fn build(dir: &Path) -> Result<PathBuf> {
     let (name, bytes) = match lang {
         Lang::Rust => build_rust(dir)?,
         Lang::Python => build_python(dir, &out)?,
+        Lang::Js => build_js(dir, &out)?,
     };
     let compiled = started.elapsed();
     let component = out.join(format!("{name}.wasm"));
@@ -240,16 +272,57 @@ fn dir_name(dir: &Path) -> Result<String> {
         .with_context(|| format!("{} has no usable name", dir.display()))
 }
 
+/// The WIT folder for a guest toolchain: the project's own `wit/`, else the contract
+/// this binary serves, written under `out`.
+fn wit_dir(dir: &Path, out: &Path) -> Result<PathBuf> {
+    if dir.join("wit").is_dir() {
+        return Ok(std::path::absolute(dir.join("wit"))?);
+    }
+    let wit = out.join("wit");
+    write(&wit.join("filter.wit"), WIT)?;
+    Ok(wit)
+}
+
+fn build_js(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
+    let name = dir_name(dir)?;
+    let tools = js_tools();
+    let entry = tools.join("node_modules/@bytecodealliance/componentize-js/src/componentize.js");
+    if !entry.is_file() {
+        bail!(
+            "ComponentizeJS is not installed in {}: run ./scripts/install-toolchain.sh, or `npm install --prefix {} {COMPONENTIZE_JS}`",
+            tools.display(),
+            tools.display()
+        );
+    }
+    let wit = wit_dir(dir, out)?;
+    let script = out.join("componentize.mjs");
+    write(&script, COMPONENTIZE_MJS)?;
+    let component = out.join(format!("{name}.wasm"));
+    println!("building {name} (JavaScript) with ComponentizeJS (takes a few seconds) ...");
+    let status = Command::new("node")
+        .current_dir(dir)
+        .arg(&script)
+        .arg(&tools)
+        .arg("filter.js")
+        .arg(&wit)
+        .arg(&component)
+        .status()
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot run node ({e}): install Node.js 18 or later (apt install nodejs npm)"
+            )
+        })?;
+    if !status.success() {
+        bail!("ComponentizeJS failed for {}", dir.display());
+    }
+    let bytes = std::fs::read(&component)
+        .with_context(|| format!("ComponentizeJS wrote no {}", component.display()))?;
+    Ok((name, bytes))
+}
+
 fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     let name = dir_name(dir)?;
-    // The contract this binary serves, unless the project pins its own.
-    let wit = if dir.join("wit").is_dir() {
-        std::path::absolute(dir.join("wit"))?
-    } else {
-        let wit = out.join("wit");
-        write(&wit.join("filter.wit"), WIT)?;
-        wit
-    };
+    let wit = wit_dir(dir, out)?;
     let component = out.join(format!("{name}.wasm"));
     println!("building {name} (Python) with componentize-py (takes a few seconds) ...");
     let status = Command::new("componentize-py")

@@ -198,10 +198,12 @@ fn new_build_test_works_end_to_end_for_rust() {
     assert!(String::from_utf8_lossy(&none.stderr).contains("is not a filter project"));
 }
 
-#[test]
-fn new_build_test_works_end_to_end_for_python() {
+/// `filter new` → `filter build` → `filter test` for a language whose toolchain the
+/// install script provides.
+fn end_to_end(lang: &str) {
     let dir = tempfile::tempdir().unwrap();
     let parent = dir.path().to_str().unwrap();
+    let name = format!("{lang}-auth");
     let run = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_dpumesh"))
             .args(args)
@@ -213,32 +215,38 @@ fn new_build_test_works_end_to_end_for_python() {
             .output()
             .expect("run dpumesh")
     };
-    let created = run(&[
-        "filter", "new", "py-auth", "--lang", "python", "--dir", parent,
-    ]);
+    let created = run(&["filter", "new", &name, "--lang", lang, "--dir", parent]);
     assert!(
         created.status.success(),
         "{}",
         String::from_utf8_lossy(&created.stderr)
     );
-    let built = run(&["filter", "build", "py-auth"]);
+    let built = run(&["filter", "build", &name]);
     assert!(
         built.status.success(),
         "{}{}",
         stdout(&built),
         String::from_utf8_lossy(&built.stderr)
     );
-    assert!(dir.path().join("py-auth/build/py-auth.cwasm").is_file());
+    let build = dir.path().join(&name).join("build");
+    assert!(build.join(format!("{name}.cwasm")).is_file());
     let tested = run(&[
         "filter",
         "test",
-        dir.path()
-            .join("py-auth/build/py-auth.wasm")
-            .to_str()
-            .unwrap(),
-        "py-auth/suite.yaml",
+        build.join(format!("{name}.wasm")).to_str().unwrap(),
+        &format!("{name}/suite.yaml"),
     ]);
     let out = stdout(&tested);
     assert!(tested.status.success(), "{out}");
     assert!(out.ends_with("8 passed, 0 failed\n"), "{out}");
+}
+
+#[test]
+fn new_build_test_works_end_to_end_for_python() {
+    end_to_end("python");
+}
+
+#[test]
+fn new_build_test_works_end_to_end_for_javascript() {
+    end_to_end("js");
 }
