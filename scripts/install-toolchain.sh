@@ -42,3 +42,18 @@ if ! grep -q "\"version\": \"${componentize_js_version}\"" "$js_installed" 2>/de
         echo "warning: npm not found; JavaScript filters need Node.js and npm (apt install nodejs npm)" >&2
     fi
 fi
+
+# C: clang for wasm32-wasi with wasi-libc (bindings and componentizing are in-process).
+c_packages="clang lld wasi-libc libclang-rt-14-dev-wasm32"
+c_missing=""
+for p in $c_packages; do
+    dpkg -s "$p" >/dev/null 2>&1 || c_missing="$c_missing $p"
+done
+if [ -n "$c_missing" ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $c_missing >/dev/null
+    else
+        echo "warning: C filters need: apt-get install$c_missing" >&2
+    fi
+fi

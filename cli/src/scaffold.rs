@@ -17,6 +17,8 @@ pub enum Lang {
     Python,
     /// JavaScript, componentized by ComponentizeJS.
     Js,
+    /// C, compiled by clang for wasm32-wasi and componentized in-process.
+    C,
 }
 
 impl Lang {
@@ -28,6 +30,8 @@ impl Lang {
             Some(Self::Python)
         } else if dir.join("filter.js").is_file() {
             Some(Self::Js)
+        } else if dir.join("filter.c").is_file() {
+            Some(Self::C)
         } else {
             None
         }
@@ -95,6 +99,15 @@ const JS_FILES: &[(&str, &str)] = &[
     ),
 ];
 
+const C_FILES: &[(&str, &str)] = &[
+    (".gitignore", include_str!("../templates/c/gitignore.tmpl")),
+    ("README.md", include_str!("../templates/c/README.md.tmpl")),
+    // The C sample is the template.
+    ("filter.c", include_str!("../../samples/filters/c/filter.c")),
+];
+
+const C_PACKAGES: &str = "clang lld wasi-libc libclang-rt-14-dev-wasm32";
+
 /// Where `install-toolchain.sh` puts ComponentizeJS: `$DPUMESH_JS_TOOLS`, else
 /// `$XDG_CACHE_HOME/dpumesh/js-tools`, else `~/.cache/dpumesh/js-tools`.
 fn js_tools() -> PathBuf {
@@ -141,12 +154,13 @@ pub fn new(name: &str, lang: Lang, parent: &Path, sdk: Option<&Path>) -> Result<
                 format!("the filter SDK is not at {} (pass --sdk)", sdk.display())
             })?
         }
-        Lang::Python | Lang::Js => PathBuf::new(),
+        Lang::Python | Lang::Js | Lang::C => PathBuf::new(),
     };
     let files = match lang {
         Lang::Rust => RUST_FILES,
         Lang::Python => PYTHON_FILES,
         Lang::Js => JS_FILES,
+        Lang::C => C_FILES,
     };
     for (path, text) in files {
         let text = text
@@ -189,7 +203,7 @@ fn package_name(manifest: &str) -> Option<String> {
 pub fn build(dir: &Path) -> Result<PathBuf> {
     let Some(lang) = Lang::detect(dir) else {
         bail!(
-            "{} is not a filter project: no Cargo.toml (Rust), app.py (Python) or filter.js (JavaScript); create one with `dpumesh filter new NAME --lang LANG`",
+            "{} is not a filter project: no Cargo.toml (Rust), app.py (Python), filter.js (JavaScript) or filter.c (C); create one with `dpumesh filter new NAME --lang LANG`",
             dir.display()
         );
     };
@@ -201,6 +215,7 @@ pub fn build(dir: &Path) -> Result<PathBuf> {
         Lang::Rust => build_rust(dir)?,
         Lang::Python => build_python(dir, &out)?,
         Lang::Js => build_js(dir, &out)?,
+        Lang::C => build_c(dir, &out)?,
     };
     let compiled = started.elapsed();
     let component = out.join(format!("{name}.wasm"));
@@ -318,6 +333,78 @@ fn build_js(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     let bytes = std::fs::read(&component)
         .with_context(|| format!("ComponentizeJS wrote no {}", component.display()))?;
     Ok((name, bytes))
+}
+
+/// C bindings for the `filter` world, generated in-process (wit-bindgen-c) into `out`.
+fn c_bindings(wit: &Path, out: &Path) -> Result<()> {
+    use wit_bindgen_core::wit_parser::Resolve;
+
+    let mut resolve = Resolve::default();
+    let (package, _) = resolve
+        .push_dir(wit)
+        .map_err(|e| anyhow::anyhow!("reading the WIT in {}: {e:#}", wit.display()))?;
+    let world = resolve
+        .select_world(&[package], Some("filter"))
+        .map_err(|e| anyhow::anyhow!("{e:#}"))?;
+    let mut files = wit_bindgen_core::Files::default();
+    wit_bindgen_c::Opts::default()
+        .build()
+        .generate(&mut resolve, world, &mut files)
+        .map_err(|e| anyhow::anyhow!("generating C bindings: {e:#}"))?;
+    for (name, contents) in files.iter() {
+        std::fs::write(out.join(name), contents)?;
+    }
+    Ok(())
+}
+
+fn build_c(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
+    let name = dir_name(dir)?;
+    let wit = wit_dir(dir, out)?;
+    let bindings = out.join("bindings");
+    std::fs::create_dir_all(&bindings)?;
+    c_bindings(&wit, &bindings)?;
+    let core = out.join(format!("{name}.core.wasm"));
+    println!("building {name} (C) with clang for wasm32-wasi ...");
+    let status = Command::new("clang")
+        .current_dir(dir)
+        .args([
+            "--target=wasm32-wasi",
+            "-mexec-model=reactor",
+            "-O2",
+            "-Wall",
+            "-Werror",
+        ])
+        .arg("-I")
+        .arg(&bindings)
+        .arg("-o")
+        .arg(&core)
+        .arg("filter.c")
+        .arg(bindings.join("filter.c"))
+        .arg(bindings.join("filter_component_type.o"))
+        .status()
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot run clang ({e}): install it with `apt-get install {C_PACKAGES}`"
+            )
+        })?;
+    if !status.success() {
+        bail!(
+            "clang failed for {}; if wasm32-wasi support is missing: apt-get install {C_PACKAGES}",
+            dir.display()
+        );
+    }
+    let module = std::fs::read(&core)?;
+    let component = wit_component::ComponentEncoder::default()
+        .module(&module)
+        .and_then(|e| {
+            e.adapter(
+                "wasi_snapshot_preview1",
+                wasi_preview1_component_adapter_provider::WASI_SNAPSHOT_PREVIEW1_REACTOR_ADAPTER,
+            )
+        })
+        .and_then(|e| e.validate(true).encode())
+        .map_err(|e| anyhow::anyhow!("componentizing {}: {e:#}", core.display()))?;
+    Ok((name, component))
 }
 
 fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {

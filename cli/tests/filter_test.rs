@@ -250,3 +250,8 @@ fn new_build_test_works_end_to_end_for_python() {
 fn new_build_test_works_end_to_end_for_javascript() {
     end_to_end("js");
 }
+
+#[test]
+fn new_build_test_works_end_to_end_for_c() {
+    end_to_end("c");
+}
