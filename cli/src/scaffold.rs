@@ -258,15 +258,14 @@ fn build_rust(dir: &Path) -> Result<(String, Vec<u8>)> {
     ] {
         cargo.env_remove(var);
     }
-    let status = cargo.status().map_err(|e| {
-        anyhow::anyhow!("cannot run cargo ({e}): install Rust with ./scripts/install-toolchain.sh")
-    })?;
-    if !status.success() {
-        bail!(
-            "cargo build failed for {}; if the target is missing: rustup target add wasm32-wasip2",
-            dir.display()
-        );
-    }
+    run(
+        &mut cargo,
+        "cargo",
+        "install Rust with ./scripts/install-toolchain.sh",
+        "cargo build",
+        dir,
+        "; if the target is missing: rustup target add wasm32-wasip2",
+    )?;
     let target_dir =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| dir.join("target"), PathBuf::from);
     let artifact = target_dir
@@ -314,25 +313,22 @@ fn build_js(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     write(&script, COMPONENTIZE_MJS)?;
     let component = out.join(format!("{name}.wasm"));
     println!("building {name} (JavaScript) with ComponentizeJS (takes a few seconds) ...");
-    let status = Command::new("node")
-        .current_dir(dir)
+    let mut node = Command::new("node");
+    node.current_dir(dir)
         .arg(&script)
         .arg(&tools)
         .arg("filter.js")
         .arg(&wit)
-        .arg(&component)
-        .status()
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot run node ({e}): install Node.js 18 or later (apt install nodejs npm)"
-            )
-        })?;
-    if !status.success() {
-        bail!("ComponentizeJS failed for {}", dir.display());
-    }
-    let bytes = std::fs::read(&component)
-        .with_context(|| format!("ComponentizeJS wrote no {}", component.display()))?;
-    Ok((name, bytes))
+        .arg(&component);
+    run(
+        &mut node,
+        "node",
+        "install Node.js 18 or later (apt install nodejs npm)",
+        "ComponentizeJS",
+        dir,
+        "",
+    )?;
+    Ok((name, read_output(&component, "ComponentizeJS")?))
 }
 
 /// C bindings for the `filter` world, generated in-process (wit-bindgen-c) into `out`.
@@ -365,7 +361,8 @@ fn build_c(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     c_bindings(&wit, &bindings)?;
     let core = out.join(format!("{name}.core.wasm"));
     println!("building {name} (C) with clang for wasm32-wasi ...");
-    let status = Command::new("clang")
+    let mut clang = Command::new("clang");
+    clang
         .current_dir(dir)
         .args([
             "--target=wasm32-wasi",
@@ -380,19 +377,15 @@ fn build_c(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
         .arg(&core)
         .arg("filter.c")
         .arg(bindings.join("filter.c"))
-        .arg(bindings.join("filter_component_type.o"))
-        .status()
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot run clang ({e}): install it with `apt-get install {C_PACKAGES}`"
-            )
-        })?;
-    if !status.success() {
-        bail!(
-            "clang failed for {}; if wasm32-wasi support is missing: apt-get install {C_PACKAGES}",
-            dir.display()
-        );
-    }
+        .arg(bindings.join("filter_component_type.o"));
+    run(
+        &mut clang,
+        "clang",
+        &format!("install it with `apt-get install {C_PACKAGES}`"),
+        "clang",
+        dir,
+        &format!("; if wasm32-wasi support is missing: apt-get install {C_PACKAGES}"),
+    )?;
     let module = std::fs::read(&core)?;
     let component = wit_component::ComponentEncoder::default()
         .module(&module)
@@ -412,24 +405,48 @@ fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     let wit = wit_dir(dir, out)?;
     let component = out.join(format!("{name}.wasm"));
     println!("building {name} (Python) with componentize-py (takes a few seconds) ...");
-    let status = Command::new("componentize-py")
+    let mut componentize = Command::new("componentize-py");
+    componentize
         .current_dir(dir)
         .arg("-d")
         .arg(&wit)
         .args(["-w", "filter", "componentize", "app", "-o"])
-        .arg(&component)
+        .arg(&component);
+    run(
+        &mut componentize,
+        "componentize-py",
+        &format!(
+            "install it with `pip install {COMPONENTIZE_PY}` (or ./scripts/install-toolchain.sh)"
+        ),
+        "componentize-py",
+        dir,
+        "",
+    )?;
+    Ok((name, read_output(&component, "componentize-py")?))
+}
+
+/// Runs one toolchain step for the project in `dir`: a tool that cannot start names
+/// how to install it; a failing step names the project and `hint`.
+fn run(
+    cmd: &mut Command,
+    tool: &str,
+    install: &str,
+    step: &str,
+    dir: &Path,
+    hint: &str,
+) -> Result<()> {
+    let status = cmd
         .status()
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot run componentize-py ({e}): install it with `pip install {COMPONENTIZE_PY}` (or ./scripts/install-toolchain.sh)"
-            )
-        })?;
+        .map_err(|e| anyhow::anyhow!("cannot run {tool} ({e}): {install}"))?;
     if !status.success() {
-        bail!("componentize-py failed for {}", dir.display());
+        bail!("{step} failed for {}{hint}", dir.display());
     }
-    let bytes = std::fs::read(&component)
-        .with_context(|| format!("componentize-py wrote no {}", component.display()))?;
-    Ok((name, bytes))
+    Ok(())
+}
+
+/// The component a toolchain step wrote.
+fn read_output(component: &Path, step: &str) -> Result<Vec<u8>> {
+    std::fs::read(component).with_context(|| format!("{step} wrote no {}", component.display()))
 }
 
 #[cfg(test)]

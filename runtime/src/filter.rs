@@ -205,16 +205,7 @@ impl Runtime {
             .inner
             .cache
             .get_or_compile(&self.inner.engine, &hash, bytes)
-            .map_err(|e| match e {
-                CompileError::NotAComponent(detail) => LoadError::NotAComponent {
-                    filter: name.clone(),
-                    detail,
-                },
-                CompileError::Compile(detail) => LoadError::Compile {
-                    filter: name.clone(),
-                    detail,
-                },
-            })?;
+            .map_err(|e| compile_error(&name, e))?;
         self.prepare(settings, component, hash)
     }
 
@@ -228,16 +219,7 @@ impl Runtime {
             .inner
             .cache
             .get_or_compile(engine, &content_hash(bytes), bytes)
-            .map_err(|e| match e {
-                CompileError::NotAComponent(detail) => LoadError::NotAComponent {
-                    filter: name.to_owned(),
-                    detail,
-                },
-                CompileError::Compile(detail) => LoadError::Compile {
-                    filter: name.to_owned(),
-                    detail,
-                },
-            })?;
+            .map_err(|e| compile_error(name, e))?;
         check_imports(name, &component, engine)?;
         component.serialize().map_err(|e| LoadError::Compile {
             filter: name.to_owned(),
@@ -302,6 +284,14 @@ impl Runtime {
         // rather than at the first request.
         loaded.instantiate()?;
         Ok(loaded)
+    }
+}
+
+fn compile_error(filter: &str, error: CompileError) -> LoadError {
+    let filter = filter.to_owned();
+    match error {
+        CompileError::NotAComponent(detail) => LoadError::NotAComponent { filter, detail },
+        CompileError::Compile(detail) => LoadError::Compile { filter, detail },
     }
 }
 

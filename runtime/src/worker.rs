@@ -306,6 +306,7 @@ struct Runners {
     runners: Vec<ChainRunner>,
     /// Requests whose response phase has not run yet.
     open: usize,
+    /// When a retired set was last used (retirement counts as a use).
     last_used: Instant,
 }
 
@@ -395,13 +396,14 @@ impl Worker {
     fn runners(&mut self, generation: &Arc<Generation>) -> &mut Runners {
         let number = generation.number;
         if number > self.current.generation.number {
-            let old = std::mem::replace(&mut self.current, Runners::new(generation.clone()));
+            let mut old = std::mem::replace(&mut self.current, Runners::new(generation.clone()));
+            // The retirement TTL counts from here; the current set is not timed per job.
+            old.last_used = Instant::now();
             self.on[self.id].store(number, Ordering::Release);
             self.retired.insert(0, old);
             self.sweep();
         }
         if number == self.current.generation.number {
-            self.current.last_used = Instant::now();
             return &mut self.current;
         }
         let index = match self

@@ -98,21 +98,23 @@ fn reload(c: &mut Criterion) {
 
     let mut version = 1;
     let mut builds = Vec::new();
+    // Times publish -> all switched over `iters` reloads; build times go to `builds`.
+    let mut reloads = |iters: u64| {
+        let mut total = Duration::ZERO;
+        for _ in 0..iters {
+            version += 1;
+            let (build, switch) = reload_and_settle(&control, dir.path(), 16, version);
+            builds.push(build);
+            total += switch;
+        }
+        total
+    };
     let mut group = c.benchmark_group("reload");
     group
         .sample_size(20)
         .measurement_time(Duration::from_secs(10));
     group.bench_function("publish_to_all_16_workers_switched_idle", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                version += 1;
-                let (build, switch) = reload_and_settle(&control, dir.path(), 16, version);
-                builds.push(build);
-                total += switch;
-            }
-            total
-        })
+        b.iter_custom(&mut reloads)
     });
 
     // Under load: two threads keep submitting requests to the pool meanwhile.
@@ -134,16 +136,7 @@ fn reload(c: &mut Criterion) {
         })
         .collect();
     group.bench_function("publish_to_all_16_workers_switched_under_load", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                version += 1;
-                let (build, switch) = reload_and_settle(&control, dir.path(), 16, version);
-                builds.push(build);
-                total += switch;
-            }
-            total
-        })
+        b.iter_custom(&mut reloads)
     });
     group.finish();
     stop.store(true, Ordering::Relaxed);

@@ -40,8 +40,28 @@ pub struct Snapshot {
     pub routes: RouteTable,
     /// The config they came from.
     pub config: Arc<LoadedConfig>,
-    /// When it was published.
-    pub published_at: SystemTime,
+    /// Request duration per chain (by index), registered once per generation rather
+    /// than looked up by label on every request.
+    pub durations: Vec<metrics::Histogram>,
+}
+
+impl Snapshot {
+    fn new(built: Built, config: LoadedConfig) -> Self {
+        let durations = built
+            .generation
+            .chains()
+            .iter()
+            .map(|c| {
+                metrics::histogram!("dpumesh_request_duration_seconds", "chain" => c.name().to_owned())
+            })
+            .collect();
+        Self {
+            generation: built.generation,
+            routes: built.routes,
+            config: Arc::new(config),
+            durations,
+        }
+    }
 }
 
 /// The result of a successful reload.
@@ -141,8 +161,10 @@ impl Control {
             ..RuntimeConfig::default()
         })
         .map_err(|e| ReloadError::Start(e.to_string()))?;
-        let built = build(&runtime, &config, 1)?;
-        runtime.keys().replace_all(built.key_sets);
+        let mut built = build(&runtime, &config, 1)?;
+        runtime
+            .keys()
+            .replace_all(std::mem::take(&mut built.key_sets));
         let pool = WorkerPool::start(built.generation.clone(), workers)
             .map_err(|e| ReloadError::Start(format!("starting workers: {e}")))?;
         metrics::gauge!("dpumesh_generation").set(1.0);
@@ -150,12 +172,7 @@ impl Control {
             file: file.to_owned(),
             runtime,
             pool,
-            snapshot: ArcSwap::from_pointee(Snapshot {
-                generation: built.generation,
-                routes: built.routes,
-                config: Arc::new(config),
-                published_at: SystemTime::now(),
-            }),
+            snapshot: ArcSwap::from_pointee(Snapshot::new(built, config)),
             reloading: Mutex::new(()),
             last_error: Mutex::new(None),
             attempted: Mutex::new(attempted),
@@ -248,18 +265,15 @@ impl Control {
                 .into());
         }
         let number = current.generation.number() + 1;
-        let built = build(&self.runtime, &config, number)?;
+        let mut built = build(&self.runtime, &config, number)?;
         let build_time = started.elapsed();
-        self.runtime.keys().replace_all(built.key_sets);
+        self.runtime
+            .keys()
+            .replace_all(std::mem::take(&mut built.key_sets));
         self.pool
             .publish(built.generation.clone())
             .map_err(|e| ReloadError::Start(e.to_string()))?;
-        self.snapshot.store(Arc::new(Snapshot {
-            generation: built.generation,
-            routes: built.routes,
-            config: Arc::new(config),
-            published_at: SystemTime::now(),
-        }));
+        self.snapshot.store(Arc::new(Snapshot::new(built, config)));
         Ok(Reloaded {
             generation: number,
             build: build_time,

@@ -98,15 +98,18 @@ async fn handle(
     };
     let service = route.service.to_owned();
     head.destination = Some(service.clone());
-    let generation = snapshot.generation.clone();
     let chain = route.chain;
-    drop(snapshot);
-    let done = match control.pool().request(generation, chain, head).await {
+    let done = match control
+        .pool()
+        .request(snapshot.generation.clone(), chain, head)
+        .await
+    {
         Ok(done) => done,
         Err(e) => return text(StatusCode::SERVICE_UNAVAILABLE, format!("dpumesh: {e}\n")),
     };
-    let generation = done.ticket.generation.number();
-    let chain_name = done.ticket.generation.chains()[chain].name().to_owned();
+    // The snapshot the request was routed in: its generation is the ticket's.
+    let generation = snapshot.generation.number();
+    let chain_name = snapshot.generation.chains()[chain].name();
     let outcome = done.outcome;
     let (response, info) = match &outcome.decision {
         Decision::Deny {
@@ -131,7 +134,7 @@ async fn handle(
             );
             metrics::counter!(
                 "dpumesh_denials_total",
-                "chain" => chain_name.clone(),
+                "chain" => chain_name.to_owned(),
                 "filter" => filter.to_string(),
                 "status" => reply.status.to_string(),
             )
@@ -201,7 +204,6 @@ async fn handle(
     if let Err(e) = pool_result {
         tracing::warn!(error = %e, "response phase not run");
     }
-    metrics::histogram!("dpumesh_request_duration_seconds", "chain" => chain_name)
-        .record(started.elapsed().as_secs_f64());
+    snapshot.durations[chain].record(started.elapsed().as_secs_f64());
     response
 }
