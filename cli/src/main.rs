@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod filter;
+mod progress;
 mod scaffold;
 
 use std::path::{Path, PathBuf};

@@ -8,6 +8,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use dpumesh_runtime::{Runtime, RuntimeConfig};
 
+use crate::progress::Step;
+
 /// Languages a project can be written in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Lang {
@@ -222,11 +224,12 @@ pub fn build(dir: &Path) -> Result<PathBuf> {
     std::fs::write(&component, &bytes)?;
 
     let started = Instant::now();
-    println!("precompiling for this machine's engine ...");
+    let progress = Step::start("precompiling for this machine's engine");
     let runtime = Runtime::new(RuntimeConfig::default())?;
     let precompiled = runtime.precompile(&name, &bytes)?;
     let cwasm = out.join(format!("{name}.cwasm"));
     std::fs::write(&cwasm, &precompiled)?;
+    progress.finish("precompiled for this machine's engine");
     println!(
         "  {} ({:.1} KiB, built in {:.1} s)\n  {} ({:.1} KiB, precompiled in {:.0} ms)",
         component.display(),
@@ -244,7 +247,7 @@ fn build_rust(dir: &Path) -> Result<(String, Vec<u8>)> {
     let text = std::fs::read_to_string(&manifest)?;
     let name = package_name(&text)
         .with_context(|| format!("no [package] name in {}", manifest.display()))?;
-    println!("building {name} (Rust) for wasm32-wasip2 ...");
+    let what = format!("building {name} (Rust) for wasm32-wasip2");
     let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
     cargo
         .current_dir(dir)
@@ -259,6 +262,7 @@ fn build_rust(dir: &Path) -> Result<(String, Vec<u8>)> {
         cargo.env_remove(var);
     }
     run(
+        &what,
         &mut cargo,
         "cargo",
         "install Rust with ./scripts/install-toolchain.sh",
@@ -312,7 +316,7 @@ fn build_js(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     let script = out.join("componentize.mjs");
     write(&script, COMPONENTIZE_MJS)?;
     let component = out.join(format!("{name}.wasm"));
-    println!("building {name} (JavaScript) with ComponentizeJS (takes a few seconds) ...");
+    let what = format!("building {name} (JavaScript) with ComponentizeJS");
     let mut node = Command::new("node");
     node.current_dir(dir)
         .arg(&script)
@@ -321,6 +325,7 @@ fn build_js(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
         .arg(&wit)
         .arg(&component);
     run(
+        &what,
         &mut node,
         "node",
         "install Node.js 18 or later (apt install nodejs npm)",
@@ -360,7 +365,7 @@ fn build_c(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     std::fs::create_dir_all(&bindings)?;
     c_bindings(&wit, &bindings)?;
     let core = out.join(format!("{name}.core.wasm"));
-    println!("building {name} (C) with clang for wasm32-wasi ...");
+    let what = format!("building {name} (C) with clang for wasm32-wasi");
     let mut clang = Command::new("clang");
     clang
         .current_dir(dir)
@@ -379,6 +384,7 @@ fn build_c(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
         .arg(bindings.join("filter.c"))
         .arg(bindings.join("filter_component_type.o"));
     run(
+        &what,
         &mut clang,
         "clang",
         &format!("install it with `apt-get install {C_PACKAGES}`"),
@@ -404,7 +410,7 @@ fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     let name = dir_name(dir)?;
     let wit = wit_dir(dir, out)?;
     let component = out.join(format!("{name}.wasm"));
-    println!("building {name} (Python) with componentize-py (takes a few seconds) ...");
+    let what = format!("building {name} (Python) with componentize-py");
     let mut componentize = Command::new("componentize-py");
     componentize
         .current_dir(dir)
@@ -413,6 +419,7 @@ fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
         .args(["-w", "filter", "componentize", "app", "-o"])
         .arg(&component);
     run(
+        &what,
         &mut componentize,
         "componentize-py",
         &format!(
@@ -425,9 +432,11 @@ fn build_python(dir: &Path, out: &Path) -> Result<(String, Vec<u8>)> {
     Ok((name, read_output(&component, "componentize-py")?))
 }
 
-/// Runs one toolchain step for the project in `dir`: a tool that cannot start names
-/// how to install it; a failing step names the project and `hint`.
+/// Runs one toolchain step (`what`, shown with progress) for the project in `dir`: a
+/// tool that cannot start names how to install it; a failing step names the project
+/// and `hint`.
 fn run(
+    what: &str,
     cmd: &mut Command,
     tool: &str,
     install: &str,
@@ -435,12 +444,14 @@ fn run(
     dir: &Path,
     hint: &str,
 ) -> Result<()> {
-    let status = cmd
-        .status()
+    let progress = Step::start(what);
+    let status = progress
+        .run(cmd)
         .map_err(|e| anyhow::anyhow!("cannot run {tool} ({e}): {install}"))?;
     if !status.success() {
         bail!("{step} failed for {}{hint}", dir.display());
     }
+    progress.finish(what);
     Ok(())
 }
 

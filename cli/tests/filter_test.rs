@@ -255,3 +255,68 @@ fn new_build_test_works_end_to_end_for_javascript() {
 fn new_build_test_works_end_to_end_for_c() {
     end_to_end("c");
 }
+
+#[test]
+fn a_wrong_api_key_implementation_fails_the_shared_suite_with_diffs() {
+    // The C sample with three plausible bugs: 403 instead of 401, keys compared
+    // without case, and the key left on the request going upstream.
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("wrong-auth");
+    std::fs::create_dir_all(&project).unwrap();
+    let source = std::fs::read_to_string(workspace().join("samples/filters/c/filter.c")).unwrap();
+    let mut wrong = source.clone();
+    for (right, bug) in [
+        ("ret->val.deny.status = 401;", "ret->val.deny.status = 403;"),
+        (
+            "memcmp(clients[i].key, value.ptr, value.len) == 0",
+            "strncasecmp(clients[i].key, (const char *)value.ptr, value.len) == 0",
+        ),
+        (
+            "  dpumesh_filter_types_method_request_head_remove_header(head, &name, &header_error);\n",
+            "",
+        ),
+    ] {
+        assert!(wrong.contains(right), "the C sample changed: {right}");
+        wrong = wrong.replacen(right, bug, 1);
+    }
+    wrong = wrong.replacen(
+        "#include <string.h>",
+        "#include <string.h>\n#include <strings.h>",
+        1,
+    );
+    std::fs::write(project.join("filter.c"), wrong).unwrap();
+
+    let built = dpumesh(&["filter", "build", project.to_str().unwrap()]);
+    assert!(
+        built.status.success(),
+        "{}{}",
+        stdout(&built),
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let component = project.join("build/wrong-auth.wasm");
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        component.to_str().unwrap(),
+        "samples/filters/apikey.suite.yaml",
+    ]);
+    let out = stdout(&output);
+    assert_eq!(output.status.code(), Some(1), "{out}");
+    // Each bug shows up as expected-vs-got under the case it breaks.
+    for line in [
+        "a missing key is refused ... FAILED",
+        "status: expected 401, got 403",
+        "the key is compared exactly (case matters) ... FAILED",
+        "verdict: expected Deny, got Continue",
+        "a known key passes and names the client ... FAILED",
+        "request header x-api-key: expected (absent), got \"key-alice-123\"",
+    ] {
+        assert!(out.contains(line), "missing {line:?} in:\n{out}");
+    }
+    // The cases no bug touches still pass.
+    assert!(
+        out.contains("another known key names its own client ... ok"),
+        "{out}"
+    );
+    assert!(out.ends_with("3 passed, 5 failed\n"), "{out}");
+}

@@ -5,7 +5,7 @@
 //! instance that trapped), so the owner discards it and makes a new one.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dpumesh_head::RequestHead;
 use wasmtime::component::{Resource, TypedFunc};
@@ -29,6 +29,19 @@ pub struct FilterInstance {
     on_request: OnRequest,
     on_response: Option<OnResponse>,
     deadline_ticks: u64,
+    startup: Startup,
+}
+
+/// How long an instance took to start: instantiation from the pool, then `configure`.
+/// Interpreted guests spend most of it in `configure` (their engine parses and compiles
+/// the guest's code on first call), which is why workers create instances ahead of
+/// requests.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Startup {
+    /// `InstancePre::instantiate`: pool slot, memory image, start functions.
+    pub instantiate: Duration,
+    /// The `configure` export's call (zero for filters without one).
+    pub configure: Duration,
 }
 
 impl std::fmt::Debug for FilterInstance {
@@ -64,6 +77,7 @@ impl FilterInstance {
         let tick = runtime.config.epoch_tick;
         store.set_epoch_deadline(ticks(settings.configure_deadline, tick));
 
+        let started = Instant::now();
         let instance = match filter.pre.instantiate(&mut store) {
             Ok(instance) => instance,
             Err(e) if store.data().limiter.hit => {
@@ -103,6 +117,7 @@ impl FilterInstance {
             ),
             None => None,
         };
+        let instantiated = Instant::now();
         if let Some(index) = &filter.exports.configure {
             let configure = instance
                 .get_typed_func::<(&str,), (Result<(), String>,)>(&mut store, index)
@@ -124,11 +139,16 @@ impl FilterInstance {
                 }
             }
         }
+        let startup = Startup {
+            instantiate: instantiated - started,
+            configure: instantiated.elapsed(),
+        };
         filter
             .live
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
             deadline_ticks: ticks(settings.deadline, tick),
+            startup,
             filter: filter.clone(),
             store,
             on_request,
@@ -139,6 +159,11 @@ impl FilterInstance {
     /// The filter this is an instance of.
     pub fn filter(&self) -> &Arc<LoadedFilter> {
         &self.filter
+    }
+
+    /// How long this instance took to start.
+    pub fn startup(&self) -> Startup {
+        self.startup
     }
 
     fn arm(&mut self) {

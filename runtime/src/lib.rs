@@ -36,6 +36,6 @@ pub use error::{FaultKind, FilterFault, LoadError, Phase};
 pub use filter::{FailurePolicy, FilterSettings, LoadedFilter, WIT_VERSION};
 pub use health::{FilterHealth, HealthPolicy, HealthState};
 pub use host::HostServices;
-pub use instance::FilterInstance;
+pub use instance::{FilterInstance, Startup};
 pub use runtime::{Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
 pub use worker::{Generation, PoolError, RequestDone, Ticket, WorkerPool};
