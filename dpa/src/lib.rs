@@ -1,0 +1,27 @@
+//! The data path: how heads and bodies move between ingress, the DPU proxy and host
+//! pods (DESIGN §5, seed 000's cases 1/2/3, the RDMA RPC of seed 001, the host↔DPU
+//! control channel of seed 003).
+//!
+//! - [`descriptor`]: the 64-byte `sw_descriptor` every ring carries, checked on decode.
+//! - [`shm`]: shared memory regions mapped by every process of a node.
+//! - [`pool`]: fixed-size buffer slots with ownership that moves with descriptors and
+//!   is reclaimed from participants that die.
+//! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
+//!   busy-poll and an event-driven wake mode.
+//!
+//! No DPU, RDMA NIC or DOCA exists on the machines this is developed on: the software
+//! implementations here are the product there, and follow the hardware semantics;
+//! hardware backends sit behind the `verbs` and `doca` features.
+
+pub mod descriptor;
+pub mod pool;
+pub mod ring;
+pub mod shm;
+
+pub use descriptor::{
+    BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,
+    Destination, Kind, RawDescriptor,
+};
+pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};
+pub use ring::{Consumer, Producer, Ring, RingError, WakeMode};
+pub use shm::{SharedRegion, ShmError};

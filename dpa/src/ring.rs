@@ -1,0 +1,459 @@
+//! Single-producer/single-consumer descriptor rings in shared memory: the host TX and
+//! RX SQs and the DPU sidecar TX and RX SQs of seed 000.
+//!
+//! Each entry is one 64-byte descriptor stored as eight atomic words. The producer
+//! writes words 0–6, then word 7 (whose high half is the descriptor's `valid`) with
+//! release ordering; `valid` carries a tag of the entry's lap (`lap << 1 | 1`), so a
+//! consumer that loads word 7 with acquire and finds the tag it expects has the whole
+//! descriptor, and a stale entry from the previous lap never looks fresh. The consumer
+//! publishes its position after reading; the producer never writes an entry the
+//! consumer has not passed, so a full ring is reported to the caller, never
+//! overwritten.
+//!
+//! Two wake modes, as FreeFlow has: [`WakeMode::Poll`] spins (lowest latency, a core
+//! per consumer) and [`WakeMode::Event`] spins adaptively and then sleeps on a futex
+//! in the ring's shared header, which the producer wakes only when the consumer said
+//! it is asleep (a store–fence–load handshake on both sides, so no wake-up is lost).
+//! Futexes on `MAP_SHARED` memory work across processes without passing descriptors.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::time::{Duration, Instant};
+
+use crate::descriptor::{DESCRIPTOR_SIZE, Descriptor, DescriptorError, RawDescriptor};
+use crate::shm::{SharedRegion, ShmError};
+
+const MAGIC: u32 = u32::from_le_bytes(*b"DPRG");
+const VERSION: u32 = 1;
+/// Header lines: [magic/version/capacity], [tail], [head], [waiting, wake].
+const LINE: u64 = 64;
+const TAIL: u64 = LINE;
+const HEAD: u64 = 2 * LINE;
+const WAKE: u64 = 3 * LINE;
+const ENTRIES: u64 = 4 * LINE;
+
+/// How a consumer waits for entries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeMode {
+    /// Busy-poll: never sleeps.
+    Poll,
+    /// Spin for about `spin` (then yield a little), then sleep until woken.
+    Event {
+        /// How long to spin before sleeping.
+        spin: Duration,
+    },
+}
+
+impl WakeMode {
+    /// Event mode with a short spin (a few microseconds), FreeFlow's low-CPU path.
+    pub const LOW_CPU: WakeMode = WakeMode::Event {
+        spin: Duration::from_micros(20),
+    };
+}
+
+/// Why a ring operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RingError {
+    /// The region is not usable.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// The region holds no ring of this version.
+    #[error(
+        "region {region} holds no descriptor ring (magic {magic:#x}, version {version}; expected version {VERSION})"
+    )]
+    NotARing {
+        /// The region's name.
+        region: String,
+        /// The magic found.
+        magic: u32,
+        /// The version found.
+        version: u32,
+    },
+    /// Capacity must be a power of two between 2 and 2^24.
+    #[error("ring capacity {0} must be a power of two between 2 and 16777216")]
+    Capacity(u32),
+    /// The ring is full: back-pressure for the caller; nothing was written.
+    #[error("ring {region} is full ({capacity} descriptors in flight)")]
+    Full {
+        /// The region's name.
+        region: String,
+        /// Its capacity.
+        capacity: u32,
+    },
+    /// An entry that does not decode. It was consumed (so the ring keeps moving) and
+    /// its reason is reported.
+    #[error("ring {region} entry {position}: {source}")]
+    BadDescriptor {
+        /// The region's name.
+        region: String,
+        /// The entry's position.
+        position: u64,
+        /// Why.
+        #[source]
+        source: DescriptorError,
+    },
+}
+
+/// A ring's shared memory and layout; both ends are built on one.
+#[derive(Debug, Clone)]
+pub struct Ring {
+    region: Arc<SharedRegion>,
+    capacity: u32,
+    mask: u64,
+    shift: u32,
+}
+
+/// Bytes of shared memory a ring of `capacity` entries needs.
+pub fn ring_len(capacity: u32) -> usize {
+    (ENTRIES + capacity as u64 * DESCRIPTOR_SIZE as u64) as usize
+}
+
+fn lap_tag(position: u64, shift: u32) -> u32 {
+    (((position >> shift) as u32) << 1) | 1
+}
+
+impl Ring {
+    /// Lays a ring of `capacity` entries (a power of two) over a fresh region.
+    pub fn create(region: Arc<SharedRegion>, capacity: u32) -> Result<Self, RingError> {
+        if !capacity.is_power_of_two() || !(2..=1 << 24).contains(&capacity) {
+            return Err(RingError::Capacity(capacity));
+        }
+        if region.len() < ring_len(capacity) {
+            return Err(RingError::Shm(ShmError::OutOfBounds {
+                name: region.name().to_owned(),
+                offset: 0,
+                len: ring_len(capacity) as u64,
+                size: region.len(),
+            }));
+        }
+        let h = region.atomic_u64s(0, 1)?;
+        h[0].store(MAGIC as u64 | (VERSION as u64) << 32, Ordering::Relaxed);
+        region.atomic_u64s(8, 1)?[0].store(capacity as u64, Ordering::Relaxed);
+        fence(Ordering::Release);
+        Self::attach(region)
+    }
+
+    /// Creates a region for a ring and lays the ring over it.
+    pub fn create_in_shm(prefix: &str, capacity: u32) -> Result<Self, RingError> {
+        if !capacity.is_power_of_two() || !(2..=1 << 24).contains(&capacity) {
+            return Err(RingError::Capacity(capacity));
+        }
+        let region = SharedRegion::create_unique(prefix, ring_len(capacity))?;
+        Self::create(Arc::new(region), capacity)
+    }
+
+    /// Attaches to a ring another process created.
+    pub fn attach(region: Arc<SharedRegion>) -> Result<Self, RingError> {
+        let head = region.atomic_u64s(0, 1)?[0].load(Ordering::Acquire);
+        let (magic, version) = (head as u32, (head >> 32) as u32);
+        if magic != MAGIC || version != VERSION {
+            return Err(RingError::NotARing {
+                region: region.name().to_owned(),
+                magic,
+                version,
+            });
+        }
+        let capacity = region.atomic_u64s(8, 1)?[0].load(Ordering::Relaxed) as u32;
+        if !capacity.is_power_of_two() || !(2..=1 << 24).contains(&capacity) {
+            return Err(RingError::Capacity(capacity));
+        }
+        if region.len() < ring_len(capacity) {
+            return Err(RingError::Shm(ShmError::OutOfBounds {
+                name: region.name().to_owned(),
+                offset: 0,
+                len: ring_len(capacity) as u64,
+                size: region.len(),
+            }));
+        }
+        Ok(Self {
+            region,
+            capacity,
+            mask: capacity as u64 - 1,
+            shift: capacity.trailing_zeros(),
+        })
+    }
+
+    /// The shared region.
+    pub fn region(&self) -> &Arc<SharedRegion> {
+        &self.region
+    }
+
+    /// Entries the ring holds.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    fn word(&self, offset: u64) -> &AtomicU64 {
+        &self
+            .region
+            .atomic_u64s(offset, 1)
+            .expect("checked at attach")[0]
+    }
+
+    fn entry(&self, position: u64) -> &[AtomicU64] {
+        let offset = ENTRIES + (position & self.mask) * DESCRIPTOR_SIZE as u64;
+        self.region
+            .atomic_u64s(offset, 8)
+            .expect("checked at attach")
+    }
+
+    fn waiting(&self) -> &AtomicU32 {
+        &self.region.atomic_u32s(WAKE, 2).expect("checked at attach")[0]
+    }
+
+    fn wake_seq(&self) -> &AtomicU32 {
+        &self.region.atomic_u32s(WAKE, 2).expect("checked at attach")[1]
+    }
+
+    /// Descriptors published and not yet consumed (a snapshot; for metrics).
+    pub fn depth(&self) -> u32 {
+        let tail = self.word(TAIL).load(Ordering::Acquire);
+        let head = self.word(HEAD).load(Ordering::Acquire);
+        tail.saturating_sub(head).min(self.capacity as u64) as u32
+    }
+
+    /// The producing end. Exactly one process may hold it.
+    pub fn producer(&self) -> Producer {
+        let tail = self.word(TAIL).load(Ordering::Acquire);
+        let head = self.word(HEAD).load(Ordering::Acquire);
+        Producer {
+            ring: self.clone(),
+            tail,
+            head_cache: head,
+        }
+    }
+
+    /// The consuming end. Exactly one process may hold it.
+    pub fn consumer(&self) -> Consumer {
+        let head = self.word(HEAD).load(Ordering::Acquire);
+        Consumer {
+            ring: self.clone(),
+            head,
+        }
+    }
+}
+
+/// The producing end of a ring.
+#[derive(Debug)]
+pub struct Producer {
+    ring: Ring,
+    tail: u64,
+    head_cache: u64,
+}
+
+impl Producer {
+    /// The ring.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    /// Room for more descriptors right now.
+    pub fn free(&mut self) -> u32 {
+        self.head_cache = self.ring.word(HEAD).load(Ordering::Acquire);
+        (self.ring.capacity as u64 - (self.tail - self.head_cache)) as u32
+    }
+
+    /// Publishes a descriptor and wakes a sleeping consumer. A full ring is reported
+    /// and nothing is written.
+    pub fn push(&mut self, descriptor: &Descriptor) -> Result<(), RingError> {
+        self.push_raw(&descriptor.to_raw())
+    }
+
+    /// Publishes raw bytes as they are (tests use it to put garbage in a ring).
+    pub fn push_raw(&mut self, raw: &RawDescriptor) -> Result<(), RingError> {
+        self.write(raw)?;
+        self.notify();
+        Ok(())
+    }
+
+    /// Publishes several descriptors, then wakes the consumer once. Stops at the first
+    /// that does not fit; returns how many were published.
+    pub fn push_batch(&mut self, descriptors: &[Descriptor]) -> usize {
+        let mut done = 0;
+        for d in descriptors {
+            if self.write(&d.to_raw()).is_err() {
+                break;
+            }
+            done += 1;
+        }
+        if done > 0 {
+            self.notify();
+        }
+        done
+    }
+
+    fn write(&mut self, raw: &RawDescriptor) -> Result<(), RingError> {
+        let capacity = self.ring.capacity as u64;
+        if self.tail - self.head_cache >= capacity {
+            self.head_cache = self.ring.word(HEAD).load(Ordering::Acquire);
+            if self.tail - self.head_cache >= capacity {
+                return Err(RingError::Full {
+                    region: self.ring.region.name().to_owned(),
+                    capacity: self.ring.capacity,
+                });
+            }
+        }
+        let mut raw = *raw;
+        raw.valid = lap_tag(self.tail, self.ring.shift);
+        let words = raw.to_words();
+        let entry = self.ring.entry(self.tail);
+        for i in 0..7 {
+            entry[i].store(words[i], Ordering::Relaxed);
+        }
+        // The last word carries `valid`: publishing it releases the other seven.
+        entry[7].store(words[7], Ordering::Release);
+        self.tail += 1;
+        self.ring.word(TAIL).store(self.tail, Ordering::Release);
+        Ok(())
+    }
+
+    fn notify(&self) {
+        // Pairs with the consumer's fence between raising `waiting` and re-checking
+        // the ring: either it sees our entry, or we see it waiting.
+        fence(Ordering::SeqCst);
+        if self.ring.waiting().load(Ordering::Relaxed) != 0 {
+            self.ring.wake_seq().fetch_add(1, Ordering::Release);
+            let _ = rustix::thread::futex::wake(
+                self.ring.wake_seq(),
+                rustix::thread::futex::Flags::empty(),
+                1,
+            );
+        }
+    }
+}
+
+/// The consuming end of a ring.
+#[derive(Debug)]
+pub struct Consumer {
+    ring: Ring,
+    head: u64,
+}
+
+impl Consumer {
+    /// The ring.
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+
+    fn ready(&self) -> bool {
+        let tag = lap_tag(self.head, self.ring.shift);
+        let last = self.ring.entry(self.head)[7].load(Ordering::Acquire);
+        (last >> 32) as u32 == tag
+    }
+
+    /// Takes the next descriptor if one is published. A descriptor that does not
+    /// decode is consumed and reported.
+    pub fn try_pop(&mut self) -> Result<Option<Descriptor>, RingError> {
+        match self.try_pop_raw() {
+            None => Ok(None),
+            Some((position, raw)) => {
+                Descriptor::from_raw(&raw)
+                    .map(Some)
+                    .map_err(|source| RingError::BadDescriptor {
+                        region: self.ring.region.name().to_owned(),
+                        position,
+                        source,
+                    })
+            }
+        }
+    }
+
+    /// Takes the next entry as raw bytes, with its position.
+    pub fn try_pop_raw(&mut self) -> Option<(u64, RawDescriptor)> {
+        let tag = lap_tag(self.head, self.ring.shift);
+        let entry = self.ring.entry(self.head);
+        let last = entry[7].load(Ordering::Acquire);
+        if (last >> 32) as u32 != tag {
+            return None;
+        }
+        let mut words = [0u64; 8];
+        for i in 0..7 {
+            words[i] = entry[i].load(Ordering::Relaxed);
+        }
+        words[7] = last;
+        let position = self.head;
+        self.head += 1;
+        // Release: our reads of the entry happen before the producer may reuse it.
+        self.ring.word(HEAD).store(self.head, Ordering::Release);
+        Some((position, RawDescriptor::from_words(&words)))
+    }
+
+    /// Waits up to `timeout` for a descriptor, as `mode` says.
+    pub fn pop_wait(
+        &mut self,
+        mode: WakeMode,
+        timeout: Duration,
+    ) -> Result<Option<Descriptor>, RingError> {
+        if self.wait(mode, timeout) {
+            self.try_pop()
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Waits up to `timeout` until a descriptor is ready (without taking it); true if
+    /// one is.
+    pub fn wait(&self, mode: WakeMode, timeout: Duration) -> bool {
+        if self.ready() {
+            return true;
+        }
+        let started = Instant::now();
+        let spin = match mode {
+            WakeMode::Poll => timeout,
+            WakeMode::Event { spin } => spin.min(timeout),
+        };
+        // Spin, checking the clock only every 64 rounds.
+        let mut rounds = 0u32;
+        loop {
+            for _ in 0..64 {
+                if self.ready() {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            rounds += 1;
+            if started.elapsed() >= spin {
+                break;
+            }
+            // On few cores the producer may need ours: yield now and then.
+            if rounds.is_multiple_of(16) {
+                std::thread::yield_now();
+            }
+        }
+        if matches!(mode, WakeMode::Poll) {
+            return self.ready();
+        }
+        loop {
+            let remaining = match timeout.checked_sub(started.elapsed()) {
+                Some(r) if !r.is_zero() => r,
+                _ => return self.ready(),
+            };
+            let seen = self.ring.wake_seq().load(Ordering::Acquire);
+            self.ring.waiting().store(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            if self.ready() {
+                self.ring.waiting().store(0, Ordering::Relaxed);
+                return true;
+            }
+            let ts = rustix::fs::Timespec {
+                tv_sec: remaining.as_secs() as i64,
+                tv_nsec: remaining.subsec_nanos() as i64,
+            };
+            // EAGAIN (the producer woke us between our load and the wait), EINTR and
+            // timeouts all lead back to the check above.
+            let _ = rustix::thread::futex::wait(
+                self.ring.wake_seq(),
+                rustix::thread::futex::Flags::empty(),
+                seen,
+                Some(&ts),
+            );
+            self.ring.waiting().store(0, Ordering::Relaxed);
+            if self.ready() {
+                return true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

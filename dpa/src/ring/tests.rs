@@ -1,0 +1,138 @@
+use std::net::SocketAddr;
+
+use super::*;
+use crate::descriptor::{BufAddr, Buffer, Case, Destination};
+
+fn desc(n: u32) -> Descriptor {
+    Descriptor::request(Case::PodToPod, n, n % 7, 1, Destination::Pod(2))
+        .with_body(Buffer::new(BufAddr::new(3, 64 * n as u64).unwrap(), n))
+}
+
+fn ring(capacity: u32) -> Ring {
+    Ring::create_in_shm("dpumesh-test-ring", capacity).unwrap()
+}
+
+#[test]
+fn descriptors_come_out_in_order_across_many_laps() {
+    let r = ring(4);
+    let (mut tx, mut rx) = (r.producer(), r.consumer());
+    for n in 0..1000 {
+        tx.push(&desc(n)).unwrap();
+        if n % 3 == 2 {
+            for m in n - 2..=n {
+                assert_eq!(rx.try_pop().unwrap(), Some(desc(m)));
+            }
+        }
+    }
+    while let Some(d) = rx.try_pop().unwrap() {
+        assert!(d.req_id >= 996);
+    }
+    assert_eq!(r.depth(), 0);
+}
+
+#[test]
+fn a_full_ring_refuses_and_keeps_what_it_holds() {
+    let r = ring(4);
+    let (mut tx, mut rx) = (r.producer(), r.consumer());
+    for n in 0..4 {
+        tx.push(&desc(n)).unwrap();
+    }
+    assert_eq!(tx.free(), 0);
+    let err = tx.push(&desc(99)).unwrap_err().to_string();
+    assert!(err.contains("is full (4 descriptors in flight)"), "{err}");
+    assert_eq!(r.depth(), 4);
+    for n in 0..4 {
+        assert_eq!(rx.try_pop().unwrap(), Some(desc(n)), "nothing overwritten");
+    }
+    assert_eq!(rx.try_pop().unwrap(), None);
+    assert_eq!(
+        tx.push_batch(&[desc(5), desc(6), desc(7), desc(8), desc(9)]),
+        4
+    );
+}
+
+#[test]
+fn garbage_entries_are_reported_and_skipped() {
+    let r = ring(8);
+    let (mut tx, mut rx) = (r.producer(), r.consumer());
+    let mut raw = desc(1).to_raw();
+    raw.version = 9;
+    tx.push_raw(&raw).unwrap();
+    tx.push(&desc(2)).unwrap();
+    let err = rx.try_pop().unwrap_err().to_string();
+    assert!(
+        err.contains("entry 0: descriptor version 9 is not supported"),
+        "{err}"
+    );
+    assert_eq!(rx.try_pop().unwrap(), Some(desc(2)));
+}
+
+#[test]
+fn an_external_destination_survives_the_ring() {
+    let r = ring(2);
+    let (mut tx, mut rx) = (r.producer(), r.consumer());
+    let addr: SocketAddr = "192.0.2.10:9000".parse().unwrap();
+    let d = Descriptor::request(Case::HostToRemote, 1, 2, 3, Destination::External(addr));
+    tx.push(&d).unwrap();
+    assert_eq!(rx.try_pop().unwrap(), Some(d));
+}
+
+#[test]
+fn event_mode_sleeps_and_is_woken_by_the_producer() {
+    let r = ring(16);
+    let mut tx = r.producer();
+    let mut rx = r.consumer();
+    let consumer = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        while got.len() < 200 {
+            if let Some(d) = rx
+                .pop_wait(
+                    WakeMode::Event {
+                        spin: Duration::ZERO,
+                    },
+                    Duration::from_secs(10),
+                )
+                .unwrap()
+            {
+                got.push(d.req_id);
+            }
+        }
+        got
+    });
+    for n in 0..200 {
+        while tx.push(&desc(n)).is_err() {
+            std::thread::yield_now();
+        }
+        if n % 50 == 0 {
+            // Let the consumer fall asleep so the futex path is taken.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    assert_eq!(consumer.join().unwrap(), (0..200).collect::<Vec<_>>());
+}
+
+#[test]
+fn waiting_on_an_empty_ring_times_out() {
+    let r = ring(2);
+    let mut rx = r.consumer();
+    for mode in [WakeMode::Poll, WakeMode::LOW_CPU] {
+        let started = Instant::now();
+        assert_eq!(rx.pop_wait(mode, Duration::from_millis(20)).unwrap(), None);
+        assert!(started.elapsed() >= Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn bad_capacities_and_foreign_regions_are_refused() {
+    for c in [0, 3, 1, 1 << 25] {
+        assert!(matches!(
+            Ring::create_in_shm("dpumesh-test-ring", c),
+            Err(RingError::Capacity(_))
+        ));
+    }
+    let region = Arc::new(SharedRegion::create_unique("dpumesh-test-ring", 4096).unwrap());
+    assert!(matches!(
+        Ring::attach(region),
+        Err(RingError::NotARing { .. })
+    ));
+}

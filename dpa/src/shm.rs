@@ -1,0 +1,439 @@
+//! Shared memory regions: a file in `/dev/shm` mapped `MAP_SHARED` by every process
+//! of a node that takes part in the data path (FreeFlow names its regions the same
+//! way, so `ls /dev/shm` shows what is mapped). Pools and rings live in regions; the
+//! control channel exports a region by its path, size and id.
+//!
+//! This module is one of the few with `unsafe`: it owns the mapping and is the only
+//! code that reads or writes its bytes. Every access is bounds-checked; bytes are
+//! copied with raw pointers (never through `&[u8]`, since another process may write
+//! them at any time), and the atomics that rings and pools use are handed out only at
+//! aligned, in-bounds offsets.
+#![allow(unsafe_code)]
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+/// Why a region could not be created, opened or accessed.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// The file could not be created or opened.
+    #[error("cannot open shared memory {path}: {source}")]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file could not be sized or mapped.
+    #[error("cannot map shared memory {path} ({len} bytes): {source}")]
+    Map {
+        /// The file.
+        path: PathBuf,
+        /// The size.
+        len: usize,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A region must hold at least one byte.
+    #[error("shared memory {0} is empty")]
+    Empty(PathBuf),
+    /// An access outside the region.
+    #[error("access of {len} bytes at offset {offset} is outside the {size}-byte region {name}")]
+    OutOfBounds {
+        /// The region's name.
+        name: String,
+        /// Where the access started.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The region's size.
+        size: usize,
+    },
+    /// A name that is not a plain file name.
+    #[error("{0:?} is not a usable region name (letters, digits, '-', '_', '.')")]
+    Name(String),
+}
+
+/// The directory regions are created in: `$DPUMESH_SHM_DIR`, else `/dev/shm`, else the
+/// temporary directory (still shared between processes, but backed by disk).
+pub fn shm_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("DPUMESH_SHM_DIR") {
+        return PathBuf::from(dir);
+    }
+    let dev_shm = Path::new("/dev/shm");
+    if dev_shm.is_dir() {
+        dev_shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// A mapped shared memory region.
+pub struct SharedRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    path: PathBuf,
+    name: String,
+    /// The creator removes the file when it drops the region; mappings that others
+    /// hold stay valid (the kernel keeps the pages until the last unmap).
+    unlink_on_drop: bool,
+    _file: File,
+}
+
+// SAFETY: the region is plain shared memory; every access goes through bounds-checked
+// raw copies or atomics, which are sound from any thread.
+unsafe impl Send for SharedRegion {}
+// SAFETY: as above; no method hands out non-atomic references into the mapping.
+unsafe impl Sync for SharedRegion {}
+
+impl std::fmt::Debug for SharedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedRegion")
+            .field("path", &self.path)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+fn check_name(name: &str) -> Result<(), ShmError> {
+    let ok = !name.is_empty()
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ShmError::Name(name.to_owned()))
+    }
+}
+
+impl SharedRegion {
+    /// Creates region `name` of `len` bytes (zeroed) in [`shm_dir`]. Fails if it exists.
+    pub fn create(name: &str, len: usize) -> Result<Self, ShmError> {
+        check_name(name)?;
+        let path = shm_dir().join(name);
+        if len == 0 {
+            return Err(ShmError::Empty(path));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|source| ShmError::Open {
+                path: path.clone(),
+                source,
+            })?;
+        let map_err = |source: std::io::Error| ShmError::Map {
+            path: path.clone(),
+            len,
+            source,
+        };
+        if let Err(e) = file.set_len(len as u64) {
+            let _ = std::fs::remove_file(&path);
+            return Err(map_err(e));
+        }
+        match Self::map(file, len, path.clone(), true) {
+            Ok(region) => Ok(region),
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates a region with a name unique to this process: `prefix-PID-N`.
+    pub fn create_unique(prefix: &str, len: usize) -> Result<Self, ShmError> {
+        use std::sync::atomic::Ordering;
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        loop {
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let name = format!("{prefix}-{}-{n}", std::process::id());
+            match Self::create(&name, len) {
+                Err(ShmError::Open { source, .. })
+                    if source.kind() == std::io::ErrorKind::AlreadyExists => {}
+                other => return other,
+            }
+        }
+    }
+
+    /// Maps an existing region by path (what the control channel exports).
+    pub fn open(path: &Path) -> Result<Self, ShmError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|source| ShmError::Open {
+                path: path.to_owned(),
+                source,
+            })?;
+        let len = file
+            .metadata()
+            .map_err(|source| ShmError::Open {
+                path: path.to_owned(),
+                source,
+            })?
+            .len() as usize;
+        if len == 0 {
+            return Err(ShmError::Empty(path.to_owned()));
+        }
+        Self::map(file, len, path.to_owned(), false)
+    }
+
+    fn map(file: File, len: usize, path: PathBuf, unlink_on_drop: bool) -> Result<Self, ShmError> {
+        use rustix::mm::{MapFlags, ProtFlags, mmap};
+        // SAFETY: a fresh shared mapping of a file we hold open, at an address the
+        // kernel picks; nothing else refers to it until this struct hands it out.
+        let ptr = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &file,
+                0,
+            )
+        }
+        .map_err(|e| ShmError::Map {
+            path: path.clone(),
+            len,
+            source: e.into(),
+        })?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Ok(Self {
+            ptr: NonNull::new(ptr.cast()).ok_or_else(|| ShmError::Map {
+                path: path.clone(),
+                len,
+                source: std::io::Error::other("mmap returned null"),
+            })?,
+            len,
+            path,
+            name,
+            unlink_on_drop,
+            _file: file,
+        })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never empty; here for clippy's sake.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The file backing the region (what another process opens).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Where this process mapped the region (what a verbs MR registers, and the base
+    /// of the virtual addresses the software fabric hands out). Only for address
+    /// arithmetic and registration; never dereferenced outside this module.
+    pub fn base_addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<usize, ShmError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(offset as usize),
+            _ => Err(ShmError::OutOfBounds {
+                name: self.name.clone(),
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), ShmError> {
+        let at = self.check(offset, src.len() as u64)?;
+        // SAFETY: [at, at + len) is inside the mapping (checked); `src` is a distinct
+        // Rust slice, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(at), src.len());
+        }
+        Ok(())
+    }
+
+    /// Copies from the region at `offset` into `dst`.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), ShmError> {
+        let at = self.check(offset, dst.len() as u64)?;
+        // SAFETY: as in `write`, in the other direction.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), dst.as_mut_ptr(), dst.len());
+        }
+        Ok(())
+    }
+
+    /// `len` bytes at `offset` as a new vector.
+    pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, ShmError> {
+        let mut out = vec![0u8; len];
+        self.read(offset, &mut out)?;
+        Ok(out)
+    }
+
+    /// Fills `len` bytes at `offset` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), ShmError> {
+        let at = self.check(offset, len)?;
+        // SAFETY: in bounds (checked).
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(at), byte, len as usize) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to this region at `dst_offset`
+    /// (the software DMA engine's copy). The same region is allowed; overlapping
+    /// ranges are copied as `memmove` would.
+    pub fn copy_from(
+        &self,
+        dst_offset: u64,
+        src: &SharedRegion,
+        src_offset: u64,
+        len: u64,
+    ) -> Result<(), ShmError> {
+        let to = self.check(dst_offset, len)?;
+        let from = src.check(src_offset, len)?;
+        // SAFETY: both ranges are inside their mappings (checked); `copy` tolerates
+        // overlap when both are the same region.
+        unsafe {
+            std::ptr::copy(
+                src.ptr.as_ptr().add(from),
+                self.ptr.as_ptr().add(to),
+                len as usize,
+            );
+        }
+        Ok(())
+    }
+
+    /// A CRC-free checksum helper for tests and checks: calls `f` with the bytes at
+    /// `offset` copied out in chunks of at most 64 KiB.
+    pub fn for_each_chunk(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(&[u8]),
+    ) -> Result<(), ShmError> {
+        self.check(offset, len)?;
+        let mut buf = vec![0u8; len.min(64 << 10) as usize];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(buf.len() as u64) as usize;
+            self.read(offset + done, &mut buf[..n])?;
+            f(&buf[..n]);
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    /// `count` `AtomicU64`s starting at `offset` (8-byte aligned).
+    pub fn atomic_u64s(&self, offset: u64, count: usize) -> Result<&[AtomicU64], ShmError> {
+        let at = self.check(offset, count as u64 * 8)?;
+        if at % 8 != 0 {
+            return Err(ShmError::OutOfBounds {
+                name: format!("{} (misaligned atomic)", self.name),
+                offset,
+                len: 8,
+                size: self.len,
+            });
+        }
+        // SAFETY: in bounds and aligned (checked above; the mapping is page-aligned).
+        // The memory is only ever accessed atomically at these offsets by our code in
+        // every process, and stays mapped for as long as `self` is borrowed.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(at).cast::<AtomicU64>(), count)
+        })
+    }
+
+    /// `count` `AtomicU32`s starting at `offset` (4-byte aligned).
+    pub fn atomic_u32s(&self, offset: u64, count: usize) -> Result<&[AtomicU32], ShmError> {
+        let at = self.check(offset, count as u64 * 4)?;
+        if at % 4 != 0 {
+            return Err(ShmError::OutOfBounds {
+                name: format!("{} (misaligned atomic)", self.name),
+                offset,
+                len: 4,
+                size: self.len,
+            });
+        }
+        // SAFETY: as in `atomic_u64s`.
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().add(at).cast::<AtomicU32>(), count)
+        })
+    }
+}
+
+impl Drop for SharedRegion {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made in `map` with this pointer and length, and no
+        // borrow of it outlives `self`.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if self.unlink_on_drop {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_mappings_see_each_others_writes() {
+        let a = SharedRegion::create_unique("dpumesh-test-shm", 8192).unwrap();
+        let b = SharedRegion::open(a.path()).unwrap();
+        assert_eq!(b.len(), 8192);
+        a.write(100, b"hello").unwrap();
+        assert_eq!(b.read_vec(100, 5).unwrap(), b"hello");
+        a.atomic_u64s(8, 1).unwrap()[0].store(77, std::sync::atomic::Ordering::Release);
+        assert_eq!(
+            b.atomic_u64s(8, 1).unwrap()[0].load(std::sync::atomic::Ordering::Acquire),
+            77
+        );
+    }
+
+    #[test]
+    fn out_of_bounds_and_misaligned_accesses_are_refused() {
+        let r = SharedRegion::create_unique("dpumesh-test-shm", 4096).unwrap();
+        assert!(r.write(4090, &[0; 7]).is_err());
+        assert!(r.read(u64::MAX, &mut [0; 1]).is_err());
+        assert!(r.atomic_u64s(4, 1).is_err());
+        assert!(r.atomic_u64s(4088, 2).is_err());
+        assert!(r.fill(0, 4097, 0).is_err());
+        let other = SharedRegion::create_unique("dpumesh-test-shm", 64).unwrap();
+        assert!(r.copy_from(0, &other, 32, 64).is_err());
+        let err = r.write(4090, &[0; 7]).unwrap_err().to_string();
+        assert!(err.contains("7 bytes at offset 4090"), "{err}");
+    }
+
+    #[test]
+    fn the_creator_removes_the_file_and_names_are_checked() {
+        let path = {
+            let r = SharedRegion::create_unique("dpumesh-test-shm", 64).unwrap();
+            r.path().to_owned()
+        };
+        assert!(!path.exists());
+        assert!(matches!(
+            SharedRegion::create("../etc", 64),
+            Err(ShmError::Name(_))
+        ));
+        assert!(SharedRegion::open(Path::new("/dev/shm/dpumesh-no-such-region")).is_err());
+    }
+}
