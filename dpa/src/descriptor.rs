@@ -322,8 +322,8 @@ pub enum DescriptorError {
         /// "pod" or "external".
         needed: &'static str,
     },
-    /// A pod destination with bytes after the id, or id 0.
-    #[error("pod destination is malformed (id 0, or bytes after the 4-byte id)")]
+    /// A pod destination with bytes after the id, or id 0 on a request.
+    #[error("pod destination is malformed (id 0 on a request, or bytes after the 4-byte id)")]
     PodDestination,
     /// An external destination with port 0 or an unspecified address.
     #[error("external destination {0} has no usable address or port")]
@@ -471,7 +471,10 @@ impl Descriptor {
         };
         let dst = if flags.contains(Flags::DST_POD) {
             let id = u32::from_le_bytes([raw.dst[0], raw.dst[1], raw.dst[2], raw.dst[3]]);
-            if id == 0 || raw.dst[4..].iter().any(|&b| b != 0) {
+            // Pod 0 is "from outside the node": only a response goes there (the proxy
+            // routes it back by its ids).
+            let zero_ok = flags.contains(Flags::RESPONSE);
+            if (id == 0 && !zero_ok) || raw.dst[4..].iter().any(|&b| b != 0) {
                 return Err(DescriptorError::PodDestination);
             }
             if raw.dst_port != 0 {

@@ -6,6 +6,11 @@
 //! - [`shm`]: shared memory regions mapped by every process of a node.
 //! - [`pool`]: fixed-size buffer slots with ownership that moves with descriptors and
 //!   is reclaimed from participants that die.
+//! - [`control`]: the host↔DPU control channel (registration, exports, teardown).
+//! - [`dma`]: DMA engines and the DMA manager that implements cases 1, 2 and 3.
+//! - [`doorbell`]: one futex a consumer of many rings sleeps on.
+//! - [`node`]: a node's DPU side (pools, sidecar rings, DMA manager, control server).
+//! - [`host`]: a host pod's port (registration, TX/RX, completions).
 //! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
 //!   busy-poll and an event-driven wake mode.
 //!
@@ -13,7 +18,12 @@
 //! implementations here are the product there, and follow the hardware semantics;
 //! hardware backends sit behind the `verbs` and `doca` features.
 
+pub mod control;
 pub mod descriptor;
+pub mod dma;
+pub mod doorbell;
+pub mod host;
+pub mod node;
 pub mod pool;
 pub mod ring;
 pub mod shm;
@@ -22,6 +32,8 @@ pub use descriptor::{
     BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,
     Destination, Kind, RawDescriptor,
 };
+pub use host::{HostError, HostPort, Incoming, Outgoing};
+pub use node::{DpuNode, NodeConfig, NodeError, PodInfo, PodSizing, SidecarPort};
 pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};
 pub use ring::{Consumer, Producer, Ring, RingError, WakeMode};
 pub use shm::{SharedRegion, ShmError};

@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crate::descriptor::{DESCRIPTOR_SIZE, Descriptor, DescriptorError, RawDescriptor};
+use crate::doorbell::Doorbell;
 use crate::shm::{SharedRegion, ShmError};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"DPRG");
@@ -220,6 +221,7 @@ impl Ring {
             ring: self.clone(),
             tail,
             head_cache: head,
+            doorbell: None,
         }
     }
 
@@ -239,9 +241,16 @@ pub struct Producer {
     ring: Ring,
     tail: u64,
     head_cache: u64,
+    doorbell: Option<Doorbell>,
 }
 
 impl Producer {
+    /// Also rings `doorbell` after each publish (for consumers that watch many rings).
+    pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
+        self.doorbell = Some(doorbell);
+        self
+    }
+
     /// The ring.
     pub fn ring(&self) -> &Ring {
         &self.ring
@@ -308,6 +317,9 @@ impl Producer {
     }
 
     fn notify(&self) {
+        if let Some(bell) = &self.doorbell {
+            bell.ring();
+        }
         // Pairs with the consumer's fence between raising `waiting` and re-checking
         // the ring: either it sees our entry, or we see it waiting.
         fence(Ordering::SeqCst);
@@ -333,6 +345,11 @@ impl Consumer {
     /// The ring.
     pub fn ring(&self) -> &Ring {
         &self.ring
+    }
+
+    /// Whether a descriptor is published and waiting (without taking it).
+    pub fn has_next(&self) -> bool {
+        self.ready()
     }
 
     fn ready(&self) -> bool {

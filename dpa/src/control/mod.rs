@@ -1,0 +1,372 @@
+//! The host↔DPU control channel (seed 003's style): small request/response messages
+//! with a magic number and a protocol version, one definition shared by both sides.
+//! Only metadata travels here: pod registration, the export descriptors of the pools
+//! and rings a pod maps, teardown. Bulk data never does.
+//!
+//! A frame is a fixed 16-byte header, the same in every version so that a peer of
+//! another version can still be told so, then a body:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 0–3 | magic `DPMC` |
+//! | 4–5 | protocol version |
+//! | 6–7 | kind: 1 request, 2 response, 3 version mismatch (body: UTF-8 text) |
+//! | 8–11 | request id (a response echoes it) |
+//! | 12–15 | body length (at most 64 KiB) |
+//!
+//! Bodies are [`Request`]/[`Response`] in postcard. Transports: a Unix socket or TCP
+//! here ([`transport`]); DOCA Comch on BlueField (`doca` feature).
+
+pub mod transport;
+
+#[cfg(feature = "doca")]
+pub mod comch;
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// `DPMC`, little-endian.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Largest body accepted.
+pub const MAX_BODY: u32 = 64 << 10;
+const HEADER: usize = 16;
+
+const KIND_REQUEST: u16 = 1;
+const KIND_RESPONSE: u16 = 2;
+const KIND_VERSION_MISMATCH: u16 = 3;
+
+/// What a host asks of its DPU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// First message on a connection: who is calling.
+    Hello {
+        /// The caller's role.
+        role: Role,
+        /// A name for logs (pod name, proxy name).
+        name: String,
+    },
+    /// Registers a pod on this node: the DPU creates its pools and rings and answers
+    /// with their export descriptors.
+    RegisterPod {
+        /// The pod's name (unique on the node).
+        name: String,
+        /// The service it serves (for routing).
+        service: String,
+        /// Its process id (for liveness checks beside the connection itself).
+        pid: u32,
+    },
+    /// Unregisters a pod: its rings stop being polled and its buffers are reclaimed.
+    UnregisterPod {
+        /// The pod.
+        pod_id: u32,
+    },
+    /// Which pods on this node serve `service` (for case 3: a pod addressing a
+    /// service on its own node).
+    Resolve {
+        /// The service.
+        service: String,
+    },
+    /// Liveness.
+    Ping,
+}
+
+/// What the DPU answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    /// Answer to [`Request::Hello`].
+    Hello {
+        /// The node's name.
+        node: String,
+    },
+    /// The pod is registered; map these.
+    PodRegistered(Box<PodExports>),
+    /// Answer to [`Request::Resolve`]: the pods serving it here, by id (empty: none
+    /// on this node).
+    Resolved {
+        /// Pod ids.
+        pods: Vec<u32>,
+    },
+    /// Done.
+    Ok,
+    /// Answer to [`Request::Ping`].
+    Pong,
+    /// The request failed.
+    Error {
+        /// Why, as a class.
+        code: ErrorCode,
+        /// Why, for people.
+        message: String,
+    },
+    /// Unsolicited: the DPU is tearing the pod down (node shutdown); stop using the
+    /// exports.
+    Teardown {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Classes of control errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// A pod of that name is registered already.
+    AlreadyRegistered,
+    /// No such pod.
+    UnknownPod,
+    /// The node has no room (pod table, regions).
+    Exhausted,
+    /// The request is not valid in this state (e.g. before Hello).
+    BadRequest,
+    /// Something failed on the DPU.
+    Internal,
+}
+
+/// Who is on the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// A host pod (the host library).
+    Host,
+    /// A DPU proxy or tool.
+    Dpu,
+}
+
+/// Everything a registered pod maps.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodExports {
+    /// The id the DPU assigned (goes in descriptors as `src_pod`/`dst`).
+    pub pod_id: u32,
+    /// Pool for the heads the pod sends.
+    pub tx_header: RegionExport,
+    /// Pool for the bodies the pod sends.
+    pub tx_body: RegionExport,
+    /// Pool the DPU writes received heads into.
+    pub rx_header: RegionExport,
+    /// Pool the DPU (or a remote peer over the fabric) writes received bodies into.
+    pub rx_body: RegionExport,
+    /// Host TX SQ: the pod produces, the DMA manager consumes.
+    pub tx_sq: RegionExport,
+    /// Host RX SQ: the DMA manager produces, the pod consumes.
+    pub rx_sq: RegionExport,
+    /// The node's doorbell, rung after pushing to the TX SQ.
+    pub doorbell: RegionExport,
+}
+
+/// How to map one region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionExport {
+    /// Region id (in [`crate::BufAddr`]s).
+    pub id: u16,
+    /// Where the region is (a `/dev/shm` file here).
+    pub path: PathBuf,
+    /// Size in bytes.
+    pub len: u64,
+    /// What it holds.
+    pub kind: RegionKind,
+    /// A hardware export descriptor (`doca_mmap_export_pci`), empty in software.
+    pub hw_export: Vec<u8>,
+}
+
+/// What a region holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RegionKind {
+    /// A buffer pool.
+    Pool {
+        /// Bytes per slot.
+        slot_size: u32,
+        /// Slots.
+        slot_count: u32,
+    },
+    /// A descriptor ring.
+    Ring {
+        /// Entries.
+        capacity: u32,
+    },
+    /// A doorbell word.
+    Doorbell,
+}
+
+/// Why a control exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The transport failed.
+    #[error("control channel I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer closed the connection.
+    #[error("control channel closed by the peer")]
+    Closed,
+    /// Not a control-channel peer.
+    #[error("not a DPUmesh control channel peer (magic {found:#010x}, expected {MAGIC:#010x})")]
+    Magic {
+        /// The magic found.
+        found: u32,
+    },
+    /// The peer speaks another protocol version.
+    #[error(
+        "control protocol version mismatch: this side speaks version {ours}, the peer speaks version {theirs}; run the same DPUmesh release on host and DPU"
+    )]
+    Version {
+        /// This build's version.
+        ours: u16,
+        /// The peer's.
+        theirs: u16,
+    },
+    /// A frame kind this version does not know.
+    #[error("unknown control frame kind {0}")]
+    Kind(u16),
+    /// A body over the limit.
+    #[error("control frame body of {0} bytes exceeds the {MAX_BODY}-byte limit")]
+    TooLarge(u32),
+    /// A body that does not decode.
+    #[error("control frame body does not decode: {0}")]
+    Body(String),
+    /// A response to a request that was not asked.
+    #[error("response id {got} does not answer request {expected}")]
+    Unexpected {
+        /// The id sent.
+        expected: u32,
+        /// The id received.
+        got: u32,
+    },
+    /// The peer answered with an error.
+    #[error("the DPU refused: {code:?}: {message}")]
+    Refused {
+        /// Its class.
+        code: ErrorCode,
+        /// Its message.
+        message: String,
+    },
+}
+
+/// A decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// A request with its id.
+    Request(u32, Request),
+    /// A response with the id it answers.
+    Response(u32, Response),
+}
+
+fn header(kind: u16, id: u32, len: u32, version: u16) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&version.to_le_bytes());
+    h[6..8].copy_from_slice(&kind.to_le_bytes());
+    h[8..12].copy_from_slice(&id.to_le_bytes());
+    h[12..16].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Encodes a frame.
+pub fn encode(frame: &Frame) -> Vec<u8> {
+    let (kind, id, body) = match frame {
+        Frame::Request(id, r) => (KIND_REQUEST, *id, postcard::to_stdvec(r)),
+        Frame::Response(id, r) => (KIND_RESPONSE, *id, postcard::to_stdvec(r)),
+    };
+    let body = body.expect("control messages always serialize");
+    let mut out = header(kind, id, body.len() as u32, PROTOCOL_VERSION).to_vec();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The frame a peer of another version gets: our version in the header, and the
+/// mismatch in words.
+pub fn encode_version_mismatch(theirs: u16) -> Vec<u8> {
+    let text = format!(
+        "control protocol version mismatch: the DPU speaks version {PROTOCOL_VERSION}, this peer sent version {theirs}"
+    );
+    let mut out = header(
+        KIND_VERSION_MISMATCH,
+        0,
+        text.len() as u32,
+        PROTOCOL_VERSION,
+    )
+    .to_vec();
+    out.extend_from_slice(text.as_bytes());
+    out
+}
+
+/// Reads one frame. A peer of another version yields [`ControlError::Version`]
+/// (after the body is consumed, so the caller may still answer it).
+pub fn read_frame(r: &mut impl Read) -> Result<Frame, ControlError> {
+    let mut h = [0u8; HEADER];
+    match r.read_exact(&mut h) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            return Err(ControlError::Closed);
+        }
+        Err(e) => return Err(e.into()),
+    }
+    decode_header_and_body(&h, |len| {
+        let mut body = vec![0u8; len];
+        r.read_exact(&mut body)?;
+        Ok(body)
+    })
+}
+
+/// Decodes a whole frame held in memory (what fuzzing and message transports use).
+pub fn decode(bytes: &[u8]) -> Result<Frame, ControlError> {
+    if bytes.len() < HEADER {
+        return Err(ControlError::Closed);
+    }
+    let (h, rest) = bytes.split_at(HEADER);
+    let h: &[u8; HEADER] = h.try_into().expect("split at HEADER");
+    decode_header_and_body(h, |len| {
+        rest.get(..len)
+            .map(<[u8]>::to_vec)
+            .ok_or(ControlError::Closed)
+    })
+}
+
+fn decode_header_and_body(
+    h: &[u8; HEADER],
+    body: impl FnOnce(usize) -> Result<Vec<u8>, ControlError>,
+) -> Result<Frame, ControlError> {
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    if magic != MAGIC {
+        return Err(ControlError::Magic { found: magic });
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    let kind = u16::from_le_bytes([h[6], h[7]]);
+    let id = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
+    let len = u32::from_le_bytes([h[12], h[13], h[14], h[15]]);
+    if len > MAX_BODY {
+        return Err(ControlError::TooLarge(len));
+    }
+    let body = body(len as usize)?;
+    if version != PROTOCOL_VERSION {
+        return Err(ControlError::Version {
+            ours: PROTOCOL_VERSION,
+            theirs: version,
+        });
+    }
+    let parse = |e: postcard::Error| ControlError::Body(e.to_string());
+    match kind {
+        KIND_REQUEST => Ok(Frame::Request(
+            id,
+            postcard::from_bytes(&body).map_err(parse)?,
+        )),
+        KIND_RESPONSE => Ok(Frame::Response(
+            id,
+            postcard::from_bytes(&body).map_err(parse)?,
+        )),
+        // A peer complains about a version we did not send: a protocol error, with
+        // its words.
+        KIND_VERSION_MISMATCH => Err(ControlError::Body(
+            String::from_utf8_lossy(&body).into_owned(),
+        )),
+        other => Err(ControlError::Kind(other)),
+    }
+}
+
+/// Writes one frame.
+pub fn write_frame(w: &mut impl Write, frame: &Frame) -> Result<(), ControlError> {
+    w.write_all(&encode(frame))?;
+    w.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

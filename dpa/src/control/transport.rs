@@ -1,0 +1,477 @@
+//! The control channel over a Unix socket or TCP: a server that runs a [`Handler`] for
+//! each request and tells it when a peer goes away (a pod that dies closes its socket:
+//! that is how the DPU learns to reclaim its buffers), and a blocking client.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+
+use super::{
+    ControlError, ErrorCode, Frame, PodExports, Request, Response, Role, encode_version_mismatch,
+    read_frame, write_frame,
+};
+
+/// Where a control channel listens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A Unix socket path (same machine: host and emulated DPU).
+    Unix(PathBuf),
+    /// A TCP address (host and DPU on different machines, or tests).
+    Tcp(SocketAddr),
+}
+
+impl FromStr for Endpoint {
+    type Err = String;
+
+    /// `unix:PATH`, `tcp:HOST:PORT`, a path (contains `/`) or an address.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            return Ok(Self::Unix(path.into()));
+        }
+        if let Some(addr) = s.strip_prefix("tcp:") {
+            return addr
+                .parse()
+                .map(Self::Tcp)
+                .map_err(|e| format!("{addr:?} is not a TCP address: {e}"));
+        }
+        if s.contains('/') {
+            return Ok(Self::Unix(s.into()));
+        }
+        s.parse().map(Self::Tcp).map_err(|_| {
+            format!(
+                "{s:?} is neither a socket path nor an address (use unix:PATH or tcp:HOST:PORT)"
+            )
+        })
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unix(p) => write!(f, "unix:{}", p.display()),
+            Self::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+/// One stream, either kind.
+#[derive(Debug)]
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(match self {
+            Self::Unix(s) => Self::Unix(s.try_clone()?),
+            Self::Tcp(s) => Self::Tcp(s.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self) {
+        let _ = match self {
+            Self::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Self::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
+impl std::io::Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Unix(s) => s.read(buf),
+            Self::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl std::io::Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Unix(s) => s.write(buf),
+            Self::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Self::Unix(s) => s.flush(),
+            Self::Tcp(s) => s.flush(),
+        }
+    }
+}
+
+/// A peer of the server.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Unique per server.
+    pub id: u64,
+    /// The role it said in Hello.
+    pub role: Role,
+    /// The name it said in Hello.
+    pub name: String,
+}
+
+/// What the DPU side does with requests. `Hello` is handled by the server.
+pub trait Handler: Send + Sync + 'static {
+    /// The node's name, sent in the Hello answer.
+    fn node_name(&self) -> String;
+
+    /// Answers one request from `peer`.
+    fn handle(&self, peer: &Peer, request: Request) -> Response;
+
+    /// `peer` went away (closed, crashed, or the server is stopping).
+    fn disconnected(&self, _peer: &Peer) {}
+}
+
+/// A running control-channel server. Dropping it tells every peer `Teardown`, closes
+/// the connections and stops the threads.
+pub struct ControlServer {
+    endpoint: Endpoint,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, Stream>>>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ControlServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlServer")
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Listener {
+    Unix(UnixListener),
+    Tcp(TcpListener),
+}
+
+impl ControlServer {
+    /// Listens on `endpoint` (a Unix socket file left by an earlier run is replaced;
+    /// TCP port 0 picks a free port, see [`ControlServer::endpoint`]).
+    pub fn start(endpoint: &Endpoint, handler: Arc<dyn Handler>) -> Result<Self, ControlError> {
+        let (listener, endpoint) = match endpoint {
+            Endpoint::Unix(path) => {
+                if path.exists() {
+                    std::fs::remove_file(path)?;
+                }
+                let l = UnixListener::bind(path)?;
+                (Listener::Unix(l), endpoint.clone())
+            }
+            Endpoint::Tcp(addr) => {
+                let l = TcpListener::bind(addr)?;
+                let local = l.local_addr()?;
+                (Listener::Tcp(l), Endpoint::Tcp(local))
+            }
+        };
+        match &listener {
+            Listener::Unix(l) => l.set_nonblocking(true)?,
+            Listener::Tcp(l) => l.set_nonblocking(true)?,
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<HashMap<u64, Stream>>> = Arc::default();
+        let accept = {
+            let stop = stop.clone();
+            let conns = conns.clone();
+            std::thread::Builder::new()
+                .name("dpumesh-control".to_owned())
+                .spawn(move || accept_loop(listener, handler, stop, conns))?
+        };
+        Ok(Self {
+            endpoint,
+            stop,
+            conns,
+            accept: Some(accept),
+        })
+    }
+
+    /// Where it listens (with the actual port for TCP port 0).
+    pub fn endpoint(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// Connected peers.
+    pub fn peers(&self) -> usize {
+        self.conns.lock().len()
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for (_, mut stream) in self.conns.lock().drain() {
+            let _ = write_frame(
+                &mut stream,
+                &Frame::Response(
+                    0,
+                    Response::Teardown {
+                        reason: "the DPU node is shutting down".to_owned(),
+                    },
+                ),
+            );
+            stream.shutdown();
+        }
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.join();
+        }
+        if let Endpoint::Unix(path) = &self.endpoint {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn accept_loop(
+    listener: Listener,
+    handler: Arc<dyn Handler>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, Stream>>>,
+) {
+    let next = AtomicU64::new(1);
+    while !stop.load(Ordering::Relaxed) {
+        let accepted = match &listener {
+            Listener::Unix(l) => l.accept().map(|(s, _)| Stream::Unix(s)),
+            Listener::Tcp(l) => l.accept().map(|(s, _)| {
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }),
+        };
+        let stream = match accepted {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "control channel accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let blocking = match &stream {
+            Stream::Unix(s) => s.set_nonblocking(false),
+            Stream::Tcp(s) => s.set_nonblocking(false),
+        };
+        let Ok(writer) = blocking.and_then(|()| stream.try_clone()) else {
+            continue;
+        };
+        let id = next.fetch_add(1, Ordering::Relaxed);
+        conns.lock().insert(id, writer);
+        let handler = handler.clone();
+        let conns = conns.clone();
+        let _ = std::thread::Builder::new()
+            .name(format!("dpumesh-control-{id}"))
+            .spawn(move || serve(id, stream, handler, conns));
+    }
+}
+
+fn serve(
+    id: u64,
+    mut stream: Stream,
+    handler: Arc<dyn Handler>,
+    conns: Arc<Mutex<HashMap<u64, Stream>>>,
+) {
+    let mut peer: Option<Peer> = None;
+    loop {
+        let frame = match read_frame(&mut stream) {
+            Ok(frame) => frame,
+            Err(ControlError::Version { theirs, .. }) => {
+                tracing::warn!(theirs, "control peer speaks another protocol version");
+                let _ = stream.write_all(&encode_version_mismatch(theirs));
+                break;
+            }
+            Err(ControlError::Closed) => break,
+            Err(e) => {
+                tracing::warn!(error = %e, "dropping a control connection");
+                break;
+            }
+        };
+        let Frame::Request(rid, request) = frame else {
+            let _ = reply(
+                &conns,
+                id,
+                0,
+                error(ErrorCode::BadRequest, "peers send requests, not responses"),
+            );
+            break;
+        };
+        let response = match (&peer, request) {
+            (_, Request::Hello { role, name }) => {
+                peer = Some(Peer { id, role, name });
+                Response::Hello {
+                    node: handler.node_name(),
+                }
+            }
+            (None, _) => error(ErrorCode::BadRequest, "say Hello first"),
+            (Some(p), request) => handler.handle(p, request),
+        };
+        if reply(&conns, id, rid, response).is_err() {
+            break;
+        }
+    }
+    conns.lock().remove(&id);
+    if let Some(peer) = peer {
+        handler.disconnected(&peer);
+    }
+}
+
+fn reply(
+    conns: &Mutex<HashMap<u64, Stream>>,
+    id: u64,
+    rid: u32,
+    response: Response,
+) -> Result<(), ControlError> {
+    let mut conns = conns.lock();
+    let stream = conns.get_mut(&id).ok_or(ControlError::Closed)?;
+    write_frame(stream, &Frame::Response(rid, response))
+}
+
+fn error(code: ErrorCode, message: &str) -> Response {
+    Response::Error {
+        code,
+        message: message.to_owned(),
+    }
+}
+
+/// A blocking control-channel client.
+#[derive(Debug)]
+pub struct ControlClient {
+    stream: Stream,
+    next_id: u32,
+    node: String,
+    teardown: Option<String>,
+}
+
+impl ControlClient {
+    /// Connects and says Hello.
+    pub fn connect(endpoint: &Endpoint, role: Role, name: &str) -> Result<Self, ControlError> {
+        let stream = match endpoint {
+            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
+            Endpoint::Tcp(addr) => {
+                let s = TcpStream::connect(addr)?;
+                s.set_nodelay(true)?;
+                Stream::Tcp(s)
+            }
+        };
+        let mut client = Self {
+            stream,
+            next_id: 1,
+            node: String::new(),
+            teardown: None,
+        };
+        match client.request(Request::Hello {
+            role,
+            name: name.to_owned(),
+        })? {
+            Response::Hello { node } => client.node = node,
+            other => {
+                return Err(ControlError::Body(format!(
+                    "unexpected answer to Hello: {other:?}"
+                )));
+            }
+        }
+        Ok(client)
+    }
+
+    /// The node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Why the DPU tore the connection down, if it did.
+    pub fn teardown(&self) -> Option<&str> {
+        self.teardown.as_deref()
+    }
+
+    /// Sends a request and waits for its answer; `Error` answers become
+    /// [`ControlError::Refused`].
+    pub fn request(&mut self, request: Request) -> Result<Response, ControlError> {
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        if let Err(e) = write_frame(&mut self.stream, &Frame::Request(id, request)) {
+            // A DPU that went away may have said why before closing.
+            if let Ok(Frame::Response(0, Response::Teardown { reason })) =
+                read_frame(&mut self.stream)
+            {
+                self.teardown = Some(reason.clone());
+                return Err(ControlError::Refused {
+                    code: ErrorCode::Internal,
+                    message: format!("torn down: {reason}"),
+                });
+            }
+            return Err(e);
+        }
+        match read_frame(&mut self.stream)? {
+            Frame::Response(0, Response::Teardown { reason }) => {
+                self.teardown = Some(reason.clone());
+                Err(ControlError::Refused {
+                    code: ErrorCode::Internal,
+                    message: format!("torn down: {reason}"),
+                })
+            }
+            Frame::Response(got, _) if got != id => {
+                Err(ControlError::Unexpected { expected: id, got })
+            }
+            Frame::Response(_, Response::Error { code, message }) => {
+                Err(ControlError::Refused { code, message })
+            }
+            Frame::Response(_, response) => Ok(response),
+            Frame::Request(..) => Err(ControlError::Body("the DPU sent a request".to_owned())),
+        }
+    }
+
+    /// Registers a pod and returns what to map.
+    pub fn register_pod(&mut self, name: &str, service: &str) -> Result<PodExports, ControlError> {
+        match self.request(Request::RegisterPod {
+            name: name.to_owned(),
+            service: service.to_owned(),
+            pid: std::process::id(),
+        })? {
+            Response::PodRegistered(exports) => Ok(*exports),
+            other => Err(ControlError::Body(format!(
+                "unexpected answer to RegisterPod: {other:?}"
+            ))),
+        }
+    }
+
+    /// Unregisters a pod.
+    pub fn unregister_pod(&mut self, pod_id: u32) -> Result<(), ControlError> {
+        match self.request(Request::UnregisterPod { pod_id })? {
+            Response::Ok => Ok(()),
+            other => Err(ControlError::Body(format!(
+                "unexpected answer to UnregisterPod: {other:?}"
+            ))),
+        }
+    }
+
+    /// The pods on the node that serve `service`.
+    pub fn resolve(&mut self, service: &str) -> Result<Vec<u32>, ControlError> {
+        match self.request(Request::Resolve {
+            service: service.to_owned(),
+        })? {
+            Response::Resolved { pods } => Ok(pods),
+            other => Err(ControlError::Body(format!(
+                "unexpected answer to Resolve: {other:?}"
+            ))),
+        }
+    }
+
+    /// Round trip.
+    pub fn ping(&mut self) -> Result<(), ControlError> {
+        match self.request(Request::Ping)? {
+            Response::Pong => Ok(()),
+            other => Err(ControlError::Body(format!(
+                "unexpected answer to Ping: {other:?}"
+            ))),
+        }
+    }
+}

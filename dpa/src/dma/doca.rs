@@ -1,0 +1,369 @@
+//! DOCA DMA: the BlueField's DMA engine behind [`DmaEngine`] (`doca` feature).
+//!
+//! Each region the manager copies between is registered once as a DOCA mmap over its
+//! mapping in this process; a copy batch becomes one memcpy task per job, submitted
+//! together and progressed until every task has completed. This covers memory mapped
+//! where the manager runs (DPU-local pools, or host-side DOCA DMA between host pools).
+//! Host pools seen from the DPU would be imported from their PCI export
+//! (`RegionExport::hw_export`, `doca_mmap_create_from_export`) instead: not done yet.
+//!
+//! Compiled (type-checked) wherever the feature is enabled; it needs a BlueField and
+//! the DOCA libraries to link and run, and has not been run on hardware.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::ffi::{CStr, c_void};
+use std::ptr;
+
+use doca_sys as sys;
+
+use super::{CopyJob, DmaEngine, DmaError};
+
+fn err(call: &str, code: sys::doca_error_t) -> DmaError {
+    // SAFETY: doca_error_get_name returns a static NUL-terminated string for any code.
+    let name = unsafe {
+        let p = sys::doca_error_get_name(code);
+        if p.is_null() {
+            "unknown".into()
+        } else {
+            CStr::from_ptr(p).to_string_lossy()
+        }
+    };
+    DmaError::Engine {
+        engine: "doca",
+        detail: format!("{call} failed: {name} ({code})"),
+    }
+}
+
+fn check(call: &str, code: sys::doca_error_t) -> Result<(), DmaError> {
+    if code == sys::DOCA_SUCCESS {
+        Ok(())
+    } else {
+        Err(err(call, code))
+    }
+}
+
+/// Where a task's completion lands: written by the callbacks, read by `copy`.
+#[repr(C)]
+struct Done {
+    finished: bool,
+    status: sys::doca_error_t,
+}
+
+unsafe extern "C" fn on_done(
+    task: *mut sys::doca_dma_task_memcpy,
+    task_user_data: sys::doca_data,
+    _ctx_user_data: sys::doca_data,
+) {
+    // SAFETY: `copy` set the user data to a `Done` it keeps alive until every task of
+    // the batch has finished, and DOCA calls back once per task, on the thread that
+    // progresses the engine (the one running `copy`).
+    unsafe {
+        let done = task_user_data.ptr.cast::<Done>();
+        let as_task = sys::doca_dma_task_memcpy_as_task(task);
+        (*done).status = sys::doca_task_get_status(as_task);
+        (*done).finished = true;
+        sys::doca_task_free(as_task);
+    }
+}
+
+/// The DOCA DMA engine of one device.
+pub struct DocaDma {
+    dev: *mut sys::doca_dev,
+    dma: *mut sys::doca_dma,
+    pe: *mut sys::doca_pe,
+    inventory: *mut sys::doca_buf_inventory,
+    mmaps: HashMap<(u64, usize), *mut sys::doca_mmap>,
+}
+
+// SAFETY: the handles are used only by the thread that owns the engine (the DMA
+// manager's); DOCA objects may move between threads when not used concurrently.
+unsafe impl Send for DocaDma {}
+
+impl std::fmt::Debug for DocaDma {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DocaDma")
+            .field("mmaps", &self.mmaps.len())
+            .finish_non_exhaustive()
+    }
+}
+
+const TASKS: u32 = 64;
+
+impl DocaDma {
+    /// Opens the device at PCI address `pci` (e.g. `03:00.0`) and starts its DMA
+    /// context.
+    pub fn open(pci: &str) -> Result<Self, DmaError> {
+        let pci_c = std::ffi::CString::new(pci).map_err(|_| DmaError::Engine {
+            engine: "doca",
+            detail: format!("{pci:?} is not a PCI address"),
+        })?;
+        let mut list: *mut *mut sys::doca_devinfo = ptr::null_mut();
+        let mut count = 0u32;
+        // SAFETY: out-pointers to locals; the list is destroyed below on every path.
+        check("doca_devinfo_create_list", unsafe {
+            sys::doca_devinfo_create_list(&mut list, &mut count)
+        })?;
+        let mut dev = ptr::null_mut();
+        for i in 0..count as usize {
+            // SAFETY: `list` has `count` entries.
+            let info = unsafe { *list.add(i) };
+            let mut equal = 0u8;
+            // SAFETY: valid devinfo and NUL-terminated string.
+            let same =
+                unsafe { sys::doca_devinfo_is_equal_pci_addr(info, pci_c.as_ptr(), &mut equal) };
+            // SAFETY: valid devinfo.
+            let memcpy = unsafe { sys::doca_dma_cap_task_memcpy_is_supported(info) };
+            if same == sys::DOCA_SUCCESS && equal == 1 && memcpy == sys::DOCA_SUCCESS {
+                // SAFETY: valid devinfo; `dev` is an out-pointer.
+                let opened = unsafe { sys::doca_dev_open(info, &mut dev) };
+                if opened != sys::DOCA_SUCCESS {
+                    // SAFETY: the list is ours.
+                    unsafe { sys::doca_devinfo_destroy_list(list) };
+                    return Err(err("doca_dev_open", opened));
+                }
+                break;
+            }
+        }
+        // SAFETY: the list is ours; an opened device outlives it.
+        unsafe { sys::doca_devinfo_destroy_list(list) };
+        if dev.is_null() {
+            return Err(DmaError::Engine {
+                engine: "doca",
+                detail: format!(
+                    "no DOCA device with DMA memcpy support at PCI address {pci} ({count} devices found)"
+                ),
+            });
+        }
+        let mut engine = Self {
+            dev,
+            dma: ptr::null_mut(),
+            pe: ptr::null_mut(),
+            inventory: ptr::null_mut(),
+            mmaps: HashMap::new(),
+        };
+        // SAFETY: each call gets valid handles created just before; failures leave
+        // the partially built engine to `Drop`, which frees what exists.
+        unsafe {
+            check(
+                "doca_dma_create",
+                sys::doca_dma_create(engine.dev, &mut engine.dma),
+            )?;
+            check("doca_pe_create", sys::doca_pe_create(&mut engine.pe))?;
+            let ctx = sys::doca_dma_as_ctx(engine.dma);
+            check(
+                "doca_dma_task_memcpy_set_conf",
+                sys::doca_dma_task_memcpy_set_conf(engine.dma, Some(on_done), Some(on_done), TASKS),
+            )?;
+            check(
+                "doca_pe_connect_ctx",
+                sys::doca_pe_connect_ctx(engine.pe, ctx),
+            )?;
+            check("doca_ctx_start", sys::doca_ctx_start(ctx))?;
+            check(
+                "doca_buf_inventory_create",
+                sys::doca_buf_inventory_create(2 * TASKS as usize, &mut engine.inventory),
+            )?;
+            check(
+                "doca_buf_inventory_start",
+                sys::doca_buf_inventory_start(engine.inventory),
+            )?;
+        }
+        Ok(engine)
+    }
+
+    /// The mmap over a region, registered on first use.
+    fn mmap(&mut self, region: &crate::shm::SharedRegion) -> Result<*mut sys::doca_mmap, DmaError> {
+        let key = (region.base_addr(), region.len());
+        if let Some(&m) = self.mmaps.get(&key) {
+            return Ok(m);
+        }
+        let mut m = ptr::null_mut();
+        // SAFETY: the region stays mapped while the manager holds its pool (and the
+        // manager drops the engine before the pools); the range is the whole mapping.
+        unsafe {
+            check("doca_mmap_create", sys::doca_mmap_create(&mut m))?;
+            let setup = (|| {
+                check(
+                    "doca_mmap_set_memrange",
+                    sys::doca_mmap_set_memrange(m, key.0 as *mut c_void, key.1),
+                )?;
+                check(
+                    "doca_mmap_set_permissions",
+                    sys::doca_mmap_set_permissions(
+                        m,
+                        sys::DOCA_ACCESS_FLAG_LOCAL_READ_WRITE
+                            | sys::DOCA_ACCESS_FLAG_PCI_READ_WRITE,
+                    ),
+                )?;
+                check("doca_mmap_add_dev", sys::doca_mmap_add_dev(m, self.dev))?;
+                check("doca_mmap_start", sys::doca_mmap_start(m))
+            })();
+            if let Err(e) = setup {
+                sys::doca_mmap_destroy(m);
+                return Err(e);
+            }
+        }
+        self.mmaps.insert(key, m);
+        Ok(m)
+    }
+}
+
+impl DmaEngine for DocaDma {
+    fn name(&self) -> &'static str {
+        "doca"
+    }
+
+    fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError> {
+        for chunk in jobs.chunks(TASKS as usize) {
+            let mut done: Vec<Done> = chunk
+                .iter()
+                .map(|_| Done {
+                    finished: false,
+                    status: sys::DOCA_SUCCESS,
+                })
+                .collect();
+            let mut bufs: Vec<*mut sys::doca_buf> = Vec::new();
+            let mut submitted = 0usize;
+            let mut first_error = None;
+            for (job, slot) in chunk.iter().zip(done.iter_mut()) {
+                // Bounds first: DOCA would fault on a bad range.
+                let inside = |offset: u64, len: usize| {
+                    offset
+                        .checked_add(job.len)
+                        .is_some_and(|end| end <= len as u64)
+                };
+                if !inside(job.src_offset, job.src.len()) || !inside(job.dst_offset, job.dst.len())
+                {
+                    first_error = Some(DmaError::Engine {
+                        engine: "doca",
+                        detail: "copy range outside its region".to_owned(),
+                    });
+                    break;
+                }
+                let (src_mmap, dst_mmap) = match (self.mmap(job.src), self.mmap(job.dst)) {
+                    (Ok(s), Ok(d)) => (s, d),
+                    (Err(e), _) | (_, Err(e)) => {
+                        first_error = Some(e);
+                        break;
+                    }
+                };
+                let src_addr = (job.src.base_addr() + job.src_offset) as *mut c_void;
+                let dst_addr = (job.dst.base_addr() + job.dst_offset) as *mut c_void;
+                let (mut src_buf, mut dst_buf) = (ptr::null_mut(), ptr::null_mut());
+                let mut task = ptr::null_mut();
+                // SAFETY: ranges checked above lie in mmaps registered over live
+                // mappings; `slot` outlives the task (we progress until it finishes).
+                let result = unsafe {
+                    check(
+                        "doca_buf_inventory_buf_get_by_data",
+                        sys::doca_buf_inventory_buf_get_by_data(
+                            self.inventory,
+                            src_mmap,
+                            src_addr,
+                            job.len as usize,
+                            &mut src_buf,
+                        ),
+                    )
+                    .and_then(|()| {
+                        check(
+                            "doca_buf_inventory_buf_get_by_addr",
+                            sys::doca_buf_inventory_buf_get_by_addr(
+                                self.inventory,
+                                dst_mmap,
+                                dst_addr,
+                                job.len as usize,
+                                &mut dst_buf,
+                            ),
+                        )
+                    })
+                    .and_then(|()| {
+                        check(
+                            "doca_dma_task_memcpy_alloc_init",
+                            sys::doca_dma_task_memcpy_alloc_init(
+                                self.dma,
+                                src_buf,
+                                dst_buf,
+                                sys::doca_data {
+                                    ptr: (slot as *mut Done).cast(),
+                                },
+                                &mut task,
+                            ),
+                        )
+                    })
+                    .and_then(|()| {
+                        let t = sys::doca_dma_task_memcpy_as_task(task);
+                        let submitted = sys::doca_task_submit(t);
+                        if submitted != sys::DOCA_SUCCESS {
+                            sys::doca_task_free(t);
+                        }
+                        check("doca_task_submit", submitted)
+                    })
+                };
+                bufs.extend([src_buf, dst_buf].into_iter().filter(|b| !b.is_null()));
+                match result {
+                    Ok(()) => submitted += 1,
+                    Err(e) => {
+                        first_error = Some(e);
+                        break;
+                    }
+                }
+            }
+            // Progress until every submitted task has called back.
+            while done[..submitted].iter().any(|d| !d.finished) {
+                // SAFETY: the progress engine is ours; callbacks write into `done`.
+                if unsafe { sys::doca_pe_progress(self.pe) } == 0 {
+                    std::hint::spin_loop();
+                }
+            }
+            for b in bufs {
+                // SAFETY: each buffer came from the inventory above and is released once.
+                unsafe { sys::doca_buf_dec_refcount(b, ptr::null_mut()) };
+            }
+            if let Some(e) = first_error {
+                return Err(e);
+            }
+            if let Some(d) = done.iter().find(|d| d.status != sys::DOCA_SUCCESS) {
+                return Err(err("DMA memcpy task", d.status));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DocaDma {
+    fn drop(&mut self) {
+        // SAFETY: every handle is ours and freed once, in reverse order of creation.
+        unsafe {
+            for (_, m) in self.mmaps.drain() {
+                sys::doca_mmap_stop(m);
+                sys::doca_mmap_destroy(m);
+            }
+            if !self.inventory.is_null() {
+                sys::doca_buf_inventory_stop(self.inventory);
+                sys::doca_buf_inventory_destroy(self.inventory);
+            }
+            if !self.dma.is_null() {
+                let ctx = sys::doca_dma_as_ctx(self.dma);
+                sys::doca_ctx_stop(ctx);
+                // Stopping completes through the progress engine.
+                let mut state = sys::DOCA_CTX_STATE_STOPPING;
+                for _ in 0..1_000_000 {
+                    if sys::doca_ctx_get_state(ctx, &mut state) != sys::DOCA_SUCCESS
+                        || state == sys::DOCA_CTX_STATE_IDLE
+                    {
+                        break;
+                    }
+                    sys::doca_pe_progress(self.pe);
+                }
+                sys::doca_dma_destroy(self.dma);
+            }
+            if !self.pe.is_null() {
+                sys::doca_pe_destroy(self.pe);
+            }
+            if !self.dev.is_null() {
+                sys::doca_dev_close(self.dev);
+            }
+        }
+    }
+}

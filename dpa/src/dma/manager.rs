@@ -1,0 +1,847 @@
+//! The DMA manager (the DPA's job in seed 000): polls every pod's host TX SQ and every
+//! sidecar RX SQ, moves buffers with its [`DmaEngine`], writes the next ring and wakes
+//! its consumer.
+//!
+//! - **Intake** (host TX SQ of pod A, cases 1 and 3 and responses): the header is
+//!   copied from A's TX header pool into a DPU header slot, which goes to the ARM on a
+//!   sidecar TX SQ; A's header slot goes straight back to A with a completion. A's
+//!   body slot is claimed by the manager and stays where it is (seed 000: "body는
+//!   아직 Pod A에 머물러 있음").
+//! - **Delivery** (sidecar RX SQ, the ARM's decision): the header is copied into the
+//!   destination pod's RX header pool; the body is either already in that pod's RX
+//!   body pool (case 2: the fabric wrote it there) and changes owner, or still in the
+//!   source pod's TX body pool (case 3) and is copied pod A → pod B directly, after
+//!   which A gets its slot back with a completion.
+//! - **Completions from the ARM**: a body that left the node over the fabric (case 1)
+//!   goes back to its pod the same way.
+//!
+//! Every buffer a descriptor names is checked against the pool it claims to be in and
+//! against its owner before anything moves, so a pod cannot make the DPU copy memory
+//! it does not own. Failures go back to the sender as error descriptors naming the
+//! cause; a full destination ring holds deliveries (bounded) instead of dropping them.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, TryRecvError};
+
+use super::{CopyJob, DmaEngine};
+use crate::descriptor::{Buffer, Descriptor, DescriptorStatus, Destination, Kind};
+use crate::doorbell::Doorbell;
+use crate::pool::{BufferPool, OwnerId, PoolError, SlotRef};
+use crate::ring::{Consumer, Producer, WakeMode};
+
+/// Descriptors taken from one ring per pass, so one busy pod cannot starve others.
+const BUDGET: usize = 32;
+/// Deliveries held for a pod whose RX ring is full; beyond this they fail.
+const MAX_HELD: usize = 4096;
+
+/// A pod as the DMA manager sees it.
+#[derive(Debug)]
+pub struct PodPort {
+    /// The pod's id (also its owner id in its pools).
+    pub id: u32,
+    /// Heads the pod sends.
+    pub tx_header: BufferPool,
+    /// Bodies the pod sends.
+    pub tx_body: BufferPool,
+    /// Heads delivered to the pod.
+    pub rx_header: BufferPool,
+    /// Bodies delivered to the pod.
+    pub rx_body: BufferPool,
+    /// Host TX SQ (the pod produces).
+    pub tx_sq: Consumer,
+    /// Host RX SQ (the pod consumes).
+    pub rx_sq: Producer,
+}
+
+/// One sidecar port: the rings between the manager and one proxy worker.
+#[derive(Debug)]
+pub struct SidecarRings {
+    /// Sidecar TX SQ: manager → ARM.
+    pub to_arm: Producer,
+    /// Sidecar RX SQ: ARM → manager.
+    pub from_arm: Consumer,
+}
+
+/// What the node tells the manager.
+#[derive(Debug)]
+pub enum Command {
+    /// Start polling a pod.
+    AddPod(Box<PodPort>),
+    /// Stop polling a pod and drop its port; answer when done.
+    RemovePod(u32, crossbeam_channel::Sender<()>),
+    /// Stop the manager.
+    Stop,
+}
+
+/// Counters, readable from any thread.
+#[derive(Debug, Default)]
+pub struct DmaStats {
+    /// Descriptors taken from host TX SQs.
+    pub intake: AtomicU64,
+    /// Descriptors written to host RX SQs (requests and responses).
+    pub delivered: AtomicU64,
+    /// Completions written.
+    pub completions: AtomicU64,
+    /// Error descriptors written.
+    pub errors: AtomicU64,
+    /// Bytes copied by the engine.
+    pub bytes: AtomicU64,
+    /// Copy batches.
+    pub copies: AtomicU64,
+    /// Deliveries currently held for full rings.
+    pub held: AtomicU64,
+}
+
+/// The manager's state; runs on its own thread ([`DmaManager::run`]).
+pub struct DmaManager<E: DmaEngine> {
+    engine: E,
+    pods: HashMap<u32, PodPort>,
+    order: Vec<u32>,
+    sidecars: Vec<SidecarRings>,
+    next_sidecar: usize,
+    dpu_tx_header: BufferPool,
+    dpu_rx_header: BufferPool,
+    doorbell: Doorbell,
+    commands: Receiver<Command>,
+    wake: WakeMode,
+    held: HashMap<u32, VecDeque<Descriptor>>,
+    to_arm_held: VecDeque<Descriptor>,
+    stats: Arc<DmaStats>,
+}
+
+impl<E: DmaEngine> std::fmt::Debug for DmaManager<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DmaManager")
+            .field("engine", &self.engine.name())
+            .field("pods", &self.order)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a descriptor could not be carried; becomes an error descriptor.
+#[derive(Debug)]
+struct Refusal {
+    status: DescriptorStatus,
+    detail: String,
+}
+
+impl Refusal {
+    fn new(status: DescriptorStatus, detail: impl Into<String>) -> Self {
+        Self {
+            status,
+            detail: detail.into(),
+        }
+    }
+}
+
+impl From<PoolError> for Refusal {
+    fn from(e: PoolError) -> Self {
+        let status = match e {
+            PoolError::Exhausted { .. } => DescriptorStatus::PoolExhausted,
+            _ => DescriptorStatus::BadBuffer,
+        };
+        Self::new(status, e.to_string())
+    }
+}
+
+impl<E: DmaEngine> DmaManager<E> {
+    /// A manager over the node's DPU pools and sidecar rings.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        engine: E,
+        dpu_tx_header: BufferPool,
+        dpu_rx_header: BufferPool,
+        sidecars: Vec<SidecarRings>,
+        doorbell: Doorbell,
+        commands: Receiver<Command>,
+        wake: WakeMode,
+        stats: Arc<DmaStats>,
+    ) -> Self {
+        Self {
+            engine,
+            pods: HashMap::new(),
+            order: Vec::new(),
+            sidecars,
+            next_sidecar: 0,
+            dpu_tx_header,
+            dpu_rx_header,
+            doorbell,
+            commands,
+            wake,
+            held: HashMap::new(),
+            to_arm_held: VecDeque::new(),
+            stats,
+        }
+    }
+
+    /// Runs until [`Command::Stop`] (or the node's sender is dropped).
+    pub fn run(mut self) {
+        let mut idle_spins = 0u32;
+        loop {
+            if !self.commands() {
+                return;
+            }
+            let work = self.pass();
+            if work > 0 {
+                idle_spins = 0;
+                continue;
+            }
+            match self.wake {
+                WakeMode::Poll => std::hint::spin_loop(),
+                WakeMode::Event { spin } => {
+                    // About `spin` of polling passes before sleeping on the doorbell.
+                    idle_spins += 1;
+                    if (idle_spins as u128) * 200 < spin.as_nanos() {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    let pods = &self.pods;
+                    let sidecars = &self.sidecars;
+                    let commands = &self.commands;
+                    let held = self.to_arm_held.len()
+                        + self.held.values().map(VecDeque::len).sum::<usize>();
+                    // Held deliveries are retried on a short timer: their rings'
+                    // consumers do not ring our doorbell when they make room.
+                    let timeout = if held > 0 {
+                        Duration::from_micros(200)
+                    } else {
+                        Duration::from_millis(100)
+                    };
+                    self.doorbell.sleep_unless(timeout, || {
+                        !commands.is_empty()
+                            || pods.values().any(|p| p.tx_sq.has_next())
+                            || sidecars.iter().any(|s| s.from_arm.has_next())
+                    });
+                    idle_spins = 0;
+                }
+            }
+        }
+    }
+
+    /// Applies pending commands; false when told to stop.
+    fn commands(&mut self) -> bool {
+        loop {
+            match self.commands.try_recv() {
+                Ok(Command::AddPod(port)) => {
+                    self.order.push(port.id);
+                    self.pods.insert(port.id, *port);
+                }
+                Ok(Command::RemovePod(id, done)) => {
+                    self.remove_pod(id);
+                    let _ = done.send(());
+                }
+                Ok(Command::Stop) | Err(TryRecvError::Disconnected) => return false,
+                Err(TryRecvError::Empty) => return true,
+            }
+        }
+    }
+
+    fn remove_pod(&mut self, id: u32) {
+        self.order.retain(|&p| p != id);
+        self.pods.remove(&id);
+        // Deliveries held for it will never land: give their buffers back.
+        if let Some(held) = self.held.remove(&id) {
+            for d in held {
+                self.stats.held.fetch_sub(1, Ordering::Relaxed);
+                self.fail_delivery(
+                    &d,
+                    Refusal::new(DescriptorStatus::PodGone, format!("pod {id} went away")),
+                );
+            }
+        }
+    }
+
+    /// One pass over every ring; returns how much work was done.
+    pub fn pass(&mut self) -> usize {
+        let mut work = self.retry_held();
+        for i in 0..self.order.len() {
+            let id = self.order[i];
+            for _ in 0..BUDGET {
+                // Back-pressure: leave descriptors in the pod's ring while the ARM's
+                // rings are backed up.
+                if self.to_arm_held.len() >= MAX_HELD {
+                    break;
+                }
+                let Some(pod) = self.pods.get_mut(&id) else {
+                    break;
+                };
+                match pod.tx_sq.try_pop() {
+                    Ok(Some(d)) => {
+                        work += 1;
+                        self.stats.intake.fetch_add(1, Ordering::Relaxed);
+                        self.intake(id, d);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        work += 1;
+                        tracing::warn!(pod = id, error = %e, "malformed descriptor on a host TX SQ");
+                        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        for s in 0..self.sidecars.len() {
+            for _ in 0..BUDGET {
+                match self.sidecars[s].from_arm.try_pop() {
+                    Ok(Some(d)) => {
+                        work += 1;
+                        self.handle_from_arm(d);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        work += 1;
+                        tracing::warn!(error = %e, "malformed descriptor on a sidecar RX SQ");
+                        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        work
+    }
+
+    // === intake: host TX SQ → sidecar TX SQ ===
+
+    fn intake(&mut self, pod_id: u32, d: Descriptor) {
+        if d.kind.completion || d.kind.error {
+            self.refuse_to_pod(
+                pod_id,
+                &d,
+                Refusal::new(
+                    DescriptorStatus::Malformed,
+                    "pods do not send completions or errors",
+                ),
+            );
+            return;
+        }
+        match self.claim_and_copy_header(pod_id, &d) {
+            Ok(forward) => self.send_to_arm(forward),
+            Err(refusal) => self.refuse_to_pod(pod_id, &d, refusal),
+        }
+    }
+
+    /// Checks the pod owns what `d` names, copies the header into a DPU slot, hands
+    /// the pod's header slot back, and claims the body slot. Returns what the ARM gets.
+    fn claim_and_copy_header(
+        &mut self,
+        pod_id: u32,
+        d: &Descriptor,
+    ) -> Result<Descriptor, Refusal> {
+        let owner = OwnerId(pod_id);
+        let pod = self.pods.get(&pod_id).expect("polled pods exist");
+        let header_slot = if d.header.is_none() {
+            None
+        } else {
+            Some(pod.tx_header.slot_of(d.header)?)
+        };
+        let body_slot = if d.body.is_none() {
+            None
+        } else {
+            Some(pod.tx_body.slot_of(d.body)?)
+        };
+        // Claim both (ownership check and hand-over in one step each).
+        if let Some(s) = header_slot {
+            pod.tx_header.transfer(s, owner, OwnerId::DMA)?;
+        }
+        if let Some(s) = body_slot
+            && let Err(e) = pod.tx_body.transfer(s, owner, OwnerId::DMA)
+        {
+            if let Some(h) = header_slot {
+                let _ = pod.tx_header.transfer(h, OwnerId::DMA, owner);
+            }
+            return Err(e.into());
+        }
+        let mut forward = *d;
+        forward.src_pod = pod_id;
+        if let Some(h) = header_slot {
+            let copied = self.copy_header_to_dpu(pod_id, h, d.header);
+            let pod = self.pods.get(&pod_id).expect("polled pods exist");
+            // The pod's header slot goes back either way; the completion frees it.
+            let _ = pod.tx_header.transfer(h, OwnerId::DMA, owner);
+            let header = match copied {
+                Ok(header) => header,
+                Err(refusal) => {
+                    if let Some(b) = body_slot {
+                        let _ = pod.tx_body.transfer(b, OwnerId::DMA, owner);
+                    }
+                    return Err(refusal);
+                }
+            };
+            self.complete_to_pod(pod_id, d, d.header, Buffer::NONE);
+            forward.header = header;
+        }
+        Ok(forward)
+    }
+
+    fn copy_header_to_dpu(
+        &mut self,
+        pod_id: u32,
+        _slot: SlotRef,
+        header: Buffer,
+    ) -> Result<Buffer, Refusal> {
+        let pod = self.pods.get(&pod_id).expect("polled pods exist");
+        if header.len > self.dpu_tx_header.layout().slot_size {
+            return Err(Refusal::new(
+                DescriptorStatus::BadBuffer,
+                format!(
+                    "header of {} bytes exceeds the DPU's {}-byte header slots",
+                    header.len,
+                    self.dpu_tx_header.layout().slot_size
+                ),
+            ));
+        }
+        let dpu_slot = self.dpu_tx_header.alloc(OwnerId::DMA)?;
+        let dst = self.dpu_tx_header.buffer(dpu_slot, header.len)?;
+        let job = CopyJob {
+            src: pod.tx_header.region(),
+            src_offset: pod.tx_header.offset_of(header)?,
+            dst: self.dpu_tx_header.region(),
+            dst_offset: self.dpu_tx_header.offset_of(dst)?,
+            len: header.len as u64,
+        };
+        if let Err(e) = self.engine.copy(&[job]) {
+            let _ = self.dpu_tx_header.release(dpu_slot, OwnerId::DMA);
+            return Err(Refusal::new(DescriptorStatus::CopyFailed, e.to_string()));
+        }
+        self.count_copy(header.len as u64);
+        self.dpu_tx_header
+            .transfer(dpu_slot, OwnerId::DMA, OwnerId::PROXY)?;
+        Ok(dst)
+    }
+
+    fn send_to_arm(&mut self, d: Descriptor) {
+        if !self.to_arm_held.is_empty() || !self.push_to_arm(&d) {
+            self.stats.held.fetch_add(1, Ordering::Relaxed);
+            self.to_arm_held.push_back(d);
+        }
+    }
+
+    fn push_to_arm(&mut self, d: &Descriptor) -> bool {
+        let n = self.sidecars.len();
+        for i in 0..n {
+            let s = (self.next_sidecar + i) % n;
+            if self.sidecars[s].to_arm.push(d).is_ok() {
+                self.next_sidecar = (s + 1) % n;
+                return true;
+            }
+        }
+        false
+    }
+
+    // === from the ARM: sidecar RX SQ → host RX SQ ===
+
+    fn handle_from_arm(&mut self, d: Descriptor) {
+        if d.kind.completion {
+            self.arm_completion(&d);
+            return;
+        }
+        let Destination::Pod(dst) = d.dst else {
+            self.fail_delivery(
+                &d,
+                Refusal::new(DescriptorStatus::Malformed, "the ARM delivers to pods only"),
+            );
+            return;
+        };
+        if !self.pods.contains_key(&dst) {
+            self.fail_delivery(
+                &d,
+                Refusal::new(
+                    DescriptorStatus::UnknownPod,
+                    format!("pod {dst} is not registered on this node"),
+                ),
+            );
+            return;
+        }
+        if self.held.get(&dst).is_some_and(|q| !q.is_empty()) {
+            self.hold(dst, d);
+            return;
+        }
+        self.deliver(dst, d);
+    }
+
+    fn hold(&mut self, dst: u32, d: Descriptor) {
+        let queue = self.held.entry(dst).or_default();
+        if queue.len() >= MAX_HELD {
+            self.fail_delivery(
+                &d,
+                Refusal::new(
+                    DescriptorStatus::RingFull,
+                    format!("pod {dst}'s RX ring stays full"),
+                ),
+            );
+            return;
+        }
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        queue.push_back(d);
+    }
+
+    /// Moves header and body into pod `dst` and writes its RX SQ; holds `d` if the
+    /// ring is full (nothing moved yet), fails it on any other error.
+    fn deliver(&mut self, dst: u32, d: Descriptor) {
+        let pod = self.pods.get_mut(&dst).expect("checked by the caller");
+        if pod.rx_sq.free() == 0 {
+            self.hold(dst, d);
+            return;
+        }
+        match self.move_into_pod(dst, &d) {
+            Ok(delivered) => {
+                let pod = self.pods.get_mut(&dst).expect("checked by the caller");
+                pod.rx_sq
+                    .push(&delivered)
+                    .expect("room was checked and only this thread produces");
+                self.stats.delivered.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(refusal) => self.fail_delivery(&d, refusal),
+        }
+    }
+
+    fn move_into_pod(&mut self, dst: u32, d: &Descriptor) -> Result<Descriptor, Refusal> {
+        let owner = OwnerId(dst);
+        let mut out = *d;
+        // The header: from a DPU pool (owned by the ARM) into the pod's RX pool. The
+        // DPU slot is freed only once the whole delivery has succeeded, so a failure
+        // leaves it with the ARM for `fail_delivery` to free exactly once.
+        let mut dpu_header = None;
+        if !d.header.is_none() {
+            let (src_is_tx, src_slot) = self.dpu_header_slot(d.header)?;
+            let pod = self.pods.get(&dst).expect("checked");
+            let slot = pod.rx_header.alloc(owner)?;
+            let buffer = pod.rx_header.buffer(slot, d.header.len).inspect_err(|_| {
+                let _ = pod.rx_header.release(slot, owner);
+            })?;
+            let src = if src_is_tx {
+                &self.dpu_tx_header
+            } else {
+                &self.dpu_rx_header
+            };
+            let job = CopyJob {
+                src: src.region(),
+                src_offset: src.offset_of(d.header)?,
+                dst: pod.rx_header.region(),
+                dst_offset: pod.rx_header.offset_of(buffer)?,
+                len: d.header.len as u64,
+            };
+            if let Err(e) = self.engine.copy(&[job]) {
+                let _ = pod.rx_header.release(slot, owner);
+                return Err(Refusal::new(DescriptorStatus::CopyFailed, e.to_string()));
+            }
+            self.count_copy(d.header.len as u64);
+            dpu_header = Some((src_is_tx, src_slot));
+            out.header = buffer;
+        }
+        if !d.body.is_none() {
+            out.body = match self.move_body(dst, d) {
+                Ok(body) => body,
+                Err(refusal) => {
+                    // Undo the header move: the pod never sees this descriptor.
+                    if !out.header.is_none() {
+                        let pod = self.pods.get(&dst).expect("checked");
+                        if let Ok(s) = pod.rx_header.slot_of(out.header) {
+                            let _ = pod.rx_header.release(s, owner);
+                        }
+                    }
+                    return Err(refusal);
+                }
+            };
+        }
+        if let Some((is_tx, slot)) = dpu_header {
+            let pool = if is_tx {
+                &self.dpu_tx_header
+            } else {
+                &self.dpu_rx_header
+            };
+            let _ = pool.release(slot, OwnerId::PROXY);
+        }
+        Ok(out)
+    }
+
+    fn dpu_header_slot(&self, header: Buffer) -> Result<(bool, SlotRef), Refusal> {
+        let (is_tx, pool) = if header.addr.region() == self.dpu_tx_header.id() {
+            (true, &self.dpu_tx_header)
+        } else if header.addr.region() == self.dpu_rx_header.id() {
+            (false, &self.dpu_rx_header)
+        } else {
+            return Err(Refusal::new(
+                DescriptorStatus::BadBuffer,
+                format!("header {} is not in a DPU header pool", header.addr),
+            ));
+        };
+        let slot = pool.slot_of(header)?;
+        match pool.state(slot.index) {
+            Some((_, OwnerId::PROXY)) => Ok((is_tx, slot)),
+            other => Err(Refusal::new(
+                DescriptorStatus::BadBuffer,
+                format!(
+                    "header {} is not held by the proxy ({other:?})",
+                    header.addr
+                ),
+            )),
+        }
+    }
+
+    /// Case 2: the body is in `dst`'s RX body pool already (the fabric put it there);
+    /// case 3: it is in the source pod's TX body pool and is copied across.
+    fn move_body(&mut self, dst: u32, d: &Descriptor) -> Result<Buffer, Refusal> {
+        let owner = OwnerId(dst);
+        let region = d.body.addr.region();
+        let pod = self.pods.get(&dst).expect("checked");
+        if region == pod.rx_body.id() {
+            let slot = pod.rx_body.slot_of(d.body)?;
+            match pod.rx_body.state(slot.index) {
+                Some((_, holder)) if holder == OwnerId::PROXY || holder == OwnerId::FABRIC => {
+                    pod.rx_body.transfer(slot, holder, owner)?;
+                    return Ok(d.body);
+                }
+                other => {
+                    return Err(Refusal::new(
+                        DescriptorStatus::BadBuffer,
+                        format!(
+                            "body {} in pod {dst}'s RX pool is not held by the proxy ({other:?})",
+                            d.body.addr
+                        ),
+                    ));
+                }
+            }
+        }
+        let src_id = d.src_pod;
+        let Some(src) = self.pods.get(&src_id).filter(|p| p.tx_body.id() == region) else {
+            return Err(Refusal::new(
+                DescriptorStatus::BadBuffer,
+                format!(
+                    "body {} is neither in pod {dst}'s RX pool nor in source pod {src_id}'s TX pool",
+                    d.body.addr
+                ),
+            ));
+        };
+        let src_slot = src.tx_body.slot_of(d.body)?;
+        if src.tx_body.state(src_slot.index).map(|s| s.1) != Some(OwnerId::DMA) {
+            return Err(Refusal::new(
+                DescriptorStatus::BadBuffer,
+                format!(
+                    "body {} of pod {src_id} was not handed to the DMA manager",
+                    d.body.addr
+                ),
+            ));
+        }
+        let pod = self.pods.get(&dst).expect("checked");
+        let slot = pod.rx_body.alloc(owner)?;
+        let buffer = match pod.rx_body.buffer(slot, d.body.len) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = pod.rx_body.release(slot, owner);
+                return Err(e.into());
+            }
+        };
+        // Pod A → pod B, directly.
+        let job = CopyJob {
+            src: src.tx_body.region(),
+            src_offset: src.tx_body.offset_of(d.body)?,
+            dst: pod.rx_body.region(),
+            dst_offset: pod.rx_body.offset_of(buffer)?,
+            len: d.body.len as u64,
+        };
+        if let Err(e) = self.engine.copy(&[job]) {
+            let _ = pod.rx_body.release(slot, owner);
+            return Err(Refusal::new(DescriptorStatus::CopyFailed, e.to_string()));
+        }
+        self.count_copy(d.body.len as u64);
+        self.return_body(src_id, d);
+        Ok(buffer)
+    }
+
+    /// A body the manager claimed at intake goes back to its pod with a completion.
+    fn return_body(&mut self, src_id: u32, d: &Descriptor) {
+        let Some(src) = self.pods.get(&src_id) else {
+            return;
+        };
+        let Ok(slot) = src.tx_body.slot_of(d.body) else {
+            return;
+        };
+        if src
+            .tx_body
+            .transfer(slot, OwnerId::DMA, OwnerId(src_id))
+            .is_ok()
+        {
+            self.complete_to_pod(src_id, d, Buffer::NONE, d.body);
+        }
+    }
+
+    /// The ARM is done with what `d` names (a body it sent over the fabric, a header
+    /// it consumed): buffers go back to their owners.
+    fn arm_completion(&mut self, d: &Descriptor) {
+        if !d.header.is_none()
+            && let Ok((is_tx, slot)) = self.dpu_header_slot(d.header)
+        {
+            let pool = if is_tx {
+                &self.dpu_tx_header
+            } else {
+                &self.dpu_rx_header
+            };
+            let _ = pool.release(slot, OwnerId::PROXY);
+        }
+        if !d.body.is_none() {
+            let src = d.src_pod;
+            if self
+                .pods
+                .get(&src)
+                .is_some_and(|p| p.tx_body.id() == d.body.addr.region())
+            {
+                if d.kind.error {
+                    // Tell the pod its request failed before its body left.
+                    self.return_body_with_error(src, d);
+                } else {
+                    self.return_body(src, d);
+                }
+            }
+        }
+    }
+
+    fn return_body_with_error(&mut self, src_id: u32, d: &Descriptor) {
+        let Some(src) = self.pods.get(&src_id) else {
+            return;
+        };
+        let Ok(slot) = src.tx_body.slot_of(d.body) else {
+            return;
+        };
+        let _ = src.tx_body.transfer(slot, OwnerId::DMA, OwnerId(src_id));
+        let status = d.error_status().unwrap_or(DescriptorStatus::CopyFailed);
+        let mut e = *d;
+        e.header = Buffer::NONE;
+        e.kind = Kind {
+            completion: true,
+            error: true,
+            response: false,
+        };
+        e.status = status as u16;
+        e.dst = Destination::Pod(src_id);
+        self.push_to_pod(src_id, e);
+    }
+
+    // === completions and errors ===
+
+    fn complete_to_pod(&mut self, pod_id: u32, d: &Descriptor, header: Buffer, body: Buffer) {
+        let mut c = *d;
+        c.kind = Kind {
+            completion: true,
+            ..Kind::default()
+        };
+        c.header = header;
+        c.body = body;
+        c.status = 0;
+        c.dst = Destination::Pod(pod_id);
+        self.stats.completions.fetch_add(1, Ordering::Relaxed);
+        self.push_to_pod(pod_id, c);
+    }
+
+    fn refuse_to_pod(&mut self, pod_id: u32, d: &Descriptor, refusal: Refusal) {
+        tracing::debug!(pod = pod_id, req = d.req_id, step = d.step_id, status = ?refusal.status, detail = %refusal.detail, "refused a host descriptor");
+        let mut e = *d;
+        // The error hands the named buffers back: the pod still owns them.
+        e.kind = Kind {
+            completion: true,
+            error: true,
+            response: false,
+        };
+        e.status = refusal.status as u16;
+        e.dst = Destination::Pod(pod_id);
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        self.push_to_pod(pod_id, e);
+    }
+
+    /// Completions and errors bypass the hold queue: they carry no data and free slots
+    /// the pod may be waiting for. A pod whose RX ring is full of them loses them
+    /// (counted); its slots are reclaimed when it unregisters.
+    fn push_to_pod(&mut self, pod_id: u32, d: Descriptor) {
+        let Some(pod) = self.pods.get_mut(&pod_id) else {
+            return;
+        };
+        if pod.rx_sq.push(&d).is_err() {
+            tracing::warn!(pod = pod_id, "host RX SQ full; a completion was dropped");
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A delivery failed: the buffers go back, and the ARM hears why (it answers the
+    /// caller: ingress or the pod that asked).
+    fn fail_delivery(&mut self, d: &Descriptor, refusal: Refusal) {
+        tracing::debug!(req = d.req_id, step = d.step_id, status = ?refusal.status, detail = %refusal.detail, "delivery failed");
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        if !d.header.is_none()
+            && let Ok((is_tx, slot)) = self.dpu_header_slot(d.header)
+        {
+            let pool = if is_tx {
+                &self.dpu_tx_header
+            } else {
+                &self.dpu_rx_header
+            };
+            let _ = pool.release(slot, OwnerId::PROXY);
+        }
+        if !d.body.is_none() {
+            let src = d.src_pod;
+            if self
+                .pods
+                .get(&src)
+                .is_some_and(|p| p.tx_body.id() == d.body.addr.region())
+            {
+                self.return_body(src, d);
+            } else if let Destination::Pod(dst) = d.dst
+                && let Some(pod) = self.pods.get(&dst)
+                && let Ok(slot) = pod.rx_body.slot_of(d.body)
+            {
+                let _ = pod.rx_body.release(slot, OwnerId::PROXY);
+                let _ = pod.rx_body.release(slot, OwnerId::FABRIC);
+            }
+        }
+        let mut e = *d;
+        e.header = Buffer::NONE;
+        e.body = Buffer::NONE;
+        e.kind = Kind {
+            completion: true,
+            error: true,
+            response: d.kind.response,
+        };
+        e.status = refusal.status as u16;
+        if !self.push_to_arm(&e) {
+            self.to_arm_held.push_back(e);
+            self.stats.held.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn retry_held(&mut self) -> usize {
+        let mut work = 0;
+        while let Some(d) = self.to_arm_held.front().copied() {
+            if !self.push_to_arm(&d) {
+                break;
+            }
+            self.to_arm_held.pop_front();
+            self.stats.held.fetch_sub(1, Ordering::Relaxed);
+            work += 1;
+        }
+        let pods: Vec<u32> = self.held.keys().copied().collect();
+        for dst in pods {
+            while let Some(room) = self.pods.get_mut(&dst).map(|p| p.rx_sq.free()) {
+                if room == 0 {
+                    break;
+                }
+                let Some(d) = self.held.get_mut(&dst).and_then(VecDeque::pop_front) else {
+                    break;
+                };
+                self.stats.held.fetch_sub(1, Ordering::Relaxed);
+                work += 1;
+                self.deliver(dst, d);
+            }
+            if self.held.get(&dst).is_some_and(VecDeque::is_empty) {
+                self.held.remove(&dst);
+            }
+        }
+        work
+    }
+
+    fn count_copy(&self, bytes: u64) {
+        self.stats.copies.fetch_add(1, Ordering::Relaxed);
+        self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,299 @@
+//! A host pod's end of the data path: registers over the control channel, maps the
+//! pools and rings the DPU exported, sends heads and bodies as TX descriptors and
+//! receives RX descriptors. Completions (the DPU is done with a TX slot) are handled
+//! here and free the slots; what reaches the caller is requests, responses and
+//! errors.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::control::transport::{ControlClient, Endpoint};
+use crate::control::{ControlError, PodExports, RegionExport, Role};
+use crate::descriptor::{Buffer, Case, Descriptor, DescriptorStatus, Destination};
+use crate::doorbell::Doorbell;
+use crate::pool::{BufferPool, OwnerId, PoolError};
+use crate::ring::{Consumer, Producer, Ring, RingError, WakeMode};
+use crate::shm::{SharedRegion, ShmError};
+
+/// Why a host port operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// Registration.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// Mapping an export.
+    #[error(transparent)]
+    Shm(#[from] ShmError),
+    /// A pool.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// A ring (full: back-pressure; nothing was sent and no slot is held).
+    #[error(transparent)]
+    Ring(#[from] RingError),
+    /// A message larger than a slot.
+    #[error("{what} of {len} bytes exceeds the {limit}-byte slots this pod was given")]
+    TooLarge {
+        /// "header" or "body".
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The slot size.
+        limit: u32,
+    },
+}
+
+/// A message to send.
+#[derive(Debug, Clone)]
+pub struct Outgoing<'a> {
+    /// The data path: [`Case::PodToPod`] for a pod on this node,
+    /// [`Case::HostToRemote`] for another node.
+    pub case: Case,
+    /// Where to.
+    pub dst: Destination,
+    /// The request (execution context).
+    pub req_id: u32,
+    /// The step in it.
+    pub step_id: u32,
+    /// A response (to the request with the same ids).
+    pub response: bool,
+    /// HTTP status for responses.
+    pub status: u16,
+    /// The head (serialized).
+    pub header: &'a [u8],
+    /// The body.
+    pub body: &'a [u8],
+}
+
+/// A message received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Incoming {
+    /// A request or response with its head and body.
+    Message {
+        /// The descriptor as delivered.
+        descriptor: Descriptor,
+        /// The head bytes.
+        header: Vec<u8>,
+        /// The body bytes.
+        body: Vec<u8>,
+    },
+    /// Something this pod sent could not be carried, or a delivery failed.
+    Error {
+        /// The descriptor that failed.
+        descriptor: Descriptor,
+        /// Why.
+        status: DescriptorStatus,
+    },
+}
+
+/// A registered pod's port.
+pub struct HostPort {
+    control: ControlClient,
+    exports: PodExports,
+    owner: OwnerId,
+    tx_header: BufferPool,
+    tx_body: BufferPool,
+    rx_header: BufferPool,
+    rx_body: BufferPool,
+    tx: Producer,
+    rx: Consumer,
+    in_flight: usize,
+}
+
+impl std::fmt::Debug for HostPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostPort")
+            .field("pod_id", &self.exports.pod_id)
+            .finish_non_exhaustive()
+    }
+}
+
+fn map(export: &RegionExport) -> Result<Arc<SharedRegion>, ShmError> {
+    Ok(Arc::new(SharedRegion::open(&export.path)?))
+}
+
+impl HostPort {
+    /// Registers pod `name` of `service` with the DPU at `endpoint` and maps what it
+    /// exports.
+    pub fn connect(endpoint: &Endpoint, name: &str, service: &str) -> Result<Self, HostError> {
+        let mut control = ControlClient::connect(endpoint, Role::Host, name)?;
+        let exports = control.register_pod(name, service)?;
+        let doorbell = Doorbell::new(map(&exports.doorbell)?)?;
+        let port = Self {
+            owner: OwnerId(exports.pod_id),
+            tx_header: BufferPool::attach(map(&exports.tx_header)?)?,
+            tx_body: BufferPool::attach(map(&exports.tx_body)?)?,
+            rx_header: BufferPool::attach(map(&exports.rx_header)?)?,
+            rx_body: BufferPool::attach(map(&exports.rx_body)?)?,
+            tx: Ring::attach(map(&exports.tx_sq)?)?
+                .producer()
+                .with_doorbell(doorbell),
+            rx: Ring::attach(map(&exports.rx_sq)?)?.consumer(),
+            in_flight: 0,
+            control,
+            exports,
+        };
+        Ok(port)
+    }
+
+    /// The id the DPU gave this pod.
+    pub fn pod_id(&self) -> u32 {
+        self.exports.pod_id
+    }
+
+    /// TX slots the DPU has not handed back yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The control connection (for pings, unregistering).
+    pub fn control(&mut self) -> &mut ControlClient {
+        &mut self.control
+    }
+
+    /// Sends a message: the head and body go into TX slots, the descriptor into the
+    /// TX SQ. On any failure nothing is sent and no slot stays taken.
+    pub fn send(&mut self, msg: &Outgoing<'_>) -> Result<(), HostError> {
+        let limit = self.tx_header.layout().slot_size;
+        if msg.header.len() > limit as usize {
+            return Err(HostError::TooLarge {
+                what: "header",
+                len: msg.header.len(),
+                limit,
+            });
+        }
+        let limit = self.tx_body.layout().slot_size;
+        if msg.body.len() > limit as usize {
+            return Err(HostError::TooLarge {
+                what: "body",
+                len: msg.body.len(),
+                limit,
+            });
+        }
+        let mut d = Descriptor::request(msg.case, msg.req_id, msg.step_id, self.pod_id(), msg.dst);
+        d.kind.response = msg.response;
+        d.status = msg.status;
+        let mut taken: Vec<(bool, crate::pool::SlotRef)> = Vec::new();
+        let result = (|| -> Result<(), HostError> {
+            if !msg.header.is_empty() {
+                let slot = self.tx_header.alloc(self.owner)?;
+                taken.push((true, slot));
+                d.header = self.tx_header.write(slot, msg.header)?;
+            }
+            if !msg.body.is_empty() {
+                let slot = self.tx_body.alloc(self.owner)?;
+                taken.push((false, slot));
+                d.body = self.tx_body.write(slot, msg.body)?;
+            }
+            self.tx.push(&d)?;
+            Ok(())
+        })();
+        match result {
+            Ok(()) => {
+                self.in_flight += taken.len();
+                Ok(())
+            }
+            Err(e) => {
+                for (header, slot) in taken {
+                    let pool = if header {
+                        &self.tx_header
+                    } else {
+                        &self.tx_body
+                    };
+                    let _ = pool.release(slot, self.owner);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Waits up to `timeout` for the next request, response or error; completions on
+    /// the way free TX slots.
+    pub fn recv(
+        &mut self,
+        mode: WakeMode,
+        timeout: Duration,
+    ) -> Result<Option<Incoming>, HostError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(incoming) = self.try_recv()? {
+                return Ok(Some(incoming));
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return Ok(None);
+            };
+            if !self.rx.wait(mode, left) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Takes the next request, response or error if one is waiting (completions are
+    /// consumed on the way).
+    pub fn try_recv(&mut self) -> Result<Option<Incoming>, HostError> {
+        while let Some(d) = self.rx.try_pop()? {
+            if d.kind.completion {
+                self.complete(&d);
+                if d.kind.error {
+                    return Ok(Some(Incoming::Error {
+                        descriptor: d,
+                        status: d.error_status().unwrap_or(DescriptorStatus::Malformed),
+                    }));
+                }
+                continue;
+            }
+            let header = self.take(&self.rx_header, d.header)?;
+            let body = self.take(&self.rx_body, d.body)?;
+            return Ok(Some(Incoming::Message {
+                descriptor: d,
+                header,
+                body,
+            }));
+        }
+        Ok(None)
+    }
+
+    /// Reads an RX buffer and frees its slot.
+    fn take(&self, pool: &BufferPool, b: Buffer) -> Result<Vec<u8>, HostError> {
+        if b.is_none() {
+            return Ok(Vec::new());
+        }
+        let bytes = pool.read(b)?;
+        let slot = pool.slot_of(b)?;
+        pool.release(slot, self.owner)?;
+        Ok(bytes)
+    }
+
+    /// The DPU is done with TX slots: free them.
+    fn complete(&mut self, d: &Descriptor) {
+        for (pool, b) in [(&self.tx_header, d.header), (&self.tx_body, d.body)] {
+            if b.is_none() || b.addr.region() != pool.id() {
+                continue;
+            }
+            if let Ok(slot) = pool.slot_of(b)
+                && pool.release(slot, self.owner).is_ok()
+            {
+                self.in_flight = self.in_flight.saturating_sub(1);
+            }
+        }
+    }
+
+    /// A reply to `request`: same ids, back to its sender (pod 0 = from outside the
+    /// node: the proxy routes it by its ids).
+    pub fn reply<'a>(
+        request: &Descriptor,
+        status: u16,
+        header: &'a [u8],
+        body: &'a [u8],
+    ) -> Outgoing<'a> {
+        Outgoing {
+            case: request.case,
+            dst: Destination::Pod(request.src_pod),
+            req_id: request.req_id,
+            step_id: request.step_id,
+            response: true,
+            status,
+            header,
+            body,
+        }
+    }
+}

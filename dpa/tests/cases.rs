@@ -1,0 +1,345 @@
+//! Seed 000's data paths end to end through real processes: pods are child processes
+//! (this binary re-executed as `pod_entry`) that register over the control channel
+//! and map their pools and rings; the node (DMA manager, DPU pools) runs in the test,
+//! and the test plays the ARM proxy on the sidecar port. Bytes are checked with
+//! CRC32 at the far end.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dpumesh_dpa::control::transport::Endpoint;
+use dpumesh_dpa::{
+    Case, Descriptor, DescriptorStatus, Destination, DpuNode, HostPort, Incoming, NodeConfig,
+    Outgoing, SidecarPort, WakeMode,
+};
+
+const ROLE: &str = "DPUMESH_DPA_POD_ROLE";
+const CONTROL: &str = "DPUMESH_DPA_POD_CONTROL";
+
+struct Pod(Child);
+
+impl Pod {
+    fn wait(&mut self) -> std::process::ExitStatus {
+        self.0.wait().unwrap()
+    }
+}
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_pod(role: &str, control: &Path) -> Pod {
+    Pod(Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "pod_entry",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(ROLE, role)
+        .env(CONTROL, control)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn a pod"))
+}
+
+/// Bodies every size test sends: empty, 1 KiB, 8 MiB.
+const SIZES: [usize; 3] = [0, 1024, 8 << 20];
+
+fn body(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[0] ^ seed)
+        .collect()
+}
+
+/// A head in the tiny text format these tests use: `key=value` lines.
+fn head(fields: &[(&str, String)]) -> Vec<u8> {
+    fields
+        .iter()
+        .map(|(k, v)| format!("{k}={v}\n"))
+        .collect::<String>()
+        .into_bytes()
+}
+
+fn field(head: &[u8], key: &str) -> Option<String> {
+    String::from_utf8_lossy(head)
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{key}=")).map(str::to_owned))
+}
+
+fn recv(port: &mut HostPort) -> Incoming {
+    port.recv(WakeMode::LOW_CPU, Duration::from_secs(20))
+        .unwrap()
+        .expect("a message within 20 s")
+}
+
+/// The pods' side. Ignored in normal runs; the tests start it.
+#[test]
+#[ignore = "entry point of the pod processes the other tests spawn"]
+fn pod_entry() {
+    let role = std::env::var(ROLE).expect("run by the case tests");
+    let control = Endpoint::Unix(std::env::var(CONTROL).unwrap().into());
+    match role.as_str() {
+        // Answers every request with the reversed body and the CRC it saw.
+        "server" => {
+            let mut port = HostPort::connect(&control, "pod-b", "svc-b").unwrap();
+            loop {
+                let Incoming::Message {
+                    descriptor,
+                    header,
+                    body,
+                } = recv(&mut port)
+                else {
+                    continue;
+                };
+                if field(&header, "stop").is_some() {
+                    break;
+                }
+                let seen = crc32fast::hash(&body);
+                assert_eq!(
+                    field(&header, "crc"),
+                    Some(seen.to_string()),
+                    "request body intact"
+                );
+                let mut reply = body.clone();
+                reply.reverse();
+                let h = head(&[
+                    ("crc", crc32fast::hash(&reply).to_string()),
+                    ("saw", seen.to_string()),
+                ]);
+                port.send(&HostPort::reply(&descriptor, 200, &h, &reply))
+                    .unwrap();
+            }
+        }
+        // Case 3: calls svc-b on the same node with each body size, checks replies.
+        "client" => {
+            let mut port = HostPort::connect(&control, "pod-a", "svc-a").unwrap();
+            let b = loop {
+                // pod-b may still be registering.
+                let pods = port.control().resolve("svc-b").unwrap();
+                if let Some(&b) = pods.first() {
+                    break b;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            for (step, len) in SIZES.iter().enumerate() {
+                let sent = body(*len, step as u8);
+                let h = head(&[
+                    ("crc", crc32fast::hash(&sent).to_string()),
+                    ("path", "/x".into()),
+                ]);
+                port.send(&Outgoing {
+                    case: Case::PodToPod,
+                    dst: Destination::Pod(b),
+                    req_id: 7,
+                    step_id: step as u32,
+                    response: false,
+                    status: 0,
+                    header: &h,
+                    body: &sent,
+                })
+                .unwrap();
+                let Incoming::Message {
+                    descriptor,
+                    header,
+                    body: got,
+                } = recv(&mut port)
+                else {
+                    panic!("an error instead of a reply");
+                };
+                assert!(descriptor.kind.response);
+                assert_eq!((descriptor.req_id, descriptor.step_id), (7, step as u32));
+                assert_eq!(descriptor.status, 200);
+                assert_eq!(
+                    field(&header, "saw"),
+                    Some(crc32fast::hash(&sent).to_string())
+                );
+                assert_eq!(
+                    field(&header, "crc"),
+                    Some(crc32fast::hash(&got).to_string()),
+                    "reply body intact"
+                );
+                assert_eq!(got.len(), *len);
+            }
+            // A request the proxy denies: a 403 reply, and the body slot comes back.
+            let h = head(&[("deny", "1".into())]);
+            port.send(&Outgoing {
+                case: Case::PodToPod,
+                dst: Destination::Pod(b),
+                req_id: 8,
+                step_id: 0,
+                response: false,
+                status: 0,
+                header: &h,
+                body: b"secret",
+            })
+            .unwrap();
+            let Incoming::Message {
+                descriptor,
+                header,
+                body,
+            } = recv(&mut port)
+            else {
+                panic!("an error instead of the denial");
+            };
+            assert_eq!((descriptor.status, descriptor.req_id), (403, 8));
+            assert_eq!(field(&header, "reason"), Some("policy".into()));
+            assert!(body.is_empty());
+            // Every TX slot came back (completions are processed while receiving).
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while port.in_flight() > 0 && Instant::now() < deadline {
+                let _ = port
+                    .recv(WakeMode::LOW_CPU, Duration::from_millis(50))
+                    .unwrap();
+            }
+            assert_eq!(port.in_flight(), 0, "TX slots handed back");
+            port.send(&Outgoing {
+                case: Case::PodToPod,
+                dst: Destination::Pod(b),
+                req_id: 9,
+                step_id: 0,
+                response: false,
+                status: 0,
+                header: &head(&[("stop", "1".into())]),
+                body: &[],
+            })
+            .unwrap();
+        }
+        // Registers, says so on stdout... and stays until killed.
+        "idle" => {
+            let _port = HostPort::connect(&control, "pod-c", "svc-c").unwrap();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+fn node(dir: &Path, name: &str) -> DpuNode {
+    let mut config = NodeConfig::new(name);
+    config.pod.body_slots = 8;
+    DpuNode::start(config, &Endpoint::Unix(dir.join("control.sock"))).unwrap()
+}
+
+/// The proxy's job in these tests: forward requests and responses as the pods
+/// addressed them, answer a head with `deny=` itself. Returns when `until` holds.
+fn proxy(port: &mut SidecarPort, mut until: impl FnMut(&Descriptor) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        let Some(d) = port
+            .recv(WakeMode::LOW_CPU, Duration::from_millis(100))
+            .unwrap()
+        else {
+            continue;
+        };
+        if d.kind.error {
+            panic!("the data path reported {:?} for {d:?}", d.error_status());
+        }
+        let head = port.header(&d).unwrap();
+        if field(&head, "deny").is_some() {
+            // Answer at once; the body never moves, and its slot goes back to the pod.
+            let reply = port.alloc_header(&head_bytes("reason=policy\n")).unwrap();
+            let mut r =
+                Descriptor::request(d.case, d.req_id, d.step_id, 0, Destination::Pod(d.src_pod))
+                    .with_header(reply);
+            r.kind.response = true;
+            r.status = 403;
+            port.forward(&r).unwrap();
+            let mut done = d;
+            done.kind.completion = true;
+            port.forward(&done).unwrap();
+            continue;
+        }
+        port.forward(&d).unwrap();
+        if until(&d) {
+            return;
+        }
+    }
+    panic!("the pods did not finish within 60 s");
+}
+
+fn head_bytes(s: &str) -> Vec<u8> {
+    s.as_bytes().to_vec()
+}
+
+#[test]
+fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path(), "case3");
+    let mut port = node.take_sidecar_ports().remove(0);
+    let socket = dir.path().join("control.sock");
+    let mut server = spawn_pod("server", &socket);
+    let mut client = spawn_pod("client", &socket);
+    proxy(&mut port, |d| d.req_id == 9);
+    assert!(
+        client.wait().success(),
+        "the client pod checked every reply"
+    );
+    assert!(
+        server.wait().success(),
+        "the server pod checked every request"
+    );
+    let stats = node.stats();
+    use std::sync::atomic::Ordering::Relaxed;
+    // 3 requests + 3 replies + the denial + stop, and the 8 MiB bodies were copied.
+    assert!(stats.delivered.load(Relaxed) >= 8);
+    assert!(stats.bytes.load(Relaxed) >= 2 * (8 << 20));
+    assert_eq!(stats.errors.load(Relaxed), 0);
+    // Both pods exited: their connections closed and the node reclaimed them.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node.pods().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(node.pods().is_empty());
+    assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
+}
+
+#[test]
+fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path(), "reclaim");
+    let mut port = node.take_sidecar_ports().remove(0);
+    let mut pod = spawn_pod("idle", &dir.path().join("control.sock"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while node.pods().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let info = node.pods().pop().expect("the pod registered");
+    let files = [
+        info.rx_body.region().path().to_owned(),
+        info.tx_body.region().path().to_owned(),
+    ];
+    assert!(files.iter().all(|f| f.exists()));
+    // A body is on its way to the pod (reserved in its RX pool) when it dies.
+    let body = port.reserve_body(info.id, 100).unwrap();
+    let pod_id = info.id;
+    drop(info);
+    pod.0.kill().unwrap();
+    pod.wait();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node.pods().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(node.pods().is_empty(), "the dead pod was unregistered");
+    // The delivery that was under way fails with a reason, and its header slot is freed.
+    let header = port.alloc_header(b"h").unwrap();
+    let d = Descriptor::request(Case::ExternalToHost, 1, 0, 0, Destination::Pod(pod_id))
+        .with_header(header)
+        .with_body(body);
+    port.forward(&d).unwrap();
+    let e = port
+        .recv(WakeMode::LOW_CPU, Duration::from_secs(10))
+        .unwrap()
+        .unwrap();
+    assert!(e.kind.error);
+    assert_eq!(e.error_status(), Some(DescriptorStatus::UnknownPod));
+    assert_eq!(node.dpu_pool_use(), (0, 0));
+    // The pod's regions are gone once the last mapping (the port's reservation) went.
+    drop(port);
+    assert!(files.iter().all(|f| !f.exists()), "pod regions unlinked");
+}
