@@ -44,7 +44,9 @@ if ! grep -q "\"version\": \"${componentize_js_version}\"" "$js_installed" 2>/de
 fi
 
 # C: clang for wasm32-wasi with wasi-libc (bindings and componentizing are in-process).
-c_packages="clang lld wasi-libc libclang-rt-14-dev-wasm32"
+# The data path's `verbs` feature: libibverbs/librdmacm headers and libclang for
+# rdma-sys' bindgen (compiled and tested for the no-device case in CI).
+c_packages="clang lld wasi-libc libclang-rt-14-dev-wasm32 libibverbs-dev librdmacm-dev libclang-dev pkg-config"
 c_missing=""
 for p in $c_packages; do
     dpkg -s "$p" >/dev/null 2>&1 || c_missing="$c_missing $p"
@@ -54,6 +56,6 @@ if [ -n "$c_missing" ]; then
         apt-get update -qq >/dev/null
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $c_missing >/dev/null
     else
-        echo "warning: C filters need: apt-get install$c_missing" >&2
+        echo "warning: C filters and the verbs backend need: apt-get install$c_missing" >&2
     fi
 fi

@@ -13,5 +13,9 @@ echo "==> cargo clippy (guest crates for wasm32-wasip2)"
 cargo clippy --locked --target wasm32-wasip2 -p dpumesh-filter-sdk -p dpumesh-sample-guard -p dpumesh-sample-apikey -p dpumesh-test-filter -p dpumesh-filter-trace -p dpumesh-filter-ratelimit -p dpumesh-filter-circuit-breaker -p dpumesh-filter-rbac -p dpumesh-filter-jwt -- -D warnings
 echo "==> cargo clippy (data path with the DOCA backends: type-checked, linked only on BlueField)"
 cargo clippy --locked -p dpumesh-dpa --features doca --all-targets -- -D warnings
+echo "==> cargo clippy (data path with the verbs backend)"
+cargo clippy --locked -p dpumesh-dpa --features verbs --all-targets -- -D warnings
 echo "==> cargo test"
 cargo test --workspace --locked
+echo "==> cargo test (verbs backend: with no RDMA device it says so)"
+cargo test --locked -p dpumesh-dpa --features verbs --lib fabric::verbs

@@ -9,6 +9,8 @@
 //! - [`control`]: the host↔DPU control channel (registration, exports, teardown).
 //! - [`dma`]: DMA engines and the DMA manager that implements cases 1, 2 and 3.
 //! - [`doorbell`]: one futex a consumer of many rings sleeps on.
+//! - [`fabric`]: the RDMA fabric between nodes (verbs semantics; software over TCP,
+//!   and libibverbs behind `verbs`).
 //! - [`node`]: a node's DPU side (pools, sidecar rings, DMA manager, control server).
 //! - [`host`]: a host pod's port (registration, TX/RX, completions).
 //! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
@@ -22,6 +24,7 @@ pub mod control;
 pub mod descriptor;
 pub mod dma;
 pub mod doorbell;
+pub mod fabric;
 pub mod host;
 pub mod node;
 pub mod pool;

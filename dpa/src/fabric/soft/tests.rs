@@ -1,0 +1,506 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, QueuePair};
+
+struct Side {
+    pd: SoftPd,
+    cq: SoftCq,
+    qp: SoftQp,
+    region: Arc<SharedRegion>,
+    mr: SoftMr,
+}
+
+/// Two connected queue pairs in this process, each with a 16 MiB region registered
+/// with every right.
+fn pair_with(access: Access) -> (Side, Side) {
+    let fabric = SoftFabric::new();
+    let side = |fabric: &SoftFabric| {
+        let pd = fabric.alloc_pd().unwrap();
+        let cq = fabric.create_cq(4096).unwrap();
+        let region =
+            Arc::new(SharedRegion::create_unique("dpumesh-test-fabric", 16 << 20).unwrap());
+        let mr = fabric.register(&pd, &region, 0, 16 << 20, access).unwrap();
+        (pd, cq, region, mr)
+    };
+    let (pd_a, cq_a, region_a, mr_a) = side(&fabric);
+    let (pd_b, cq_b, region_b, mr_b) = side(&fabric);
+    let listener = fabric
+        .listen(
+            &pd_b,
+            "127.0.0.1:0".parse().unwrap(),
+            &cq_b,
+            QpCaps::default(),
+        )
+        .unwrap();
+    let addr = listener.local_addr();
+    let accept =
+        std::thread::spawn(move || listener.accept(Duration::from_secs(10)).unwrap().unwrap());
+    let qp_a = fabric
+        .connect(&pd_a, addr, &cq_a, QpCaps::default())
+        .unwrap();
+    let qp_b = accept.join().unwrap();
+    (
+        Side {
+            pd: pd_a,
+            cq: cq_a,
+            qp: qp_a,
+            region: region_a,
+            mr: mr_a,
+        },
+        Side {
+            pd: pd_b,
+            cq: cq_b,
+            qp: qp_b,
+            region: region_b,
+            mr: mr_b,
+        },
+    )
+}
+
+fn pair() -> (Side, Side) {
+    pair_with(Access::all())
+}
+
+/// Progresses both sides until `side` has a completion (the other side must make
+/// progress too: it is the one that reads, writes and answers).
+fn next(side: &Side, other: &Side) -> WorkCompletion {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    while Instant::now() < deadline {
+        other.cq.poll(&mut Vec::new(), 0);
+        if side.cq.poll(&mut out, 1) == 1 {
+            return out[0];
+        }
+        let _ = side.cq.wait(Duration::from_millis(1));
+        let _ = other.cq.wait(Duration::from_millis(1));
+    }
+    panic!("no completion within 20 s");
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+}
+
+#[test]
+fn send_with_imm_lands_in_the_posted_receive() {
+    let (a, b) = pair();
+    b.qp.post_recv(RecvWr {
+        wr_id: 77,
+        sge: b.mr.sge(4096, 1024),
+    })
+    .unwrap();
+    a.region.write(0, b"hello fabric").unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::SendWithImm(0xfeed),
+        sge: a.mr.sge(0, 12),
+        signaled: true,
+    })
+    .unwrap();
+    let wc = next(&b, &a);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len, wc.imm),
+        (77, WcStatus::Success, WcOpcode::Recv, 12, Some(0xfeed))
+    );
+    assert_eq!(b.region.read_vec(4096, 12).unwrap(), b"hello fabric");
+    let wc = next(&a, &b);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (1, WcStatus::Success, WcOpcode::Send)
+    );
+}
+
+#[test]
+fn a_send_before_any_receive_waits_for_one() {
+    let (a, b) = pair();
+    a.region.write(0, b"early").unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sge: a.mr.sge(0, 5),
+        signaled: true,
+    })
+    .unwrap();
+    // Let it arrive with no receive posted.
+    for _ in 0..20 {
+        b.cq.poll(&mut Vec::new(), 0);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut none = Vec::new();
+    assert_eq!(b.cq.poll(&mut none, 8), 0, "held, not failed");
+    b.qp.post_recv(RecvWr {
+        wr_id: 9,
+        sge: b.mr.sge(100, 64),
+    })
+    .unwrap();
+    let wc = next(&b, &a);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (9, WcStatus::Success, 5)
+    );
+    assert_eq!(b.region.read_vec(100, 5).unwrap(), b"early");
+    assert_eq!(next(&a, &b).status, WcStatus::Success);
+}
+
+#[test]
+fn write_read_and_write_with_imm_move_8_mib_intact() {
+    let (a, b) = pair();
+    let data = pattern(8 << 20, 3);
+    a.region.write(0, &data).unwrap();
+    // WRITE a → b.
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Write(b.mr.remote(1 << 20)),
+        sge: a.mr.sge(0, data.len() as u32),
+        signaled: true,
+    })
+    .unwrap();
+    let wc = next(&a, &b);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (1, WcStatus::Success, WcOpcode::RdmaWrite)
+    );
+    assert_eq!(
+        crc32fast::hash(&b.region.read_vec(1 << 20, data.len()).unwrap()),
+        crc32fast::hash(&data)
+    );
+    // READ it back from b into another place of a.
+    a.qp.post_send(SendWr {
+        wr_id: 2,
+        op: SendOp::Read(b.mr.remote(1 << 20)),
+        sge: a.mr.sge(8 << 20, data.len() as u32),
+        signaled: true,
+    })
+    .unwrap();
+    let wc = next(&a, &b);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.byte_len),
+        (2, WcStatus::Success, WcOpcode::RdmaRead, data.len() as u32)
+    );
+    assert_eq!(
+        crc32fast::hash(&a.region.read_vec(8 << 20, data.len()).unwrap()),
+        crc32fast::hash(&data)
+    );
+    // WRITE_WITH_IMM: data lands, then the receiver hears of it through a receive.
+    b.qp.post_recv(RecvWr {
+        wr_id: 50,
+        sge: b.mr.sge(0, 0),
+    })
+    .unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 3,
+        op: SendOp::WriteWithImm(b.mr.remote(0), 42),
+        sge: a.mr.sge(0, 4096),
+        signaled: false,
+    })
+    .unwrap();
+    let wc = next(&b, &a);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode, wc.imm, wc.byte_len),
+        (
+            50,
+            WcStatus::Success,
+            WcOpcode::RecvRdmaWithImm,
+            Some(42),
+            4096
+        )
+    );
+    assert_eq!(b.region.read_vec(0, 4096).unwrap(), data[..4096]);
+}
+
+#[test]
+fn a_wrong_rkey_is_a_remote_access_error_and_memory_stays_untouched() {
+    let (a, b) = pair();
+    b.region.fill(0, 4096, 0xaa).unwrap();
+    b.qp.post_recv(RecvWr {
+        wr_id: 5,
+        sge: b.mr.sge(0, 64),
+    })
+    .unwrap();
+    a.region.write(0, &[0x55; 4096]).unwrap();
+    let bad = RemoteAddr {
+        addr: b.mr.addr(),
+        rkey: b.mr.rkey() ^ 0x100,
+    };
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Write(bad),
+        sge: a.mr.sge(0, 4096),
+        signaled: true,
+    })
+    .unwrap();
+    let wc = next(&a, &b);
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::RemoteAccess));
+    assert_eq!(
+        b.region.read_vec(0, 4096).unwrap(),
+        vec![0xaa; 4096],
+        "not a byte written"
+    );
+    // Both queue pairs are in error: posting fails, the peer's receive was flushed.
+    assert_eq!(a.qp.state(), QpState::Error);
+    assert!(matches!(
+        a.qp.post_send(SendWr {
+            wr_id: 2,
+            op: SendOp::Send,
+            sge: a.mr.sge(0, 1),
+            signaled: true
+        }),
+        Err(FabricError::QpError(_))
+    ));
+    let wc = next(&b, &a);
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::WrFlush));
+    assert_eq!(b.qp.state(), QpState::Error);
+}
+
+#[test]
+fn out_of_bounds_and_unpermitted_accesses_are_refused() {
+    // Past the end of the registered range.
+    let (a, b) = pair();
+    let past = b.mr.remote(b.mr.len() - 10);
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Write(past),
+        sge: a.mr.sge(0, 11),
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
+
+    // Below its start.
+    let (a, b) = pair();
+    let before = RemoteAddr {
+        addr: b.mr.addr() - 1,
+        rkey: b.mr.rkey(),
+    };
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Read(before),
+        sge: a.mr.sge(0, 8),
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
+
+    // A region registered without remote rights.
+    let (a, b) = pair_with(Access::LOCAL_WRITE);
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Write(b.mr.remote(0)),
+        sge: a.mr.sge(0, 8),
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
+    let (a, b) = pair_with(Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Read(b.mr.remote(0)),
+        sge: a.mr.sge(0, 8),
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
+}
+
+#[test]
+fn a_deregistered_region_is_out_of_reach() {
+    let (a, b) = pair();
+    let fabric = SoftFabric::new();
+    let extra = Arc::new(SharedRegion::create_unique("dpumesh-test-fabric", 4096).unwrap());
+    let mr = fabric
+        .register(&b.pd, &extra, 0, 4096, Access::all())
+        .unwrap();
+    let remote = mr.remote(0);
+    drop(mr);
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Write(remote),
+        sge: a.mr.sge(0, 8),
+        signaled: true,
+    })
+    .unwrap();
+    assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
+}
+
+#[test]
+fn a_send_too_large_for_the_receive_fails_on_both_sides() {
+    let (a, b) = pair();
+    b.qp.post_recv(RecvWr {
+        wr_id: 7,
+        sge: b.mr.sge(0, 16),
+    })
+    .unwrap();
+    a.qp.post_send(SendWr {
+        wr_id: 1,
+        op: SendOp::Send,
+        sge: a.mr.sge(0, 17),
+        signaled: true,
+    })
+    .unwrap();
+    let wc = next(&b, &a);
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::LocalLength));
+    assert_eq!(next(&a, &b).status, WcStatus::RemoteInvalidRequest);
+}
+
+#[test]
+fn a_bad_lkey_is_a_local_protection_error() {
+    let (a, b) = pair();
+    let mut sge = a.mr.sge(0, 8);
+    sge.lkey ^= 0x200;
+    a.qp.post_send(SendWr {
+        wr_id: 3,
+        op: SendOp::Send,
+        sge,
+        signaled: false,
+    })
+    .unwrap();
+    let wc = next(&a, &b);
+    assert_eq!(
+        (wc.wr_id, wc.status),
+        (3, WcStatus::LocalProtection),
+        "errors complete even unsignaled"
+    );
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn completions_come_in_order_and_unsignaled_ones_stay_quiet() {
+    let (a, b) = pair();
+    for i in 0..10u64 {
+        a.qp.post_send(SendWr {
+            wr_id: i,
+            op: SendOp::Write(b.mr.remote(i * 8)),
+            sge: a.mr.sge(i * 8, 8),
+            signaled: i % 3 == 2,
+        })
+        .unwrap();
+    }
+    let ids: Vec<u64> = (0..3).map(|_| next(&a, &b).wr_id).collect();
+    assert_eq!(ids, vec![2, 5, 8]);
+    // The 10th (unsignaled) retired with nothing to show; the queue drains only by
+    // signaling: 256 unsignaled requests fill it.
+    let mut posted = 0;
+    loop {
+        match a.qp.post_send(SendWr {
+            wr_id: 100,
+            op: SendOp::Write(b.mr.remote(0)),
+            sge: a.mr.sge(0, 8),
+            signaled: false,
+        }) {
+            Ok(()) => posted += 1,
+            Err(FabricError::QueueFull { limit, .. }) => {
+                assert_eq!(limit, 256);
+                break;
+            }
+            Err(e) => panic!("{e}"),
+        }
+        assert!(posted <= 256);
+    }
+}
+
+#[test]
+fn a_peer_that_goes_away_fails_what_is_outstanding() {
+    let (a, b) = pair();
+    b.qp.post_recv(RecvWr {
+        wr_id: 1,
+        sge: b.mr.sge(0, 64),
+    })
+    .unwrap();
+    let remote = b.mr.remote(0);
+    drop(b);
+    a.qp.post_send(SendWr {
+        wr_id: 9,
+        op: SendOp::Read(remote),
+        sge: a.mr.sge(0, 8),
+        signaled: true,
+    })
+    .unwrap_or(());
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while out.is_empty() && Instant::now() < deadline {
+        a.cq.wait(Duration::from_millis(50)).unwrap();
+        a.cq.poll(&mut out, 1);
+    }
+    let wc = out[0];
+    assert_eq!(wc.wr_id, 9);
+    assert!(
+        matches!(wc.status, WcStatus::RetryExceeded | WcStatus::WrFlush),
+        "{wc:?}"
+    );
+    assert_eq!(a.qp.state(), QpState::Error);
+}
+
+#[test]
+fn one_poller_serves_many_queue_pairs() {
+    let fabric = SoftFabric::new();
+    let pd = fabric.alloc_pd().unwrap();
+    let cq = fabric.create_cq(4096).unwrap();
+    let region = Arc::new(SharedRegion::create_unique("dpumesh-test-fabric", 1 << 20).unwrap());
+    let mr = fabric
+        .register(&pd, &region, 0, 1 << 20, Access::all())
+        .unwrap();
+    let listener = fabric
+        .listen(&pd, "127.0.0.1:0".parse().unwrap(), &cq, QpCaps::default())
+        .unwrap();
+    let addr = listener.local_addr();
+    // Eight clients, each on its own thread with its own CQ, send 100 messages.
+    let clients: Vec<_> = (0..8u8)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let fabric = SoftFabric::new();
+                let pd = fabric.alloc_pd().unwrap();
+                let cq = fabric.create_cq(1024).unwrap();
+                let region =
+                    Arc::new(SharedRegion::create_unique("dpumesh-test-fabric", 4096).unwrap());
+                let mr = fabric
+                    .register(&pd, &region, 0, 4096, Access::all())
+                    .unwrap();
+                let qp = fabric.connect(&pd, addr, &cq, QpCaps::default()).unwrap();
+                region.write(0, &[c; 64]).unwrap();
+                for i in 0..100u64 {
+                    qp.post_send(SendWr {
+                        wr_id: i,
+                        op: SendOp::Send,
+                        sge: mr.sge(0, 64),
+                        signaled: true,
+                    })
+                    .unwrap();
+                    let mut out = Vec::new();
+                    while out.is_empty() {
+                        cq.wait(Duration::from_secs(10)).unwrap();
+                        cq.poll(&mut out, 1);
+                    }
+                    assert_eq!(out[0].status, WcStatus::Success);
+                }
+            })
+        })
+        .collect();
+    let mut qps = Vec::new();
+    while qps.len() < 8 {
+        let qp = listener.accept(Duration::from_secs(10)).unwrap().unwrap();
+        for i in 0..100u64 {
+            qp.post_recv(RecvWr {
+                wr_id: (qps.len() as u64) << 32 | i,
+                sge: mr.sge(qps.len() as u64 * 64, 64),
+            })
+            .unwrap();
+        }
+        qps.push(qp);
+    }
+    let mut got = 0;
+    let mut out = Vec::new();
+    while got < 800 {
+        cq.wait(Duration::from_secs(10)).unwrap();
+        out.clear();
+        got += cq.poll(&mut out, 64);
+        assert!(
+            out.iter()
+                .all(|wc| wc.status == WcStatus::Success && wc.opcode == WcOpcode::Recv)
+        );
+    }
+    for c in clients {
+        c.join().unwrap();
+    }
+}
