@@ -13,6 +13,8 @@
 //!   and libibverbs behind `verbs`).
 //! - [`node`]: a node's DPU side (pools, sidecar rings, DMA manager, control server).
 //! - [`host`]: a host pod's port (registration, TX/RX, completions).
+//! - [`rpc`]: RPC on the fabric (seed 001: inline small requests, RDMA READ of large
+//!   ones, responses by WRITE_WITH_IMM, a ring of contexts per connection).
 //! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
 //!   busy-poll and an event-driven wake mode.
 //!
@@ -29,6 +31,7 @@ pub mod host;
 pub mod node;
 pub mod pool;
 pub mod ring;
+pub mod rpc;
 pub mod shm;
 
 pub use descriptor::{

@@ -81,7 +81,7 @@ pub struct Sge {
 }
 
 /// A remote buffer: an address in a peer's registered region and its rkey.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct RemoteAddr {
     /// Virtual address in the peer's process.
     pub addr: u64,
