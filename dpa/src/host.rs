@@ -85,7 +85,9 @@ pub enum Incoming {
     },
 }
 
-/// A registered pod's port.
+/// A registered pod's port. Dropping it waits briefly (up to [`HostPort::LINGER`]) for
+/// the DPU to hand back TX slots still in flight, so a pod that sends and exits does
+/// not leave the DPU copying from memory that is going away.
 pub struct HostPort {
     control: ControlClient,
     exports: PodExports,
@@ -111,7 +113,21 @@ fn map(export: &RegionExport) -> Result<Arc<SharedRegion>, ShmError> {
     Ok(Arc::new(SharedRegion::open(&export.path)?))
 }
 
+impl Drop for HostPort {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + Self::LINGER;
+        while self.in_flight > 0 && Instant::now() < deadline {
+            // Requests and responses that arrive now have no reader: drop them
+            // (their slots are freed by `try_recv`).
+            let _ = self.recv(WakeMode::LOW_CPU, Duration::from_millis(10));
+        }
+    }
+}
+
 impl HostPort {
+    /// How long dropping a port waits for in-flight TX slots.
+    pub const LINGER: Duration = Duration::from_secs(1);
+
     /// Registers pod `name` of `service` with the DPU at `endpoint` and maps what it
     /// exports.
     pub fn connect(endpoint: &Endpoint, name: &str, service: &str) -> Result<Self, HostError> {

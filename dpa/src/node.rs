@@ -248,15 +248,18 @@ impl Shared {
     /// Removes a pod: the manager stops polling it and drops its port (its regions are
     /// unlinked once nothing maps them), and DPU slots held for it are freed.
     fn remove(&self, id: u32) -> bool {
-        let Some(info) = self.pods.lock().remove(&id) else {
+        let Some(name) = self.pods.lock().get(&id).map(|p| p.name.clone()) else {
             return false;
         };
         let (done, wait) = crossbeam_channel::bounded(1);
         if self.commands.send(Command::RemovePod(id, done)).is_ok() {
             self.doorbell.ring();
-            let _ = wait.recv_timeout(Duration::from_secs(5));
+            let _ = wait.recv_timeout(crate::dma::manager::LEAVE_GRACE + Duration::from_secs(1));
         }
-        tracing::info!(pod = id, name = %info.name, "pod removed");
+        // Out of the table only once the manager has let go of the pod's port, so a
+        // pod missing from the table is gone from the data path too.
+        self.pods.lock().remove(&id);
+        tracing::info!(pod = id, %name, "pod removed");
         true
     }
 }

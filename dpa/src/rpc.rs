@@ -485,7 +485,7 @@ pub struct RpcServer {
 /// Server counters.
 #[derive(Debug, Default)]
 pub struct ServerStats {
-    /// Calls answered.
+    /// Responses posted.
     pub calls: AtomicU64,
     /// Requests that arrived inline.
     pub inline: AtomicU64,
@@ -826,14 +826,17 @@ fn handle<F: Fabric>(
         // FilledWithResponse → WritingResponse: header and body in one write, the
         // context in the immediate data.
         let n = conn.sends.fetch_add(1, Ordering::Relaxed) + 1;
+        // Counted before posting: the caller may see the response before this thread
+        // runs again.
+        stats.calls.fetch_add(1, Ordering::Relaxed);
         let written = conn.qp.post_send(SendWr {
             wr_id: u64::MAX,
             op: SendOp::WriteWithImm(job.meta.resp, job.meta.ctx),
             sge: conn.mr.sge(at, (RESP_HEADER as usize + body.len()) as u32),
             signaled: n.is_multiple_of(SIGNAL_EVERY),
         });
-        if written.is_ok() {
-            stats.calls.fetch_add(1, Ordering::Relaxed);
+        if written.is_err() {
+            stats.calls.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }

@@ -211,6 +211,52 @@ fn pod_entry() {
             })
             .unwrap();
         }
+        // Sends one request with a body to svc-b and exits at once, skipping every
+        // destructor: the node must still carry what it published.
+        "fire-and-forget" => {
+            let mut port = HostPort::connect(&control, "pod-f", "svc-f").unwrap();
+            let b = loop {
+                if let Some(&b) = port.control().resolve("svc-b").unwrap().first() {
+                    break b;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            let sent = body(64 << 10, 9);
+            let h = head(&[
+                ("crc", crc32fast::hash(&sent).to_string()),
+                ("last", "1".into()),
+            ]);
+            port.send(&Outgoing {
+                case: Case::PodToPod,
+                dst: Destination::Pod(b),
+                req_id: 99,
+                step_id: 0,
+                response: false,
+                status: 0,
+                header: &h,
+                body: &sent,
+            })
+            .unwrap();
+            std::process::exit(0);
+        }
+        // Receives one request, checks it, and leaves.
+        "receive-one" => {
+            let mut port = HostPort::connect(&control, "pod-b", "svc-b").unwrap();
+            let Incoming::Message {
+                descriptor,
+                header,
+                body,
+            } = recv(&mut port)
+            else {
+                panic!("an error instead of the request");
+            };
+            assert_eq!(descriptor.req_id, 99);
+            assert_eq!(
+                field(&header, "crc"),
+                Some(crc32fast::hash(&body).to_string())
+            );
+            assert_eq!(body.len(), 64 << 10);
+        }
         // Registers, says so on stdout... and stays until killed.
         "idle" => {
             let _port = HostPort::connect(&control, "pod-c", "svc-c").unwrap();
@@ -342,4 +388,27 @@ fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
     // The pod's regions are gone once the last mapping (the port's reservation) went.
     drop(port);
     assert!(files.iter().all(|f| !f.exists()), "pod regions unlinked");
+}
+
+#[test]
+fn a_pod_that_sends_and_exits_at_once_still_gets_its_message_delivered() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path(), "fire");
+    let mut port = node.take_sidecar_ports().remove(0);
+    let socket = dir.path().join("control.sock");
+    let mut receiver = spawn_pod("receive-one", &socket);
+    let mut sender = spawn_pod("fire-and-forget", &socket);
+    assert!(sender.wait().success());
+    // The sender is gone; its request (and the body still in its memory) must not be.
+    proxy(&mut port, |d| d.req_id == 99);
+    assert!(
+        receiver.wait().success(),
+        "the receiver got the request intact"
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !node.pods().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(node.pods().is_empty(), "both pods were reclaimed");
+    assert_eq!(node.dpu_pool_use(), (0, 0));
 }

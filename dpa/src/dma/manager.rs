@@ -37,6 +37,8 @@ use crate::ring::{Consumer, Producer, WakeMode};
 const BUDGET: usize = 32;
 /// Deliveries held for a pod whose RX ring is full; beyond this they fail.
 const MAX_HELD: usize = 4096;
+/// How long a departed pod's port is kept for bodies still on their way elsewhere.
+pub const LEAVE_GRACE: Duration = Duration::from_secs(10);
 
 /// A pod as the DMA manager sees it.
 #[derive(Debug)]
@@ -71,7 +73,9 @@ pub struct SidecarRings {
 pub enum Command {
     /// Start polling a pod.
     AddPod(Box<PodPort>),
-    /// Stop polling a pod and drop its port; answer when done.
+    /// The pod left: take what it already sent, stop polling it, and drop its port
+    /// once every body the manager claimed from it is handed on (at most
+    /// [`LEAVE_GRACE`]); answer then.
     RemovePod(u32, crossbeam_channel::Sender<()>),
     /// Stop the manager.
     Stop,
@@ -110,7 +114,16 @@ pub struct DmaManager<E: DmaEngine> {
     wake: WakeMode,
     held: HashMap<u32, VecDeque<Descriptor>>,
     to_arm_held: VecDeque<Descriptor>,
+    /// Departed pods whose ports are kept until their claimed bodies are handed on.
+    leaving: Vec<Leaving>,
     stats: Arc<DmaStats>,
+}
+
+#[derive(Debug)]
+struct Leaving {
+    id: u32,
+    since: std::time::Instant,
+    done: crossbeam_channel::Sender<()>,
 }
 
 impl<E: DmaEngine> std::fmt::Debug for DmaManager<E> {
@@ -174,6 +187,7 @@ impl<E: DmaEngine> DmaManager<E> {
             wake,
             held: HashMap::new(),
             to_arm_held: VecDeque::new(),
+            leaving: Vec::new(),
             stats,
         }
     }
@@ -230,19 +244,30 @@ impl<E: DmaEngine> DmaManager<E> {
                     self.order.push(port.id);
                     self.pods.insert(port.id, *port);
                 }
-                Ok(Command::RemovePod(id, done)) => {
-                    self.remove_pod(id);
-                    let _ = done.send(());
-                }
+                Ok(Command::RemovePod(id, done)) => self.remove_pod(id, done),
                 Ok(Command::Stop) | Err(TryRecvError::Disconnected) => return false,
                 Err(TryRecvError::Empty) => return true,
             }
         }
     }
 
-    fn remove_pod(&mut self, id: u32) {
+    fn remove_pod(&mut self, id: u32, done: crossbeam_channel::Sender<()>) {
+        // What the pod published before it went still goes out (a pod may send and
+        // exit at once); then it is polled no more.
+        while let Some(pod) = self.pods.get_mut(&id) {
+            match pod.tx_sq.try_pop() {
+                Ok(Some(d)) => {
+                    self.stats.intake.fetch_add(1, Ordering::Relaxed);
+                    self.intake(id, d);
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(pod = id, error = %e, "malformed descriptor on a departing pod's TX SQ");
+                    self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
         self.order.retain(|&p| p != id);
-        self.pods.remove(&id);
         // Deliveries held for it will never land: give their buffers back.
         if let Some(held) = self.held.remove(&id) {
             for d in held {
@@ -253,10 +278,40 @@ impl<E: DmaEngine> DmaManager<E> {
                 );
             }
         }
+        self.leaving.push(Leaving {
+            id,
+            since: std::time::Instant::now(),
+            done,
+        });
+        self.drop_departed();
+    }
+
+    /// Drops departed pods' ports once no body they sent is still claimed (or the
+    /// grace period is over).
+    fn drop_departed(&mut self) {
+        let pods = &mut self.pods;
+        self.leaving.retain(|l| {
+            let busy = pods
+                .get(&l.id)
+                .is_some_and(|p| p.tx_body.held_by(OwnerId::DMA) > 0);
+            if busy && l.since.elapsed() < LEAVE_GRACE {
+                return true;
+            }
+            pods.remove(&l.id);
+            let _ = l.done.send(());
+            false
+        });
+    }
+
+    fn is_leaving(&self, id: u32) -> bool {
+        self.leaving.iter().any(|l| l.id == id)
     }
 
     /// One pass over every ring; returns how much work was done.
     pub fn pass(&mut self) -> usize {
+        if !self.leaving.is_empty() {
+            self.drop_departed();
+        }
         let mut work = self.retry_held();
         for i in 0..self.order.len() {
             let id = self.order[i];
@@ -445,6 +500,13 @@ impl<E: DmaEngine> DmaManager<E> {
             );
             return;
         };
+        if self.is_leaving(dst) {
+            self.fail_delivery(
+                &d,
+                Refusal::new(DescriptorStatus::PodGone, format!("pod {dst} went away")),
+            );
+            return;
+        }
         if !self.pods.contains_key(&dst) {
             self.fail_delivery(
                 &d,
