@@ -7,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+mod bench;
 mod filter;
 mod progress;
 mod scaffold;
@@ -69,6 +70,11 @@ enum Command {
         #[command(subcommand)]
         command: FilterCommand,
     },
+    /// Benchmarks with their baselines measured in the same run.
+    Bench {
+        #[command(subcommand)]
+        command: BenchCommand,
+    },
     /// Load a filter component and validate its configuration.
     Check {
         /// The filter component (`.wasm`).
@@ -76,6 +82,32 @@ enum Command {
         /// The filter's configuration (JSON); empty means defaults.
         #[arg(long, default_value = "")]
         config: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// The data path (FreeFlow's table): ring round trips in busy-poll and event mode,
+    /// Unix socket and TCP baselines, fabric RPC vs plain TCP, DMA copy vs memcpy, for
+    /// 2 B to 8 MiB messages.
+    Dpa {
+        /// Fewer iterations (a smoke run).
+        #[arg(long)]
+        quick: bool,
+        /// Print JSON instead of tables.
+        #[arg(long)]
+        json: bool,
+        /// Only the paths whose names contain this (ring, unix, tcp, rpc, copy).
+        #[arg(long)]
+        only: Option<String>,
+    },
+    /// The echo peer of `bench dpa` (started by it in a second process).
+    #[command(hide = true)]
+    DpaPeer {
+        /// Which path.
+        role: String,
+        /// Its arguments (region paths, addresses).
+        args: Vec<String>,
     },
 }
 
@@ -141,6 +173,14 @@ fn main() -> Result<ExitCode> {
             requests,
         } => demo(&filter, &config, workers, requests).map(|()| ExitCode::SUCCESS),
         Command::Check { filter, config } => check(&filter, &config).map(|()| ExitCode::SUCCESS),
+        Command::Bench { command } => match command {
+            BenchCommand::Dpa { quick, json, only } => {
+                bench::dpa::run(quick, json, only.as_deref()).map(|()| ExitCode::SUCCESS)
+            }
+            BenchCommand::DpaPeer { role, args } => {
+                bench::dpa::peer(&role, &args).map(|()| ExitCode::SUCCESS)
+            }
+        },
         Command::Filter { command } => match command {
             FilterCommand::Test {
                 component,

@@ -303,9 +303,11 @@ impl BufferPool {
         assert_ne!(owner.0, 0, "owner id 0 means free");
         let words = self.words();
         let n = words.len();
-        // Start where the last allocation (by anyone) left off: slots are freed
-        // roughly in allocation order, so the next one is usually free.
-        let start = self.hint().fetch_add(1, Ordering::Relaxed) as usize % n;
+        // Start at the slot freed last: its pages are faulted in and likely still in
+        // cache (a pool of large slots used round-robin would touch cold memory on
+        // every message). Claiming it moves the hint on, so concurrent allocators
+        // spread out instead of fighting over one word.
+        let start = self.hint().load(Ordering::Relaxed) as usize % n;
         for i in 0..n {
             let index = (start + i) % n;
             let current = words[index].load(Ordering::Relaxed);
@@ -318,6 +320,7 @@ impl BufferPool {
                 .compare_exchange(current, next, Ordering::Acquire, Ordering::Relaxed)
                 .is_ok()
             {
+                self.hint().store((index + 1) as u64, Ordering::Relaxed);
                 return Ok(SlotRef {
                     index: index as u32,
                     generation: generation.wrapping_add(1),
@@ -362,9 +365,11 @@ impl BufferPool {
             })
     }
 
-    /// Frees a slot `owner` holds.
+    /// Frees a slot `owner` holds; the next allocation tries it first.
     pub fn release(&self, slot: SlotRef, owner: OwnerId) -> Result<(), PoolError> {
-        self.swap_owner(slot, owner, 0)
+        self.swap_owner(slot, owner, 0)?;
+        self.hint().store(slot.index as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Hands a slot from `from` to `to` (with the descriptor that names it).
@@ -483,6 +488,15 @@ impl BufferPool {
             .read_vec(self.slot_offset(slot.index), buffer.len as usize)?)
     }
 
+    /// Reads a buffer of this pool into `out` (its first `buffer.len` bytes).
+    pub fn read_into(&self, buffer: Buffer, out: &mut [u8]) -> Result<(), PoolError> {
+        let slot = self.slot_of(buffer)?;
+        let n = (buffer.len as usize).min(out.len());
+        Ok(self
+            .region
+            .read(self.slot_offset(slot.index), &mut out[..n])?)
+    }
+
     /// The region offset of a buffer of this pool (for DMA copies).
     pub fn offset_of(&self, buffer: Buffer) -> Result<u64, PoolError> {
         let slot = self.slot_of(buffer)?;
@@ -513,6 +527,17 @@ mod tests {
         let again = p.alloc(a).unwrap();
         assert_eq!(again.index, slots[2].index);
         assert_eq!(again.generation, slots[2].generation + 1);
+    }
+
+    #[test]
+    fn the_slot_freed_last_is_handed_out_next() {
+        let p = pool(64, 8);
+        let a = OwnerId(1);
+        let s = p.alloc(a).unwrap();
+        let _t = p.alloc(a).unwrap();
+        p.release(s, a).unwrap();
+        // Six other slots are free, but the one just freed is hot: it comes back.
+        assert_eq!(p.alloc(a).unwrap().index, s.index);
     }
 
     #[test]

@@ -72,7 +72,7 @@ impl Default for RpcConfig {
             slots: 16,
             max_request: 1 << 20,
             max_response: 1 << 20,
-            inline: 4 << 10,
+            inline: 64 << 10,
             handlers: 2,
             handler_spin: Duration::from_micros(50),
             timeout: Duration::from_secs(30),
@@ -875,7 +875,7 @@ mod tests {
         };
         let server = echo_server(config);
         let client = RpcClient::connect(&SoftFabric::new(), server.local_addr(), config).unwrap();
-        for len in [0usize, 1, 100, 4096, 4097, 1 << 20, (3 << 20) + 7] {
+        for len in [0usize, 1, 100, 4096, 65536, 65537, (3 << 20) + 7] {
             let req: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
             let mut want = req.clone();
             want.reverse();
@@ -883,9 +883,9 @@ mod tests {
             assert_eq!(crc32fast::hash(&got), crc32fast::hash(&want), "len {len}");
             assert_eq!(got.len(), len);
         }
-        // 4 inline (0, 1, 100, 4096), 3 read.
-        assert_eq!(server.stats().inline.load(Ordering::Relaxed), 4);
-        assert_eq!(server.stats().read.load(Ordering::Relaxed), 3);
+        // 5 inline (up to 64 KiB), 2 read.
+        assert_eq!(server.stats().inline.load(Ordering::Relaxed), 5);
+        assert_eq!(server.stats().read.load(Ordering::Relaxed), 2);
     }
 
     #[test]

@@ -343,6 +343,50 @@ impl SharedRegion {
         Ok(())
     }
 
+    /// One `write(2)` of up to `len` bytes at `offset` to `fd`, straight from the
+    /// mapping (the software fabric sends payloads this way, with no bounce buffer).
+    pub fn write_to(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let at = self
+            .check(offset, len as u64)
+            .map_err(std::io::Error::other)?;
+        // SAFETY: the range is inside the mapping (checked); the kernel only reads it,
+        // and no Rust reference to the shared bytes is formed.
+        let n = unsafe { libc::write(fd.as_raw_fd(), self.ptr.as_ptr().add(at).cast(), len) };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// One `read(2)` of up to `len` bytes from `fd` into the mapping at `offset` (the
+    /// software fabric lands payloads this way, as a NIC writes registered memory).
+    pub fn read_from(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+    ) -> std::io::Result<usize> {
+        use std::os::fd::AsRawFd;
+        let at = self
+            .check(offset, len as u64)
+            .map_err(std::io::Error::other)?;
+        // SAFETY: the range is inside the mapping (checked); the kernel writes it, and
+        // no Rust reference to the shared bytes is formed.
+        let n = unsafe { libc::read(fd.as_raw_fd(), self.ptr.as_ptr().add(at).cast(), len) };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
     /// `count` `AtomicU64`s starting at `offset` (8-byte aligned).
     pub fn atomic_u64s(&self, offset: u64, count: usize) -> Result<&[AtomicU64], ShmError> {
         let at = self.check(offset, count as u64 * 8)?;
