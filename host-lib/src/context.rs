@@ -1,0 +1,322 @@
+//! The high-level API, after seed 000: a handler gets an [`ExecutionContext`] and
+//! schedules steps; it returns at once, and the event loop runs the graph.
+//!
+//! Steps scheduled one after another run in that order (a sequence stops at the first
+//! failure); steps inside [`ExecutionContext::parallel`] run at the same time.
+//!
+//! **The response** is the result of the graph's last step: the step scheduled with
+//! [`ExecutionContext::respond`] if there is one, else the last step of the top-level
+//! sequence (for a parallel block, its last member). A handler that schedules nothing
+//! answers 200 with an empty body. A failed request answers with the status of its
+//! error ([`StepError::status`](crate::StepError::status): 502 for upstream errors and
+//! failed parallel blocks, 504 for timeouts, 500 for internal failures) and a body
+//! naming the step and the cause.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Method;
+
+use crate::graph::{EgressStep, InternalStep, Node, Requests};
+use crate::http::HttpRequest;
+use crate::result::{Inputs, StepId, StepOutput};
+
+/// A scheduled step, for naming it in another step's `inputs`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StepRef(pub StepId);
+
+impl AsRef<str> for StepRef {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+enum FrameKind {
+    Sequence,
+    Parallel,
+}
+
+struct Frame {
+    kind: FrameKind,
+    nodes: Vec<Node>,
+}
+
+/// One request's graph under construction.
+pub struct ExecutionContext {
+    request: HttpRequest,
+    stack: Vec<Frame>,
+    next: usize,
+    response: Option<StepId>,
+}
+
+impl std::fmt::Debug for ExecutionContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutionContext")
+            .field("request", &self.request.url)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExecutionContext {
+    /// A context for `request`.
+    pub fn new(request: HttpRequest) -> Self {
+        Self {
+            request,
+            stack: vec![Frame {
+                kind: FrameKind::Sequence,
+                nodes: Vec::new(),
+            }],
+            next: 0,
+            response: None,
+        }
+    }
+
+    /// The request being handled.
+    pub fn request(&self) -> &HttpRequest {
+        &self.request
+    }
+
+    fn generated_id(&mut self) -> StepId {
+        let id = format!("step-{}", self.next);
+        self.next += 1;
+        id
+    }
+
+    fn frame(&mut self) -> &mut Frame {
+        self.stack
+            .last_mut()
+            .expect("the root frame is never popped")
+    }
+
+    fn in_parallel(&self) -> bool {
+        matches!(
+            self.stack.last().map(|f| &f.kind),
+            Some(FrameKind::Parallel)
+        )
+    }
+
+    /// Schedules an egress call. The URL names the service (`http://user-service/me`);
+    /// the data path resolves it to a pod or another node.
+    pub fn call(&mut self, method: Method, url: &str) -> CallBuilder<'_> {
+        let id = self.generated_id();
+        let concurrent = self.in_parallel();
+        let mut step = EgressStep::new(id, vec![HttpRequest::new(method, url)]);
+        step.concurrent = concurrent;
+        self.frame().nodes.push(Node::Egress(step));
+        CallBuilder { ctx: self }
+    }
+
+    /// A GET.
+    pub fn get(&mut self, url: &str) -> CallBuilder<'_> {
+        self.call(Method::GET, url)
+    }
+
+    /// Schedules CPU work on the thread pool, with the results of its `inputs`.
+    pub fn run_internal<F, O, E>(&mut self, func: F) -> InternalBuilder<'_>
+    where
+        F: FnOnce(&Inputs) -> Result<O, E> + Send + 'static,
+        O: Into<StepOutput>,
+        E: std::fmt::Display,
+    {
+        let id = self.generated_id();
+        self.frame()
+            .nodes
+            .push(Node::Internal(InternalStep::new(id, Vec::new(), func)));
+        InternalBuilder { ctx: self }
+    }
+
+    /// Schedules the step whose output answers the request (it runs after everything
+    /// scheduled before it, like any step of the sequence).
+    pub fn respond<F, O, E>(&mut self, func: F) -> InternalBuilder<'_>
+    where
+        F: FnOnce(&Inputs) -> Result<O, E> + Send + 'static,
+        O: Into<StepOutput>,
+        E: std::fmt::Display,
+    {
+        let id = self.generated_id();
+        let mut step = InternalStep::new(id.clone(), Vec::new(), func);
+        step.respond = true;
+        self.response = Some(id);
+        self.frame().nodes.push(Node::Internal(step));
+        InternalBuilder { ctx: self }
+    }
+
+    /// Steps scheduled inside `block` run at the same time.
+    pub fn parallel(&mut self, block: impl FnOnce(&mut Self)) {
+        self.stack.push(Frame {
+            kind: FrameKind::Parallel,
+            nodes: Vec::new(),
+        });
+        block(self);
+        let frame = self.stack.pop().expect("pushed above");
+        self.frame().nodes.push(Node::Pipe(frame.nodes));
+    }
+
+    /// Steps scheduled inside `block` run one after another (useful inside a parallel
+    /// block).
+    pub fn sequence(&mut self, block: impl FnOnce(&mut Self)) {
+        self.stack.push(Frame {
+            kind: FrameKind::Sequence,
+            nodes: Vec::new(),
+        });
+        block(self);
+        let frame = self.stack.pop().expect("pushed above");
+        self.frame().nodes.push(Node::Order(frame.nodes));
+    }
+
+    /// Adds a low-level node (built with [`order`](crate::order), [`pipe`](crate::pipe),
+    /// [`EgressStep`], [`InternalStep`]) to the current block.
+    pub fn add(&mut self, node: impl Into<Node>) {
+        self.frame().nodes.push(node.into());
+    }
+
+    /// The graph, and the id of the step that answers (if one was named).
+    pub(crate) fn into_graph(mut self) -> (Node, Option<StepId>) {
+        while self.stack.len() > 1 {
+            let frame = self.stack.pop().expect("len > 1");
+            self.frame().nodes.push(match frame.kind {
+                FrameKind::Parallel => Node::Pipe(frame.nodes),
+                FrameKind::Sequence => Node::Order(frame.nodes),
+            });
+        }
+        let root = self.stack.pop().expect("the root frame");
+        (Node::Order(root.nodes), self.response)
+    }
+
+    fn last(&mut self) -> &mut Node {
+        self.frame()
+            .nodes
+            .last_mut()
+            .expect("a builder follows its step")
+    }
+}
+
+fn ids(inputs: impl IntoIterator<Item = impl AsRef<str>>) -> Vec<StepId> {
+    inputs.into_iter().map(|s| s.as_ref().to_owned()).collect()
+}
+
+/// Options of the egress step just scheduled.
+pub struct CallBuilder<'a> {
+    ctx: &'a mut ExecutionContext,
+}
+
+impl CallBuilder<'_> {
+    fn step(&mut self) -> &mut EgressStep {
+        match self.ctx.last() {
+            Node::Egress(e) => e,
+            _ => unreachable!("a CallBuilder follows an egress step"),
+        }
+    }
+
+    fn request(&mut self) -> Option<&mut HttpRequest> {
+        match &mut self.step().requests {
+            Requests::Fixed(r) => r.first_mut(),
+            Requests::Builder(_) => None,
+        }
+    }
+
+    /// Names the step (ids must be unique in the request).
+    pub fn id(mut self, id: &str) -> Self {
+        let old = std::mem::replace(&mut self.step().id, id.to_owned());
+        if self.ctx.response.as_ref() == Some(&old) {
+            self.ctx.response = Some(id.to_owned());
+        }
+        self
+    }
+
+    /// Adds a header.
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        if let Some(r) = self.request() {
+            let _ = r.try_header(name, value);
+        }
+        self
+    }
+
+    /// Sets the body.
+    pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        let body = body.into();
+        if let Some(r) = self.request() {
+            r.body = body;
+        }
+        self
+    }
+
+    /// Steps whose results the request builder gets.
+    pub fn inputs(mut self, inputs: impl IntoIterator<Item = impl AsRef<str>>) -> Self {
+        self.step().inputs = ids(inputs);
+        self
+    }
+
+    /// Builds the requests from the inputs when the step starts (the URL given to
+    /// `call` is then ignored): none skips the step, several fan out.
+    pub fn request_builder(
+        mut self,
+        builder: impl FnOnce(&Inputs) -> Vec<HttpRequest> + Send + 'static,
+    ) -> Self {
+        self.step().requests = Requests::Builder(Box::new(builder));
+        self
+    }
+
+    /// The step must finish within `timeout`.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.step().timeout = Some(timeout);
+        self
+    }
+
+    /// The step's reference.
+    pub fn step_ref(mut self) -> StepRef {
+        StepRef(self.step().id.clone())
+    }
+}
+
+impl From<CallBuilder<'_>> for StepRef {
+    fn from(b: CallBuilder<'_>) -> Self {
+        b.step_ref()
+    }
+}
+
+/// Options of the internal (or respond) step just scheduled.
+pub struct InternalBuilder<'a> {
+    ctx: &'a mut ExecutionContext,
+}
+
+impl InternalBuilder<'_> {
+    fn step(&mut self) -> &mut InternalStep {
+        match self.ctx.last() {
+            Node::Internal(i) => i,
+            _ => unreachable!("an InternalBuilder follows an internal step"),
+        }
+    }
+
+    /// Names the step.
+    pub fn id(mut self, id: &str) -> Self {
+        let old = std::mem::replace(&mut self.step().id, id.to_owned());
+        if self.ctx.response.as_ref() == Some(&old) {
+            self.ctx.response = Some(id.to_owned());
+        }
+        self
+    }
+
+    /// Steps whose results it gets.
+    pub fn inputs(mut self, inputs: impl IntoIterator<Item = impl AsRef<str>>) -> Self {
+        self.step().inputs = ids(inputs);
+        self
+    }
+
+    /// It must finish within `timeout`.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.step().timeout = Some(timeout);
+        self
+    }
+
+    /// The step's reference.
+    pub fn step_ref(mut self) -> StepRef {
+        StepRef(self.step().id.clone())
+    }
+}
+
+impl From<InternalBuilder<'_>> for StepRef {
+    fn from(b: InternalBuilder<'_>) -> Self {
+        b.step_ref()
+    }
+}

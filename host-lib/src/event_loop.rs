@@ -1,0 +1,392 @@
+//! The service event loop (seed 000's "Server Event Loop"): wakes on transport events
+//! and finished internal steps, runs new requests' handlers, feeds completions to
+//! their contexts, sends egress requests, runs internal steps on the pool, and answers
+//! each request when its graph finishes. Nothing in it blocks on I/O.
+//!
+//! **The step registry.** An egress request carries `(req_id, step_id)`. `req_id` is a
+//! context slot (low 16 bits) and the slot's generation (high 16 bits); `step_id`
+//! numbers the context's requests. A completion is delivered only if its slot still
+//! holds the same generation and the step is still awaited, so a late completion (its
+//! step timed out, or its request finished) is dropped, never delivered to whatever
+//! request reuses the slot. At most 65 535 requests are in flight at once; beyond
+//! that a request is answered 503 at once.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::Receiver;
+
+use crate::context::ExecutionContext;
+use crate::http::HttpResponse;
+use crate::pool::{Done, JobKey, Pool};
+use crate::run::{Action, Run, panic_text};
+use crate::transport::{Event, IncomingId, Tag, Transport, TransportError};
+
+/// A service's handler: builds the graph of one request.
+pub type Handler = dyn Fn(&mut ExecutionContext) + Send + Sync;
+
+/// A step timer: (when, sequence, slot, generation, node), earliest first.
+type Timer = Reverse<(Duration, u64, u32, u16, usize)>;
+
+const SLOT_BITS: u32 = 16;
+const MAX_SLOTS: usize = (1 << SLOT_BITS) - 1;
+
+/// How the loop is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct LoopConfig {
+    /// Threads for internal steps.
+    pub threads: usize,
+    /// Most requests in flight (at most 65 535).
+    pub max_in_flight: usize,
+}
+
+impl Default for LoopConfig {
+    fn default() -> Self {
+        Self {
+            threads: 2,
+            max_in_flight: MAX_SLOTS,
+        }
+    }
+}
+
+/// Counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoopStats {
+    /// Requests received.
+    pub requests: u64,
+    /// Requests answered.
+    pub responses: u64,
+    /// Egress requests sent.
+    pub egress: u64,
+    /// Internal steps run.
+    pub internal: u64,
+    /// Completions dropped because their step or request was gone.
+    pub late_dropped: u64,
+    /// Requests refused because too many were in flight.
+    pub refused: u64,
+}
+
+struct Context {
+    generation: u16,
+    incoming: IncomingId,
+    run: Run,
+    pending: HashMap<u32, (usize, usize)>,
+    next_step: u32,
+}
+
+/// The event loop of one service.
+pub struct EventLoop<T: Transport> {
+    transport: T,
+    handler: Arc<Handler>,
+    config: LoopConfig,
+    slots: Vec<Option<Context>>,
+    generations: Vec<u16>,
+    free: Vec<u32>,
+    live: usize,
+    pool: Pool,
+    done: Receiver<Done>,
+    internal_running: usize,
+    timers: BinaryHeap<Timer>,
+    timer_seq: u64,
+    events: Vec<Event>,
+    actions: Vec<Action>,
+    stats: LoopStats,
+}
+
+impl<T: Transport> std::fmt::Debug for EventLoop<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventLoop")
+            .field("live", &self.live)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: Transport> EventLoop<T> {
+    /// A loop serving `handler` on `transport`.
+    pub fn new(
+        transport: T,
+        handler: impl Fn(&mut ExecutionContext) + Send + Sync + 'static,
+        config: LoopConfig,
+    ) -> std::io::Result<Self> {
+        let (done_tx, done) = crossbeam_channel::unbounded();
+        let pool = Pool::new(config.threads, done_tx, transport.waker())?;
+        Ok(Self {
+            transport,
+            handler: Arc::new(handler),
+            config: LoopConfig {
+                max_in_flight: config.max_in_flight.min(MAX_SLOTS),
+                ..config
+            },
+            slots: Vec::new(),
+            generations: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+            pool,
+            done,
+            internal_running: 0,
+            timers: BinaryHeap::new(),
+            timer_seq: 0,
+            events: Vec::new(),
+            actions: Vec::new(),
+            stats: LoopStats::default(),
+        })
+    }
+
+    /// The transport (tests inject requests and read answers through it).
+    pub fn transport(&mut self) -> &mut T {
+        &mut self.transport
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> LoopStats {
+        self.stats
+    }
+
+    /// Requests in flight, and egress requests awaited across them (the registry's
+    /// size; both return to zero when the service is quiet).
+    pub fn in_flight(&self) -> (usize, usize) {
+        let pending = self.slots.iter().flatten().map(|c| c.pending.len()).sum();
+        (self.live, pending)
+    }
+
+    /// Memory the registry holds on to: context slots allocated (they are reused, so
+    /// this is the peak of requests in flight).
+    pub fn slots_allocated(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// One turn: finished internal steps, due timers, then whatever the transport has
+    /// (waiting at most `max_wait`). Returns how many things happened.
+    pub fn turn(&mut self, max_wait: Option<Duration>) -> Result<usize, TransportError> {
+        let mut work = self.drain_internal();
+        work += self.fire_timers();
+        let now = self.transport.now();
+        let next_timer = self
+            .timers
+            .peek()
+            .map(|Reverse((at, ..))| at.saturating_sub(now));
+        let wait = match (max_wait, next_timer) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let wait = if work > 0 { Some(Duration::ZERO) } else { wait };
+        let mut events = std::mem::take(&mut self.events);
+        events.clear();
+        self.transport
+            .poll(wait, self.internal_running == 0, &mut events)?;
+        work += events.len();
+        for event in events.drain(..) {
+            match event {
+                Event::Request { id, request } => self.start(id, request),
+                Event::Completion { tag, outcome } => self.complete(tag, outcome),
+            }
+        }
+        self.events = events;
+        work += self.fire_timers();
+        work += self.drain_internal();
+        Ok(work)
+    }
+
+    /// Turns until nothing is in flight and nothing more can happen (the transport
+    /// has nothing to deliver and no timer is armed), or until `stop`.
+    pub fn run_until_idle(&mut self) -> Result<(), TransportError> {
+        loop {
+            let work = self.turn(None)?;
+            if work == 0 && self.internal_running == 0 && self.timers.is_empty() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Turns until `stop` is set.
+    pub fn run(&mut self, stop: &AtomicBool) -> Result<(), TransportError> {
+        while !stop.load(Ordering::Relaxed) {
+            self.turn(Some(Duration::from_millis(50)))?;
+        }
+        Ok(())
+    }
+
+    fn start(&mut self, id: IncomingId, request: crate::http::HttpRequest) {
+        self.stats.requests += 1;
+        if self.live >= self.config.max_in_flight {
+            self.stats.refused += 1;
+            let answer = HttpResponse::new(
+                503,
+                format!("service overloaded: {} requests in flight\n", self.live),
+            );
+            let _ = self.transport.send_response(id, answer);
+            return;
+        }
+        let mut ctx = ExecutionContext::new(request);
+        let handler = self.handler.clone();
+        let run = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(&mut ctx)))
+        {
+            Ok(()) => {
+                let (graph, respond) = ctx.into_graph();
+                Run::new(graph, respond).unwrap_or_else(Run::failed)
+            }
+            Err(panic) => Run::failed(crate::StepError::Panicked(format!(
+                "handler: {}",
+                panic_text(&*panic)
+            ))),
+        };
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(None);
+                self.generations.push(0);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let generation = self.generations[slot as usize];
+        self.slots[slot as usize] = Some(Context {
+            generation,
+            incoming: id,
+            run,
+            pending: HashMap::new(),
+            next_step: 0,
+        });
+        self.live += 1;
+        let mut actions = std::mem::take(&mut self.actions);
+        if let Some(ctx) = self.slots[slot as usize].as_mut() {
+            ctx.run.start(&mut actions);
+        }
+        self.apply(slot, actions);
+    }
+
+    fn complete(&mut self, tag: Tag, outcome: Result<HttpResponse, String>) {
+        let slot = tag.req_id & ((1 << SLOT_BITS) - 1);
+        let generation = (tag.req_id >> SLOT_BITS) as u16;
+        let entry = self
+            .slots
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+            .filter(|c| c.generation == generation)
+            .and_then(|c| c.pending.remove(&tag.step_id));
+        let Some((node, part)) = entry else {
+            self.stats.late_dropped += 1;
+            return;
+        };
+        let mut actions = std::mem::take(&mut self.actions);
+        if let Some(ctx) = self.slots[slot as usize].as_mut() {
+            ctx.run.on_egress(node, part, outcome, &mut actions);
+        }
+        self.apply(slot, actions);
+    }
+
+    fn drain_internal(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(Done { key, outcome }) = self.done.try_recv() {
+            n += 1;
+            self.internal_running -= 1;
+            let current = self
+                .slots
+                .get_mut(key.slot as usize)
+                .and_then(Option::as_mut)
+                .filter(|c| c.generation as u32 == key.generation);
+            let Some(ctx) = current else {
+                self.stats.late_dropped += 1;
+                continue;
+            };
+            let mut actions = std::mem::take(&mut self.actions);
+            ctx.run.on_internal(key.node, outcome, &mut actions);
+            self.apply(key.slot, actions);
+        }
+        n
+    }
+
+    fn fire_timers(&mut self) -> usize {
+        let now = self.transport.now();
+        let mut n = 0;
+        while let Some(Reverse((at, _, slot, generation, node))) = self.timers.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.timers.pop();
+            n += 1;
+            let Some(ctx) = self
+                .slots
+                .get_mut(slot as usize)
+                .and_then(Option::as_mut)
+                .filter(|c| c.generation == generation)
+            else {
+                continue;
+            };
+            let mut actions = std::mem::take(&mut self.actions);
+            ctx.run.on_timeout(node, &mut actions);
+            self.apply(slot, actions);
+        }
+        n
+    }
+
+    /// Carries out a context's actions (which may produce more), then answers and
+    /// frees the context if its graph finished.
+    fn apply(&mut self, slot: u32, mut actions: Vec<Action>) {
+        // In the order the run asked for them (a fan-out's requests leave in order).
+        let mut queue: VecDeque<Action> = actions.drain(..).collect();
+        while let Some(action) = queue.pop_front() {
+            let Some(ctx) = self.slots[slot as usize].as_mut() else {
+                break;
+            };
+            match action {
+                Action::Send {
+                    node,
+                    part,
+                    request,
+                } => {
+                    let step_id = ctx.next_step;
+                    ctx.next_step = ctx.next_step.wrapping_add(1);
+                    ctx.pending.insert(step_id, (node, part));
+                    let tag = Tag {
+                        req_id: (ctx.generation as u32) << SLOT_BITS | slot,
+                        step_id,
+                    };
+                    self.stats.egress += 1;
+                    if let Err(e) = self.transport.send_request(tag, request) {
+                        let ctx = self.slots[slot as usize].as_mut().expect("checked above");
+                        ctx.pending.remove(&step_id);
+                        ctx.run
+                            .on_egress(node, part, Err(e.to_string()), &mut actions);
+                        queue.extend(actions.drain(..));
+                    }
+                }
+                Action::Internal { node, func, inputs } => {
+                    self.stats.internal += 1;
+                    self.internal_running += 1;
+                    let key = JobKey {
+                        slot,
+                        generation: ctx.generation as u32,
+                        node,
+                    };
+                    self.pool.submit(key, func, inputs);
+                }
+                Action::Timer { node, after } => {
+                    self.timer_seq += 1;
+                    let at = self.transport.now() + after;
+                    self.timers
+                        .push(Reverse((at, self.timer_seq, slot, ctx.generation, node)));
+                }
+                Action::Forget { node } => ctx.pending.retain(|_, (n, _)| *n != node),
+            }
+        }
+        self.actions = actions;
+        let finished = self.slots[slot as usize]
+            .as_ref()
+            .and_then(|c| c.run.response().cloned().map(|r| (c.incoming, r)));
+        if let Some((incoming, response)) = finished {
+            // Free the slot first: whatever is still out for it is now late.
+            self.slots[slot as usize] = None;
+            self.generations[slot as usize] = self.generations[slot as usize].wrapping_add(1);
+            self.free.push(slot);
+            self.live -= 1;
+            self.stats.responses += 1;
+            if let Err(e) = self.transport.send_response(incoming, response) {
+                tracing::warn!(error = %e, "could not answer a request");
+            }
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! The low-level graph: [`order`] (children one after another; stops at the first
+//! failure), [`pipe`] (children at once; the others finish, then the pipe reports
+//! failure), [`EgressStep`] (HTTP calls through the data path) and [`InternalStep`]
+//! (CPU work on the thread pool). Nodes nest freely; the high-level
+//! [`ExecutionContext`](crate::ExecutionContext) builds these.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use crate::http::HttpRequest;
+use crate::result::{Inputs, StepError, StepId, StepOutput};
+
+/// A request builder: a function of the step's inputs returning the requests to send
+/// (none: the step is skipped; several: fan-out).
+pub type RequestBuilder = Box<dyn FnOnce(&Inputs) -> Vec<HttpRequest> + Send>;
+
+/// An internal step's work.
+pub type InternalFn = Box<dyn FnOnce(&Inputs) -> Result<StepOutput, String> + Send>;
+
+/// A node of the graph.
+pub enum Node {
+    /// Children one after another.
+    Order(Vec<Node>),
+    /// Children at the same time.
+    Pipe(Vec<Node>),
+    /// HTTP calls.
+    Egress(EgressStep),
+    /// CPU work.
+    Internal(InternalStep),
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Order(c) => f.debug_tuple("Order").field(c).finish(),
+            Self::Pipe(c) => f.debug_tuple("Pipe").field(c).finish(),
+            Self::Egress(e) => write!(f, "Egress({:?})", e.id),
+            Self::Internal(i) => write!(f, "Internal({:?})", i.id),
+        }
+    }
+}
+
+/// Children one after another: a failure stops the sequence (later children never
+/// start) and fails it.
+pub fn order(children: impl IntoIterator<Item = Node>) -> Node {
+    Node::Order(children.into_iter().collect())
+}
+
+/// Children at the same time: every child runs to its end; if any failed, the pipe
+/// fails naming them.
+pub fn pipe(children: impl IntoIterator<Item = Node>) -> Node {
+    Node::Pipe(children.into_iter().collect())
+}
+
+/// The requests of an egress step.
+pub enum Requests {
+    /// Known when the graph is built.
+    Fixed(Vec<HttpRequest>),
+    /// Built from the step's inputs when it starts (the URL given at `call` is ignored).
+    Builder(RequestBuilder),
+}
+
+/// HTTP calls through the data path.
+pub struct EgressStep {
+    /// The step's id.
+    pub id: StepId,
+    /// What to send.
+    pub requests: Requests,
+    /// Steps whose results the builder receives.
+    pub inputs: Vec<StepId>,
+    /// The whole step (every request) must finish within this.
+    pub timeout: Option<Duration>,
+    /// Several requests go out at once (inside a parallel block) rather than one
+    /// after another.
+    pub concurrent: bool,
+}
+
+impl EgressStep {
+    /// A step sending `requests` (one after another).
+    pub fn new(id: impl Into<StepId>, requests: Vec<HttpRequest>) -> Self {
+        Self {
+            id: id.into(),
+            requests: Requests::Fixed(requests),
+            inputs: Vec::new(),
+            timeout: None,
+            concurrent: false,
+        }
+    }
+
+    /// A step whose requests `builder` makes from its inputs.
+    pub fn built(
+        id: impl Into<StepId>,
+        inputs: Vec<StepId>,
+        builder: impl FnOnce(&Inputs) -> Vec<HttpRequest> + Send + 'static,
+    ) -> Self {
+        Self {
+            id: id.into(),
+            requests: Requests::Builder(Box::new(builder)),
+            inputs,
+            timeout: None,
+            concurrent: false,
+        }
+    }
+
+    /// With a timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+
+    /// Send its requests at once.
+    pub fn concurrent(mut self) -> Self {
+        self.concurrent = true;
+        self
+    }
+}
+
+impl From<EgressStep> for Node {
+    fn from(s: EgressStep) -> Self {
+        Node::Egress(s)
+    }
+}
+
+/// CPU work on the thread pool.
+pub struct InternalStep {
+    /// The step's id.
+    pub id: StepId,
+    /// The work.
+    pub func: InternalFn,
+    /// Steps whose results it receives.
+    pub inputs: Vec<StepId>,
+    /// It must finish within this (the thread is not stopped; its late result is
+    /// dropped).
+    pub timeout: Option<Duration>,
+    /// Its output is the request's response.
+    pub respond: bool,
+}
+
+impl InternalStep {
+    /// A step running `func` with the results of `inputs`.
+    pub fn new<F, O, E>(id: impl Into<StepId>, inputs: Vec<StepId>, func: F) -> Self
+    where
+        F: FnOnce(&Inputs) -> Result<O, E> + Send + 'static,
+        O: Into<StepOutput>,
+        E: std::fmt::Display,
+    {
+        Self {
+            id: id.into(),
+            func: Box::new(move |inputs| func(inputs).map(Into::into).map_err(|e| e.to_string())),
+            inputs,
+            timeout: None,
+            respond: false,
+        }
+    }
+
+    /// With a timeout.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+impl From<InternalStep> for Node {
+    fn from(s: InternalStep) -> Self {
+        Node::Internal(s)
+    }
+}
+
+/// Checks ids and inputs: ids are unique; an input names a step that has finished
+/// before the step starts (an earlier member of an enclosing sequence), never one that
+/// runs at the same time or later.
+pub fn validate(root: &Node) -> Result<(), StepError> {
+    let mut all = Vec::new();
+    ids(root, &mut all);
+    let mut seen = HashSet::new();
+    for id in &all {
+        if !seen.insert(id.clone()) {
+            return Err(StepError::Graph(format!("step id {id:?} is used twice")));
+        }
+    }
+    let mut done = HashSet::new();
+    check(root, &seen, &mut done)
+}
+
+fn ids(node: &Node, out: &mut Vec<StepId>) {
+    match node {
+        Node::Order(c) | Node::Pipe(c) => c.iter().for_each(|n| ids(n, out)),
+        Node::Egress(e) => out.push(e.id.clone()),
+        Node::Internal(i) => out.push(i.id.clone()),
+    }
+}
+
+/// `done` holds the steps finished before `node` starts; on return it also holds
+/// `node`'s own steps. `all` is every step id of the graph.
+fn check(node: &Node, all: &HashSet<StepId>, done: &mut HashSet<StepId>) -> Result<(), StepError> {
+    let step = |id: &StepId, inputs: &[StepId], done: &HashSet<StepId>| {
+        for input in inputs {
+            if !done.contains(input) {
+                let why = if all.contains(input) {
+                    "runs at the same time (same parallel block) or later"
+                } else {
+                    "is not a step of this request"
+                };
+                return Err(StepError::Graph(format!(
+                    "step {id:?} takes input {input:?}, which {why}"
+                )));
+            }
+        }
+        Ok(())
+    };
+    match node {
+        Node::Order(children) => {
+            for c in children {
+                check(c, all, done)?;
+            }
+        }
+        Node::Pipe(children) => {
+            // Members see only what finished before the block; the block's steps are
+            // done after it.
+            let before = done.clone();
+            let mut after = Vec::new();
+            for c in children {
+                let mut local = before.clone();
+                check(c, all, &mut local)?;
+                ids(c, &mut after);
+            }
+            done.extend(after);
+        }
+        Node::Egress(e) => {
+            step(&e.id, &e.inputs, done)?;
+            done.insert(e.id.clone());
+        }
+        Node::Internal(i) => {
+            step(&i.id, &i.inputs, done)?;
+            done.insert(i.id.clone());
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(id: &str) -> Node {
+        EgressStep::new(id, vec![HttpRequest::get("http://x/")]).into()
+    }
+
+    fn internal(id: &str, inputs: &[&str]) -> Node {
+        InternalStep::new(id, inputs.iter().map(|s| s.to_string()).collect(), |_| {
+            Ok::<_, String>(())
+        })
+        .into()
+    }
+
+    #[test]
+    fn inputs_must_come_from_steps_that_finished_before() {
+        assert!(validate(&order([call("a"), internal("b", &["a"])])).is_ok());
+        assert!(
+            validate(&order([
+                pipe([call("a"), call("b")]),
+                internal("m", &["a", "b"])
+            ]))
+            .is_ok()
+        );
+        // Nested: a pipe member may use what finished before the pipe.
+        assert!(
+            validate(&order([
+                call("a"),
+                pipe([
+                    internal("b", &["a"]),
+                    order([call("c"), internal("d", &["c", "a"])])
+                ])
+            ]))
+            .is_ok()
+        );
+
+        let err = validate(&pipe([call("a"), internal("b", &["a"])]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"a\", which runs at the same time"), "{err}");
+        let err = validate(&order([internal("b", &["a"]), call("a")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("or later"), "{err}");
+        let err = validate(&order([internal("b", &["zz"])]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"zz\", which is not a step of this request"),
+            "{err}"
+        );
+        let err = validate(&order([call("a"), call("a")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"a\" is used twice"), "{err}");
+    }
+}

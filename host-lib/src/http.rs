@@ -1,0 +1,140 @@
+//! The requests and responses steps exchange: method, URL, headers and body, on the
+//! `http` crate's types.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+
+/// An HTTP request: what an egress step sends, and what a service receives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpRequest {
+    /// The method.
+    pub method: Method,
+    /// The URL (`http://service/path?query`; for received requests, the path).
+    pub url: String,
+    /// The headers.
+    pub headers: HeaderMap,
+    /// The body.
+    pub body: Bytes,
+}
+
+impl HttpRequest {
+    /// A request with no headers and an empty body.
+    pub fn new(method: Method, url: impl Into<String>) -> Self {
+        Self {
+            method,
+            url: url.into(),
+            headers: HeaderMap::new(),
+            body: Bytes::new(),
+        }
+    }
+
+    /// A GET.
+    pub fn get(url: impl Into<String>) -> Self {
+        Self::new(Method::GET, url)
+    }
+
+    /// A POST with a body.
+    pub fn post(url: impl Into<String>, body: impl Into<Bytes>) -> Self {
+        Self::new(Method::POST, url).body(body)
+    }
+
+    /// With a header (invalid names or values are ignored, as a builder cannot fail;
+    /// use [`HttpRequest::try_header`] to be told).
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        let _ = self.try_header(name, value);
+        self
+    }
+
+    /// Adds a header, or says why it is not valid.
+    pub fn try_header(&mut self, name: &str, value: &str) -> Result<(), http::Error> {
+        let name = HeaderName::try_from(name)?;
+        let value = HeaderValue::try_from(value)?;
+        self.headers.append(name, value);
+        Ok(())
+    }
+
+    /// With a body.
+    pub fn body(mut self, body: impl Into<Bytes>) -> Self {
+        self.body = body.into();
+        self
+    }
+
+    /// The URL's host (the service name for mesh calls), if it has one.
+    pub fn host(&self) -> Option<String> {
+        self.url
+            .parse::<Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_owned))
+    }
+
+    /// The URL's path and query (`/` when it has none).
+    pub fn path_and_query(&self) -> String {
+        self.url
+            .parse::<Uri>()
+            .ok()
+            .and_then(|u| u.path_and_query().map(|p| p.as_str().to_owned()))
+            .unwrap_or_else(|| "/".to_owned())
+    }
+
+    /// A header's value as text.
+    pub fn header_str(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// An HTTP response: what an egress step gets back, and what a service answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpResponse {
+    /// The status code.
+    pub status: u16,
+    /// The headers.
+    pub headers: HeaderMap,
+    /// The body.
+    pub body: Bytes,
+}
+
+impl HttpResponse {
+    /// A response with a status and a body.
+    pub fn new(status: u16, body: impl Into<Bytes>) -> Self {
+        Self {
+            status,
+            headers: HeaderMap::new(),
+            body: body.into(),
+        }
+    }
+
+    /// 200 with a body.
+    pub fn ok(body: impl Into<Bytes>) -> Self {
+        Self::new(200, body)
+    }
+
+    /// With a header (invalid ones ignored).
+    pub fn header(mut self, name: &str, value: &str) -> Self {
+        if let (Ok(n), Ok(v)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
+            self.headers.append(n, v);
+        }
+        self
+    }
+
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_give_their_host_and_path() {
+        let r = HttpRequest::get("http://user-service/me?x=1").header("x-a", "b");
+        assert_eq!(r.host().as_deref(), Some("user-service"));
+        assert_eq!(r.path_and_query(), "/me?x=1");
+        assert_eq!(r.header_str("x-a"), Some("b"));
+        assert_eq!(HttpRequest::get("/local").host(), None);
+        let mut bad = HttpRequest::get("http://a/");
+        assert!(bad.try_header("bad name", "v").is_err());
+        assert!(bad.try_header("x", "bad\nvalue").is_err());
+    }
+}

@@ -1,0 +1,39 @@
+//! The host library: what a service on a host links to receive requests from, and make
+//! calls through, the DPU data path, without ever blocking a thread on I/O (seed 000's
+//! "Execution Graph", in Rust).
+//!
+//! A handler gets an [`ExecutionContext`] and schedules steps: egress calls
+//! ([`ExecutionContext::call`]), CPU work on a thread pool
+//! ([`ExecutionContext::run_internal`]), parallel blocks
+//! ([`ExecutionContext::parallel`]), with `inputs` chaining results and
+//! `request_builder` deciding calls at run time (none: skip; several: fan-out). It
+//! returns at once; the [`EventLoop`] runs the graph and answers with its result (see
+//! [`context`] for how the response is chosen). The low-level graph ([`order`],
+//! [`pipe`], [`EgressStep`], [`InternalStep`]) is what the high-level API builds and can
+//! be used directly.
+//!
+//! Semantics: a sequence ([`order`]) stops at its first failure and propagates it; a
+//! parallel block ([`pipe`]) lets its members finish and then fails naming those that
+//! failed; an egress call answered with a status ≥ 400 fails; an internal step that
+//! panics or returns an error fails with that; a step with a timeout fails when it
+//! passes it, and what arrives for it later is dropped.
+//!
+//! The loop runs on a [`Transport`]: [`memory::InMemoryTransport`] (virtual clock) for
+//! tests and examples; the data path's descriptors with the mesh.
+
+pub mod context;
+mod event_loop;
+pub mod graph;
+pub mod http;
+pub mod memory;
+mod pool;
+pub mod result;
+mod run;
+pub mod transport;
+
+pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};
+pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats};
+pub use graph::{EgressStep, InternalStep, Node, order, pipe};
+pub use http::{HttpRequest, HttpResponse};
+pub use result::{Inputs, StepError, StepId, StepOutput, StepResult};
+pub use transport::{Event, IncomingId, Tag, Transport, TransportError};

@@ -1,0 +1,313 @@
+//! Failure semantics, timeouts, the step registry, and scale.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use dpumesh_host::memory::{InMemoryTransport, Reply};
+use dpumesh_host::{EventLoop, ExecutionContext, HttpRequest, HttpResponse, LoopConfig, Transport};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn run(
+    transport: InMemoryTransport,
+    handler: impl Fn(&mut ExecutionContext) + Send + Sync + 'static,
+) -> (Duration, HttpResponse, EventLoop<InMemoryTransport>) {
+    let mut el = EventLoop::new(transport, handler, LoopConfig::default()).unwrap();
+    let id = el.transport().inject(HttpRequest::get("/"));
+    el.run_until_idle().unwrap();
+    let (at, r) = el
+        .transport()
+        .response(id)
+        .map(|(t, r)| (t, r.clone()))
+        .expect("answered");
+    (at, r, el)
+}
+
+fn failing() -> InMemoryTransport {
+    InMemoryTransport::new()
+        .service("bad", |_| {
+            Reply::After(ms(5), HttpResponse::new(503, "down"))
+        })
+        .service("good", |_| Reply::ok_after(10, "fine"))
+        .service("slow", |_| Reply::ok_after(40, "late but fine"))
+}
+
+#[test]
+fn a_sequence_stops_at_its_first_failure() {
+    let (at, response, mut el) = run(failing(), |ctx| {
+        ctx.get("http://bad/").id("first");
+        ctx.get("http://good/").id("second");
+    });
+    assert_eq!(response.status, 502);
+    assert_eq!(response.text(), "step \"first\": upstream answered 503\n");
+    assert_eq!(at, ms(5));
+    let hosts: Vec<_> = el
+        .transport()
+        .sent()
+        .iter()
+        .map(|s| s.request.host().unwrap())
+        .collect();
+    assert_eq!(hosts, ["bad"], "the rest of the sequence never started");
+}
+
+#[test]
+fn a_parallel_block_lets_the_others_finish_then_fails() {
+    let (at, response, mut el) = run(failing(), |ctx| {
+        ctx.parallel(|ctx| {
+            ctx.get("http://bad/").id("b");
+            ctx.get("http://slow/").id("s");
+            ctx.get("http://good/").id("g");
+        });
+        ctx.get("http://good/after").id("after");
+    });
+    assert_eq!(response.status, 502);
+    assert!(
+        response.text().contains("parallel steps failed: b"),
+        "{}",
+        response.text()
+    );
+    assert_eq!(
+        at,
+        ms(40),
+        "the failure is reported once the slow member finished"
+    );
+    let paths: Vec<_> = el
+        .transport()
+        .sent()
+        .iter()
+        .map(|s| s.request.url.clone())
+        .collect();
+    assert!(
+        !paths.contains(&"http://good/after".to_owned()),
+        "the sequence stopped after the block"
+    );
+    assert_eq!(paths.len(), 3);
+}
+
+#[test]
+fn internal_failures_and_panics_become_step_errors() {
+    let (_, response, _) = run(InMemoryTransport::new(), |ctx| {
+        ctx.run_internal(|_| Err::<(), _>("no stock")).id("reserve");
+    });
+    assert_eq!(
+        (response.status, response.text().as_str()),
+        (500, "step \"reserve\": failed: no stock\n")
+    );
+
+    let (_, response, el) = run(InMemoryTransport::new(), |ctx| {
+        ctx.run_internal(|_| -> Result<(), String> { panic!("index out of range") })
+            .id("crash");
+    });
+    assert_eq!(response.status, 500);
+    assert_eq!(
+        response.text(),
+        "step \"crash\": panicked: index out of range\n"
+    );
+    assert_eq!(el.in_flight(), (0, 0));
+}
+
+#[test]
+fn a_handler_that_panics_or_builds_a_bad_graph_is_answered_500() {
+    let (_, response, _) = run(InMemoryTransport::new(), |_| panic!("handler bug"));
+    assert_eq!(response.status, 500);
+    assert!(
+        response.text().contains("panicked: handler: handler bug"),
+        "{}",
+        response.text()
+    );
+
+    let (_, response, _) = run(InMemoryTransport::new(), |ctx| {
+        ctx.run_internal(|_| Ok::<_, String>(())).inputs(["nope"]);
+    });
+    assert_eq!(response.status, 500);
+    assert!(
+        response
+            .text()
+            .contains("input \"nope\", which is not a step of this request"),
+        "{}",
+        response.text()
+    );
+}
+
+#[test]
+fn a_step_timeout_fails_the_request_and_the_late_completion_is_dropped() {
+    let transport = InMemoryTransport::new().service("slow", |_| Reply::ok_after(100, "too late"));
+    let (at, response, mut el) = run(transport, |ctx| {
+        ctx.get("http://slow/").id("slow").timeout(ms(30));
+    });
+    assert_eq!(response.status, 504);
+    assert_eq!(response.text(), "step \"slow\": timed out after 30ms\n");
+    assert_eq!(at, ms(30));
+    // The answer arrives at 100 ms: nobody is waiting for it.
+    el.run_until_idle().unwrap();
+    assert_eq!(el.transport().now(), ms(100));
+    assert_eq!(el.stats().late_dropped, 1);
+    assert_eq!(el.in_flight(), (0, 0));
+}
+
+#[test]
+fn a_call_that_never_answers_times_out() {
+    let transport = InMemoryTransport::new().service("void", |_| Reply::Never);
+    let (at, response, el) = run(transport, |ctx| {
+        ctx.get("http://void/").id("void").timeout(ms(50));
+    });
+    assert_eq!((response.status, at), (504, ms(50)));
+    assert_eq!(el.in_flight(), (0, 0));
+}
+
+#[test]
+fn an_internal_step_timeout_fires_on_real_time_and_its_late_result_is_dropped() {
+    let (_, response, mut el) = run(InMemoryTransport::new(), |ctx| {
+        ctx.run_internal(|_| {
+            std::thread::sleep(Duration::from_millis(300));
+            Ok::<_, String>("done")
+        })
+        .id("crunch")
+        .timeout(ms(50));
+    });
+    assert_eq!(response.status, 504);
+    assert!(
+        response
+            .text()
+            .contains("step \"crunch\": timed out after 50ms"),
+        "{}",
+        response.text()
+    );
+    // The thread finishes later; its result has nowhere to go.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while el.stats().late_dropped == 0 && std::time::Instant::now() < deadline {
+        el.turn(Some(ms(20))).unwrap();
+    }
+    assert_eq!(el.stats().late_dropped, 1);
+}
+
+#[test]
+fn a_late_completion_is_never_delivered_to_the_request_that_reuses_its_slot() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let transport = InMemoryTransport::new().service("echo", move |_| {
+        let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+        Reply::ok_after(100, format!("answer {n}"))
+    });
+    let mut el = EventLoop::new(
+        transport,
+        |ctx: &mut ExecutionContext| {
+            let t = if ctx.request().url == "/first" {
+                ms(10)
+            } else {
+                ms(500)
+            };
+            ctx.get("http://echo/").id("echo").timeout(t);
+        },
+        LoopConfig::default(),
+    )
+    .unwrap();
+    let first = el.transport().inject(HttpRequest::get("/first"));
+    // The second request comes at 20 ms, after the first timed out and freed its slot.
+    let second = el
+        .transport()
+        .inject_after(ms(20), HttpRequest::get("/second"));
+    el.run_until_idle().unwrap();
+    let t = el.transport();
+    let (at1, r1) = t.response(first).unwrap();
+    assert_eq!((at1, r1.status), (ms(10), 504));
+    let (at2, r2) = t.response(second).unwrap();
+    // The first call's answer came at 100 ms into the slot's next life: dropped.
+    assert_eq!(
+        r2.text(),
+        "answer 2",
+        "the second request got its own answer"
+    );
+    assert_eq!(at2, ms(120));
+    assert_eq!(el.stats().late_dropped, 1);
+    assert_eq!(el.slots_allocated(), 1, "the slot was reused");
+}
+
+#[test]
+fn ten_thousand_concurrent_requests_on_one_loop_and_the_registry_empties() {
+    let transport = InMemoryTransport::new()
+        .without_log()
+        .service("users", |_| Reply::ok_after(5, "u"))
+        .service("orders", |_| Reply::ok_after(8, "o"));
+    let mut el = EventLoop::new(
+        transport,
+        |ctx: &mut ExecutionContext| {
+            ctx.parallel(|ctx| {
+                ctx.get("http://users/").id("u");
+                ctx.get("http://orders/").id("o");
+            });
+            ctx.respond(|i| Ok::<_, String>(format!("{}{}", i["u"].text(), i["o"].text())))
+                .inputs(["u", "o"]);
+        },
+        LoopConfig::default(),
+    )
+    .unwrap();
+    for wave in 0..2 {
+        for _ in 0..10_000 {
+            el.transport().inject(HttpRequest::get("/"));
+        }
+        // All 10 000 are in flight at once before any answer comes back.
+        el.turn(None).unwrap();
+        assert_eq!(el.in_flight(), (10_000, 20_000), "wave {wave}");
+        el.run_until_idle().unwrap();
+        let answers = el.transport().take_responses();
+        assert_eq!(answers.len(), 10_000);
+        assert!(
+            answers
+                .iter()
+                .all(|(_, _, r)| r.status == 200 && r.text() == "uo")
+        );
+        assert_eq!(
+            el.in_flight(),
+            (0, 0),
+            "the registry is empty after wave {wave}"
+        );
+    }
+    assert_eq!(
+        el.slots_allocated(),
+        10_000,
+        "the second wave reused the first wave's slots"
+    );
+    assert_eq!(el.stats().responses, 20_000);
+}
+
+#[test]
+fn too_many_requests_in_flight_are_refused_with_503() {
+    let transport = InMemoryTransport::new().service("s", |_| Reply::ok_after(10, "x"));
+    let mut el = EventLoop::new(
+        transport,
+        |ctx: &mut ExecutionContext| {
+            ctx.get("http://s/");
+        },
+        LoopConfig {
+            max_in_flight: 2,
+            ..LoopConfig::default()
+        },
+    )
+    .unwrap();
+    let ids: Vec<_> = (0..3)
+        .map(|_| el.transport().inject(HttpRequest::get("/")))
+        .collect();
+    el.run_until_idle().unwrap();
+    let statuses: Vec<_> = ids
+        .iter()
+        .map(|id| el.transport().response(*id).unwrap().1.status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 503]);
+    assert_eq!(el.stats().refused, 1);
+}
+
+#[test]
+fn a_transport_that_cannot_route_fails_the_step() {
+    let (_, response, _) = run(InMemoryTransport::new(), |ctx| {
+        ctx.get("http://nowhere/").id("lost");
+    });
+    assert_eq!(response.status, 502);
+    assert_eq!(
+        response.text(),
+        "step \"lost\": transport: no route to service \"nowhere\"\n"
+    );
+}
