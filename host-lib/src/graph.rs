@@ -172,31 +172,35 @@ impl From<InternalStep> for Node {
 pub fn validate(root: &Node) -> Result<(), StepError> {
     let mut all = Vec::new();
     ids(root, &mut all);
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::with_capacity(all.len());
     for id in &all {
-        if !seen.insert(id.clone()) {
+        if !seen.insert(*id) {
             return Err(StepError::Graph(format!("step id {id:?} is used twice")));
         }
     }
-    let mut done = HashSet::new();
+    let mut done = HashSet::with_capacity(all.len());
     check(root, &seen, &mut done)
 }
 
-fn ids(node: &Node, out: &mut Vec<StepId>) {
+fn ids<'a>(node: &'a Node, out: &mut Vec<&'a str>) {
     match node {
         Node::Order(c) | Node::Pipe(c) => c.iter().for_each(|n| ids(n, out)),
-        Node::Egress(e) => out.push(e.id.clone()),
-        Node::Internal(i) => out.push(i.id.clone()),
+        Node::Egress(e) => out.push(&e.id),
+        Node::Internal(i) => out.push(&i.id),
     }
 }
 
 /// `done` holds the steps finished before `node` starts; on return it also holds
 /// `node`'s own steps. `all` is every step id of the graph.
-fn check(node: &Node, all: &HashSet<StepId>, done: &mut HashSet<StepId>) -> Result<(), StepError> {
-    let step = |id: &StepId, inputs: &[StepId], done: &HashSet<StepId>| {
+fn check<'a>(
+    node: &'a Node,
+    all: &HashSet<&'a str>,
+    done: &mut HashSet<&'a str>,
+) -> Result<(), StepError> {
+    let step = |id: &str, inputs: &[StepId], done: &HashSet<&'a str>| {
         for input in inputs {
-            if !done.contains(input) {
-                let why = if all.contains(input) {
+            if !done.contains(input.as_str()) {
+                let why = if all.contains(input.as_str()) {
                     "runs at the same time (same parallel block) or later"
                 } else {
                     "is not a step of this request"
@@ -217,10 +221,9 @@ fn check(node: &Node, all: &HashSet<StepId>, done: &mut HashSet<StepId>) -> Resu
         Node::Pipe(children) => {
             // Members see only what finished before the block; the block's steps are
             // done after it.
-            let before = done.clone();
             let mut after = Vec::new();
             for c in children {
-                let mut local = before.clone();
+                let mut local = done.clone();
                 check(c, all, &mut local)?;
                 ids(c, &mut after);
             }
@@ -228,11 +231,11 @@ fn check(node: &Node, all: &HashSet<StepId>, done: &mut HashSet<StepId>) -> Resu
         }
         Node::Egress(e) => {
             step(&e.id, &e.inputs, done)?;
-            done.insert(e.id.clone());
+            done.insert(&e.id);
         }
         Node::Internal(i) => {
             step(&i.id, &i.inputs, done)?;
-            done.insert(i.id.clone());
+            done.insert(&i.id);
         }
     }
     Ok(())

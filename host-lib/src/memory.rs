@@ -76,6 +76,8 @@ impl Ord for Scheduled {
 struct Signal {
     woken: Mutex<bool>,
     cond: Condvar,
+    /// The loop is waiting on `cond` (set and cleared under `woken`'s lock).
+    waiting: AtomicBool,
 }
 
 /// The in-memory transport.
@@ -277,9 +279,11 @@ impl Transport for InMemoryTransport {
                     .min(Duration::from_millis(50));
                 {
                     let mut woken = self.signal.woken.lock();
+                    self.signal.waiting.store(true, Ordering::SeqCst);
                     if !*woken {
                         self.signal.cond.wait_for(&mut woken, limit);
                     }
+                    self.signal.waiting.store(false, Ordering::SeqCst);
                     *woken = false;
                 }
                 self.now += started.elapsed();
@@ -298,8 +302,13 @@ impl Transport for InMemoryTransport {
     fn waker(&self) -> Waker {
         let signal = self.signal.clone();
         Arc::new(move || {
-            *signal.woken.lock() = true;
-            signal.cond.notify_all();
+            // The flag is set under the lock the waiter checks it under, so a wake-up
+            // is never lost; the notify is skipped when nobody waits.
+            let mut woken = signal.woken.lock();
+            *woken = true;
+            if signal.waiting.load(Ordering::SeqCst) {
+                signal.cond.notify_one();
+            }
         })
     }
 }

@@ -53,7 +53,8 @@ struct Egress {
     inputs: Vec<StepId>,
     timeout: Option<Duration>,
     concurrent: bool,
-    resolved: Vec<HttpRequest>,
+    /// The requests, each taken when it is sent.
+    resolved: Vec<Option<HttpRequest>>,
     parts: Vec<Option<StepResult>>,
     next: usize,
 }
@@ -178,21 +179,22 @@ impl Run {
 
     fn start_node(&mut self, n: usize, actions: &mut Vec<Action>) {
         self.nodes[n].state = State::Running;
-        let children = self.nodes[n].children.clone();
+        let count = self.nodes[n].children.len();
         match &mut self.nodes[n].kind {
             Kind::Order { next } => {
                 *next = 0;
-                match children.first() {
+                match self.nodes[n].children.first() {
                     Some(&c) => self.start_node(c, actions),
                     None => self.complete(n, None, actions),
                 }
             }
             Kind::Pipe { open, .. } => {
-                *open = children.len();
-                if children.is_empty() {
+                *open = count;
+                if count == 0 {
                     self.complete(n, None, actions);
                 }
-                for c in children {
+                for i in 0..count {
+                    let c = self.nodes[n].children[i];
                     self.start_node(c, actions);
                 }
             }
@@ -254,10 +256,10 @@ impl Run {
             return;
         }
         e.parts = vec![None; resolved.len()];
-        e.resolved = resolved;
+        e.resolved = resolved.into_iter().map(Some).collect();
         let burst = if e.concurrent { e.resolved.len() } else { 1 };
         for part in 0..burst {
-            let request = e.resolved[part].clone();
+            let request = e.resolved[part].take().expect("each request is sent once");
             actions.push(Action::Send {
                 node: n,
                 part,
@@ -308,7 +310,7 @@ impl Run {
         if !e.concurrent && e.next < e.resolved.len() {
             let part = e.next;
             e.next += 1;
-            let request = e.resolved[part].clone();
+            let request = e.resolved[part].take().expect("each request is sent once");
             actions.push(Action::Send {
                 node,
                 part,
@@ -409,7 +411,6 @@ impl Run {
             self.finish(result);
             return;
         };
-        let children = self.nodes[parent].children.clone();
         match &mut self.nodes[parent].kind {
             Kind::Order { next } => {
                 if !result.ok {
@@ -419,7 +420,8 @@ impl Run {
                     return;
                 }
                 *next += 1;
-                match children.get(*next) {
+                let next = *next;
+                match self.nodes[parent].children.get(next) {
                     Some(&c) => self.start_node(c, actions),
                     None => self.complete(parent, None, actions),
                 }
