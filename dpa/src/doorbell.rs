@@ -1,6 +1,7 @@
 //! A doorbell: one futex word in shared memory that a consumer of many rings (the DMA
 //! manager polls every pod's TX SQ and every sidecar RX SQ) sleeps on, and that every
-//! producer of those rings rings after publishing. The same store–fence–load handshake
+//! producer of those rings rings after publishing. One sleeper per doorbell: its
+//! `waiting` flag is a single word. The same store–fence–load handshake
 //! as a ring's own wake word, so no ring is missed and producers pay a futex call only
 //! while the consumer sleeps.
 

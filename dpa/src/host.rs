@@ -188,16 +188,16 @@ impl HostPort {
         let mut d = Descriptor::request(msg.case, msg.req_id, msg.step_id, self.pod_id(), msg.dst);
         d.kind.response = msg.response;
         d.status = msg.status;
-        let mut taken: Vec<(bool, crate::pool::SlotRef)> = Vec::new();
+        let (mut header_slot, mut body_slot) = (None, None);
         let result = (|| -> Result<(), HostError> {
             if !msg.header.is_empty() {
                 let slot = self.tx_header.alloc(self.owner)?;
-                taken.push((true, slot));
+                header_slot = Some(slot);
                 d.header = self.tx_header.write(slot, msg.header)?;
             }
             if !msg.body.is_empty() {
                 let slot = self.tx_body.alloc(self.owner)?;
-                taken.push((false, slot));
+                body_slot = Some(slot);
                 d.body = self.tx_body.write(slot, msg.body)?;
             }
             self.tx.push(&d)?;
@@ -205,17 +205,16 @@ impl HostPort {
         })();
         match result {
             Ok(()) => {
-                self.in_flight += taken.len();
+                self.in_flight +=
+                    usize::from(header_slot.is_some()) + usize::from(body_slot.is_some());
                 Ok(())
             }
             Err(e) => {
-                for (header, slot) in taken {
-                    let pool = if header {
-                        &self.tx_header
-                    } else {
-                        &self.tx_body
-                    };
-                    let _ = pool.release(slot, self.owner);
+                if let Some(slot) = header_slot {
+                    let _ = self.tx_header.release(slot, self.owner);
+                }
+                if let Some(slot) = body_slot {
+                    let _ = self.tx_body.release(slot, self.owner);
                 }
                 Err(e)
             }

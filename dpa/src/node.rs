@@ -125,6 +125,8 @@ pub struct PodInfo {
     pub tx_body: BufferPool,
     /// The control connection that registered it.
     peer: u64,
+    /// Its four pools' region ids (recycled when it leaves).
+    regions: [u16; 4],
 }
 
 struct Shared {
@@ -132,6 +134,11 @@ struct Shared {
     prefix: String,
     next_pod: AtomicU32,
     next_region: AtomicU32,
+    /// Region ids of pods that left, for reuse.
+    free_regions: Mutex<Vec<u16>>,
+    /// Registrations run one at a time, so the name and capacity checks hold until
+    /// the pod is in the table.
+    registering: Mutex<()>,
     pods: Mutex<HashMap<u32, PodInfo>>,
     commands: Sender<Command>,
     doorbell: Doorbell,
@@ -141,7 +148,11 @@ struct Shared {
 }
 
 impl Shared {
+    /// A region id: one freed by a departed pod, else a new one.
     fn region_id(&self) -> Result<u16, NodeError> {
+        if let Some(id) = self.free_regions.lock().pop() {
+            return Ok(id);
+        }
         let id = self.next_region.fetch_add(1, Ordering::Relaxed);
         u16::try_from(id).map_err(|_| NodeError::Limit("the node ran out of region ids".to_owned()))
     }
@@ -161,6 +172,7 @@ impl Shared {
         service: String,
         pid: u32,
     ) -> Result<PodExports, NodeError> {
+        let _one_at_a_time = self.registering.lock();
         {
             let pods = self.pods.lock();
             if pods.values().any(|p| p.name == name) {
@@ -229,6 +241,7 @@ impl Shared {
                 rx_body: rx_body.clone(),
                 tx_body: tx_body.clone(),
                 peer: peer.id,
+                regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
             },
         );
         let port = PodPort {
@@ -257,8 +270,11 @@ impl Shared {
             let _ = wait.recv_timeout(crate::dma::manager::LEAVE_GRACE + Duration::from_secs(1));
         }
         // Out of the table only once the manager has let go of the pod's port, so a
-        // pod missing from the table is gone from the data path too.
-        self.pods.lock().remove(&id);
+        // pod missing from the table is gone from the data path too; then its region
+        // ids can name a new pod's pools.
+        if let Some(info) = self.pods.lock().remove(&id) {
+            self.free_regions.lock().extend(info.regions);
+        }
         tracing::info!(pod = id, %name, "pod removed");
         true
     }
@@ -396,6 +412,8 @@ impl DpuNode {
             prefix: prefix.clone(),
             next_pod: AtomicU32::new(1),
             next_region,
+            free_regions: Mutex::new(Vec::new()),
+            registering: Mutex::new(()),
             pods: Mutex::new(HashMap::new()),
             commands,
             doorbell: doorbell.clone(),
@@ -567,13 +585,10 @@ impl SidecarPort {
     /// The pod registered on this node under `service` (first by id), if any.
     pub fn pod_for_service(&self, service: &str) -> Option<PodInfo> {
         let pods = self.shared.pods.lock();
-        let mut found: Vec<_> = pods
-            .values()
+        pods.values()
             .filter(|p| p.service == service)
+            .min_by_key(|p| p.id)
             .cloned()
-            .collect();
-        found.sort_by_key(|p| p.id);
-        found.into_iter().next()
     }
 
     /// A registered pod by id.

@@ -335,6 +335,16 @@ impl BufferPool {
     }
 
     fn swap_owner(&self, slot: SlotRef, from: OwnerId, to: u32) -> Result<(), PoolError> {
+        // Owner 0 means free: "from free" would take a slot without an allocation.
+        if from.0 == 0 {
+            return Err(PoolError::NotOwner {
+                region: self.region.name().to_owned(),
+                index: slot.index,
+                owner: 0,
+                actual: self.state(slot.index).map_or(0, |s| s.1.0),
+                generation: slot.generation,
+            });
+        }
         let words = self.words();
         let Some(w) = words.get(slot.index as usize) else {
             return Err(self.address_error(format!("slot {}", slot.index)));
@@ -553,10 +563,14 @@ mod tests {
         assert!(p.release(s, a).is_err(), "a handed it over");
         p.release(s, b).unwrap();
         let t = p.alloc(a).unwrap();
-        // Same index, new generation: the old handle cannot free it.
-        if t.index == s.index {
-            assert!(matches!(p.release(s, a), Err(PoolError::Stale { .. })));
-        }
+        // The slot freed last comes back: same index, new generation, and the old
+        // handle cannot free it.
+        assert_eq!(t.index, s.index);
+        assert!(matches!(p.release(s, a), Err(PoolError::Stale { .. })));
+        assert!(
+            p.release(t, OwnerId(0)).is_err(),
+            "nobody acts as owner 0 (free)"
+        );
         p.release(t, a).unwrap();
     }
 

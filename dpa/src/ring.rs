@@ -127,10 +127,10 @@ impl Ring {
                 size: region.len(),
             }));
         }
-        let h = region.atomic_u64s(0, 1)?;
-        h[0].store(MAGIC as u64 | (VERSION as u64) << 32, Ordering::Relaxed);
         region.atomic_u64s(8, 1)?[0].store(capacity as u64, Ordering::Relaxed);
-        fence(Ordering::Release);
+        // The magic goes last: a process that attaches sees a whole header or none.
+        region.atomic_u64s(0, 1)?[0]
+            .store(MAGIC as u64 | (VERSION as u64) << 32, Ordering::Release);
         Self::attach(region)
     }
 
@@ -210,7 +210,7 @@ impl Ring {
     pub fn depth(&self) -> u32 {
         let tail = self.word(TAIL).load(Ordering::Acquire);
         let head = self.word(HEAD).load(Ordering::Acquire);
-        tail.saturating_sub(head).min(self.capacity as u64) as u32
+        tail.wrapping_sub(head).min(self.capacity as u64) as u32
     }
 
     /// The producing end. Exactly one process may hold it.
@@ -256,10 +256,12 @@ impl Producer {
         &self.ring
     }
 
-    /// Room for more descriptors right now.
+    /// Room for more descriptors right now (none if the consumer's position is not
+    /// believable: another process writes it).
     pub fn free(&mut self) -> u32 {
         self.head_cache = self.ring.word(HEAD).load(Ordering::Acquire);
-        (self.ring.capacity as u64 - (self.tail - self.head_cache)) as u32
+        let used = self.tail.wrapping_sub(self.head_cache);
+        (self.ring.capacity as u64).saturating_sub(used) as u32
     }
 
     /// Publishes a descriptor and wakes a sleeping consumer. A full ring is reported
@@ -293,9 +295,11 @@ impl Producer {
 
     fn write(&mut self, raw: &RawDescriptor) -> Result<(), RingError> {
         let capacity = self.ring.capacity as u64;
-        if self.tail - self.head_cache >= capacity {
+        // Wrapping: a consumer in another process may have written anything into its
+        // position; a head past our tail counts as full, never as room.
+        if self.tail.wrapping_sub(self.head_cache) >= capacity {
             self.head_cache = self.ring.word(HEAD).load(Ordering::Acquire);
-            if self.tail - self.head_cache >= capacity {
+            if self.tail.wrapping_sub(self.head_cache) >= capacity {
                 return Err(RingError::Full {
                     region: self.ring.region.name().to_owned(),
                     capacity: self.ring.capacity,

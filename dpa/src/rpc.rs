@@ -294,9 +294,18 @@ impl<F: Fabric> RpcClient<F> {
         }
         let deadline = Instant::now() + self.config.timeout;
         let ctx = self.take_slot(deadline)?;
+        // The response is copied out while the context is still ours: once it is
+        // vacant, another call may take it and the server may write its response into
+        // the same buffer.
         let result = self
             .send(ctx, request)
-            .and_then(|()| self.wait(ctx, deadline));
+            .and_then(|()| self.wait(ctx, deadline))
+            .and_then(|(status, len)| {
+                let body = self
+                    .region
+                    .read_vec(self.config.response_at(ctx) + RESP_HEADER, len as usize)?;
+                Ok((status, body))
+            });
         let mut state = self.state.lock();
         match &result {
             Err(RpcError::Timeout(_)) => state.slots[ctx as usize] = Slot::Abandoned,
@@ -304,21 +313,14 @@ impl<F: Fabric> RpcClient<F> {
         }
         drop(state);
         self.changed.notify_all();
-        let (status, len) = result?;
+        let (status, body) = result?;
         match status {
-            STATUS_OK => Ok(self
-                .region
-                .read_vec(self.config.response_at(ctx) + RESP_HEADER, len as usize)?),
+            STATUS_OK => Ok(body),
             STATUS_TOO_LARGE => Err(RpcError::ResponseTooLarge {
                 limit: self.config.max_response,
             }),
             _ => Err(RpcError::Handler(
-                String::from_utf8_lossy(
-                    &self
-                        .region
-                        .read_vec(self.config.response_at(ctx) + RESP_HEADER, len as usize)?,
-                )
-                .into_owned(),
+                String::from_utf8_lossy(&body).into_owned(),
             )),
         }
     }
@@ -726,10 +728,13 @@ fn poller<F: Fabric>(
                     if meta.kind == KIND_INLINE {
                         let end = (META_LEN as usize + meta.len as usize).min(bytes.len());
                         stats.inline.fetch_add(1, Ordering::Relaxed);
+                        let mut request = bytes;
+                        request.truncate(end);
+                        request.drain(..META_LEN as usize);
                         let _ = jobs.send(Job {
                             conn: conn_id,
                             meta,
-                            request: bytes[META_LEN as usize..end].to_vec(),
+                            request,
                         });
                     } else {
                         // ReadingRequest: fetch it into this context's request buffer.
@@ -962,7 +967,15 @@ mod tests {
         assert_eq!(client.call(b"x").unwrap(), b"x");
         drop(server);
         let started = Instant::now();
-        assert!(client.call(b"y").is_err());
-        assert!(started.elapsed() < Duration::from_secs(10));
+        let err = client.call(b"y").unwrap_err();
+        assert!(
+            !matches!(err, RpcError::Timeout(_)),
+            "failed fast, not by timing out: {err}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

@@ -8,6 +8,14 @@
 //! copied with raw pointers (never through `&[u8]`, since another process may write
 //! them at any time), and the atomics that rings and pools use are handed out only at
 //! aligned, in-bounds offsets.
+//!
+//! **Trust.** Payload bytes are plain data that another process (or another thread
+//! here) may be writing while they are copied: the protocols on top (ring publication,
+//! slot ownership) decide when bytes are meaningful, and a racing copy yields torn bytes,
+//! never a memory-safety problem in the copying code. A participant that maps a region
+//! read-write can also shrink its file; the node then gets SIGBUS on its next access.
+//! Regions are therefore shared only with the node's own pods, which it trusts not to
+//! truncate them (sealed memfds passed over the control socket would remove that trust).
 #![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};

@@ -412,3 +412,73 @@ fn a_pod_that_sends_and_exits_at_once_still_gets_its_message_delivered() {
     assert!(node.pods().is_empty(), "both pods were reclaimed");
     assert_eq!(node.dpu_pool_use(), (0, 0));
 }
+
+#[test]
+fn a_pod_calling_itself_through_a_tiny_ring_gets_its_message_and_every_slot_back() {
+    // Case 3 with source = destination: the delivery and the completion of the copied
+    // body go to the same RX SQ. With room for only two entries the manager must wait
+    // for both, not deliver and then find the ring full.
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = NodeConfig::new("self");
+    config.pod.ring_capacity = 2;
+    config.pod.body_slots = 4;
+    let node = DpuNode::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap();
+    let mut port = node.take_sidecar_ports().remove(0);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let proxy_stop = stop.clone();
+    let proxy = std::thread::spawn(move || {
+        while !proxy_stop.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some(d) = port
+                .recv(WakeMode::LOW_CPU, Duration::from_millis(20))
+                .unwrap()
+            {
+                assert!(!d.kind.error, "{:?}", d.error_status());
+                port.forward(&d).unwrap();
+            }
+        }
+    });
+    let mut me = HostPort::connect(
+        &Endpoint::Unix(dir.path().join("control.sock")),
+        "loop",
+        "svc-loop",
+    )
+    .unwrap();
+    let id = me.pod_id();
+    for round in 0..20u32 {
+        let sent = body(3000 + round as usize, round as u8);
+        let h = head(&[("crc", crc32fast::hash(&sent).to_string())]);
+        me.send(&Outgoing {
+            case: Case::PodToPod,
+            dst: Destination::Pod(id),
+            req_id: round,
+            step_id: 0,
+            response: false,
+            status: 0,
+            header: &h,
+            body: &sent,
+        })
+        .unwrap();
+        let Incoming::Message {
+            descriptor,
+            header,
+            body: got,
+        } = recv(&mut me)
+        else {
+            panic!("an error instead of our own message");
+        };
+        assert_eq!(descriptor.req_id, round);
+        assert_eq!(
+            field(&header, "crc"),
+            Some(crc32fast::hash(&got).to_string())
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while me.in_flight() > 0 && Instant::now() < deadline {
+        let _ = me
+            .recv(WakeMode::LOW_CPU, Duration::from_millis(20))
+            .unwrap();
+    }
+    assert_eq!(me.in_flight(), 0, "every TX slot came back");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    proxy.join().unwrap();
+}

@@ -134,8 +134,7 @@ impl ExecutionContext {
         E: std::fmt::Display,
     {
         let id = self.generated_id();
-        let mut step = InternalStep::new(id.clone(), Vec::new(), func);
-        step.respond = true;
+        let step = InternalStep::new(id.clone(), Vec::new(), func);
         self.response = Some(id);
         self.frame().nodes.push(Node::Internal(step));
         InternalBuilder { ctx: self }

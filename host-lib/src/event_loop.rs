@@ -4,11 +4,13 @@
 //! each request when its graph finishes. Nothing in it blocks on I/O.
 //!
 //! **The step registry.** An egress request carries `(req_id, step_id)`. `req_id` is a
-//! context slot (low 16 bits) and the slot's generation (high 16 bits); `step_id`
-//! numbers the context's requests. A completion is delivered only if its slot still
-//! holds the same generation and the step is still awaited, so a late completion (its
+//! context slot (low 16 bits) and the slot's generation (high 16 bits); `step_id` is a
+//! loop-wide request number. A completion is delivered only if its slot still holds
+//! the same generation and that step is still awaited there, so a late completion (its
 //! step timed out, or its request finished) is dropped, never delivered to whatever
-//! request reuses the slot. At most 65 535 requests are in flight at once; beyond
+//! request reuses the slot: it would have to match both a 16-bit generation and a
+//! 32-bit request number (2^32 egress requests later, in the same slot, after exactly
+//! a multiple of 65 536 reuses). At most 65 535 requests are in flight at once; beyond
 //! that a request is answered 503 at once.
 
 use std::cmp::Reverse;
@@ -74,7 +76,6 @@ struct Context {
     incoming: IncomingId,
     run: Run,
     pending: HashMap<u32, (usize, usize)>,
-    next_step: u32,
 }
 
 /// The event loop of one service.
@@ -91,8 +92,10 @@ pub struct EventLoop<T: Transport> {
     internal_running: usize,
     timers: BinaryHeap<Timer>,
     timer_seq: u64,
+    next_step: u32,
     events: Vec<Event>,
     actions: Vec<Action>,
+    queue: VecDeque<Action>,
     stats: LoopStats,
 }
 
@@ -130,8 +133,10 @@ impl<T: Transport> EventLoop<T> {
             internal_running: 0,
             timers: BinaryHeap::new(),
             timer_seq: 0,
+            next_step: 0,
             events: Vec::new(),
             actions: Vec::new(),
+            queue: VecDeque::new(),
             stats: LoopStats::default(),
         })
     }
@@ -248,7 +253,6 @@ impl<T: Transport> EventLoop<T> {
             incoming: id,
             run,
             pending: HashMap::new(),
-            next_step: 0,
         });
         self.live += 1;
         let mut actions = std::mem::take(&mut self.actions);
@@ -323,11 +327,29 @@ impl<T: Transport> EventLoop<T> {
         n
     }
 
+    /// Drops timers of finished requests: all of them when nothing is in flight, and
+    /// the dead ones whenever they outnumber the live requests four to one (they would
+    /// otherwise stay until they fire: request rate × timeout).
+    fn prune_timers(&mut self) {
+        if self.live == 0 {
+            self.timers.clear();
+        } else if self.timers.len() > 1024 && self.timers.len() > 4 * self.live {
+            let slots = &self.slots;
+            self.timers.retain(|Reverse((_, _, slot, generation, _))| {
+                slots
+                    .get(*slot as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|c| c.generation == *generation)
+            });
+        }
+    }
+
     /// Carries out a context's actions (which may produce more), then answers and
     /// frees the context if its graph finished.
     fn apply(&mut self, slot: u32, mut actions: Vec<Action>) {
         // In the order the run asked for them (a fan-out's requests leave in order).
-        let mut queue: VecDeque<Action> = actions.drain(..).collect();
+        let mut queue: VecDeque<Action> = std::mem::take(&mut self.queue);
+        queue.extend(actions.drain(..));
         while let Some(action) = queue.pop_front() {
             let Some(ctx) = self.slots[slot as usize].as_mut() else {
                 break;
@@ -338,8 +360,8 @@ impl<T: Transport> EventLoop<T> {
                     part,
                     request,
                 } => {
-                    let step_id = ctx.next_step;
-                    ctx.next_step = ctx.next_step.wrapping_add(1);
+                    let step_id = self.next_step;
+                    self.next_step = self.next_step.wrapping_add(1);
                     ctx.pending.insert(step_id, (node, part));
                     let tag = Tag {
                         req_id: (ctx.generation as u32) << SLOT_BITS | slot,
@@ -374,9 +396,10 @@ impl<T: Transport> EventLoop<T> {
             }
         }
         self.actions = actions;
+        self.queue = queue;
         let finished = self.slots[slot as usize]
-            .as_ref()
-            .and_then(|c| c.run.response().cloned().map(|r| (c.incoming, r)));
+            .as_mut()
+            .and_then(|c| c.run.take_response().map(|r| (c.incoming, r)));
         if let Some((incoming, response)) = finished {
             // Free the slot first: whatever is still out for it is now late.
             self.slots[slot as usize] = None;
@@ -384,6 +407,7 @@ impl<T: Transport> EventLoop<T> {
             self.free.push(slot);
             self.live -= 1;
             self.stats.responses += 1;
+            self.prune_timers();
             if let Err(e) = self.transport.send_response(incoming, response) {
                 tracing::warn!(error = %e, "could not answer a request");
             }

@@ -132,8 +132,6 @@ pub struct InternalStep {
     /// It must finish within this (the thread is not stopped; its late result is
     /// dropped).
     pub timeout: Option<Duration>,
-    /// Its output is the request's response.
-    pub respond: bool,
 }
 
 impl InternalStep {
@@ -149,7 +147,6 @@ impl InternalStep {
             func: Box::new(move |inputs| func(inputs).map(Into::into).map_err(|e| e.to_string())),
             inputs,
             timeout: None,
-            respond: false,
         }
     }
 

@@ -183,6 +183,12 @@ impl InMemoryTransport {
             .map(|(_, at, r)| (*at, r))
     }
 
+    /// From now on, sending a request fails at once (as a transport whose data path
+    /// went away does).
+    pub fn close(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+
     /// Egress requests sent so far, with their virtual times.
     pub fn sent(&self) -> &[Sent] {
         &self.sent

@@ -157,9 +157,9 @@ impl Run {
         run
     }
 
-    /// The response, once the graph has finished.
-    pub(crate) fn response(&self) -> Option<&HttpResponse> {
-        self.response.as_ref()
+    /// Takes the response, once the graph has finished.
+    pub(crate) fn take_response(&mut self) -> Option<HttpResponse> {
+        self.response.take()
     }
 
     /// Starts the graph.
@@ -428,7 +428,13 @@ impl Run {
             }
             Kind::Pipe { open, failed } => {
                 if !result.ok {
-                    failed.push(result.id.clone());
+                    // A nested block that failed names its own failed members.
+                    match &result.error {
+                        Some(StepError::Parallel(ids)) if result.id.is_empty() => {
+                            failed.extend(ids.iter().cloned())
+                        }
+                        _ => failed.push(result.id.clone()),
+                    }
                 }
                 *open -= 1;
                 if *open == 0 {

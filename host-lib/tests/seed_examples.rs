@@ -163,7 +163,7 @@ fn fan_out_is_sequential_in_a_sequence_and_concurrent_in_a_parallel_block() {
             .collect()
     };
 
-    let (at, _, el) = serve(service(), move |ctx| {
+    let (at, response, _) = serve(service(), move |ctx| {
         ctx.get("x").id("all").request_builder(builder);
         ctx.respond(|inputs| {
             let parts: Vec<_> = inputs["all"].parts.iter().map(|p| p.text()).collect();
@@ -171,11 +171,11 @@ fn fan_out_is_sequential_in_a_sequence_and_concurrent_in_a_parallel_block() {
         })
         .inputs(["all"]);
     });
-    let _ = el;
     assert!(
         at >= ms(60) && at < ms(65),
         "sequential fan-out: 10 + 20 + 30 ms, got {at:?}"
     );
+    assert_eq!(response.text(), "shard 1,shard 2,shard 3");
 
     let (at, response, _) = serve(service(), move |ctx| {
         ctx.parallel(|ctx| {

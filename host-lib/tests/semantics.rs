@@ -311,3 +311,59 @@ fn a_transport_that_cannot_route_fails_the_step() {
         "step \"lost\": transport: no route to service \"nowhere\"\n"
     );
 }
+
+#[test]
+fn a_nested_parallel_failure_names_the_steps_that_failed() {
+    let (_, response, _) = run(failing(), |ctx| {
+        ctx.parallel(|ctx| {
+            ctx.get("http://good/").id("g");
+            ctx.parallel(|ctx| {
+                ctx.get("http://bad/").id("inner-bad");
+                ctx.get("http://slow/").id("inner-slow");
+            });
+        });
+    });
+    assert_eq!(response.status, 502);
+    assert!(
+        response
+            .text()
+            .contains("parallel steps failed: inner-bad\n"),
+        "{}",
+        response.text()
+    );
+}
+
+#[test]
+fn a_transport_that_refuses_to_send_fails_the_step_at_once() {
+    let mut el = EventLoop::new(
+        InMemoryTransport::new().service("s", |_| Reply::ok_after(5, "x")),
+        |ctx: &mut ExecutionContext| {
+            ctx.get("http://s/").id("call");
+        },
+        LoopConfig::default(),
+    )
+    .unwrap();
+    el.transport().close();
+    let id = el.transport().inject(HttpRequest::get("/"));
+    el.run_until_idle().unwrap();
+    let (at, r) = el.transport().response(id).unwrap();
+    assert_eq!((r.status, at), (502, Duration::ZERO));
+    assert_eq!(r.text(), "step \"call\": transport: transport closed\n");
+    assert_eq!(el.in_flight(), (0, 0));
+}
+
+#[test]
+fn timers_of_finished_requests_do_not_outlive_them() {
+    // A generous timeout on a fast call: once the request is answered its timer is
+    // gone, so going idle does not wait for it.
+    let transport = InMemoryTransport::new().service("fast", |_| Reply::ok_after(1, "ok"));
+    let (at, response, mut el) = run(transport, |ctx| {
+        ctx.get("http://fast/").timeout(Duration::from_secs(30));
+    });
+    assert_eq!((response.status, at), (200, ms(1)));
+    assert_eq!(
+        el.transport().now(),
+        ms(1),
+        "no dead timer moved the clock to 30 s"
+    );
+}

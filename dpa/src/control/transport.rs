@@ -111,6 +111,10 @@ impl std::io::Write for Stream {
     }
 }
 
+/// A connection's writing half, locked on its own: a peer that stops reading stalls
+/// only its own replies.
+type Writer = Arc<Mutex<Stream>>;
+
 /// A peer of the server.
 #[derive(Debug, Clone)]
 pub struct Peer {
@@ -139,7 +143,7 @@ pub trait Handler: Send + Sync + 'static {
 pub struct ControlServer {
     endpoint: Endpoint,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<HashMap<u64, Stream>>>,
+    conns: Arc<Mutex<HashMap<u64, Writer>>>,
     accept: Option<JoinHandle<()>>,
 }
 
@@ -179,7 +183,7 @@ impl ControlServer {
             Listener::Tcp(l) => l.set_nonblocking(true)?,
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<HashMap<u64, Stream>>> = Arc::default();
+        let conns: Arc<Mutex<HashMap<u64, Writer>>> = Arc::default();
         let accept = {
             let stop = stop.clone();
             let conns = conns.clone();
@@ -209,9 +213,11 @@ impl ControlServer {
 impl Drop for ControlServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        for (_, mut stream) in self.conns.lock().drain() {
+        let writers: Vec<Writer> = self.conns.lock().drain().map(|(_, w)| w).collect();
+        for writer in writers {
+            let mut stream = writer.lock();
             let _ = write_frame(
-                &mut stream,
+                &mut *stream,
                 &Frame::Response(
                     0,
                     Response::Teardown {
@@ -234,7 +240,7 @@ fn accept_loop(
     listener: Listener,
     handler: Arc<dyn Handler>,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<HashMap<u64, Stream>>>,
+    conns: Arc<Mutex<HashMap<u64, Writer>>>,
 ) {
     let next = AtomicU64::new(1);
     while !stop.load(Ordering::Relaxed) {
@@ -265,7 +271,12 @@ fn accept_loop(
             continue;
         };
         let id = next.fetch_add(1, Ordering::Relaxed);
-        conns.lock().insert(id, writer);
+        // A reply that cannot be written within this is a peer that stopped reading.
+        let _ = match &writer {
+            Stream::Unix(s) => s.set_write_timeout(Some(Duration::from_secs(5))),
+            Stream::Tcp(s) => s.set_write_timeout(Some(Duration::from_secs(5))),
+        };
+        conns.lock().insert(id, Arc::new(Mutex::new(writer)));
         let handler = handler.clone();
         let conns = conns.clone();
         let _ = std::thread::Builder::new()
@@ -278,7 +289,7 @@ fn serve(
     id: u64,
     mut stream: Stream,
     handler: Arc<dyn Handler>,
-    conns: Arc<Mutex<HashMap<u64, Stream>>>,
+    conns: Arc<Mutex<HashMap<u64, Writer>>>,
 ) {
     let mut peer: Option<Peer> = None;
     loop {
@@ -325,14 +336,14 @@ fn serve(
 }
 
 fn reply(
-    conns: &Mutex<HashMap<u64, Stream>>,
+    conns: &Mutex<HashMap<u64, Writer>>,
     id: u64,
     rid: u32,
     response: Response,
 ) -> Result<(), ControlError> {
-    let mut conns = conns.lock();
-    let stream = conns.get_mut(&id).ok_or(ControlError::Closed)?;
-    write_frame(stream, &Frame::Response(rid, response))
+    let writer = conns.lock().get(&id).cloned().ok_or(ControlError::Closed)?;
+    let mut stream = writer.lock();
+    write_frame(&mut *stream, &Frame::Response(rid, response))
 }
 
 fn error(code: ErrorCode, message: &str) -> Response {

@@ -37,6 +37,8 @@ use crate::ring::{Consumer, Producer, WakeMode};
 const BUDGET: usize = 32;
 /// Deliveries held for a pod whose RX ring is full; beyond this they fail.
 const MAX_HELD: usize = 4096;
+/// Completions queued for one pod before the pod counts as not reading.
+const MAX_QUEUED_COMPLETIONS: usize = 1 << 16;
 /// How long a departed pod's port is kept for bodies still on their way elsewhere.
 pub const LEAVE_GRACE: Duration = Duration::from_secs(10);
 
@@ -116,6 +118,8 @@ pub struct DmaManager<E: DmaEngine> {
     to_arm_held: VecDeque<Descriptor>,
     /// Departed pods whose ports are kept until their claimed bodies are handed on.
     leaving: Vec<Leaving>,
+    /// Completions waiting for room in a pod's RX SQ.
+    completions: HashMap<u32, VecDeque<Descriptor>>,
     stats: Arc<DmaStats>,
 }
 
@@ -188,6 +192,7 @@ impl<E: DmaEngine> DmaManager<E> {
             held: HashMap::new(),
             to_arm_held: VecDeque::new(),
             leaving: Vec::new(),
+            completions: HashMap::new(),
             stats,
         }
     }
@@ -217,7 +222,8 @@ impl<E: DmaEngine> DmaManager<E> {
                     let sidecars = &self.sidecars;
                     let commands = &self.commands;
                     let held = self.to_arm_held.len()
-                        + self.held.values().map(VecDeque::len).sum::<usize>();
+                        + self.held.values().map(VecDeque::len).sum::<usize>()
+                        + self.completions.values().map(VecDeque::len).sum::<usize>();
                     // Held deliveries are retried on a short timer: their rings'
                     // consumers do not ring our doorbell when they make room.
                     let timeout = if held > 0 {
@@ -412,7 +418,7 @@ impl<E: DmaEngine> DmaManager<E> {
         let mut forward = *d;
         forward.src_pod = pod_id;
         if let Some(h) = header_slot {
-            let copied = self.copy_header_to_dpu(pod_id, h, d.header);
+            let copied = self.copy_header_to_dpu(pod_id, d.header);
             let pod = self.pods.get(&pod_id).expect("polled pods exist");
             // The pod's header slot goes back either way; the completion frees it.
             let _ = pod.tx_header.transfer(h, OwnerId::DMA, owner);
@@ -431,12 +437,7 @@ impl<E: DmaEngine> DmaManager<E> {
         Ok(forward)
     }
 
-    fn copy_header_to_dpu(
-        &mut self,
-        pod_id: u32,
-        _slot: SlotRef,
-        header: Buffer,
-    ) -> Result<Buffer, Refusal> {
+    fn copy_header_to_dpu(&mut self, pod_id: u32, header: Buffer) -> Result<Buffer, Refusal> {
         let pod = self.pods.get(&pod_id).expect("polled pods exist");
         if header.len > self.dpu_tx_header.layout().slot_size {
             return Err(Refusal::new(
@@ -448,11 +449,13 @@ impl<E: DmaEngine> DmaManager<E> {
                 ),
             ));
         }
+        let src_offset = pod.tx_header.offset_of(header)?;
         let dpu_slot = self.dpu_tx_header.alloc(OwnerId::DMA)?;
+        // Cannot fail: the length was checked against the slot size above.
         let dst = self.dpu_tx_header.buffer(dpu_slot, header.len)?;
         let job = CopyJob {
             src: pod.tx_header.region(),
-            src_offset: pod.tx_header.offset_of(header)?,
+            src_offset,
             dst: self.dpu_tx_header.region(),
             dst_offset: self.dpu_tx_header.offset_of(dst)?,
             len: header.len as u64,
@@ -544,17 +547,36 @@ impl<E: DmaEngine> DmaManager<E> {
     /// ring is full (nothing moved yet), fails it on any other error.
     fn deliver(&mut self, dst: u32, d: Descriptor) {
         let pod = self.pods.get_mut(&dst).expect("checked by the caller");
-        if pod.rx_sq.free() == 0 {
+        // Room for the delivery and for the completion a case 3 copy may send to the
+        // source pod, which can be this pod (a service calling itself); completions
+        // waiting for this pod go first.
+        if pod.rx_sq.free() < 2 || self.completions.get(&dst).is_some_and(|q| !q.is_empty()) {
             self.hold(dst, d);
             return;
         }
         match self.move_into_pod(dst, &d) {
             Ok(delivered) => {
                 let pod = self.pods.get_mut(&dst).expect("checked by the caller");
-                pod.rx_sq
-                    .push(&delivered)
-                    .expect("room was checked and only this thread produces");
-                self.stats.delivered.fetch_add(1, Ordering::Relaxed);
+                match pod.rx_sq.push(&delivered) {
+                    Ok(()) => {
+                        self.stats.delivered.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        // Only a ring whose consumer corrupted it refuses here: the pod
+                        // does not get this, and its slots go back.
+                        tracing::warn!(pod = dst, error = %e, "host RX SQ refused a delivery it had room for");
+                        let owner = OwnerId(dst);
+                        for (pool, b) in [
+                            (&pod.rx_header, delivered.header),
+                            (&pod.rx_body, delivered.body),
+                        ] {
+                            if let Ok(slot) = pool.slot_of(b) {
+                                let _ = pool.release(slot, owner);
+                            }
+                        }
+                        self.report_to_arm(&d, DescriptorStatus::RingFull);
+                    }
+                }
             }
             Err(refusal) => self.fail_delivery(&d, refusal),
         }
@@ -768,7 +790,15 @@ impl<E: DmaEngine> DmaManager<E> {
         let Ok(slot) = src.tx_body.slot_of(d.body) else {
             return;
         };
-        let _ = src.tx_body.transfer(slot, OwnerId::DMA, OwnerId(src_id));
+        // Only a body this manager held goes back with a notice; anything else would
+        // name a slot the pod may have reused.
+        if src
+            .tx_body
+            .transfer(slot, OwnerId::DMA, OwnerId(src_id))
+            .is_err()
+        {
+            return;
+        }
         let status = d.error_status().unwrap_or(DescriptorStatus::CopyFailed);
         let mut e = *d;
         e.header = Buffer::NONE;
@@ -813,17 +843,38 @@ impl<E: DmaEngine> DmaManager<E> {
         self.push_to_pod(pod_id, e);
     }
 
-    /// Completions and errors bypass the hold queue: they carry no data and free slots
-    /// the pod may be waiting for. A pod whose RX ring is full of them loses them
-    /// (counted); its slots are reclaimed when it unregisters.
+    /// Completions and errors are never dropped while the pod lives: they hand slots
+    /// back. A full RX SQ queues them (in order, ahead of deliveries to that pod); the
+    /// queue is bounded by the pod's slots, since each TX slot has one completion.
     fn push_to_pod(&mut self, pod_id: u32, d: Descriptor) {
         let Some(pod) = self.pods.get_mut(&pod_id) else {
             return;
         };
-        if pod.rx_sq.push(&d).is_err() {
-            tracing::warn!(pod = pod_id, "host RX SQ full; a completion was dropped");
-            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        let queued = self.completions.get(&pod_id).is_some_and(|q| !q.is_empty());
+        if queued || pod.rx_sq.push(&d).is_err() {
+            let queue = self.completions.entry(pod_id).or_default();
+            if queue.len() >= MAX_QUEUED_COMPLETIONS {
+                tracing::warn!(pod = pod_id, "pod reads no completions; one was dropped");
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            queue.push_back(d);
         }
+    }
+
+    /// Tells the ARM that `d` could not be delivered (nothing left to release).
+    fn report_to_arm(&mut self, d: &Descriptor, status: DescriptorStatus) {
+        let mut e = *d;
+        e.header = Buffer::NONE;
+        e.body = Buffer::NONE;
+        e.kind = Kind {
+            completion: true,
+            error: true,
+            response: d.kind.response,
+        };
+        e.status = status as u16;
+        self.stats.errors.fetch_add(1, Ordering::Relaxed);
+        self.send_to_arm(e);
     }
 
     /// A delivery failed: the buffers go back, and the ARM hears why (it answers the
@@ -857,23 +908,32 @@ impl<E: DmaEngine> DmaManager<E> {
                 let _ = pod.rx_body.release(slot, OwnerId::FABRIC);
             }
         }
-        let mut e = *d;
-        e.header = Buffer::NONE;
-        e.body = Buffer::NONE;
-        e.kind = Kind {
-            completion: true,
-            error: true,
-            response: d.kind.response,
-        };
-        e.status = refusal.status as u16;
-        if !self.push_to_arm(&e) {
-            self.to_arm_held.push_back(e);
-            self.stats.held.fetch_add(1, Ordering::Relaxed);
-        }
+        // Behind anything already held for the ARM, so notices keep their order.
+        self.stats.errors.fetch_sub(1, Ordering::Relaxed);
+        self.report_to_arm(d, refusal.status);
     }
 
     fn retry_held(&mut self) -> usize {
         let mut work = 0;
+        // Completions first: they free the slots pods may be waiting for.
+        let queued: Vec<u32> = self.completions.keys().copied().collect();
+        for pod_id in queued {
+            let Some(pod) = self.pods.get_mut(&pod_id) else {
+                self.completions.remove(&pod_id);
+                continue;
+            };
+            let queue = self.completions.get_mut(&pod_id).expect("listed above");
+            while let Some(d) = queue.front() {
+                if pod.rx_sq.push(d).is_err() {
+                    break;
+                }
+                queue.pop_front();
+                work += 1;
+            }
+            if queue.is_empty() {
+                self.completions.remove(&pod_id);
+            }
+        }
         while let Some(d) = self.to_arm_held.front().copied() {
             if !self.push_to_arm(&d) {
                 break;

@@ -234,7 +234,23 @@ impl CqInner {
     /// Waits up to `timeout` for socket activity, then progresses every ready queue
     /// pair.
     fn progress(&self, timeout: Option<Duration>) -> Result<(), FabricError> {
-        let mut events = Vec::with_capacity(64);
+        thread_local! {
+            // One epoll buffer per polling thread, not one per wait.
+            static EVENTS: std::cell::RefCell<Vec<epoll::Event>> = std::cell::RefCell::new(Vec::with_capacity(64));
+        }
+        let mut events = EVENTS.with(|e| std::mem::take(&mut *e.borrow_mut()));
+        events.clear();
+        events.reserve(64);
+        let result = self.progress_with(timeout, &mut events);
+        EVENTS.with(|e| *e.borrow_mut() = events);
+        result
+    }
+
+    fn progress_with(
+        &self,
+        timeout: Option<Duration>,
+        events: &mut Vec<epoll::Event>,
+    ) -> Result<(), FabricError> {
         let ts = timeout.map(|t| rustix::fs::Timespec {
             tv_sec: t.as_secs() as i64,
             tv_nsec: t.subsec_nanos() as i64,
@@ -247,7 +263,7 @@ impl CqInner {
         } else {
             epoll::wait(
                 &self.epoll,
-                rustix::buffer::spare_capacity(&mut events),
+                rustix::buffer::spare_capacity(events),
                 ts.as_ref(),
             )
             .map(|_| ())
@@ -258,7 +274,7 @@ impl CqInner {
             Err(rustix::io::Errno::INTR) => return Ok(()),
             Err(e) => return Err(FabricError::Io(e.into())),
         }
-        for event in &events {
+        for event in events.iter() {
             let token = event.data.u64();
             if token == WAKE_TOKEN {
                 let mut buf = [0u8; 8];
@@ -515,17 +531,34 @@ impl QpInner {
             };
             self.complete_send(&o, status, 0);
         }
-        tx.queue.clear();
-        if let Some(rx) = rx {
-            for r in rx.recvs.drain(..) {
-                self.complete_recv(r.wr_id, WcStatus::WrFlush, WcOpcode::Recv, 0, None);
+        // Keep a frame that is half on the wire (cutting it would desync the peer) and
+        // NAKs still to say why; the socket is shut once they are out.
+        tx.queue.retain(|f| f.sent > 0 || f.head[0] == K_NAK);
+        match rx {
+            Some(rx) => self.flush_recvs(rx),
+            // Called with only the send side locked: take the receive side if free
+            // (whoever holds it flushes its receives on its next pass, see `begin`).
+            None => {
+                if let Some(mut rx) = self.rx.try_lock() {
+                    self.flush_recvs(&mut rx);
+                }
             }
-            rx.held.clear();
-            rx.held_bytes = 0;
+        }
+        if tx.queue.is_empty() {
+            let _ = self.sock.shutdown(std::net::Shutdown::Write);
         }
         if !was {
             tracing::debug!(qp = self.num, peer = %self.peer, "queue pair moved to the error state");
         }
+    }
+
+    /// Completes every posted receive with a flush error (the queue pair failed).
+    fn flush_recvs(&self, rx: &mut Rx) {
+        for r in rx.recvs.drain(..) {
+            self.complete_recv(r.wr_id, WcStatus::WrFlush, WcOpcode::Recv, 0, None);
+        }
+        rx.held.clear();
+        rx.held_bytes = 0;
     }
 
     fn enqueue(&self, tx: &mut Tx, frame: OutFrame) {
@@ -569,6 +602,11 @@ impl QpInner {
                     frame.sent += n as u64;
                     if frame.sent >= total {
                         tx.queue.pop_front();
+                        if tx.queue.is_empty() && self.error.load(Ordering::SeqCst) {
+                            // The last word of a failed queue pair is out: the peer
+                            // learns the connection is over.
+                            let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                        }
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -765,6 +803,9 @@ impl QpInner {
             read: None,
         };
         if self.error.load(Ordering::SeqCst) {
+            if !rx.recvs.is_empty() {
+                self.flush_recvs(rx);
+            }
             return frame;
         }
         let len = header.len as u64;
@@ -788,6 +829,9 @@ impl QpInner {
                         frame.nak = Some(WcStatus::RemoteOperation);
                         frame.recv = Some(r);
                     }
+                } else if rx.held_bytes as u64 + len > MAX_HELD_BYTES as u64 {
+                    // Refused before a byte is buffered: one frame may announce 4 GiB.
+                    frame.nak = Some(WcStatus::RnrRetryExceeded);
                 } else {
                     frame.sink = Sink::Buffer(Vec::with_capacity(len.min(1 << 20) as usize));
                 }
@@ -847,10 +891,11 @@ impl QpInner {
                     self.complete_recv(r.wr_id, WcStatus::Success, WcOpcode::Recv, h.len, imm);
                     self.ack(h);
                 }
+                (Some(status), None, _) => self.nak(h.psn, status, rx),
                 (_, None, Sink::Buffer(payload)) => {
                     rx.held_bytes += payload.len();
                     rx.held.push_back(Held::Send { header: h, payload });
-                    self.check_held(rx);
+                    self.check_held(rx, h.psn);
                 }
                 _ => {}
             },
@@ -971,25 +1016,26 @@ impl QpInner {
             ..Header::default()
         };
         let mut tx = self.tx.lock();
-        tx.queue.clear();
+        // A frame half on the wire is finished first, or the peer would read the NAK
+        // as the rest of its payload.
+        let keep = usize::from(tx.queue.front().is_some_and(|f| f.sent > 0));
+        tx.queue.truncate(keep);
         tx.queue.push_back(OutFrame {
             head: head.encode(),
             payload: Payload::None,
             sent: 0,
         });
-        self.flush(&mut tx);
         self.fail(None, &mut tx, Some(rx));
-        let _ = self.sock.shutdown(std::net::Shutdown::Write);
+        self.flush(&mut tx);
     }
 
-    fn check_held(&self, rx: &mut Rx) {
+    fn check_held(&self, rx: &mut Rx, psn: u64) {
         if rx.held_bytes > MAX_HELD_BYTES {
-            let mut tx = self.tx.lock();
             tracing::warn!(
                 qp = self.num,
                 "peer kept no receive posted: receiver-not-ready limit"
             );
-            self.fail(None, &mut tx, Some(rx));
+            self.nak(psn, WcStatus::RnrRetryExceeded, rx);
             return;
         }
         self.drain_held(rx);

@@ -123,6 +123,17 @@ fn waiting_on_an_empty_ring_times_out() {
 }
 
 #[test]
+fn a_consumer_position_past_the_producer_counts_as_full_not_as_room() {
+    let r = ring(4);
+    let mut tx = r.producer();
+    tx.push(&desc(1)).unwrap();
+    // Another process scribbles a head beyond the tail.
+    r.region().atomic_u64s(HEAD, 1).unwrap()[0].store(1000, Ordering::Release);
+    assert_eq!(tx.free(), 0);
+    assert!(matches!(tx.push(&desc(2)), Err(RingError::Full { .. })));
+}
+
+#[test]
 fn bad_capacities_and_foreign_regions_are_refused() {
     for c in [0, 3, 1, 1 << 25] {
         assert!(matches!(
