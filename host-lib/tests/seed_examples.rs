@@ -80,7 +80,7 @@ fn data_chaining_passes_results_as_inputs() {
             .inputs([&user]);
     });
     assert_eq!(response.text(), "Hello, alice");
-    assert!(at >= ms(10) && at < ms(15), "{at:?}");
+    assert!(at >= ms(10), "{at:?}");
 }
 
 #[test]
@@ -172,7 +172,7 @@ fn fan_out_is_sequential_in_a_sequence_and_concurrent_in_a_parallel_block() {
         .inputs(["all"]);
     });
     assert!(
-        at >= ms(60) && at < ms(65),
+        at >= ms(60),
         "sequential fan-out: 10 + 20 + 30 ms, got {at:?}"
     );
     assert_eq!(response.text(), "shard 1,shard 2,shard 3");
@@ -188,8 +188,8 @@ fn fan_out_is_sequential_in_a_sequence_and_concurrent_in_a_parallel_block() {
         .inputs(["all"]);
     });
     assert!(
-        at >= ms(30) && at < ms(35),
-        "concurrent fan-out: the slowest, 30 ms, got {at:?}"
+        at >= ms(30) && at < ms(60),
+        "concurrent fan-out: the slowest (30 ms), not the sum (60 ms), got {at:?}"
     );
     assert_eq!(
         response.text(),
@@ -229,9 +229,11 @@ fn fan_out_fan_in_with_the_low_level_api() {
     });
     assert_eq!(response.text(), "alice has 3 orders");
     assert_eq!(merges.load(Ordering::SeqCst), 1);
+    // The internal merge adds its real run time (small, but not on a loaded machine):
+    // the claim is that the pipe took its slowest member, well under the 40 ms sum.
     assert!(
-        at >= ms(25) && at < ms(30),
-        "the pipe took its slowest member: {at:?}"
+        at >= ms(25) && at < ms(40),
+        "the pipe took its slowest member (25 ms), not the sum (40 ms): {at:?}"
     );
     assert_eq!(el.stats().egress, 2);
     assert_eq!(el.stats().internal, 1);
