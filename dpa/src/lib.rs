@@ -13,6 +13,8 @@
 //!   and libibverbs behind `verbs`).
 //! - [`node`]: a node's DPU side (pools, sidecar rings, DMA manager, control server).
 //! - [`host`]: a host pod's port (registration, TX/RX, completions).
+//! - [`mesh`]: the messages ingress and DPU proxies exchange over the fabric.
+//! - [`link`]: one queue pair carrying mesh frames with credits, and body transfers.
 //! - [`rpc`]: RPC on the fabric (seed 001: inline small requests, RDMA READ of large
 //!   ones, responses by WRITE_WITH_IMM, a ring of contexts per connection).
 //! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
@@ -28,6 +30,8 @@ pub mod dma;
 pub mod doorbell;
 pub mod fabric;
 pub mod host;
+pub mod link;
+pub mod mesh;
 pub mod node;
 pub mod pool;
 pub mod ring;

@@ -9,6 +9,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod wire;
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};

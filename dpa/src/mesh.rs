@@ -1,0 +1,439 @@
+//! Mesh messages: what the ingress and the DPU proxies say to each other over the
+//! fabric. A request names where its body waits (the receiving proxy RDMA-READs it
+//! into the destination pod's RX body pool once policy allowed it, so a denied body
+//! never crosses the network) and where the response body goes (the answering proxy
+//! RDMA-WRITEs it there before it SENDs the response head, which RC ordering makes
+//! visible only after the body). Heads travel inline: they are small and the proxy
+//! needs them anyway.
+//!
+//! ```text
+//! frame:    magic "DM" | version u8 | kind u8 | credits u16 | fields
+//! Request:  xid u32 | flags u8 | deadline_ms u32 | body? RemoteBuf | reply RemoteBuf |
+//!           head (u32 length + bytes)
+//! Response: xid u32 | body: 0 none, 1 written (u32 len), 2 inline (u32 len + bytes) |
+//!           head (u32 length + bytes)
+//! Credit:   (nothing: the frame's credits field is the message)
+//! RemoteBuf: addr u64 | rkey u32 | len u32
+//! ```
+
+use crate::fabric::RemoteAddr;
+
+/// Frame magic.
+pub const MAGIC: [u8; 2] = *b"DM";
+/// The protocol version written and read.
+pub const MESH_VERSION: u8 = 1;
+/// The largest frame (a head of up to 64 KiB plus the fixed fields).
+pub const MAX_FRAME: usize = (64 << 10) + 256;
+
+const REQUEST: u8 = 1;
+const RESPONSE: u8 = 2;
+const CREDIT: u8 = 3;
+
+/// A buffer in the peer's registered memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RemoteBuf {
+    /// Address and key.
+    pub at: RemoteAddr,
+    /// Bytes (the body's length, or a reply buffer's capacity).
+    pub len: u32,
+}
+
+/// Request flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RequestFlags {
+    /// The sending proxy already ran the route's filter chain (a pod's egress call
+    /// crossing to another node): the receiver routes without running it again.
+    pub policed: bool,
+}
+
+/// A request for a service on the receiver's node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    /// The sender's exchange id, echoed in the response.
+    pub xid: u32,
+    /// Flags.
+    pub flags: RequestFlags,
+    /// Milliseconds the sender will wait for the response (0: no deadline).
+    pub deadline_ms: u32,
+    /// Where the body waits, if there is one.
+    pub body: Option<RemoteBuf>,
+    /// Where the response body may be written, and how much fits.
+    pub reply: RemoteBuf,
+    /// The request head (in the head wire form of `dpumesh-head`).
+    pub head: Vec<u8>,
+}
+
+/// Where a response's body is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ResponseBody {
+    /// No body.
+    None,
+    /// Written into the request's reply buffer before this message (this many bytes).
+    Written(u32),
+    /// Carried in the message (local replies: a few hundred bytes of text).
+    Inline(Vec<u8>),
+}
+
+/// The answer to a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// The request's exchange id.
+    pub xid: u32,
+    /// The body.
+    pub body: ResponseBody,
+    /// The response head (status and headers, in the head wire form).
+    pub head: Vec<u8>,
+}
+
+/// One message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// A request.
+    Request(Request),
+    /// A response.
+    Response(Response),
+    /// Only returns credits.
+    Credit,
+}
+
+/// A frame: a message and the receive credits it returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Receives the sender posted again since its last frame.
+    pub credits: u16,
+    /// The message.
+    pub message: Message,
+}
+
+/// Why bytes are not a frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// Ends inside a field.
+    #[error("mesh frame truncated in {0}")]
+    Truncated(&'static str),
+    /// Wrong magic.
+    #[error("not a mesh frame (magic {0:02x?})")]
+    Magic([u8; 2]),
+    /// Another protocol version.
+    #[error("mesh protocol version {found} is not supported (this build speaks {MESH_VERSION})")]
+    Version {
+        /// The version found.
+        found: u8,
+    },
+    /// Unknown message kind or tag.
+    #[error("unknown {what} {tag}")]
+    Tag {
+        /// The field.
+        what: &'static str,
+        /// The value found.
+        tag: u8,
+    },
+    /// Bytes after the message.
+    #[error("{0} bytes after the end of the frame")]
+    Trailing(usize),
+    /// Larger than [`MAX_FRAME`].
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+}
+
+fn put_buf(out: &mut Vec<u8>, b: &RemoteBuf) {
+    out.extend_from_slice(&b.at.addr.to_le_bytes());
+    out.extend_from_slice(&b.at.rkey.to_le_bytes());
+    out.extend_from_slice(&b.len.to_le_bytes());
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+impl Frame {
+    /// Writes the frame into `out` (cleared first).
+    pub fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), FrameError> {
+        out.clear();
+        out.extend_from_slice(&MAGIC);
+        out.push(MESH_VERSION);
+        out.push(match self.message {
+            Message::Request(_) => REQUEST,
+            Message::Response(_) => RESPONSE,
+            Message::Credit => CREDIT,
+        });
+        out.extend_from_slice(&self.credits.to_le_bytes());
+        match &self.message {
+            Message::Request(r) => {
+                out.extend_from_slice(&r.xid.to_le_bytes());
+                out.push(u8::from(r.flags.policed));
+                out.extend_from_slice(&r.deadline_ms.to_le_bytes());
+                match &r.body {
+                    None => out.push(0),
+                    Some(b) => {
+                        out.push(1);
+                        put_buf(out, b);
+                    }
+                }
+                put_buf(out, &r.reply);
+                put_bytes(out, &r.head);
+            }
+            Message::Response(r) => {
+                out.extend_from_slice(&r.xid.to_le_bytes());
+                match &r.body {
+                    ResponseBody::None => out.push(0),
+                    ResponseBody::Written(n) => {
+                        out.push(1);
+                        out.extend_from_slice(&n.to_le_bytes());
+                    }
+                    ResponseBody::Inline(b) => {
+                        out.push(2);
+                        put_bytes(out, b);
+                    }
+                }
+                put_bytes(out, &r.head);
+            }
+            Message::Credit => {}
+        }
+        if out.len() > MAX_FRAME {
+            return Err(FrameError::TooLarge(out.len()));
+        }
+        Ok(())
+    }
+
+    /// Reads a frame.
+    pub fn decode(b: &[u8]) -> Result<Self, FrameError> {
+        if b.len() > MAX_FRAME {
+            return Err(FrameError::TooLarge(b.len()));
+        }
+        let mut r = Reader { b, at: 0 };
+        let magic = [r.u8("magic")?, r.u8("magic")?];
+        if magic != MAGIC {
+            return Err(FrameError::Magic(magic));
+        }
+        let version = r.u8("version")?;
+        if version != MESH_VERSION {
+            return Err(FrameError::Version { found: version });
+        }
+        let kind = r.u8("kind")?;
+        let credits = r.u16("credits")?;
+        let message = match kind {
+            REQUEST => {
+                let xid = r.u32("xid")?;
+                let flags = match r.u8("flags")? {
+                    0 => RequestFlags { policed: false },
+                    1 => RequestFlags { policed: true },
+                    tag => return Err(FrameError::Tag { what: "flags", tag }),
+                };
+                let deadline_ms = r.u32("deadline")?;
+                let body = match r.u8("body tag")? {
+                    0 => None,
+                    1 => Some(r.buf("body")?),
+                    tag => {
+                        return Err(FrameError::Tag {
+                            what: "body tag",
+                            tag,
+                        });
+                    }
+                };
+                let reply = r.buf("reply")?;
+                let head = r.bytes("head")?.to_vec();
+                Message::Request(Request {
+                    xid,
+                    flags,
+                    deadline_ms,
+                    body,
+                    reply,
+                    head,
+                })
+            }
+            RESPONSE => {
+                let xid = r.u32("xid")?;
+                let body = match r.u8("body tag")? {
+                    0 => ResponseBody::None,
+                    1 => ResponseBody::Written(r.u32("body length")?),
+                    2 => ResponseBody::Inline(r.bytes("body")?.to_vec()),
+                    tag => {
+                        return Err(FrameError::Tag {
+                            what: "body tag",
+                            tag,
+                        });
+                    }
+                };
+                let head = r.bytes("head")?.to_vec();
+                Message::Response(Response { xid, body, head })
+            }
+            CREDIT => Message::Credit,
+            tag => {
+                return Err(FrameError::Tag {
+                    what: "message kind",
+                    tag,
+                });
+            }
+        };
+        match b.len() - r.at {
+            0 => Ok(Frame { credits, message }),
+            n => Err(FrameError::Trailing(n)),
+        }
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, what: &'static str, n: usize) -> Result<&'a [u8], FrameError> {
+        let end = self.at.checked_add(n).ok_or(FrameError::Truncated(what))?;
+        let s = self
+            .b
+            .get(self.at..end)
+            .ok_or(FrameError::Truncated(what))?;
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self, what: &'static str) -> Result<u8, FrameError> {
+        Ok(self.take(what, 1)?[0])
+    }
+    fn u16(&mut self, what: &'static str) -> Result<u16, FrameError> {
+        Ok(u16::from_le_bytes(
+            self.take(what, 2)?.try_into().expect("2"),
+        ))
+    }
+    fn u32(&mut self, what: &'static str) -> Result<u32, FrameError> {
+        Ok(u32::from_le_bytes(
+            self.take(what, 4)?.try_into().expect("4"),
+        ))
+    }
+    fn u64(&mut self, what: &'static str) -> Result<u64, FrameError> {
+        Ok(u64::from_le_bytes(
+            self.take(what, 8)?.try_into().expect("8"),
+        ))
+    }
+    fn buf(&mut self, what: &'static str) -> Result<RemoteBuf, FrameError> {
+        Ok(RemoteBuf {
+            at: RemoteAddr {
+                addr: self.u64(what)?,
+                rkey: self.u32(what)?,
+            },
+            len: self.u32(what)?,
+        })
+    }
+    fn bytes(&mut self, what: &'static str) -> Result<&'a [u8], FrameError> {
+        let n = self.u32(what)? as usize;
+        self.take(what, n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frames() -> Vec<Frame> {
+        let buf = |addr, len| RemoteBuf {
+            at: RemoteAddr { addr, rkey: 77 },
+            len,
+        };
+        vec![
+            Frame {
+                credits: 3,
+                message: Message::Request(Request {
+                    xid: 9,
+                    flags: RequestFlags { policed: true },
+                    deadline_ms: 1500,
+                    body: Some(buf(0x1000, 8 << 20)),
+                    reply: buf(0x9000, 1 << 20),
+                    head: b"head bytes".to_vec(),
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::Request(Request {
+                    xid: u32::MAX,
+                    flags: RequestFlags::default(),
+                    deadline_ms: 0,
+                    body: None,
+                    reply: buf(1, 2),
+                    head: Vec::new(),
+                }),
+            },
+            Frame {
+                credits: 1,
+                message: Message::Response(Response {
+                    xid: 4,
+                    body: ResponseBody::Written(1024),
+                    head: b"r".to_vec(),
+                }),
+            },
+            Frame {
+                credits: 2,
+                message: Message::Response(Response {
+                    xid: 5,
+                    body: ResponseBody::Inline(b"denied\n".to_vec()),
+                    head: Vec::new(),
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::Response(Response {
+                    xid: 6,
+                    body: ResponseBody::None,
+                    head: b"h".to_vec(),
+                }),
+            },
+            Frame {
+                credits: 64,
+                message: Message::Credit,
+            },
+        ]
+    }
+
+    #[test]
+    fn every_message_comes_back() {
+        let mut out = Vec::new();
+        for f in frames() {
+            f.encode_into(&mut out).unwrap();
+            assert_eq!(Frame::decode(&out).unwrap(), f);
+        }
+    }
+
+    #[test]
+    fn damaged_frames_name_what_is_wrong() {
+        let mut out = Vec::new();
+        for f in frames() {
+            f.encode_into(&mut out).unwrap();
+            for cut in 0..out.len() {
+                assert!(
+                    matches!(Frame::decode(&out[..cut]), Err(FrameError::Truncated(_))),
+                    "{f:?} cut at {cut}"
+                );
+            }
+            let mut longer = out.clone();
+            longer.push(1);
+            assert_eq!(Frame::decode(&longer), Err(FrameError::Trailing(1)));
+        }
+        frames()[0].encode_into(&mut out).unwrap();
+        let mut v = out.clone();
+        v[2] = 2;
+        assert_eq!(Frame::decode(&v), Err(FrameError::Version { found: 2 }));
+        let mut m = out.clone();
+        m[0] = b'X';
+        assert!(matches!(Frame::decode(&m), Err(FrameError::Magic(_))));
+        let mut k = out.clone();
+        k[3] = 99;
+        assert!(matches!(Frame::decode(&k), Err(FrameError::Tag { .. })));
+        // A head length far beyond the frame is a truncation, not an allocation.
+        let mut h = vec![b'D', b'M', MESH_VERSION, RESPONSE, 0, 0, 1, 0, 0, 0, 0];
+        h.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(Frame::decode(&h), Err(FrameError::Truncated(_))));
+        let big = Frame {
+            credits: 0,
+            message: Message::Response(Response {
+                xid: 1,
+                body: ResponseBody::Inline(vec![0; MAX_FRAME]),
+                head: Vec::new(),
+            }),
+        };
+        assert!(matches!(
+            big.encode_into(&mut out),
+            Err(FrameError::TooLarge(_))
+        ));
+    }
+}
