@@ -68,6 +68,9 @@ pub struct NodeConfig {
     pub wake: WakeMode,
     /// Most pods at once.
     pub max_pods: u32,
+    /// Called after the DMA manager publishes to a sidecar TX SQ (a proxy that sleeps
+    /// on something else than the ring, e.g. its fabric completion queue).
+    pub sidecar_notify: Option<crate::fabric::Interrupter>,
 }
 
 impl NodeConfig {
@@ -81,6 +84,7 @@ impl NodeConfig {
             sidecar_ring_capacity: 1024,
             wake: WakeMode::LOW_CPU,
             max_pods: 64,
+            sidecar_notify: None,
         }
     }
 }
@@ -433,8 +437,12 @@ impl DpuNode {
                 &format!("{prefix}-sc{i}-rx"),
                 shared.config.sidecar_ring_capacity,
             )?;
+            let producer = match &shared.config.sidecar_notify {
+                Some(notify) => to_arm.producer().with_notify(notify.clone()),
+                None => to_arm.producer(),
+            };
             rings.push(SidecarRings {
-                to_arm: to_arm.producer(),
+                to_arm: producer,
                 from_arm: from_arm.consumer(),
             });
             ports.push(SidecarPort {
@@ -540,6 +548,11 @@ impl SidecarPort {
         timeout: Duration,
     ) -> Result<Option<Descriptor>, RingError> {
         self.from_dma.pop_wait(mode, timeout)
+    }
+
+    /// Whether a descriptor is waiting.
+    pub fn has_next(&self) -> bool {
+        self.from_dma.has_next()
     }
 
     /// Takes the next descriptor if there is one.

@@ -222,6 +222,7 @@ impl Ring {
             tail,
             head_cache: head,
             doorbell: None,
+            notify: None,
         }
     }
 
@@ -242,9 +243,17 @@ pub struct Producer {
     tail: u64,
     head_cache: u64,
     doorbell: Option<Doorbell>,
+    notify: Option<crate::fabric::Interrupter>,
 }
 
 impl Producer {
+    /// Also calls `notify` after each publish (for a consumer that sleeps on something
+    /// else, e.g. a proxy sleeping on its fabric completion queue).
+    pub fn with_notify(mut self, notify: crate::fabric::Interrupter) -> Self {
+        self.notify = Some(notify);
+        self
+    }
+
     /// Also rings `doorbell` after each publish (for consumers that watch many rings).
     pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
         self.doorbell = Some(doorbell);
@@ -323,6 +332,9 @@ impl Producer {
     fn notify(&self) {
         if let Some(bell) = &self.doorbell {
             bell.ring();
+        }
+        if let Some(notify) = &self.notify {
+            notify.interrupt();
         }
         // Pairs with the consumer's fence between raising `waiting` and re-checking
         // the ring: either it sees our entry, or we see it waiting.

@@ -100,18 +100,40 @@ pub struct RequestDone {
     pub outcome: ChainOutcome,
 }
 
+/// Where a finished phase goes: an awaiting task, or a function called on the worker
+/// (for callers that are not async, e.g. a data-path reactor with its own wake-up).
+enum Reply<T> {
+    Oneshot(oneshot::Sender<T>),
+    Callback(Box<dyn FnOnce(T) + Send>),
+}
+
+impl<T> Reply<T> {
+    fn send(self, value: T) {
+        match self {
+            Self::Oneshot(tx) => {
+                let _ = tx.send(value);
+            }
+            Self::Callback(f) => f(value),
+        }
+    }
+}
+
+/// What a response phase gives back: the request head (as the response filters left
+/// it) and the faults of filters that failed in it.
+pub type ResponseDone = (RequestHead, Vec<FilterFault>);
+
 enum Job {
     Request {
         generation: Arc<Generation>,
         chain: usize,
         head: RequestHead,
-        reply: oneshot::Sender<RequestDone>,
+        reply: Reply<RequestDone>,
     },
     Response {
         ticket: Ticket,
         head: RequestHead,
         info: ResponseInfo,
-        reply: oneshot::Sender<(RequestHead, Vec<FilterFault>)>,
+        reply: Reply<ResponseDone>,
     },
     Switch(Arc<Generation>),
 }
@@ -208,11 +230,34 @@ impl WorkerPool {
         chain: usize,
         head: RequestHead,
     ) -> Result<oneshot::Receiver<RequestDone>, PoolError> {
+        let (reply, done) = oneshot::channel();
+        self.submit_to(generation, chain, head, Reply::Oneshot(reply))?;
+        Ok(done)
+    }
+
+    /// Runs chain `chain` of `generation` on the next worker and calls `done` there
+    /// with the result (it must be quick: the worker waits for it).
+    pub fn request_with(
+        &self,
+        generation: Arc<Generation>,
+        chain: usize,
+        head: RequestHead,
+        done: impl FnOnce(RequestDone) + Send + 'static,
+    ) -> Result<(), PoolError> {
+        self.submit_to(generation, chain, head, Reply::Callback(Box::new(done)))
+    }
+
+    fn submit_to(
+        &self,
+        generation: Arc<Generation>,
+        chain: usize,
+        head: RequestHead,
+        reply: Reply<RequestDone>,
+    ) -> Result<(), PoolError> {
         if chain >= generation.chains.len() {
             return Err(PoolError::UnknownChain(chain));
         }
         let worker = self.next.fetch_add(1, Ordering::Relaxed) % self.senders.len();
-        let (reply, done) = oneshot::channel();
         self.senders[worker]
             .send(Job::Request {
                 generation,
@@ -221,7 +266,7 @@ impl WorkerPool {
                 reply,
             })
             .map_err(|_| PoolError::Stopped)?;
-        Ok(done)
+        Ok(())
     }
 
     /// Runs chain `chain` of the current generation on the next worker (round robin)
@@ -250,9 +295,31 @@ impl WorkerPool {
         ticket: Ticket,
         head: RequestHead,
         info: ResponseInfo,
-    ) -> Result<oneshot::Receiver<(RequestHead, Vec<FilterFault>)>, PoolError> {
-        let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
+    ) -> Result<oneshot::Receiver<ResponseDone>, PoolError> {
         let (reply, done) = oneshot::channel();
+        self.submit_response_to(ticket, head, info, Reply::Oneshot(reply))?;
+        Ok(done)
+    }
+
+    /// Runs the response phase where `ticket` says and calls `done` there.
+    pub fn response_with(
+        &self,
+        ticket: Ticket,
+        head: RequestHead,
+        info: ResponseInfo,
+        done: impl FnOnce(ResponseDone) + Send + 'static,
+    ) -> Result<(), PoolError> {
+        self.submit_response_to(ticket, head, info, Reply::Callback(Box::new(done)))
+    }
+
+    fn submit_response_to(
+        &self,
+        ticket: Ticket,
+        head: RequestHead,
+        info: ResponseInfo,
+        reply: Reply<ResponseDone>,
+    ) -> Result<(), PoolError> {
+        let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
         sender
             .send(Job::Response {
                 ticket,
@@ -261,7 +328,7 @@ impl WorkerPool {
                 reply,
             })
             .map_err(|_| PoolError::Stopped)?;
-        Ok(done)
+        Ok(())
     }
 
     /// Runs the response phase where `ticket` says, and waits. Not for async contexts:
@@ -367,7 +434,7 @@ impl Worker {
                         chain,
                         ran: outcome.ran,
                     };
-                    let _ = reply.send(RequestDone { ticket, outcome });
+                    reply.send(RequestDone { ticket, outcome });
                     runner.repair();
                 }
                 Job::Response {
@@ -380,7 +447,7 @@ impl Worker {
                     runners.open = runners.open.saturating_sub(1);
                     let runner = &mut runners.runners[ticket.chain];
                     let result = runner.on_response(head, &info, ticket.ran);
-                    let _ = reply.send(result);
+                    reply.send(result);
                     runner.repair();
                     self.sweep();
                 }

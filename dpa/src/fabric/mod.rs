@@ -301,8 +301,35 @@ pub trait MemoryRegion: Send + Sync {
     }
 }
 
+/// Makes a waiting [`CompletionQueue::wait`] return early, from any thread: one thread
+/// can then sleep on its queues and still be woken for other work (a channel, a ring).
+#[derive(Clone)]
+pub struct Interrupter(Arc<dyn Fn() + Send + Sync>);
+
+impl Interrupter {
+    /// Wraps the function that wakes the waiter.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// Wakes the waiter (or makes its next wait return at once).
+    pub fn interrupt(&self) {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Interrupter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interrupter")
+    }
+}
+
 /// A completion queue. Many queue pairs may share one; one thread polls it.
 pub trait CompletionQueue: Send + Sync {
+    /// A handle that makes [`CompletionQueue::wait`] return early. An interrupt
+    /// that comes while nobody waits makes the next wait return at once.
+    fn interrupter(&self) -> Interrupter;
+
     /// Appends up to `max` completions to `out`; returns how many. Never blocks.
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize;
 

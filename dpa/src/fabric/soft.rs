@@ -205,6 +205,8 @@ struct CqInner {
     epoll: OwnedFd,
     wake: OwnedFd,
     sleepers: AtomicUsize,
+    /// Set by interrupters: the current or next `wait` returns.
+    interrupted: AtomicBool,
     qps: RwLock<HashMap<u32, Weak<QpInner>>>,
     overflowed: AtomicBool,
 }
@@ -297,6 +299,16 @@ pub struct SoftCq {
 }
 
 impl CompletionQueue for SoftCq {
+    fn interrupter(&self) -> super::Interrupter {
+        let inner = self.inner.clone();
+        // Always written: a waiter about to sleep must find it. The next progress
+        // pass drains it.
+        super::Interrupter::new(move || {
+            inner.interrupted.store(true, Ordering::SeqCst);
+            let _ = rustix::io::write(&inner.wake, &1u64.to_ne_bytes());
+        })
+    }
+
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
         if self.inner.entries.lock().is_empty() {
             let _ = self.inner.progress(Some(Duration::ZERO));
@@ -314,6 +326,9 @@ impl CompletionQueue for SoftCq {
         loop {
             if !self.inner.entries.lock().is_empty() {
                 return Ok(true);
+            }
+            if self.inner.interrupted.swap(false, Ordering::SeqCst) {
+                return Ok(false);
             }
             let now = Instant::now();
             let Some(left) = deadline.checked_duration_since(now) else {
@@ -1511,6 +1526,7 @@ impl Fabric for SoftFabric {
                 epoll,
                 wake,
                 sleepers: AtomicUsize::new(0),
+                interrupted: AtomicBool::new(false),
                 qps: RwLock::new(HashMap::new()),
                 overflowed: AtomicBool::new(false),
             }),

@@ -166,6 +166,8 @@ struct CqHandle {
     /// Completions `wait` took off the CQ to learn one was there; `poll` returns them
     /// first (verbs has no peek).
     taken: parking_lot::Mutex<std::collections::VecDeque<WorkCompletion>>,
+    /// Written by interrupters; `wait` watches it beside the channel.
+    wake: std::os::fd::OwnedFd,
 }
 // SAFETY: CQs and channels are thread-safe in libibverbs; one thread polls.
 unsafe impl Send for CqHandle {}
@@ -216,6 +218,13 @@ fn wc_opcode(o: sys::ibv_wc_opcode::Type) -> WcOpcode {
 }
 
 impl CompletionQueue for VerbsCq {
+    fn interrupter(&self) -> super::Interrupter {
+        let cq = self.cq.clone();
+        super::Interrupter::new(move || {
+            let _ = rustix::io::write(&cq.wake, &1u64.to_ne_bytes());
+        })
+    }
+
     fn poll(&self, out: &mut Vec<WorkCompletion>, max: usize) -> usize {
         let mut done = {
             let mut taken = self.cq.taken.lock();
@@ -268,15 +277,20 @@ impl CompletionQueue for VerbsCq {
             };
             // SAFETY: the channel's fd is valid while the CQ lives.
             let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw((*self.cq.channel).fd) };
-            let mut fds = [rustix::event::PollFd::new(
-                &fd,
-                rustix::event::PollFlags::IN,
-            )];
+            let mut fds = [
+                rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN),
+                rustix::event::PollFd::new(&self.cq.wake, rustix::event::PollFlags::IN),
+            ];
             let ts = rustix::fs::Timespec {
                 tv_sec: left.as_secs() as i64,
                 tv_nsec: left.subsec_nanos() as i64,
             };
             let _ = rustix::event::poll(&mut fds, Some(&ts));
+            if fds[1].revents().contains(rustix::event::PollFlags::IN) {
+                let mut buf = [0u8; 8];
+                let _ = rustix::io::read(&self.cq.wake, &mut buf);
+                return Ok(!self.cq.taken.lock().is_empty());
+            }
             if fds[0].revents().contains(rustix::event::PollFlags::IN) {
                 let mut cq = ptr::null_mut();
                 let mut ctx: *mut c_void = ptr::null_mut();
@@ -676,11 +690,23 @@ impl Fabric for VerbsFabric {
                 sys::ibv_destroy_comp_channel(channel);
                 return Err(e);
             }
+            let wake = match rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            ) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    sys::ibv_destroy_cq(cq);
+                    sys::ibv_destroy_comp_channel(channel);
+                    return Err(FabricError::Io(e.into()));
+                }
+            };
             Ok(VerbsCq {
                 cq: Arc::new(CqHandle {
                     cq,
                     channel,
                     taken: parking_lot::Mutex::new(std::collections::VecDeque::new()),
+                    wake,
                 }),
             })
         }

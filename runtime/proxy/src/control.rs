@@ -46,6 +46,20 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// The service and chain for a request to `authority` and `path`: a mesh call
+    /// names its service as the host (`http://user/...`, port ignored); anything else
+    /// goes through the routes.
+    pub fn resolve(&self, authority: &str, path: &str) -> Option<(String, usize)> {
+        let host = crate::routes::strip_port(authority);
+        if let Some(service) = self.config.config.services.get(host) {
+            let chain = self.generation.chain_index(&service.chain)?;
+            return Some((host.to_owned(), chain));
+        }
+        self.routes
+            .find(authority, path)
+            .map(|m| (m.service.to_owned(), m.chain))
+    }
+
     fn new(built: Built, config: LoadedConfig) -> Self {
         let durations = built
             .generation

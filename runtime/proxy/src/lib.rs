@@ -14,6 +14,7 @@
 pub mod admin;
 pub mod config;
 pub mod control;
+pub mod dataplane;
 pub mod listener;
 pub mod logging;
 pub mod routes;

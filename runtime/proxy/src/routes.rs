@@ -97,7 +97,8 @@ impl RouteTable {
     }
 }
 
-fn strip_port(host: &str) -> &str {
+/// `host` without a `:port` (`[v6]:port` gives `v6`).
+pub fn strip_port(host: &str) -> &str {
     if host.starts_with('[') {
         // [v6]:port
         return host.split_once(']').map_or(host, |(h, _)| &h[1..]);

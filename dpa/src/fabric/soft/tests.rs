@@ -504,3 +504,31 @@ fn one_poller_serves_many_queue_pairs() {
         c.join().unwrap();
     }
 }
+
+#[test]
+fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {
+    let fabric = SoftFabric::new();
+    let cq = fabric.create_cq(16).unwrap();
+    let interrupter = cq.interrupter();
+    // Before anyone waits: the next wait returns at once.
+    interrupter.interrupt();
+    let started = Instant::now();
+    assert!(!cq.wait(Duration::from_secs(10)).unwrap());
+    assert!(started.elapsed() < Duration::from_secs(5));
+    // While a wait sleeps.
+    let waiter = {
+        let cq = cq.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let got = cq.wait(Duration::from_secs(30)).unwrap();
+            (got, started.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    interrupter.interrupt();
+    let (got, took) = waiter.join().unwrap();
+    assert!(!got, "no completion came");
+    assert!(took < Duration::from_secs(20), "woken, not timed out: {took:?}");
+    // Consumed: a later wait times out.
+    assert!(!cq.wait(Duration::from_millis(20)).unwrap());
+}
