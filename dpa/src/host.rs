@@ -156,6 +156,12 @@ impl HostPort {
         self.exports.pod_id
     }
 
+    /// A handle that makes a waiting [`HostPort::recv`] return early (from another
+    /// thread of this process).
+    pub fn interrupter(&self) -> crate::fabric::Interrupter {
+        self.rx.interrupter()
+    }
+
     /// TX slots the DPU has not handed back yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight

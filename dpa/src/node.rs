@@ -71,6 +71,9 @@ pub struct NodeConfig {
     /// Called after the DMA manager publishes to a sidecar TX SQ (a proxy that sleeps
     /// on something else than the ring, e.g. its fabric completion queue).
     pub sidecar_notify: Option<crate::fabric::Interrupter>,
+    /// Services that run on other nodes, with the fabric address of one of them (what
+    /// `Locate` answers when no pod here serves the service).
+    pub remote_services: std::collections::BTreeMap<String, std::net::SocketAddr>,
 }
 
 impl NodeConfig {
@@ -85,6 +88,7 @@ impl NodeConfig {
             wake: WakeMode::LOW_CPU,
             max_pods: 64,
             sidecar_notify: None,
+            remote_services: std::collections::BTreeMap::new(),
         }
     }
 }
@@ -306,6 +310,27 @@ impl Handler for ControlHandler {
                     .collect();
                 pods.sort_unstable();
                 Response::Resolved { pods }
+            }
+            Request::Locate { service } => {
+                let mut pods: Vec<u32> = self
+                    .0
+                    .pods
+                    .lock()
+                    .values()
+                    .filter(|p| p.service == service)
+                    .map(|p| p.id)
+                    .collect();
+                pods.sort_unstable();
+                let remote = if pods.is_empty() {
+                    self.0
+                        .config
+                        .remote_services
+                        .get(&service)
+                        .map(|a| a.to_string())
+                } else {
+                    None
+                };
+                Response::Located { pods, remote }
             }
             Request::RegisterPod { .. } if peer.role != Role::Host => Response::Error {
                 code: ErrorCode::BadRequest,

@@ -17,7 +17,7 @@
 //! Futexes on `MAP_SHARED` memory work across processes without passing descriptors.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
 use crate::descriptor::{DESCRIPTOR_SIZE, Descriptor, DescriptorError, RawDescriptor};
@@ -232,6 +232,7 @@ impl Ring {
         Consumer {
             ring: self.clone(),
             head,
+            interrupted: Arc::new(AtomicBool::new(false)),
         }
     }
 }
@@ -355,9 +356,31 @@ impl Producer {
 pub struct Consumer {
     ring: Ring,
     head: u64,
+    /// Set by [`Consumer::interrupter`]s: the current or next wait returns.
+    interrupted: Arc<AtomicBool>,
 }
 
 impl Consumer {
+    /// A handle that makes this consumer's [`Consumer::wait`] return early (from any
+    /// thread of this process), e.g. when other work for the waiting thread came up.
+    pub fn interrupter(&self) -> crate::fabric::Interrupter {
+        let ring = self.ring.clone();
+        let flag = self.interrupted.clone();
+        crate::fabric::Interrupter::new(move || {
+            flag.store(true, Ordering::SeqCst);
+            ring.wake_seq().fetch_add(1, Ordering::Release);
+            let _ = rustix::thread::futex::wake(
+                ring.wake_seq(),
+                rustix::thread::futex::Flags::empty(),
+                i32::MAX as u32,
+            );
+        })
+    }
+
+    fn take_interrupt(&self) -> bool {
+        self.interrupted.load(Ordering::Relaxed) && self.interrupted.swap(false, Ordering::SeqCst)
+    }
+
     /// The ring.
     pub fn ring(&self) -> &Ring {
         &self.ring
@@ -444,6 +467,9 @@ impl Consumer {
                 }
                 std::hint::spin_loop();
             }
+            if self.take_interrupt() {
+                return self.ready();
+            }
             rounds += 1;
             if started.elapsed() >= spin {
                 break;
@@ -467,6 +493,10 @@ impl Consumer {
             if self.ready() {
                 self.ring.waiting().store(0, Ordering::Relaxed);
                 return true;
+            }
+            if self.take_interrupt() {
+                self.ring.waiting().store(0, Ordering::Relaxed);
+                return self.ready();
             }
             let ts = rustix::fs::Timespec {
                 tv_sec: remaining.as_secs() as i64,

@@ -19,9 +19,11 @@
 //! passes it, and what arrives for it later is dropped.
 //!
 //! The loop runs on a [`Transport`]: [`memory::InMemoryTransport`] (virtual clock) for
-//! tests and examples; the data path's descriptors with the mesh.
+//! tests and examples; [`datapath::DataPathTransport`] (descriptors through the node's
+//! DMA manager and DPU proxy) in the mesh.
 
 pub mod context;
+pub mod datapath;
 mod event_loop;
 pub mod graph;
 pub mod http;

@@ -72,6 +72,12 @@ pub enum Request {
     },
     /// Liveness.
     Ping,
+    /// Where `service` runs as seen from this node: its pods here (case 3), else the
+    /// fabric address of a node that runs it (case 1).
+    Locate {
+        /// The service.
+        service: String,
+    },
 }
 
 /// What the DPU answers.
@@ -106,6 +112,13 @@ pub enum Response {
     Teardown {
         /// Why.
         reason: String,
+    },
+    /// Answer to [`Request::Locate`].
+    Located {
+        /// Pods serving it on this node, by id.
+        pods: Vec<u32>,
+        /// A node elsewhere that runs it (`ip:port` of its proxy), when none here.
+        remote: Option<String>,
     },
 }
 

@@ -465,6 +465,29 @@ impl ControlClient {
     }
 
     /// The pods on the node that serve `service`.
+    pub fn locate(
+        &mut self,
+        service: &str,
+    ) -> Result<(Vec<u32>, Option<std::net::SocketAddr>), ControlError> {
+        match self.request(Request::Locate {
+            service: service.to_owned(),
+        })? {
+            Response::Located { pods, remote } => {
+                let remote = match remote {
+                    None => None,
+                    Some(text) => Some(text.parse().map_err(|_| {
+                        ControlError::Body(format!("Located names a bad address {text:?}"))
+                    })?),
+                };
+                Ok((pods, remote))
+            }
+            other => Err(ControlError::Body(format!(
+                "unexpected answer to Locate: {other:?}"
+            ))),
+        }
+    }
+
+    /// The pods on this node serving `service`.
     pub fn resolve(&mut self, service: &str) -> Result<Vec<u32>, ControlError> {
         match self.request(Request::Resolve {
             service: service.to_owned(),

@@ -34,8 +34,7 @@ use dpumesh_dpa::fabric::{
 use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 use dpumesh_dpa::{
-    Buffer, BufferPool, Case, Descriptor, Destination, DpuNode, OwnerId,
-    PodInfo, SidecarPort,
+    Buffer, BufferPool, Case, Descriptor, Destination, DpuNode, OwnerId, PodInfo, SidecarPort,
 };
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_runtime::{
@@ -218,11 +217,7 @@ enum Inbox {
 /// Where a request came from (and where its answer goes).
 enum Origin {
     /// Over the fabric: the ingress or a peer proxy.
-    Link {
-        qp: u32,
-        xid: u32,
-        reply: RemoteBuf,
-    },
+    Link { qp: u32, xid: u32, reply: RemoteBuf },
     /// A pod on this node; `d` is its descriptor as the DMA manager handed it over
     /// (its header in a DPU pool, its body still in the pod's TX pool).
     Pod { d: Descriptor },
@@ -593,10 +588,10 @@ impl<F: Fabric> Reactor<F> {
                 upstream: None,
                 failure: FailureKind::Timeout,
             };
-            let _ =
-                self.control
-                    .pool()
-                    .response_with(done.ticket, done.outcome.head, info, |_| {});
+            let _ = self
+                .control
+                .pool()
+                .response_with(done.ticket, done.outcome.head, info, |_| {});
             return;
         };
         exchange.ticket = Some(done.ticket);
@@ -728,15 +723,16 @@ impl<F: Fabric> Reactor<F> {
             self.to_pod(xid, pod);
             return;
         }
-        let peer = from_pod
-            .then(|| self.pick_peer(&service))
-            .flatten();
+        let peer = from_pod.then(|| self.pick_peer(&service)).flatten();
         match peer {
             Some(node) => self.to_peer(xid, &node),
             None => {
                 let (h, b) = local(
                     503,
-                    format!("dpumesh: no endpoint for service {service:?} on node {:?}", self.topology.node),
+                    format!(
+                        "dpumesh: no endpoint for service {service:?} on node {:?}",
+                        self.topology.node
+                    ),
                 );
                 self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
             }
@@ -809,7 +805,10 @@ impl<F: Fabric> Reactor<F> {
                             Ok(s) => s,
                             Err(e) => {
                                 let _ = self.port.release_header(header);
-                                let (h, b) = local(503, format!("dpumesh: no body buffer at the service: {e}"));
+                                let (h, b) = local(
+                                    503,
+                                    format!("dpumesh: no body buffer at the service: {e}"),
+                                );
                                 self.finish_local(xid, &h, b);
                                 return;
                             }
@@ -817,7 +816,8 @@ impl<F: Fabric> Reactor<F> {
                         let Some(mrs) = self.mrs(pod) else {
                             self.release_rx(pod, slot);
                             let _ = self.port.release_header(header);
-                            let (h, b) = local(503, "dpumesh: the service's memory cannot be registered");
+                            let (h, b) =
+                                local(503, "dpumesh: the service's memory cannot be registered");
                             self.finish_local(xid, &h, b);
                             return;
                         };
@@ -922,7 +922,10 @@ impl<F: Fabric> Reactor<F> {
                     self.release_rx(pod, slot);
                     let _ = self.port.release_header(header);
                     if let Some(status) = failed {
-                        let (h, b) = local(502, format!("dpumesh: request body could not be read: {status:?}"));
+                        let (h, b) = local(
+                            502,
+                            format!("dpumesh: request body could not be read: {status:?}"),
+                        );
                         self.finish_local(xid, &h, b);
                     }
                     return;
@@ -961,7 +964,11 @@ impl<F: Fabric> Reactor<F> {
                 // Case 3: the DMA manager delivers B's reply to A (body B → A).
                 self.forward(d);
             }
-            Origin::Link { qp, xid: peer_xid, reply } => {
+            Origin::Link {
+                qp,
+                xid: peer_xid,
+                reply,
+            } => {
                 let body = if d.body.is_none() {
                     ResponseBody::None
                 } else if d.body.len > reply.len {
@@ -973,11 +980,14 @@ impl<F: Fabric> Reactor<F> {
                             d.body.len, reply.len
                         ),
                     );
-                    self.send_link(qp, Message::Response(Response {
-                        xid: peer_xid,
-                        body: ResponseBody::Inline(b),
-                        head: wire::encode_response(&h).unwrap_or_default(),
-                    }));
+                    self.send_link(
+                        qp,
+                        Message::Response(Response {
+                            xid: peer_xid,
+                            body: ResponseBody::Inline(b),
+                            head: wire::encode_response(&h).unwrap_or_default(),
+                        }),
+                    );
                     return;
                 } else {
                     match self.write_body(qp, &d, reply) {
@@ -1067,7 +1077,10 @@ impl<F: Fabric> Reactor<F> {
             upstream: upstream.map(|p| format!("{}/pod-{p}", exchange.service)),
             failure,
         };
-        let _ = self.control.pool().response_with(ticket, head, info, |_| {});
+        let _ = self
+            .control
+            .pool()
+            .response_with(ticket, head, info, |_| {});
     }
 
     /// A peer proxy answered a call one of our pods made.
@@ -1087,7 +1100,9 @@ impl<F: Fabric> Reactor<F> {
         let Origin::Pod { d } = exchange.origin else {
             return;
         };
-        let status = wire::decode_response(&r.head).map(|h| h.status).unwrap_or(502);
+        let status = wire::decode_response(&r.head)
+            .map(|h| h.status)
+            .unwrap_or(502);
         self.response_phase(&exchange, status, FailureKind::None, None);
         let body = match r.body {
             ResponseBody::None => {
@@ -1189,7 +1204,9 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let reply = RemoteBuf {
-            at: mrs.rx.remote(mrs.rx_pool.offset_of(reply_buf).expect("ours")),
+            at: mrs
+                .rx
+                .remote(mrs.rx_pool.offset_of(reply_buf).expect("ours")),
             len: reply_buf.len,
         };
         let body = (!d.body.is_none()).then(|| RemoteBuf {
@@ -1423,7 +1440,10 @@ impl<F: Fabric> Reactor<F> {
                 // Nobody to answer; a reply from the pod is dropped when it comes.
                 self.drop_exchange(xid);
             } else {
-                let (h, b) = local(502, format!("dpumesh: lost the link to the service's node ({why})"));
+                let (h, b) = local(
+                    502,
+                    format!("dpumesh: lost the link to the service's node ({why})"),
+                );
                 self.finish_local_as(xid, &h, b, FailureKind::UpstreamReset);
             }
         }

@@ -528,7 +528,10 @@ fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {
     interrupter.interrupt();
     let (got, took) = waiter.join().unwrap();
     assert!(!got, "no completion came");
-    assert!(took < Duration::from_secs(20), "woken, not timed out: {took:?}");
+    assert!(
+        took < Duration::from_secs(20),
+        "woken, not timed out: {took:?}"
+    );
     // Consumed: a later wait times out.
     assert!(!cq.wait(Duration::from_millis(20)).unwrap());
 }

@@ -1,0 +1,436 @@
+//! The data-path transport: requests arrive as RX descriptors from the node's DMA
+//! manager (head in the pod's RX header pool, body in its RX body pool); egress calls
+//! and answers leave as TX descriptors. The pod never opens a socket.
+//!
+//! - An egress call names its service as the URL's host (`http://user/profile`). The
+//!   node says where that service runs (`Locate`, cached for a second): a pod here
+//!   (case 3) or another node (case 1). The DPU proxy routes by the head either way;
+//!   the descriptor's destination is what the pod knows.
+//! - `(req_id, step_id)` of a call travel in its descriptor and come back on the
+//!   response, which the event loop matches to its step.
+//! - A full TX ring is back-pressure: what does not fit waits here, in order, and
+//!   goes out on the next turn.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dpumesh_dpa::control::transport::Endpoint;
+use dpumesh_dpa::fabric::Interrupter;
+use dpumesh_dpa::{
+    Case, Descriptor, Destination, HostError, HostPort, Incoming, Outgoing, RingError, WakeMode,
+};
+use dpumesh_head::RequestHead;
+use dpumesh_head::wire::{self, ResponseHead};
+use http::Method;
+
+use crate::http::{HttpRequest, HttpResponse};
+use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
+
+/// How long a `Locate` answer is trusted.
+const LOCATE_TTL: Duration = Duration::from_secs(1);
+
+struct Queued {
+    case: Case,
+    dst: Destination,
+    req_id: u32,
+    step_id: u32,
+    response: bool,
+    status: u16,
+    header: Vec<u8>,
+    body: Bytes,
+    /// For egress calls: the tag to fail if it cannot be sent at all.
+    tag: Option<Tag>,
+}
+
+/// A service pod's transport over its registered port.
+pub struct DataPathTransport {
+    port: HostPort,
+    started: Instant,
+    waiting: HashMap<u64, Descriptor>,
+    next: u64,
+    located: HashMap<String, (Case, Destination, Instant)>,
+    rr: usize,
+    out: VecDeque<Queued>,
+    failed: Vec<Event>,
+    interrupter: Interrupter,
+    mode: WakeMode,
+}
+
+impl std::fmt::Debug for DataPathTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPathTransport")
+            .field("pod", &self.port.pod_id())
+            .field("waiting", &self.waiting.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DataPathTransport {
+    /// Registers pod `pod` of `service` with the node at `control`.
+    pub fn connect(control: &Endpoint, pod: &str, service: &str) -> Result<Self, HostError> {
+        Ok(Self::new(HostPort::connect(control, pod, service)?))
+    }
+
+    /// Over a registered port.
+    pub fn new(port: HostPort) -> Self {
+        Self {
+            interrupter: port.interrupter(),
+            port,
+            started: Instant::now(),
+            waiting: HashMap::new(),
+            next: 1,
+            located: HashMap::new(),
+            rr: 0,
+            out: VecDeque::new(),
+            failed: Vec::new(),
+            mode: WakeMode::LOW_CPU,
+        }
+    }
+
+    /// The pod's id on its node.
+    pub fn pod_id(&self) -> u32 {
+        self.port.pod_id()
+    }
+
+    /// Requests received and not answered yet.
+    pub fn unanswered(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Where `service` runs, as the node says.
+    fn locate(&mut self, service: &str) -> Result<(Case, Destination), String> {
+        if let Some((case, dst, at)) = self.located.get(service)
+            && at.elapsed() < LOCATE_TTL
+        {
+            return Ok((*case, *dst));
+        }
+        let (pods, remote) = self
+            .port
+            .control()
+            .locate(service)
+            .map_err(|e| format!("cannot ask the node where {service:?} runs: {e}"))?;
+        let (case, dst) = if !pods.is_empty() {
+            self.rr = self.rr.wrapping_add(1);
+            (Case::PodToPod, Destination::Pod(pods[self.rr % pods.len()]))
+        } else if let Some(addr) = remote {
+            (Case::HostToRemote, Destination::External(addr))
+        } else {
+            return Err(format!("service {service:?} runs nowhere in the mesh"));
+        };
+        self.located
+            .insert(service.to_owned(), (case, dst, Instant::now()));
+        Ok((case, dst))
+    }
+
+    /// Sends what waits, in order, until the ring is full.
+    fn flush(&mut self) {
+        while let Some(q) = self.out.front() {
+            let sent = self.port.send(&Outgoing {
+                case: q.case,
+                dst: q.dst,
+                req_id: q.req_id,
+                step_id: q.step_id,
+                response: q.response,
+                status: q.status,
+                header: &q.header,
+                body: &q.body,
+            });
+            match sent {
+                Ok(()) => {
+                    self.out.pop_front();
+                }
+                Err(HostError::Ring(RingError::Full { .. }))
+                | Err(HostError::Pool(dpumesh_dpa::PoolError::Exhausted { .. })) => return,
+                Err(e) => {
+                    let q = self.out.pop_front().expect("front");
+                    match q.tag {
+                        Some(tag) => self.failed.push(Event::Completion {
+                            tag,
+                            outcome: Err(format!("data path refused the call: {e}")),
+                        }),
+                        None => tracing::warn!(error = %e, "response could not be sent"),
+                    }
+                }
+            }
+        }
+    }
+
+    fn push(&mut self, q: Queued) {
+        self.out.push_back(q);
+        self.flush();
+    }
+
+    /// Turns a received descriptor into an event.
+    fn incoming(&mut self, incoming: Incoming, out: &mut Vec<Event>) {
+        match incoming {
+            Incoming::Message {
+                descriptor,
+                header,
+                body,
+            } if descriptor.kind.response => {
+                let tag = Tag {
+                    req_id: descriptor.req_id,
+                    step_id: descriptor.step_id,
+                };
+                let outcome = wire::decode_response(&header)
+                    .map(|head| HttpResponse {
+                        status: head.status,
+                        headers: head.headers,
+                        body: Bytes::from(body),
+                    })
+                    .map_err(|e| format!("malformed response head: {e}"));
+                out.push(Event::Completion { tag, outcome });
+            }
+            Incoming::Message {
+                descriptor,
+                header,
+                body,
+            } => match wire::decode_request(&header) {
+                Ok(head) => {
+                    let id = self.next;
+                    self.next += 1;
+                    self.waiting.insert(id, descriptor);
+                    out.push(Event::Request {
+                        id: IncomingId(id),
+                        request: to_request(head, body),
+                    });
+                }
+                Err(e) => {
+                    let (head, body) = plain(400, &format!("malformed request head: {e}"));
+                    self.answer(&descriptor, &head, body);
+                }
+            },
+            Incoming::Error { descriptor, status } => {
+                if descriptor.kind.response {
+                    tracing::warn!(
+                        ?status,
+                        req = descriptor.req_id,
+                        "a response was not delivered"
+                    );
+                } else {
+                    out.push(Event::Completion {
+                        tag: Tag {
+                            req_id: descriptor.req_id,
+                            step_id: descriptor.step_id,
+                        },
+                        outcome: Err(format!("data path could not carry the call: {status:?}")),
+                    });
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, request: &Descriptor, head: &ResponseHead, body: Bytes) {
+        let header = match wire::encode_response(head) {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::warn!(error = %e, "response head cannot be encoded");
+                let (h, _) = plain(500, "");
+                wire::encode_response(&h).expect("a plain head encodes")
+            }
+        };
+        let reply = HostPort::reply(request, head.status, &[], &[]);
+        self.push(Queued {
+            case: reply.case,
+            dst: reply.dst,
+            req_id: reply.req_id,
+            step_id: reply.step_id,
+            response: true,
+            status: head.status,
+            header,
+            body,
+            tag: None,
+        });
+    }
+}
+
+fn plain(status: u16, message: &str) -> (ResponseHead, Bytes) {
+    let mut head = ResponseHead {
+        status,
+        ..Default::default()
+    };
+    head.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain"),
+    );
+    (head, Bytes::from(format!("{message}\n")))
+}
+
+/// A received head and body as the request a handler sees: the URL is the path and
+/// query; the authority is in `host`.
+fn to_request(mut head: RequestHead, body: Vec<u8>) -> HttpRequest {
+    let method = Method::from_bytes(head.method.as_bytes()).unwrap_or(Method::GET);
+    let url = match &head.query {
+        Some(q) => format!("{}?{q}", head.path),
+        None => head.path.clone(),
+    };
+    let mut headers = head.take_headers();
+    if !head.authority.is_empty()
+        && !headers.contains_key(http::header::HOST)
+        && let Ok(v) = http::HeaderValue::from_str(&head.authority)
+    {
+        headers.insert(http::header::HOST, v);
+    }
+    HttpRequest {
+        method,
+        url,
+        headers,
+        body: Bytes::from(body),
+    }
+}
+
+/// An egress call as a head: the URL's host is the authority (the service).
+fn to_head(request: &HttpRequest) -> Result<(String, RequestHead), String> {
+    let uri: http::Uri = request
+        .url
+        .parse()
+        .map_err(|e| format!("bad URL {:?}: {e}", request.url))?;
+    let authority = uri
+        .authority()
+        .ok_or_else(|| {
+            format!(
+                "a mesh call names its service as the URL's host (http://service/path), not {:?}",
+                request.url
+            )
+        })?
+        .to_string();
+    let service = uri.host().unwrap_or_default().to_owned();
+    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut head = RequestHead::new(request.method.as_str(), target);
+    head.authority = authority;
+    let mut headers = request.headers.clone();
+    // Framing is the data path's: the body's length travels in the descriptor.
+    headers.remove(http::header::CONTENT_LENGTH);
+    headers.remove(http::header::TRANSFER_ENCODING);
+    headers.remove(http::header::HOST);
+    head.set_headers(headers);
+    Ok((service, head))
+}
+
+impl Transport for DataPathTransport {
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn send_request(&mut self, tag: Tag, request: HttpRequest) -> Result<(), TransportError> {
+        let prepared = to_head(&request).and_then(|(service, head)| {
+            let bytes = wire::encode_request(&head).map_err(|e| e.to_string())?;
+            let (case, dst) = self.locate(&service)?;
+            Ok((case, dst, bytes))
+        });
+        match prepared {
+            Ok((case, dst, header)) => self.push(Queued {
+                case,
+                dst,
+                req_id: tag.req_id,
+                step_id: tag.step_id,
+                response: false,
+                status: 0,
+                header,
+                body: request.body,
+                tag: Some(tag),
+            }),
+            Err(e) => self.failed.push(Event::Completion {
+                tag,
+                outcome: Err(e),
+            }),
+        }
+        Ok(())
+    }
+
+    fn send_response(
+        &mut self,
+        id: IncomingId,
+        response: HttpResponse,
+    ) -> Result<(), TransportError> {
+        let Some(request) = self.waiting.remove(&id.0) else {
+            return Err(TransportError::Other(format!(
+                "request {} was answered already",
+                id.0
+            )));
+        };
+        let mut headers = response.headers;
+        headers.remove(http::header::CONTENT_LENGTH);
+        headers.remove(http::header::TRANSFER_ENCODING);
+        let head = ResponseHead {
+            status: response.status,
+            headers,
+        };
+        self.answer(&request, &head, response.body);
+        Ok(())
+    }
+
+    fn poll(
+        &mut self,
+        timeout: Option<Duration>,
+        _idle: bool,
+        out: &mut Vec<Event>,
+    ) -> Result<(), TransportError> {
+        self.flush();
+        out.append(&mut self.failed);
+        let other = |e: HostError| TransportError::Other(e.to_string());
+        if out.is_empty() {
+            let wait = timeout.unwrap_or(Duration::from_secs(1));
+            if let Some(incoming) = self.port.recv(self.mode, wait).map_err(other)? {
+                self.incoming(incoming, out);
+            }
+        }
+        // Take everything else that is there without waiting.
+        for _ in 0..256 {
+            match self.port.try_recv().map_err(other)? {
+                Some(incoming) => self.incoming(incoming, out),
+                None => break,
+            }
+        }
+        self.flush();
+        out.append(&mut self.failed);
+        Ok(())
+    }
+
+    fn waker(&self) -> Waker {
+        let interrupter = self.interrupter.clone();
+        Arc::new(move || interrupter.interrupt())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_egress_call_becomes_a_head_for_its_service() {
+        let r = HttpRequest::post("http://user:8080/profile?id=7", "x")
+            .header("x-trace", "t")
+            .header("content-length", "1");
+        let (service, head) = to_head(&r).unwrap();
+        assert_eq!(service, "user");
+        assert_eq!(head.authority, "user:8080");
+        assert_eq!(
+            (head.path.as_str(), head.query.as_deref()),
+            ("/profile", Some("id=7"))
+        );
+        assert_eq!(head.header("x-trace").as_deref(), Some("t"));
+        assert_eq!(
+            head.header("content-length"),
+            None,
+            "framing is the data path's"
+        );
+        let err = to_head(&HttpRequest::get("/no-host")).unwrap_err();
+        assert!(err.contains("names its service"), "{err}");
+    }
+
+    #[test]
+    fn a_received_head_becomes_the_handlers_request() {
+        let mut head = RequestHead::new("PUT", "/r/1?x=2");
+        head.authority = "frontend".into();
+        head.append_received("x-user", "alice").unwrap();
+        let r = to_request(head, b"body".to_vec());
+        assert_eq!(r.method, Method::PUT);
+        assert_eq!(r.url, "/r/1?x=2");
+        assert_eq!(r.header_str("x-user"), Some("alice"));
+        assert_eq!(r.header_str("host"), Some("frontend"));
+        assert_eq!(&r.body[..], b"body");
+    }
+}
