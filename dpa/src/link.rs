@@ -14,9 +14,10 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 
 use crate::fabric::{
-    Access, Fabric, FabricError, MemoryRegion, QueuePair, RecvWr, RemoteAddr, SendOp, SendWr, Sge,
+    Access, Fabric, Interrupter, FabricError, MemoryRegion, QueuePair, RecvWr, RemoteAddr, SendOp, SendWr, Sge,
     WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::mesh::{Frame, FrameError, MAX_FRAME, Message};
@@ -342,6 +343,57 @@ impl<F: Fabric> Link<F> {
         }
     }
 }
+
+/// Wakes the reactor from other threads, with a system call only when it sleeps.
+#[derive(Clone, Debug)]
+pub struct Wake {
+    sleeping: Arc<AtomicBool>,
+    interrupter: Interrupter,
+}
+
+impl Wake {
+    /// For a reactor sleeping on `cq`.
+    pub fn new(cq: &impl crate::fabric::CompletionQueue) -> Self {
+        Self {
+            sleeping: Arc::new(AtomicBool::new(false)),
+            interrupter: cq.interrupter(),
+        }
+    }
+
+    /// Wakes the reactor if it sleeps.
+    pub fn wake(&self) {
+        // Pairs with the reactor's fence between raising `sleeping` and its last look
+        // at its queues: either it sees our work, or we see it sleeping.
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::Relaxed) {
+            self.interrupter.interrupt();
+        }
+    }
+
+    /// Interrupts the sleep unconditionally (shutdown).
+    pub fn interrupt(&self) {
+        self.interrupter.interrupt();
+    }
+
+    /// The reactor is about to sleep: after this, it must look at its queues once
+    /// more before it does.
+    pub fn sleep_begins(&self) {
+        self.sleeping.store(true, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+    }
+
+    /// The reactor is awake.
+    pub fn sleep_ends(&self) {
+        self.sleeping.store(false, Ordering::Relaxed);
+    }
+
+    /// As an interrupter (for the DMA manager's sidecar rings).
+    pub fn interrupter(&self) -> Interrupter {
+        let me = self.clone();
+        Interrupter::new(move || me.wake())
+    }
+}
+
 
 #[cfg(test)]
 mod tests {

@@ -22,16 +22,16 @@
 use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use dpumesh_dpa::fabric::{
-    CompletionQueue, Fabric, Interrupter, MemoryRegion, QpCaps, QpListener, WcStatus,
+    CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, WcStatus,
     WorkCompletion,
 };
-use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_dpa::link::{Link, LinkEvent, Wake};
 use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 use dpumesh_dpa::{
     Buffer, BufferPool, Case, Descriptor, Destination, DpuNode, OwnerId, PodInfo, SidecarPort,
@@ -86,39 +86,6 @@ impl std::fmt::Debug for Dataplane {
         f.debug_struct("Dataplane")
             .field("addr", &self.addr)
             .finish_non_exhaustive()
-    }
-}
-
-/// Wakes the reactor from other threads, with a system call only when it sleeps.
-#[derive(Clone, Debug)]
-pub struct Wake {
-    sleeping: Arc<AtomicBool>,
-    interrupter: Interrupter,
-}
-
-impl Wake {
-    /// For a reactor sleeping on `cq`.
-    pub fn new(cq: &impl CompletionQueue) -> Self {
-        Self {
-            sleeping: Arc::new(AtomicBool::new(false)),
-            interrupter: cq.interrupter(),
-        }
-    }
-
-    /// Wakes the reactor if it sleeps.
-    pub fn wake(&self) {
-        // Pairs with the reactor's fence between raising `sleeping` and its last look
-        // at its queues: either it sees our work, or we see it sleeping.
-        fence(Ordering::SeqCst);
-        if self.sleeping.load(Ordering::Relaxed) {
-            self.interrupter.interrupt();
-        }
-    }
-
-    /// As an interrupter (for the DMA manager's sidecar rings).
-    pub fn interrupter(&self) -> Interrupter {
-        let me = self.clone();
-        Interrupter::new(move || me.wake())
     }
 }
 
@@ -202,7 +169,7 @@ impl Dataplane {
 impl Drop for Dataplane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        self.wake.interrupter.interrupt();
+        self.wake.interrupt();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -339,10 +306,9 @@ impl<F: Fabric> Reactor<F> {
             if work > 0 {
                 continue;
             }
-            self.wake.sleeping.store(true, Ordering::Relaxed);
-            fence(Ordering::SeqCst);
+            self.wake.sleep_begins();
             if self.port_ready() || !self.inbox.is_empty() {
-                self.wake.sleeping.store(false, Ordering::Relaxed);
+                self.wake.sleep_ends();
                 continue;
             }
             let timeout = self
@@ -352,7 +318,7 @@ impl<F: Fabric> Reactor<F> {
                 .unwrap_or(Duration::from_millis(20))
                 .min(Duration::from_millis(20));
             let _ = self.cq.wait(timeout);
-            self.wake.sleeping.store(false, Ordering::Relaxed);
+            self.wake.sleep_ends();
         }
     }
 

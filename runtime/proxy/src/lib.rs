@@ -17,6 +17,7 @@ pub mod control;
 pub mod dataplane;
 pub mod listener;
 pub mod logging;
+pub mod mesh;
 pub mod routes;
 
 use std::net::SocketAddr;
