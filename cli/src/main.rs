@@ -9,6 +9,7 @@
 
 mod bench;
 mod filter;
+mod mesh;
 mod progress;
 mod scaffold;
 
@@ -64,6 +65,31 @@ enum Command {
         /// Do not watch the config and the files it names.
         #[arg(long)]
         no_watch: bool,
+    },
+    /// Start a whole local mesh: nodes (DPU proxy + DMA manager), the services and
+    /// the ingress, as processes; Ctrl-C stops everything.
+    Up {
+        /// The mesh file.
+        #[arg(long, default_value = "samples/hotel/mesh.yaml")]
+        config: PathBuf,
+    },
+    /// Run one worker node of a mesh (started by `dpumesh up`).
+    Node {
+        /// The mesh file.
+        #[arg(long)]
+        mesh: PathBuf,
+        /// The node's name in it.
+        #[arg(long)]
+        name: String,
+        /// Where the node's control socket goes.
+        #[arg(long)]
+        run_dir: PathBuf,
+    },
+    /// Run a mesh's ingress (started by `dpumesh up`).
+    Ingress {
+        /// The mesh file.
+        #[arg(long)]
+        mesh: PathBuf,
     },
     /// Filter development: the conformance kit.
     Filter {
@@ -204,6 +230,13 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             FilterCommand::Build { dir } => scaffold::build(&dir).map(|_| ExitCode::SUCCESS),
         },
         Command::Proxy { .. } => Ok(ExitCode::SUCCESS),
+        Command::Up { config } => mesh::up(&config).map(|()| ExitCode::SUCCESS),
+        Command::Node {
+            mesh,
+            name,
+            run_dir,
+        } => mesh::node(&mesh, &name, &run_dir).map(|()| ExitCode::SUCCESS),
+        Command::Ingress { mesh } => mesh::ingress(&mesh).map(|()| ExitCode::SUCCESS),
     }
 }
 

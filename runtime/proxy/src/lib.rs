@@ -18,6 +18,7 @@ pub mod dataplane;
 pub mod listener;
 pub mod logging;
 pub mod mesh;
+pub mod node;
 pub mod routes;
 
 use std::net::SocketAddr;

@@ -1,0 +1,161 @@
+//! The hotel-reservation sample (seed 000's shape): `frontend` calls `user` and
+//! `reservation` in parallel, then merges their answers in an internal step. In the
+//! sample mesh `user` runs on the frontend's node (the intra-node path, case 3) and
+//! `reservation` on another node (the inter-node path, case 1).
+//!
+//! Endpoints (what the end-to-end tests and the benchmark use):
+//! - frontend `GET /hotels?user=ID`: the merged JSON of both services.
+//! - frontend `GET /ping`: a fixed 200 (the benchmark's tiny service).
+//! - frontend `POST /echo`: the body reversed, with `x-crc32` and `x-len` of what arrived.
+//! - frontend `GET /flaky?fail=1`: 500 while asked to fail (circuit breaker tests).
+//! - user `GET /user?id=ID`, reservation `GET /reservations?user=ID`.
+
+use dpumesh_host::{ExecutionContext, HttpResponse, Inputs};
+
+/// The query parameter `key` of a URL.
+fn param(url: &str, key: &str) -> Option<String> {
+    let query = url.split_once('?')?.1;
+    query.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        (k == key).then(|| v.to_owned())
+    })
+}
+
+fn path(url: &str) -> &str {
+    url.split_once('?').map_or(url, |(p, _)| p)
+}
+
+fn json(status: u16, value: &serde_json::Value) -> HttpResponse {
+    HttpResponse::new(status, value.to_string()).header("content-type", "application/json")
+}
+
+/// An echo of the request body: reversed, with what arrived in headers.
+fn echo(ctx: &mut ExecutionContext) {
+    let body = ctx.request().body.clone();
+    ctx.respond(move |_| {
+        let crc = crc32fast::hash(&body);
+        let mut reversed = body.to_vec();
+        reversed.reverse();
+        Ok::<_, String>(
+            HttpResponse::ok(reversed)
+                .header("x-crc32", &crc.to_string())
+                .header("x-len", &body.len().to_string()),
+        )
+    });
+}
+
+/// The frontend.
+pub fn frontend(ctx: &mut ExecutionContext) {
+    let url = ctx.request().url.clone();
+    match path(&url) {
+        "/ping" | "/limited" => {
+            ctx.respond(|_| Ok::<_, String>(HttpResponse::ok("pong\n")));
+        }
+        "/echo" => echo(ctx),
+        "/flaky" => {
+            let fail = param(&url, "fail").is_some_and(|v| v == "1");
+            ctx.respond(move |_| {
+                Ok::<_, String>(if fail {
+                    HttpResponse::new(500, "asked to fail\n")
+                } else {
+                    HttpResponse::ok("fine\n")
+                })
+            });
+        }
+        "/hotels" => {
+            let user = param(&url, "user").unwrap_or_else(|| "0".into());
+            ctx.parallel(|ctx| {
+                ctx.get(&format!("http://user/user?id={user}")).id("user");
+                ctx.get(&format!("http://reservation/reservations?user={user}"))
+                    .id("reservation");
+            });
+            ctx.respond(|inputs: &Inputs| {
+                let part = |id: &str| -> Result<serde_json::Value, String> {
+                    let r = inputs.get(id).ok_or(format!("no {id} result"))?;
+                    serde_json::from_slice(&r.body).map_err(|e| format!("{id}: {e}"))
+                };
+                let merged = serde_json::json!({
+                    "user": part("user")?,
+                    "reservations": part("reservation")?["reservations"],
+                });
+                Ok::<_, String>(json(200, &merged))
+            })
+            .inputs(["user", "reservation"]);
+        }
+        other => {
+            let other = other.to_owned();
+            ctx.respond(move |_| {
+                Ok::<_, String>(HttpResponse::new(404, format!("frontend has no {other}\n")))
+            });
+        }
+    }
+}
+
+/// The user service.
+pub fn user(ctx: &mut ExecutionContext) {
+    let id = param(&ctx.request().url, "id").unwrap_or_else(|| "0".into());
+    ctx.respond(move |_| {
+        Ok::<_, String>(json(
+            200,
+            &serde_json::json!({"id": id, "name": format!("guest-{id}")}),
+        ))
+    });
+}
+
+/// The reservation service.
+pub fn reservation(ctx: &mut ExecutionContext) {
+    let url = ctx.request().url.clone();
+    if path(&url) == "/echo" {
+        echo(ctx);
+        return;
+    }
+    let user = param(&url, "user").unwrap_or_else(|| "0".into());
+    ctx.respond(move |_| {
+        Ok::<_, String>(json(
+            200,
+            &serde_json::json!({"user": user, "reservations": [
+                {"hotel": "harbour-view", "nights": 2},
+                {"hotel": "old-town", "nights": 1},
+            ]}),
+        ))
+    });
+}
+
+/// The handler of a service by name.
+pub fn handler(service: &str) -> Option<fn(&mut ExecutionContext)> {
+    Some(match service {
+        "frontend" => frontend,
+        "user" => user,
+        "reservation" => reservation,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use dpumesh_host::memory::{InMemoryTransport, Reply};
+    use dpumesh_host::{EventLoop, HttpRequest, LoopConfig};
+
+    use super::*;
+
+    #[test]
+    fn the_frontend_merges_user_and_reservations() {
+        let transport = InMemoryTransport::new()
+            .service("user", |r| {
+                Reply::ok_after(5, format!("{{\"id\":\"{}\"}}", param(&r.url, "id").unwrap()))
+            })
+            .service("reservation", |_| {
+                Reply::ok_after(5, r#"{"reservations":[{"hotel":"x"}]}"#)
+            });
+        let mut service = EventLoop::new(transport, frontend, LoopConfig::default()).unwrap();
+        let id = service
+            .transport()
+            .inject(HttpRequest::get("/hotels?user=7"));
+        service.run_until_idle().unwrap();
+        let (_, response) = service.transport().response(id).unwrap();
+        assert_eq!(response.status, 200, "{}", response.text());
+        let v: serde_json::Value = serde_json::from_slice(&response.body).unwrap();
+        assert_eq!(v["user"]["id"], "7");
+        assert_eq!(v["reservations"][0]["hotel"], "x");
+    }
+}
