@@ -869,7 +869,6 @@ impl<F: Fabric> Reactor<F> {
     fn complete(&mut self, d: &Descriptor) {
         let mut done = *d;
         done.kind.completion = true;
-        done.kind.response = false;
         self.forward(done);
     }
 

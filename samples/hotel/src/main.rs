@@ -1,4 +1,4 @@
-//! `hotel SERVICE`: runs one hotel service as a mesh pod. `dpumesh up` starts it with
+//! `hotel CODE`: runs one hotel service (frontend, user or reservation) as a mesh pod. `dpumesh up` starts it with
 //! `DPUMESH_CONTROL` (the node's control socket), `DPUMESH_SERVICE` and `DPUMESH_POD`.
 
 use std::sync::Arc;
@@ -16,13 +16,16 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
-    let service = match std::env::args().nth(1) {
+    // The code to run (argument) and the service name to register under (the
+    // environment, so one program can serve under several names).
+    let code = match std::env::args().nth(1) {
         Some(s) => s,
         None => std::env::var("DPUMESH_SERVICE").context("usage: hotel SERVICE")?,
     };
-    let Some(handler) = dpumesh_sample_hotel::handler(&service) else {
-        bail!("unknown service {service:?} (frontend, user, reservation)");
+    let Some(handler) = dpumesh_sample_hotel::handler(&code) else {
+        bail!("unknown service {code:?} (frontend, user, reservation)");
     };
+    let service = std::env::var("DPUMESH_SERVICE").unwrap_or(code);
     let control = std::env::var("DPUMESH_CONTROL")
         .context("DPUMESH_CONTROL (the node's control socket) is not set: start it with `dpumesh up`")?;
     let pod = std::env::var("DPUMESH_POD").unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
