@@ -105,7 +105,9 @@ impl Drop for Children {
 /// Starts `cmd` and waits for its ready line; its later output is passed through.
 fn start_role(name: &str, mut cmd: Command, children: &mut Children) -> Result<String> {
     cmd.stdout(Stdio::piped());
-    let mut child = cmd.spawn().with_context(|| format!("cannot start {name}"))?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start {name}"))?;
     let stdout = child.stdout.take().expect("piped");
     children.0.push((name.to_owned(), child));
     let (tx, rx) = std::sync::mpsc::channel();
@@ -282,7 +284,10 @@ pub fn up(file: &Path) -> Result<()> {
 /// A token for the README's curl, when the mesh file's folder has `demo-token.json`
 /// (`{"secret": "...", "claims": {...}}`, signed HS256 for an hour).
 fn demo_token(mesh: &Path) -> Result<Option<String>> {
-    let file = mesh.parent().unwrap_or(Path::new(".")).join("demo-token.json");
+    let file = mesh
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("demo-token.json");
     let Ok(text) = std::fs::read_to_string(&file) else {
         return Ok(None);
     };

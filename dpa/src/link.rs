@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 
 use crate::fabric::{
-    Access, Fabric, Interrupter, FabricError, MemoryRegion, QueuePair, RecvWr, RemoteAddr, SendOp, SendWr, Sge,
-    WcOpcode, WcStatus, WorkCompletion,
+    Access, Fabric, FabricError, Interrupter, MemoryRegion, QueuePair, RecvWr, RemoteAddr, SendOp,
+    SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
 use crate::mesh::{Frame, FrameError, MAX_FRAME, Message};
 use crate::shm::{SharedRegion, ShmError};
@@ -393,7 +393,6 @@ impl Wake {
         Interrupter::new(move || me.wake())
     }
 }
-
 
 #[cfg(test)]
 mod tests {

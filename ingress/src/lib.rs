@@ -181,7 +181,13 @@ fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, Str
         // Framing is the ingress's: the body's exact length travels with it.
         if matches!(
             name.as_str(),
-            "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "te" | "upgrade" | "proxy-connection"
+            "content-length"
+                | "transfer-encoding"
+                | "connection"
+                | "keep-alive"
+                | "te"
+                | "upgrade"
+                | "proxy-connection"
         ) {
             continue;
         }
@@ -215,8 +221,43 @@ impl State {
     }
 }
 
+/// Why a request's framing is ambiguous (RFC 9112 §6.3: a message with both
+/// `Transfer-Encoding` and `Content-Length` "ought to be handled as an error"; a
+/// front end and a back end reading it two ways is request smuggling).
+fn framing_error(req: &Request<Incoming>) -> Option<String> {
+    let h = req.headers();
+    let te = h.get_all(http::header::TRANSFER_ENCODING).iter().count();
+    let cl = h.get_all(http::header::CONTENT_LENGTH).iter().count();
+    if te > 0 && cl > 0 {
+        return Some("both Content-Length and Transfer-Encoding: ambiguous framing refused".into());
+    }
+    if cl > 1 {
+        return Some("several Content-Length fields: ambiguous framing refused".into());
+    }
+    if te > 1 {
+        return Some("several Transfer-Encoding fields: ambiguous framing refused".into());
+    }
+    if let Some(v) = h.get(http::header::TRANSFER_ENCODING)
+        && !v.as_bytes().eq_ignore_ascii_case(b"chunked")
+    {
+        return Some(format!(
+            "transfer coding {:?} is not supported (only chunked)",
+            String::from_utf8_lossy(v.as_bytes())
+        ));
+    }
+    None
+}
+
 async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
     let settings = &state.settings;
+    if let Some(e) = framing_error(&req) {
+        let mut response = text(StatusCode::BAD_REQUEST, e);
+        // The rest of the connection cannot be trusted: close it.
+        response
+            .headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        return response;
+    }
     let head = match head_of(&req, peer) {
         Ok(h) => h,
         Err(e) => return text(StatusCode::BAD_REQUEST, e),
@@ -240,7 +281,10 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
     {
         return text(
             StatusCode::PAYLOAD_TOO_LARGE,
-            format!("request body of {len} bytes exceeds the {}-byte limit", settings.max_body),
+            format!(
+                "request body of {len} bytes exceeds the {}-byte limit",
+                settings.max_body
+            ),
         );
     }
     let head_bytes = match wire::encode_request(&head) {
@@ -248,7 +292,11 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
         Ok(b) => {
             return text(
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                format!("request head of {} bytes exceeds the {}-byte limit", b.len(), settings.max_head),
+                format!(
+                    "request head of {} bytes exceeds the {}-byte limit",
+                    b.len(),
+                    settings.max_head
+                ),
             );
         }
         Err(e) => return text(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, e),
@@ -263,7 +311,8 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
     let mut len: u64 = 0;
     let read = async {
         while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| (StatusCode::BAD_REQUEST, format!("bad request body: {e}")))?;
+            let frame =
+                frame.map_err(|e| (StatusCode::BAD_REQUEST, format!("bad request body: {e}")))?;
             if let Ok(data) = frame.into_data() {
                 if len + data.len() as u64 > settings.max_body as u64 {
                     return Err((
@@ -285,7 +334,10 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
         Err(_) => {
             return text(
                 StatusCode::REQUEST_TIMEOUT,
-                format!("request body not received within {} ms", settings.body_timeout.as_millis()),
+                format!(
+                    "request body not received within {} ms",
+                    settings.body_timeout.as_millis()
+                ),
             );
         }
     }
@@ -299,17 +351,19 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
         reply,
     });
     // The node answers 504 itself at the deadline; this is the guard if it cannot.
-    let answer = match tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer).await {
-        Ok(Ok(Ok(answer))) => answer,
-        Ok(Ok(Err(e))) => return text(StatusCode::BAD_GATEWAY, e),
-        Ok(Err(_)) => return text(StatusCode::BAD_GATEWAY, "the uplink dropped the request"),
-        Err(_) => {
-            return text(
-                StatusCode::GATEWAY_TIMEOUT,
-                format!("service {service:?} did not answer in time"),
-            );
-        }
-    };
+    let answer =
+        match tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer).await
+        {
+            Ok(Ok(Ok(answer))) => answer,
+            Ok(Ok(Err(e))) => return text(StatusCode::BAD_GATEWAY, e),
+            Ok(Err(_)) => return text(StatusCode::BAD_GATEWAY, "the uplink dropped the request"),
+            Err(_) => {
+                return text(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("service {service:?} did not answer in time"),
+                );
+            }
+        };
     respond(answer)
 }
 
@@ -318,17 +372,31 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
 fn respond(answer: Answer) -> Response<Full<Bytes>> {
     let head = match wire::decode_response(&answer.head) {
         Ok(h) => h,
-        Err(e) => return text(StatusCode::BAD_GATEWAY, format!("malformed response head: {e}")),
+        Err(e) => {
+            return text(
+                StatusCode::BAD_GATEWAY,
+                format!("malformed response head: {e}"),
+            );
+        }
     };
     let Ok(status) = StatusCode::from_u16(head.status) else {
-        return text(StatusCode::BAD_GATEWAY, format!("bad status {}", head.status));
+        return text(
+            StatusCode::BAD_GATEWAY,
+            format!("bad status {}", head.status),
+        );
     };
     let mut response = Response::new(Full::new(answer.body));
     *response.status_mut() = status;
     for (name, value) in &head.headers {
         if matches!(
             name.as_str(),
-            "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "te" | "upgrade" | "proxy-connection"
+            "content-length"
+                | "transfer-encoding"
+                | "connection"
+                | "keep-alive"
+                | "te"
+                | "upgrade"
+                | "proxy-connection"
         ) {
             continue;
         }

@@ -134,8 +134,14 @@ impl Uplink {
         let cq = fabric.create_cq(8192)?;
         let wake = Wake::new(&cq);
         let len = u64::from(slots) * slot_size;
-        let requests = Arc::new(SharedRegion::create_unique("dpumesh-ingress-req", len as usize)?);
-        let responses = Arc::new(SharedRegion::create_unique("dpumesh-ingress-resp", len as usize)?);
+        let requests = Arc::new(SharedRegion::create_unique(
+            "dpumesh-ingress-req",
+            len as usize,
+        )?);
+        let responses = Arc::new(SharedRegion::create_unique(
+            "dpumesh-ingress-resp",
+            len as usize,
+        )?);
         let req_mr = fabric.register(&pd, &requests, 0, len, Access::all())?;
         let resp_mr = fabric.register(&pd, &responses, 0, len, Access::all())?;
         let shared = Arc::new(Slots {
@@ -290,7 +296,9 @@ impl<F: Fabric> Reactor<F> {
         };
         let (_, link) = self.links.get_mut(&qp).expect("just made");
         if let Err(e) = link.send(Message::Request(request)) {
-            let _ = call.reply.send(Err(format!("cannot send to the node: {e}")));
+            let _ = call
+                .reply
+                .send(Err(format!("cannot send to the node: {e}")));
             if link.is_down() {
                 self.down(qp, e.to_string());
             }

@@ -28,8 +28,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use dpumesh_dpa::fabric::{
-    CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, WcStatus,
-    WorkCompletion,
+    CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, WcStatus, WorkCompletion,
 };
 use dpumesh_dpa::link::{Link, LinkEvent, Wake};
 use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};

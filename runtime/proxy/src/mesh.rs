@@ -58,7 +58,8 @@ impl IngressConfig {
     }
     /// Request timeout.
     pub fn request_timeout(&self) -> Duration {
-        self.request_timeout.map_or(Duration::from_secs(30), |s| s.0)
+        self.request_timeout
+            .map_or(Duration::from_secs(30), |s| s.0)
     }
     /// Slots.
     pub fn slots(&self) -> u32 {
@@ -123,23 +124,25 @@ impl LoadedMesh {
             line: None,
             message,
         };
-        let text = std::fs::read_to_string(file).map_err(|e| error("", format!("cannot read: {e}")))?;
+        let text =
+            std::fs::read_to_string(file).map_err(|e| error("", format!("cannot read: {e}")))?;
         let deserializer = serde_norway::Deserializer::from_str(&text);
-        let mut config: MeshConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            let line = inner.location().map(|l| l.line());
-            let mut message = inner.to_string();
-            if let Some(at) = message.find(" at line ") {
-                message.truncate(at);
-            }
-            ConfigError {
-                file: file.to_owned(),
-                path: if path == "." { String::new() } else { path },
-                line,
-                message,
-            }
-        })?;
+        let mut config: MeshConfig =
+            serde_path_to_error::deserialize(deserializer).map_err(|e| {
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                let line = inner.location().map(|l| l.line());
+                let mut message = inner.to_string();
+                if let Some(at) = message.find(" at line ") {
+                    message.truncate(at);
+                }
+                ConfigError {
+                    file: file.to_owned(),
+                    path: if path == "." { String::new() } else { path },
+                    line,
+                    message,
+                }
+            })?;
         let dir = file.parent().unwrap_or(Path::new("."));
         config.policy = dir.join(&config.policy);
         if config.nodes.is_empty() {
@@ -156,7 +159,10 @@ impl LoadedMesh {
                 if !config.nodes.contains_key(node) {
                     return Err(error(
                         &format!("services.{name}.nodes"),
-                        format!("unknown node {node:?} (nodes: {:?})", config.nodes.keys().collect::<Vec<_>>()),
+                        format!(
+                            "unknown node {node:?} (nodes: {:?})",
+                            config.nodes.keys().collect::<Vec<_>>()
+                        ),
                     ));
                 }
             }
@@ -223,7 +229,10 @@ mod tests {
         let e = load("policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {a: {nodes: [n9]}}\n").unwrap_err();
         assert_eq!(e.path, "services.a.nodes");
         assert!(e.message.contains("unknown node \"n9\""), "{e}");
-        let e = load("policy: p.yaml\ningress: {listen: 127.0.0.1:8000, typo: 1}\nnodes: {}\nservices: {}\n").unwrap_err();
+        let e = load(
+            "policy: p.yaml\ningress: {listen: 127.0.0.1:8000, typo: 1}\nnodes: {}\nservices: {}\n",
+        )
+        .unwrap_err();
         assert!(e.message.contains("unknown field `typo`"), "{e}");
     }
 }

@@ -45,11 +45,10 @@ pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
 impl MeshNode {
     /// Starts node `name` of `mesh`; its control socket goes in `run_dir`.
     pub fn start(mesh: &LoadedMesh, name: &str, run_dir: &Path) -> anyhow::Result<Self> {
-        let entry = mesh
-            .config
-            .nodes
-            .get(name)
-            .ok_or_else(|| anyhow::anyhow!("node {name:?} is not in {}", mesh.file.display()))?;
+        let entry =
+            mesh.config.nodes.get(name).ok_or_else(|| {
+                anyhow::anyhow!("node {name:?} is not in {}", mesh.file.display())
+            })?;
         crate::admin::prometheus();
         let control = Control::start(&mesh.config.policy)?;
         control.watch(Duration::from_millis(250))?;

@@ -142,7 +142,10 @@ mod tests {
     fn the_frontend_merges_user_and_reservations() {
         let transport = InMemoryTransport::new()
             .service("user", |r| {
-                Reply::ok_after(5, format!("{{\"id\":\"{}\"}}", param(&r.url, "id").unwrap()))
+                Reply::ok_after(
+                    5,
+                    format!("{{\"id\":\"{}\"}}", param(&r.url, "id").unwrap()),
+                )
             })
             .service("reservation", |_| {
                 Reply::ok_after(5, r#"{"reservations":[{"hotel":"x"}]}"#)

@@ -26,9 +26,11 @@ fn main() -> Result<()> {
         bail!("unknown service {code:?} (frontend, user, reservation)");
     };
     let service = std::env::var("DPUMESH_SERVICE").unwrap_or(code);
-    let control = std::env::var("DPUMESH_CONTROL")
-        .context("DPUMESH_CONTROL (the node's control socket) is not set: start it with `dpumesh up`")?;
-    let pod = std::env::var("DPUMESH_POD").unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
+    let control = std::env::var("DPUMESH_CONTROL").context(
+        "DPUMESH_CONTROL (the node's control socket) is not set: start it with `dpumesh up`",
+    )?;
+    let pod = std::env::var("DPUMESH_POD")
+        .unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
     let transport = DataPathTransport::connect(&Endpoint::Unix(control.into()), &pod, &service)
         .with_context(|| format!("cannot register {pod} with its node"))?;
     let mut service_loop = EventLoop::new(transport, handler, LoopConfig::default())?;
