@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Status, headers (lowercase names), body.
+type Reply = (u16, Vec<(String, String)>, Vec<u8>);
+
 const SECRET: &str = "dpumesh-demo-hs256-secret-0123456789";
 
 fn free_port() -> u16 {
@@ -138,14 +141,14 @@ impl Mesh {
         mesh
     }
 
-    fn raw(&self, request: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    fn raw(&self, request: &[u8]) -> Reply {
         let mut s = TcpStream::connect(self.ingress).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         s.write_all(request).unwrap();
         read_response(&mut s).expect("a response")
     }
 
-    fn get(&self, path: &str, token: Option<&str>) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    fn get(&self, path: &str, token: Option<&str>) -> Reply {
         let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
         self.raw(
             format!("GET {path} HTTP/1.1\r\nhost: hotel\r\n{auth}connection: close\r\n\r\n")
@@ -153,7 +156,7 @@ impl Mesh {
         )
     }
 
-    fn post(&self, path: &str, token: &str, body: &[u8]) -> (u16, Vec<(String, String)>, Vec<u8>) {
+    fn post(&self, path: &str, token: &str, body: &[u8]) -> Reply {
         let mut r = format!(
             "POST {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
             body.len()
@@ -181,7 +184,7 @@ impl Drop for Mesh {
 }
 
 /// Reads one HTTP/1.1 response (content-length framed, as the ingress writes them).
-fn read_response(s: &mut TcpStream) -> Option<(u16, Vec<(String, String)>, Vec<u8>)> {
+fn read_response(s: &mut TcpStream) -> Option<Reply> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 65536];
     let head_end = loop {

@@ -685,12 +685,12 @@ impl<F: Fabric> Reactor<F> {
         let service = exchange.service.clone();
         let from_pod = matches!(exchange.origin, Origin::Pod { .. });
         if let Some(pod) = self.pick_pod(&service) {
-            self.to_pod(xid, pod);
+            self.send_to_pod(xid, pod);
             return;
         }
         let peer = from_pod.then(|| self.pick_peer(&service)).flatten();
         match peer {
-            Some(node) => self.to_peer(xid, &node),
+            Some(node) => self.send_to_peer(xid, &node),
             None => {
                 let (h, b) = local(
                     503,
@@ -723,7 +723,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// Sends an allowed request to pod `pod` on this node.
-    fn to_pod(&mut self, xid: u32, pod: u32) {
+    fn send_to_pod(&mut self, xid: u32, pod: u32) {
         let exchange = self.exchanges.get_mut(&xid).expect("dispatching");
         exchange.attempt += 1;
         let head = exchange.head.as_ref().expect("decided");
@@ -1119,7 +1119,7 @@ impl<F: Fabric> Reactor<F> {
 
     /// Sends a pod's call to a peer proxy (case 1): the body stays in the pod's TX
     /// pool for the peer to read, and the reply lands in a slot of its RX pool.
-    fn to_peer(&mut self, xid: u32, node: &str) {
+    fn send_to_peer(&mut self, xid: u32, node: &str) {
         let Some(qp) = self.peer_link(node) else {
             let (h, b) = local(502, format!("dpumesh: node {node:?} is unreachable"));
             self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
