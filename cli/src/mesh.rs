@@ -144,9 +144,31 @@ fn program(name: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// How to start a service pod again (a pod that dies is restarted, as a Deployment
+/// would).
+struct PodSpec {
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, PathBuf)>,
+}
+
+impl PodSpec {
+    fn spawn(&self) -> Result<Child> {
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args).stdout(Stdio::inherit());
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd.spawn()
+            .with_context(|| format!("cannot start {}: {}", self.name, self.program.display()))
+    }
+}
+
 /// A running local mesh.
 pub struct Up {
     children: Children,
+    pods: Vec<PodSpec>,
     /// The ingress address.
     pub ingress: String,
     /// Admin URLs by node.
@@ -173,6 +195,7 @@ impl Up {
                 admins.insert(name.clone(), format!("http://{a}/"));
             }
         }
+        let mut pods = Vec::new();
         for (service, entry) in &mesh.config.services {
             if entry.command.is_empty() {
                 continue;
@@ -180,16 +203,21 @@ impl Up {
             for node in &entry.nodes {
                 for replica in 0..entry.replicas.unwrap_or(1) {
                     let pod = format!("{service}-{node}-{replica}");
-                    let mut cmd = Command::new(program(&entry.command[0]));
-                    cmd.args(&entry.command[1..])
-                        .env("DPUMESH_CONTROL", control_socket(run_dir.path(), node))
-                        .env("DPUMESH_SERVICE", service)
-                        .env("DPUMESH_POD", &pod)
-                        .stdout(Stdio::inherit());
-                    let child = cmd
-                        .spawn()
-                        .with_context(|| format!("cannot start {pod}: {:?}", entry.command))?;
-                    children.0.push((pod, child));
+                    let spec = PodSpec {
+                        name: pod.clone(),
+                        program: program(&entry.command[0]),
+                        args: entry.command[1..].to_vec(),
+                        env: vec![
+                            (
+                                "DPUMESH_CONTROL".into(),
+                                control_socket(run_dir.path(), node),
+                            ),
+                            ("DPUMESH_SERVICE".into(), PathBuf::from(service)),
+                            ("DPUMESH_POD".into(), PathBuf::from(&pod)),
+                        ],
+                    };
+                    children.0.push((pod, spec.spawn()?));
+                    pods.push(spec);
                 }
             }
         }
@@ -199,6 +227,7 @@ impl Up {
         let ingress = line.rsplit(' ').next().unwrap_or_default().to_owned();
         let up = Self {
             children,
+            pods,
             ingress,
             admins,
             _run_dir: run_dir,
@@ -236,12 +265,17 @@ impl Up {
         Ok(())
     }
 
-    /// Whether every child still runs.
+    /// Restarts service pods that died; fails if a node or the ingress did.
     pub fn check(&mut self) -> Result<()> {
         for (name, child) in &mut self.children.0 {
-            if let Some(status) = child.try_wait()? {
+            let Some(status) = child.try_wait()? else {
+                continue;
+            };
+            let Some(spec) = self.pods.iter().find(|p| p.name == *name) else {
                 bail!("{name} exited: {status}");
-            }
+            };
+            eprintln!("dpumesh up: pod {name} exited ({status}); starting it again");
+            *child = spec.spawn()?;
         }
         Ok(())
     }

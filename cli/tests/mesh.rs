@@ -96,6 +96,7 @@ fn mesh_files(dir: &Path) -> (PathBuf, SocketAddr) {
 struct Mesh {
     child: Child,
     ingress: SocketAddr,
+    admins: Vec<SocketAddr>,
     _dir: tempfile::TempDir,
 }
 
@@ -112,6 +113,7 @@ impl Mesh {
         let mut mesh = Self {
             child,
             ingress,
+            admins: Vec::new(),
             _dir: dir,
         };
         // Ready when `up` says so.
@@ -138,7 +140,18 @@ impl Mesh {
             "{banner}"
         );
         assert!(banner.contains("curl"), "a ready-to-paste curl: {banner}");
+        mesh.admins = banner
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("admin"))
+            .filter_map(|l| l.trim().strip_prefix("http://"))
+            .filter_map(|l| l.split('/').next()?.parse().ok())
+            .collect();
+        assert_eq!(mesh.admins.len(), 2, "{banner}");
         mesh
+    }
+
+    fn admins(&self) -> Vec<SocketAddr> {
+        self.admins.clone()
     }
 
     fn raw(&self, request: &[u8]) -> Reply {
@@ -373,4 +386,101 @@ fn malformed_and_ambiguous_requests_are_refused_at_the_ingress() {
     // The mesh still serves afterwards.
     let (status, _, _) = mesh.get("/ping", Some(&alice));
     assert_eq!(status, 200);
+}
+
+/// Runs `threads` clients doing GET `path` until `stop`; returns (ok, failed) counts
+/// and the statuses of failures.
+fn load(
+    mesh: &Mesh,
+    path: &str,
+    token: &str,
+    threads: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<std::thread::JoinHandle<(usize, Vec<u16>)>> {
+    (0..threads)
+        .map(|_| {
+            let (addr, path, token, stop) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut ok, mut failed) = (0, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(mut s) = TcpStream::connect(addr) else {
+                        failed.push(0);
+                        continue;
+                    };
+                    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                    let req = format!("GET {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
+                    s.write_all(req.as_bytes()).unwrap();
+                    match read_response(&mut s) {
+                        Some((200, _, _)) => ok += 1,
+                        Some((status, _, _)) => failed.push(status),
+                        None => failed.push(0),
+                    }
+                }
+                (ok, failed)
+            })
+        })
+        .collect()
+}
+
+fn pids_of(parent: &str, pattern: &str) -> Vec<u32> {
+    let out = Command::new("pgrep")
+        .args(["-P", parent, "-f", pattern])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_killed_replica_costs_no_request_and_a_reload_under_load_none_either() {
+    let mesh = Mesh::up();
+    let alice = token("alice", &["user"]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients = load(&mesh, "/hotels?user=3", &alice, 4, &stop);
+    std::thread::sleep(Duration::from_millis(800));
+    // Kill one of the two user replicas of this mesh (children of its `up`).
+    let users = pids_of(&mesh.child.id().to_string(), "hotel user");
+    assert_eq!(users.len(), 2, "two user replicas: {users:?}");
+    Command::new("kill")
+        .args(["-KILL", &users[0].to_string()])
+        .status()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // A reload of the policy on every node while the load goes on.
+    let policy = mesh._dir.path().join("policy.yaml");
+    let text = std::fs::read_to_string(&policy).unwrap();
+    std::fs::write(
+        &policy,
+        text.replace("cache_entries: 1000", "cache_entries: 2000"),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (mut ok, mut failed) = (0, Vec::new());
+    for c in clients {
+        let (o, f) = c.join().unwrap();
+        ok += o;
+        failed.extend(f);
+    }
+    assert!(ok > 20, "the mesh kept serving: {ok} ok");
+    let mut by_status = std::collections::BTreeMap::new();
+    for f in &failed {
+        *by_status.entry(*f).or_insert(0usize) += 1;
+    }
+    assert!(
+        failed.is_empty(),
+        "no request failed: {by_status:?} (status: count; {ok} ok)"
+    );
+    // Both nodes run the new generation.
+    for admin in mesh.admins() {
+        let mut s = TcpStream::connect(admin).unwrap();
+        s.write_all(b"GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
+            .unwrap();
+        let (status, _, body) = read_response(&mut s).unwrap();
+        assert_eq!(status, 200);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["generation"], 2, "{v}");
+    }
 }

@@ -140,6 +140,24 @@ pub struct FilterConfig {
 pub struct ServiceConfig {
     /// The chain for requests to this service.
     pub chain: String,
+    /// How long a request to it may take, retries included (default: the mesh's
+    /// request timeout).
+    pub timeout: Option<Span>,
+    /// Retries of failed tries.
+    pub retries: Option<RetryConfig>,
+}
+
+/// Retrying a request whose try failed: a try that timed out, could not be delivered
+/// (pod gone, ring full) or was answered with 502, 503 or 504. Only idempotent methods
+/// (GET, HEAD, OPTIONS, PUT, DELETE, TRACE) whose body is still at hand are retried,
+/// on the next pod (round robin); a local reply (a denial) never is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// Tries after the first.
+    pub attempts: u32,
+    /// Time one try may take (default: the whole timeout).
+    pub per_try_timeout: Option<Span>,
 }
 
 /// A route: the first whose host and path prefix match picks the service.
@@ -155,6 +173,10 @@ pub struct RouteConfig {
     pub service: String,
     /// A chain overriding the service's.
     pub chain: Option<String>,
+    /// A timeout overriding the service's.
+    pub timeout: Option<Span>,
+    /// Retries overriding the service's.
+    pub retries: Option<RetryConfig>,
 }
 
 fn root() -> String {

@@ -49,15 +49,31 @@ impl Snapshot {
     /// The service and chain for a request to `authority` and `path`: a mesh call
     /// names its service as the host (`http://user/...`, port ignored); anything else
     /// goes through the routes.
-    pub fn resolve(&self, authority: &str, path: &str) -> Option<(String, usize)> {
+    pub fn resolve(
+        &self,
+        authority: &str,
+        path: &str,
+    ) -> Option<(String, usize, crate::routes::RoutePolicy)> {
         let host = crate::routes::strip_port(authority);
         if let Some(service) = self.config.config.services.get(host) {
             let chain = self.generation.chain_index(&service.chain)?;
-            return Some((host.to_owned(), chain));
+            let policy = crate::routes::RoutePolicy::of_service(service);
+            return Some((host.to_owned(), chain, policy));
         }
         self.routes
             .find(authority, path)
-            .map(|m| (m.service.to_owned(), m.chain))
+            .map(|m| (m.service.to_owned(), m.chain, m.policy))
+    }
+
+    /// The timeout and retries of service `service` (for requests a peer proxy
+    /// already routed).
+    pub fn service_policy(&self, service: &str) -> crate::routes::RoutePolicy {
+        self.config
+            .config
+            .services
+            .get(service)
+            .map(crate::routes::RoutePolicy::of_service)
+            .unwrap_or_default()
     }
 
     fn new(built: Built, config: LoadedConfig) -> Self {

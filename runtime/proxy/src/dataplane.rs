@@ -42,6 +42,7 @@ use dpumesh_runtime::{
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::control::Control;
+use crate::routes::RoutePolicy;
 
 /// Where the other nodes are and what runs where.
 #[derive(Debug, Clone, Default)]
@@ -215,7 +216,14 @@ struct Exchange {
     at: At,
     /// Body waiting at the origin's side of a link.
     body: Option<RemoteBuf>,
+    /// Tries so far.
     attempt: u32,
+    /// Timeout and retries of its route.
+    policy: RoutePolicy,
+    /// When the current try times out.
+    try_deadline: Option<Instant>,
+    /// GET, HEAD, OPTIONS, PUT, DELETE, TRACE.
+    idempotent: bool,
 }
 
 enum Op {
@@ -433,12 +441,8 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        let timeout = if r.deadline_ms > 0 {
-            Duration::from_millis(u64::from(r.deadline_ms))
-        } else {
-            self.topology.timeout
-        };
-        self.admit(origin, head, r.body, r.flags, timeout);
+        let limit = (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms)));
+        self.admit(origin, head, r.body, r.flags, limit);
     }
 
     /// A request from a pod on this node (case 1 or 3).
@@ -467,8 +471,7 @@ impl<F: Fabric> Reactor<F> {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             identity: service.map(|s| format!("spiffe://dpumesh/{}/{s}", self.topology.node)),
         };
-        let timeout = self.topology.timeout;
-        self.admit(origin, head, None, RequestFlags::default(), timeout);
+        self.admit(origin, head, None, RequestFlags::default(), None);
     }
 
     /// Routes a request and runs its chain (unless a peer proxy already did).
@@ -478,15 +481,18 @@ impl<F: Fabric> Reactor<F> {
         mut head: RequestHead,
         body: Option<RemoteBuf>,
         flags: RequestFlags,
-        timeout: Duration,
+        limit: Option<Duration>,
     ) {
         let snapshot = self.control.snapshot();
         let routed = if flags.policed {
-            head.destination.clone().map(|s| (s, usize::MAX))
+            head.destination.clone().map(|s| {
+                let policy = snapshot.service_policy(&s);
+                (s, usize::MAX, policy)
+            })
         } else {
             snapshot.resolve(&head.authority, &head.path)
         };
-        let Some((service, chain)) = routed else {
+        let Some((service, chain, policy)) = routed else {
             let (h, b) = local(
                 404,
                 format!(
@@ -500,8 +506,15 @@ impl<F: Fabric> Reactor<F> {
         head.destination = Some(service.clone());
         let xid = self.new_xid();
         let now = Instant::now();
+        // The route's timeout, within what the sender will wait.
+        let timeout = policy.timeout.unwrap_or(self.topology.timeout);
+        let timeout = limit.map_or(timeout, |l| l.min(timeout));
         let deadline = now + timeout;
         self.timers.push(std::cmp::Reverse((deadline, xid)));
+        let idempotent = matches!(
+            head.method.as_str(),
+            "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
+        );
         self.exchanges.insert(
             xid,
             Exchange {
@@ -514,6 +527,9 @@ impl<F: Fabric> Reactor<F> {
                 at: At::Filtering,
                 body,
                 attempt: 0,
+                policy,
+                try_deadline: None,
+                idempotent,
             },
         );
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -723,9 +739,20 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// Sends an allowed request to pod `pod` on this node.
-    fn send_to_pod(&mut self, xid: u32, pod: u32) {
+    /// Starts a try: counts it and arms its timer.
+    fn start_try(&mut self, xid: u32) {
         let exchange = self.exchanges.get_mut(&xid).expect("dispatching");
         exchange.attempt += 1;
+        if let Some(per_try) = exchange.policy.per_try_timeout {
+            let at = (Instant::now() + per_try).min(exchange.deadline);
+            exchange.try_deadline = Some(at);
+            self.timers.push(std::cmp::Reverse((at, xid)));
+        }
+    }
+
+    fn send_to_pod(&mut self, xid: u32, pod: u32) {
+        self.start_try(xid);
+        let exchange = self.exchanges.get_mut(&xid).expect("dispatching");
         let head = exchange.head.as_ref().expect("decided");
         let bytes = match wire::encode_request(head) {
             Ok(b) => b,
@@ -755,6 +782,12 @@ impl<F: Fabric> Reactor<F> {
                 let original = d.header;
                 let key = (d.src_pod, d.req_id, d.step_id);
                 exchange.at = At::Pod { key };
+                // The DMA manager hands A's body back once it copied it, and the
+                // original head is freed here: neither is ours to complete later.
+                if let Origin::Pod { d } = &mut exchange.origin {
+                    d.header = Buffer::NONE;
+                    d.body = Buffer::NONE;
+                }
                 self.at_pod.insert(key, xid);
                 if !original.is_none() {
                     let _ = self.port.release_header(original);
@@ -915,6 +948,11 @@ impl<F: Fabric> Reactor<F> {
             self.complete(&d);
             return;
         };
+        if matches!(d.status, 502..=504) && self.can_retry(xid) {
+            self.complete(&d);
+            self.retry(xid, d.status);
+            return;
+        }
         let header = self.port.header(&d).unwrap_or_default();
         self.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Some(exchange) = self.exchanges.remove(&xid) else {
@@ -1125,8 +1163,8 @@ impl<F: Fabric> Reactor<F> {
             self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
             return;
         };
+        self.start_try(xid);
         let exchange = self.exchanges.get_mut(&xid).expect("dispatching");
-        exchange.attempt += 1;
         let Origin::Pod { d } = exchange.origin else {
             unreachable!("only pods' calls leave the node")
         };
@@ -1239,11 +1277,53 @@ impl<F: Fabric> Reactor<F> {
             tracing::debug!(?status, "data path error for a finished exchange");
             return;
         };
+        if self.can_retry(xid) {
+            self.retry(xid, 503);
+            return;
+        }
         let (h, b) = local(
             503,
             format!("dpumesh: the service's pod could not take the request: {status:?}"),
         );
         self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
+    }
+
+    /// Whether a failed try of `xid` may be tried again: tries left, an idempotent
+    /// method, its body still at hand, time left, and it went to a pod here (a try at
+    /// a peer may still write into the reply buffer it was given).
+    fn can_retry(&self, xid: u32) -> bool {
+        let Some(e) = self.exchanges.get(&xid) else {
+            return false;
+        };
+        let body_at_hand = match &e.origin {
+            Origin::Link { .. } => true,
+            Origin::Pod { d } => d.body.is_none(),
+        };
+        e.attempt <= e.policy.retries
+            && e.idempotent
+            && body_at_hand
+            && matches!(e.at, At::Pod { .. })
+            && Instant::now() < e.deadline
+    }
+
+    /// Tries again on the next pod; the failed try's reply, if it comes, is dropped.
+    fn retry(&mut self, xid: u32, status: u16) {
+        let Some(e) = self.exchanges.get_mut(&xid) else {
+            return;
+        };
+        if let At::Pod { key } = e.at {
+            self.at_pod.remove(&key);
+        }
+        e.at = At::Filtering;
+        e.try_deadline = None;
+        metrics::counter!(
+            "dpumesh_retries_total",
+            "service" => e.service.clone(),
+            "status" => status.to_string(),
+        )
+        .increment(1);
+        tracing::debug!(xid, attempt = e.attempt, status, "retrying");
+        self.dispatch(xid);
     }
 
     /// Answers an exchange from the proxy itself, as a local reply (policy).
@@ -1363,6 +1443,20 @@ impl<F: Fabric> Reactor<F> {
                 continue;
             };
             if exchange.deadline > now {
+                if exchange.try_deadline.is_some_and(|t| t <= now) {
+                    if self.can_retry(xid) {
+                        self.retry(xid, 504);
+                    } else if matches!(exchange.at, At::Pod { .. }) {
+                        let (h, b) = local(
+                            504,
+                            format!(
+                                "dpumesh: service {:?} did not answer a try within its per-try timeout",
+                                exchange.service
+                            ),
+                        );
+                        self.finish_local_as(xid, &h, b, FailureKind::Timeout);
+                    }
+                }
                 continue;
             }
             self.stats.timeouts.fetch_add(1, Ordering::Relaxed);

@@ -3,6 +3,40 @@
 
 use crate::config::ProxyConfig;
 
+/// Timeout and retries of a route (or of a service, for mesh calls).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RoutePolicy {
+    /// Whole-request timeout (`None`: the mesh's default).
+    pub timeout: Option<std::time::Duration>,
+    /// Tries after the first.
+    pub retries: u32,
+    /// Time one try may take (`None`: the whole timeout).
+    pub per_try_timeout: Option<std::time::Duration>,
+}
+
+impl RoutePolicy {
+    /// From a route's (or service's) settings, each falling back to `fallback`'s.
+    pub fn new(
+        timeout: Option<crate::config::Span>,
+        retries: Option<crate::config::RetryConfig>,
+        fallback: RoutePolicy,
+    ) -> Self {
+        Self {
+            timeout: timeout.map(|s| s.0).or(fallback.timeout),
+            retries: retries.map_or(fallback.retries, |r| r.attempts),
+            per_try_timeout: match retries {
+                Some(r) => r.per_try_timeout.map(|s| s.0),
+                None => fallback.per_try_timeout,
+            },
+        }
+    }
+
+    /// A service's own policy.
+    pub fn of_service(service: &crate::config::ServiceConfig) -> Self {
+        Self::new(service.timeout, service.retries, Self::default())
+    }
+}
+
 /// One route, with its chain resolved to an index in the generation it was built for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Route {
@@ -10,6 +44,7 @@ struct Route {
     path_prefix: String,
     service: String,
     chain: usize,
+    policy: RoutePolicy,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +88,8 @@ pub struct RouteMatch<'a> {
     pub service: &'a str,
     /// The chain's index in the generation.
     pub chain: usize,
+    /// Timeout and retries.
+    pub policy: RoutePolicy,
 }
 
 /// The routes of one generation.
@@ -73,11 +110,17 @@ impl RouteTable {
                     .chain
                     .as_deref()
                     .or_else(|| config.services.get(&r.service).map(|s| s.chain.as_str()))?;
+                let service = config
+                    .services
+                    .get(&r.service)
+                    .map(RoutePolicy::of_service)
+                    .unwrap_or_default();
                 Some(Route {
                     host: HostMatch::new(r.host.as_deref()),
                     path_prefix: r.path_prefix.clone(),
                     service: r.service.clone(),
                     chain: chain_index(chain_name)?,
+                    policy: RoutePolicy::new(r.timeout, r.retries, service),
                 })
             })
             .collect();
@@ -93,6 +136,7 @@ impl RouteTable {
             .map(|r| RouteMatch {
                 service: &r.service,
                 chain: r.chain,
+                policy: r.policy,
             })
     }
 }
