@@ -184,8 +184,19 @@ impl Up {
         let me = std::env::current_exe()?;
         let mut children = Children(Vec::new());
         let mut admins = BTreeMap::new();
+        // A node with a network namespace runs (with its pods) inside it.
+        let in_netns = |node: &str, program: &Path| -> Command {
+            match mesh.config.nodes.get(node).and_then(|e| e.netns.as_deref()) {
+                Some(ns) => {
+                    let mut cmd = Command::new("ip");
+                    cmd.args(["netns", "exec", ns]).arg(program);
+                    cmd
+                }
+                None => Command::new(program),
+            }
+        };
         for (name, entry) in &mesh.config.nodes {
-            let mut cmd = Command::new(&me);
+            let mut cmd = in_netns(name, &me);
             cmd.args(["node", "--mesh"])
                 .arg(file)
                 .args(["--name", name, "--run-dir"])
@@ -203,10 +214,26 @@ impl Up {
             for node in &entry.nodes {
                 for replica in 0..entry.replicas.unwrap_or(1) {
                     let pod = format!("{service}-{node}-{replica}");
+                    let (prog, mut args) =
+                        (program(&entry.command[0]), entry.command[1..].to_vec());
+                    let (prog, args) =
+                        match mesh.config.nodes.get(node).and_then(|e| e.netns.clone()) {
+                            Some(ns) => {
+                                let mut all = vec![
+                                    "netns".to_owned(),
+                                    "exec".to_owned(),
+                                    ns,
+                                    prog.display().to_string(),
+                                ];
+                                all.append(&mut args);
+                                (PathBuf::from("ip"), all)
+                            }
+                            None => (prog, args),
+                        };
                     let spec = PodSpec {
                         name: pod.clone(),
-                        program: program(&entry.command[0]),
-                        args: entry.command[1..].to_vec(),
+                        program: prog,
+                        args,
                         env: vec![
                             (
                                 "DPUMESH_CONTROL".into(),

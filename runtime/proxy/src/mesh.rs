@@ -11,7 +11,7 @@
 //!   request_timeout: 30s           # no answer in time: 504
 //!   slots: 128                     # requests in flight
 //! nodes:
-//!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}
+//!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
 //! services:
 //!   frontend: {nodes: [node1], replicas: 1, command: [hotel, frontend]}
 //! ```
@@ -75,6 +75,10 @@ pub struct NodeEntry {
     pub fabric: SocketAddr,
     /// The proxy's admin API.
     pub admin: Option<SocketAddr>,
+    /// A network namespace (`ip netns`) the node and its pods run in: several "hosts"
+    /// on one machine, each with its own address, so the fabric between nodes crosses
+    /// a real network boundary.
+    pub netns: Option<String>,
 }
 
 /// A service: where it runs and how to start it.
