@@ -381,8 +381,13 @@ fn malformed_and_ambiguous_requests_are_refused_at_the_ingress() {
         .as_bytes(),
     );
     assert_eq!(status, 413, "{}", String::from_utf8_lossy(&body));
-    // A body that never comes: 408 after the body timeout (10 s in the sample).
-    // (Not waited for here: the ingress unit tests cover the timer.)
+    // A body that never comes: 408 after the body timeout (2 s here).
+    let started = Instant::now();
+    let (status, _, body) = mesh.raw(
+        format!("POST /echo HTTP/1.1\r\nhost: hotel\r\n{auth}content-length: 100\r\n\r\nonly ten b").as_bytes(),
+    );
+    assert_eq!(status, 408, "{}", String::from_utf8_lossy(&body));
+    assert!(started.elapsed() >= Duration::from_millis(1900));
     // The mesh still serves afterwards.
     let (status, _, _) = mesh.get("/ping", Some(&alice));
     assert_eq!(status, 200);
@@ -473,6 +478,38 @@ fn a_killed_replica_costs_no_request_and_a_reload_under_load_none_either() {
         failed.is_empty(),
         "no request failed: {by_status:?} (status: count; {ok} ok)"
     );
+    // The killed pod's slots are reclaimed and nothing else is held once idle: node1
+    // runs frontend, flaky and two users again (the killed one was restarted).
+    let metric = |admin: SocketAddr, name: &str| -> f64 {
+        let mut s = TcpStream::connect(admin).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").unwrap();
+        let (_, _, body) = read_response(&mut s).unwrap();
+        String::from_utf8_lossy(&body)
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let node1 = mesh.admins()[0];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let idle = [
+            "dpumesh_exchanges_in_flight",
+            "dpumesh_pool_slots_in_use{pool=\"dpu_tx_header\"}",
+            "dpumesh_pool_slots_in_use{pool=\"dpu_rx_header\"}",
+            "dpumesh_pool_slots_in_use{pool=\"pod_bodies\"}",
+        ]
+        .map(|m| metric(node1, m));
+        let pods = metric(node1, "dpumesh_pods");
+        if idle.iter().all(|v| *v == 0.0) && pods == 4.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "node1 not back to idle with 4 pods: in flight/slots {idle:?}, pods {pods}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // Both nodes run the new generation.
     for admin in mesh.admins() {
         let mut s = TcpStream::connect(admin).unwrap();

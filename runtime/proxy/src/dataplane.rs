@@ -685,13 +685,23 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// Drops registrations of pods that left (their memory can go).
+    /// Drops registrations of pods that left (their memory can go) and publishes the
+    /// node's occupancy: pods, exchanges in flight, slots in use per pool.
     fn prune_pods(&mut self) {
-        if self.mrs.is_empty() {
-            return;
-        }
         self.refresh_pods(true);
         let live: std::collections::HashSet<u32> = self.pods.iter().map(|p| p.id).collect();
         self.mrs.retain(|id, _| live.contains(id));
+        let (tx, rx) = self.node.dpu_pool_use();
+        let bodies: usize = self
+            .pods
+            .iter()
+            .map(|p| p.rx_body.in_use() + p.tx_body.in_use())
+            .sum();
+        metrics::gauge!("dpumesh_pods").set(self.pods.len() as f64);
+        metrics::gauge!("dpumesh_exchanges_in_flight").set(self.exchanges.len() as f64);
+        metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "dpu_tx_header").set(tx as f64);
+        metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "dpu_rx_header").set(rx as f64);
+        metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "pod_bodies").set(bodies as f64);
     }
 
     fn dispatch(&mut self, xid: u32) {
