@@ -384,7 +384,10 @@ fn malformed_and_ambiguous_requests_are_refused_at_the_ingress() {
     // A body that never comes: 408 after the body timeout (2 s here).
     let started = Instant::now();
     let (status, _, body) = mesh.raw(
-        format!("POST /echo HTTP/1.1\r\nhost: hotel\r\n{auth}content-length: 100\r\n\r\nonly ten b").as_bytes(),
+        format!(
+            "POST /echo HTTP/1.1\r\nhost: hotel\r\n{auth}content-length: 100\r\n\r\nonly ten b"
+        )
+        .as_bytes(),
     );
     assert_eq!(status, 408, "{}", String::from_utf8_lossy(&body));
     assert!(started.elapsed() >= Duration::from_millis(1900));
@@ -482,7 +485,8 @@ fn a_killed_replica_costs_no_request_and_a_reload_under_load_none_either() {
     // runs frontend, flaky and two users again (the killed one was restarted).
     let metric = |admin: SocketAddr, name: &str| -> f64 {
         let mut s = TcpStream::connect(admin).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
+            .unwrap();
         let (_, _, body) = read_response(&mut s).unwrap();
         String::from_utf8_lossy(&body)
             .lines()

@@ -28,6 +28,19 @@ use http::Method;
 use crate::http::{HttpRequest, HttpResponse};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
 
+/// How the port waits: `DPUMESH_SPIN_US` microseconds of spinning (default 0: on a
+/// host, the CPU a spinning service takes is the CPU the mesh is there to save), then
+/// a futex sleep.
+fn spin_mode() -> WakeMode {
+    let us = std::env::var("DPUMESH_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    WakeMode::Event {
+        spin: Duration::from_micros(us),
+    }
+}
+
 /// How long a `Locate` answer is trusted.
 const LOCATE_TTL: Duration = Duration::from_secs(1);
 
@@ -85,7 +98,7 @@ impl DataPathTransport {
             rr: 0,
             out: VecDeque::new(),
             failed: Vec::new(),
-            mode: WakeMode::LOW_CPU,
+            mode: spin_mode(),
         }
     }
 
