@@ -232,6 +232,11 @@ impl<F: Fabric> Link<F> {
             }
             self.queue.pop_front();
         }
+        // Everything is out: return what we owe if it is a lot, so a peer that only
+        // talks (and ran low) does not wait for our next message.
+        if self.owed >= LINK_RECVS / 2 && self.credits >= 1 {
+            let _ = self.send_frame(Message::Credit)?;
+        }
         Ok(())
     }
 

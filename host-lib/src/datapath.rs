@@ -385,7 +385,13 @@ impl Transport for DataPathTransport {
         out.append(&mut self.failed);
         let other = |e: HostError| TransportError::Other(e.to_string());
         if out.is_empty() {
-            let wait = timeout.unwrap_or(Duration::from_secs(1));
+            // With sends waiting for room, look again soon: the completions that make
+            // room are consumed inside `recv` and do not end its wait.
+            let wait = if self.out.is_empty() {
+                timeout.unwrap_or(Duration::from_secs(1))
+            } else {
+                Duration::from_millis(1).min(timeout.unwrap_or(Duration::MAX))
+            };
             if let Some(incoming) = self.port.recv(self.mode, wait).map_err(other)? {
                 self.incoming(incoming, out);
             }

@@ -75,6 +75,7 @@ pub struct DataplaneStats {
 /// A running data plane.
 pub struct Dataplane {
     stop: Arc<AtomicBool>,
+    accept_stop: Arc<AtomicBool>,
     wake: Wake,
     thread: Option<JoinHandle<()>>,
     addr: SocketAddr,
@@ -106,6 +107,32 @@ impl Dataplane {
     ) -> anyhow::Result<Self> {
         let listener = fabric.listen(&pd, listen, &cq, QpCaps::default())?;
         let addr = listener.local_addr();
+        // Accepting (with the peer's hello) may block on a slow or silent connection:
+        // never on the reactor.
+        let (accepted_tx, accepted) = crossbeam_channel::unbounded();
+        let accept_stop = Arc::new(AtomicBool::new(false));
+        {
+            let (stop, wake) = (accept_stop.clone(), wake.clone());
+            std::thread::Builder::new()
+                .name("dpumesh-accept".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        match listener.accept(Duration::from_millis(100)) {
+                            Ok(Some(qp)) => {
+                                if accepted_tx.send(qp).is_err() {
+                                    return;
+                                }
+                                wake.wake();
+                            }
+                            Ok(None) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "mesh accept failed");
+                                std::thread::sleep(Duration::from_millis(100));
+                            }
+                        }
+                    }
+                })?;
+        }
         let port = node
             .take_sidecar_ports()
             .into_iter()
@@ -118,7 +145,8 @@ impl Dataplane {
             fabric,
             pd,
             cq,
-            listener,
+            accepted,
+            connect_failed: HashMap::new(),
             links: HashMap::new(),
             peer_links: HashMap::new(),
             port,
@@ -131,6 +159,7 @@ impl Dataplane {
             exchanges: HashMap::new(),
             at_pod: HashMap::new(),
             ops: HashMap::new(),
+            orphans: HashMap::new(),
             next_xid: 1,
             next_op: 1,
             rr: HashMap::new(),
@@ -148,6 +177,7 @@ impl Dataplane {
             .spawn(move || reactor.run())?;
         Ok(Self {
             stop,
+            accept_stop,
             wake,
             thread: Some(thread),
             addr,
@@ -169,6 +199,7 @@ impl Dataplane {
 impl Drop for Dataplane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
+        self.accept_stop.store(true, Ordering::SeqCst);
         self.wake.interrupt();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -196,8 +227,8 @@ enum At {
     Filtering,
     /// Its body is being read into a pod's RX pool.
     Reading,
-    /// Delivered to a pod; its reply is awaited under `key`.
-    Pod { key: PodKey },
+    /// Delivered to pod `pod`; its reply is awaited under `key` and must come from it.
+    Pod { key: PodKey, pod: u32 },
     /// Sent to a peer proxy.
     Peer { qp: u32, reply_slot: Buffer },
 }
@@ -224,19 +255,30 @@ struct Exchange {
     try_deadline: Option<Instant>,
     /// GET, HEAD, OPTIONS, PUT, DELETE, TRACE.
     idempotent: bool,
+    /// The request came with a body (a pod's body is handed on by the first try).
+    had_body: bool,
 }
 
 enum Op {
     /// A request body read into pod `pod`'s RX slot `slot`; `header` (in a DPU pool)
     /// goes with it once it is in.
     Read {
+        qp: u32,
         xid: u32,
         pod: u32,
         slot: Buffer,
         header: Buffer,
     },
     /// A response body written out of a pod's TX pool; `done` hands it back.
-    Write { done: Descriptor },
+    Write { qp: u32, done: Descriptor },
+}
+
+/// A call to a peer that was answered locally (timeout) while the peer may still use
+/// the caller's body and reply slot.
+struct Orphan {
+    qp: u32,
+    d: Descriptor,
+    reply_slot: Buffer,
 }
 
 struct LinkState<F: Fabric> {
@@ -256,7 +298,10 @@ struct Reactor<F: Fabric> {
     fabric: F,
     pd: F::Pd,
     cq: F::Cq,
-    listener: F::Listener,
+    /// Queue pairs the accept thread took.
+    accepted: Receiver<F::Qp>,
+    /// Peers whose connect failed, and when (not tried again for a second).
+    connect_failed: HashMap<String, Instant>,
     links: HashMap<u32, LinkState<F>>,
     peer_links: HashMap<String, u32>,
     port: SidecarPort,
@@ -269,6 +314,7 @@ struct Reactor<F: Fabric> {
     exchanges: HashMap<u32, Exchange>,
     at_pod: HashMap<PodKey, u32>,
     ops: HashMap<u64, Op>,
+    orphans: HashMap<u32, Orphan>,
     next_xid: u32,
     next_op: u64,
     rr: HashMap<String, usize>,
@@ -282,6 +328,9 @@ struct Reactor<F: Fabric> {
     /// Descriptors the DMA manager's ring had no room for, in order.
     deferred: VecDeque<Descriptor>,
 }
+
+/// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
+const MAX_LOCAL_BODY: usize = 16 << 10;
 
 /// A plain-text reply from the proxy itself.
 fn local(status: u16, message: impl Into<String>) -> (ResponseHead, Vec<u8>) {
@@ -297,7 +346,7 @@ fn local(status: u16, message: impl Into<String>) -> (ResponseHead, Vec<u8>) {
 
 impl<F: Fabric> Reactor<F> {
     fn run(mut self) {
-        let mut last_accept = Instant::now() - Duration::from_secs(1);
+        let mut last_tick = Instant::now() - Duration::from_secs(1);
         while !self.stop.load(Ordering::Relaxed) {
             let mut work = 0;
             work += self.drain_sidecar();
@@ -305,16 +354,18 @@ impl<F: Fabric> Reactor<F> {
             work += self.drain_inbox();
             work += self.flush_deferred();
             self.expire();
-            if last_accept.elapsed() >= Duration::from_millis(20) {
-                last_accept = Instant::now();
+            if !self.accepted.is_empty() {
                 self.accept();
+            }
+            if last_tick.elapsed() >= Duration::from_millis(20) {
+                last_tick = Instant::now();
                 self.prune_pods();
             }
             if work > 0 {
                 continue;
             }
             self.wake.sleep_begins();
-            if self.port_ready() || !self.inbox.is_empty() {
+            if self.port_ready() || !self.inbox.is_empty() || !self.accepted.is_empty() {
                 self.wake.sleep_ends();
                 continue;
             }
@@ -334,7 +385,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     fn accept(&mut self) {
-        while let Ok(Some(qp)) = self.listener.accept(Duration::ZERO) {
+        while let Ok(qp) = self.accepted.try_recv() {
             match Link::new(&self.fabric, &self.pd, qp) {
                 Ok(link) => {
                     tracing::debug!(qp = link.qp_num(), "mesh link accepted");
@@ -419,7 +470,7 @@ impl<F: Fabric> Reactor<F> {
         loop {
             let xid = self.next_xid;
             self.next_xid = self.next_xid.wrapping_add(1).max(1);
-            if !self.exchanges.contains_key(&xid) {
+            if !self.exchanges.contains_key(&xid) && !self.orphans.contains_key(&xid) {
                 return xid;
             }
         }
@@ -511,6 +562,10 @@ impl<F: Fabric> Reactor<F> {
         let timeout = limit.map_or(timeout, |l| l.min(timeout));
         let deadline = now + timeout;
         self.timers.push(std::cmp::Reverse((deadline, xid)));
+        let had_body = match &origin {
+            Origin::Link { .. } => body.is_some(),
+            Origin::Pod { d } => !d.body.is_none(),
+        };
         let idempotent = matches!(
             head.method.as_str(),
             "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
@@ -530,6 +585,7 @@ impl<F: Fabric> Reactor<F> {
                 policy,
                 try_deadline: None,
                 idempotent,
+                had_body,
             },
         );
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
@@ -785,13 +841,18 @@ impl<F: Fabric> Reactor<F> {
             Origin::Pod { d } => {
                 // Case 3: the body goes pod A → pod B by DMA; the head is the one the
                 // filters left.
+                // Each try travels under its own ids, so a late answer to an
+                // abandoned try cannot pass for the current one; A's ids go back on
+                // the answer.
                 let mut out = *d;
                 out.case = Case::PodToPod;
                 out.dst = Destination::Pod(pod);
                 out.header = header;
+                out.req_id = xid;
+                out.step_id = exchange.attempt;
                 let original = d.header;
-                let key = (d.src_pod, d.req_id, d.step_id);
-                exchange.at = At::Pod { key };
+                let key = (d.src_pod, xid, exchange.attempt);
+                exchange.at = At::Pod { key, pod };
                 // The DMA manager hands A's body back once it copied it, and the
                 // original head is freed here: neither is ours to complete later.
                 if let Origin::Pod { d } = &mut exchange.origin {
@@ -852,6 +913,7 @@ impl<F: Fabric> Reactor<F> {
                         self.ops.insert(
                             token,
                             Op::Read {
+                                qp,
                                 xid,
                                 pod,
                                 slot,
@@ -873,7 +935,14 @@ impl<F: Fabric> Reactor<F> {
             .with_body(body);
         let key = (0, xid, attempt);
         if let Some(exchange) = self.exchanges.get_mut(&xid) {
-            exchange.at = At::Pod { key };
+            exchange.at = At::Pod { key, pod };
+            // The try's clock starts when the pod has it (reading the body is not
+            // the pod's time).
+            if let Some(per_try) = exchange.policy.per_try_timeout {
+                let at = (Instant::now() + per_try).min(exchange.deadline);
+                exchange.try_deadline = Some(at);
+                self.timers.push(std::cmp::Reverse((at, xid)));
+            }
         }
         self.at_pod.insert(key, xid);
         self.forward(d);
@@ -924,6 +993,7 @@ impl<F: Fabric> Reactor<F> {
                 pod,
                 slot,
                 header,
+                ..
             } => {
                 if failed.is_some() || !self.exchanges.contains_key(&xid) {
                     self.release_rx(pod, slot);
@@ -940,7 +1010,7 @@ impl<F: Fabric> Reactor<F> {
                 let attempt = self.exchanges[&xid].attempt;
                 self.deliver(xid, pod, header, slot, attempt);
             }
-            Op::Write { done } => self.complete(&done),
+            Op::Write { done, .. } => self.complete(&done),
         }
     }
 
@@ -953,11 +1023,23 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let key = (to, d.req_id, d.step_id);
-        let Some(xid) = self.at_pod.remove(&key) else {
-            // Its request timed out or its origin is gone: drop it, free its buffers.
+        let expected = self
+            .at_pod
+            .get(&key)
+            .and_then(|xid| match self.exchanges.get(xid)?.at {
+                At::Pod { pod, .. } => Some(pod),
+                _ => None,
+            });
+        if expected != Some(d.src_pod) {
+            // Its request timed out or its origin is gone, or the pod answers for a
+            // request it was never given: drop it, free its buffers.
+            if expected.is_some() {
+                tracing::warn!(pod = d.src_pod, "a pod answered a request it was not given");
+            }
             self.complete(&d);
             return;
-        };
+        }
+        let xid = self.at_pod.remove(&key).expect("checked");
         if matches!(d.status, 502..=504) && self.can_retry(xid) {
             self.complete(&d);
             self.retry(xid, d.status);
@@ -972,8 +1054,12 @@ impl<F: Fabric> Reactor<F> {
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.response_phase(&exchange, d.status, FailureKind::None, Some(d.src_pod));
         match exchange.origin {
-            Origin::Pod { .. } => {
-                // Case 3: the DMA manager delivers B's reply to A (body B → A).
+            Origin::Pod { d: request } => {
+                // Case 3: the DMA manager delivers B's reply to A (body B → A), under
+                // the ids A sent.
+                let mut d = d;
+                d.req_id = request.req_id;
+                d.step_id = request.step_id;
                 self.forward(d);
             }
             Origin::Link {
@@ -1004,7 +1090,18 @@ impl<F: Fabric> Reactor<F> {
                 } else {
                     match self.write_body(qp, &d, reply) {
                         Ok(()) => ResponseBody::Written(d.body.len),
-                        Err(()) => return,
+                        Err(()) => {
+                            let (h, b) = local(502, "dpumesh: the response body could not be sent");
+                            self.send_link(
+                                qp,
+                                Message::Response(Response {
+                                    xid: peer_xid,
+                                    body: ResponseBody::Inline(b),
+                                    head: wire::encode_response(&h).unwrap_or_default(),
+                                }),
+                            );
+                            return;
+                        }
                     }
                 };
                 if matches!(body, ResponseBody::None) {
@@ -1045,7 +1142,7 @@ impl<F: Fabric> Reactor<F> {
             self.link_down(qp, "write refused".into());
             return Err(());
         }
-        self.ops.insert(token, Op::Write { done: *d });
+        self.ops.insert(token, Op::Write { qp, done: *d });
         Ok(())
     }
 
@@ -1097,6 +1194,14 @@ impl<F: Fabric> Reactor<F> {
 
     /// A peer proxy answered a call one of our pods made.
     fn peer_response(&mut self, qp: u32, r: Response) {
+        if self.orphans.get(&r.xid).is_some_and(|o| o.qp == qp) {
+            // The late answer to a call we gave up on: the peer is done with A's
+            // body and the reply slot.
+            let o = self.orphans.remove(&r.xid).expect("checked");
+            self.release_rx(o.d.src_pod, o.reply_slot);
+            self.complete(&o.d);
+            return;
+        }
         let Some(exchange) = self.exchanges.get(&r.xid) else {
             return;
         };
@@ -1186,11 +1291,10 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        let deadline_ms = exchange
-            .deadline
-            .saturating_duration_since(Instant::now())
-            .as_millis()
-            .clamp(1, u128::from(u32::MAX)) as u32;
+        // A little less than we wait ourselves, so the peer's 504 usually arrives
+        // before our deadline (and the buffers lent to it come back with it).
+        let left = exchange.deadline.saturating_duration_since(Instant::now());
+        let deadline_ms = (left.as_millis() * 9 / 10).clamp(1, u128::from(u32::MAX)) as u32;
         let pod = d.src_pod;
         let Some(info) = self.pod(pod).cloned() else {
             self.drop_exchange(xid);
@@ -1251,6 +1355,13 @@ impl<F: Fabric> Reactor<F> {
             return Some(qp);
         }
         let addr = *self.topology.peers.get(node)?;
+        if self
+            .connect_failed
+            .get(node)
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        {
+            return None;
+        }
         let qp = match self
             .fabric
             .connect(&self.pd, addr, &self.cq, QpCaps::default())
@@ -1258,6 +1369,7 @@ impl<F: Fabric> Reactor<F> {
             Ok(qp) => qp,
             Err(e) => {
                 tracing::warn!(node, %addr, error = %e, "cannot reach peer node");
+                self.connect_failed.insert(node.to_owned(), Instant::now());
                 return None;
             }
         };
@@ -1279,6 +1391,12 @@ impl<F: Fabric> Reactor<F> {
     /// The DMA manager could not carry a descriptor we handed it.
     fn delivery_failed(&mut self, d: Descriptor) {
         let status = d.error_status();
+        if d.kind.response {
+            // A reply that could not reach its pod (it left, its pools are full): the
+            // DMA manager freed what it held; the caller's own timeout answers it.
+            tracing::warn!(?status, pod = ?d.dst, "a reply could not be delivered");
+            return;
+        }
         let key = match d.dst {
             Destination::Pod(_) if d.src_pod == 0 => (0, d.req_id, d.step_id),
             _ => (d.src_pod, d.req_id, d.step_id),
@@ -1307,7 +1425,7 @@ impl<F: Fabric> Reactor<F> {
         };
         let body_at_hand = match &e.origin {
             Origin::Link { .. } => true,
-            Origin::Pod { d } => d.body.is_none(),
+            Origin::Pod { .. } => !e.had_body,
         };
         e.attempt <= e.policy.retries
             && e.idempotent
@@ -1321,7 +1439,7 @@ impl<F: Fabric> Reactor<F> {
         let Some(e) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        if let At::Pod { key } = e.at {
+        if let At::Pod { key, .. } = e.at {
             self.at_pod.remove(&key);
         }
         e.at = At::Filtering;
@@ -1352,22 +1470,42 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if let At::Pod { key } = exchange.at {
+        if let At::Pod { key, .. } = exchange.at {
             self.at_pod.remove(&key);
         }
-        if let At::Peer { reply_slot, .. } = exchange.at
-            && let Origin::Pod { d } = &exchange.origin
+        self.response_phase(&exchange, head.status, failure, None);
+        if let At::Peer { qp, reply_slot } = exchange.at
+            && let Origin::Pod { d } = exchange.origin
         {
+            if self.links.contains_key(&qp) {
+                // The peer may still read A's body and write into the reply slot:
+                // both stay lent until its answer comes or the link goes.
+                let mut lent = d;
+                lent.header = Buffer::NONE;
+                self.orphans.insert(
+                    xid,
+                    Orphan {
+                        qp,
+                        d: lent,
+                        reply_slot,
+                    },
+                );
+                self.stats.local_replies.fetch_add(1, Ordering::Relaxed);
+                self.reply_pod(&d, head, body);
+                let mut header_only = d;
+                header_only.body = Buffer::NONE;
+                self.complete(&header_only);
+                return;
+            }
             self.release_rx(d.src_pod, reply_slot);
         }
-        self.response_phase(&exchange, head.status, failure, None);
         self.reply_origin(&exchange.origin, head, body);
     }
 
     fn drop_exchange(&mut self, xid: u32) {
         if let Some(exchange) = self.exchanges.remove(&xid) {
             self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if let At::Pod { key } = exchange.at {
+            if let At::Pod { key, .. } = exchange.at {
                 self.at_pod.remove(&key);
             }
         }
@@ -1378,6 +1516,10 @@ impl<F: Fabric> Reactor<F> {
         match origin {
             Origin::Link { qp, xid, .. } => {
                 let head = wire::encode_response(head).unwrap_or_default();
+                let mut body = body;
+                // Local replies travel inline in one frame: a filter's oversized reply
+                // body is cut rather than lost.
+                body.truncate(MAX_LOCAL_BODY);
                 let body = if body.is_empty() {
                     ResponseBody::None
                 } else {
@@ -1492,6 +1634,48 @@ impl<F: Fabric> Reactor<F> {
         tracing::warn!(qp, node = ?state.node, why, "mesh link down");
         if let Some(node) = &state.node {
             self.peer_links.remove(node);
+        }
+        // The queue pair is gone: none of its operations will complete. What they
+        // held goes back now (nothing can write into it any more).
+        drop(state);
+        let ops: Vec<u64> = self
+            .ops
+            .iter()
+            .filter(|(_, op)| matches!(op, Op::Read { qp: q, .. } | Op::Write { qp: q, .. } if *q == qp))
+            .map(|(t, _)| *t)
+            .collect();
+        for token in ops {
+            match self.ops.remove(&token).expect("listed") {
+                Op::Read {
+                    xid,
+                    pod,
+                    slot,
+                    header,
+                    ..
+                } => {
+                    self.release_rx(pod, slot);
+                    let _ = self.port.release_header(header);
+                    if self
+                        .exchanges
+                        .get(&xid)
+                        .is_some_and(|e| matches!(e.at, At::Reading))
+                    {
+                        self.exchanges.get_mut(&xid).expect("checked").at = At::Filtering;
+                    }
+                }
+                Op::Write { done, .. } => self.complete(&done),
+            }
+        }
+        let orphans: Vec<u32> = self
+            .orphans
+            .iter()
+            .filter(|(_, o)| o.qp == qp)
+            .map(|(x, _)| *x)
+            .collect();
+        for xid in orphans {
+            let o = self.orphans.remove(&xid).expect("listed");
+            self.release_rx(o.d.src_pod, o.reply_slot);
+            self.complete(&o.d);
         }
         let affected: Vec<u32> = self
             .exchanges
