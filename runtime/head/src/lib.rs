@@ -43,6 +43,24 @@ const READ_ONLY: [&str; 8] = [
     "upgrade",
 ];
 
+/// Headers that describe one hop or the message's framing: an ingress drops them from
+/// the head it forwards (the body's exact length travels beside it), and a response
+/// writer drops them from what a service sent.
+pub const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "content-length",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Whether `name` (lowercase) is one of [`HOP_BY_HOP`].
+pub fn is_hop_by_hop(name: &str) -> bool {
+    HOP_BY_HOP.contains(&name)
+}
+
 /// The peer that sent a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {

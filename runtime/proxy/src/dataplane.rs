@@ -1078,28 +1078,14 @@ impl<F: Fabric> Reactor<F> {
                             d.body.len, reply.len
                         ),
                     );
-                    self.send_link(
-                        qp,
-                        Message::Response(Response {
-                            xid: peer_xid,
-                            body: ResponseBody::Inline(b),
-                            head: wire::encode_response(&h).unwrap_or_default(),
-                        }),
-                    );
+                    self.send_local(qp, peer_xid, &h, b);
                     return;
                 } else {
                     match self.write_body(qp, &d, reply) {
                         Ok(()) => ResponseBody::Written(d.body.len),
                         Err(()) => {
                             let (h, b) = local(502, "dpumesh: the response body could not be sent");
-                            self.send_link(
-                                qp,
-                                Message::Response(Response {
-                                    xid: peer_xid,
-                                    body: ResponseBody::Inline(b),
-                                    head: wire::encode_response(&h).unwrap_or_default(),
-                                }),
-                            );
+                            self.send_local(qp, peer_xid, &h, b);
                             return;
                         }
                     }
@@ -1514,26 +1500,7 @@ impl<F: Fabric> Reactor<F> {
     fn reply_origin(&mut self, origin: &Origin, head: &ResponseHead, body: Vec<u8>) {
         self.stats.local_replies.fetch_add(1, Ordering::Relaxed);
         match origin {
-            Origin::Link { qp, xid, .. } => {
-                let head = wire::encode_response(head).unwrap_or_default();
-                let mut body = body;
-                // Local replies travel inline in one frame: a filter's oversized reply
-                // body is cut rather than lost.
-                body.truncate(MAX_LOCAL_BODY);
-                let body = if body.is_empty() {
-                    ResponseBody::None
-                } else {
-                    ResponseBody::Inline(body)
-                };
-                self.send_link(
-                    *qp,
-                    Message::Response(Response {
-                        xid: *xid,
-                        body,
-                        head,
-                    }),
-                );
-            }
+            Origin::Link { qp, xid, .. } => self.send_local(*qp, *xid, head, body),
             Origin::Pod { d } => {
                 let d = *d;
                 self.reply_pod(&d, head, body);
@@ -1541,6 +1508,20 @@ impl<F: Fabric> Reactor<F> {
                 self.complete(&d);
             }
         }
+    }
+
+    /// A reply from the proxy over link `qp` to the sender's exchange `xid`.
+    fn send_local(&mut self, qp: u32, xid: u32, head: &ResponseHead, mut body: Vec<u8>) {
+        // Local replies travel inline in one frame: a filter's oversized reply body is
+        // cut rather than lost.
+        body.truncate(MAX_LOCAL_BODY);
+        let body = if body.is_empty() {
+            ResponseBody::None
+        } else {
+            ResponseBody::Inline(body)
+        };
+        let head = wire::encode_response(head).unwrap_or_default();
+        self.send_link(qp, Message::Response(Response { xid, body, head }));
     }
 
     /// A reply from the proxy to a pod's request `d`.

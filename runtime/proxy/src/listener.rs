@@ -48,7 +48,7 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
 }
 
 /// The head of `req` as filters see it, or why it cannot be one.
-fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, String> {
+pub fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, String> {
     let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
     let mut head = RequestHead::new(req.method().as_str(), target);
     head.authority = req

@@ -1,0 +1,63 @@
+//! What the mesh tests share: tokens for the sample's policy, and the sample's policy
+//! file with this build's filter components.
+
+use std::path::{Path, PathBuf};
+
+/// The hotel sample's HS256 secret.
+pub const SECRET: &str = "dpumesh-demo-hs256-secret-0123456789";
+
+/// The sample's folder.
+pub fn sample() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../samples/hotel")
+}
+
+/// A token the sample's JWT filter accepts, for `sub` with `roles`.
+pub fn token(sub: &str, roles: &[&str]) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = serde_json::json!({
+        "iss": "dpumesh-demo", "aud": "hotel", "sub": sub, "roles": roles,
+        "iat": now, "exp": now + 3600,
+    });
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()),
+    )
+    .unwrap()
+}
+
+/// Writes the sample's policy into `dir`, pointing at this build's components.
+pub fn write_policy(dir: &Path) {
+    let mut policy = std::fs::read_to_string(sample().join("policy.yaml")).unwrap();
+    for (name, path) in [
+        ("trace", dpumesh_test_artifacts::FILTER_TRACE),
+        ("jwt", dpumesh_test_artifacts::FILTER_JWT),
+        ("rbac", dpumesh_test_artifacts::FILTER_RBAC),
+        ("ratelimit", dpumesh_test_artifacts::FILTER_RATELIMIT),
+        (
+            "circuit_breaker",
+            dpumesh_test_artifacts::FILTER_CIRCUIT_BREAKER,
+        ),
+    ] {
+        policy = policy.replace(
+            &format!(
+                "../../target/wasm-artifacts/wasm32-wasip2/release/dpumesh_filter_{name}.wasm"
+            ),
+            path,
+        );
+    }
+    assert!(!policy.contains("../../target"), "every component replaced");
+    std::fs::write(dir.join("policy.yaml"), policy).unwrap();
+}
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
