@@ -74,24 +74,7 @@ impl Mesh {
             _dir: dir,
         };
         // Ready when `up` says so.
-        let mut out = mesh.child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut all = String::new();
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = out.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                all.push_str(&String::from_utf8_lossy(&buf[..n]));
-                if all.contains("Ctrl-C stops everything") {
-                    let _ = tx.send(all.clone());
-                }
-            }
-        });
-        let banner = rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("`dpumesh up` ready within 120 s");
+        let banner = common::banner(mesh.child.stdout.take().unwrap());
         assert!(
             banner.contains(&format!("http://{}/", mesh.ingress)),
             "{banner}"
@@ -139,17 +122,7 @@ impl Mesh {
 
 impl Drop for Mesh {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-INT", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
+        common::stop(&mut self.child);
     }
 }
 

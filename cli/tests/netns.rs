@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
 
@@ -119,17 +119,7 @@ struct Up(Child);
 
 impl Drop for Up {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-INT", &self.0.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
+        common::stop(&mut self.0);
     }
 }
 
@@ -168,24 +158,9 @@ services:
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut out = child.stdout.take().unwrap();
+    let out = child.stdout.take().unwrap();
     let up = Up(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut all = String::new();
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = out.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            all.push_str(&String::from_utf8_lossy(&buf[..n]));
-            if all.contains("Ctrl-C stops everything") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(120))
-        .expect("the mesh came up within 120 s");
+    common::banner(out);
 
     // The nodes really live on their own hosts: their fabric ports are not on this
     // host's loopback, only on their addresses.

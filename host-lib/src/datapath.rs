@@ -28,19 +28,6 @@ use http::Method;
 use crate::http::{HttpRequest, HttpResponse};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
 
-/// How the port waits: `DPUMESH_SPIN_US` microseconds of spinning (default 0: on a
-/// host, the CPU a spinning service takes is the CPU the mesh is there to save), then
-/// a futex sleep.
-fn spin_mode() -> WakeMode {
-    let us = std::env::var("DPUMESH_SPIN_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    WakeMode::Event {
-        spin: Duration::from_micros(us),
-    }
-}
-
 /// How long a `Locate` answer is trusted.
 const LOCATE_TTL: Duration = Duration::from_secs(1);
 
@@ -98,7 +85,7 @@ impl DataPathTransport {
             rr: 0,
             out: VecDeque::new(),
             failed: Vec::new(),
-            mode: spin_mode(),
+            mode: WakeMode::from_env(),
         }
     }
 
@@ -294,8 +281,9 @@ fn to_request(mut head: RequestHead, body: Vec<u8>) -> HttpRequest {
     }
 }
 
-/// An egress call as a head: the URL's host is the authority (the service).
-fn to_head(request: &HttpRequest) -> Result<(String, RequestHead), String> {
+/// An egress call as a head (its headers moved into it): the URL's host is the
+/// authority (the service).
+fn to_head(request: &mut HttpRequest) -> Result<(String, RequestHead), String> {
     let uri: http::Uri = request
         .url
         .parse()
@@ -313,7 +301,7 @@ fn to_head(request: &HttpRequest) -> Result<(String, RequestHead), String> {
     let target = uri.path_and_query().map_or("/", |p| p.as_str());
     let mut head = RequestHead::new(request.method.as_str(), target);
     head.authority = authority;
-    let mut headers = request.headers.clone();
+    let mut headers = std::mem::take(&mut request.headers);
     // Framing is the data path's: the body's length travels in the descriptor.
     headers.remove(http::header::CONTENT_LENGTH);
     headers.remove(http::header::TRANSFER_ENCODING);
@@ -327,8 +315,8 @@ impl Transport for DataPathTransport {
         self.started.elapsed()
     }
 
-    fn send_request(&mut self, tag: Tag, request: HttpRequest) -> Result<(), TransportError> {
-        let prepared = to_head(&request).and_then(|(service, head)| {
+    fn send_request(&mut self, tag: Tag, mut request: HttpRequest) -> Result<(), TransportError> {
+        let prepared = to_head(&mut request).and_then(|(service, head)| {
             let bytes = wire::encode_request(&head).map_err(|e| e.to_string())?;
             let (case, dst) = self.locate(&service)?;
             Ok((case, dst, bytes))
@@ -423,7 +411,7 @@ mod tests {
         let r = HttpRequest::post("http://user:8080/profile?id=7", "x")
             .header("x-trace", "t")
             .header("content-length", "1");
-        let (service, head) = to_head(&r).unwrap();
+        let (service, head) = to_head(&mut r.clone()).unwrap();
         assert_eq!(service, "user");
         assert_eq!(head.authority, "user:8080");
         assert_eq!(
@@ -436,7 +424,7 @@ mod tests {
             None,
             "framing is the data path's"
         );
-        let err = to_head(&HttpRequest::get("/no-host")).unwrap_err();
+        let err = to_head(&mut HttpRequest::get("/no-host")).unwrap_err();
         assert!(err.contains("names its service"), "{err}");
     }
 

@@ -8,28 +8,19 @@ use std::time::Duration;
 
 use dpumesh_host::memory::{InMemoryTransport, Reply};
 use dpumesh_host::{
-    EgressStep, EventLoop, ExecutionContext, HttpRequest, HttpResponse, InternalStep, LoopConfig,
-    order, pipe,
+    EgressStep, EventLoop, ExecutionContext, HttpRequest, HttpResponse, InternalStep, order, pipe,
 };
 use http::Method;
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
+mod common;
+use common::ms;
 
 /// Runs one request through a loop over `transport` and returns (virtual time, answer).
 fn serve(
     transport: InMemoryTransport,
     handler: impl Fn(&mut ExecutionContext) + Send + Sync + 'static,
 ) -> (Duration, HttpResponse, EventLoop<InMemoryTransport>) {
-    let mut event_loop = EventLoop::new(transport, handler, LoopConfig::default()).unwrap();
-    let id = event_loop.transport().inject(HttpRequest::get("/api/v1"));
-    event_loop.run_until_idle().unwrap();
-    let (at, response) = event_loop
-        .transport()
-        .response(id)
-        .map(|(t, r)| (t, r.clone()))
-        .expect("answered");
+    let (at, response, event_loop) = common::serve("/api/v1", transport, handler);
     assert_eq!(
         event_loop.in_flight(),
         (0, 0),

@@ -7,23 +7,14 @@ use std::time::Duration;
 use dpumesh_host::memory::{InMemoryTransport, Reply};
 use dpumesh_host::{EventLoop, ExecutionContext, HttpRequest, HttpResponse, LoopConfig, Transport};
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
+mod common;
+use common::ms;
 
 fn run(
     transport: InMemoryTransport,
     handler: impl Fn(&mut ExecutionContext) + Send + Sync + 'static,
 ) -> (Duration, HttpResponse, EventLoop<InMemoryTransport>) {
-    let mut el = EventLoop::new(transport, handler, LoopConfig::default()).unwrap();
-    let id = el.transport().inject(HttpRequest::get("/"));
-    el.run_until_idle().unwrap();
-    let (at, r) = el
-        .transport()
-        .response(id)
-        .map(|(t, r)| (t, r.clone()))
-        .expect("answered");
-    (at, r, el)
+    common::serve("/", transport, handler)
 }
 
 fn failing() -> InMemoryTransport {

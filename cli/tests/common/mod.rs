@@ -65,3 +65,40 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Waits (up to 120 s) until `dpumesh up` printed its banner on `out`; returns it.
+pub fn banner(mut out: std::process::ChildStdout) -> String {
+    use std::io::Read;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut all = String::new();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = out.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            all.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if all.contains("Ctrl-C stops everything") {
+                let _ = tx.send(all.clone());
+            }
+        }
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(120))
+        .expect("`dpumesh up` ready within 120 s")
+}
+
+/// Stops `dpumesh up` as Ctrl-C would (SIGINT), killing it after 15 s.
+pub fn stop(child: &mut std::process::Child) {
+    use std::time::{Duration, Instant};
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+}

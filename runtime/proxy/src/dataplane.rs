@@ -163,6 +163,7 @@ impl Dataplane {
             next_xid: 1,
             next_op: 1,
             rr: HashMap::new(),
+            node_rr: HashMap::new(),
             timers: BinaryHeap::new(),
             inbox,
             inbox_tx,
@@ -317,7 +318,9 @@ struct Reactor<F: Fabric> {
     orphans: HashMap<u32, Orphan>,
     next_xid: u32,
     next_op: u64,
+    /// Round-robin turns over a service's pods here, and over the nodes running it.
     rr: HashMap<String, usize>,
+    node_rr: HashMap<String, usize>,
     timers: BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
     inbox: Receiver<Inbox>,
     inbox_tx: Sender<Inbox>,
@@ -327,6 +330,21 @@ struct Reactor<F: Fabric> {
     wcs: Vec<WorkCompletion>,
     /// Descriptors the DMA manager's ring had no room for, in order.
     deferred: VecDeque<Descriptor>,
+}
+
+/// The round-robin counter of `key` in `turns`, advanced (allocates only the first
+/// time a key is seen).
+fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
+    match turns.get_mut(key) {
+        Some(n) => {
+            *n = n.wrapping_add(1);
+            *n
+        }
+        None => {
+            turns.insert(key.to_owned(), 0);
+            0
+        }
+    }
 }
 
 /// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
@@ -684,28 +702,20 @@ impl<F: Fabric> Reactor<F> {
     /// The next pod of `service` on this node, round robin.
     fn pick_pod(&mut self, service: &str) -> Option<u32> {
         self.refresh_pods(false);
-        let mut ids: Vec<u32> = self
-            .pods
-            .iter()
-            .filter(|p| p.service == service)
-            .map(|p| p.id)
-            .collect();
-        if ids.is_empty() {
+        let mut count = self.pods.iter().filter(|p| p.service == service).count();
+        if count == 0 {
             self.refresh_pods(true);
-            ids = self
-                .pods
-                .iter()
-                .filter(|p| p.service == service)
-                .map(|p| p.id)
-                .collect();
+            count = self.pods.iter().filter(|p| p.service == service).count();
         }
-        if ids.is_empty() {
+        if count == 0 {
             return None;
         }
-        let n = self.rr.entry(service.to_owned()).or_default();
-        let id = ids[*n % ids.len()];
-        *n = n.wrapping_add(1);
-        Some(id)
+        let n = next_turn(&mut self.rr, service);
+        self.pods
+            .iter()
+            .filter(|p| p.service == service)
+            .nth(n % count)
+            .map(|p| p.id)
     }
 
     fn mrs(&mut self, pod: u32) -> Option<&PodMrs<F>> {
@@ -787,24 +797,28 @@ impl<F: Fabric> Reactor<F> {
     }
 
     fn pick_peer(&mut self, service: &str) -> Option<String> {
-        let nodes: Vec<String> = self
+        let is_peer =
+            |n: &&String| **n != self.topology.node && self.topology.peers.contains_key(*n);
+        let count = self
             .topology
             .placement
             .get(service)?
             .iter()
-            .filter(|n| **n != self.topology.node && self.topology.peers.contains_key(*n))
-            .cloned()
-            .collect();
-        if nodes.is_empty() {
+            .filter(is_peer)
+            .count();
+        if count == 0 {
             return None;
         }
-        let n = self.rr.entry(format!("node:{service}")).or_default();
-        let node = nodes[*n % nodes.len()].clone();
-        *n = n.wrapping_add(1);
-        Some(node)
+        let n = next_turn(&mut self.node_rr, service);
+        let is_peer =
+            |n: &&String| **n != self.topology.node && self.topology.peers.contains_key(*n);
+        self.topology.placement[service]
+            .iter()
+            .filter(is_peer)
+            .nth(n % count)
+            .cloned()
     }
 
-    /// Sends an allowed request to pod `pod` on this node.
     /// Starts a try: counts it and arms its timer.
     fn start_try(&mut self, xid: u32) {
         let exchange = self.exchanges.get_mut(&xid).expect("dispatching");
@@ -816,6 +830,7 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
+    /// Sends an allowed request to pod `pod` on this node.
     fn send_to_pod(&mut self, xid: u32, pod: u32) {
         self.start_try(xid);
         let exchange = self.exchanges.get_mut(&xid).expect("dispatching");
@@ -1047,12 +1062,12 @@ impl<F: Fabric> Reactor<F> {
         }
         let header = self.port.header(&d).unwrap_or_default();
         self.stats.relayed.fetch_add(1, Ordering::Relaxed);
-        let Some(exchange) = self.exchanges.remove(&xid) else {
+        let Some(mut exchange) = self.exchanges.remove(&xid) else {
             self.complete(&d);
             return;
         };
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.response_phase(&exchange, d.status, FailureKind::None, Some(d.src_pod));
+        self.response_phase(&mut exchange, d.status, FailureKind::None, Some(d.src_pod));
         match exchange.origin {
             Origin::Pod { d: request } => {
                 // Case 3: the DMA manager delivers B's reply to A (body B → A), under
@@ -1149,7 +1164,7 @@ impl<F: Fabric> Reactor<F> {
     /// response filters do not edit the response head, so nobody needs its result.
     fn response_phase(
         &self,
-        exchange: &Exchange,
+        exchange: &mut Exchange,
         status: u16,
         failure: FailureKind,
         upstream: Option<u32>,
@@ -1163,7 +1178,7 @@ impl<F: Fabric> Reactor<F> {
         .increment(1);
         metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => exchange.service.clone())
             .record(latency.as_secs_f64());
-        let (Some(ticket), Some(head)) = (exchange.ticket.clone(), exchange.head.clone()) else {
+        let (Some(ticket), Some(head)) = (exchange.ticket.take(), exchange.head.take()) else {
             return;
         };
         let info = ResponseInfo {
@@ -1197,7 +1212,7 @@ impl<F: Fabric> Reactor<F> {
         if at != qp {
             return;
         }
-        let exchange = self.exchanges.remove(&r.xid).expect("checked");
+        let mut exchange = self.exchanges.remove(&r.xid).expect("checked");
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Origin::Pod { d } = exchange.origin else {
@@ -1206,7 +1221,7 @@ impl<F: Fabric> Reactor<F> {
         let status = wire::decode_response(&r.head)
             .map(|h| h.status)
             .unwrap_or(502);
-        self.response_phase(&exchange, status, FailureKind::None, None);
+        self.response_phase(&mut exchange, status, FailureKind::None, None);
         let body = match r.body {
             ResponseBody::None => {
                 self.release_rx(d.src_pod, reply_slot);
@@ -1452,14 +1467,14 @@ impl<F: Fabric> Reactor<F> {
         body: Vec<u8>,
         failure: FailureKind,
     ) {
-        let Some(exchange) = self.exchanges.remove(&xid) else {
+        let Some(mut exchange) = self.exchanges.remove(&xid) else {
             return;
         };
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         if let At::Pod { key, .. } = exchange.at {
             self.at_pod.remove(&key);
         }
-        self.response_phase(&exchange, head.status, failure, None);
+        self.response_phase(&mut exchange, head.status, failure, None);
         if let At::Peer { qp, reply_slot } = exchange.at
             && let Origin::Pod { d } = exchange.origin
         {

@@ -37,19 +37,6 @@ impl std::fmt::Debug for MeshNode {
     }
 }
 
-/// How the data path's waiters spin before they sleep: `DPUMESH_SPIN_US` (default 0).
-/// On a host with few cores, every spinning thread takes the CPU another process of the
-/// same request needs; on a DPU with cores to spare, spinning trades CPU for latency.
-pub fn spin_mode() -> dpumesh_dpa::WakeMode {
-    let us = std::env::var("DPUMESH_SPIN_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    dpumesh_dpa::WakeMode::Event {
-        spin: Duration::from_micros(us),
-    }
-}
-
 /// Where node `name`'s pods register.
 pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join(format!("{name}.sock"))
@@ -81,7 +68,7 @@ impl MeshNode {
             ring_capacity: 256,
         };
         config.sidecar_notify = Some(wake.interrupter());
-        config.wake = spin_mode();
+        config.wake = dpumesh_dpa::WakeMode::from_env();
         for (service, nodes) in mesh.placement() {
             if nodes.iter().any(|n| n == name) {
                 continue;
