@@ -242,7 +242,7 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
 
 fn proxy(config: &Path, no_watch: bool) -> Result<()> {
     // Log settings come from the file; read it once for them (the proxy re-reads it).
-    let log = dpumesh_proxy::config::LoadedConfig::read(config)
+    let log = dpumesh_config::LoadedConfig::read(config)
         .map(|c| c.config.log)
         .unwrap_or_default();
     dpumesh_proxy::logging::init(&log);
@@ -250,12 +250,12 @@ fn proxy(config: &Path, no_watch: bool) -> Result<()> {
         watch: (!no_watch).then(|| Duration::from_millis(250)),
     };
     let proxy = dpumesh_proxy::Proxy::start(config, options)?;
-    let snapshot = proxy.control().snapshot();
+    let snapshot = proxy.policy().snapshot();
     println!(
         "dpumesh proxy: generation {} with {} chains on {} workers",
         snapshot.generation.number(),
         snapshot.generation.chains().len(),
-        proxy.control().pool().workers()
+        proxy.policy().pool().workers()
     );
     if let Some(addr) = proxy.admin_addr() {
         println!(

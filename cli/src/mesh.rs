@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use dpumesh_config::MeshFile;
 use dpumesh_dpa::fabric::soft::SoftFabric;
-use dpumesh_proxy::mesh::LoadedMesh;
 use dpumesh_proxy::node::{MeshNode, control_socket};
 
 /// The line a role prints on stdout once it serves (what `up` waits for).
@@ -33,7 +33,7 @@ fn wait_for_signal() -> Result<()> {
 
 /// `dpumesh node`: one worker node.
 pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
-    let mesh = LoadedMesh::read(mesh)?;
+    let mesh = MeshFile::read(mesh)?;
     std::fs::create_dir_all(run_dir)?;
     let node = MeshNode::start(&mesh, name, run_dir)?;
     println!(
@@ -49,7 +49,7 @@ pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
 
 /// `dpumesh ingress`.
 pub fn ingress(mesh: &Path) -> Result<()> {
-    let mesh = LoadedMesh::read(mesh)?;
+    let mesh = MeshFile::read(mesh)?;
     let settings = ingress_settings(&mesh);
     let ingress = dpumesh_ingress::Ingress::start(SoftFabric::new(), settings)?;
     println!("{READY} ingress {}", ingress.addr());
@@ -58,7 +58,7 @@ pub fn ingress(mesh: &Path) -> Result<()> {
     Ok(())
 }
 
-fn ingress_settings(mesh: &LoadedMesh) -> dpumesh_ingress::Settings {
+fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
     let i = &mesh.config.ingress;
     dpumesh_ingress::Settings {
         listen: i.listen,
@@ -179,7 +179,7 @@ pub struct Up {
 impl Up {
     /// Starts every node, every service replica and the ingress of `mesh`.
     pub fn start(file: &Path) -> Result<Self> {
-        let mesh = LoadedMesh::read(file)?;
+        let mesh = MeshFile::read(file)?;
         let run_dir = tempfile::Builder::new().prefix("dpumesh-up").tempdir()?;
         let me = std::env::current_exe()?;
         let mut children = Children(Vec::new());
@@ -264,7 +264,7 @@ impl Up {
     }
 
     /// Waits until every service's pods registered with their nodes.
-    fn wait_for_pods(&self, mesh: &LoadedMesh, run_dir: &Path) -> Result<()> {
+    fn wait_for_pods(&self, mesh: &MeshFile, run_dir: &Path) -> Result<()> {
         use dpumesh_dpa::control::Role;
         use dpumesh_dpa::control::transport::{ControlClient, Endpoint};
         let deadline = Instant::now() + Duration::from_secs(60);

@@ -8,8 +8,8 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let path = std::path::Path::new("proxy.yaml");
-    if let Err(e) = dpumesh_proxy::config::LoadedConfig::parse(path, text.to_owned()) {
+    if let Err(e) = dpumesh_config::LoadedConfig::parse(path, text.to_owned()) {
         let _ = e.to_string();
     }
-    let _ = dpumesh_proxy::config::locate(text, "filters.a.config[2].b");
+    let _ = dpumesh_config::error::locate(text, "filters.a.config[2].b");
 });

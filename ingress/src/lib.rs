@@ -24,12 +24,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use dpumesh_config::{LoadedConfig, ProxyConfig, RouteTable, strip_port};
 use dpumesh_dpa::fabric::Fabric;
+use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire;
-use dpumesh_proxy::config::{LoadedConfig, ProxyConfig};
-use dpumesh_proxy::routes::{RouteTable, strip_port};
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -148,25 +148,28 @@ async fn serve(listener: TcpListener, state: Arc<State>) {
     }
 }
 
-fn text(status: StatusCode, message: impl std::fmt::Display) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(format!("dpumesh: {message}\n"))));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain"),
-    );
+/// The client's answer for a request the mesh could not serve.
+fn error_response(e: &ProxyError) -> Response<Full<Bytes>> {
+    metrics::counter!(
+        "dpumesh_ingress_errors_total",
+        "source" => e.source().name(),
+        "status" => e.status().to_string(),
+    )
+    .increment(1);
+    let head = e.response_head();
+    let mut response = Response::new(Full::new(Bytes::from(e.body())));
+    *response.status_mut() =
+        StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.headers_mut() = head.headers;
     response
 }
 
-/// The head of `req` as the mesh carries it: the proxy listener's, without the
+/// The head of `req` as the mesh carries it: every field as received but the
 /// hop-by-hop and framing headers (the body's exact length travels with it).
-fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, String> {
-    let mut head = dpumesh_proxy::listener::head_of(req, peer)?;
-    let mut headers = head.take_headers();
-    for name in dpumesh_head::HOP_BY_HOP {
-        headers.remove(name);
-    }
-    head.set_headers(headers);
+fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, ProxyError> {
+    let mut head = RequestHead::from_request(req, peer)
+        .map_err(|e| ProxyError::new(ErrorKind::MalformedRequest, e.to_string()))?;
+    head.remove_hop_by_hop();
     Ok(head)
 }
 
@@ -194,23 +197,24 @@ impl State {
 /// Why a request's framing is ambiguous (RFC 9112 §6.3: a message with both
 /// `Transfer-Encoding` and `Content-Length` "ought to be handled as an error"; a
 /// front end and a back end reading it two ways is request smuggling).
-fn framing_error(req: &Request<Incoming>) -> Option<String> {
+fn framing_error(req: &Request<Incoming>) -> Option<ProxyError> {
     let h = req.headers();
     let te = h.get_all(http::header::TRANSFER_ENCODING).iter().count();
     let cl = h.get_all(http::header::CONTENT_LENGTH).iter().count();
+    let ambiguous = |m: &str| Some(ProxyError::new(ErrorKind::AmbiguousFraming, m));
     if te > 0 && cl > 0 {
-        return Some("both Content-Length and Transfer-Encoding: ambiguous framing refused".into());
+        return ambiguous("both Content-Length and Transfer-Encoding: ambiguous framing refused");
     }
     if cl > 1 {
-        return Some("several Content-Length fields: ambiguous framing refused".into());
+        return ambiguous("several Content-Length fields: ambiguous framing refused");
     }
     if te > 1 {
-        return Some("several Transfer-Encoding fields: ambiguous framing refused".into());
+        return ambiguous("several Transfer-Encoding fields: ambiguous framing refused");
     }
     if let Some(v) = h.get(http::header::TRANSFER_ENCODING)
         && !v.as_bytes().eq_ignore_ascii_case(b"chunked")
     {
-        return Some(format!(
+        return ambiguous(&format!(
             "transfer coding {:?} is not supported (only chunked)",
             String::from_utf8_lossy(v.as_bytes())
         ));
@@ -219,27 +223,32 @@ fn framing_error(req: &Request<Incoming>) -> Option<String> {
 }
 
 async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+    match forward(state, req, peer).await {
+        Ok(response) => response,
+        Err(e) => error_response(&e),
+    }
+}
+
+/// Routes `req`, reads its body into a slot, sends it to the node and waits for the
+/// answer.
+async fn forward(
+    state: &State,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Result<Response<Full<Bytes>>, ProxyError> {
     let settings = &state.settings;
     if let Some(e) = framing_error(&req) {
-        let mut response = text(StatusCode::BAD_REQUEST, e);
-        // The rest of the connection cannot be trusted: close it.
-        response
-            .headers_mut()
-            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        return response;
+        return Err(e);
     }
-    let head = match head_of(&req, peer) {
-        Ok(h) => h,
-        Err(e) => return text(StatusCode::BAD_REQUEST, e),
-    };
+    let head = head_of(&req, peer)?;
     let Some((service, node)) = state.route(&head) else {
-        return text(
-            StatusCode::NOT_FOUND,
+        return Err(ProxyError::new(
+            ErrorKind::NoRoute,
             format!(
                 "no route for host {:?} path {:?}",
                 head.authority, head.path
             ),
-        );
+        ));
     };
     // Refuse what cannot fit before reading a byte of it.
     if let Some(len) = req
@@ -249,68 +258,67 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
         .and_then(|v| v.parse::<u64>().ok())
         && len > settings.max_body as u64
     {
-        return text(
-            StatusCode::PAYLOAD_TOO_LARGE,
+        return Err(ProxyError::new(
+            ErrorKind::BodyTooLarge,
             format!(
                 "request body of {len} bytes exceeds the {}-byte limit",
                 settings.max_body
             ),
-        );
+        ));
     }
     let head_bytes = match wire::encode_request(&head) {
         Ok(b) if b.len() <= settings.max_head => b,
         Ok(b) => {
-            return text(
-                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            return Err(ProxyError::new(
+                ErrorKind::HeadTooLarge,
                 format!(
                     "request head of {} bytes exceeds the {}-byte limit",
                     b.len(),
                     settings.max_head
                 ),
-            );
+            ));
         }
-        Err(e) => return text(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, e),
+        Err(e) => return Err(ProxyError::new(ErrorKind::HeadTooLarge, e.to_string())),
     };
     let slots = state.uplink.slots().clone();
-    let slot = match tokio::time::timeout(settings.request_timeout, slots.acquire()).await {
-        Ok(slot) => slot,
-        Err(_) => return text(StatusCode::SERVICE_UNAVAILABLE, "ingress is at capacity"),
-    };
+    let slot = tokio::time::timeout(settings.request_timeout, slots.acquire())
+        .await
+        .map_err(|_| ProxyError::new(ErrorKind::Overloaded, "ingress is at capacity"))?;
     // The body goes straight into the slot's registered buffer.
     let mut body = req.into_body();
     let mut len: u64 = 0;
     let read = async {
         while let Some(frame) = body.frame().await {
-            let frame =
-                frame.map_err(|e| (StatusCode::BAD_REQUEST, format!("bad request body: {e}")))?;
+            let frame = frame.map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("bad request body: {e}"),
+                )
+            })?;
             if let Ok(data) = frame.into_data() {
                 if len + data.len() as u64 > settings.max_body as u64 {
-                    return Err((
-                        StatusCode::PAYLOAD_TOO_LARGE,
+                    return Err(ProxyError::new(
+                        ErrorKind::BodyTooLarge,
                         format!("request body exceeds the {}-byte limit", settings.max_body),
                     ));
                 }
-                slots
-                    .write(&slot, len, &data)
-                    .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e))?;
+                slots.write(&slot, len, &data)?;
                 len += data.len() as u64;
             }
         }
         Ok(())
     };
-    match tokio::time::timeout(settings.body_timeout, read).await {
-        Ok(Ok(())) => {}
-        Ok(Err((status, message))) => return text(status, message),
-        Err(_) => {
-            return text(
-                StatusCode::REQUEST_TIMEOUT,
+    tokio::time::timeout(settings.body_timeout, read)
+        .await
+        .map_err(|_| {
+            ProxyError::new(
+                ErrorKind::BodyTimeout,
                 format!(
                     "request body not received within {} ms",
                     settings.body_timeout.as_millis()
                 ),
-            );
-        }
-    }
+            )
+        })??;
     let (reply, answer) = tokio::sync::oneshot::channel();
     state.uplink.call(Call {
         node,
@@ -321,56 +329,45 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
         reply,
     });
     // The node answers 504 itself at the deadline; this is the guard if it cannot.
-    let answer =
-        match tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer).await
-        {
-            Ok(Ok(Ok(answer))) => answer,
-            Ok(Ok(Err(e))) => return text(StatusCode::BAD_GATEWAY, e),
-            Ok(Err(_)) => return text(StatusCode::BAD_GATEWAY, "the uplink dropped the request"),
-            Err(_) => {
-                return text(
-                    StatusCode::GATEWAY_TIMEOUT,
-                    format!("service {service:?} did not answer in time"),
-                );
-            }
-        };
+    let answer = tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer)
+        .await
+        .map_err(|_| {
+            ProxyError::new(
+                ErrorKind::Timeout,
+                format!("service {service:?} did not answer in time"),
+            )
+        })?
+        .map_err(|_| {
+            ProxyError::new(
+                ErrorKind::ThreadLost,
+                "the uplink thread went away with the request",
+            )
+        })??;
     respond(answer)
 }
 
 /// The client's response from a node's answer. The service's head is checked again
 /// here: a pod is not trusted to write well-formed bytes.
-fn respond(answer: Answer) -> Response<Full<Bytes>> {
-    let head = match wire::decode_response(&answer.head) {
-        Ok(h) => h,
-        Err(e) => {
-            return text(
-                StatusCode::BAD_GATEWAY,
-                format!("malformed response head: {e}"),
-            );
-        }
-    };
-    let Ok(status) = StatusCode::from_u16(head.status) else {
-        return text(
-            StatusCode::BAD_GATEWAY,
+fn respond(answer: Answer) -> Result<Response<Full<Bytes>>, ProxyError> {
+    let head = wire::decode_response(&answer.head).map_err(|e| {
+        ProxyError::new(
+            ErrorKind::BadResponse,
+            format!("malformed response head: {e}"),
+        )
+    })?;
+    let status = StatusCode::from_u16(head.status).map_err(|_| {
+        ProxyError::new(
+            ErrorKind::BadResponse,
             format!("bad status {}", head.status),
-        );
-    };
+        )
+    })?;
     let mut response = Response::new(Full::new(answer.body));
     *response.status_mut() = status;
     for (name, value) in &head.headers {
-        if matches!(
-            name.as_str(),
-            "content-length"
-                | "transfer-encoding"
-                | "connection"
-                | "keep-alive"
-                | "te"
-                | "upgrade"
-                | "proxy-connection"
-        ) {
+        if dpumesh_head::is_hop_by_hop(name.as_str()) {
             continue;
         }
         response.headers_mut().append(name.clone(), value.clone());
     }
-    response
+    Ok(response)
 }

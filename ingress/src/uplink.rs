@@ -17,6 +17,7 @@ use dpumesh_dpa::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps,
 use dpumesh_dpa::link::{Link, LinkEvent, Wake};
 use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
 use dpumesh_dpa::shm::SharedRegion;
+use dpumesh_error::{ErrorKind, ProxyError};
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
@@ -63,13 +64,13 @@ pub struct Call {
     /// Time the node has to answer.
     pub deadline: Duration,
     /// Where the answer goes.
-    pub reply: oneshot::Sender<Result<Answer, String>>,
+    pub reply: oneshot::Sender<Result<Answer, ProxyError>>,
 }
 
 struct Pending {
     qp: u32,
     slot: Slot,
-    reply: oneshot::Sender<Result<Answer, String>>,
+    reply: oneshot::Sender<Result<Answer, ProxyError>>,
 }
 
 /// Shared by the HTTP side: the slots' memory.
@@ -102,13 +103,21 @@ impl Slots {
     }
 
     /// Writes body bytes at `at` in `slot`'s request buffer.
-    pub fn write(&self, slot: &Slot, at: u64, bytes: &[u8]) -> Result<(), String> {
+    pub fn write(&self, slot: &Slot, at: u64, bytes: &[u8]) -> Result<(), ProxyError> {
         if at + bytes.len() as u64 > self.slot_size {
-            return Err("body exceeds the slot".into());
+            return Err(ProxyError::new(
+                ErrorKind::BodyTooLarge,
+                format!("request body exceeds the {}-byte slot", self.slot_size),
+            ));
         }
         self.requests
             .write(u64::from(slot.index) * self.slot_size + at, bytes)
-            .map_err(|e| e.to_string())
+            .map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::Internal,
+                    format!("cannot write the body into its slot: {e}"),
+                )
+            })
     }
 }
 
@@ -188,7 +197,7 @@ impl Uplink {
     pub fn call(&self, call: Call) {
         if let Err(e) = self.calls.send(call) {
             let call = e.into_inner();
-            let _ = call.reply.send(Err("the ingress is shutting down".into()));
+            let _ = call.reply.send(Err(shutting_down()));
             return;
         }
         self.wake.wake();
@@ -248,11 +257,11 @@ impl<F: Fabric> Reactor<F> {
             self.wake.sleep_ends();
         }
         for (_, p) in self.pending.drain() {
-            let _ = p.reply.send(Err("the ingress is shutting down".into()));
+            let _ = p.reply.send(Err(shutting_down()));
         }
     }
 
-    fn link(&mut self, node: SocketAddr) -> Result<u32, String> {
+    fn link(&mut self, node: SocketAddr) -> Result<u32, ProxyError> {
         if let Some(&qp) = self.by_node.get(&node)
             && self.links.get(&qp).is_some_and(|(_, l)| !l.is_down())
         {
@@ -261,9 +270,18 @@ impl<F: Fabric> Reactor<F> {
         let qp = self
             .fabric
             .connect(&self.pd, node, &self.cq, QpCaps::default())
-            .map_err(|e| format!("cannot reach the node at {node}: {e}"))?;
-        let link = Link::new(&self.fabric, &self.pd, qp)
-            .map_err(|e| format!("cannot set up the link to {node}: {e}"))?;
+            .map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::Unreachable,
+                    format!("cannot reach the node at {node}: {e}"),
+                )
+            })?;
+        let link = Link::new(&self.fabric, &self.pd, qp).map_err(|e| {
+            ProxyError::new(
+                ErrorKind::Unreachable,
+                format!("cannot set up the link to {node}: {e}"),
+            )
+        })?;
         let num = link.qp_num();
         self.links.insert(num, (node, link));
         self.by_node.insert(node, num);
@@ -296,9 +314,10 @@ impl<F: Fabric> Reactor<F> {
         };
         let (_, link) = self.links.get_mut(&qp).expect("just made");
         if let Err(e) = link.send(Message::Request(request)) {
-            let _ = call
-                .reply
-                .send(Err(format!("cannot send to the node: {e}")));
+            let _ = call.reply.send(Err(ProxyError::new(
+                ErrorKind::LinkLost,
+                format!("cannot send to the node: {e}"),
+            )));
             if link.is_down() {
                 self.down(qp, e.to_string());
             }
@@ -335,10 +354,18 @@ impl<F: Fabric> Reactor<F> {
                         .responses
                         .read_vec(u64::from(p.slot.index()) * self.slot_size, len as usize)
                         .map(Bytes::from)
-                        .map_err(|e| e.to_string()),
-                    ResponseBody::Written(len) => Err(format!(
-                        "node wrote a {len}-byte body into a {}-byte buffer",
-                        self.slot_size
+                        .map_err(|e| {
+                            ProxyError::new(
+                                ErrorKind::Internal,
+                                format!("cannot read the response body: {e}"),
+                            )
+                        }),
+                    ResponseBody::Written(len) => Err(ProxyError::new(
+                        ErrorKind::BadResponse,
+                        format!(
+                            "node wrote a {len}-byte body into a {}-byte buffer",
+                            self.slot_size
+                        ),
                     )),
                 };
                 let _ = p.reply.send(body.map(|body| Answer { head: r.head, body }));
@@ -367,9 +394,14 @@ impl<F: Fabric> Reactor<F> {
             .collect();
         for xid in lost {
             let p = self.pending.remove(&xid).expect("listed");
-            let _ = p
-                .reply
-                .send(Err(format!("lost the link to the node at {node} ({why})")));
+            let _ = p.reply.send(Err(ProxyError::new(
+                ErrorKind::LinkLost,
+                format!("lost the link to the node at {node} ({why})"),
+            )));
         }
     }
+}
+
+fn shutting_down() -> ProxyError {
+    ProxyError::new(ErrorKind::ShuttingDown, "the ingress is shutting down")
 }

@@ -7,8 +7,11 @@ wasmtime::component::bindgen!({
     path: "../wit",
     world: "filter",
     with: {
-        "dpumesh:filter/types.request-head": crate::host::HeadHandle,
+        "dpumesh:filter/types.request-head": crate::imports::HeadHandle,
     },
+    // Every import may trap: a host-side failure ends the call (and the filter's
+    // failure policy applies) instead of panicking the worker thread.
+    imports: { default: trappable },
 });
 
 pub use dpumesh::filter::types::{FailureKind, LocalReply};

@@ -363,8 +363,8 @@ impl ChainRunner {
             return (head, Err(FaultKind::Unavailable("no instance".to_owned())));
         };
         let line = RequestLine {
-            method: crate::host::wit_method(&head.method),
-            scheme: crate::host::wit_scheme(&head.scheme),
+            method: crate::imports::wit_method(&head.method),
+            scheme: crate::imports::wit_scheme(&head.scheme),
             authority: head.authority.clone(),
             path: head.path.clone(),
         };

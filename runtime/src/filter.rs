@@ -11,7 +11,7 @@ use wasmtime::component::{Component, ComponentExportIndex, InstancePre};
 use crate::cache::{CompileError, content_hash};
 use crate::error::LoadError;
 use crate::health::{FilterHealth, HealthPolicy};
-use crate::host::{FilterTag, HostState};
+use crate::imports::{FilterTag, StoreState};
 use crate::instance::FilterInstance;
 use crate::runtime::Runtime;
 
@@ -126,7 +126,7 @@ pub(crate) struct Exports {
 pub struct LoadedFilter {
     pub(crate) settings: FilterSettings,
     pub(crate) runtime: Runtime,
-    pub(crate) pre: InstancePre<HostState>,
+    pub(crate) pre: InstancePre<StoreState>,
     pub(crate) exports: Exports,
     pub(crate) tag: Arc<FilterTag>,
     pub(crate) health: FilterHealth,

@@ -14,7 +14,7 @@ use wasmtime::{Store, Trap};
 use crate::bindings::{RequestLine, ResponseInfo, Verdict};
 use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
-use crate::host::{HeadHandle, HostState};
+use crate::imports::{HeadHandle, StoreState};
 
 type OnRequest = TypedFunc<(RequestLine, Resource<HeadHandle>), (Verdict,)>;
 type OnResponse = TypedFunc<(Resource<HeadHandle>, ResponseInfo), ()>;
@@ -25,7 +25,7 @@ const STDERR_QUOTE: usize = 400;
 /// A configured instance of a [`LoadedFilter`].
 pub struct FilterInstance {
     filter: Arc<LoadedFilter>,
-    store: Store<HostState>,
+    store: Store<StoreState>,
     on_request: OnRequest,
     on_response: Option<OnResponse>,
     deadline_ticks: u64,
@@ -65,7 +65,7 @@ impl FilterInstance {
         let settings = &filter.settings;
         let name = || settings.name.clone();
         let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
-        let state = HostState::new(
+        let state = StoreState::new(
             filter.tag.clone(),
             namespace,
             &runtime.services,
@@ -224,7 +224,11 @@ impl Drop for FilterInstance {
 
 /// Turns a call error into a fault: memory cap, deadline, or a trap with the guest's
 /// last stderr output (a Rust panic message, say).
-fn classify(store: &mut Store<HostState>, error: wasmtime::Error, deadline: Duration) -> FaultKind {
+fn classify(
+    store: &mut Store<StoreState>,
+    error: wasmtime::Error,
+    deadline: Duration,
+) -> FaultKind {
     let data = store.data_mut();
     if data.limiter.hit {
         return FaultKind::MemoryCap(data.limiter.cap());

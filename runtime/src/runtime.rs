@@ -15,7 +15,7 @@ use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use crate::cache::CompileCache;
-use crate::host::{HostServices, HostState};
+use crate::imports::{NodeServices, StoreState};
 
 /// How the runtime is set up. [`RuntimeConfig::default`] suits one proxy process.
 #[derive(Debug, Clone)]
@@ -67,8 +67,8 @@ pub struct RuntimeError(String);
 
 pub(crate) struct RuntimeInner {
     pub(crate) engine: Engine,
-    pub(crate) linker: Linker<HostState>,
-    pub(crate) services: HostServices,
+    pub(crate) linker: Linker<StoreState>,
+    pub(crate) services: NodeServices,
     pub(crate) cache: CompileCache,
     pub(crate) config: RuntimeConfig,
     ticker_stop: Arc<AtomicBool>,
@@ -103,15 +103,15 @@ impl Runtime {
     pub fn new(config: RuntimeConfig) -> Result<Self, RuntimeError> {
         let engine =
             Engine::new(&engine_config(&config)).map_err(|e| RuntimeError(format!("{e:#}")))?;
-        let mut linker = Linker::<HostState>::new(&engine);
+        let mut linker = Linker::<StoreState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| RuntimeError(format!("linking WASI: {e:#}")))?;
-        crate::bindings::Filter::add_to_linker::<HostState, HasSelf<HostState>>(
+        crate::bindings::Filter::add_to_linker::<StoreState, HasSelf<StoreState>>(
             &mut linker,
             |state| state,
         )
         .map_err(|e| RuntimeError(format!("linking the filter world: {e:#}")))?;
-        let services = HostServices {
+        let services = NodeServices {
             clock: config.clock.clone(),
             state: SharedState::new(config.clock.clone(), config.state_limits),
             keys: KeyStore::new(),
@@ -139,7 +139,7 @@ impl Runtime {
     }
 
     /// The node-wide services (clock, shared state, key store).
-    pub fn services(&self) -> &HostServices {
+    pub fn services(&self) -> &NodeServices {
         &self.inner.services
     }
 

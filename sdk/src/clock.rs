@@ -3,28 +3,12 @@
 
 /// Wall-clock nanoseconds since the Unix epoch.
 pub fn wall_ns() -> u64 {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::clock::wall_ns()
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        use dpumesh_clock::Clock as _;
-        crate::mock::MockHost::current().clock().wall_ns()
-    }
+    crate::sys::wall_ns()
 }
 
 /// Monotonic nanoseconds from an arbitrary start.
 pub fn monotonic_ns() -> u64 {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::clock::monotonic_ns()
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        use dpumesh_clock::Clock as _;
-        crate::mock::MockHost::current().clock().monotonic_ns()
-    }
+    crate::sys::monotonic_ns()
 }
 
 /// Whole seconds since the Unix epoch (what JWT `exp`/`nbf`/`iat` count).

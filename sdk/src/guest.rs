@@ -36,7 +36,7 @@ impl<'a> Head<'a> {
             [(key, value)] => self.head.set_metadata(key, value),
             entries => self.head.set_metadata_batch(entries),
         }
-        crate::metrics::pending::flush();
+        crate::sys::flush_counters();
     }
 }
 
@@ -146,7 +146,7 @@ fn scheme(s: wit::Scheme) -> Scheme {
 /// `configure` export: parse, build, keep.
 pub fn configure<F: Filter>(slot: &'static Slot<F>, config: &str) -> Result<(), String> {
     let filter = crate::configure::<F>(config);
-    crate::metrics::pending::flush();
+    crate::sys::flush_counters();
     let filter = filter?;
     slot.with(|cell| *cell.borrow_mut() = Some(filter));
     Ok(())

@@ -51,6 +51,7 @@ pub mod shared;
 pub mod util;
 
 mod request;
+mod sys;
 mod verdict;
 
 #[cfg(target_arch = "wasm32")]

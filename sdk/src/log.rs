@@ -17,26 +17,12 @@ pub enum Level {
 
 /// Whether `level` is enabled for this filter: skip formatting when it is not.
 pub fn enabled(level: Level) -> bool {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::log::enabled(level.into())
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current().log_enabled(level)
-    }
+    crate::sys::log_enabled(level)
 }
 
 /// Writes one log line at `level`.
 pub fn log(level: Level, message: &str) {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::log::log(level.into(), message)
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current().push_log(level, message)
-    }
+    crate::sys::log(level, message)
 }
 
 /// Logs at debug level.
@@ -69,17 +55,4 @@ macro_rules! log {
             $crate::log::log(level, &::std::format!($($arg)+));
         }
     }};
-}
-
-#[cfg(target_arch = "wasm32")]
-impl From<Level> for crate::bindings::dpumesh::filter::log::Level {
-    fn from(level: Level) -> Self {
-        match level {
-            Level::Trace => Self::Trace,
-            Level::Debug => Self::Debug,
-            Level::Info => Self::Info,
-            Level::Warn => Self::Warn,
-            Level::Error => Self::Error,
-        }
-    }
 }

@@ -38,28 +38,7 @@ pub enum Kind {
 }
 
 fn define(kind: Kind, name: &str, labels: &[(&str, &str)]) -> Result<u32, MetricError> {
-    #[cfg(target_arch = "wasm32")]
-    {
-        use crate::bindings::dpumesh::filter::metrics as wit;
-        let labels: Vec<(String, String)> = labels
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        let result = match kind {
-            Kind::Counter => wit::counter(name, &labels),
-            Kind::Gauge => wit::gauge(name, &labels),
-            Kind::Histogram => wit::histogram(name, &labels),
-        };
-        result.map_err(|e| match e {
-            wit::MetricError::InvalidName => MetricError::InvalidName,
-            wit::MetricError::InvalidLabel => MetricError::InvalidLabel,
-            wit::MetricError::TooMany => MetricError::TooMany,
-        })
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current().define_metric(kind, name, labels)
-    }
+    crate::sys::define_metric(kind, name, labels)
 }
 
 /// A counter.
@@ -75,10 +54,7 @@ impl Counter {
     /// Adds `delta`. Inside a Wasm filter, increments are gathered during the call and
     /// handed to the proxy in one host call when it returns.
     pub fn increment(&self, delta: u64) {
-        #[cfg(target_arch = "wasm32")]
-        pending::add(self.0, delta);
-        #[cfg(not(target_arch = "wasm32"))]
-        crate::mock::MockHost::current().update_metric(self.0, Kind::Counter, |v| v + delta as f64);
+        crate::sys::counter_add(self.0, delta);
     }
 }
 
@@ -94,18 +70,12 @@ impl Gauge {
 
     /// Sets the gauge.
     pub fn set(&self, value: f64) {
-        #[cfg(target_arch = "wasm32")]
-        crate::bindings::dpumesh::filter::metrics::gauge_set(self.0, value);
-        #[cfg(not(target_arch = "wasm32"))]
-        crate::mock::MockHost::current().update_metric(self.0, Kind::Gauge, |_| value);
+        crate::sys::gauge_set(self.0, value);
     }
 
     /// Adds `delta` (may be negative).
     pub fn add(&self, delta: f64) {
-        #[cfg(target_arch = "wasm32")]
-        crate::bindings::dpumesh::filter::metrics::gauge_add(self.0, delta);
-        #[cfg(not(target_arch = "wasm32"))]
-        crate::mock::MockHost::current().update_metric(self.0, Kind::Gauge, |v| v + delta);
+        crate::sys::gauge_add(self.0, delta);
     }
 }
 
@@ -122,41 +92,6 @@ impl Histogram {
     /// Records one observation (the mock host keeps the sum; count them with a counter
     /// if a test needs the count).
     pub fn observe(&self, value: f64) {
-        #[cfg(target_arch = "wasm32")]
-        crate::bindings::dpumesh::filter::metrics::observe(self.0, value);
-        #[cfg(not(target_arch = "wasm32"))]
-        crate::mock::MockHost::current().update_metric(self.0, Kind::Histogram, |v| v + value);
-    }
-}
-
-/// Counter increments gathered during one export call: a host call per increment costs
-/// more than the rest of a typical filter, so they are sent in one batch when the call
-/// returns ([`flush`](pending::flush), called by the export glue).
-#[cfg(target_arch = "wasm32")]
-pub(crate) mod pending {
-    use std::cell::RefCell;
-
-    thread_local! {
-        static PENDING: RefCell<Vec<(u32, u64)>> = const { RefCell::new(Vec::new()) };
-    }
-
-    pub(crate) fn add(id: u32, delta: u64) {
-        PENDING.with_borrow_mut(|pending| match pending.iter_mut().find(|(i, _)| *i == id) {
-            Some((_, sum)) => *sum = sum.saturating_add(delta),
-            None => pending.push((id, delta)),
-        });
-    }
-
-    /// Sends and clears the gathered increments.
-    pub(crate) fn flush() {
-        use crate::bindings::dpumesh::filter::metrics as wit;
-        PENDING.with_borrow_mut(|pending| {
-            match pending.as_slice() {
-                [] => return,
-                [(id, delta)] => wit::increment(*id, *delta),
-                deltas => wit::increment_batch(deltas),
-            }
-            pending.clear();
-        });
+        crate::sys::observe(self.0, value);
     }
 }

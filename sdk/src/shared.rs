@@ -53,33 +53,12 @@ pub struct BucketResult {
 /// Adds `delta` to the integer at `key` and returns the new value; a new key starts at
 /// 0 and expires `ttl_ms` after creation (0 = never).
 pub fn increment(key: &str, delta: i64, ttl_ms: u64) -> Result<i64, StateError> {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::shared_state::increment(key, delta, ttl_ms)
-            .map_err(Into::into)
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current()
-            .namespace()
-            .increment(key, delta, ttl_ms)
-            .map_err(Into::into)
-    }
+    crate::sys::state_increment(key, delta, ttl_ms)
 }
 
 /// The integer at `key`, if present.
 pub fn get(key: &str) -> Result<Option<i64>, StateError> {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::shared_state::get(key).map_err(Into::into)
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current()
-            .namespace()
-            .get(key)
-            .map_err(Into::into)
-    }
+    crate::sys::state_get(key)
 }
 
 /// Sets `key` to `desired` if it holds `expected` (`None` = absent); otherwise returns
@@ -90,35 +69,12 @@ pub fn compare_and_swap(
     desired: i64,
     ttl_ms: u64,
 ) -> Result<Result<(), Option<i64>>, StateError> {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::shared_state::compare_and_swap(
-            key, expected, desired, ttl_ms,
-        )
-        .map_err(Into::into)
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current()
-            .namespace()
-            .compare_and_swap(key, expected, desired, ttl_ms)
-            .map_err(Into::into)
-    }
+    crate::sys::state_compare_and_swap(key, expected, desired, ttl_ms)
 }
 
 /// Removes `key`; returns whether it was there.
 pub fn delete(key: &str) -> Result<bool, StateError> {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::shared_state::delete(key).map_err(Into::into)
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        crate::mock::MockHost::current()
-            .namespace()
-            .delete(key)
-            .map_err(Into::into)
-    }
+    crate::sys::state_delete(key)
 }
 
 /// Takes `cost` tokens from the bucket at `key`, node-wide and atomically.
@@ -127,61 +83,5 @@ pub fn token_bucket_take(
     bucket: TokenBucket,
     cost: u64,
 ) -> Result<BucketResult, StateError> {
-    #[cfg(target_arch = "wasm32")]
-    {
-        crate::bindings::dpumesh::filter::shared_state::token_bucket_take(
-            key,
-            bucket.capacity,
-            bucket.refill_tokens,
-            bucket.refill_interval_ms,
-            cost,
-        )
-        .map(|r| BucketResult {
-            allowed: r.allowed,
-            remaining: r.remaining,
-            reset_after_ms: r.reset_after_ms,
-        })
-        .map_err(Into::into)
-    }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        let spec = dpumesh_shared_state::BucketSpec {
-            capacity: bucket.capacity,
-            refill_tokens: bucket.refill_tokens,
-            refill_interval_ms: bucket.refill_interval_ms,
-        };
-        crate::mock::MockHost::current()
-            .namespace()
-            .token_bucket_take(key, spec, cost)
-            .map(|r| BucketResult {
-                allowed: r.allowed,
-                remaining: r.remaining,
-                reset_after_ms: r.reset_after_ms,
-            })
-            .map_err(Into::into)
-    }
-}
-
-#[cfg(target_arch = "wasm32")]
-impl From<crate::bindings::dpumesh::filter::shared_state::StateError> for StateError {
-    fn from(e: crate::bindings::dpumesh::filter::shared_state::StateError) -> Self {
-        use crate::bindings::dpumesh::filter::shared_state::StateError as W;
-        match e {
-            W::InvalidKey => Self::InvalidKey,
-            W::WrongType => Self::WrongType,
-            W::Full => Self::Full,
-        }
-    }
-}
-
-#[cfg(not(target_arch = "wasm32"))]
-impl From<dpumesh_shared_state::StateError> for StateError {
-    fn from(e: dpumesh_shared_state::StateError) -> Self {
-        use dpumesh_shared_state::StateError as S;
-        match e {
-            S::InvalidKey => Self::InvalidKey,
-            S::WrongType => Self::WrongType,
-            S::Full => Self::Full,
-        }
-    }
+    crate::sys::token_bucket_take(key, bucket, cost)
 }

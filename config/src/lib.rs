@@ -1,0 +1,23 @@
+//! The files that configure a mesh, parsed into checked types: the proxy (policy) file
+//! every node loads and hot-reloads — key sets, filters, chains, services, routes — and
+//! the mesh file that says which nodes exist, where each service runs and how the
+//! ingress behaves.
+//!
+//! Every error names the file, the key path and, where it can be found, the line
+//! (`policy.yaml:15: chains.api[1]: no filter named "gaurd" under filters`). This crate
+//! knows nothing of Wasm: the ingress routes with it without linking the filter
+//! runtime.
+
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod mesh_file;
+pub mod proxy;
+pub mod routes;
+pub mod units;
+
+pub use error::ConfigError;
+pub use mesh_file::{IngressConfig, MeshConfig, MeshFile, NodeEntry, ServiceEntry};
+pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
+pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};
+pub use units::{ByteSize, Span};

@@ -1,0 +1,223 @@
+//! The mesh file: which nodes exist, where each service runs, the ingress, and the
+//! policy file every node's proxy loads (and hot-reloads).
+//!
+//! ```yaml
+//! policy: policy.yaml              # filters, chains, services' chains, routes
+//! ingress:
+//!   listen: 127.0.0.1:8000
+//!   max_head: 32KiB                # larger heads: 431
+//!   max_body: 8MiB                 # larger bodies: 413
+//!   body_timeout: 10s              # a body not received in time: 408
+//!   request_timeout: 30s           # no answer in time: 504
+//!   slots: 128                     # requests in flight
+//! nodes:
+//!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
+//! services:
+//!   frontend: {nodes: [node1], replicas: 1, command: [hotel, frontend]}
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::{ConfigError, parse_yaml};
+use crate::units::{ByteSize, Span};
+
+/// The ingress.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IngressConfig {
+    /// Where clients connect.
+    pub listen: SocketAddr,
+    /// Largest request head (default 32 KiB).
+    pub max_head: Option<ByteSize>,
+    /// Largest request or response body (default 8 MiB).
+    pub max_body: Option<ByteSize>,
+    /// Time to receive a body (default 10 s).
+    pub body_timeout: Option<Span>,
+    /// Time to get an answer (default 30 s).
+    pub request_timeout: Option<Span>,
+    /// Requests in flight at once (default 128).
+    pub slots: Option<u32>,
+}
+
+impl IngressConfig {
+    /// Largest head.
+    pub fn max_head(&self) -> usize {
+        self.max_head.map_or(32 << 10, |b| b.0)
+    }
+    /// Largest body.
+    pub fn max_body(&self) -> usize {
+        self.max_body.map_or(8 << 20, |b| b.0)
+    }
+    /// Body timeout.
+    pub fn body_timeout(&self) -> Duration {
+        self.body_timeout.map_or(Duration::from_secs(10), |s| s.0)
+    }
+    /// Request timeout.
+    pub fn request_timeout(&self) -> Duration {
+        self.request_timeout
+            .map_or(Duration::from_secs(30), |s| s.0)
+    }
+    /// Slots.
+    pub fn slots(&self) -> u32 {
+        self.slots.unwrap_or(128)
+    }
+}
+
+/// A worker node (a DPU proxy and its DMA manager).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeEntry {
+    /// The proxy's fabric address (ingress and peers connect here).
+    pub fabric: SocketAddr,
+    /// The proxy's admin API.
+    pub admin: Option<SocketAddr>,
+    /// A network namespace (`ip netns`) the node and its pods run in: several "hosts"
+    /// on one machine, each with its own address, so the fabric between nodes crosses
+    /// a real network boundary.
+    pub netns: Option<String>,
+}
+
+/// A service: where it runs and how to start it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceEntry {
+    /// Nodes it runs on.
+    pub nodes: Vec<String>,
+    /// Replicas per node (default 1).
+    pub replicas: Option<u32>,
+    /// The program and its arguments (`dpumesh up` starts it with `DPUMESH_CONTROL`,
+    /// `DPUMESH_SERVICE` and `DPUMESH_POD` set). A bare program name is looked up
+    /// beside the `dpumesh` binary first, then on `PATH`.
+    #[serde(default)]
+    pub command: Vec<String>,
+}
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MeshConfig {
+    /// The policy file (relative to this file).
+    pub policy: PathBuf,
+    /// The ingress.
+    pub ingress: IngressConfig,
+    /// Nodes by name.
+    pub nodes: BTreeMap<String, NodeEntry>,
+    /// Services by name.
+    pub services: BTreeMap<String, ServiceEntry>,
+}
+
+/// A checked mesh file.
+#[derive(Debug, Clone)]
+pub struct MeshFile {
+    /// The file.
+    pub file: PathBuf,
+    /// Its content, with `policy` resolved against the file's folder.
+    pub config: MeshConfig,
+}
+
+impl MeshFile {
+    /// Reads and checks `file`.
+    pub fn read(file: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| ConfigError::file(file, format!("cannot read: {e}")))?;
+        let mut config: MeshConfig = parse_yaml(file, &text)?;
+        // Checks name the key and, where it can be found, its line.
+        let error = |path: &str, message: String| ConfigError::at(file, &text, path, message);
+        let dir = file.parent().unwrap_or(Path::new("."));
+        config.policy = dir.join(&config.policy);
+        if config.nodes.is_empty() {
+            return Err(error("nodes", "a mesh needs at least one node".into()));
+        }
+        for (name, service) in &config.services {
+            if service.nodes.is_empty() {
+                return Err(error(
+                    &format!("services.{name}.nodes"),
+                    "a service runs on at least one node".into(),
+                ));
+            }
+            for node in &service.nodes {
+                if !config.nodes.contains_key(node) {
+                    return Err(error(
+                        &format!("services.{name}.nodes"),
+                        format!(
+                            "unknown node {node:?} (nodes: {:?})",
+                            config.nodes.keys().collect::<Vec<_>>()
+                        ),
+                    ));
+                }
+            }
+            if service.replicas == Some(0) {
+                return Err(error(
+                    &format!("services.{name}.replicas"),
+                    "replicas must be at least 1".into(),
+                ));
+            }
+        }
+        Ok(Self {
+            file: file.to_owned(),
+            config,
+        })
+    }
+
+    /// Nodes running each service.
+    pub fn placement(&self) -> BTreeMap<String, Vec<String>> {
+        self.config
+            .services
+            .iter()
+            .map(|(name, s)| (name.clone(), s.nodes.clone()))
+            .collect()
+    }
+
+    /// Fabric addresses of the nodes running each service.
+    pub fn service_addrs(&self) -> BTreeMap<String, Vec<SocketAddr>> {
+        self.config
+            .services
+            .iter()
+            .map(|(name, s)| {
+                let addrs = s
+                    .nodes
+                    .iter()
+                    .filter_map(|n| self.config.nodes.get(n).map(|e| e.fabric))
+                    .collect();
+                (name.clone(), addrs)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<MeshFile, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("mesh.yaml");
+        std::fs::write(&file, text).unwrap();
+        MeshFile::read(&file)
+    }
+
+    #[test]
+    fn a_mesh_file_is_read_and_checked() {
+        let m = load(
+            "policy: p.yaml\ningress: {listen: 127.0.0.1:8000, max_body: 1MiB}\nnodes:\n  n1: {fabric: 127.0.0.1:7101}\n  n2: {fabric: 127.0.0.1:7102}\nservices:\n  a: {nodes: [n1, n2], command: [x]}\n",
+        )
+        .unwrap();
+        assert_eq!(m.config.ingress.max_body(), 1 << 20);
+        assert_eq!(m.config.ingress.max_head(), 32 << 10);
+        assert!(m.config.policy.ends_with("p.yaml"));
+        assert_eq!(m.service_addrs()["a"].len(), 2);
+        let e = load("policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {a: {nodes: [n9]}}\n").unwrap_err();
+        assert_eq!(e.path, "services.a.nodes");
+        assert!(e.message.contains("unknown node \"n9\""), "{e}");
+        let e = load(
+            "policy: p.yaml\ningress: {listen: 127.0.0.1:8000, typo: 1}\nnodes: {}\nservices: {}\n",
+        )
+        .unwrap_err();
+        assert!(e.message.contains("unknown field `typo`"), "{e}");
+    }
+}

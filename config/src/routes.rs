@@ -1,0 +1,188 @@
+//! Routing: host and path prefix → service and chain. First match wins, in config
+//! order.
+
+use crate::proxy::{ProxyConfig, RetryConfig, ServiceConfig};
+use crate::units::Span;
+
+/// Timeout and retries of a route (or of a service, for mesh calls).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RoutePolicy {
+    /// Whole-request timeout (`None`: the mesh's default).
+    pub timeout: Option<std::time::Duration>,
+    /// Tries after the first.
+    pub retries: u32,
+    /// Time one try may take (`None`: the whole timeout).
+    pub per_try_timeout: Option<std::time::Duration>,
+}
+
+impl RoutePolicy {
+    /// From a route's (or service's) settings, each falling back to `fallback`'s.
+    pub fn new(timeout: Option<Span>, retries: Option<RetryConfig>, fallback: RoutePolicy) -> Self {
+        Self {
+            timeout: timeout.map(|s| s.0).or(fallback.timeout),
+            retries: retries.map_or(fallback.retries, |r| r.attempts),
+            per_try_timeout: match retries {
+                Some(r) => r.per_try_timeout.map(|s| s.0),
+                None => fallback.per_try_timeout,
+            },
+        }
+    }
+
+    /// A service's own policy.
+    pub fn of_service(service: &ServiceConfig) -> Self {
+        Self::new(service.timeout, service.retries, Self::default())
+    }
+}
+
+/// One route, with its chain resolved to an index in the generation it was built for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Route {
+    host: HostMatch,
+    path_prefix: String,
+    service: String,
+    chain: usize,
+    policy: RoutePolicy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum HostMatch {
+    Any,
+    Exact(String),
+    /// `*.example.com`: any subdomain (not the apex).
+    Suffix(String),
+}
+
+impl HostMatch {
+    fn new(host: Option<&str>) -> Self {
+        match host.map(str::to_ascii_lowercase) {
+            None => Self::Any,
+            Some(h) if h == "*" => Self::Any,
+            Some(h) => match h.strip_prefix('*') {
+                Some(suffix) => Self::Suffix(suffix.to_owned()),
+                None => Self::Exact(h),
+            },
+        }
+    }
+
+    fn matches(&self, host: &str) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Exact(h) => h.eq_ignore_ascii_case(host),
+            Self::Suffix(s) => {
+                host.len() > s.len()
+                    && host
+                        .get(host.len() - s.len()..)
+                        .is_some_and(|end| end.eq_ignore_ascii_case(s))
+            }
+        }
+    }
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteMatch<'a> {
+    /// The service.
+    pub service: &'a str,
+    /// The chain's index in the generation.
+    pub chain: usize,
+    /// Timeout and retries.
+    pub policy: RoutePolicy,
+}
+
+/// The routes of one generation.
+#[derive(Debug, Clone, Default)]
+pub struct RouteTable {
+    routes: Vec<Route>,
+}
+
+impl RouteTable {
+    /// Builds the table; `chain_index` maps chain names to their index in the
+    /// generation (a checked config names only existing chains).
+    pub fn new(config: &ProxyConfig, chain_index: impl Fn(&str) -> Option<usize>) -> Self {
+        let routes = config
+            .routes
+            .iter()
+            .filter_map(|r| {
+                let chain_name = r
+                    .chain
+                    .as_deref()
+                    .or_else(|| config.services.get(&r.service).map(|s| s.chain.as_str()))?;
+                let service = config
+                    .services
+                    .get(&r.service)
+                    .map(RoutePolicy::of_service)
+                    .unwrap_or_default();
+                Some(Route {
+                    host: HostMatch::new(r.host.as_deref()),
+                    path_prefix: r.path_prefix.clone(),
+                    service: r.service.clone(),
+                    chain: chain_index(chain_name)?,
+                    policy: RoutePolicy::new(r.timeout, r.retries, service),
+                })
+            })
+            .collect();
+        Self { routes }
+    }
+
+    /// The first route matching `host` (port ignored) and `path`.
+    pub fn find(&self, host: &str, path: &str) -> Option<RouteMatch<'_>> {
+        let host = strip_port(host);
+        self.routes
+            .iter()
+            .find(|r| r.host.matches(host) && path.starts_with(&r.path_prefix))
+            .map(|r| RouteMatch {
+                service: &r.service,
+                chain: r.chain,
+                policy: r.policy,
+            })
+    }
+}
+
+/// `host` without a `:port` (`[v6]:port` gives `v6`).
+pub fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        // [v6]:port
+        return host.split_once(']').map_or(host, |(h, _)| &h[1..]);
+    }
+    match host.rsplit_once(':') {
+        Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::proxy::LoadedConfig;
+
+    #[test]
+    fn first_match_wins_by_host_and_prefix() {
+        let text = r#"
+filters: {f: {component: f.wasm}}
+chains: {a: [f], b: [f], c: [f]}
+services: {api: {chain: a}, web: {chain: b}}
+routes:
+  - {host: api.example.com, path_prefix: /admin, service: api, chain: c}
+  - {host: api.example.com, service: api}
+  - {host: "*.example.com", service: web}
+  - {path_prefix: /health, service: web}
+"#;
+        let c = LoadedConfig::parse(Path::new("p.yaml"), text.to_owned()).unwrap();
+        let table = RouteTable::new(&c.config, |name| {
+            ["a", "b", "c"].iter().position(|n| *n == name)
+        });
+        let find = |host, path| table.find(host, path).map(|m| (m.service, m.chain));
+        assert_eq!(find("api.example.com", "/admin/x"), Some(("api", 2)));
+        assert_eq!(find("API.example.com:8080", "/items"), Some(("api", 0)));
+        assert_eq!(find("www.example.com", "/"), Some(("web", 1)));
+        assert_eq!(
+            find("example.com", "/"),
+            None,
+            "the apex is not a subdomain"
+        );
+        assert_eq!(find("other", "/healthz"), Some(("web", 1)));
+        assert_eq!(find("[::1]:80", "/x"), None);
+    }
+}

@@ -1,0 +1,189 @@
+//! The admin API: `/healthz`, `/readyz`, `/metrics` (Prometheus text), `/filters`
+//! (what runs where) and `POST /reload`.
+
+use std::convert::Infallible;
+use std::sync::{Arc, OnceLock};
+
+use bytes::Bytes;
+use dpumesh_runtime::HealthState;
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
+
+use crate::policy::Policy;
+
+/// The process-wide Prometheus recorder (a process has one global recorder).
+pub fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let builder = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Suffix("seconds".to_owned()),
+                &[
+                    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1, 1.0,
+                ],
+            )
+            .expect("bucket list is not empty");
+        let recorder = builder.build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed (e.g. by an embedding program);
+        // then /metrics shows only what this handle records.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// Serves the admin API on `listener` until the task is dropped.
+pub async fn serve(listener: TcpListener, policy: Arc<Policy>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let policy = policy.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let policy = policy.clone();
+                async move { Ok::<_, Infallible>(handle(&policy, req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type),
+    );
+    response
+}
+
+async fn handle(policy: &Arc<Policy>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let json = "application/json";
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".to_owned()),
+        (&Method::GET, "/readyz") => {
+            if policy.settled() {
+                reply(StatusCode::OK, "text/plain", "ready\n".to_owned())
+            } else {
+                reply(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain",
+                    "workers are switching to the new generation\n".to_owned(),
+                )
+            }
+        }
+        (&Method::GET, "/metrics") => {
+            refresh_gauges(policy);
+            reply(
+                StatusCode::OK,
+                "text/plain; version=0.0.4",
+                prometheus().render(),
+            )
+        }
+        (&Method::GET, "/filters") => reply(StatusCode::OK, json, filters(policy).to_string()),
+        (&Method::POST, "/reload") => {
+            let policy = policy.clone();
+            // Compiling is CPU-bound: off the async threads.
+            let result = tokio::task::spawn_blocking(move || policy.reload()).await;
+            match result {
+                Ok(Ok(done)) => reply(
+                    StatusCode::OK,
+                    json,
+                    serde_json::json!({
+                        "generation": done.generation,
+                        "build_ms": done.build.as_secs_f64() * 1e3,
+                    })
+                    .to_string(),
+                ),
+                Ok(Err(e)) => reply(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    json,
+                    serde_json::json!({"error": e.to_string()}).to_string(),
+                ),
+                Err(e) => reply(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    json,
+                    serde_json::json!({"error": format!("reload task failed: {e}")}).to_string(),
+                ),
+            }
+        }
+        (_, "/healthz" | "/readyz" | "/metrics" | "/filters" | "/reload") => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "method not allowed\n".to_owned(),
+        ),
+        (_, path) => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            format!("no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload\n"),
+        ),
+    }
+}
+
+/// Gauges read at scrape time rather than kept up to date on the request path.
+fn refresh_gauges(policy: &Policy) {
+    let snapshot = policy.snapshot();
+    for chain in snapshot.generation.chains() {
+        for filter in chain.filters() {
+            let labels = [
+                ("chain", chain.name().to_owned()),
+                ("filter", filter.name().to_owned()),
+            ];
+            metrics::gauge!("dpumesh_filter_instances", &labels)
+                .set(filter.live_instances() as f64);
+            let degraded = matches!(filter.health().state(), HealthState::Degraded { .. });
+            metrics::gauge!("dpumesh_filter_degraded", &labels).set(f64::from(u8::from(degraded)));
+        }
+    }
+    metrics::gauge!("dpumesh_shared_state_entries")
+        .set(policy.runtime().shared_state().len() as f64);
+    metrics::gauge!("dpumesh_workers").set(policy.pool().workers() as f64);
+}
+
+fn filters(policy: &Policy) -> serde_json::Value {
+    let snapshot = policy.snapshot();
+    let generation = snapshot.generation.number();
+    let chains: Vec<serde_json::Value> = snapshot
+        .generation
+        .chains()
+        .iter()
+        .map(|chain| {
+            let filters: Vec<serde_json::Value> = chain
+                .filters()
+                .iter()
+                .map(|f| {
+                    let state = match f.health().state() {
+                        HealthState::Healthy => serde_json::json!("healthy"),
+                        HealthState::Degraded { retry_in_ms } => {
+                            serde_json::json!({"degraded": {"retry_in_ms": retry_in_ms}})
+                        }
+                    };
+                    serde_json::json!({
+                        "name": f.name(),
+                        "version": f.version_hash(),
+                        "generation": generation,
+                        "state": state,
+                        "instances": f.live_instances(),
+                        "failure_policy": f.settings().failure_policy,
+                        "degradations": f.health().degradations(),
+                    })
+                })
+                .collect();
+            serde_json::json!({"chain": chain.name(), "filters": filters})
+        })
+        .collect();
+    serde_json::json!({
+        "generation": generation,
+        "workers": policy.pool().worker_generations(),
+        "last_reload_error": policy.last_error(),
+        "chains": chains,
+    })
+}

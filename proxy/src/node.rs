@@ -1,0 +1,164 @@
+//! One worker node of a mesh as a process: the DPU side of the data path (pools,
+//! rings, DMA manager, control socket for pods), the filter runtime with hot reload,
+//! the data plane on the fabric, and the admin API.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dpumesh_dpa::control::transport::Endpoint;
+use dpumesh_dpa::fabric::Fabric;
+use dpumesh_dpa::fabric::soft::SoftFabric;
+use dpumesh_dpa::link::Wake;
+use dpumesh_dpa::{DpuNode, NodeConfig, PodSizing};
+
+use crate::dataplane::{Dataplane, Topology};
+use crate::policy::Policy;
+use dpumesh_config::MeshFile;
+
+/// A running node.
+pub struct MeshNode {
+    // Field order is drop order: the data plane stops before the node it uses.
+    dataplane: Dataplane,
+    node: Arc<DpuNode>,
+    policy: Arc<Policy>,
+    admin: Option<SocketAddr>,
+    socket: PathBuf,
+    _io: tokio::runtime::Runtime,
+}
+
+impl std::fmt::Debug for MeshNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MeshNode")
+            .field("fabric", &self.dataplane.addr())
+            .field("socket", &self.socket)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where node `name`'s pods register.
+pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
+    run_dir.join(format!("{name}.sock"))
+}
+
+impl MeshNode {
+    /// Starts node `name` of `mesh`; its control socket goes in `run_dir`.
+    pub fn start(mesh: &MeshFile, name: &str, run_dir: &Path) -> anyhow::Result<Self> {
+        let entry =
+            mesh.config.nodes.get(name).ok_or_else(|| {
+                anyhow::anyhow!("node {name:?} is not in {}", mesh.file.display())
+            })?;
+        crate::admin::prometheus();
+        let policy = Policy::start(&mesh.config.policy)?;
+        policy.watch(Duration::from_millis(250))?;
+        let fabric = SoftFabric::new();
+        let pd = fabric.alloc_pd()?;
+        let cq = fabric.create_cq(1 << 16)?;
+        let wake = Wake::new(&cq);
+        let max_body = mesh.config.ingress.max_body() as u32;
+        // Shared-memory names carry the process id: two meshes on one machine (tests)
+        // must not meet.
+        let mut config = NodeConfig::new(format!("{name}-{}", std::process::id()));
+        config.pod = PodSizing {
+            header_slot: 64 << 10,
+            header_slots: 256,
+            body_slot: max_body.max(4096),
+            body_slots: 64,
+            ring_capacity: 256,
+        };
+        config.sidecar_notify = Some(wake.interrupter());
+        config.wake = dpumesh_dpa::WakeMode::from_env();
+        for (service, nodes) in mesh.placement() {
+            if nodes.iter().any(|n| n == name) {
+                continue;
+            }
+            if let Some(addr) = nodes
+                .first()
+                .and_then(|n| mesh.config.nodes.get(n))
+                .map(|e| e.fabric)
+            {
+                config.remote_services.insert(service, addr);
+            }
+        }
+        let socket = control_socket(run_dir, name);
+        let _ = std::fs::remove_file(&socket);
+        let node = Arc::new(DpuNode::start(config, &Endpoint::Unix(socket.clone()))?);
+        let topology = Topology {
+            node: name.to_owned(),
+            peers: mesh
+                .config
+                .nodes
+                .iter()
+                .filter(|(n, _)| n.as_str() != name)
+                .map(|(n, e)| (n.clone(), e.fabric))
+                .collect(),
+            placement: mesh.placement(),
+            timeout: mesh.config.ingress.request_timeout(),
+        };
+        let dataplane = Dataplane::start(
+            fabric,
+            pd,
+            cq,
+            wake,
+            entry.fabric,
+            node.clone(),
+            policy.clone(),
+            topology,
+        )?;
+        let io = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("dpumesh-admin")
+            .enable_all()
+            .build()?;
+        let admin = match entry.admin {
+            Some(addr) => {
+                let listener = io
+                    .block_on(tokio::net::TcpListener::bind(addr))
+                    .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+                let local = listener.local_addr()?;
+                io.spawn(crate::admin::serve(listener, policy.clone()));
+                Some(local)
+            }
+            None => None,
+        };
+        Ok(Self {
+            dataplane,
+            node,
+            policy,
+            admin,
+            socket,
+            _io: io,
+        })
+    }
+
+    /// The fabric address.
+    pub fn fabric_addr(&self) -> SocketAddr {
+        self.dataplane.addr()
+    }
+
+    /// The admin API.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin
+    }
+
+    /// Where pods register.
+    pub fn control_socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The node's DPU side.
+    pub fn node(&self) -> &Arc<DpuNode> {
+        &self.node
+    }
+
+    /// The filter runtime.
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
+    }
+
+    /// The data plane.
+    pub fn dataplane(&self) -> &Dataplane {
+        &self.dataplane
+    }
+}

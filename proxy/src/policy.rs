@@ -1,0 +1,457 @@
+//! The policy side of the proxy: turns a config file into a published generation
+//! (key sets, filters, chains, routes), and reloads it — whole or not at all — when the
+//! file or anything it names changes, or when asked.
+//!
+//! A reload compiles and configures every filter on the calling thread (never a
+//! worker), so requests keep flowing on the old generation meanwhile; only when all of
+//! it loaded are the key sets swapped and the new generation published.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+use dpumesh_keys::KeySet;
+use dpumesh_runtime::{
+    FailurePolicy, FilterChain, FilterSettings, Generation, LoadedFilter, Runtime, RuntimeConfig,
+    WorkerPool,
+};
+use parking_lot::Mutex;
+
+use dpumesh_config::{ConfigError, LoadedConfig, RoutePolicy, RouteTable, strip_port};
+
+/// Why a (re)load was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The config file, or a file or filter it names, is wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The runtime or the workers could not start.
+    #[error("cannot start the proxy: {0}")]
+    Start(String),
+}
+
+/// What runs now.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// The published chains.
+    pub generation: Arc<Generation>,
+    /// Routes into those chains.
+    pub routes: RouteTable,
+    /// The config they came from.
+    pub config: Arc<LoadedConfig>,
+    /// Request duration per chain (by index), registered once per generation rather
+    /// than looked up by label on every request.
+    pub durations: Vec<metrics::Histogram>,
+}
+
+impl Snapshot {
+    /// The service and chain for a request to `authority` and `path`: a mesh call
+    /// names its service as the host (`http://user/...`, port ignored); anything else
+    /// goes through the routes.
+    pub fn resolve(&self, authority: &str, path: &str) -> Option<(String, usize, RoutePolicy)> {
+        let host = strip_port(authority);
+        if let Some(service) = self.config.config.services.get(host) {
+            let chain = self.generation.chain_index(&service.chain)?;
+            let policy = RoutePolicy::of_service(service);
+            return Some((host.to_owned(), chain, policy));
+        }
+        self.routes
+            .find(authority, path)
+            .map(|m| (m.service.to_owned(), m.chain, m.policy))
+    }
+
+    /// The timeout and retries of service `service` (for requests a peer proxy
+    /// already routed).
+    pub fn service_policy(&self, service: &str) -> RoutePolicy {
+        self.config
+            .config
+            .services
+            .get(service)
+            .map(RoutePolicy::of_service)
+            .unwrap_or_default()
+    }
+
+    fn new(built: Built, config: LoadedConfig) -> Self {
+        let durations = built
+            .generation
+            .chains()
+            .iter()
+            .map(|c| {
+                metrics::histogram!("dpumesh_request_duration_seconds", "chain" => c.name().to_owned())
+            })
+            .collect();
+        Self {
+            generation: built.generation,
+            routes: built.routes,
+            config: Arc::new(config),
+            durations,
+        }
+    }
+}
+
+/// The result of a successful reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reloaded {
+    /// The new generation.
+    pub generation: u64,
+    /// Time spent compiling and configuring (before the publish).
+    pub build: Duration,
+}
+
+/// The running proxy's configuration state.
+pub struct Policy {
+    file: PathBuf,
+    runtime: Runtime,
+    pool: WorkerPool,
+    snapshot: ArcSwap<Snapshot>,
+    /// One reload at a time.
+    reloading: Mutex<()>,
+    last_error: Mutex<Option<String>>,
+    /// The files as they were just before the last (re)load attempt read them: the
+    /// watcher reloads when they differ from that, so a change made while a load was
+    /// running is never missed, and a failed attempt is not retried until something
+    /// changes again.
+    attempted: Mutex<Fingerprint>,
+}
+
+/// A hash of the config file's text (two saves within one timestamp tick must still
+/// differ), and size and modification time of every file it names.
+type Fingerprint = (u64, Vec<(PathBuf, Option<(SystemTime, u64)>)>);
+
+fn fingerprint(file: &Path) -> Fingerprint {
+    use std::hash::{Hash, Hasher};
+
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return (0, Vec::new());
+    };
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut hasher);
+    let stamps = match LoadedConfig::parse(file, text) {
+        Ok(config) => config
+            .referenced_files()
+            .into_iter()
+            .map(|f| {
+                let meta = std::fs::metadata(&f)
+                    .ok()
+                    .and_then(|m| Some((m.modified().ok()?, m.len())));
+                (f, meta)
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    (hasher.finish(), stamps)
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("file", &self.file)
+            .field("generation", &self.snapshot.load().generation.number())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Instances the pooling allocator must hold: every worker's instance of every chained
+/// filter, for the current generation, up to three retired ones and one being built,
+/// plus load-time validation instances.
+/// Sized at start with room for chains to double, so ordinary reloads fit.
+fn pool_slots(config: &LoadedConfig, workers: usize) -> u32 {
+    let chained: usize = config.config.chains.values().map(Vec::len).sum();
+    let per_generation = workers.saturating_mul(chained.max(1));
+    (per_generation.saturating_mul(5) + 16).clamp(64, 4096) as u32
+}
+
+fn pool_capacity(config: &LoadedConfig, workers: usize) -> u32 {
+    pool_slots(config, workers).saturating_mul(2).min(8192)
+}
+
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+impl Policy {
+    /// Loads `file`, starts the runtime and the workers on generation 1.
+    pub fn start(file: &Path) -> Result<Arc<Self>, ReloadError> {
+        let attempted = fingerprint(file);
+        let config = LoadedConfig::read(file)?;
+        let workers = config.config.workers.unwrap_or_else(default_workers);
+        let runtime = Runtime::new(RuntimeConfig {
+            cache_dir: config
+                .config
+                .cache_dir
+                .as_ref()
+                .map(|d| config.resolve(d))
+                .or_else(dpumesh_runtime::default_cache_dir),
+            max_instances: pool_capacity(&config, workers),
+            ..RuntimeConfig::default()
+        })
+        .map_err(|e| ReloadError::Start(e.to_string()))?;
+        let mut built = build(&runtime, &config, 1)?;
+        runtime
+            .keys()
+            .replace_all(std::mem::take(&mut built.key_sets));
+        let pool = WorkerPool::start(built.generation.clone(), workers)
+            .map_err(|e| ReloadError::Start(format!("starting workers: {e}")))?;
+        metrics::gauge!("dpumesh_generation").set(1.0);
+        Ok(Arc::new(Self {
+            file: file.to_owned(),
+            runtime,
+            pool,
+            snapshot: ArcSwap::from_pointee(Snapshot::new(built, config)),
+            reloading: Mutex::new(()),
+            last_error: Mutex::new(None),
+            attempted: Mutex::new(attempted),
+        }))
+    }
+
+    /// The config file.
+    pub fn file(&self) -> &Path {
+        &self.file
+    }
+
+    /// What runs now.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// The workers.
+    pub fn pool(&self) -> &WorkerPool {
+        &self.pool
+    }
+
+    /// The filter runtime.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// The last reload error, until a reload succeeds.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().clone()
+    }
+
+    /// Re-reads the config file and everything it names, and publishes it as the next
+    /// generation. On any error nothing changes: the old generation keeps serving.
+    pub fn reload(&self) -> Result<Reloaded, ReloadError> {
+        let _one = self.reloading.lock();
+        let started = Instant::now();
+        let result = self.try_reload();
+        match &result {
+            Ok(done) => {
+                metrics::counter!("dpumesh_reloads_total", "result" => "ok").increment(1);
+                metrics::gauge!("dpumesh_generation").set(done.generation as f64);
+                *self.last_error.lock() = None;
+                tracing::info!(
+                    generation = done.generation,
+                    build_ms = done.build.as_millis() as u64,
+                    total_ms = started.elapsed().as_millis() as u64,
+                    "config reloaded"
+                );
+            }
+            Err(e) => {
+                metrics::counter!("dpumesh_reloads_total", "result" => "failed").increment(1);
+                *self.last_error.lock() = Some(e.to_string());
+                tracing::error!(error = %e, "reload rejected; the previous generation keeps serving");
+            }
+        }
+        result
+    }
+
+    fn try_reload(&self) -> Result<Reloaded, ReloadError> {
+        let started = Instant::now();
+        *self.attempted.lock() = fingerprint(&self.file);
+        let config = LoadedConfig::read(&self.file)?;
+        let current = self.snapshot();
+        let old = &current.config.config;
+        let new = &config.config;
+        // Workers, sockets, the compile cache and logging are set up once per process.
+        for (key, changed) in [
+            ("workers", old.workers != new.workers),
+            ("admin", old.admin != new.admin),
+            ("listener", old.listener != new.listener),
+            ("cache_dir", old.cache_dir != new.cache_dir),
+            ("log", old.log != new.log),
+        ] {
+            if changed {
+                return Err(config
+                    .error(key, "changing this needs a restart of the proxy")
+                    .into());
+            }
+        }
+        let workers = self.pool.workers();
+        let capacity = self.runtime.config().max_instances;
+        if pool_slots(&config, workers) > capacity {
+            return Err(config
+                .error(
+                    "chains",
+                    format!(
+                        "the instance pool was sized at start for {capacity} instances; these chains on {workers} workers need more: restart the proxy to grow it"
+                    ),
+                )
+                .into());
+        }
+        let number = current.generation.number() + 1;
+        let mut built = build(&self.runtime, &config, number)?;
+        let build_time = started.elapsed();
+        self.runtime
+            .keys()
+            .replace_all(std::mem::take(&mut built.key_sets));
+        self.pool
+            .publish(built.generation.clone())
+            .map_err(|e| ReloadError::Start(e.to_string()))?;
+        self.snapshot.store(Arc::new(Snapshot::new(built, config)));
+        Ok(Reloaded {
+            generation: number,
+            build: build_time,
+        })
+    }
+
+    /// Whether every worker runs the published generation.
+    pub fn settled(&self) -> bool {
+        let current = self.snapshot().generation.number();
+        self.pool.worker_generations().iter().all(|g| *g == current)
+    }
+
+    /// Watches the config file and the files it names, reloading on change, on a
+    /// thread of its own until `self` is dropped.
+    pub fn watch(self: &Arc<Self>, every: Duration) -> std::io::Result<()> {
+        let policy = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("dpumesh-watch".to_owned())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(every);
+                    let Some(policy) = policy.upgrade() else {
+                        return;
+                    };
+                    let now = fingerprint(&policy.file);
+                    if now == *policy.attempted.lock() {
+                        continue;
+                    }
+                    // Let a writer finish: reload once the files stop changing.
+                    std::thread::sleep(every);
+                    if fingerprint(&policy.file) != now {
+                        continue;
+                    }
+                    tracing::info!("config or a file it names changed; reloading");
+                    let _ = policy.reload();
+                }
+            })?;
+        Ok(())
+    }
+}
+
+/// The runtime's failure policy for the config's.
+fn failure_policy(policy: dpumesh_config::FailurePolicy) -> FailurePolicy {
+    match policy {
+        dpumesh_config::FailurePolicy::FailClosed => FailurePolicy::FailClosed,
+        dpumesh_config::FailurePolicy::FailOpen => FailurePolicy::FailOpen,
+        dpumesh_config::FailurePolicy::Reload => FailurePolicy::Reload,
+    }
+}
+
+struct Built {
+    generation: Arc<Generation>,
+    routes: RouteTable,
+    key_sets: Vec<(String, KeySet)>,
+}
+
+fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built, ConfigError> {
+    let c = &config.config;
+    let read = |path: &Path, key: &str| {
+        std::fs::read(config.resolve(path)).map_err(|e| {
+            config.error(
+                key,
+                format!("cannot read {}: {e}", config.resolve(path).display()),
+            )
+        })
+    };
+    let mut key_sets = Vec::new();
+    for (name, source) in &c.key_sets {
+        let key = format!("key_sets.{name}");
+        let jwks = match (&source.jwks, &source.jwks_file) {
+            (Some(text), _) => Some(text.clone()),
+            (None, Some(file)) => Some(
+                String::from_utf8(read(file, &key)?)
+                    .map_err(|_| config.error(&key, "the JWKS file is not UTF-8"))?,
+            ),
+            (None, None) => None,
+        };
+        let set = match jwks {
+            Some(jwks) => {
+                KeySet::from_jwks(&jwks).map_err(|e| config.error(&key, e.to_string()))?
+            }
+            None => {
+                let secret = match (&source.secret, &source.secret_file) {
+                    (Some(secret), _) => secret.as_bytes().to_vec(),
+                    (None, Some(file)) => read(file, &key)?,
+                    (None, None) => return Err(config.error(&key, "no key source")),
+                };
+                if secret.is_empty() {
+                    return Err(config.error(&key, "the secret is empty"));
+                }
+                KeySet::from_secret(source.kid.as_deref(), &secret)
+            }
+        };
+        key_sets.push((name.clone(), set));
+    }
+
+    let mut loaded: Vec<(&String, Arc<LoadedFilter>)> = Vec::new();
+    for (name, f) in &c.filters {
+        let key = format!("filters.{name}");
+        let filter_config = match (&f.config, &f.config_file) {
+            (Some(value), _) => value.to_string(),
+            (None, Some(file)) => {
+                let text = String::from_utf8(read(file, &format!("{key}.config_file"))?)
+                    .map_err(|_| config.error(format!("{key}.config_file"), "not UTF-8"))?;
+                let yaml = file.extension().is_some_and(|e| e == "yaml" || e == "yml");
+                if yaml {
+                    let value: serde_json::Value = serde_norway::from_str(&text)
+                        .map_err(|e| config.error(format!("{key}.config_file"), e.to_string()))?;
+                    value.to_string()
+                } else {
+                    text
+                }
+            }
+            (None, None) => String::new(),
+        };
+        let mut settings = FilterSettings::new(name.clone(), filter_config)
+            .failure_policy(failure_policy(f.failure_policy));
+        if let Some(cap) = f.memory_cap {
+            settings = settings.memory_cap(cap.0);
+        }
+        if let Some(deadline) = f.deadline {
+            settings = settings.deadline(deadline.0);
+        }
+        if let Some(deadline) = f.configure_deadline {
+            settings = settings.configure_deadline(deadline.0);
+        }
+        if let Some(ns) = &f.namespace {
+            settings = settings.namespace(ns.clone());
+        }
+        let bytes = read(&f.component, &format!("{key}.component"))?;
+        let filter = runtime
+            .load_filter(settings, &bytes)
+            .map_err(|e| config.error(&key, e.to_string()))?;
+        loaded.push((name, filter));
+    }
+
+    let chains: Vec<Arc<FilterChain>> = c
+        .chains
+        .iter()
+        .map(|(name, filters)| {
+            let filters = filters
+                .iter()
+                .filter_map(|f| loaded.iter().find(|(n, _)| *n == f).map(|(_, l)| l.clone()))
+                .collect();
+            Arc::new(FilterChain::new(name.clone(), filters))
+        })
+        .collect();
+    let generation = Generation::new(number, chains);
+    let routes = RouteTable::new(c, |name| generation.chain_index(name));
+    Ok(Built {
+        generation,
+        routes,
+        key_sets,
+    })
+}
