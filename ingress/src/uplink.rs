@@ -18,6 +18,7 @@ use dpumesh_dpa::link::{Link, LinkEvent, Wake};
 use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
 use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
+use dpumesh_supervise::{RestartPolicy, Supervisor};
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 
@@ -128,6 +129,9 @@ pub struct Uplink {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     slots: Arc<Slots>,
+    supervisor: Arc<Supervisor>,
+    #[cfg(feature = "fault-injection")]
+    panic_next: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Uplink {
@@ -161,7 +165,11 @@ impl Uplink {
         });
         let (calls, inbox) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
+        #[cfg(feature = "fault-injection")]
+        let panic_next = Arc::new(AtomicBool::new(false));
         let reactor = Reactor {
+            #[cfg(feature = "fault-injection")]
+            panic_next: panic_next.clone(),
             fabric,
             pd,
             cq,
@@ -176,16 +184,36 @@ impl Uplink {
             inbox,
             stop: stop.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name("dpumesh-uplink".into())
-            .spawn(move || reactor.run())?;
+        let supervisor = Supervisor::new();
+        let thread = supervisor.spawn(
+            "dpumesh-uplink",
+            RestartPolicy::default(),
+            reactor,
+            Reactor::run,
+            Reactor::recover,
+        )?;
         Ok(Self {
             calls,
             wake,
             stop,
             thread: Some(thread),
             slots: shared,
+            supervisor,
+            #[cfg(feature = "fault-injection")]
+            panic_next,
         })
+    }
+
+    /// The uplink thread, for readiness.
+    pub fn supervisor(&self) -> &Arc<Supervisor> {
+        &self.supervisor
+    }
+
+    /// Makes the uplink thread panic at its next turn (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self) {
+        self.panic_next.store(true, Ordering::SeqCst);
+        self.wake.wake();
     }
 
     /// The request slots.
@@ -196,8 +224,14 @@ impl Uplink {
     /// Hands a call to the uplink thread.
     pub fn call(&self, call: Call) {
         if let Err(e) = self.calls.send(call) {
+            // The thread is gone: stopped with the ingress, or left down after it
+            // kept panicking.
             let call = e.into_inner();
-            let _ = call.reply.send(Err(shutting_down()));
+            let e = match self.supervisor.ready() {
+                Ok(()) => shutting_down(),
+                Err(why) => ProxyError::new(ErrorKind::ThreadLost, why),
+            };
+            let _ = call.reply.send(Err(e));
             return;
         }
         self.wake.wake();
@@ -228,12 +262,32 @@ struct Reactor<F: Fabric> {
     pending: HashMap<u32, Pending>,
     inbox: Receiver<Call>,
     stop: Arc<AtomicBool>,
+    #[cfg(feature = "fault-injection")]
+    panic_next: Arc<AtomicBool>,
 }
 
 impl<F: Fabric> Reactor<F> {
-    fn run(mut self) {
+    /// After a panic: every request in flight is answered (503) and every link
+    /// dropped (the nodes free what those requests held when they see it go); links
+    /// are made again on the next call.
+    fn recover(&mut self) {
+        for (_, p) in self.pending.drain() {
+            let _ = p.reply.send(Err(ProxyError::new(
+                ErrorKind::ThreadLost,
+                "the ingress uplink thread restarted after a panic",
+            )));
+        }
+        self.links.clear();
+        self.by_node.clear();
+    }
+
+    fn run(&mut self) {
         let mut wcs: Vec<WorkCompletion> = Vec::with_capacity(64);
         while !self.stop.load(Ordering::Relaxed) {
+            #[cfg(feature = "fault-injection")]
+            if self.panic_next.swap(false, Ordering::SeqCst) {
+                panic!("injected uplink panic");
+            }
             let mut work = 0;
             while let Ok(call) = self.inbox.try_recv() {
                 work += 1;

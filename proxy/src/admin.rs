@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use dpumesh_runtime::HealthState;
+use dpumesh_supervise::Supervisor;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -36,17 +37,19 @@ pub fn prometheus() -> &'static PrometheusHandle {
     })
 }
 
-/// Serves the admin API on `listener` until the task is dropped.
-pub async fn serve(listener: TcpListener, policy: Arc<Policy>) {
+/// Serves the admin API on `listener` until the task is dropped. `/readyz` also
+/// reports the threads of `threads` (besides the filter workers').
+pub async fn serve(listener: TcpListener, policy: Arc<Policy>, threads: Vec<Arc<Supervisor>>) {
+    let threads = Arc::new(threads);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let policy = policy.clone();
+        let (policy, threads) = (policy.clone(), threads.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let policy = policy.clone();
-                async move { Ok::<_, Infallible>(handle(&policy, req).await) }
+                let (policy, threads) = (policy.clone(), threads.clone());
+                async move { Ok::<_, Infallible>(handle(&policy, &threads, req).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
@@ -65,21 +68,35 @@ fn reply(status: StatusCode, content_type: &'static str, body: String) -> Respon
     response
 }
 
-async fn handle(policy: &Arc<Policy>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+/// Ready when no supervised thread is down and every worker runs the published
+/// generation; otherwise why not.
+fn readiness(policy: &Policy, threads: &[Arc<Supervisor>]) -> Result<(), String> {
+    policy.pool().supervisor().ready()?;
+    for supervisor in threads {
+        supervisor.ready()?;
+    }
+    if !policy.settled() {
+        return Err("workers are switching to the new generation".to_owned());
+    }
+    Ok(())
+}
+
+async fn handle(
+    policy: &Arc<Policy>,
+    threads: &[Arc<Supervisor>],
+    req: Request<Incoming>,
+) -> Response<Full<Bytes>> {
     let json = "application/json";
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".to_owned()),
-        (&Method::GET, "/readyz") => {
-            if policy.settled() {
-                reply(StatusCode::OK, "text/plain", "ready\n".to_owned())
-            } else {
-                reply(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "text/plain",
-                    "workers are switching to the new generation\n".to_owned(),
-                )
-            }
-        }
+        (&Method::GET, "/readyz") => match readiness(policy, threads) {
+            Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".to_owned()),
+            Err(why) => reply(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("not ready: {why}\n"),
+            ),
+        },
         (&Method::GET, "/metrics") => {
             refresh_gauges(policy);
             reply(

@@ -35,10 +35,12 @@ use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, Response, Res
 use dpumesh_dpa::{
     Buffer, BufferPool, Case, Descriptor, Destination, DpuNode, OwnerId, PodInfo, SidecarPort,
 };
+use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_runtime::{
-    Decision, FailureKind, Peer, RequestDone, RequestHead, ResponseInfo, Ticket,
+    Decision, FailureKind, Peer, PoolError, RequestDone, RequestHead, ResponseInfo, Ticket,
 };
+use dpumesh_supervise::{RestartPolicy, Supervisor};
 use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::policy::Policy;
@@ -80,6 +82,9 @@ pub struct Dataplane {
     thread: Option<JoinHandle<()>>,
     addr: SocketAddr,
     stats: Arc<DataplaneStats>,
+    supervisor: Arc<Supervisor>,
+    #[cfg(feature = "fault-injection")]
+    inbox: Sender<Inbox>,
 }
 
 impl std::fmt::Debug for Dataplane {
@@ -111,28 +116,30 @@ impl Dataplane {
         // never on the reactor.
         let (accepted_tx, accepted) = crossbeam_channel::unbounded();
         let accept_stop = Arc::new(AtomicBool::new(false));
-        {
-            let (stop, wake) = (accept_stop.clone(), wake.clone());
-            std::thread::Builder::new()
-                .name("dpumesh-accept".into())
-                .spawn(move || {
-                    while !stop.load(Ordering::Relaxed) {
-                        match listener.accept(Duration::from_millis(100)) {
-                            Ok(Some(qp)) => {
-                                if accepted_tx.send(qp).is_err() {
-                                    return;
-                                }
-                                wake.wake();
+        let supervisor = Supervisor::new();
+        supervisor.spawn(
+            "dpumesh-accept",
+            RestartPolicy::default(),
+            (listener, accepted_tx, accept_stop.clone(), wake.clone()),
+            |(listener, accepted, stop, wake)| {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept(Duration::from_millis(100)) {
+                        Ok(Some(qp)) => {
+                            if accepted.send(qp).is_err() {
+                                return;
                             }
-                            Ok(None) => {}
-                            Err(e) => {
-                                tracing::warn!(error = %e, "mesh accept failed");
-                                std::thread::sleep(Duration::from_millis(100));
-                            }
+                            wake.wake();
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "mesh accept failed");
+                            std::thread::sleep(Duration::from_millis(100));
                         }
                     }
-                })?;
-        }
+                }
+            },
+            |_| {},
+        )?;
         let port = node
             .take_sidecar_ports()
             .into_iter()
@@ -173,9 +180,15 @@ impl Dataplane {
             wcs: Vec::with_capacity(64),
             deferred: VecDeque::new(),
         };
-        let thread = std::thread::Builder::new()
-            .name("dpumesh-dataplane".into())
-            .spawn(move || reactor.run())?;
+        #[cfg(feature = "fault-injection")]
+        let inbox = reactor.inbox_tx.clone();
+        let thread = supervisor.spawn(
+            "dpumesh-dataplane",
+            RestartPolicy::default(),
+            reactor,
+            Reactor::run,
+            Reactor::recover,
+        )?;
         Ok(Self {
             stop,
             accept_stop,
@@ -183,7 +196,22 @@ impl Dataplane {
             thread: Some(thread),
             addr,
             stats,
+            supervisor,
+            #[cfg(feature = "fault-injection")]
+            inbox,
         })
+    }
+
+    /// The data plane's threads (the reactor, the accept loop), for readiness.
+    pub fn supervisor(&self) -> &Arc<Supervisor> {
+        &self.supervisor
+    }
+
+    /// Makes the reactor thread panic at its next turn (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self) {
+        let _ = self.inbox.send(Inbox::Panic);
+        self.wake.wake();
     }
 
     /// Where peers and the ingress connect.
@@ -210,7 +238,13 @@ impl Drop for Dataplane {
 
 /// What the workers hand back.
 enum Inbox {
-    Decided { xid: u32, done: Box<RequestDone> },
+    Decided {
+        xid: u32,
+        done: Result<Box<RequestDone>, PoolError>,
+    },
+    /// Panic (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    Panic,
 }
 
 /// Where a request came from (and where its answer goes).
@@ -350,20 +384,50 @@ fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
 /// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
 const MAX_LOCAL_BODY: usize = 16 << 10;
 
-/// A plain-text reply from the proxy itself.
-fn local(status: u16, message: impl Into<String>) -> (ResponseHead, Vec<u8>) {
-    let mut headers = HeaderMap::new();
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain"),
-    );
-    let mut body = message.into();
-    body.push('\n');
-    (ResponseHead { status, headers }, body.into_bytes())
+/// How a request the proxy ended counts for the response phase (the circuit breaker
+/// counts only upstream failures): read from the error's kind, in this one place.
+fn failure_kind(e: &ProxyError) -> FailureKind {
+    match e.upstream_failure() {
+        Some(UpstreamFailure::Connect) => FailureKind::ConnectFailure,
+        Some(UpstreamFailure::Reset) => FailureKind::UpstreamReset,
+        Some(UpstreamFailure::Timeout) => FailureKind::Timeout,
+        None => match e.source() {
+            // Nothing upstream saw the request: like a filter's denial, not the
+            // service's failure.
+            Source::Downstream | Source::Policy => FailureKind::LocalReply,
+            Source::Internal | Source::Upstream => FailureKind::Internal,
+        },
+    }
 }
 
 impl<F: Fabric> Reactor<F> {
-    fn run(mut self) {
+    /// After a panic in [`Reactor::run`]: the exchanges' state cannot be trusted, so
+    /// every link goes (the ingress and peer nodes fail what they sent over them at
+    /// once, and reconnect on their next request), and every exchange still open is
+    /// answered with a 503. Descriptors owed to the DMA manager are kept.
+    fn recover(&mut self) {
+        let qps: Vec<u32> = self.links.keys().copied().collect();
+        for qp in qps {
+            self.link_down(
+                qp,
+                "the data plane thread restarted after a panic".to_owned(),
+            );
+        }
+        let open: Vec<u32> = self.exchanges.keys().copied().collect();
+        for xid in open {
+            let e = ProxyError::new(
+                ErrorKind::ThreadLost,
+                "the data plane thread restarted after a panic",
+            );
+            self.fail(xid, e);
+        }
+        self.at_pod.clear();
+        self.timers.clear();
+        self.mrs.clear();
+        self.stats.in_flight.store(0, Ordering::Relaxed);
+    }
+
+    fn run(&mut self) {
         let mut last_tick = Instant::now() - Duration::from_secs(1);
         while !self.stop.load(Ordering::Relaxed) {
             let mut work = 0;
@@ -470,7 +534,9 @@ impl<F: Fabric> Reactor<F> {
         while let Ok(item) = self.inbox.try_recv() {
             n += 1;
             match item {
-                Inbox::Decided { xid, done } => self.decided(xid, *done),
+                Inbox::Decided { xid, done } => self.decided(xid, done),
+                #[cfg(feature = "fault-injection")]
+                Inbox::Panic => panic!("injected data plane panic"),
             }
         }
         n
@@ -505,8 +571,11 @@ impl<F: Fabric> Reactor<F> {
         let head = match wire::decode_request(&r.head) {
             Ok(head) => head,
             Err(e) => {
-                let (h, b) = local(400, format!("dpumesh: malformed request head: {e}"));
-                self.reply_origin(&origin, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("malformed request head: {e}"),
+                );
+                self.reply_origin_error(&origin, &e);
                 return;
             }
         };
@@ -521,16 +590,22 @@ impl<F: Fabric> Reactor<F> {
         let bytes = match self.port.header(&d) {
             Ok(b) => b,
             Err(e) => {
-                let (h, b) = local(400, format!("dpumesh: unreadable request head: {e}"));
-                self.reply_origin(&origin, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("unreadable request head: {e}"),
+                );
+                self.reply_origin_error(&origin, &e);
                 return;
             }
         };
         let mut head = match wire::decode_request(&bytes) {
             Ok(head) => head,
             Err(e) => {
-                let (h, b) = local(400, format!("dpumesh: malformed request head: {e}"));
-                self.reply_origin(&origin, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("malformed request head: {e}"),
+                );
+                self.reply_origin_error(&origin, &e);
                 return;
             }
         };
@@ -562,14 +637,14 @@ impl<F: Fabric> Reactor<F> {
             snapshot.resolve(&head.authority, &head.path)
         };
         let Some((service, chain, policy)) = routed else {
-            let (h, b) = local(
-                404,
+            let e = ProxyError::new(
+                ErrorKind::NoRoute,
                 format!(
-                    "dpumesh: no route for host {:?} path {:?}",
+                    "no route for host {:?} path {:?}",
                     head.authority, head.path
                 ),
             );
-            self.reply_origin(&origin, &h, b);
+            self.reply_origin_error(&origin, &e);
             return;
         };
         head.destination = Some(service.clone());
@@ -622,19 +697,25 @@ impl<F: Fabric> Reactor<F> {
             move |done| {
                 let _ = inbox.send(Inbox::Decided {
                     xid,
-                    done: Box::new(done),
+                    done: done.map(Box::new),
                 });
                 wake.wake();
             },
         );
         if let Err(e) = submitted {
-            let (h, b) = local(503, format!("dpumesh: filter workers unavailable: {e}"));
-            self.finish_local(xid, &h, b);
+            self.fail(xid, pool_error(e));
         }
     }
 
-    /// The chain decided.
-    fn decided(&mut self, xid: u32, done: RequestDone) {
+    /// The chain decided (or its worker died with the request).
+    fn decided(&mut self, xid: u32, done: Result<Box<RequestDone>, PoolError>) {
+        let done = match done {
+            Ok(done) => *done,
+            Err(e) => {
+                self.fail(xid, pool_error(e));
+                return;
+            }
+        };
         let Some(exchange) = self.exchanges.get_mut(&xid) else {
             // Timed out while filtering: the response phase still runs.
             let info = ResponseInfo {
@@ -674,7 +755,7 @@ impl<F: Fabric> Reactor<F> {
                     status: reply.status,
                     headers,
                 };
-                self.finish_local_as(xid, &head, reply.body.into_bytes(), FailureKind::LocalReply);
+                self.finish_with(xid, &head, reply.body.into_bytes(), FailureKind::LocalReply);
             }
             Decision::Continue => {
                 exchange.head = Some(outcome.head);
@@ -784,14 +865,14 @@ impl<F: Fabric> Reactor<F> {
         match peer {
             Some(node) => self.send_to_peer(xid, &node),
             None => {
-                let (h, b) = local(
-                    503,
+                let e = ProxyError::new(
+                    ErrorKind::NoEndpoint,
                     format!(
-                        "dpumesh: no endpoint for service {service:?} on node {:?}",
+                        "no endpoint for service {service:?} on node {:?}",
                         self.topology.node
                     ),
                 );
-                self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
+                self.fail(xid, e);
             }
         }
     }
@@ -838,16 +919,19 @@ impl<F: Fabric> Reactor<F> {
         let bytes = match wire::encode_request(head) {
             Ok(b) => b,
             Err(e) => {
-                let (h, b) = local(431, format!("dpumesh: request head cannot be carried: {e}"));
-                self.finish_local(xid, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::HeadTooLarge,
+                    format!("request head cannot be carried: {e}"),
+                );
+                self.fail(xid, e);
                 return;
             }
         };
         let header = match self.port.alloc_header(&bytes) {
             Ok(h) => h,
             Err(e) => {
-                let (h, b) = local(503, format!("dpumesh: no header buffer: {e}"));
-                self.finish_local(xid, &h, b);
+                let e = ProxyError::new(ErrorKind::Overloaded, format!("no header buffer: {e}"));
+                self.fail(xid, e);
                 return;
             }
         };
@@ -889,20 +973,22 @@ impl<F: Fabric> Reactor<F> {
                             Ok(s) => s,
                             Err(e) => {
                                 let _ = self.port.release_header(header);
-                                let (h, b) = local(
-                                    503,
-                                    format!("dpumesh: no body buffer at the service: {e}"),
+                                let e = ProxyError::new(
+                                    ErrorKind::EndpointRefused,
+                                    format!("no body buffer at the service: {e}"),
                                 );
-                                self.finish_local(xid, &h, b);
+                                self.fail_try(xid, e);
                                 return;
                             }
                         };
                         let Some(mrs) = self.mrs(pod) else {
                             self.release_rx(pod, slot);
                             let _ = self.port.release_header(header);
-                            let (h, b) =
-                                local(503, "dpumesh: the service's memory cannot be registered");
-                            self.finish_local(xid, &h, b);
+                            let e = ProxyError::new(
+                                ErrorKind::Internal,
+                                "the service's memory cannot be registered",
+                            );
+                            self.fail(xid, e);
                             return;
                         };
                         let offset = mrs.rx_pool.offset_of(slot).expect("reserved here");
@@ -1014,11 +1100,11 @@ impl<F: Fabric> Reactor<F> {
                     self.release_rx(pod, slot);
                     let _ = self.port.release_header(header);
                     if let Some(status) = failed {
-                        let (h, b) = local(
-                            502,
-                            format!("dpumesh: request body could not be read: {status:?}"),
+                        let e = ProxyError::new(
+                            ErrorKind::DownstreamLost,
+                            format!("the request body could not be read: {status:?}"),
                         );
-                        self.finish_local(xid, &h, b);
+                        self.fail(xid, e);
                     }
                     return;
                 }
@@ -1086,21 +1172,20 @@ impl<F: Fabric> Reactor<F> {
                     ResponseBody::None
                 } else if d.body.len > reply.len {
                     self.complete(&d);
-                    let (h, b) = local(
-                        502,
+                    let e = ProxyError::new(
+                        ErrorKind::BadResponse,
                         format!(
-                            "dpumesh: response body of {} bytes exceeds the {}-byte reply buffer",
+                            "response body of {} bytes exceeds the {}-byte reply buffer",
                             d.body.len, reply.len
                         ),
                     );
-                    self.send_local(qp, peer_xid, &h, b);
+                    self.send_local(qp, peer_xid, &e.response_head(), e.body());
                     return;
                 } else {
                     match self.write_body(qp, &d, reply) {
                         Ok(()) => ResponseBody::Written(d.body.len),
-                        Err(()) => {
-                            let (h, b) = local(502, "dpumesh: the response body could not be sent");
-                            self.send_local(qp, peer_xid, &h, b);
+                        Err(e) => {
+                            self.send_local(qp, peer_xid, &e.response_head(), e.body());
                             return;
                         }
                     }
@@ -1122,26 +1207,38 @@ impl<F: Fabric> Reactor<F> {
 
     /// RDMA-WRITEs a pod's response body (in its TX pool) to `reply`; the pod gets the
     /// slot back when the write is done.
-    fn write_body(&mut self, qp: u32, d: &Descriptor, reply: RemoteBuf) -> Result<(), ()> {
+    fn write_body(&mut self, qp: u32, d: &Descriptor, reply: RemoteBuf) -> Result<(), ProxyError> {
         let Some(mrs) = self.mrs(d.src_pod) else {
             self.complete(d);
-            return Err(());
+            return Err(ProxyError::new(
+                ErrorKind::Internal,
+                "the service's memory cannot be registered",
+            ));
         };
         let Ok(offset) = mrs.tx_pool.offset_of(d.body) else {
             self.complete(d);
-            return Err(());
+            return Err(ProxyError::new(
+                ErrorKind::BadResponse,
+                "the service's response body is not in its pool",
+            ));
         };
         let sge = mrs.tx.sge(offset, d.body.len);
         let token = self.next_op;
         self.next_op += 1;
         let Some(state) = self.links.get_mut(&qp) else {
             self.complete(d);
-            return Err(());
+            return Err(ProxyError::new(
+                ErrorKind::DownstreamLost,
+                "the link the request came on is gone",
+            ));
         };
         if state.link.write(sge, reply.at, token).is_err() {
             self.complete(d);
             self.link_down(qp, "write refused".into());
-            return Err(());
+            return Err(ProxyError::new(
+                ErrorKind::DownstreamLost,
+                "the response body could not be written back",
+            ));
         }
         self.ops.insert(token, Op::Write { qp, done: *d });
         Ok(())
@@ -1229,8 +1326,11 @@ impl<F: Fabric> Reactor<F> {
             }
             ResponseBody::Written(_) => {
                 self.release_rx(d.src_pod, reply_slot);
-                let (h, b) = local(502, "dpumesh: peer wrote past the reply buffer");
-                self.reply_pod(&d, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::BadResponse,
+                    "the peer wrote past the reply buffer",
+                );
+                self.reply_pod(&d, &e.response_head(), e.body());
                 self.complete(&d);
                 return;
             }
@@ -1272,8 +1372,11 @@ impl<F: Fabric> Reactor<F> {
     /// pool for the peer to read, and the reply lands in a slot of its RX pool.
     fn send_to_peer(&mut self, xid: u32, node: &str) {
         let Some(qp) = self.peer_link(node) else {
-            let (h, b) = local(502, format!("dpumesh: node {node:?} is unreachable"));
-            self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
+            let e = ProxyError::new(
+                ErrorKind::Unreachable,
+                format!("node {node:?} is unreachable"),
+            );
+            self.fail(xid, e);
             return;
         };
         self.start_try(xid);
@@ -1284,8 +1387,11 @@ impl<F: Fabric> Reactor<F> {
         let head = match wire::encode_request(exchange.head.as_ref().expect("decided")) {
             Ok(h) => h,
             Err(e) => {
-                let (h, b) = local(431, format!("dpumesh: request head cannot be carried: {e}"));
-                self.finish_local(xid, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::HeadTooLarge,
+                    format!("request head cannot be carried: {e}"),
+                );
+                self.fail(xid, e);
                 return;
             }
         };
@@ -1302,8 +1408,11 @@ impl<F: Fabric> Reactor<F> {
         let reply_slot = match info.rx_body.alloc(OwnerId::FABRIC) {
             Ok(s) => s,
             Err(e) => {
-                let (h, b) = local(503, format!("dpumesh: no buffer for the reply: {e}"));
-                self.finish_local(xid, &h, b);
+                let e = ProxyError::new(
+                    ErrorKind::CallerOutOfBuffers,
+                    format!("no buffer for the reply: {e}"),
+                );
+                self.fail(xid, e);
                 return;
             }
         };
@@ -1313,8 +1422,8 @@ impl<F: Fabric> Reactor<F> {
             .expect("a whole slot");
         let Some(mrs) = self.mrs(pod) else {
             self.release_rx(pod, reply_buf);
-            let (h, b) = local(503, "dpumesh: the pod's memory cannot be registered");
-            self.finish_local(xid, &h, b);
+            let e = ProxyError::new(ErrorKind::Internal, "the pod's memory cannot be registered");
+            self.fail(xid, e);
             return;
         };
         let reply = RemoteBuf {
@@ -1403,15 +1512,11 @@ impl<F: Fabric> Reactor<F> {
             tracing::debug!(?status, "data path error for a finished exchange");
             return;
         };
-        if self.can_retry(xid) {
-            self.retry(xid, 503);
-            return;
-        }
-        let (h, b) = local(
-            503,
-            format!("dpumesh: the service's pod could not take the request: {status:?}"),
+        let e = ProxyError::new(
+            ErrorKind::EndpointRefused,
+            format!("the service's pod could not take the request: {status:?}"),
         );
-        self.finish_local_as(xid, &h, b, FailureKind::ConnectFailure);
+        self.fail_try(xid, e);
     }
 
     /// Whether a failed try of `xid` may be tried again: tries left, an idempotent
@@ -1452,18 +1557,24 @@ impl<F: Fabric> Reactor<F> {
         self.dispatch(xid);
     }
 
-    /// Answers an exchange from the proxy itself, as a local reply (policy).
-    fn finish_local(&mut self, xid: u32, head: &ResponseHead, body: Vec<u8>) {
-        self.finish_local_as(xid, head, body, FailureKind::Internal);
+    /// Ends a try that failed with `e`: tried again on the next pod when the error and
+    /// the exchange allow it, answered with `e` otherwise.
+    fn fail_try(&mut self, xid: u32, e: ProxyError) {
+        if e.retryable() && self.can_retry(xid) {
+            self.retry(xid, e.status());
+        } else {
+            self.fail(xid, e);
+        }
     }
 
-    fn finish_local_as(
-        &mut self,
-        xid: u32,
-        head: &ResponseHead,
-        body: Vec<u8>,
-        failure: FailureKind,
-    ) {
+    /// Answers an exchange with the proxy's error `e`.
+    fn fail(&mut self, xid: u32, e: ProxyError) {
+        let failure = failure_kind(&e);
+        self.finish_with(xid, &e.response_head(), e.body(), failure);
+    }
+
+    /// Answers an exchange from the proxy itself: an error, or a filter's denial.
+    fn finish_with(&mut self, xid: u32, head: &ResponseHead, body: Vec<u8>, failure: FailureKind) {
         let Some(mut exchange) = self.exchanges.remove(&xid) else {
             return;
         };
@@ -1507,6 +1618,10 @@ impl<F: Fabric> Reactor<F> {
                 self.at_pod.remove(&key);
             }
         }
+    }
+
+    fn reply_origin_error(&mut self, origin: &Origin, e: &ProxyError) {
+        self.reply_origin(origin, &e.response_head(), e.body());
     }
 
     fn reply_origin(&mut self, origin: &Origin, head: &ResponseHead, body: Vec<u8>) {
@@ -1588,33 +1703,31 @@ impl<F: Fabric> Reactor<F> {
                 continue;
             };
             if exchange.deadline > now {
-                if exchange.try_deadline.is_some_and(|t| t <= now) {
-                    if self.can_retry(xid) {
-                        self.retry(xid, 504);
-                    } else if matches!(exchange.at, At::Pod { .. }) {
-                        let (h, b) = local(
-                            504,
-                            format!(
-                                "dpumesh: service {:?} did not answer a try within its per-try timeout",
-                                exchange.service
-                            ),
-                        );
-                        self.finish_local_as(xid, &h, b, FailureKind::Timeout);
-                    }
+                if exchange.try_deadline.is_some_and(|t| t <= now)
+                    && matches!(exchange.at, At::Pod { .. })
+                {
+                    let e = ProxyError::new(
+                        ErrorKind::TryTimeout,
+                        format!(
+                            "service {:?} did not answer a try within its per-try timeout",
+                            exchange.service
+                        ),
+                    );
+                    self.fail_try(xid, e);
                 }
                 continue;
             }
             self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
             let waited = exchange.started.elapsed();
-            let (h, b) = local(
-                504,
+            let e = ProxyError::new(
+                ErrorKind::Timeout,
                 format!(
-                    "dpumesh: service {:?} did not answer within {} ms",
+                    "service {:?} did not answer within {} ms",
                     exchange.service,
                     waited.as_millis()
                 ),
             );
-            self.finish_local_as(xid, &h, b, FailureKind::Timeout);
+            self.fail(xid, e);
         }
     }
 
@@ -1685,12 +1798,57 @@ impl<F: Fabric> Reactor<F> {
                 // Nobody to answer; a reply from the pod is dropped when it comes.
                 self.drop_exchange(xid);
             } else {
-                let (h, b) = local(
-                    502,
-                    format!("dpumesh: lost the link to the service's node ({why})"),
+                let e = ProxyError::new(
+                    ErrorKind::LinkLost,
+                    format!("lost the link to the service's node ({why})"),
                 );
-                self.finish_local_as(xid, &h, b, FailureKind::UpstreamReset);
+                self.fail(xid, e);
             }
         }
+    }
+}
+
+/// The answer for a request the filter workers could not take or finish.
+fn pool_error(e: PoolError) -> ProxyError {
+    let kind = match e {
+        PoolError::Stopped => ErrorKind::ShuttingDown,
+        PoolError::WorkerLost => ErrorKind::ThreadLost,
+        PoolError::UnknownChain(_) | PoolError::StaleGeneration { .. } => ErrorKind::Internal,
+    };
+    ProxyError::new(kind, format!("filter chain not run: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use test_case::test_case;
+
+    use super::*;
+
+    #[test_case(ErrorKind::EndpointRefused, FailureKind::ConnectFailure; "a pod that cannot take the request is the service's")]
+    #[test_case(ErrorKind::Unreachable, FailureKind::ConnectFailure; "an unreachable node")]
+    #[test_case(ErrorKind::NoEndpoint, FailureKind::ConnectFailure; "no endpoint")]
+    #[test_case(ErrorKind::LinkLost, FailureKind::UpstreamReset; "a lost link to the service's node")]
+    #[test_case(ErrorKind::BadResponse, FailureKind::UpstreamReset; "an unusable answer")]
+    #[test_case(ErrorKind::TryTimeout, FailureKind::Timeout; "a try timeout")]
+    #[test_case(ErrorKind::Timeout, FailureKind::Timeout; "a timeout")]
+    #[test_case(ErrorKind::DownstreamLost, FailureKind::LocalReply; "the client's side went away")]
+    #[test_case(ErrorKind::HeadTooLarge, FailureKind::LocalReply; "a head too large")]
+    #[test_case(ErrorKind::NoRoute, FailureKind::LocalReply; "no route")]
+    #[test_case(ErrorKind::Overloaded, FailureKind::Internal; "the proxy is out of buffers")]
+    #[test_case(ErrorKind::ThreadLost, FailureKind::Internal; "a proxy thread died")]
+    fn the_breaker_sees_each_error_by_its_source(kind: ErrorKind, failure: FailureKind) {
+        assert_eq!(failure_kind(&ProxyError::new(kind, "x")), failure);
+    }
+
+    #[test]
+    fn filter_workers_that_stopped_or_died_give_503() {
+        let stopped = pool_error(PoolError::Stopped);
+        assert_eq!(
+            (stopped.kind(), stopped.status()),
+            (ErrorKind::ShuttingDown, 503)
+        );
+        let lost = pool_error(PoolError::WorkerLost);
+        assert_eq!((lost.kind(), lost.status()), (ErrorKind::ThreadLost, 503));
+        assert!(lost.message().contains("died"), "{lost}");
     }
 }

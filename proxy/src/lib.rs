@@ -75,7 +75,7 @@ impl Proxy {
             Some(addr) => {
                 let listener = bind(addr)?;
                 let local = listener.local_addr()?;
-                io.spawn(admin::serve(listener, policy.clone()));
+                io.spawn(admin::serve(listener, policy.clone(), Vec::new()));
                 Some(local)
             }
             None => None,

@@ -117,7 +117,11 @@ impl MeshNode {
                     .block_on(tokio::net::TcpListener::bind(addr))
                     .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
                 let local = listener.local_addr()?;
-                io.spawn(crate::admin::serve(listener, policy.clone()));
+                io.spawn(crate::admin::serve(
+                    listener,
+                    policy.clone(),
+                    vec![dataplane.supervisor().clone()],
+                ));
                 Some(local)
             }
             None => None,

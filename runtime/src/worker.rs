@@ -8,6 +8,12 @@
 //! generation makes the worker switch between two jobs. Publishing also tells idle
 //! workers to switch at once, so they build their new instances before the next
 //! request rather than during it.
+//!
+//! Workers are supervised ([`dpumesh_supervise`]): a panic on a worker (a host bug; a
+//! filter's own faults are traps, handled by its failure policy) drops the worker's
+//! instances and builds them again, and the job it was running is answered with
+//! [`PoolError::WorkerLost`] — a request is never left waiting for an answer that
+//! cannot come.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -17,6 +23,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 use crossbeam_channel::{Receiver, Sender};
 use dpumesh_head::RequestHead;
+use dpumesh_supervise::{RestartPolicy, Supervisor};
 use tokio::sync::oneshot;
 
 use crate::bindings::ResponseInfo;
@@ -38,6 +45,9 @@ pub enum PoolError {
     /// The pool has shut down.
     #[error("the worker pool has stopped")]
     Stopped,
+    /// The worker running the job died (it was replaced); the job was not finished.
+    #[error("the filter worker running the request died (it was replaced)")]
+    WorkerLost,
     /// Generations must be published in increasing order.
     #[error("generation {published} is not newer than the current {current}")]
     StaleGeneration {
@@ -102,18 +112,49 @@ pub struct RequestDone {
 
 /// Where a finished phase goes: an awaiting task, or a function called on the worker
 /// (for callers that are not async, e.g. a data-path reactor with its own wake-up).
-enum Reply<T> {
-    Oneshot(oneshot::Sender<T>),
-    Callback(Box<dyn FnOnce(T) + Send>),
+enum Target<T> {
+    Oneshot(oneshot::Sender<Result<T, PoolError>>),
+    Callback(Box<dyn FnOnce(Result<T, PoolError>) + Send>),
 }
 
+/// A job's answer, owed: sent once with the result, or — if the job is dropped
+/// unanswered because its worker panicked — with [`PoolError::WorkerLost`].
+struct Reply<T>(Option<Target<T>>);
+
 impl<T> Reply<T> {
-    fn send(self, value: T) {
-        match self {
-            Self::Oneshot(tx) => {
+    fn oneshot(tx: oneshot::Sender<Result<T, PoolError>>) -> Self {
+        Self(Some(Target::Oneshot(tx)))
+    }
+
+    fn callback(f: impl FnOnce(Result<T, PoolError>) + Send + 'static) -> Self {
+        Self(Some(Target::Callback(Box::new(f))))
+    }
+
+    fn send(mut self, value: Result<T, PoolError>) {
+        match self.0.take() {
+            Some(Target::Oneshot(tx)) => {
                 let _ = tx.send(value);
             }
-            Self::Callback(f) => f(value),
+            Some(Target::Callback(f)) => f(value),
+            None => {}
+        }
+    }
+}
+
+impl<T> Drop for Reply<T> {
+    fn drop(&mut self) {
+        // Only a job abandoned by a panicking worker gets here with its answer owed.
+        match self.0.take() {
+            Some(Target::Oneshot(tx)) => {
+                let _ = tx.send(Err(PoolError::WorkerLost));
+            }
+            Some(Target::Callback(f)) => {
+                // A callback that panics while we are unwinding would abort.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    f(Err(PoolError::WorkerLost))
+                }));
+            }
+            None => {}
         }
     }
 }
@@ -136,6 +177,9 @@ enum Job {
         reply: Reply<ResponseDone>,
     },
     Switch(Arc<Generation>),
+    /// Panic while holding a request's reply (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    Panic(Reply<RequestDone>),
 }
 
 /// A fixed set of worker threads running filter chains.
@@ -146,6 +190,7 @@ pub struct WorkerPool {
     on: Arc<[AtomicU64]>,
     next: AtomicUsize,
     threads: Vec<JoinHandle<()>>,
+    supervisor: Arc<Supervisor>,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -167,17 +212,22 @@ impl WorkerPool {
             .collect();
         let mut senders = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
+        let supervisor = Supervisor::new();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded::<()>(workers);
         for id in 0..workers {
             let (tx, rx) = crossbeam_channel::unbounded();
-            let worker = Worker::new(id, generation.clone(), on.clone());
-            let ready = ready_tx.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("dpumesh-worker-{id}"))
-                .spawn(move || worker.run(rx, ready))?;
+            let worker = Worker::new(id, generation.clone(), on.clone(), rx, ready_tx.clone());
+            let thread = supervisor.spawn(
+                format!("dpumesh-worker-{id}"),
+                RestartPolicy::default(),
+                worker,
+                Worker::run,
+                Worker::recover,
+            )?;
             senders.push(tx);
             threads.push(thread);
         }
+        drop(ready_tx);
         // Pre-create every instance before the first request, so none waits for one.
         for _ in 0..workers {
             let _ = ready_rx.recv();
@@ -188,7 +238,13 @@ impl WorkerPool {
             on,
             next: AtomicUsize::new(0),
             threads,
+            supervisor,
         })
+    }
+
+    /// The workers' threads, for readiness: a worker that kept panicking is down.
+    pub fn supervisor(&self) -> &Arc<Supervisor> {
+        &self.supervisor
     }
 
     /// Number of workers.
@@ -229,22 +285,23 @@ impl WorkerPool {
         generation: Arc<Generation>,
         chain: usize,
         head: RequestHead,
-    ) -> Result<oneshot::Receiver<RequestDone>, PoolError> {
+    ) -> Result<oneshot::Receiver<Result<RequestDone, PoolError>>, PoolError> {
         let (reply, done) = oneshot::channel();
-        self.submit_to(generation, chain, head, Reply::Oneshot(reply))?;
+        self.submit_to(generation, chain, head, Reply::oneshot(reply))?;
         Ok(done)
     }
 
     /// Runs chain `chain` of `generation` on the next worker and calls `done` there
-    /// with the result (it must be quick: the worker waits for it).
+    /// with the result (it must be quick: the worker waits for it). `done` is called
+    /// exactly once, with [`PoolError::WorkerLost`] if the worker died with the job.
     pub fn request_with(
         &self,
         generation: Arc<Generation>,
         chain: usize,
         head: RequestHead,
-        done: impl FnOnce(RequestDone) + Send + 'static,
+        done: impl FnOnce(Result<RequestDone, PoolError>) + Send + 'static,
     ) -> Result<(), PoolError> {
-        self.submit_to(generation, chain, head, Reply::Callback(Box::new(done)))
+        self.submit_to(generation, chain, head, Reply::callback(done))
     }
 
     fn submit_to(
@@ -274,7 +331,7 @@ impl WorkerPool {
     pub fn on_request(&self, chain: usize, head: RequestHead) -> Result<RequestDone, PoolError> {
         self.submit(self.current(), chain, head)?
             .blocking_recv()
-            .map_err(|_| PoolError::Stopped)
+            .map_err(|_| PoolError::Stopped)?
     }
 
     /// Runs chain `chain` of `generation` (resolved by the caller, e.g. from a route
@@ -287,7 +344,7 @@ impl WorkerPool {
     ) -> Result<RequestDone, PoolError> {
         self.submit(generation, chain, head)?
             .await
-            .map_err(|_| PoolError::Stopped)
+            .map_err(|_| PoolError::Stopped)?
     }
 
     fn submit_response(
@@ -295,21 +352,35 @@ impl WorkerPool {
         ticket: Ticket,
         head: RequestHead,
         info: ResponseInfo,
-    ) -> Result<oneshot::Receiver<ResponseDone>, PoolError> {
+    ) -> Result<oneshot::Receiver<Result<ResponseDone, PoolError>>, PoolError> {
         let (reply, done) = oneshot::channel();
-        self.submit_response_to(ticket, head, info, Reply::Oneshot(reply))?;
+        self.submit_response_to(ticket, head, info, Reply::oneshot(reply))?;
         Ok(done)
     }
 
-    /// Runs the response phase where `ticket` says and calls `done` there.
+    /// Makes worker `worker` panic while it holds a request (tests of supervision):
+    /// the request is answered with [`PoolError::WorkerLost`] and the worker rebuilt.
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self, worker: usize) -> Result<RequestDone, PoolError> {
+        let (reply, done) = oneshot::channel();
+        self.senders
+            .get(worker)
+            .ok_or(PoolError::Stopped)?
+            .send(Job::Panic(Reply::oneshot(reply)))
+            .map_err(|_| PoolError::Stopped)?;
+        done.blocking_recv().map_err(|_| PoolError::Stopped)?
+    }
+
+    /// Runs the response phase where `ticket` says and calls `done` there (exactly
+    /// once, as for [`WorkerPool::request_with`]).
     pub fn response_with(
         &self,
         ticket: Ticket,
         head: RequestHead,
         info: ResponseInfo,
-        done: impl FnOnce(ResponseDone) + Send + 'static,
+        done: impl FnOnce(Result<ResponseDone, PoolError>) + Send + 'static,
     ) -> Result<(), PoolError> {
-        self.submit_response_to(ticket, head, info, Reply::Callback(Box::new(done)))
+        self.submit_response_to(ticket, head, info, Reply::callback(done))
     }
 
     fn submit_response_to(
@@ -319,6 +390,9 @@ impl WorkerPool {
         info: ResponseInfo,
         reply: Reply<ResponseDone>,
     ) -> Result<(), PoolError> {
+        if ticket.chain >= ticket.generation.chains.len() {
+            return Err(PoolError::UnknownChain(ticket.chain));
+        }
         let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
         sender
             .send(Job::Response {
@@ -341,7 +415,7 @@ impl WorkerPool {
     ) -> Result<(RequestHead, Vec<FilterFault>), PoolError> {
         self.submit_response(ticket, head, info)?
             .blocking_recv()
-            .map_err(|_| PoolError::Stopped)
+            .map_err(|_| PoolError::Stopped)?
     }
 
     /// Runs the response phase where `ticket` says.
@@ -353,7 +427,7 @@ impl WorkerPool {
     ) -> Result<(RequestHead, Vec<FilterFault>), PoolError> {
         self.submit_response(ticket, head, info)?
             .await
-            .map_err(|_| PoolError::Stopped)
+            .map_err(|_| PoolError::Stopped)?
     }
 }
 
@@ -400,64 +474,94 @@ struct Worker {
     /// Older generations with responses still to come, newest first.
     retired: Vec<Runners>,
     on: Arc<[AtomicU64]>,
+    jobs: Receiver<Job>,
+    /// Told once, when the worker first takes jobs.
+    ready: Option<Sender<()>>,
 }
 
 impl Worker {
-    fn new(id: usize, generation: Arc<Generation>, on: Arc<[AtomicU64]>) -> Self {
+    fn new(
+        id: usize,
+        generation: Arc<Generation>,
+        on: Arc<[AtomicU64]>,
+        jobs: Receiver<Job>,
+        ready: Sender<()>,
+    ) -> Self {
         Self {
             id,
             current: Runners::new(generation),
             retired: Vec::new(),
             on,
+            jobs,
+            ready: Some(ready),
         }
     }
 
-    fn run(mut self, jobs: Receiver<Job>, ready: Sender<()>) {
-        let _ = ready.send(());
-        drop(ready);
-        while let Ok(job) = jobs.recv() {
-            match job {
-                Job::Request {
+    /// Takes jobs until the pool closes the channel.
+    fn run(&mut self) {
+        if let Some(ready) = self.ready.take() {
+            let _ = ready.send(());
+        }
+        while let Ok(job) = self.jobs.recv() {
+            self.job(job);
+        }
+    }
+
+    /// After a panic: the instances may be mid-call and the bookkeeping half done, so
+    /// all of it goes; the current generation's instances are built again. (The
+    /// panicking job's reply was answered as it unwound.)
+    fn recover(&mut self) {
+        let generation = self.current.generation.clone();
+        self.retired.clear();
+        self.current = Runners::new(generation);
+    }
+
+    fn job(&mut self, job: Job) {
+        match job {
+            Job::Request {
+                generation,
+                chain,
+                head,
+                reply,
+            } => {
+                let worker = self.id;
+                let runners = self.runners(&generation);
+                runners.open += 1;
+                let runner = &mut runners.runners[chain];
+                let outcome = runner.on_request(head);
+                let ticket = Ticket {
+                    worker,
                     generation,
                     chain,
-                    head,
-                    reply,
-                } => {
-                    let worker = self.id;
-                    let runners = self.runners(&generation);
-                    runners.open += 1;
-                    let runner = &mut runners.runners[chain];
-                    let outcome = runner.on_request(head);
-                    let ticket = Ticket {
-                        worker,
-                        generation,
-                        chain,
-                        ran: outcome.ran,
-                    };
-                    reply.send(RequestDone { ticket, outcome });
-                    runner.repair();
-                }
-                Job::Response {
-                    ticket,
-                    head,
-                    info,
-                    reply,
-                } => {
-                    let runners = self.runners(&ticket.generation);
-                    runners.open = runners.open.saturating_sub(1);
-                    let runner = &mut runners.runners[ticket.chain];
-                    let result = runner.on_response(head, &info, ticket.ran);
-                    reply.send(result);
-                    runner.repair();
-                    self.sweep();
-                }
-                Job::Switch(generation) => {
-                    self.runners(&generation);
-                }
+                    ran: outcome.ran,
+                };
+                reply.send(Ok(RequestDone { ticket, outcome }));
+                runner.repair();
+            }
+            Job::Response {
+                ticket,
+                head,
+                info,
+                reply,
+            } => {
+                let runners = self.runners(&ticket.generation);
+                runners.open = runners.open.saturating_sub(1);
+                let runner = &mut runners.runners[ticket.chain];
+                let result = runner.on_response(head, &info, ticket.ran);
+                reply.send(Ok(result));
+                runner.repair();
+                self.sweep();
+            }
+            Job::Switch(generation) => {
+                self.runners(&generation);
+            }
+            #[cfg(feature = "fault-injection")]
+            Job::Panic(reply) => {
+                let _held = reply;
+                panic!("injected worker panic");
             }
         }
     }
-
     /// The runners of `generation`: the current ones, a retired set, or new ones (after
     /// switching to it when it is newer than the current generation).
     fn runners(&mut self, generation: &Arc<Generation>) -> &mut Runners {

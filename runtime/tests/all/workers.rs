@@ -188,3 +188,66 @@ fn a_published_generation_takes_over_while_open_requests_finish_on_theirs() {
         })
     ));
 }
+
+#[test]
+fn a_worker_that_panics_answers_its_request_and_is_rebuilt() {
+    let rt = runtime();
+    let c = chain(
+        &rt,
+        vec![settings(
+            "t",
+            json!({"request": [{"set_header": ["x-tag", "t"]}]}),
+        )],
+    );
+    let pool = WorkerPool::start(Generation::new(1, vec![c]), 1).unwrap();
+    // Requests queued behind the panicking job, from other threads.
+    let pool = Arc::new(pool);
+    let lost = pool.inject_panic(0);
+    assert!(
+        matches!(lost, Err(dpumesh_runtime::PoolError::WorkerLost)),
+        "the held request is answered, not left waiting: {lost:?}"
+    );
+    // The worker runs again on fresh instances, and so does a callback request.
+    let done = pool.on_request(0, get("/")).unwrap();
+    assert_eq!(done.outcome.decision, Decision::Continue);
+    assert_eq!(done.outcome.head.header("x-tag").as_deref(), Some("t"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    pool.request_with(pool.current(), 0, get("/"), move |r| {
+        tx.send(r.is_ok()).unwrap()
+    })
+    .unwrap();
+    assert!(rx.recv().unwrap());
+    let worker = &pool.supervisor().threads()[0];
+    assert_eq!(worker.panics(), 1);
+    assert!(worker.running());
+    assert!(
+        worker
+            .last_panic()
+            .unwrap()
+            .contains("injected worker panic"),
+        "{:?}",
+        worker.last_panic()
+    );
+    assert_eq!(pool.supervisor().ready(), Ok(()));
+}
+
+#[test]
+fn a_response_for_a_chain_the_generation_lacks_is_refused_not_a_worker_panic() {
+    let rt = runtime();
+    let c = chain(&rt, vec![settings("t", json!({}))]);
+    let pool = WorkerPool::start(Generation::new(1, vec![c]), 1).unwrap();
+    let done = pool.on_request(0, get("/")).unwrap();
+    let mut ticket = done.ticket;
+    ticket.chain = 5;
+    let info = dpumesh_runtime::ResponseInfo {
+        status: 200,
+        latency_ns: 1,
+        upstream: None,
+        failure: dpumesh_runtime::FailureKind::None,
+    };
+    assert!(matches!(
+        pool.on_response(ticket, done.outcome.head, info),
+        Err(dpumesh_runtime::PoolError::UnknownChain(5))
+    ));
+    assert_eq!(pool.supervisor().threads()[0].panics(), 0);
+}

@@ -1,0 +1,147 @@
+//! A node's data plane under supervision, in process: when its reactor thread panics,
+//! what it held is answered at once (the ingress sees its link go and answers 502; it
+//! does not wait for the request timeout), the thread comes back and serves, and a
+//! data plane that keeps panicking is left down with `/readyz` saying so.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::Duration;
+
+use dpumesh_config::MeshFile;
+use dpumesh_dpa::control::transport::Endpoint;
+use dpumesh_dpa::fabric::soft::SoftFabric;
+use dpumesh_dpa::{HostPort, Incoming, WakeMode};
+use dpumesh_head::wire::{self, ResponseHead};
+use dpumesh_ingress::{Ingress, Settings};
+use dpumesh_proxy::node::MeshNode;
+
+fn write_files(dir: &Path) -> MeshFile {
+    std::fs::write(
+        dir.join("policy.yaml"),
+        "workers: 1\nchains: {open: []}\nservices: {slow: {chain: open}}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("mesh.yaml"),
+        "policy: policy.yaml\ningress: {listen: 127.0.0.1:0, request_timeout: 60s}\nnodes:\n  n1: {fabric: 127.0.0.1:0, admin: 127.0.0.1:0}\nservices:\n  slow: {nodes: [n1]}\n",
+    )
+    .unwrap();
+    MeshFile::read(&dir.join("mesh.yaml")).unwrap()
+}
+
+/// GET `path` from `addr` (HTTP/1.1, `host` as given): status and body.
+fn get(addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    let status = reply
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = reply
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, b)| b.to_owned());
+    (status, body)
+}
+
+/// The pod's next request (waits for it).
+fn next_request(pod: &mut HostPort) -> dpumesh_dpa::Descriptor {
+    loop {
+        match pod
+            .recv(WakeMode::LOW_CPU, Duration::from_secs(60))
+            .unwrap()
+        {
+            Some(Incoming::Message { descriptor, .. }) if !descriptor.kind.response => {
+                return descriptor;
+            }
+            Some(_) => {}
+            None => panic!("no request reached the pod"),
+        }
+    }
+}
+
+#[test]
+fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = write_files(dir.path());
+    let node = MeshNode::start(&mesh, "n1", dir.path()).unwrap();
+    let admin = node.admin_addr().unwrap();
+    let mut pod = HostPort::connect(
+        &Endpoint::Unix(node.control_socket().to_owned()),
+        "slow-0",
+        "slow",
+    )
+    .unwrap();
+    let ingress = Ingress::start(
+        SoftFabric::new(),
+        Settings {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            max_head: 32 << 10,
+            max_body: 1 << 20,
+            body_timeout: Duration::from_secs(10),
+            request_timeout: Duration::from_secs(60),
+            slots: 8,
+            policy: dir.path().join("policy.yaml"),
+            services: BTreeMap::from([("slow".to_owned(), vec![node.fabric_addr()])]),
+        },
+    )
+    .unwrap();
+    let client = ingress.addr();
+    assert_eq!(get(admin, "admin", "/readyz").0, 200);
+
+    // A request the pod holds; the reactor panics under it.
+    let held = std::thread::spawn(move || get(client, "slow", "/held"));
+    let _unanswered = next_request(&mut pod);
+    node.dataplane().inject_panic();
+    let (status, body) = held.join().unwrap();
+    assert_eq!(
+        status, 502,
+        "answered when the link went, not at the 60 s timeout: {body}"
+    );
+
+    // The reactor is back: the ingress links again and the pod's answer comes through.
+    let answered = std::thread::spawn(move || get(client, "slow", "/after"));
+    let request = next_request(&mut pod);
+    let head = wire::encode_response(&ResponseHead {
+        status: 200,
+        headers: Default::default(),
+    })
+    .unwrap();
+    pod.send(&HostPort::reply(&request, 200, &head, b"served"))
+        .unwrap();
+    let (status, body) = answered.join().unwrap();
+    assert_eq!((status, body.as_str()), (200, "served"));
+    let reactor = node
+        .dataplane()
+        .supervisor()
+        .threads()
+        .into_iter()
+        .find(|t| t.name() == "dpumesh-dataplane")
+        .unwrap();
+    assert_eq!(reactor.panics(), 1);
+    assert_eq!(get(admin, "admin", "/readyz").0, 200);
+
+    // A reactor that keeps panicking is left down, and readiness says which thread.
+    for n in 2..=6 {
+        node.dataplane().inject_panic();
+        while reactor.panics() < n {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    while !reactor.dead() {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (status, body) = get(admin, "admin", "/readyz");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("dpumesh-dataplane"), "{body}");
+    assert!(body.contains("injected data plane panic"), "{body}");
+}
