@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The mesh against its peers on this machine, in one run (DESIGN: "measured against
-# HAProxy"): wrk -t1 -c32 -d${DURATION:-10}s with the same token against
+# The mesh against its peers on this machine, in one run: wrk -t1 -c32 -d${DURATION:-10}s with the same token against
 #   (a) nginx serving a fixed 200,
 #   (b) nginx as a plain reverse proxy to (a),
 #   (c) HAProxy 2.6 in front of (a): JWT HS256 verify + expiry, a role rule on the
@@ -102,16 +101,19 @@ HAP
 haproxy -f "$work/haproxy.cfg" -db >/dev/null 2>&1 &
 pids+=($!)
 
-# The mesh on its own ports.
+# The mesh on its own ports, from a mesh file in the run's temporary folder (the
+# sample's policy by absolute path; nothing is written into the repository).
 sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
     -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
-    -e 's/127.0.0.1:9102/127.0.0.1:18094/' samples/hotel/mesh.yaml > samples/hotel/.bench-mesh.yaml
-./target/release/dpumesh up --config samples/hotel/.bench-mesh.yaml > "$work/up.log" 2>&1 &
+    -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
+    -e "s#^policy: policy.yaml#policy: $PWD/samples/hotel/policy.yaml#" \
+    samples/hotel/mesh.yaml > "$work/mesh.yaml"
+grep -q "^policy: /" "$work/mesh.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
+./target/release/dpumesh up --config "$work/mesh.yaml" > "$work/up.log" 2>&1 &
 up_pid=$!
 pids+=($up_pid)
 for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up.log" && break; sleep 0.2; done
 grep -q "Ctrl-C stops" "$work/up.log" || { cat "$work/up.log"; echo "the mesh did not start"; exit 1; }
-rm -f samples/hotel/.bench-mesh.yaml
 
 # Every target must answer the token with 200 before it is measured.
 for url in http://127.0.0.1:18080/ping http://127.0.0.1:18081/ping http://127.0.0.1:18082/ping http://127.0.0.1:18090/ping; do

@@ -1,16 +1,19 @@
-//! The `dpumesh` command.
+//! The `dpumesh` command: one binary for every role and tool.
 //!
-//! Today: `dpumesh demo` (run a filter chain on sample requests through the worker
-//! pool) and `dpumesh check` (load a filter component and validate its configuration).
-//! `dpumesh proxy --config FILE` runs the DPU proxy. Later issues add `up`, `ingress`,
-//! `dpa`, `filter` and `bench`.
+//! - `up` starts a whole local mesh (nodes, services, ingress) as processes; `node` and
+//!   `ingress` run one role each (what `up` starts).
+//! - `proxy` runs the DPU proxy's policy on its own, from a config file, with the admin
+//!   API and a loopback listener.
+//! - `filter new|build|test`: write, build and prove a filter in Rust, Python, JS or C.
+//! - `bench dpa`: the data path against its baselines; `check` and `demo`: load a
+//!   filter component and run it.
 
 #![forbid(unsafe_code)]
 
 mod bench;
 mod filter;
-mod mesh;
 mod progress;
+mod roles;
 mod scaffold;
 
 use std::path::{Path, PathBuf};
@@ -230,13 +233,13 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             FilterCommand::Build { dir } => scaffold::build(&dir).map(|_| ExitCode::SUCCESS),
         },
         Command::Proxy { .. } => Ok(ExitCode::SUCCESS),
-        Command::Up { config } => mesh::up(&config).map(|()| ExitCode::SUCCESS),
+        Command::Up { config } => roles::up(&config).map(|()| ExitCode::SUCCESS),
         Command::Node {
             mesh,
             name,
             run_dir,
-        } => mesh::node(&mesh, &name, &run_dir).map(|()| ExitCode::SUCCESS),
-        Command::Ingress { mesh } => mesh::ingress(&mesh).map(|()| ExitCode::SUCCESS),
+        } => roles::node(&mesh, &name, &run_dir).map(|()| ExitCode::SUCCESS),
+        Command::Ingress { mesh } => roles::ingress(&mesh).map(|()| ExitCode::SUCCESS),
     }
 }
 

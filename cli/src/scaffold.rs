@@ -270,14 +270,43 @@ fn build_rust(dir: &Path) -> Result<(String, Vec<u8>)> {
         dir,
         "; if the target is missing: rustup target add wasm32-wasip2",
     )?;
-    let target_dir =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| dir.join("target"), PathBuf::from);
+    let target_dir = cargo_target_dir(dir)?;
     let artifact = target_dir
         .join("wasm32-wasip2/release")
         .join(format!("{}.wasm", name.replace('-', "_")));
     let bytes = std::fs::read(&artifact)
         .with_context(|| format!("cargo built no component at {}", artifact.display()))?;
     Ok((name, bytes))
+}
+
+/// Where cargo puts the project's build output: its workspace's target directory when
+/// it is a workspace member, `CARGO_TARGET_DIR` or a `build.target-dir` setting when
+/// those say so — cargo knows, so it is asked.
+fn cargo_target_dir(dir: &Path) -> Result<PathBuf> {
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()));
+    cargo.current_dir(dir).args([
+        "metadata",
+        "--format-version",
+        "1",
+        "--no-deps",
+        "--offline",
+    ]);
+    let out = cargo
+        .output()
+        .with_context(|| format!("running cargo metadata in {}", dir.display()))?;
+    if !out.status.success() {
+        bail!(
+            "cargo metadata failed in {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let meta: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("cargo metadata printed no JSON")?;
+    meta["target_directory"]
+        .as_str()
+        .map(PathBuf::from)
+        .context("cargo metadata names no target directory")
 }
 
 /// The project's name: its directory's name.
@@ -477,5 +506,18 @@ mod tests {
         let manifest = "[workspace]\nname = \"no\"\n[package]\nversion = \"1\"\nname = \"yes\"\n";
         assert_eq!(package_name(manifest).as_deref(), Some("yes"));
         assert_eq!(package_name("[lib]\nname = \"x\"\n"), None);
+    }
+
+    #[test]
+    fn a_workspace_member_builds_into_its_workspace_target_directory() {
+        let member = Path::new(env!("CARGO_MANIFEST_DIR")).join("../samples/filters/guard");
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let want = match std::env::var_os("CARGO_TARGET_DIR") {
+            Some(dir) => std::path::absolute(PathBuf::from(dir)).unwrap(),
+            None => workspace.canonicalize().unwrap().join("target"),
+        };
+        let got = cargo_target_dir(&member).unwrap();
+        assert_eq!(got, want, "not the member's own target/");
+        assert!(!got.starts_with(member.canonicalize().unwrap()));
     }
 }

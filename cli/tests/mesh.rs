@@ -222,8 +222,15 @@ fn the_hotel_mesh_serves_polices_and_carries_bodies_end_to_end() {
         .collect();
     assert_eq!(codes, [500, 500, 500, 503]);
     assert_eq!(mesh.get("/flaky", Some(&alice)).0, 503, "still open");
-    std::thread::sleep(Duration::from_millis(1300));
-    assert_eq!(mesh.get("/flaky", Some(&alice)).0, 200, "recovered");
+    // After its ejection time the breaker lets a probe through, which closes it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match mesh.get("/flaky", Some(&alice)).0 {
+            200 => break,
+            503 if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            other => panic!("the breaker did not recover: {other}"),
+        }
+    }
 }
 
 #[test]
@@ -330,17 +337,19 @@ fn malformed_and_ambiguous_requests_are_refused_at_the_ingress() {
 type ClientResult = (usize, Vec<(Instant, u16)>);
 
 /// Runs `threads` clients doing GET `path` until `stop`; each returns its count of
-/// successes and its failures (when, status; 0 for no response).
+/// successes and its failures (when, status; 0 for no response), and counts its
+/// successes in `served` as they happen.
 fn load(
     mesh: &Mesh,
     path: &str,
     token: &str,
     threads: usize,
     stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    served: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) -> Vec<std::thread::JoinHandle<ClientResult>> {
     (0..threads)
         .map(|_| {
-            let (addr, path, token, stop) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone());
+            let (addr, path, token, stop, served) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone(), served.clone());
             std::thread::spawn(move || {
                 let (mut ok, mut failed) = (0, Vec::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -352,7 +361,10 @@ fn load(
                     let req = format!("GET {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
                     s.write_all(req.as_bytes()).unwrap();
                     match read_response(&mut s) {
-                        Some((200, _, _)) => ok += 1,
+                        Some((200, _, _)) => {
+                            ok += 1;
+                            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         Some((status, _, body)) => {
                             if failed.len() < 3 {
                                 eprintln!("failed with {status}: {}", String::from_utf8_lossy(&body));
@@ -384,8 +396,22 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     let mesh = Mesh::up();
     let alice = token("alice", &["user"]);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let clients = load(&mesh, "/hotels?user=3", &alice, 4, &stop);
-    std::thread::sleep(Duration::from_millis(800));
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let clients = load(&mesh, "/hotels?user=3", &alice, 4, &stop, &served);
+    // Each phase waits for what it needs to see, not for a fixed time.
+    let wait = |what: &str, done: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done() {
+            assert!(Instant::now() < deadline, "never happened: {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let more_served = |n: usize| {
+        let served = served.clone();
+        let from = served.load(std::sync::atomic::Ordering::Relaxed);
+        move || served.load(std::sync::atomic::Ordering::Relaxed) >= from + n
+    };
+    wait("the load is flowing", &more_served(20));
     // Kill one of the two user replicas of this mesh (children of its `up`).
     let users = pids_of(&mesh.child.id().to_string(), "hotel user");
     assert_eq!(users.len(), 2, "two user replicas: {users:?}");
@@ -393,7 +419,12 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
         .args(["-KILL", &users[0].to_string()])
         .status()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    let node1 = mesh.admins()[0];
+    wait("the killed replica is restarted and registered", &|| {
+        let now = pids_of(&mesh.child.id().to_string(), "hotel user");
+        now.len() == 2 && !now.contains(&users[0]) && metric(node1, "dpumesh_pods") == 4.0
+    });
+    wait("requests served after the restart", &more_served(20));
     // A reload of the policy on every node while the load goes on.
     let reload_started = Instant::now();
     let policy = mesh._dir.path().join("policy.yaml");
@@ -403,7 +434,10 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
         text.replace("cache_entries: 1000", "cache_entries: 2000"),
     )
     .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    wait("every node runs generation 2", &|| {
+        mesh.admins().into_iter().all(|a| generation(a) == 2)
+    });
+    wait("requests served on generation 2", &more_served(20));
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (mut ok, mut failed) = (0, Vec::new());
     for c in clients {
@@ -428,18 +462,6 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     );
     // The killed pod's slots are reclaimed and nothing else is held once idle: node1
     // runs frontend, flaky and two users again (the killed one was restarted).
-    let metric = |admin: SocketAddr, name: &str| -> f64 {
-        let mut s = TcpStream::connect(admin).unwrap();
-        s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
-            .unwrap();
-        let (_, _, body) = read_response(&mut s).unwrap();
-        String::from_utf8_lossy(&body)
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or(f64::NAN)
-    };
-    let node1 = mesh.admins()[0];
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let idle = [
@@ -459,14 +481,32 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    // Both nodes run the new generation.
+    // Both nodes still run the new generation.
     for admin in mesh.admins() {
-        let mut s = TcpStream::connect(admin).unwrap();
-        s.write_all(b"GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
-            .unwrap();
-        let (status, _, body) = read_response(&mut s).unwrap();
-        assert_eq!(status, 200);
-        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(v["generation"], 2, "{v}");
+        assert_eq!(generation(admin), 2);
     }
+}
+
+/// The value of metric `name` (with its labels, as written) on a node's admin API.
+fn metric(admin: SocketAddr, name: &str) -> f64 {
+    let mut s = TcpStream::connect(admin).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let (_, _, body) = read_response(&mut s).unwrap();
+    String::from_utf8_lossy(&body)
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The generation a node's admin API says it runs.
+fn generation(admin: SocketAddr) -> u64 {
+    let mut s = TcpStream::connect(admin).unwrap();
+    s.write_all(b"GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let (status, _, body) = read_response(&mut s).unwrap();
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    v["generation"].as_u64().unwrap_or(0)
 }

@@ -8,7 +8,6 @@ use serde::de::DeserializeOwned;
 /// A config error: where and what.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub struct ConfigError {
-    /// The file.
     pub file: PathBuf,
     /// Key path, e.g. `chains.api[2]`; empty for the whole file.
     pub path: String,

@@ -45,24 +45,19 @@ pub struct IngressConfig {
 }
 
 impl IngressConfig {
-    /// Largest head.
     pub fn max_head(&self) -> usize {
         self.max_head.map_or(32 << 10, |b| b.0)
     }
-    /// Largest body.
     pub fn max_body(&self) -> usize {
         self.max_body.map_or(8 << 20, |b| b.0)
     }
-    /// Body timeout.
     pub fn body_timeout(&self) -> Duration {
         self.body_timeout.map_or(Duration::from_secs(10), |s| s.0)
     }
-    /// Request timeout.
     pub fn request_timeout(&self) -> Duration {
         self.request_timeout
             .map_or(Duration::from_secs(30), |s| s.0)
     }
-    /// Slots.
     pub fn slots(&self) -> u32 {
         self.slots.unwrap_or(128)
     }
@@ -103,7 +98,6 @@ pub struct ServiceEntry {
 pub struct MeshConfig {
     /// The policy file (relative to this file).
     pub policy: PathBuf,
-    /// The ingress.
     pub ingress: IngressConfig,
     /// Nodes by name.
     pub nodes: BTreeMap<String, NodeEntry>,
@@ -114,7 +108,6 @@ pub struct MeshConfig {
 /// A checked mesh file.
 #[derive(Debug, Clone)]
 pub struct MeshFile {
-    /// The file.
     pub file: PathBuf,
     /// Its content, with `policy` resolved against the file's folder.
     pub config: MeshConfig,

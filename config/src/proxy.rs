@@ -157,7 +157,6 @@ pub struct RouteConfig {
     /// Path prefix (default `/`).
     #[serde(default = "root")]
     pub path_prefix: String,
-    /// The service.
     pub service: String,
     /// A chain overriding the service's.
     pub chain: Option<String>,
@@ -181,7 +180,6 @@ pub struct ProxyConfig {
     pub listener: Option<SocketAddr>,
     /// Worker threads (default: available cores).
     pub workers: Option<usize>,
-    /// Logging.
     #[serde(default)]
     pub log: LogConfig,
     /// `.cwasm` cache directory (default: the user cache dir).
@@ -206,11 +204,9 @@ pub struct ProxyConfig {
 /// A parsed and checked config, with the file it came from.
 #[derive(Debug, Clone)]
 pub struct LoadedConfig {
-    /// The file.
     pub file: PathBuf,
     /// Its text (for locating later errors).
     pub text: String,
-    /// The content.
     pub config: ProxyConfig,
 }
 

@@ -81,7 +81,6 @@ impl HostMatch {
 /// Where a request goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteMatch<'a> {
-    /// The service.
     pub service: &'a str,
     /// The chain's index in the generation.
     pub chain: usize,

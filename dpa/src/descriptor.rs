@@ -1,5 +1,5 @@
-//! The software descriptor: one 64-byte record that every ring carries (seed 000's
-//! `sw_descriptor`), with a version, the case flags, `(req_id, step_id)`, the source,
+//! The software descriptor: one 64-byte record that every ring carries
+//! (`sw_descriptor`), with a version, the case flags, `(req_id, step_id)`, the source,
 //! the destination (an external address or a pod), the header and body buffers, and
 //! the `valid` word the rings use as their publication flag.
 //!
@@ -114,7 +114,7 @@ impl std::fmt::Display for BufAddr {
     }
 }
 
-/// Which of seed 000's three data paths a descriptor travels.
+/// Which of the three data paths a descriptor travels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Case {
     /// Case 1: a host pod to another node (host TX SQ → DPA → ARM → RDMA).
@@ -142,7 +142,7 @@ impl Flags {
     /// A response to an earlier request with the same `(req_id, step_id)`.
     pub const RESPONSE: Flags = Flags(1 << 4);
     /// A completion: the named buffers are handed back to their owner to be freed
-    /// (seed 000's "imm data callback"). Carries no new data.
+    /// (the DMA's completion callback). Carries no new data.
     pub const COMPLETION: Flags = Flags(1 << 5);
     /// The operation failed; `status` holds a [`DescriptorStatus`] code.
     pub const ERROR: Flags = Flags(1 << 6);
@@ -241,7 +241,6 @@ pub struct Descriptor {
     pub step_id: u32,
     /// The sending pod (0 = from outside the node).
     pub src_pod: u32,
-    /// The destination.
     pub dst: Destination,
     /// HTTP status of a response, or a [`DescriptorStatus`] code with `kind.error`.
     pub status: u16,
@@ -250,7 +249,6 @@ pub struct Descriptor {
 /// A buffer reference: where and how many bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Buffer {
-    /// Where.
     pub addr: BufAddr,
     /// How many bytes.
     pub len: u32,
@@ -277,7 +275,6 @@ impl Buffer {
 /// The non-case flags of a descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Kind {
-    /// A response.
     pub response: bool,
     /// A completion handing buffers back.
     pub completion: bool,
@@ -317,7 +314,6 @@ pub enum DescriptorError {
     /// A case with the wrong kind of destination.
     #[error("{case:?} needs a {needed} destination")]
     DestinationKind {
-        /// The case.
         case: Case,
         /// "pod" or "external".
         needed: &'static str,
@@ -352,7 +348,6 @@ pub enum DescriptorError {
     Overflow {
         /// "header" or "body".
         which: &'static str,
-        /// The address.
         addr: BufAddr,
         /// The length.
         len: u32,

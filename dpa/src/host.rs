@@ -24,7 +24,6 @@ pub enum HostError {
     /// Mapping an export.
     #[error(transparent)]
     Shm(#[from] ShmError),
-    /// A pool.
     #[error(transparent)]
     Pool(#[from] PoolError),
     /// A ring (full: back-pressure; nothing was sent and no slot is held).
@@ -35,7 +34,6 @@ pub enum HostError {
     TooLarge {
         /// "header" or "body".
         what: &'static str,
-        /// Its length.
         len: usize,
         /// The slot size.
         limit: u32,
@@ -60,7 +58,6 @@ pub struct Outgoing<'a> {
     pub status: u16,
     /// The head (serialized).
     pub header: &'a [u8],
-    /// The body.
     pub body: &'a [u8],
 }
 

@@ -1,6 +1,7 @@
 //! The data path: how heads and bodies move between ingress, the DPU proxy and host
-//! pods (DESIGN §5, seed 000's cases 1/2/3, the RDMA RPC of seed 001, the host↔DPU
-//! control channel of seed 003).
+//! pods — the three paths (1: a pod to another node, 2: outside to a pod, 3: a pod to
+//! a pod on its node; docs/data-path.md), RPC over RDMA, and the host↔DPU control
+//! channel.
 //!
 //! - [`descriptor`]: the 64-byte `sw_descriptor` every ring carries, checked on decode.
 //! - [`shm`]: shared memory regions mapped by every process of a node.
@@ -13,9 +14,9 @@
 //!   and libibverbs behind `verbs`).
 //! - [`node`]: a node's DPU side (pools, sidecar rings, DMA manager, control server).
 //! - [`host`]: a host pod's port (registration, TX/RX, completions).
-//! - [`mesh`]: the messages ingress and DPU proxies exchange over the fabric.
-//! - [`link`]: one queue pair carrying mesh frames with credits, and body transfers.
-//! - [`rpc`]: RPC on the fabric (seed 001: inline small requests, RDMA READ of large
+//! - [`frame`]: the messages ingress and DPU proxies exchange over the fabric.
+//! - [`link`]: one queue pair carrying frames with credits, and body transfers.
+//! - [`rpc`]: RPC on the fabric (inline small requests, RDMA READ of large
 //!   ones, responses by WRITE_WITH_IMM, a ring of contexts per connection).
 //! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
 //!   busy-poll and an event-driven wake mode.
@@ -28,11 +29,11 @@ pub mod control;
 pub mod descriptor;
 pub mod dma;
 pub mod doorbell;
+pub mod dpu;
 pub mod fabric;
+pub mod frame;
 pub mod host;
 pub mod link;
-pub mod mesh;
-pub mod node;
 pub mod pool;
 pub mod ring;
 pub mod rpc;
@@ -42,8 +43,8 @@ pub use descriptor::{
     BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,
     Destination, Kind, RawDescriptor,
 };
+pub use dpu::{Dpu, DpuConfig, DpuError, PodInfo, PodSizing, SidecarPort};
 pub use host::{HostError, HostPort, Incoming, Outgoing};
-pub use node::{DpuNode, NodeConfig, NodeError, PodInfo, PodSizing, SidecarPort};
 pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};
 pub use ring::{Consumer, Producer, Ring, RingError, WakeMode};
 pub use shm::{SharedRegion, ShmError};

@@ -1,5 +1,5 @@
-//! A mesh link: one reliable-connected queue pair carrying [`mesh`](crate::mesh)
-//! frames both ways, plus the one-sided body transfers that go with them.
+//! A link: one reliable-connected queue pair carrying [`frame`](crate::frame)s both
+//! ways, plus the one-sided body transfers that go with them.
 //!
 //! - Both ends post [`LINK_RECVS`] receives of [`MAX_FRAME`] bytes; a sender may only
 //!   SEND into receives the peer posted (credits). Every frame returns the credits of
@@ -20,7 +20,7 @@ use crate::fabric::{
     Access, Fabric, FabricError, Interrupter, MemoryRegion, QueuePair, RecvWr, RemoteAddr, SendOp,
     SendWr, Sge, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::mesh::{Frame, FrameError, MAX_FRAME, Message};
+use crate::frame::{Frame, FrameError, MAX_FRAME, Message};
 use crate::shm::{SharedRegion, ShmError};
 
 /// Receives each end keeps posted (the credits each end starts with).
@@ -162,7 +162,7 @@ impl<F: Fabric> Link<F> {
         let size = match &message {
             Message::Request(r) => r.head.len() + 64,
             Message::Response(r) => match &r.body {
-                crate::mesh::ResponseBody::Inline(b) => r.head.len() + b.len() + 64,
+                crate::frame::ResponseBody::Inline(b) => r.head.len() + b.len() + 64,
                 _ => r.head.len() + 64,
             },
             Message::Credit => 0,
@@ -406,7 +406,7 @@ mod tests {
     use super::*;
     use crate::fabric::soft::{SoftCq, SoftFabric};
     use crate::fabric::{CompletionQueue, QpCaps, QpListener};
-    use crate::mesh::{RemoteBuf, Request, RequestFlags, Response, ResponseBody};
+    use crate::frame::{RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 
     struct End {
         link: Link<SoftFabric>,

@@ -8,7 +8,7 @@
 //! slot that has since been handed to someone else. A participant that dies leaves
 //! its slots marked with its id; [`BufferPool::reclaim`] frees them all.
 //!
-//! Sizing (the seed's open question): `slot_size` is the largest message a slot takes
+//! Sizing: `slot_size` is the largest message a slot takes
 //! whole (a head: 4–16 KiB; a body: the largest body the route accepts, or bodies span
 //! several slots), and `slot_count` is the number of messages in flight at once
 //! (ring depth × in-flight requests per pod, plus what the DMA manager holds). A pool
@@ -89,7 +89,6 @@ impl PoolLayout {
 /// A slot and the generation it was allocated in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotRef {
-    /// Slot index.
     pub index: u32,
     /// Generation at allocation.
     pub generation: u32,
@@ -121,9 +120,7 @@ pub enum PoolError {
     Exhausted {
         /// The region's name.
         region: String,
-        /// Slots.
         count: u32,
-        /// Slot size.
         size: u32,
     },
     /// The slot is not owned by who claims it (freed, reclaimed, or someone else's).
@@ -139,7 +136,6 @@ pub enum PoolError {
         owner: u32,
         /// Who holds it.
         actual: u32,
-        /// Its generation.
         generation: u32,
     },
     /// A handle from an earlier allocation.
@@ -167,9 +163,7 @@ pub enum PoolError {
         region: String,
         /// The region id.
         id: u16,
-        /// Slots.
         count: u32,
-        /// Slot size.
         size: u32,
     },
 }
@@ -273,7 +267,6 @@ impl BufferPool {
         self.id
     }
 
-    /// The layout.
     pub fn layout(&self) -> PoolLayout {
         self.layout
     }

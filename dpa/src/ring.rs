@@ -1,5 +1,5 @@
 //! Single-producer/single-consumer descriptor rings in shared memory: the host TX and
-//! RX SQs and the DPU sidecar TX and RX SQs of seed 000.
+//! RX SQs (pod ↔ DPU) and the DPU sidecar TX and RX SQs (DMA manager ↔ proxy).
 //!
 //! Each entry is one 64-byte descriptor stored as eight atomic words. The producer
 //! writes words 0–6, then word 7 (whose high half is the descriptor's `valid`) with
@@ -92,7 +92,6 @@ pub enum RingError {
     Full {
         /// The region's name.
         region: String,
-        /// Its capacity.
         capacity: u32,
     },
     /// An entry that does not decode. It was consumed (so the ring keeps moving) and
@@ -103,7 +102,6 @@ pub enum RingError {
         region: String,
         /// The entry's position.
         position: u64,
-        /// Why.
         #[source]
         source: DescriptorError,
     },
@@ -275,7 +273,6 @@ impl Producer {
         self
     }
 
-    /// The ring.
     pub fn ring(&self) -> &Ring {
         &self.ring
     }
@@ -395,7 +392,6 @@ impl Consumer {
         self.interrupted.load(Ordering::Relaxed) && self.interrupted.swap(false, Ordering::SeqCst)
     }
 
-    /// The ring.
     pub fn ring(&self) -> &Ring {
         &self.ring
     }

@@ -1,4 +1,4 @@
-//! RPC on the fabric, after seed 001's RDMA RPC:
+//! RPC on the fabric, after the classic RDMA RPC design:
 //!
 //! ```text
 //! client                                   server
@@ -51,9 +51,7 @@ const SIGNAL_EVERY: u64 = 16;
 pub struct RpcConfig {
     /// Calls in flight per connection (the ring of contexts).
     pub slots: u32,
-    /// Largest request.
     pub max_request: u32,
-    /// Largest response.
     pub max_response: u32,
     /// Requests up to this size travel inside the SEND ("accelerate small rpc");
     /// larger ones are RDMA-READ by the server.
@@ -128,18 +126,10 @@ pub enum RpcError {
     Completion(WcStatus),
     /// The request is larger than the connection takes.
     #[error("request of {len} bytes exceeds the {limit}-byte limit")]
-    RequestTooLarge {
-        /// Its size.
-        len: usize,
-        /// The limit.
-        limit: u32,
-    },
+    RequestTooLarge { len: usize, limit: u32 },
     /// The response did not fit the client's buffer.
     #[error("the server's response exceeds the client's {limit}-byte response buffer")]
-    ResponseTooLarge {
-        /// The limit.
-        limit: u32,
-    },
+    ResponseTooLarge { limit: u32 },
     /// The handler failed.
     #[error("the server's handler failed: {0}")]
     Handler(String),

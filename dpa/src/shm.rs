@@ -30,7 +30,6 @@ pub enum ShmError {
     /// The file could not be created or opened.
     #[error("cannot open shared memory {path}: {source}")]
     Open {
-        /// The file.
         path: PathBuf,
         /// The OS error.
         #[source]
@@ -39,9 +38,7 @@ pub enum ShmError {
     /// The file could not be sized or mapped.
     #[error("cannot map shared memory {path} ({len} bytes): {source}")]
     Map {
-        /// The file.
         path: PathBuf,
-        /// The size.
         len: usize,
         /// The OS error.
         #[source]
@@ -57,7 +54,6 @@ pub enum ShmError {
         name: String,
         /// Where the access started.
         offset: u64,
-        /// Its length.
         len: u64,
         /// The region's size.
         size: usize,

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::{
-    Case, Descriptor, DescriptorStatus, Destination, DpuNode, HostPort, Incoming, NodeConfig,
-    Outgoing, SidecarPort, WakeMode,
+    Case, Descriptor, DescriptorStatus, Destination, Dpu, DpuConfig, HostPort, Incoming, Outgoing,
+    SidecarPort, WakeMode,
 };
 
 const ROLE: &str = "DPUMESH_DPA_POD_ROLE";
@@ -266,10 +266,10 @@ fn pod_entry() {
     }
 }
 
-fn node(dir: &Path, name: &str) -> DpuNode {
-    let mut config = NodeConfig::new(name);
+fn node(dir: &Path, name: &str) -> Dpu {
+    let mut config = DpuConfig::new(name);
     config.pod.body_slots = 8;
-    DpuNode::start(config, &Endpoint::Unix(dir.join("control.sock"))).unwrap()
+    Dpu::start(config, &Endpoint::Unix(dir.join("control.sock"))).unwrap()
 }
 
 /// The proxy's job in these tests: forward requests and responses as the pods
@@ -419,10 +419,10 @@ fn a_pod_calling_itself_through_a_tiny_ring_gets_its_message_and_every_slot_back
     // body go to the same RX SQ. With room for only two entries the manager must wait
     // for both, not deliver and then find the ring full.
     let dir = tempfile::tempdir().unwrap();
-    let mut config = NodeConfig::new("self");
+    let mut config = DpuConfig::new("self");
     config.pod.ring_capacity = 2;
     config.pod.body_slots = 4;
-    let node = DpuNode::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap();
+    let node = Dpu::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap();
     let mut port = node.take_sidecar_ports().remove(0);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let proxy_stop = stop.clone();

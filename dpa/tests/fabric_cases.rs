@@ -7,7 +7,7 @@
 //! - Case 2 (outside → host): node 2's proxy gets the head and hands node 2's DMA
 //!   manager a descriptor whose body is already in B's RX pool; B is woken.
 //! - The response returns the same way, into the RX slot node 1's proxy granted with
-//!   the request (as seed 001's client names its response buffer).
+//!   the request (as an RDMA RPC client names its response buffer).
 //!
 //! The test plays both proxies (threads). Which RX slot a sender may write into is
 //! decided here by test scaffolding (the proxies see each other's pod tables); the
@@ -28,8 +28,8 @@ use dpumesh_dpa::fabric::{
     RemoteAddr, SendOp, SendWr, WcOpcode, WcStatus,
 };
 use dpumesh_dpa::{
-    BufAddr, Buffer, BufferPool, Case, Descriptor, Destination, DpuNode, HostPort, Incoming,
-    NodeConfig, Outgoing, OwnerId, PodInfo, SharedRegion, SidecarPort, WakeMode,
+    BufAddr, Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuConfig, HostPort, Incoming,
+    Outgoing, OwnerId, PodInfo, SharedRegion, SidecarPort, WakeMode,
 };
 use parking_lot::Mutex;
 
@@ -240,7 +240,7 @@ struct Directory {
 }
 
 struct Proxy {
-    node: Arc<DpuNode>,
+    node: Arc<Dpu>,
     port: SidecarPort,
     pd: SoftPd,
     cq: SoftCq,
@@ -266,7 +266,7 @@ const RECVS: u64 = 32;
 
 impl Proxy {
     fn new(
-        node: Arc<DpuNode>,
+        node: Arc<Dpu>,
         fabric: SoftFabric,
         pd: SoftPd,
         cq: SoftCq,
@@ -539,10 +539,10 @@ impl Proxy {
     }
 }
 
-fn start_node(dir: &Path, name: &str) -> Arc<DpuNode> {
-    let mut config = NodeConfig::new(name);
+fn start_node(dir: &Path, name: &str) -> Arc<Dpu> {
+    let mut config = DpuConfig::new(name);
     config.pod.body_slots = 8;
-    Arc::new(DpuNode::start(config, &Endpoint::Unix(dir.join(format!("{name}.sock")))).unwrap())
+    Arc::new(Dpu::start(config, &Endpoint::Unix(dir.join(format!("{name}.sock")))).unwrap())
 }
 
 #[test]

@@ -201,7 +201,6 @@ impl ProxyError {
         self.kind
     }
 
-    /// The detail.
     pub fn message(&self) -> &str {
         &self.message
     }

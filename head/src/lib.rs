@@ -4,7 +4,7 @@
 //! is this head: the request line, the header fields, who sent it, where the router is
 //! sending it, and per-request metadata that filters pass along the chain. Bodies are
 //! never part of it. The same type backs the runtime's `request-head` resource and the
-//! SDK's mock host, so the editing rules a filter meets in its unit tests are the ones
+//! SDK's mock proxy, so the editing rules a filter meets in its unit tests are the ones
 //! it meets in the proxy.
 
 #![forbid(unsafe_code)]

@@ -1,5 +1,5 @@
-//! The heads on the data path: how a parsed request head (seed 000's "HTTP parsing
-//! result": method, path, query, host, headers) and a response head travel between
+//! The heads on the data path: how a parsed request head (the ingress's one parse of
+//! the request: method, path, query, host, headers) and a response head travel between
 //! the ingress, the DPU proxies and host pods, in header slots and fabric messages.
 //!
 //! A compact length-prefixed binary form, versioned, read back with every length and

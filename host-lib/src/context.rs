@@ -1,4 +1,4 @@
-//! The high-level API, after seed 000: a handler gets an [`ExecutionContext`] and
+//! The high-level API: a handler gets an [`ExecutionContext`] and
 //! schedules steps; it returns at once, and the event loop runs the graph.
 //!
 //! Steps scheduled one after another run in that order (a sequence stops at the first

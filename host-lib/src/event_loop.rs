@@ -1,4 +1,4 @@
-//! The service event loop (seed 000's "Server Event Loop"): wakes on transport events
+//! The service event loop: wakes on transport events
 //! and finished internal steps, runs new requests' handlers, feeds completions to
 //! their contexts, sends egress requests, runs internal steps on the pool, and answers
 //! each request when its graph finishes. Nothing in it blocks on I/O.

@@ -1,6 +1,6 @@
 //! The host library: what a service on a host links to receive requests from, and make
-//! calls through, the DPU data path, without ever blocking a thread on I/O (seed 000's
-//! "Execution Graph", in Rust).
+//! calls through, the DPU data path, without ever blocking a thread on I/O: the
+//! Execution Graph.
 //!
 //! A handler gets an [`ExecutionContext`] and schedules steps: egress calls
 //! ([`ExecutionContext::call`]), CPU work on a thread pool
@@ -21,6 +21,8 @@
 //! The loop runs on a [`Transport`]: [`memory::InMemoryTransport`] (virtual clock) for
 //! tests and examples; [`datapath::DataPathTransport`] (descriptors through the node's
 //! DMA manager and DPU proxy) in the mesh.
+
+#![warn(missing_docs)]
 
 pub mod context;
 pub mod datapath;

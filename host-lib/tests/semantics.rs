@@ -151,14 +151,27 @@ fn a_call_that_never_answers_times_out() {
 
 #[test]
 fn an_internal_step_timeout_fires_on_real_time_and_its_late_result_is_dropped() {
-    let (_, response, mut el) = run(InMemoryTransport::new(), |ctx| {
-        ctx.run_internal(|_| {
-            std::thread::sleep(Duration::from_millis(300));
+    // The step holds until the test lets it go, so it cannot finish before its timeout
+    // however slow the machine is; the loop's clock counts the real time it waits.
+    let (release, held) = std::sync::mpsc::channel::<()>();
+    let held = Arc::new(parking_lot::Mutex::new(held));
+    let handler = move |ctx: &mut ExecutionContext| {
+        let held = held.clone();
+        ctx.run_internal(move |_| {
+            let _ = held.lock().recv();
             Ok::<_, String>("done")
         })
         .id("crunch")
         .timeout(ms(50));
-    });
+    };
+    let mut el = EventLoop::new(InMemoryTransport::new(), handler, LoopConfig::default()).unwrap();
+    let id = el.transport().inject(HttpRequest::get("/"));
+    let (at, response) = loop {
+        el.turn(Some(ms(20))).unwrap();
+        if let Some((at, response)) = el.transport().response(id) {
+            break (at, response.clone());
+        }
+    };
     assert_eq!(response.status, 504);
     assert!(
         response
@@ -167,9 +180,13 @@ fn an_internal_step_timeout_fires_on_real_time_and_its_late_result_is_dropped() 
         "{}",
         response.text()
     );
-    // The thread finishes later; its result has nowhere to go.
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while el.stats().late_dropped == 0 && std::time::Instant::now() < deadline {
+    assert!(
+        at >= ms(50),
+        "answered at {at:?} on the loop's clock, before the timeout"
+    );
+    // The step finishes later; its result has nowhere to go.
+    release.send(()).unwrap();
+    while el.stats().late_dropped == 0 {
         el.turn(Some(ms(20))).unwrap();
     }
     assert_eq!(el.stats().late_dropped, 1);

@@ -1,4 +1,4 @@
-//! The ingress (DESIGN §1): the only place TCP and HTTP are terminated. It parses a
+//! The ingress: the only place TCP and HTTP are terminated. It parses a
 //! request once into the structured head (method, path, query, host, headers), routes
 //! it by host and path to a node that runs the service, and hands the head to that
 //! node's DPU proxy over the fabric while the body waits in registered memory for the

@@ -14,8 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use crossbeam_channel::{Receiver, Sender};
 use dpumesh_dpa::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps, WorkCompletion};
+use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent, Wake};
-use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
 use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_supervise::{RestartPolicy, Supervisor};
@@ -31,7 +31,6 @@ pub struct Slot {
 }
 
 impl Slot {
-    /// Its index.
     pub fn index(&self) -> u32 {
         self.index
     }
@@ -48,7 +47,6 @@ impl Drop for Slot {
 pub struct Answer {
     /// The response head (wire form).
     pub head: Vec<u8>,
-    /// The body.
     pub body: Bytes,
 }
 

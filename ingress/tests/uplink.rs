@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use dpumesh_dpa::fabric::soft::SoftFabric;
 use dpumesh_dpa::fabric::{CompletionQueue, Fabric, QpCaps, QpListener};
+use dpumesh_dpa::frame::{Message, Response, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
-use dpumesh_dpa::mesh::{Message, Response, ResponseBody};
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_ingress::{Answer, Call, Uplink};

@@ -1,4 +1,4 @@
-//! The DPU proxy's data flow (DESIGN §1): heads come in from the fabric (the ingress,
+//! The DPU proxy's data flow: heads come in from the fabric (the ingress,
 //! or a peer node's proxy) and from the node's pods (sidecar TX SQ); the route's filter
 //! chain runs on the workers; a denial is answered at once and the body never moves;
 //! an allowed request goes to a pod of the service on this node (round robin) or, for a
@@ -30,10 +30,10 @@ use crossbeam_channel::{Receiver, Sender};
 use dpumesh_dpa::fabric::{
     CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, WcStatus, WorkCompletion,
 };
+use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent, Wake};
-use dpumesh_dpa::mesh::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 use dpumesh_dpa::{
-    Buffer, BufferPool, Case, Descriptor, Destination, DpuNode, OwnerId, PodInfo, SidecarPort,
+    Buffer, BufferPool, Case, Descriptor, Destination, Dpu, OwnerId, PodInfo, SidecarPort,
 };
 use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
 use dpumesh_head::wire::{self, ResponseHead};
@@ -106,7 +106,7 @@ impl Dataplane {
         cq: F::Cq,
         wake: Wake,
         listen: SocketAddr,
-        node: Arc<DpuNode>,
+        dpu: Arc<Dpu>,
         policy: Arc<Policy>,
         topology: Topology,
     ) -> anyhow::Result<Self> {
@@ -140,7 +140,7 @@ impl Dataplane {
             },
             |_| {},
         )?;
-        let port = node
+        let port = dpu
             .take_sidecar_ports()
             .into_iter()
             .next()
@@ -157,27 +157,27 @@ impl Dataplane {
             links: HashMap::new(),
             peer_links: HashMap::new(),
             port,
-            node,
+            dpu,
             policy,
             topology,
             pods: Vec::new(),
             pods_at: Instant::now() - Duration::from_secs(1),
-            mrs: HashMap::new(),
+            regions: HashMap::new(),
             exchanges: HashMap::new(),
             at_pod: HashMap::new(),
-            ops: HashMap::new(),
+            transfers: HashMap::new(),
             orphans: HashMap::new(),
             next_xid: 1,
-            next_op: 1,
-            rr: HashMap::new(),
-            node_rr: HashMap::new(),
+            next_transfer: 1,
+            pod_turns: HashMap::new(),
+            node_turns: HashMap::new(),
             timers: BinaryHeap::new(),
             inbox,
             inbox_tx,
             wake: wake.clone(),
             stats: stats.clone(),
             stop: stop.clone(),
-            wcs: Vec::with_capacity(64),
+            completions: Vec::with_capacity(64),
             deferred: VecDeque::new(),
         };
         #[cfg(feature = "fault-injection")]
@@ -257,7 +257,7 @@ enum Origin {
 }
 
 /// Where an allowed request went.
-enum At {
+enum Stage {
     /// Waiting for the chain.
     Filtering,
     /// Its body is being read into a pod's RX pool.
@@ -279,7 +279,7 @@ struct Exchange {
     ticket: Option<Ticket>,
     started: Instant,
     deadline: Instant,
-    at: At,
+    stage: Stage,
     /// Body waiting at the origin's side of a link.
     body: Option<RemoteBuf>,
     /// Tries so far.
@@ -294,7 +294,7 @@ struct Exchange {
     had_body: bool,
 }
 
-enum Op {
+enum Transfer {
     /// A request body read into pod `pod`'s RX slot `slot`; `header` (in a DPU pool)
     /// goes with it once it is in.
     Read {
@@ -322,7 +322,7 @@ struct LinkState<F: Fabric> {
     node: Option<String>,
 }
 
-struct PodMrs<F: Fabric> {
+struct PodRegions<F: Fabric> {
     rx: F::Mr,
     tx: F::Mr,
     rx_pool: BufferPool,
@@ -340,28 +340,28 @@ struct Reactor<F: Fabric> {
     links: HashMap<u32, LinkState<F>>,
     peer_links: HashMap<String, u32>,
     port: SidecarPort,
-    node: Arc<DpuNode>,
+    dpu: Arc<Dpu>,
     policy: Arc<Policy>,
     topology: Topology,
     pods: Vec<PodInfo>,
     pods_at: Instant,
-    mrs: HashMap<u32, PodMrs<F>>,
+    regions: HashMap<u32, PodRegions<F>>,
     exchanges: HashMap<u32, Exchange>,
     at_pod: HashMap<PodKey, u32>,
-    ops: HashMap<u64, Op>,
+    transfers: HashMap<u64, Transfer>,
     orphans: HashMap<u32, Orphan>,
     next_xid: u32,
-    next_op: u64,
+    next_transfer: u64,
     /// Round-robin turns over a service's pods here, and over the nodes running it.
-    rr: HashMap<String, usize>,
-    node_rr: HashMap<String, usize>,
+    pod_turns: HashMap<String, usize>,
+    node_turns: HashMap<String, usize>,
     timers: BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
     inbox: Receiver<Inbox>,
     inbox_tx: Sender<Inbox>,
     wake: Wake,
     stats: Arc<DataplaneStats>,
     stop: Arc<AtomicBool>,
-    wcs: Vec<WorkCompletion>,
+    completions: Vec<WorkCompletion>,
     /// Descriptors the DMA manager's ring had no room for, in order.
     deferred: VecDeque<Descriptor>,
 }
@@ -423,7 +423,7 @@ impl<F: Fabric> Reactor<F> {
         }
         self.at_pod.clear();
         self.timers.clear();
-        self.mrs.clear();
+        self.regions.clear();
         self.stats.in_flight.store(0, Ordering::Relaxed);
     }
 
@@ -441,7 +441,8 @@ impl<F: Fabric> Reactor<F> {
             }
             if last_tick.elapsed() >= Duration::from_millis(20) {
                 last_tick = Instant::now();
-                self.prune_pods();
+                self.forget_departed_pods();
+                self.publish_occupancy();
             }
             if work > 0 {
                 continue;
@@ -506,26 +507,26 @@ impl<F: Fabric> Reactor<F> {
     }
 
     fn drain_completions(&mut self) -> usize {
-        self.wcs.clear();
-        let mut wcs = std::mem::take(&mut self.wcs);
-        self.cq.poll(&mut wcs, 64);
-        let n = wcs.len();
-        for wc in wcs.drain(..) {
+        self.completions.clear();
+        let mut completions = std::mem::take(&mut self.completions);
+        self.cq.poll(&mut completions, 64);
+        let n = completions.len();
+        for wc in completions.drain(..) {
             let Some(state) = self.links.get_mut(&wc.qp_num) else {
                 continue;
             };
             match state.link.on_completion(&wc) {
                 Ok(None) => {}
                 Ok(Some(LinkEvent::Message(m))) => self.link_message(wc.qp_num, m),
-                Ok(Some(LinkEvent::OpDone(token))) => self.op_done(token, None),
+                Ok(Some(LinkEvent::OpDone(token))) => self.transfer_done(token, None),
                 Ok(Some(LinkEvent::OpFailed(token, status))) => {
-                    self.op_done(token, Some(status));
+                    self.transfer_done(token, Some(status));
                     self.link_down(wc.qp_num, format!("{status:?}"));
                 }
                 Err(e) => self.link_down(wc.qp_num, e.to_string()),
             }
         }
-        self.wcs = wcs;
+        self.completions = completions;
         n
     }
 
@@ -672,7 +673,7 @@ impl<F: Fabric> Reactor<F> {
                 ticket: None,
                 started: now,
                 deadline,
-                at: At::Filtering,
+                stage: Stage::Filtering,
                 body,
                 attempt: 0,
                 policy,
@@ -768,7 +769,7 @@ impl<F: Fabric> Reactor<F> {
 
     fn refresh_pods(&mut self, force: bool) {
         if force || self.pods_at.elapsed() >= Duration::from_millis(100) {
-            self.pods = self.node.pods();
+            self.pods = self.dpu.pods();
             self.pods_at = Instant::now();
         }
     }
@@ -791,7 +792,7 @@ impl<F: Fabric> Reactor<F> {
         if count == 0 {
             return None;
         }
-        let n = next_turn(&mut self.rr, service);
+        let n = next_turn(&mut self.pod_turns, service);
         self.pods
             .iter()
             .filter(|p| p.service == service)
@@ -799,8 +800,9 @@ impl<F: Fabric> Reactor<F> {
             .map(|p| p.id)
     }
 
-    fn mrs(&mut self, pod: u32) -> Option<&PodMrs<F>> {
-        if !self.mrs.contains_key(&pod) {
+    /// Pod `pod`'s body pools, registered with the fabric (once) for READs and WRITEs.
+    fn pod_regions(&mut self, pod: u32) -> Option<&PodRegions<F>> {
+        if !self.regions.contains_key(&pod) {
             let info = self.pod(pod)?.clone();
             let register = |pool: &BufferPool| {
                 self.fabric.register(
@@ -818,9 +820,9 @@ impl<F: Fabric> Reactor<F> {
                     return None;
                 }
             };
-            self.mrs.insert(
+            self.regions.insert(
                 pod,
-                PodMrs {
+                PodRegions {
                     rx,
                     tx,
                     rx_pool: info.rx_body,
@@ -828,17 +830,20 @@ impl<F: Fabric> Reactor<F> {
                 },
             );
         }
-        self.mrs.get(&pod)
+        self.regions.get(&pod)
     }
 
-    /// Drops registrations of pods that left (their memory can go).
-    /// Drops registrations of pods that left (their memory can go) and publishes the
-    /// node's occupancy: pods, exchanges in flight, slots in use per pool.
-    fn prune_pods(&mut self) {
+    /// Drops the registrations of pods that left (their memory can go).
+    fn forget_departed_pods(&mut self) {
         self.refresh_pods(true);
         let live: std::collections::HashSet<u32> = self.pods.iter().map(|p| p.id).collect();
-        self.mrs.retain(|id, _| live.contains(id));
-        let (tx, rx) = self.node.dpu_pool_use();
+        self.regions.retain(|id, _| live.contains(id));
+    }
+
+    /// Publishes the node's occupancy: pods, exchanges in flight, slots in use per
+    /// pool.
+    fn publish_occupancy(&self) {
+        let (tx, rx) = self.dpu.dpu_pool_use();
         let bodies: usize = self
             .pods
             .iter()
@@ -890,7 +895,7 @@ impl<F: Fabric> Reactor<F> {
         if count == 0 {
             return None;
         }
-        let n = next_turn(&mut self.node_rr, service);
+        let n = next_turn(&mut self.node_turns, service);
         let is_peer =
             |n: &&String| **n != self.topology.node && self.topology.peers.contains_key(*n);
         self.topology.placement[service]
@@ -951,7 +956,7 @@ impl<F: Fabric> Reactor<F> {
                 out.step_id = exchange.attempt;
                 let original = d.header;
                 let key = (d.src_pod, xid, exchange.attempt);
-                exchange.at = At::Pod { key, pod };
+                exchange.stage = Stage::Pod { key, pod };
                 // The DMA manager hands A's body back once it copied it, and the
                 // original head is freed here: neither is ours to complete later.
                 if let Origin::Pod { d } = &mut exchange.origin {
@@ -981,7 +986,7 @@ impl<F: Fabric> Reactor<F> {
                                 return;
                             }
                         };
-                        let Some(mrs) = self.mrs(pod) else {
+                        let Some(regions) = self.pod_regions(pod) else {
                             self.release_rx(pod, slot);
                             let _ = self.port.release_header(header);
                             let e = ProxyError::new(
@@ -991,13 +996,13 @@ impl<F: Fabric> Reactor<F> {
                             self.fail(xid, e);
                             return;
                         };
-                        let offset = mrs.rx_pool.offset_of(slot).expect("reserved here");
-                        let sge = mrs.rx.sge(offset, body.len);
+                        let offset = regions.rx_pool.offset_of(slot).expect("reserved here");
+                        let sge = regions.rx.sge(offset, body.len);
                         let Origin::Link { qp, .. } = self.exchanges[&xid].origin else {
                             unreachable!()
                         };
-                        let token = self.next_op;
-                        self.next_op += 1;
+                        let token = self.next_transfer;
+                        self.next_transfer += 1;
                         let Some(state) = self.links.get_mut(&qp) else {
                             self.release_rx(pod, slot);
                             let _ = self.port.release_header(header);
@@ -1011,9 +1016,9 @@ impl<F: Fabric> Reactor<F> {
                             return;
                         }
                         // The header waits in the DPU pool until the body is in.
-                        self.ops.insert(
+                        self.transfers.insert(
                             token,
-                            Op::Read {
+                            Transfer::Read {
                                 qp,
                                 xid,
                                 pod,
@@ -1021,7 +1026,7 @@ impl<F: Fabric> Reactor<F> {
                                 header,
                             },
                         );
-                        self.exchanges.get_mut(&xid).expect("live").at = At::Reading;
+                        self.exchanges.get_mut(&xid).expect("live").stage = Stage::Reading;
                     }
                 }
             }
@@ -1036,7 +1041,7 @@ impl<F: Fabric> Reactor<F> {
             .with_body(body);
         let key = (0, xid, attempt);
         if let Some(exchange) = self.exchanges.get_mut(&xid) {
-            exchange.at = At::Pod { key, pod };
+            exchange.stage = Stage::Pod { key, pod };
             // The try's clock starts when the pod has it (reading the body is not
             // the pod's time).
             if let Some(per_try) = exchange.policy.per_try_timeout {
@@ -1078,18 +1083,18 @@ impl<F: Fabric> Reactor<F> {
 
     /// Hands what a pod's descriptor names back to the DMA manager (header slot, and a
     /// body still in the pod's TX pool).
-    fn complete(&mut self, d: &Descriptor) {
+    fn hand_back(&mut self, d: &Descriptor) {
         let mut done = *d;
         done.kind.completion = true;
         self.forward(done);
     }
 
-    fn op_done(&mut self, token: u64, failed: Option<WcStatus>) {
-        let Some(op) = self.ops.remove(&token) else {
+    fn transfer_done(&mut self, token: u64, failed: Option<WcStatus>) {
+        let Some(op) = self.transfers.remove(&token) else {
             return;
         };
         match op {
-            Op::Read {
+            Transfer::Read {
                 xid,
                 pod,
                 slot,
@@ -1111,7 +1116,7 @@ impl<F: Fabric> Reactor<F> {
                 let attempt = self.exchanges[&xid].attempt;
                 self.deliver(xid, pod, header, slot, attempt);
             }
-            Op::Write { done, .. } => self.complete(&done),
+            Transfer::Write { done, .. } => self.hand_back(&done),
         }
     }
 
@@ -1120,15 +1125,15 @@ impl<F: Fabric> Reactor<F> {
     /// A pod answered (a request from outside the node, or a pod's call).
     fn pod_response(&mut self, d: Descriptor) {
         let Destination::Pod(to) = d.dst else {
-            self.complete(&d);
+            self.hand_back(&d);
             return;
         };
         let key = (to, d.req_id, d.step_id);
         let expected = self
             .at_pod
             .get(&key)
-            .and_then(|xid| match self.exchanges.get(xid)?.at {
-                At::Pod { pod, .. } => Some(pod),
+            .and_then(|xid| match self.exchanges.get(xid)?.stage {
+                Stage::Pod { pod, .. } => Some(pod),
                 _ => None,
             });
         if expected != Some(d.src_pod) {
@@ -1137,19 +1142,19 @@ impl<F: Fabric> Reactor<F> {
             if expected.is_some() {
                 tracing::warn!(pod = d.src_pod, "a pod answered a request it was not given");
             }
-            self.complete(&d);
+            self.hand_back(&d);
             return;
         }
         let xid = self.at_pod.remove(&key).expect("checked");
         if matches!(d.status, 502..=504) && self.can_retry(xid) {
-            self.complete(&d);
+            self.hand_back(&d);
             self.retry(xid, d.status);
             return;
         }
         let header = self.port.header(&d).unwrap_or_default();
         self.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Some(mut exchange) = self.exchanges.remove(&xid) else {
-            self.complete(&d);
+            self.hand_back(&d);
             return;
         };
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -1171,7 +1176,7 @@ impl<F: Fabric> Reactor<F> {
                 let body = if d.body.is_none() {
                     ResponseBody::None
                 } else if d.body.len > reply.len {
-                    self.complete(&d);
+                    self.hand_back(&d);
                     let e = ProxyError::new(
                         ErrorKind::BadResponse,
                         format!(
@@ -1191,7 +1196,7 @@ impl<F: Fabric> Reactor<F> {
                     }
                 };
                 if matches!(body, ResponseBody::None) {
-                    self.complete(&d);
+                    self.hand_back(&d);
                 }
                 self.send_link(
                     qp,
@@ -1208,39 +1213,40 @@ impl<F: Fabric> Reactor<F> {
     /// RDMA-WRITEs a pod's response body (in its TX pool) to `reply`; the pod gets the
     /// slot back when the write is done.
     fn write_body(&mut self, qp: u32, d: &Descriptor, reply: RemoteBuf) -> Result<(), ProxyError> {
-        let Some(mrs) = self.mrs(d.src_pod) else {
-            self.complete(d);
+        let Some(regions) = self.pod_regions(d.src_pod) else {
+            self.hand_back(d);
             return Err(ProxyError::new(
                 ErrorKind::Internal,
                 "the service's memory cannot be registered",
             ));
         };
-        let Ok(offset) = mrs.tx_pool.offset_of(d.body) else {
-            self.complete(d);
+        let Ok(offset) = regions.tx_pool.offset_of(d.body) else {
+            self.hand_back(d);
             return Err(ProxyError::new(
                 ErrorKind::BadResponse,
                 "the service's response body is not in its pool",
             ));
         };
-        let sge = mrs.tx.sge(offset, d.body.len);
-        let token = self.next_op;
-        self.next_op += 1;
+        let sge = regions.tx.sge(offset, d.body.len);
+        let token = self.next_transfer;
+        self.next_transfer += 1;
         let Some(state) = self.links.get_mut(&qp) else {
-            self.complete(d);
+            self.hand_back(d);
             return Err(ProxyError::new(
                 ErrorKind::DownstreamLost,
                 "the link the request came on is gone",
             ));
         };
         if state.link.write(sge, reply.at, token).is_err() {
-            self.complete(d);
+            self.hand_back(d);
             self.link_down(qp, "write refused".into());
             return Err(ProxyError::new(
                 ErrorKind::DownstreamLost,
                 "the response body could not be written back",
             ));
         }
-        self.ops.insert(token, Op::Write { qp, done: *d });
+        self.transfers
+            .insert(token, Transfer::Write { qp, done: *d });
         Ok(())
     }
 
@@ -1294,13 +1300,13 @@ impl<F: Fabric> Reactor<F> {
             // body and the reply slot.
             let o = self.orphans.remove(&r.xid).expect("checked");
             self.release_rx(o.d.src_pod, o.reply_slot);
-            self.complete(&o.d);
+            self.hand_back(&o.d);
             return;
         }
         let Some(exchange) = self.exchanges.get(&r.xid) else {
             return;
         };
-        let At::Peer { qp: at, reply_slot } = exchange.at else {
+        let Stage::Peer { qp: at, reply_slot } = exchange.stage else {
             return;
         };
         if at != qp {
@@ -1331,14 +1337,14 @@ impl<F: Fabric> Reactor<F> {
                     "the peer wrote past the reply buffer",
                 );
                 self.reply_pod(&d, &e.response_head(), e.body());
-                self.complete(&d);
+                self.hand_back(&d);
                 return;
             }
             ResponseBody::Inline(bytes) => {
                 self.release_rx(d.src_pod, reply_slot);
                 let head = wire::decode_response(&r.head).unwrap_or_default();
                 self.reply_pod(&d, &head, bytes);
-                self.complete(&d);
+                self.hand_back(&d);
                 return;
             }
         };
@@ -1348,7 +1354,7 @@ impl<F: Fabric> Reactor<F> {
                 if !body.is_none() {
                     self.release_rx(d.src_pod, body);
                 }
-                self.complete(&d);
+                self.hand_back(&d);
                 return;
             }
         };
@@ -1365,7 +1371,7 @@ impl<F: Fabric> Reactor<F> {
         out.status = status;
         self.forward(out);
         // The peer read A's body before it answered: A's TX slot goes back.
-        self.complete(&d);
+        self.hand_back(&d);
     }
 
     /// Sends a pod's call to a peer proxy (case 1): the body stays in the pod's TX
@@ -1402,7 +1408,7 @@ impl<F: Fabric> Reactor<F> {
         let pod = d.src_pod;
         let Some(info) = self.pod(pod).cloned() else {
             self.drop_exchange(xid);
-            self.complete(&d);
+            self.hand_back(&d);
             return;
         };
         let reply_slot = match info.rx_body.alloc(OwnerId::FABRIC) {
@@ -1420,25 +1426,25 @@ impl<F: Fabric> Reactor<F> {
             .rx_body
             .buffer(reply_slot, info.rx_body.layout().slot_size)
             .expect("a whole slot");
-        let Some(mrs) = self.mrs(pod) else {
+        let Some(regions) = self.pod_regions(pod) else {
             self.release_rx(pod, reply_buf);
             let e = ProxyError::new(ErrorKind::Internal, "the pod's memory cannot be registered");
             self.fail(xid, e);
             return;
         };
         let reply = RemoteBuf {
-            at: mrs
+            at: regions
                 .rx
-                .remote(mrs.rx_pool.offset_of(reply_buf).expect("ours")),
+                .remote(regions.rx_pool.offset_of(reply_buf).expect("ours")),
             len: reply_buf.len,
         };
         let body = (!d.body.is_none()).then(|| RemoteBuf {
-            at: mrs
+            at: regions
                 .tx
-                .remote(mrs.tx_pool.offset_of(d.body).unwrap_or_default()),
+                .remote(regions.tx_pool.offset_of(d.body).unwrap_or_default()),
             len: d.body.len,
         });
-        self.exchanges.get_mut(&xid).expect("live").at = At::Peer {
+        self.exchanges.get_mut(&xid).expect("live").stage = Stage::Peer {
             qp,
             reply_slot: reply_buf,
         };
@@ -1533,7 +1539,7 @@ impl<F: Fabric> Reactor<F> {
         e.attempt <= e.policy.retries
             && e.idempotent
             && body_at_hand
-            && matches!(e.at, At::Pod { .. })
+            && matches!(e.stage, Stage::Pod { .. })
             && Instant::now() < e.deadline
     }
 
@@ -1542,10 +1548,10 @@ impl<F: Fabric> Reactor<F> {
         let Some(e) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        if let At::Pod { key, .. } = e.at {
+        if let Stage::Pod { key, .. } = e.stage {
             self.at_pod.remove(&key);
         }
-        e.at = At::Filtering;
+        e.stage = Stage::Filtering;
         e.try_deadline = None;
         metrics::counter!(
             "dpumesh_retries_total",
@@ -1579,11 +1585,11 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        if let At::Pod { key, .. } = exchange.at {
+        if let Stage::Pod { key, .. } = exchange.stage {
             self.at_pod.remove(&key);
         }
         self.response_phase(&mut exchange, head.status, failure, None);
-        if let At::Peer { qp, reply_slot } = exchange.at
+        if let Stage::Peer { qp, reply_slot } = exchange.stage
             && let Origin::Pod { d } = exchange.origin
         {
             if self.links.contains_key(&qp) {
@@ -1603,7 +1609,7 @@ impl<F: Fabric> Reactor<F> {
                 self.reply_pod(&d, head, body);
                 let mut header_only = d;
                 header_only.body = Buffer::NONE;
-                self.complete(&header_only);
+                self.hand_back(&header_only);
                 return;
             }
             self.release_rx(d.src_pod, reply_slot);
@@ -1614,7 +1620,7 @@ impl<F: Fabric> Reactor<F> {
     fn drop_exchange(&mut self, xid: u32) {
         if let Some(exchange) = self.exchanges.remove(&xid) {
             self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-            if let At::Pod { key, .. } = exchange.at {
+            if let Stage::Pod { key, .. } = exchange.stage {
                 self.at_pod.remove(&key);
             }
         }
@@ -1632,7 +1638,7 @@ impl<F: Fabric> Reactor<F> {
                 let d = *d;
                 self.reply_pod(&d, head, body);
                 // Its request is over: its buffers go back.
-                self.complete(&d);
+                self.hand_back(&d);
             }
         }
     }
@@ -1704,7 +1710,7 @@ impl<F: Fabric> Reactor<F> {
             };
             if exchange.deadline > now {
                 if exchange.try_deadline.is_some_and(|t| t <= now)
-                    && matches!(exchange.at, At::Pod { .. })
+                    && matches!(exchange.stage, Stage::Pod { .. })
                 {
                     let e = ProxyError::new(
                         ErrorKind::TryTimeout,
@@ -1744,15 +1750,15 @@ impl<F: Fabric> Reactor<F> {
         // The queue pair is gone: none of its operations will complete. What they
         // held goes back now (nothing can write into it any more).
         drop(state);
-        let ops: Vec<u64> = self
-            .ops
+        let transfers: Vec<u64> = self
+            .transfers
             .iter()
-            .filter(|(_, op)| matches!(op, Op::Read { qp: q, .. } | Op::Write { qp: q, .. } if *q == qp))
+            .filter(|(_, op)| matches!(op, Transfer::Read { qp: q, .. } | Transfer::Write { qp: q, .. } if *q == qp))
             .map(|(t, _)| *t)
             .collect();
-        for token in ops {
-            match self.ops.remove(&token).expect("listed") {
-                Op::Read {
+        for token in transfers {
+            match self.transfers.remove(&token).expect("listed") {
+                Transfer::Read {
                     xid,
                     pod,
                     slot,
@@ -1764,12 +1770,12 @@ impl<F: Fabric> Reactor<F> {
                     if self
                         .exchanges
                         .get(&xid)
-                        .is_some_and(|e| matches!(e.at, At::Reading))
+                        .is_some_and(|e| matches!(e.stage, Stage::Reading))
                     {
-                        self.exchanges.get_mut(&xid).expect("checked").at = At::Filtering;
+                        self.exchanges.get_mut(&xid).expect("checked").stage = Stage::Filtering;
                     }
                 }
-                Op::Write { done, .. } => self.complete(&done),
+                Transfer::Write { done, .. } => self.hand_back(&done),
             }
         }
         let orphans: Vec<u32> = self
@@ -1781,14 +1787,14 @@ impl<F: Fabric> Reactor<F> {
         for xid in orphans {
             let o = self.orphans.remove(&xid).expect("listed");
             self.release_rx(o.d.src_pod, o.reply_slot);
-            self.complete(&o.d);
+            self.hand_back(&o.d);
         }
         let affected: Vec<u32> = self
             .exchanges
             .iter()
             .filter(|(_, e)| {
                 matches!(e.origin, Origin::Link { qp: q, .. } if q == qp)
-                    || matches!(e.at, At::Peer { qp: q, .. } if q == qp)
+                    || matches!(e.stage, Stage::Peer { qp: q, .. } if q == qp)
             })
             .map(|(x, _)| *x)
             .collect();

@@ -11,26 +11,26 @@ use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Fabric;
 use dpumesh_dpa::fabric::soft::SoftFabric;
 use dpumesh_dpa::link::Wake;
-use dpumesh_dpa::{DpuNode, NodeConfig, PodSizing};
+use dpumesh_dpa::{Dpu, DpuConfig, PodSizing};
 
 use crate::dataplane::{Dataplane, Topology};
 use crate::policy::Policy;
 use dpumesh_config::MeshFile;
 
 /// A running node.
-pub struct MeshNode {
-    // Field order is drop order: the data plane stops before the node it uses.
+pub struct Node {
+    // Field order is drop order: the data plane stops before the DPU side it uses.
     dataplane: Dataplane,
-    node: Arc<DpuNode>,
+    dpu: Arc<Dpu>,
     policy: Arc<Policy>,
     admin: Option<SocketAddr>,
     socket: PathBuf,
     _io: tokio::runtime::Runtime,
 }
 
-impl std::fmt::Debug for MeshNode {
+impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MeshNode")
+        f.debug_struct("Node")
             .field("fabric", &self.dataplane.addr())
             .field("socket", &self.socket)
             .finish_non_exhaustive()
@@ -42,7 +42,7 @@ pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join(format!("{name}.sock"))
 }
 
-impl MeshNode {
+impl Node {
     /// Starts node `name` of `mesh`; its control socket goes in `run_dir`.
     pub fn start(mesh: &MeshFile, name: &str, run_dir: &Path) -> anyhow::Result<Self> {
         let entry =
@@ -59,7 +59,7 @@ impl MeshNode {
         let max_body = mesh.config.ingress.max_body() as u32;
         // Shared-memory names carry the process id: two meshes on one machine (tests)
         // must not meet.
-        let mut config = NodeConfig::new(format!("{name}-{}", std::process::id()));
+        let mut config = DpuConfig::new(format!("{name}-{}", std::process::id()));
         config.pod = PodSizing {
             header_slot: 64 << 10,
             header_slots: 256,
@@ -83,7 +83,7 @@ impl MeshNode {
         }
         let socket = control_socket(run_dir, name);
         let _ = std::fs::remove_file(&socket);
-        let node = Arc::new(DpuNode::start(config, &Endpoint::Unix(socket.clone()))?);
+        let dpu = Arc::new(Dpu::start(config, &Endpoint::Unix(socket.clone()))?);
         let topology = Topology {
             node: name.to_owned(),
             peers: mesh
@@ -102,7 +102,7 @@ impl MeshNode {
             cq,
             wake,
             entry.fabric,
-            node.clone(),
+            dpu.clone(),
             policy.clone(),
             topology,
         )?;
@@ -128,7 +128,7 @@ impl MeshNode {
         };
         Ok(Self {
             dataplane,
-            node,
+            dpu,
             policy,
             admin,
             socket,
@@ -152,8 +152,8 @@ impl MeshNode {
     }
 
     /// The node's DPU side.
-    pub fn node(&self) -> &Arc<DpuNode> {
-        &self.node
+    pub fn dpu(&self) -> &Arc<Dpu> {
+        &self.dpu
     }
 
     /// The filter runtime.

@@ -84,6 +84,7 @@ filters:
 {other}
   trace:
     component: trace.wasm
+    deadline: {DEADLINE}
 chains:
   api: [trace, main]
   other: [side]
@@ -102,15 +103,20 @@ routes:
     }
 }
 
+/// Filter deadlines are wall-clock (epoch ticks): on a loaded CI machine a preempted
+/// 5 ms call fails closed. These tests assert zero failed requests across reloads, so
+/// the filters get room; the deadline itself is tested with its own filter.
+const DEADLINE: &str = "250ms";
+
 fn tagged(name: &str, version: usize) -> String {
     format!(
-        "  {name}:\n    component: test.wasm\n    config: {{request: [{{set_header: [x-version, \"{version}\"]}}]}}"
+        "  {name}:\n    component: test.wasm\n    deadline: {DEADLINE}\n    config: {{request: [{{set_header: [x-version, \"{version}\"]}}]}}"
     )
 }
 
 fn guard(name: &str) -> String {
     format!(
-        "  {name}:\n    component: guard.wasm\n    config: {{rules: [{{name: no-delete, methods: [DELETE], action: deny}}], default: allow}}"
+        "  {name}:\n    component: guard.wasm\n    deadline: {DEADLINE}\n    config: {{rules: [{{name: no-delete, methods: [DELETE], action: deny}}], default: allow}}"
     )
 }
 
@@ -414,6 +420,7 @@ key_sets:
 filters:
   jwt:
     component: jwt.wasm
+    deadline: {DEADLINE}
     config:
       providers: {{p: {{issuer: "https://idp.test", audiences: [api], algorithms: [HS256], key_set: shared}}}}
       rules: [{{path_prefix: /, provider: p}}]

@@ -15,7 +15,7 @@ use dpumesh_dpa::fabric::soft::SoftFabric;
 use dpumesh_dpa::{HostPort, Incoming, WakeMode};
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_ingress::{Ingress, Settings};
-use dpumesh_proxy::node::MeshNode;
+use dpumesh_proxy::node::Node;
 
 fn write_files(dir: &Path) -> MeshFile {
     std::fs::write(
@@ -73,7 +73,7 @@ fn next_request(pod: &mut HostPort) -> dpumesh_dpa::Descriptor {
 fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     let dir = tempfile::tempdir().unwrap();
     let mesh = write_files(dir.path());
-    let node = MeshNode::start(&mesh, "n1", dir.path()).unwrap();
+    let node = Node::start(&mesh, "n1", dir.path()).unwrap();
     let admin = node.admin_addr().unwrap();
     let mut pod = HostPort::connect(
         &Endpoint::Unix(node.control_socket().to_owned()),

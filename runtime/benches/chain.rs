@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_main};
-use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 use dpumesh_runtime::{
     ChainRunner, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig,
 };
@@ -64,7 +64,7 @@ fn chains(c: &mut Criterion) {
         .warm_up_time(Duration::from_secs(1));
 
     for n in [1usize, 4] {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut natives: Vec<Guard> = (0..n).map(|_| host.configure(GUARD).unwrap()).collect();
         group.bench_function(format!("native_guard_x{n}"), |b| {
             b.iter(|| {

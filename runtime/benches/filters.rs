@@ -1,5 +1,5 @@
 //! The built-in filters as Wasm components vs the same crates compiled natively (the
-//! SDK's mock host), the full chain trace → jwt(HS256) → rbac → ratelimit →
+//! SDK's mock proxy), the full chain trace → jwt(HS256) → rbac → ratelimit →
 //! circuit-breaker with p50/p99, and JWT verification through the crypto import vs
 //! `jsonwebtoken` called directly — all in one run.
 //!
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_main};
 use dpumesh_filter_sdk::Filter;
-use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 use dpumesh_runtime::{
     ChainRunner, FilterChain, FilterSettings, RequestHead, Runtime, RuntimeConfig,
 };
@@ -86,7 +86,7 @@ fn head(token: &str) -> RequestHead {
 
 struct Setup {
     rt: Runtime,
-    host: MockHost,
+    host: MockProxy,
     hs_token: String,
     rs_token: String,
     es_token: String,
@@ -103,7 +103,7 @@ fn setup() -> Setup {
         .insert("idp", dpumesh_keys::KeySet::from_jwks(&jwks).unwrap());
     rt.keys()
         .insert("shared", dpumesh_keys::KeySet::from_secret(None, SECRET));
-    let host = MockHost::new()
+    let host = MockProxy::new()
         .at_unix_secs(now())
         .with_jwks("idp", &jwks)
         .unwrap()
@@ -286,7 +286,7 @@ fn full_chain(c: &mut Criterion) {
         h.set_headers(template.headers().clone());
         h
     };
-    // The same five crates compiled natively, one after another on the mock host.
+    // The same five crates compiled natively, one after another on the mock proxy.
     let mut trace: dpumesh_filter_trace::Trace = s.host.configure(TRACE).unwrap();
     let mut jwt: dpumesh_filter_jwt::Jwt = s
         .host

@@ -48,7 +48,6 @@ pub struct LocalReply {
     pub status: u16,
     /// Headers, in order.
     pub headers: Vec<(String, String)>,
-    /// Body.
     pub body: String,
 }
 

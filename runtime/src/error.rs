@@ -14,7 +14,6 @@ pub enum LoadError {
     /// The bytes are not a WebAssembly component (a core module, or not Wasm at all).
     #[error("filter {filter}: not a WebAssembly component: {detail}")]
     NotAComponent {
-        /// Filter name.
         filter: String,
         /// What the validator said.
         detail: String,
@@ -22,7 +21,6 @@ pub enum LoadError {
     /// Compilation failed.
     #[error("filter {filter}: failed to compile: {detail}")]
     Compile {
-        /// Filter name.
         filter: String,
         /// The compiler's message.
         detail: String,
@@ -32,7 +30,6 @@ pub enum LoadError {
         "filter {filter}: component targets {found}, but this runtime serves dpumesh:filter@{expected}; rebuild the filter against dpumesh:filter@{expected}"
     )]
     WrongVersion {
-        /// Filter name.
         filter: String,
         /// The package the component imports, e.g. `dpumesh:filter/log@0.2.0`.
         found: String,
@@ -44,7 +41,6 @@ pub enum LoadError {
         "filter {filter}: component imports {import}, which the dpumesh:filter world does not provide (was it built for another world?)"
     )]
     UnknownImport {
-        /// Filter name.
         filter: String,
         /// The import's name.
         import: String,
@@ -54,7 +50,6 @@ pub enum LoadError {
         "filter {filter}: component does not export `{export}` (is it built for world dpumesh:filter/filter?)"
     )]
     MissingExport {
-        /// Filter name.
         filter: String,
         /// The missing export.
         export: &'static str,
@@ -62,25 +57,17 @@ pub enum LoadError {
     /// An export has the wrong type.
     #[error("filter {filter}: export `{export}` has the wrong type: {detail}")]
     ExportType {
-        /// Filter name.
         filter: String,
-        /// The export.
         export: &'static str,
         /// The type checker's message.
         detail: String,
     },
     /// Linking or instantiating failed.
     #[error("filter {filter}: failed to instantiate: {detail}")]
-    Instantiate {
-        /// Filter name.
-        filter: String,
-        /// The cause.
-        detail: String,
-    },
+    Instantiate { filter: String, detail: String },
     /// The filter's `configure` rejected its configuration.
     #[error("filter {filter}: configuration rejected: {message}")]
     Configure {
-        /// Filter name.
         filter: String,
         /// The filter's own message.
         message: String,
@@ -88,7 +75,6 @@ pub enum LoadError {
     /// `configure` trapped, ran out of time or memory.
     #[error("filter {filter}: configure failed: {fault}")]
     ConfigureFault {
-        /// Filter name.
         filter: String,
         /// What went wrong.
         fault: FaultKind,
@@ -96,7 +82,6 @@ pub enum LoadError {
     /// The settings are inconsistent (e.g. a memory cap above the runtime's maximum).
     #[error("filter {filter}: {detail}")]
     Settings {
-        /// Filter name.
         filter: String,
         /// What is wrong.
         detail: String,
@@ -104,9 +89,7 @@ pub enum LoadError {
     /// Reading the component or the compile cache failed.
     #[error("filter {filter}: {path}: {source}")]
     Io {
-        /// Filter name.
         filter: String,
-        /// The file.
         path: PathBuf,
         /// The I/O error.
         #[source]
@@ -196,9 +179,7 @@ impl fmt::Display for Phase {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("filter {filter} {kind} in {phase}")]
 pub struct FilterFault {
-    /// Filter name.
     pub filter: String,
-    /// The phase.
     pub phase: Phase,
     /// What happened.
     pub kind: FaultKind,

@@ -23,7 +23,6 @@ pub struct HealthPolicy {
     pub window_ms: u64,
     /// First backoff; each further degradation without a success in between doubles it.
     pub backoff_ms: u64,
-    /// Longest backoff.
     pub max_backoff_ms: u64,
 }
 

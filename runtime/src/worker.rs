@@ -76,7 +76,6 @@ impl Generation {
         self.number
     }
 
-    /// The chains.
     pub fn chains(&self) -> &[Arc<FilterChain>] {
         &self.chains
     }

@@ -38,9 +38,9 @@
 //!
 //! Host services (logging, clocks, metrics, node-wide shared state, signature
 //! verification) are in the [`log`], [`clock`], [`metrics`], [`shared`] and [`crypto`]
-//! modules. On a native target they are served by the [`mock`] host, so `cargo test`
+//! modules. On a native target they are served by the [`mock`] proxy, so `cargo test`
 //! runs a filter's logic without wasmtime.
-
+#![warn(missing_docs)]
 #![deny(unsafe_code)]
 
 pub mod clock;

@@ -89,7 +89,7 @@ impl Histogram {
         define(Kind::Histogram, name, labels).map(Self)
     }
 
-    /// Records one observation (the mock host keeps the sum; count them with a counter
+    /// Records one observation (the mock proxy keeps the sum; count them with a counter
     /// if a test needs the count).
     pub fn observe(&self, value: f64) {
         crate::sys::observe(self.0, value);

@@ -1,9 +1,9 @@
-//! A mock host for native unit tests: `cargo test` runs a filter's logic with the same
+//! A mock proxy for native unit tests: `cargo test` runs a filter's logic with the same
 //! shared-state, key-verification and header-editing semantics as the proxy, on a
 //! fixed clock, without wasmtime.
 //!
 //! ```
-//! use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+//! use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 //! use dpumesh_filter_sdk::{Filter, Request, Verdict, LocalReply};
 //!
 //! struct DenyAdmin;
@@ -20,7 +20,7 @@
 //!     }
 //! }
 //!
-//! let host = MockHost::new().install();
+//! let host = MockProxy::new().install();
 //! let mut filter: DenyAdmin = dpumesh_filter_sdk::configure("").unwrap();
 //! let req = MockRequest::get("/admin/users");
 //! assert_eq!(host.on_request(&mut filter, &req).reply().unwrap().status, 403);
@@ -47,7 +47,7 @@ use crate::{Filter, HeadAccess, HeaderError, Peer, Request, RequestLine, Respons
 pub const DEFAULT_UNIX_SECS: u64 = 1_700_000_000;
 
 thread_local! {
-    static CURRENT: RefCell<Option<MockHost>> = const { RefCell::new(None) };
+    static CURRENT: RefCell<Option<MockProxy>> = const { RefCell::new(None) };
 }
 
 #[derive(Debug)]
@@ -69,23 +69,23 @@ struct Inner {
     metrics: RefCell<Vec<Metric>>,
 }
 
-/// The mock host. Cloning gives another handle to the same host.
+/// The mock proxy. Cloning gives another handle to the same one.
 ///
-/// The host a filter's calls reach is the one [installed](MockHost::install) on the
+/// The mock a filter's calls reach is the one [installed](MockProxy::install) on the
 /// current thread; a default one is created on first use. Each test thread starts
 /// fresh, so tests do not see each other's state.
 #[derive(Debug, Clone)]
-pub struct MockHost {
+pub struct MockProxy {
     inner: Rc<Inner>,
 }
 
-impl Default for MockHost {
+impl Default for MockProxy {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl MockHost {
+impl MockProxy {
     /// A fresh host: clock at [`DEFAULT_UNIX_SECS`], empty state, no keys, logging at
     /// debug and above.
     pub fn new() -> Self {
@@ -106,18 +106,18 @@ impl MockHost {
         }
     }
 
-    /// Makes this the host of the current thread and returns it.
+    /// Makes this the mock proxy of the current thread and returns it.
     pub fn install(self) -> Self {
         CURRENT.with(|current| *current.borrow_mut() = Some(self.clone()));
         self
     }
 
-    /// The current thread's host (a fresh one if none was installed).
+    /// The current thread's mock proxy (a fresh one if none was installed).
     pub fn current() -> Self {
         CURRENT.with(|current| {
             current
                 .borrow_mut()
-                .get_or_insert_with(MockHost::new)
+                .get_or_insert_with(MockProxy::new)
                 .clone()
         })
     }
@@ -218,11 +218,11 @@ impl MockHost {
         result
     }
 
-    fn swap_in(&self) -> Option<MockHost> {
+    fn swap_in(&self) -> Option<MockProxy> {
         CURRENT.with(|current| current.borrow_mut().replace(self.clone()))
     }
 
-    fn restore(previous: Option<MockHost>) {
+    fn restore(previous: Option<MockProxy>) {
         if let Some(previous) = previous {
             CURRENT.with(|current| *current.borrow_mut() = Some(previous));
         }
@@ -512,7 +512,7 @@ mod tests {
 
     #[test]
     fn clock_and_bucket_follow_the_mock_clock() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         assert_eq!(crate::clock::unix_secs(), DEFAULT_UNIX_SECS);
         let bucket = TokenBucket {
             capacity: 1,
@@ -528,7 +528,7 @@ mod tests {
 
     #[test]
     fn metrics_are_recorded_and_validated() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let c = Counter::new("denied_total", &[("reason", "expired")]).unwrap();
         c.increment(2);
         Counter::new("denied_total", &[("reason", "expired")])
@@ -544,7 +544,7 @@ mod tests {
 
     #[test]
     fn logs_respect_the_level() {
-        let host = MockHost::new().with_log_level(Level::Warn).install();
+        let host = MockProxy::new().with_log_level(Level::Warn).install();
         crate::log::info("quiet");
         crate::log!(Level::Error, "loud {}", 1);
         assert_eq!(host.logs(), vec![(Level::Error, "loud 1".to_owned())]);
@@ -552,7 +552,7 @@ mod tests {
 
     #[test]
     fn crypto_uses_loaded_keys() {
-        let _host = MockHost::new()
+        let _host = MockProxy::new()
             .with_secret("s", Some("k"), b"key")
             .install();
         assert_eq!(

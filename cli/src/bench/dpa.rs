@@ -48,7 +48,6 @@ const PEER: OwnerId = OwnerId(2);
 /// One row: a path at one size.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Row {
-    /// The path.
     pub path: String,
     /// Message size in bytes.
     pub size: usize,

@@ -1,4 +1,4 @@
-//! The host↔DPU control channel (seed 003's style): small request/response messages
+//! The host↔DPU control channel: small request/response messages
 //! with a magic number and a protocol version, one definition shared by both sides.
 //! Only metadata travels here: pod registration, the export descriptors of the pools
 //! and rings a pod maps, teardown. Bulk data never does.
@@ -60,24 +60,15 @@ pub enum Request {
         pid: u32,
     },
     /// Unregisters a pod: its rings stop being polled and its buffers are reclaimed.
-    UnregisterPod {
-        /// The pod.
-        pod_id: u32,
-    },
+    UnregisterPod { pod_id: u32 },
     /// Which pods on this node serve `service` (for case 3: a pod addressing a
     /// service on its own node).
-    Resolve {
-        /// The service.
-        service: String,
-    },
+    Resolve { service: String },
     /// Liveness.
     Ping,
     /// Where `service` runs as seen from this node: its pods here (case 3), else the
     /// fabric address of a node that runs it (case 1).
-    Locate {
-        /// The service.
-        service: String,
-    },
+    Locate { service: String },
 }
 
 /// What the DPU answers.
@@ -92,10 +83,7 @@ pub enum Response {
     PodRegistered(Box<PodExports>),
     /// Answer to [`Request::Resolve`]: the pods serving it here, by id (empty: none
     /// on this node).
-    Resolved {
-        /// Pod ids.
-        pods: Vec<u32>,
-    },
+    Resolved { pods: Vec<u32> },
     /// Done.
     Ok,
     /// Answer to [`Request::Ping`].
@@ -109,10 +97,7 @@ pub enum Response {
     },
     /// Unsolicited: the DPU is tearing the pod down (node shutdown); stop using the
     /// exports.
-    Teardown {
-        /// Why.
-        reason: String,
-    },
+    Teardown { reason: String },
     /// Answer to [`Request::Locate`].
     Located {
         /// Pods serving it on this node, by id.
@@ -189,14 +174,10 @@ pub enum RegionKind {
     Pool {
         /// Bytes per slot.
         slot_size: u32,
-        /// Slots.
         slot_count: u32,
     },
     /// A descriptor ring.
-    Ring {
-        /// Entries.
-        capacity: u32,
-    },
+    Ring { capacity: u32 },
     /// A doorbell word.
     Doorbell,
 }
@@ -248,7 +229,6 @@ pub enum ControlError {
     Refused {
         /// Its class.
         code: ErrorCode,
-        /// Its message.
         message: String,
     },
 }

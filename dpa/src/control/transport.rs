@@ -204,7 +204,6 @@ impl ControlServer {
         &self.endpoint
     }
 
-    /// Connected peers.
     pub fn peers(&self) -> usize {
         self.conns.lock().len()
     }

@@ -1,12 +1,12 @@
-//! The DMA manager (the DPA's job in seed 000): polls every pod's host TX SQ and every
+//! The DMA manager (what the DPA's cores do on BlueField-3): polls every pod's host TX SQ and every
 //! sidecar RX SQ, moves buffers with its [`DmaEngine`], writes the next ring and wakes
 //! its consumer.
 //!
 //! - **Intake** (host TX SQ of pod A, cases 1 and 3 and responses): the header is
 //!   copied from A's TX header pool into a DPU header slot, which goes to the ARM on a
 //!   sidecar TX SQ; A's header slot goes straight back to A with a completion. A's
-//!   body slot is claimed by the manager and stays where it is (seed 000: "body는
-//!   아직 Pod A에 머물러 있음").
+//!   body slot is claimed by the manager and stays where it is: the body has not moved
+//!   yet, only the head goes to the proxy.
 //! - **Delivery** (sidecar RX SQ, the ARM's decision): the header is copied into the
 //!   destination pod's RX header pool; the body is either already in that pod's RX
 //!   body pool (case 2: the fabric wrote it there) and changes owner, or still in the

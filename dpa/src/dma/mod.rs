@@ -4,7 +4,7 @@
 //! engine and progresses them to completion.
 //!
 //! An engine copies a batch and returns when all of it has landed, which is how the
-//! DPA's DMA manager uses its engine in seed 000: post the jobs of one descriptor,
+//! DMA manager uses its engine: post the jobs of one descriptor,
 //! wait for their completions, then write the next ring.
 
 #[cfg(feature = "doca")]
@@ -16,15 +16,12 @@ use crate::shm::{SharedRegion, ShmError};
 /// One copy.
 #[derive(Debug, Clone, Copy)]
 pub struct CopyJob<'a> {
-    /// Source region.
     pub src: &'a SharedRegion,
     /// Offset in the source.
     pub src_offset: u64,
-    /// Destination region.
     pub dst: &'a SharedRegion,
     /// Offset in the destination.
     pub dst_offset: u64,
-    /// Bytes.
     pub len: u64,
 }
 
@@ -37,7 +34,6 @@ pub enum DmaError {
     /// The hardware engine failed.
     #[error("DMA engine {engine}: {detail}")]
     Engine {
-        /// Which engine.
         engine: &'static str,
         /// What it said.
         detail: String,

@@ -55,7 +55,6 @@ impl Access {
         self.0 & other.0 == other.0
     }
 
-    /// The bits.
     pub fn bits(self) -> u32 {
         self.0
     }
@@ -72,9 +71,7 @@ impl std::ops::BitOr for Access {
 /// region's lkey (verbs' `ibv_sge`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sge {
-    /// Virtual address.
     pub addr: u64,
-    /// Bytes.
     pub len: u32,
     /// Local key of the region it is in.
     pub lkey: u32,
@@ -109,7 +106,7 @@ pub enum SendOp {
     /// One-sided write into the peer's memory.
     Write(RemoteAddr),
     /// Write, then consume a posted receive on the peer carrying the immediate data
-    /// (the "imm data callback" of seed 000).
+    /// (how a receiver learns that a WRITE landed without polling memory).
     WriteWithImm(RemoteAddr, u32),
     /// One-sided read of the peer's memory into the local buffer.
     Read(RemoteAddr),
@@ -235,12 +232,7 @@ pub enum FabricError {
     Io(#[from] std::io::Error),
     /// Connecting or accepting failed.
     #[error("cannot connect queue pair to {addr}: {detail}")]
-    Connect {
-        /// The peer.
-        addr: SocketAddr,
-        /// Why.
-        detail: String,
-    },
+    Connect { addr: SocketAddr, detail: String },
     /// The region or range cannot be registered.
     #[error("cannot register memory: {0}")]
     Register(String),
@@ -251,7 +243,6 @@ pub enum FabricError {
         qp: u32,
         /// "send" or "receive".
         which: &'static str,
-        /// Its limit.
         limit: u32,
     },
     /// The queue pair is in the error state.
@@ -260,7 +251,6 @@ pub enum FabricError {
     /// The device backend failed.
     #[error("{call} failed: {detail}")]
     Device {
-        /// The call.
         call: &'static str,
         /// What it said.
         detail: String,
@@ -269,13 +259,10 @@ pub enum FabricError {
 
 /// A registered memory region.
 pub trait MemoryRegion: Send + Sync {
-    /// Local key.
     fn lkey(&self) -> u32;
-    /// Remote key.
     fn rkey(&self) -> u32;
     /// Virtual address of its first byte.
     fn addr(&self) -> u64;
-    /// Bytes.
     fn len(&self) -> u64;
 
     /// Whether it is empty (never, once registered).
@@ -339,13 +326,11 @@ pub trait CompletionQueue: Send + Sync {
 
 /// A reliable-connected queue pair.
 pub trait QueuePair: Send + Sync {
-    /// Its number.
     fn qp_num(&self) -> u32;
     /// Posts a send work request.
     fn post_send(&self, wr: SendWr) -> Result<(), FabricError>;
     /// Posts a receive.
     fn post_recv(&self, wr: RecvWr) -> Result<(), FabricError>;
-    /// Its state.
     fn state(&self) -> QpState;
 }
 
@@ -369,7 +354,6 @@ pub trait Fabric: Send + Sync + 'static {
     type Cq: CompletionQueue + Clone;
     /// Queue pair.
     type Qp: QueuePair;
-    /// Listener.
     type Listener: QpListener<Qp = Self::Qp>;
 
     /// The backend's name.

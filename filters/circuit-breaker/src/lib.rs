@@ -317,12 +317,12 @@ export_filter!(CircuitBreaker);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
     fn respond(
-        host: &MockHost,
+        host: &MockProxy,
         f: &mut CircuitBreaker,
         status: u16,
         failure: FailureKind,
@@ -343,7 +343,7 @@ mod tests {
 
     #[test]
     fn trips_after_consecutive_failures_and_recovers_through_a_probe() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: CircuitBreaker = host
             .configure(r#"{"consecutive_failures": 2, "base_ejection_ms": 1000}"#)
             .unwrap();
@@ -360,7 +360,7 @@ mod tests {
 
     #[test]
     fn local_replies_are_never_counted() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: CircuitBreaker = host.configure(r#"{"consecutive_failures": 1}"#).unwrap();
         for _ in 0..5 {
             assert!(respond(&host, &mut f, 503, FailureKind::LocalReply).is_continue());
@@ -369,7 +369,7 @@ mod tests {
 
     #[test]
     fn configs_are_checked() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         for (config, needle) in [
             (r#"{"base_ejection_ms": 0}"#, "base_ejection_ms"),
             (

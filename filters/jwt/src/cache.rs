@@ -23,7 +23,6 @@ pub struct Verified {
     pub claims: Vec<(String, String)>,
 }
 
-/// The cache.
 #[derive(Debug)]
 pub struct TokenCache {
     max: usize,

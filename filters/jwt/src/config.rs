@@ -137,7 +137,6 @@ fn thousand() -> usize {
 /// A checked provider.
 #[derive(Debug, Clone)]
 pub struct Provider {
-    /// Name.
     pub name: String,
     /// As written, with checked fields below.
     pub raw: RawProvider,
@@ -150,22 +149,17 @@ pub struct Provider {
 /// A checked rule.
 #[derive(Debug, Clone)]
 pub struct Rule {
-    /// Prefix.
     pub path_prefix: String,
-    /// Methods.
     pub methods: Vec<String>,
     /// Provider index.
     pub provider: Option<usize>,
-    /// Mode.
     pub mode: Mode,
 }
 
 /// The checked configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Providers.
     pub providers: Vec<Provider>,
-    /// Rules.
     pub rules: Vec<Rule>,
     /// Cache size.
     pub cache_entries: usize,

@@ -63,7 +63,6 @@ pub struct Token<'t> {
     pub signing_input: &'t str,
     /// The JOSE header.
     pub header: Map<String, Value>,
-    /// The claims.
     pub claims: Map<String, Value>,
     /// The payload JSON as sent.
     pub payload_json: Vec<u8>,

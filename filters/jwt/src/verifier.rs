@@ -35,7 +35,6 @@ pub enum Failure {
     BadTimeClaim,
     /// No `exp` and the provider requires one.
     MissingExpiration,
-    /// Expired.
     Expired,
     /// `nbf` in the future.
     NotYetValid,

@@ -81,7 +81,6 @@ fn too_many() -> u16 {
     429
 }
 
-/// A checked bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckedBucket {
     /// Capacity.
@@ -95,11 +94,8 @@ pub struct CheckedBucket {
 /// A checked descriptor.
 #[derive(Debug, Clone)]
 pub struct Descriptor {
-    /// Name.
     pub name: String,
-    /// Entries.
     pub entries: Vec<Entry>,
-    /// Bucket.
     pub bucket: CheckedBucket,
 }
 
@@ -108,7 +104,6 @@ pub struct Descriptor {
 pub struct Config {
     /// Descriptors in order.
     pub descriptors: Vec<Descriptor>,
-    /// Default bucket.
     pub default_bucket: Option<CheckedBucket>,
     /// Headers on 429.
     pub x_ratelimit_headers: bool,

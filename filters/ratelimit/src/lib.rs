@@ -221,13 +221,13 @@ export_filter!(RateLimit);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
     #[test]
     fn per_value_buckets_refill_on_the_clock() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: RateLimit = host
             .configure(r#"{"descriptors": [{"name": "key", "entries": [{"header": "x-api-key"}], "bucket": {"max_tokens": 2, "fill_interval_ms": 1000}}]}"#)
             .unwrap();
@@ -267,7 +267,7 @@ mod tests {
 
     #[test]
     fn nested_claims_come_from_the_payload() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: RateLimit = host
             .configure(r#"{"descriptors": [{"name": "org", "entries": [{"claim": "org.id"}], "bucket": {"max_tokens": 1, "fill_interval_ms": 60000}}]}"#)
             .unwrap();
@@ -279,7 +279,7 @@ mod tests {
 
     #[test]
     fn configs_are_checked() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         for (config, needle) in [
             (r#"{"status": 200}"#, "4xx or 5xx"),
             (

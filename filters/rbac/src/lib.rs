@@ -26,7 +26,6 @@ use crate::matcher::{Permission, Principal, RawPermission, RawPrincipal};
 
 /// What the policy evaluation needs of a request; the filter's logic is pure over it.
 pub trait RequestView {
-    /// Method.
     fn method(&self) -> &str;
     /// Path without query.
     fn path(&self) -> &str;
@@ -122,7 +121,6 @@ pub struct RawPolicy {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
-    /// The action.
     pub action: Action,
     /// Policies, in order.
     #[serde(default)]
@@ -135,7 +133,6 @@ pub struct RawConfig {
 /// A compiled policy.
 #[derive(Debug, Clone)]
 pub struct Policy {
-    /// Name.
     pub name: String,
     permissions: Vec<Permission>,
     principals: Vec<Principal>,
@@ -152,9 +149,7 @@ impl Policy {
 /// The compiled configuration.
 #[derive(Debug, Clone)]
 pub struct Engine {
-    /// Action.
     pub action: Action,
-    /// Policies.
     pub policies: Vec<Policy>,
 }
 
@@ -294,13 +289,13 @@ export_filter!(Rbac);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
     #[test]
     fn allow_policies_need_both_a_permission_and_a_principal() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: Rbac = host
             .configure(r#"{"action": "ALLOW", "policies": [{"name": "admins", "permissions": [{"path": {"prefix": "/admin"}}], "principals": [{"claim": {"name": "roles", "contains": "admin"}}]}]}"#)
             .unwrap();
@@ -320,7 +315,7 @@ mod tests {
 
     #[test]
     fn configs_are_checked() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         for (config, needle) in [
             (r#"{"action": "MAYBE"}"#, "unknown variant"),
             (

@@ -152,7 +152,6 @@ pub enum RawPermission {
     Method(String),
     /// Path (without the query).
     Path(RawStringMatch),
-    /// A header.
     Header(RawHeaderMatch),
     /// The destination service.
     Destination(RawStringMatch),
@@ -160,7 +159,6 @@ pub enum RawPermission {
     And(Vec<RawPermission>),
     /// Any of these.
     Or(Vec<RawPermission>),
-    /// Not this.
     Not(Box<RawPermission>),
 }
 
@@ -196,13 +194,11 @@ pub enum RawPrincipal {
     SourceIp(String),
     /// Source workload identity (e.g. a SPIFFE id).
     Identity(RawStringMatch),
-    /// A header.
     Header(RawHeaderMatch),
     /// All of these.
     And(Vec<RawPrincipal>),
     /// Any of these.
     Or(Vec<RawPrincipal>),
-    /// Not this.
     Not(Box<RawPrincipal>),
 }
 
@@ -301,19 +297,14 @@ impl Cidr {
 pub enum Permission {
     /// Anything.
     Any,
-    /// Method.
     Method(String),
-    /// Path.
     Path(StringMatch),
-    /// Header.
     Header(HeaderMatch),
-    /// Destination.
     Destination(StringMatch),
     /// All.
     And(Vec<Permission>),
     /// Any.
     Or(Vec<Permission>),
-    /// Not.
     Not(Box<Permission>),
 }
 
@@ -393,19 +384,15 @@ pub enum Principal {
     Any,
     /// Verified token present.
     Authenticated,
-    /// Claim.
     Claim(ClaimMatch),
     /// Source CIDR.
     SourceIp(Cidr),
-    /// Identity.
     Identity(StringMatch),
-    /// Header.
     Header(HeaderMatch),
     /// All.
     And(Vec<Principal>),
     /// Any.
     Or(Vec<Principal>),
-    /// Not.
     Not(Box<Principal>),
 }
 

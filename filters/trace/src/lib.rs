@@ -8,8 +8,8 @@
 //!   is replaced by a new trace (a malformed one also drops `tracestate`, which the spec
 //!   says must not be forwarded without a valid parent). When there is no valid
 //!   `traceparent` but a valid `x-trace-id` (32 hex digits), the new trace reuses it.
-//! - `x-trace-id` is set to the trace id, so services that only read that header (seed
-//!   000's convention) see the same trace.
+//! - `x-trace-id` is set to the trace id, so services that only read that header (the
+//!   host library's convention) see the same trace.
 //! - Metadata `trace.request_id`, `trace.trace_id`, `trace.span_id` for later filters and
 //!   access logs.
 
@@ -181,7 +181,7 @@ export_filter!(Trace);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
@@ -197,7 +197,7 @@ mod tests {
 
     #[test]
     fn a_valid_traceparent_keeps_its_trace_and_gets_a_new_span() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: Trace = host.configure("").unwrap();
         let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00";
         let req = MockRequest::get("/").with_header("traceparent", incoming);
@@ -219,7 +219,7 @@ mod tests {
 
     #[test]
     fn garbage_is_replaced_and_tracestate_dropped() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: Trace = host.configure("").unwrap();
         let req = MockRequest::get("/")
             .with_header("traceparent", "garbage")

@@ -1,4 +1,4 @@
-//! The hotel-reservation sample (seed 000's shape): `frontend` calls `user` and
+//! The hotel-reservation sample: `frontend` calls `user` and
 //! `reservation` in parallel, then merges their answers in an internal step. In the
 //! sample mesh `user` runs on the frontend's node (the intra-node path, case 3) and
 //! `reservation` on another node (the inter-node path, case 1).
@@ -44,7 +44,6 @@ fn echo(ctx: &mut ExecutionContext) {
     });
 }
 
-/// The frontend.
 pub fn frontend(ctx: &mut ExecutionContext) {
     let url = ctx.request().url.clone();
     match path(&url) {

@@ -5,7 +5,7 @@
 //! status, reply headers, request-header edits and metadata out. [`run_suite`] runs a
 //! suite against any filter component, whatever language it was written in, in the
 //! real runtime; [`format_report`] prints it like a test runner.
-
+#![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod runner;

@@ -1,5 +1,5 @@
 //! What a filter's helpers call: the proxy's imports when the filter is built for Wasm
-//! ([`wasm`]), the mock host on a native target ([`native`], for `cargo test`). Both
+//! ([`wasm`]), the mock proxy on a native target ([`native`], for `cargo test`). Both
 //! backends offer the same functions with the same types, so the public helper
 //! modules (`log`, `clock`, `metrics`, `shared`, `crypto`) hold no target-specific
 //! code of their own; this is the one place the target is chosen.

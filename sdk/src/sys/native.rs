@@ -1,4 +1,4 @@
-//! The native backend: every call goes to the current thread's [`MockHost`], which
+//! The native backend: every call goes to the current thread's [`MockProxy`], which
 //! runs the proxy's own shared-state and key-verification code on a manual clock.
 
 use dpumesh_clock::Clock as _;
@@ -6,23 +6,23 @@ use dpumesh_clock::Clock as _;
 use crate::crypto::{Algorithm, VerifyError};
 use crate::log::Level;
 use crate::metrics::{Kind, MetricError};
-use crate::mock::MockHost;
+use crate::mock::MockProxy;
 use crate::shared::{BucketResult, StateError, TokenBucket};
 
 pub(crate) fn log_enabled(level: Level) -> bool {
-    MockHost::current().log_enabled(level)
+    MockProxy::current().log_enabled(level)
 }
 
 pub(crate) fn log(level: Level, message: &str) {
-    MockHost::current().push_log(level, message)
+    MockProxy::current().push_log(level, message)
 }
 
 pub(crate) fn wall_ns() -> u64 {
-    MockHost::current().clock().wall_ns()
+    MockProxy::current().clock().wall_ns()
 }
 
 pub(crate) fn monotonic_ns() -> u64 {
-    MockHost::current().clock().monotonic_ns()
+    MockProxy::current().clock().monotonic_ns()
 }
 
 pub(crate) fn define_metric(
@@ -30,23 +30,23 @@ pub(crate) fn define_metric(
     name: &str,
     labels: &[(&str, &str)],
 ) -> Result<u32, MetricError> {
-    MockHost::current().define_metric(kind, name, labels)
+    MockProxy::current().define_metric(kind, name, labels)
 }
 
 pub(crate) fn counter_add(id: u32, delta: u64) {
-    MockHost::current().update_metric(id, Kind::Counter, |v| v + delta as f64)
+    MockProxy::current().update_metric(id, Kind::Counter, |v| v + delta as f64)
 }
 
 pub(crate) fn gauge_set(id: u32, value: f64) {
-    MockHost::current().update_metric(id, Kind::Gauge, |_| value)
+    MockProxy::current().update_metric(id, Kind::Gauge, |_| value)
 }
 
 pub(crate) fn gauge_add(id: u32, delta: f64) {
-    MockHost::current().update_metric(id, Kind::Gauge, |v| v + delta)
+    MockProxy::current().update_metric(id, Kind::Gauge, |v| v + delta)
 }
 
 pub(crate) fn observe(id: u32, value: f64) {
-    MockHost::current().update_metric(id, Kind::Histogram, |v| v + value)
+    MockProxy::current().update_metric(id, Kind::Histogram, |v| v + value)
 }
 
 fn state_error(e: dpumesh_shared_state::StateError) -> StateError {
@@ -59,14 +59,14 @@ fn state_error(e: dpumesh_shared_state::StateError) -> StateError {
 }
 
 pub(crate) fn state_increment(key: &str, delta: i64, ttl_ms: u64) -> Result<i64, StateError> {
-    MockHost::current()
+    MockProxy::current()
         .namespace()
         .increment(key, delta, ttl_ms)
         .map_err(state_error)
 }
 
 pub(crate) fn state_get(key: &str) -> Result<Option<i64>, StateError> {
-    MockHost::current()
+    MockProxy::current()
         .namespace()
         .get(key)
         .map_err(state_error)
@@ -78,14 +78,14 @@ pub(crate) fn state_compare_and_swap(
     desired: i64,
     ttl_ms: u64,
 ) -> Result<Result<(), Option<i64>>, StateError> {
-    MockHost::current()
+    MockProxy::current()
         .namespace()
         .compare_and_swap(key, expected, desired, ttl_ms)
         .map_err(state_error)
 }
 
 pub(crate) fn state_delete(key: &str) -> Result<bool, StateError> {
-    MockHost::current()
+    MockProxy::current()
         .namespace()
         .delete(key)
         .map_err(state_error)
@@ -101,7 +101,7 @@ pub(crate) fn token_bucket_take(
         refill_tokens: bucket.refill_tokens,
         refill_interval_ms: bucket.refill_interval_ms,
     };
-    MockHost::current()
+    MockProxy::current()
         .namespace()
         .token_bucket_take(key, spec, cost)
         .map(|r| BucketResult {
@@ -119,11 +119,11 @@ pub(crate) fn verify(
     message: &[u8],
     signature: &[u8],
 ) -> Result<String, VerifyError> {
-    MockHost::current()
+    MockProxy::current()
         .keys()
         .verify(alg, key_set, key_id, message, signature)
 }
 
 pub(crate) fn key_set_version(key_set: &str) -> u64 {
-    MockHost::current().keys().version(key_set)
+    MockProxy::current().keys().version(key_set)
 }

@@ -186,7 +186,7 @@ export_filter!(Guard);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
@@ -203,7 +203,7 @@ mod tests {
 
     #[test]
     fn first_matching_rule_decides() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut guard: Guard = host.configure(CONFIG).unwrap();
 
         let admin = MockRequest::get("/admin/users").with_header("X-Role", "admin");
@@ -238,7 +238,7 @@ mod tests {
 
     #[test]
     fn default_deny_uses_the_configured_status() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut guard: Guard = host
             .configure(r#"{"default": "deny", "deny_status": 401}"#)
             .unwrap();
@@ -252,7 +252,7 @@ mod tests {
 
     #[test]
     fn bad_configs_are_refused_with_the_cause() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let err = host
             .configure::<Guard>(r#"{"deny_status": 42}"#)
             .unwrap_err();

@@ -100,7 +100,7 @@ export_filter!(ApiKey);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
@@ -108,7 +108,7 @@ mod tests {
 
     #[test]
     fn known_keys_pass_and_unknown_ones_are_counted() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: ApiKey = host.configure(CONFIG).unwrap();
         let ok = MockRequest::get("/").with_header("x-api-key", "k2");
         assert!(host.on_request(&mut f, &ok).is_continue());
@@ -120,7 +120,7 @@ mod tests {
 
     #[test]
     fn bad_configs_are_refused() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         for config in [
             r#"{"keys": {}}"#,
             r#"{"keys": {"a": ""}}"#,

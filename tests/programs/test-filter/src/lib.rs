@@ -23,7 +23,6 @@ pub enum Action {
     AppendHeader(String, String),
     /// Remove a header.
     RemoveHeader(String),
-    /// Set metadata.
     SetMetadata(String, String),
     /// Copy metadata `key` into header `name` (or `-` when absent).
     MetadataToHeader(String, String),
@@ -83,7 +82,6 @@ pub struct Config {
     pub spin_in_configure: bool,
 }
 
-/// The test filter.
 #[derive(Debug)]
 pub struct TestFilter {
     config: Config,
@@ -257,13 +255,13 @@ export_filter!(TestFilter);
 
 #[cfg(test)]
 mod tests {
-    use dpumesh_filter_sdk::mock::{MockHost, MockRequest};
+    use dpumesh_filter_sdk::mock::{MockProxy, MockRequest};
 
     use super::*;
 
     #[test]
     fn actions_run_in_order_against_the_mock() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let mut f: TestFilter = host
             .configure(r#"{"tag":"t","request":[{"set_metadata":["k","v"]},{"metadata_to_header":["k","x-k"]},{"deny_if_header":["x-stop",418]}]}"#)
             .unwrap();
@@ -276,7 +274,7 @@ mod tests {
 
     #[test]
     fn reject_refuses_configuration() {
-        let host = MockHost::new().install();
+        let host = MockProxy::new().install();
         let err = host
             .configure::<TestFilter>(r#"{"reject":"nope"}"#)
             .unwrap_err();

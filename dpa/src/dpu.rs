@@ -53,7 +53,7 @@ impl Default for PodSizing {
 
 /// How a node is set up.
 #[derive(Debug, Clone)]
-pub struct NodeConfig {
+pub struct DpuConfig {
     /// The node's name (in region names and Hello answers).
     pub name: String,
     /// What each pod gets.
@@ -76,7 +76,7 @@ pub struct NodeConfig {
     pub remote_services: std::collections::BTreeMap<String, std::net::SocketAddr>,
 }
 
-impl NodeConfig {
+impl DpuConfig {
     /// Defaults for node `name`.
     pub fn new(name: impl Into<String>) -> Self {
         Self {
@@ -95,14 +95,12 @@ impl NodeConfig {
 
 /// Why the node could not start or register a pod.
 #[derive(Debug, thiserror::Error)]
-pub enum NodeError {
+pub enum DpuError {
     /// Shared memory.
     #[error(transparent)]
     Shm(#[from] ShmError),
-    /// A pool.
     #[error(transparent)]
     Pool(#[from] PoolError),
-    /// A ring.
     #[error(transparent)]
     Ring(#[from] RingError),
     /// The control channel.
@@ -111,7 +109,6 @@ pub enum NodeError {
     /// The node's limits.
     #[error("{0}")]
     Limit(String),
-    /// A thread.
     #[error("cannot start the DMA manager: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -119,11 +116,8 @@ pub enum NodeError {
 /// A registered pod, as the node's table knows it.
 #[derive(Debug, Clone)]
 pub struct PodInfo {
-    /// Its id.
     pub id: u32,
-    /// Its name.
     pub name: String,
-    /// Its service.
     pub service: String,
     /// Its process.
     pub pid: u32,
@@ -138,7 +132,7 @@ pub struct PodInfo {
 }
 
 struct Shared {
-    config: NodeConfig,
+    config: DpuConfig,
     prefix: String,
     next_pod: AtomicU32,
     next_region: AtomicU32,
@@ -157,15 +151,15 @@ struct Shared {
 
 impl Shared {
     /// A region id: one freed by a departed pod, else a new one.
-    fn region_id(&self) -> Result<u16, NodeError> {
+    fn region_id(&self) -> Result<u16, DpuError> {
         if let Some(id) = self.free_regions.lock().pop() {
             return Ok(id);
         }
         let id = self.next_region.fetch_add(1, Ordering::Relaxed);
-        u16::try_from(id).map_err(|_| NodeError::Limit("the node ran out of region ids".to_owned()))
+        u16::try_from(id).map_err(|_| DpuError::Limit("the node ran out of region ids".to_owned()))
     }
 
-    fn pool(&self, what: &str, size: u32, count: u32) -> Result<BufferPool, NodeError> {
+    fn pool(&self, what: &str, size: u32, count: u32) -> Result<BufferPool, DpuError> {
         Ok(BufferPool::create_in_shm(
             &format!("{}-{what}", self.prefix),
             self.region_id()?,
@@ -179,17 +173,17 @@ impl Shared {
         name: String,
         service: String,
         pid: u32,
-    ) -> Result<PodExports, NodeError> {
+    ) -> Result<PodExports, DpuError> {
         let _one_at_a_time = self.registering.lock();
         {
             let pods = self.pods.lock();
             if pods.values().any(|p| p.name == name) {
-                return Err(NodeError::Limit(format!(
+                return Err(DpuError::Limit(format!(
                     "a pod named {name:?} is registered already"
                 )));
             }
             if pods.len() as u32 >= self.config.max_pods {
-                return Err(NodeError::Limit(format!(
+                return Err(DpuError::Limit(format!(
                     "the node serves at most {} pods",
                     self.config.max_pods
                 )));
@@ -357,7 +351,7 @@ impl ControlHandler {
             Request::RegisterPod { name, service, pid } => {
                 match self.0.register(peer, name, service, pid) {
                     Ok(exports) => Response::PodRegistered(Box::new(exports)),
-                    Err(NodeError::Limit(message)) => Response::Error {
+                    Err(DpuError::Limit(message)) => Response::Error {
                         code: if message.contains("registered already") {
                             ErrorCode::AlreadyRegistered
                         } else {
@@ -392,35 +386,35 @@ impl ControlHandler {
 }
 
 /// A running node.
-pub struct DpuNode {
+pub struct Dpu {
     shared: Arc<Shared>,
     control: Option<ControlServer>,
     manager: Option<JoinHandle<()>>,
     sidecars: Mutex<Vec<SidecarPort>>,
 }
 
-impl std::fmt::Debug for DpuNode {
+impl std::fmt::Debug for Dpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DpuNode")
+        f.debug_struct("Dpu")
             .field("name", &self.shared.config.name)
             .finish_non_exhaustive()
     }
 }
 
-impl DpuNode {
+impl Dpu {
     /// Starts a node with the software DMA engine, listening for pods on `control`.
-    pub fn start(config: NodeConfig, control: &Endpoint) -> Result<Self, NodeError> {
+    pub fn start(config: DpuConfig, control: &Endpoint) -> Result<Self, DpuError> {
         Self::start_with(config, control, SoftwareDma)
     }
 
     /// Starts a node with a given DMA engine.
     pub fn start_with<E: DmaEngine>(
-        config: NodeConfig,
+        config: DpuConfig,
         control: &Endpoint,
         engine: E,
-    ) -> Result<Self, NodeError> {
+    ) -> Result<Self, DpuError> {
         if config.sidecar_ports == 0 {
-            return Err(NodeError::Limit(
+            return Err(DpuError::Limit(
                 "a node needs at least one sidecar port".to_owned(),
             ));
         }
@@ -538,7 +532,7 @@ impl DpuNode {
     }
 }
 
-impl Drop for DpuNode {
+impl Drop for Dpu {
     fn drop(&mut self) {
         // Pods first hear Teardown; then the manager stops and everything unmaps.
         self.control.take();

@@ -1,4 +1,4 @@
-//! Mesh messages: what the ingress and the DPU proxies say to each other over the
+//! Frames: what the ingress and the DPU proxies say to each other over the
 //! fabric. A request names where its body waits (the receiving proxy RDMA-READs it
 //! into the destination pod's RX body pool once policy allowed it, so a denied body
 //! never crosses the network) and where the response body goes (the answering proxy
@@ -21,7 +21,7 @@ use crate::fabric::RemoteAddr;
 /// Frame magic.
 pub const MAGIC: [u8; 2] = *b"DM";
 /// The protocol version written and read.
-pub const MESH_VERSION: u8 = 1;
+pub const FRAME_VERSION: u8 = 1;
 /// The largest frame (a head of up to 64 KiB plus the fixed fields).
 pub const MAX_FRAME: usize = (64 << 10) + 256;
 
@@ -38,7 +38,6 @@ pub struct RemoteBuf {
     pub len: u32,
 }
 
-/// Request flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RequestFlags {
     /// The sending proxy already ran the route's filter chain (a pod's egress call
@@ -51,7 +50,6 @@ pub struct RequestFlags {
 pub struct Request {
     /// The sender's exchange id, echoed in the response.
     pub xid: u32,
-    /// Flags.
     pub flags: RequestFlags,
     /// Milliseconds the sender will wait for the response (0: no deadline).
     pub deadline_ms: u32,
@@ -79,7 +77,6 @@ pub enum ResponseBody {
 pub struct Response {
     /// The request's exchange id.
     pub xid: u32,
-    /// The body.
     pub body: ResponseBody,
     /// The response head (status and headers, in the head wire form).
     pub head: Vec<u8>,
@@ -88,9 +85,7 @@ pub struct Response {
 /// One message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    /// A request.
     Request(Request),
-    /// A response.
     Response(Response),
     /// Only returns credits.
     Credit,
@@ -101,7 +96,6 @@ pub enum Message {
 pub struct Frame {
     /// Receives the sender posted again since its last frame.
     pub credits: u16,
-    /// The message.
     pub message: Message,
 }
 
@@ -115,7 +109,7 @@ pub enum FrameError {
     #[error("not a mesh frame (magic {0:02x?})")]
     Magic([u8; 2]),
     /// Another protocol version.
-    #[error("mesh protocol version {found} is not supported (this build speaks {MESH_VERSION})")]
+    #[error("mesh protocol version {found} is not supported (this build speaks {FRAME_VERSION})")]
     Version {
         /// The version found.
         found: u8,
@@ -152,7 +146,7 @@ impl Frame {
     pub fn encode_into(&self, out: &mut Vec<u8>) -> Result<(), FrameError> {
         out.clear();
         out.extend_from_slice(&MAGIC);
-        out.push(MESH_VERSION);
+        out.push(FRAME_VERSION);
         out.push(match self.message {
             Message::Request(_) => REQUEST,
             Message::Response(_) => RESPONSE,
@@ -208,7 +202,7 @@ impl Frame {
             return Err(FrameError::Magic(magic));
         }
         let version = r.u8("version")?;
-        if version != MESH_VERSION {
+        if version != FRAME_VERSION {
             return Err(FrameError::Version { found: version });
         }
         let kind = r.u8("kind")?;
@@ -420,7 +414,7 @@ mod tests {
         k[3] = 99;
         assert!(matches!(Frame::decode(&k), Err(FrameError::Tag { .. })));
         // A head length far beyond the frame is a truncation, not an allocation.
-        let mut h = vec![b'D', b'M', MESH_VERSION, RESPONSE, 0, 0, 1, 0, 0, 0, 0];
+        let mut h = vec![b'D', b'M', FRAME_VERSION, RESPONSE, 0, 0, 1, 0, 0, 0, 0];
         h.extend_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(Frame::decode(&h), Err(FrameError::Truncated(_))));
         let big = Frame {

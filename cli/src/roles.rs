@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use dpumesh_config::MeshFile;
 use dpumesh_dpa::fabric::soft::SoftFabric;
-use dpumesh_proxy::node::{MeshNode, control_socket};
+use dpumesh_proxy::node::{Node, control_socket};
 
 /// The line a role prints on stdout once it serves (what `up` waits for).
 const READY: &str = "dpumesh-ready";
@@ -35,7 +35,7 @@ fn wait_for_signal() -> Result<()> {
 pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
     let mesh = MeshFile::read(mesh)?;
     std::fs::create_dir_all(run_dir)?;
-    let node = MeshNode::start(&mesh, name, run_dir)?;
+    let node = Node::start(&mesh, name, run_dir)?;
     println!(
         "{READY} node {name} fabric {} control {} admin {}",
         node.fabric_addr(),
