@@ -133,3 +133,32 @@ async fn an_uplink_that_keeps_panicking_is_left_down_and_calls_get_503() {
     assert!(e.message().contains("dpumesh-uplink"), "{e}");
     assert!(uplink.supervisor().ready().is_err());
 }
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
+    let hold = Arc::new(AtomicBool::new(true));
+    let got = Arc::new(AtomicUsize::new(0));
+    let node = fake_node(hold, got.clone());
+    let uplink = Uplink::start(SoftFabric::new(), 8, 4096).unwrap();
+    let slot = uplink.slots().acquire().await;
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    uplink.call(Call {
+        node,
+        slot,
+        head: Vec::new(),
+        body_len: 0,
+        deadline: Duration::from_secs(5),
+        reply,
+    });
+    while got.load(Ordering::SeqCst) < 1 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(uplink);
+    let e = answer.await.unwrap().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ShuttingDown, "{e}");
+    assert_eq!(
+        e.status(),
+        503,
+        "shutting down is unavailable, not a bad gateway"
+    );
+}

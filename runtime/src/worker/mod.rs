@@ -18,23 +18,22 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Sender;
 use dpumesh_head::RequestHead;
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use tokio::sync::oneshot;
 
 use crate::bindings::ResponseInfo;
-use crate::chain::{ChainOutcome, ChainRunner, FilterChain};
+use crate::chain::{ChainOutcome, FilterChain};
 use crate::error::FilterFault;
 
-/// Retired generations a worker keeps for responses still to come.
-const MAX_RETIRED: usize = 3;
-/// A retired generation with requests still open is dropped after this long anyway
-/// (their callers never came back for the response phase).
-const RETIRED_TTL: Duration = Duration::from_secs(30);
+mod reply;
+mod thread;
+
+use reply::Reply;
+use thread::Worker;
 
 /// Why the pool could not take a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -107,55 +106,6 @@ pub struct RequestDone {
     pub ticket: Ticket,
     /// What the chain decided.
     pub outcome: ChainOutcome,
-}
-
-/// Where a finished phase goes: an awaiting task, or a function called on the worker
-/// (for callers that are not async, e.g. a data-path reactor with its own wake-up).
-enum Target<T> {
-    Oneshot(oneshot::Sender<Result<T, PoolError>>),
-    Callback(Box<dyn FnOnce(Result<T, PoolError>) + Send>),
-}
-
-/// A job's answer, owed: sent once with the result, or — if the job is dropped
-/// unanswered because its worker panicked — with [`PoolError::WorkerLost`].
-struct Reply<T>(Option<Target<T>>);
-
-impl<T> Reply<T> {
-    fn oneshot(tx: oneshot::Sender<Result<T, PoolError>>) -> Self {
-        Self(Some(Target::Oneshot(tx)))
-    }
-
-    fn callback(f: impl FnOnce(Result<T, PoolError>) + Send + 'static) -> Self {
-        Self(Some(Target::Callback(Box::new(f))))
-    }
-
-    fn send(mut self, value: Result<T, PoolError>) {
-        match self.0.take() {
-            Some(Target::Oneshot(tx)) => {
-                let _ = tx.send(value);
-            }
-            Some(Target::Callback(f)) => f(value),
-            None => {}
-        }
-    }
-}
-
-impl<T> Drop for Reply<T> {
-    fn drop(&mut self) {
-        // Only a job abandoned by a panicking worker gets here with its answer owed.
-        match self.0.take() {
-            Some(Target::Oneshot(tx)) => {
-                let _ = tx.send(Err(PoolError::WorkerLost));
-            }
-            Some(Target::Callback(f)) => {
-                // A callback that panics while we are unwinding would abort.
-                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    f(Err(PoolError::WorkerLost))
-                }));
-            }
-            None => {}
-        }
-    }
 }
 
 /// What a response phase gives back: the request head (as the response filters left
@@ -437,168 +387,5 @@ impl Drop for WorkerPool {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
-    }
-}
-
-/// One generation's runners on one worker.
-struct Runners {
-    generation: Arc<Generation>,
-    runners: Vec<ChainRunner>,
-    /// Requests whose response phase has not run yet.
-    open: usize,
-    /// When a retired set was last used (retirement counts as a use).
-    last_used: Instant,
-}
-
-impl Runners {
-    fn new(generation: Arc<Generation>) -> Self {
-        let runners = generation
-            .chains
-            .iter()
-            .cloned()
-            .map(ChainRunner::new)
-            .collect();
-        Self {
-            generation,
-            runners,
-            open: 0,
-            last_used: Instant::now(),
-        }
-    }
-}
-
-struct Worker {
-    id: usize,
-    current: Runners,
-    /// Older generations with responses still to come, newest first.
-    retired: Vec<Runners>,
-    on: Arc<[AtomicU64]>,
-    jobs: Receiver<Job>,
-    /// Told once, when the worker first takes jobs.
-    ready: Option<Sender<()>>,
-}
-
-impl Worker {
-    fn new(
-        id: usize,
-        generation: Arc<Generation>,
-        on: Arc<[AtomicU64]>,
-        jobs: Receiver<Job>,
-        ready: Sender<()>,
-    ) -> Self {
-        Self {
-            id,
-            current: Runners::new(generation),
-            retired: Vec::new(),
-            on,
-            jobs,
-            ready: Some(ready),
-        }
-    }
-
-    /// Takes jobs until the pool closes the channel.
-    fn run(&mut self) {
-        if let Some(ready) = self.ready.take() {
-            let _ = ready.send(());
-        }
-        while let Ok(job) = self.jobs.recv() {
-            self.job(job);
-        }
-    }
-
-    /// After a panic: the instances may be mid-call and the bookkeeping half done, so
-    /// all of it goes; the current generation's instances are built again. (The
-    /// panicking job's reply was answered as it unwound.)
-    fn recover(&mut self) {
-        let generation = self.current.generation.clone();
-        self.retired.clear();
-        self.current = Runners::new(generation);
-    }
-
-    fn job(&mut self, job: Job) {
-        match job {
-            Job::Request {
-                generation,
-                chain,
-                head,
-                reply,
-            } => {
-                let worker = self.id;
-                let runners = self.runners(&generation);
-                runners.open += 1;
-                let runner = &mut runners.runners[chain];
-                let outcome = runner.on_request(head);
-                let ticket = Ticket {
-                    worker,
-                    generation,
-                    chain,
-                    ran: outcome.ran,
-                };
-                reply.send(Ok(RequestDone { ticket, outcome }));
-                runner.repair();
-            }
-            Job::Response {
-                ticket,
-                head,
-                info,
-                reply,
-            } => {
-                let runners = self.runners(&ticket.generation);
-                runners.open = runners.open.saturating_sub(1);
-                let runner = &mut runners.runners[ticket.chain];
-                let result = runner.on_response(head, &info, ticket.ran);
-                reply.send(Ok(result));
-                runner.repair();
-                self.sweep();
-            }
-            Job::Switch(generation) => {
-                self.runners(&generation);
-            }
-            #[cfg(feature = "fault-injection")]
-            Job::Panic(reply) => {
-                let _held = reply;
-                panic!("injected worker panic");
-            }
-        }
-    }
-    /// The runners of `generation`: the current ones, a retired set, or new ones (after
-    /// switching to it when it is newer than the current generation).
-    fn runners(&mut self, generation: &Arc<Generation>) -> &mut Runners {
-        let number = generation.number;
-        if number > self.current.generation.number {
-            let mut old = std::mem::replace(&mut self.current, Runners::new(generation.clone()));
-            // The retirement TTL counts from here; the current set is not timed per job.
-            old.last_used = Instant::now();
-            self.on[self.id].store(number, Ordering::Release);
-            self.retired.insert(0, old);
-            self.sweep();
-        }
-        if number == self.current.generation.number {
-            return &mut self.current;
-        }
-        let index = match self
-            .retired
-            .iter()
-            .position(|r| r.generation.number == number)
-        {
-            Some(index) => index,
-            None => {
-                // A request submitted before a publish reached a worker that had
-                // already dropped (or never had) its generation: build it again.
-                self.retired.push(Runners::new(generation.clone()));
-                self.retired.len() - 1
-            }
-        };
-        let runners = &mut self.retired[index];
-        runners.last_used = Instant::now();
-        runners
-    }
-
-    /// Drops retired generations with no open requests, and the oldest beyond the
-    /// limit or idle too long.
-    fn sweep(&mut self) {
-        self.retired
-            .retain(|r| r.open > 0 && r.last_used.elapsed() < RETIRED_TTL);
-        self.retired.truncate(MAX_RETIRED);
     }
 }
