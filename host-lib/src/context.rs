@@ -126,7 +126,10 @@ impl ExecutionContext {
     }
 
     /// Schedules the step whose output answers the request (it runs after everything
-    /// scheduled before it, like any step of the sequence).
+    /// scheduled before it, like any step of the sequence). It runs on the event
+    /// loop's thread, not the pool: assembling an answer is quick, and a hand-off to
+    /// another thread and back would cost more than it. Put heavy work in
+    /// [`ExecutionContext::run_internal`] and let `respond` take its result.
     pub fn respond<F, O, E>(&mut self, func: F) -> InternalBuilder<'_>
     where
         F: FnOnce(&Inputs) -> Result<O, E> + Send + 'static,
@@ -134,7 +137,7 @@ impl ExecutionContext {
         E: std::fmt::Display,
     {
         let id = self.generated_id();
-        let step = InternalStep::new(id.clone(), Vec::new(), func);
+        let step = InternalStep::new(id.clone(), Vec::new(), func).on_loop();
         self.response = Some(id);
         self.frame().nodes.push(Node::Internal(step));
         InternalBuilder { ctx: self }

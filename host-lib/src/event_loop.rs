@@ -376,7 +376,21 @@ impl<T: Transport> EventLoop<T> {
                         queue.extend(actions.drain(..));
                     }
                 }
-                Action::Internal { node, func, inputs } => {
+                Action::Internal {
+                    node,
+                    func,
+                    inputs,
+                    on_loop: true,
+                } => {
+                    // Quick work (answering): here, now, no hand-off.
+                    self.stats.internal += 1;
+                    let outcome = crate::pool::run_step(func, &inputs);
+                    ctx.run.on_internal(node, outcome, &mut actions);
+                    queue.extend(actions.drain(..));
+                }
+                Action::Internal {
+                    node, func, inputs, ..
+                } => {
                     self.stats.internal += 1;
                     self.internal_running += 1;
                     let key = JobKey {

@@ -132,6 +132,11 @@ pub struct InternalStep {
     /// It must finish within this (the thread is not stopped; its late result is
     /// dropped).
     pub timeout: Option<Duration>,
+    /// It runs on the event loop's own thread, as soon as its inputs are there, instead
+    /// of being handed to the pool: for quick work such as assembling the answer
+    /// (`respond` steps), where a hand-off to another thread would cost more than the
+    /// work. It must not block.
+    pub on_loop: bool,
 }
 
 impl InternalStep {
@@ -147,12 +152,19 @@ impl InternalStep {
             func: Box::new(move |inputs| func(inputs).map(Into::into).map_err(|e| e.to_string())),
             inputs,
             timeout: None,
+            on_loop: false,
         }
     }
 
     /// With a timeout.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = Some(timeout);
+        self
+    }
+
+    /// Runs on the event loop's thread (see [`InternalStep::on_loop`]).
+    pub fn on_loop(mut self) -> Self {
+        self.on_loop = true;
         self
     }
 }

@@ -30,6 +30,15 @@ pub(crate) struct Done {
     pub outcome: Result<StepOutput, StepError>,
 }
 
+/// Runs an internal step: its error or its panic becomes the step's error.
+pub(crate) fn run_step(func: InternalFn, inputs: &Inputs) -> Result<StepOutput, StepError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| func(inputs))) {
+        Ok(Ok(out)) => Ok(out),
+        Ok(Err(message)) => Err(StepError::Failed(message)),
+        Err(panic) => Err(StepError::Panicked(panic_text(&*panic))),
+    }
+}
+
 /// Worker threads for internal steps.
 pub(crate) struct Pool {
     jobs: Option<Sender<Job>>,
@@ -50,14 +59,7 @@ impl Pool {
                     .spawn(move || {
                         for job in rx {
                             let Job { key, func, inputs } = job;
-                            let outcome =
-                                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                    func(&inputs)
-                                })) {
-                                    Ok(Ok(out)) => Ok(out),
-                                    Ok(Err(message)) => Err(StepError::Failed(message)),
-                                    Err(panic) => Err(StepError::Panicked(panic_text(&*panic))),
-                                };
+                            let outcome = run_step(func, &inputs);
                             if done.send(Done { key, outcome }).is_err() {
                                 return;
                             }

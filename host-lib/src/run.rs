@@ -26,6 +26,8 @@ pub(crate) enum Action {
         node: usize,
         func: InternalFn,
         inputs: Inputs,
+        /// Run it on the loop's thread, now.
+        on_loop: bool,
     },
     /// Call [`Run::on_timeout`] for `node` after `after`.
     Timer { node: usize, after: Duration },
@@ -64,6 +66,7 @@ struct Internal {
     func: Option<InternalFn>,
     inputs: Vec<StepId>,
     timeout: Option<Duration>,
+    on_loop: bool,
 }
 
 struct RNode {
@@ -112,6 +115,7 @@ fn flatten(node: Node, parent: Option<usize>, out: &mut Vec<RNode>) -> usize {
                 func: Some(i.func),
                 inputs: i.inputs,
                 timeout: i.timeout,
+                on_loop: i.on_loop,
             }),
             Vec::new(),
         ),
@@ -201,15 +205,17 @@ impl Run {
             Kind::Egress(_) => self.start_egress(n, actions),
             Kind::Internal(i) => {
                 let func = i.func.take().expect("an internal step starts once");
-                let timeout = i.timeout;
+                let (timeout, on_loop) = (i.timeout, i.on_loop);
                 let inputs = i.inputs.clone();
                 let inputs = self.inputs(&inputs);
                 actions.push(Action::Internal {
                     node: n,
                     func,
                     inputs,
+                    on_loop,
                 });
-                if let Some(after) = timeout {
+                // A step on the loop finishes before any timer could fire.
+                if let Some(after) = timeout.filter(|_| !on_loop) {
                     actions.push(Action::Timer { node: n, after });
                 }
             }

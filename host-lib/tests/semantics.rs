@@ -375,3 +375,33 @@ fn timers_of_finished_requests_do_not_outlive_them() {
         "no dead timer moved the clock to 30 s"
     );
 }
+
+#[test]
+fn respond_runs_on_the_loop_thread_and_internal_work_on_the_pool() {
+    let loop_thread = std::thread::current().id();
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let record = seen.clone();
+    let (_, response, el) = run(InMemoryTransport::new(), move |ctx| {
+        let (a, b) = (record.clone(), record.clone());
+        ctx.run_internal(move |_| {
+            a.lock().push(("internal", std::thread::current().id()));
+            Ok::<_, String>("crunched")
+        })
+        .id("crunch");
+        ctx.respond(move |inputs| {
+            b.lock().push(("respond", std::thread::current().id()));
+            let crunched = inputs.get("crunch").map(|r| r.text()).unwrap_or_default();
+            Ok::<_, String>(HttpResponse::ok(format!("{crunched}!")))
+        })
+        .inputs(["crunch"]);
+    });
+    assert_eq!(
+        (response.status, response.text().as_str()),
+        (200, "crunched!")
+    );
+    let seen = seen.lock().clone();
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1], ("respond", loop_thread), "no hand-off to answer");
+    assert_ne!(seen[0].1, loop_thread, "user work stays off the loop");
+    assert_eq!(el.stats().internal, 2);
+}
