@@ -25,12 +25,14 @@
 //! implementations here are the product there, and follow the hardware semantics;
 //! hardware backends sit behind the `verbs` and `doca` features.
 
+pub mod bell;
 pub mod control;
 pub mod descriptor;
 pub mod dma;
 pub mod doorbell;
 pub mod dpu;
 pub mod fabric;
+pub mod fdpass;
 pub mod frame;
 pub mod host;
 pub mod link;

@@ -404,18 +404,17 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::fabric::soft::{SoftCq, SoftFabric};
     use crate::fabric::{CompletionQueue, QpCaps, QpListener};
     use crate::frame::{RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 
-    struct End {
-        link: Link<SoftFabric>,
-        cq: SoftCq,
+    struct End<F: Fabric> {
+        link: Link<F>,
+        cq: F::Cq,
         got: Vec<LinkEvent>,
         errors: Vec<LinkError>,
     }
 
-    impl End {
+    impl<F: Fabric> End<F> {
         fn pump(&mut self) {
             let mut wcs = Vec::new();
             let _ = self.cq.wait(Duration::from_millis(1));
@@ -430,7 +429,7 @@ mod tests {
         }
     }
 
-    fn pair(fabric: &SoftFabric) -> (End, End, crate::fabric::soft::SoftPd) {
+    fn pair<F: Fabric>(fabric: &F) -> (End<F>, End<F>, F::Pd) {
         let pd = fabric.alloc_pd().unwrap();
         let (cq1, cq2) = (
             fabric.create_cq(4096).unwrap(),
@@ -470,7 +469,11 @@ mod tests {
         })
     }
 
-    fn until(a: &mut End, b: &mut End, mut done: impl FnMut(&End, &End) -> bool) {
+    fn until<F: Fabric>(
+        a: &mut End<F>,
+        b: &mut End<F>,
+        mut done: impl FnMut(&End<F>, &End<F>) -> bool,
+    ) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while !done(a, b) {
             assert!(Instant::now() < deadline, "timed out");
@@ -479,9 +482,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn many_more_frames_than_receives_flow_by_credits_in_order() {
-        let fabric = SoftFabric::new();
+    fn many_more_frames_than_receives_flow_by_credits_in_order<F: Fabric + Default>() {
+        let fabric = F::default();
         let (mut a, mut b, _pd) = pair(&fabric);
         // One side talks, the other never answers: credits must come back by
         // credit frames alone.
@@ -500,9 +502,8 @@ mod tests {
         assert_eq!(a.link.queued(), 0);
     }
 
-    #[test]
-    fn both_ends_flooding_each_other_do_not_deadlock() {
-        let fabric = SoftFabric::new();
+    fn both_ends_flooding_each_other_do_not_deadlock<F: Fabric + Default>() {
+        let fabric = F::default();
         let (mut a, mut b, _pd) = pair(&fabric);
         for i in 0..500u32 {
             a.link.send(request(i, b"a")).unwrap();
@@ -513,9 +514,8 @@ mod tests {
         });
     }
 
-    #[test]
-    fn a_body_is_read_and_a_reply_written_before_its_response_arrives() {
-        let fabric = SoftFabric::new();
+    fn a_body_is_read_and_a_reply_written_before_its_response_arrives<F: Fabric + Default>() {
+        let fabric = F::default();
         let (mut a, mut b, pd) = pair(&fabric);
         // A's memory: a request body, and room for the reply.
         let mem_a = Arc::new(SharedRegion::create_unique("dpumesh-test-link", 1 << 20).unwrap());
@@ -600,9 +600,8 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn a_frame_too_large_is_refused_at_send() {
-        let fabric = SoftFabric::new();
+    fn a_frame_too_large_is_refused_at_send<F: Fabric + Default>() {
+        let fabric = F::default();
         let (mut a, _b, _pd) = pair(&fabric);
         let err = a.link.send(request(1, &vec![0; MAX_FRAME])).unwrap_err();
         assert!(
@@ -611,4 +610,31 @@ mod tests {
         );
         assert!(!a.link.is_down());
     }
+
+    /// Every link test, on the fabric `$fabric`, in module `$name`.
+    macro_rules! link_tests {
+        ($name:ident, $fabric:ty) => {
+            mod $name {
+                #[test]
+                fn many_more_frames_than_receives_flow_by_credits_in_order() {
+                    super::many_more_frames_than_receives_flow_by_credits_in_order::<$fabric>()
+                }
+                #[test]
+                fn both_ends_flooding_each_other_do_not_deadlock() {
+                    super::both_ends_flooding_each_other_do_not_deadlock::<$fabric>()
+                }
+                #[test]
+                fn a_body_is_read_and_a_reply_written_before_its_response_arrives() {
+                    super::a_body_is_read_and_a_reply_written_before_its_response_arrives::<$fabric>()
+                }
+                #[test]
+                fn a_frame_too_large_is_refused_at_send() {
+                    super::a_frame_too_large_is_refused_at_send::<$fabric>()
+                }
+            }
+        };
+    }
+
+    link_tests!(soft, crate::fabric::soft::SoftFabric);
+    link_tests!(shm, crate::fabric::shm::ShmFabric);
 }

@@ -23,6 +23,9 @@
 //! Addresses are virtual addresses in the owner's process ([`MemoryRegion::addr`] plus
 //! an offset), as verbs uses them; a peer learns them with the rkey.
 
+#[cfg(test)]
+mod conformance;
+pub mod shm;
 pub mod soft;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -57,6 +60,11 @@ impl Access {
 
     pub fn bits(self) -> u32 {
         self.0
+    }
+
+    /// The rights `bits` names (unknown bits are ignored).
+    pub fn from_bits(bits: u32) -> Access {
+        Access(bits & Self::all().0)
     }
 }
 
@@ -322,6 +330,24 @@ pub trait CompletionQueue: Send + Sync {
 
     /// Blocks up to `timeout` until a completion is available; true if one is.
     fn wait(&self, timeout: Duration) -> Result<bool, FabricError>;
+
+    /// For owners that sleep in their own event loop (an async runtime, a shard's
+    /// epoll set): a descriptor that turns readable when [`CompletionQueue::poll`] may
+    /// find completions. `None`: such owners must poll.
+    fn wait_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        None
+    }
+
+    /// Before sleeping on [`CompletionQueue::wait_fd`]: announces the sleep (so peers
+    /// wake it) and returns false if completions are already there — then do not
+    /// sleep, and call [`CompletionQueue::finish_sleep`] all the same.
+    fn prepare_sleep(&self) -> bool {
+        true
+    }
+
+    /// After such a sleep (or the decision not to): withdraws the announcement and
+    /// consumes the wake-up, so the descriptor is quiet until the next one.
+    fn finish_sleep(&self) {}
 }
 
 /// A reliable-connected queue pair.

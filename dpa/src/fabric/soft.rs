@@ -319,6 +319,28 @@ impl CompletionQueue for SoftCq {
         n
     }
 
+    fn wait_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        // Readable when a socket of its queue pairs is, or on an interrupt or a
+        // completion pushed while someone sleeps.
+        Some(self.inner.epoll.as_fd())
+    }
+
+    fn prepare_sleep(&self) -> bool {
+        self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
+        if !self.inner.entries.lock().is_empty() {
+            self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    fn finish_sleep(&self) {
+        self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
+        // Reads what the sockets have and drains the wake-up, so the epoll descriptor
+        // is quiet until something new arrives.
+        let _ = self.inner.progress(Some(Duration::ZERO));
+    }
+
     fn wait(&self, timeout: Duration) -> Result<bool, FabricError> {
         let started = Instant::now();
         let deadline = started + timeout;
@@ -1567,6 +1589,3 @@ impl Fabric for SoftFabric {
         self.make_qp(pd, sock, addr, cq, caps)
     }
 }
-
-#[cfg(test)]
-mod tests;

@@ -1,22 +1,31 @@
+//! The verbs semantics every [`Fabric`] backend must follow, as tests written once
+//! against the trait and run for each backend (`fabric_conformance!`): SEND into a
+//! posted receive (held while none is posted), WRITE, READ, immediates, keys, bounds
+//! and rights checked before a byte moves, error states and flushes, a peer that goes
+//! away, one poller for many queue pairs, interrupts.
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::*;
-use crate::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, QueuePair};
+use crate::fabric::{
+    Access, CompletionQueue, Fabric, FabricError, MemoryRegion, QpCaps, QpListener, QpState,
+    QueuePair, RecvWr, RemoteAddr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
+};
+use crate::shm::SharedRegion;
 
-struct Side {
-    pd: SoftPd,
-    cq: SoftCq,
-    qp: SoftQp,
-    region: Arc<SharedRegion>,
-    mr: SoftMr,
+pub(crate) struct Side<F: Fabric> {
+    pub(crate) pd: F::Pd,
+    pub(crate) cq: F::Cq,
+    pub(crate) qp: F::Qp,
+    pub(crate) region: Arc<SharedRegion>,
+    pub(crate) mr: F::Mr,
 }
 
 /// Two connected queue pairs in this process, each with a 16 MiB region registered
-/// with every right.
-fn pair_with(access: Access) -> (Side, Side) {
-    let fabric = SoftFabric::new();
-    let side = |fabric: &SoftFabric| {
+/// with `access`.
+pub(crate) fn pair_with<F: Fabric + Default>(access: Access) -> (Side<F>, Side<F>) {
+    let fabric = F::default();
+    let side = |fabric: &F| {
         let pd = fabric.alloc_pd().unwrap();
         let cq = fabric.create_cq(4096).unwrap();
         let region =
@@ -59,13 +68,13 @@ fn pair_with(access: Access) -> (Side, Side) {
     )
 }
 
-fn pair() -> (Side, Side) {
+fn pair<F: Fabric + Default>() -> (Side<F>, Side<F>) {
     pair_with(Access::all())
 }
 
 /// Progresses both sides until `side` has a completion (the other side must make
 /// progress too: it is the one that reads, writes and answers).
-fn next(side: &Side, other: &Side) -> WorkCompletion {
+fn next<F: Fabric>(side: &Side<F>, other: &Side<F>) -> WorkCompletion {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut out = Vec::new();
     while Instant::now() < deadline {
@@ -83,9 +92,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
 }
 
-#[test]
-fn send_with_imm_lands_in_the_posted_receive() {
-    let (a, b) = pair();
+pub(crate) fn send_with_imm_lands_in_the_posted_receive<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     b.qp.post_recv(RecvWr {
         wr_id: 77,
         sge: b.mr.sge(4096, 1024),
@@ -112,9 +120,8 @@ fn send_with_imm_lands_in_the_posted_receive() {
     );
 }
 
-#[test]
-fn a_send_before_any_receive_waits_for_one() {
-    let (a, b) = pair();
+pub(crate) fn a_send_before_any_receive_waits_for_one<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     a.region.write(0, b"early").unwrap();
     a.qp.post_send(SendWr {
         wr_id: 1,
@@ -144,9 +151,8 @@ fn a_send_before_any_receive_waits_for_one() {
     assert_eq!(next(&a, &b).status, WcStatus::Success);
 }
 
-#[test]
-fn write_read_and_write_with_imm_move_8_mib_intact() {
-    let (a, b) = pair();
+pub(crate) fn write_read_and_write_with_imm_move_8_mib_intact<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     let data = pattern(8 << 20, 3);
     a.region.write(0, &data).unwrap();
     // WRITE a → b.
@@ -210,9 +216,10 @@ fn write_read_and_write_with_imm_move_8_mib_intact() {
     assert_eq!(b.region.read_vec(0, 4096).unwrap(), data[..4096]);
 }
 
-#[test]
-fn a_wrong_rkey_is_a_remote_access_error_and_memory_stays_untouched() {
-    let (a, b) = pair();
+pub(crate) fn a_wrong_rkey_is_a_remote_access_error_and_memory_stays_untouched<
+    F: Fabric + Default,
+>() {
+    let (a, b) = pair::<F>();
     b.region.fill(0, 4096, 0xaa).unwrap();
     b.qp.post_recv(RecvWr {
         wr_id: 5,
@@ -254,10 +261,9 @@ fn a_wrong_rkey_is_a_remote_access_error_and_memory_stays_untouched() {
     assert_eq!(b.qp.state(), QpState::Error);
 }
 
-#[test]
-fn out_of_bounds_and_unpermitted_accesses_are_refused() {
+pub(crate) fn out_of_bounds_and_unpermitted_accesses_are_refused<F: Fabric + Default>() {
     // Past the end of the registered range.
-    let (a, b) = pair();
+    let (a, b) = pair::<F>();
     let past = b.mr.remote(b.mr.len() - 10);
     a.qp.post_send(SendWr {
         wr_id: 1,
@@ -269,7 +275,7 @@ fn out_of_bounds_and_unpermitted_accesses_are_refused() {
     assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
 
     // Below its start.
-    let (a, b) = pair();
+    let (a, b) = pair::<F>();
     let before = RemoteAddr {
         addr: b.mr.addr() - 1,
         rkey: b.mr.rkey(),
@@ -284,7 +290,7 @@ fn out_of_bounds_and_unpermitted_accesses_are_refused() {
     assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
 
     // A region registered without remote rights.
-    let (a, b) = pair_with(Access::LOCAL_WRITE);
+    let (a, b) = pair_with::<F>(Access::LOCAL_WRITE);
     a.qp.post_send(SendWr {
         wr_id: 1,
         op: SendOp::Write(b.mr.remote(0)),
@@ -293,7 +299,7 @@ fn out_of_bounds_and_unpermitted_accesses_are_refused() {
     })
     .unwrap();
     assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
-    let (a, b) = pair_with(Access::LOCAL_WRITE | Access::REMOTE_WRITE);
+    let (a, b) = pair_with::<F>(Access::LOCAL_WRITE | Access::REMOTE_WRITE);
     a.qp.post_send(SendWr {
         wr_id: 1,
         op: SendOp::Read(b.mr.remote(0)),
@@ -304,10 +310,9 @@ fn out_of_bounds_and_unpermitted_accesses_are_refused() {
     assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
 }
 
-#[test]
-fn a_deregistered_region_is_out_of_reach() {
-    let (a, b) = pair();
-    let fabric = SoftFabric::new();
+pub(crate) fn a_deregistered_region_is_out_of_reach<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
+    let fabric = F::default();
     let extra = Arc::new(SharedRegion::create_unique("dpumesh-test-fabric", 4096).unwrap());
     let mr = fabric
         .register(&b.pd, &extra, 0, 4096, Access::all())
@@ -324,9 +329,8 @@ fn a_deregistered_region_is_out_of_reach() {
     assert_eq!(next(&a, &b).status, WcStatus::RemoteAccess);
 }
 
-#[test]
-fn a_send_too_large_for_the_receive_fails_on_both_sides() {
-    let (a, b) = pair();
+pub(crate) fn a_send_too_large_for_the_receive_fails_on_both_sides<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     b.qp.post_recv(RecvWr {
         wr_id: 7,
         sge: b.mr.sge(0, 16),
@@ -344,9 +348,8 @@ fn a_send_too_large_for_the_receive_fails_on_both_sides() {
     assert_eq!(next(&a, &b).status, WcStatus::RemoteInvalidRequest);
 }
 
-#[test]
-fn a_bad_lkey_is_a_local_protection_error() {
-    let (a, b) = pair();
+pub(crate) fn a_bad_lkey_is_a_local_protection_error<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     let mut sge = a.mr.sge(0, 8);
     sge.lkey ^= 0x200;
     a.qp.post_send(SendWr {
@@ -365,9 +368,8 @@ fn a_bad_lkey_is_a_local_protection_error() {
     assert_eq!(a.qp.state(), QpState::Error);
 }
 
-#[test]
-fn completions_come_in_order_and_unsignaled_ones_stay_quiet() {
-    let (a, b) = pair();
+pub(crate) fn completions_come_in_order_and_unsignaled_ones_stay_quiet<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     for i in 0..10u64 {
         a.qp.post_send(SendWr {
             wr_id: i,
@@ -400,9 +402,8 @@ fn completions_come_in_order_and_unsignaled_ones_stay_quiet() {
     }
 }
 
-#[test]
-fn a_peer_that_goes_away_fails_what_is_outstanding() {
-    let (a, b) = pair();
+pub(crate) fn a_peer_that_goes_away_fails_what_is_outstanding<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
     b.qp.post_recv(RecvWr {
         wr_id: 1,
         sge: b.mr.sge(0, 64),
@@ -432,9 +433,8 @@ fn a_peer_that_goes_away_fails_what_is_outstanding() {
     assert_eq!(a.qp.state(), QpState::Error);
 }
 
-#[test]
-fn one_poller_serves_many_queue_pairs() {
-    let fabric = SoftFabric::new();
+pub(crate) fn one_poller_serves_many_queue_pairs<F: Fabric + Default>() {
+    let fabric = F::default();
     let pd = fabric.alloc_pd().unwrap();
     let cq = fabric.create_cq(4096).unwrap();
     let region = Arc::new(SharedRegion::create_unique("dpumesh-test-fabric", 1 << 20).unwrap());
@@ -449,7 +449,7 @@ fn one_poller_serves_many_queue_pairs() {
     let clients: Vec<_> = (0..8u8)
         .map(|c| {
             std::thread::spawn(move || {
-                let fabric = SoftFabric::new();
+                let fabric = F::default();
                 let pd = fabric.alloc_pd().unwrap();
                 let cq = fabric.create_cq(1024).unwrap();
                 let region =
@@ -505,9 +505,10 @@ fn one_poller_serves_many_queue_pairs() {
     }
 }
 
-#[test]
-fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {
-    let fabric = SoftFabric::new();
+pub(crate) fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost<
+    F: Fabric + Default,
+>() {
+    let fabric = F::default();
     let cq = fabric.create_cq(16).unwrap();
     let interrupter = cq.interrupter();
     // Before anyone waits: the next wait returns at once.
@@ -535,3 +536,63 @@ fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {
     // Consumed: a later wait times out.
     assert!(!cq.wait(Duration::from_millis(20)).unwrap());
 }
+
+/// Runs every conformance test against `$fabric`, in a module named `$name`.
+macro_rules! fabric_conformance {
+    ($name:ident, $fabric:ty) => {
+        mod $name {
+            use crate::fabric::conformance as c;
+            #[test]
+            fn send_with_imm_lands_in_the_posted_receive() {
+                c::send_with_imm_lands_in_the_posted_receive::<$fabric>()
+            }
+            #[test]
+            fn a_send_before_any_receive_waits_for_one() {
+                c::a_send_before_any_receive_waits_for_one::<$fabric>()
+            }
+            #[test]
+            fn write_read_and_write_with_imm_move_8_mib_intact() {
+                c::write_read_and_write_with_imm_move_8_mib_intact::<$fabric>()
+            }
+            #[test]
+            fn a_wrong_rkey_is_a_remote_access_error_and_memory_stays_untouched() {
+                c::a_wrong_rkey_is_a_remote_access_error_and_memory_stays_untouched::<$fabric>()
+            }
+            #[test]
+            fn out_of_bounds_and_unpermitted_accesses_are_refused() {
+                c::out_of_bounds_and_unpermitted_accesses_are_refused::<$fabric>()
+            }
+            #[test]
+            fn a_deregistered_region_is_out_of_reach() {
+                c::a_deregistered_region_is_out_of_reach::<$fabric>()
+            }
+            #[test]
+            fn a_send_too_large_for_the_receive_fails_on_both_sides() {
+                c::a_send_too_large_for_the_receive_fails_on_both_sides::<$fabric>()
+            }
+            #[test]
+            fn a_bad_lkey_is_a_local_protection_error() {
+                c::a_bad_lkey_is_a_local_protection_error::<$fabric>()
+            }
+            #[test]
+            fn completions_come_in_order_and_unsignaled_ones_stay_quiet() {
+                c::completions_come_in_order_and_unsignaled_ones_stay_quiet::<$fabric>()
+            }
+            #[test]
+            fn a_peer_that_goes_away_fails_what_is_outstanding() {
+                c::a_peer_that_goes_away_fails_what_is_outstanding::<$fabric>()
+            }
+            #[test]
+            fn one_poller_serves_many_queue_pairs() {
+                c::one_poller_serves_many_queue_pairs::<$fabric>()
+            }
+            #[test]
+            fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {
+                c::an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost::<$fabric>()
+            }
+        }
+    };
+}
+
+fabric_conformance!(soft, crate::fabric::soft::SoftFabric);
+fabric_conformance!(shm, crate::fabric::shm::ShmFabric);
