@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use dpumesh_config::MeshFile;
+use dpumesh_config::Transport;
+use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::fabric::soft::SoftFabric;
 use dpumesh_proxy::node::{Node, control_socket};
 
@@ -51,7 +53,10 @@ pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
 pub fn ingress(mesh: &Path) -> Result<()> {
     let mesh = MeshFile::read(mesh)?;
     let settings = ingress_settings(&mesh);
-    let ingress = dpumesh_ingress::Ingress::start(SoftFabric::new(), settings)?;
+    let ingress = match mesh.config.transport {
+        Transport::Shm => dpumesh_ingress::Ingress::start(ShmFabric::new(), settings)?,
+        Transport::Tcp => dpumesh_ingress::Ingress::start(SoftFabric::new(), settings)?,
+    };
     println!("{READY} ingress {}", ingress.addr());
     wait_for_signal()?;
     drop(ingress);

@@ -138,6 +138,7 @@ fn the_mesh_works_across_network_namespaces() {
     let (n1, n2) = (hosts.addr(11), hosts.addr(12));
     let mesh = format!(
         "policy: policy.yaml
+transport: tcp
 ingress: {{listen: 127.0.0.1:{ingress_port}, request_timeout: 5s}}
 nodes:
   node1: {{fabric: {n1}:7101, admin: {n1}:9101, netns: {ns1}}}

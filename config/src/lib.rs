@@ -17,7 +17,7 @@ pub mod routes;
 pub mod units;
 
 pub use error::ConfigError;
-pub use mesh_file::{IngressConfig, MeshConfig, MeshFile, NodeEntry, ServiceEntry};
+pub use mesh_file::{IngressConfig, MeshConfig, MeshFile, NodeEntry, ServiceEntry, Transport};
 pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};
 pub use units::{ByteSize, Span};

@@ -3,6 +3,7 @@
 //!
 //! ```yaml
 //! policy: policy.yaml              # filters, chains, services' chains, routes
+//! transport: shm                   # shm (one host) or tcp (across hosts, namespaces)
 //! ingress:
 //!   listen: 127.0.0.1:8000
 //!   max_head: 32KiB                # larger heads: 431
@@ -92,12 +93,27 @@ pub struct ServiceEntry {
     pub command: Vec<String>,
 }
 
+/// How the ingress and the nodes' proxies reach each other.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// The shared-memory fabric: every process on one host (and one network
+    /// namespace); no system call per message while both ends are busy.
+    #[default]
+    Shm,
+    /// The software RDMA fabric over TCP: across hosts and namespaces.
+    Tcp,
+}
+
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MeshConfig {
     /// The policy file (relative to this file).
     pub policy: PathBuf,
+    /// The fabric between the ingress and the nodes (default `shm`).
+    #[serde(default)]
+    pub transport: Transport,
     pub ingress: IngressConfig,
     /// Nodes by name.
     pub nodes: BTreeMap<String, NodeEntry>,
@@ -125,6 +141,14 @@ impl MeshFile {
         config.policy = dir.join(&config.policy);
         if config.nodes.is_empty() {
             return Err(error("nodes", "a mesh needs at least one node".into()));
+        }
+        if config.transport == Transport::Shm
+            && let Some((name, _)) = config.nodes.iter().find(|(_, n)| n.netns.is_some())
+        {
+            return Err(error(
+                &format!("nodes.{name}.netns"),
+                "shared memory does not cross network namespaces: set `transport: tcp`".into(),
+            ));
         }
         for (name, service) in &config.services {
             if service.nodes.is_empty() {

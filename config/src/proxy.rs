@@ -120,6 +120,11 @@ pub struct FilterConfig {
     pub configure_deadline: Option<Span>,
     /// Shared-state namespace (default: the filter's name).
     pub namespace: Option<String>,
+    /// Run chains with this filter on the worker pool instead of inline on the
+    /// proxy's shard (default false): for filters whose calls are slow by nature
+    /// (Python, JavaScript), so the requests they do not concern are not held up.
+    #[serde(default)]
+    pub offload: bool,
 }
 
 /// A service: where routed requests go, and the chain they pass.

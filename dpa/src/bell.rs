@@ -142,6 +142,52 @@ impl Bell {
     }
 }
 
+/// One wait set for everything a consumer serves: bells, completion queues,
+/// sockets — whatever has a descriptor that turns readable (an epoll set).
+pub struct WaitSet {
+    epoll: OwnedFd,
+}
+
+impl std::fmt::Debug for WaitSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WaitSet").finish_non_exhaustive()
+    }
+}
+
+impl WaitSet {
+    /// An empty set.
+    pub fn new() -> std::io::Result<Self> {
+        let epoll = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)?;
+        Ok(Self { epoll })
+    }
+
+    /// Watches `fd` for readability.
+    pub fn add(&mut self, fd: BorrowedFd<'_>, token: u64) -> std::io::Result<()> {
+        rustix::event::epoll::add(
+            &self.epoll,
+            fd,
+            rustix::event::epoll::EventData::new_u64(token),
+            rustix::event::epoll::EventFlags::IN,
+        )?;
+        Ok(())
+    }
+
+    /// Sleeps until something in the set is readable, or `timeout`; returns how many
+    /// are (their state is the caller's to consume).
+    pub fn wait(&mut self, timeout: std::time::Duration) -> std::io::Result<usize> {
+        let mut events = [std::mem::MaybeUninit::<rustix::event::epoll::Event>::uninit(); 16];
+        let ts = rustix::fs::Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: timeout.subsec_nanos() as i64,
+        };
+        match rustix::event::epoll::wait(&self.epoll, &mut events, Some(&ts)) {
+            Ok((ready, _)) => Ok(ready.len()),
+            Err(rustix::io::Errno::INTR) => Ok(0),
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;

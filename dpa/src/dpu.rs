@@ -1,26 +1,27 @@
-//! A node's DPU side in software: the DPU header pools, the sidecar rings to the proxy
-//! workers, the DMA manager thread, and the control-channel server where host pods
-//! register. Registering a pod creates its pools and rings and exports them; a pod
-//! whose connection closes (it exited or crashed) is removed and everything it held
-//! is reclaimed.
+//! A node's DPU side in software: the control-channel server where host pods register,
+//! and the [`DpuShard`]s — the DMA work each proxy shard runs for its pods, on the
+//! shard's own thread. Registering a pod creates its pools and rings, gives it to the
+//! shard with the fewest pods and exports everything, the shard's bell included (its
+//! eventfd rides with the answer); a pod whose connection closes (it exited or
+//! crashed) is removed and everything it held is reclaimed.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 
+use crate::bell::{BELL_LEN, Bell, BellError};
 use crate::control::transport::{ControlServer, Endpoint, Handler, Peer};
 use crate::control::{ErrorCode, PodExports, RegionExport, RegionKind, Request, Response, Role};
 use crate::descriptor::{Buffer, Descriptor};
-use crate::dma::manager::{Command, DmaManager, DmaStats, PodPort, SidecarRings};
+use crate::dma::manager::{Command, DmaManager, DmaStats, PodPort};
 use crate::dma::{DmaEngine, SoftwareDma};
-use crate::doorbell::{DOORBELL_LEN, Doorbell};
 use crate::pool::{BufferPool, OwnerId, PoolError, PoolLayout};
-use crate::ring::{Consumer, Producer, Ring, RingError, WakeMode, ring_len};
+use crate::ring::{Ring, RingError, ring_len};
 use crate::shm::ShmError;
 
 /// Sizes of what each registered pod gets.
@@ -58,19 +59,12 @@ pub struct DpuConfig {
     pub name: String,
     /// What each pod gets.
     pub pod: PodSizing,
-    /// Slots of each DPU header pool (slot size = `pod.header_slot`).
+    /// Slots of each shard's DPU header pools (slot size = `pod.header_slot`).
     pub dpu_header_slots: u32,
-    /// Sidecar ports (one per proxy worker).
-    pub sidecar_ports: usize,
-    /// Entries of each sidecar ring.
-    pub sidecar_ring_capacity: u32,
-    /// How the DMA manager waits for work.
-    pub wake: WakeMode,
+    /// Proxy shards (threads) the node's pods are spread over.
+    pub shards: usize,
     /// Most pods at once.
     pub max_pods: u32,
-    /// Called after the DMA manager publishes to a sidecar TX SQ (a proxy that sleeps
-    /// on something else than the ring, e.g. its fabric completion queue).
-    pub sidecar_notify: Option<crate::fabric::Interrupter>,
     /// Services that run on other nodes, with the fabric address of one of them (what
     /// `Locate` answers when no pod here serves the service).
     pub remote_services: std::collections::BTreeMap<String, std::net::SocketAddr>,
@@ -83,11 +77,8 @@ impl DpuConfig {
             name: name.into(),
             pod: PodSizing::default(),
             dpu_header_slots: 1024,
-            sidecar_ports: 1,
-            sidecar_ring_capacity: 1024,
-            wake: WakeMode::LOW_CPU,
+            shards: 1,
             max_pods: 64,
-            sidecar_notify: None,
             remote_services: std::collections::BTreeMap::new(),
         }
     }
@@ -103,14 +94,18 @@ pub enum DpuError {
     Pool(#[from] PoolError),
     #[error(transparent)]
     Ring(#[from] RingError),
+    /// A shard's bell.
+    #[error(transparent)]
+    Bell(#[from] BellError),
     /// The control channel.
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
     /// The node's limits.
     #[error("{0}")]
     Limit(String),
-    #[error("cannot start the DMA manager: {0}")]
-    Thread(#[from] std::io::Error),
+    /// The operating system.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
 }
 
 /// A registered pod, as the node's table knows it.
@@ -121,6 +116,8 @@ pub struct PodInfo {
     pub service: String,
     /// Its process.
     pub pid: u32,
+    /// The shard that serves it.
+    pub shard: usize,
     /// Its RX body pool (where a remote peer writes bodies for it).
     pub rx_body: BufferPool,
     /// Its TX body pool (what the proxy reads when a body leaves the node).
@@ -129,6 +126,16 @@ pub struct PodInfo {
     peer: u64,
     /// Its four pools' region ids (recycled when it leaves).
     regions: [u16; 4],
+}
+
+/// What the node keeps of a shard it handed out.
+struct ShardHandle {
+    commands: Sender<Command>,
+    bell: Bell,
+    pods: AtomicUsize,
+    dpu_tx_header: BufferPool,
+    dpu_rx_header: BufferPool,
+    stats: Arc<DmaStats>,
 }
 
 struct Shared {
@@ -142,11 +149,7 @@ struct Shared {
     /// the pod is in the table.
     registering: Mutex<()>,
     pods: Mutex<HashMap<u32, PodInfo>>,
-    commands: Sender<Command>,
-    doorbell: Doorbell,
-    dpu_tx_header: BufferPool,
-    dpu_rx_header: BufferPool,
-    stats: Arc<DmaStats>,
+    shards: Vec<ShardHandle>,
 }
 
 impl Shared {
@@ -173,7 +176,7 @@ impl Shared {
         name: String,
         service: String,
         pid: u32,
-    ) -> Result<PodExports, DpuError> {
+    ) -> Result<(PodExports, usize), DpuError> {
         let _one_at_a_time = self.registering.lock();
         {
             let pods = self.pods.lock();
@@ -217,6 +220,11 @@ impl Shared {
             },
             hw_export: Vec::new(),
         };
+        // The shard with the fewest pods serves it.
+        let shard = (0..self.shards.len())
+            .min_by_key(|&i| self.shards[i].pods.load(Ordering::Relaxed))
+            .expect("a node has at least one shard");
+        let handle = &self.shards[shard];
         let exports = PodExports {
             pod_id: id,
             tx_header: pool_export(&tx_header),
@@ -225,11 +233,11 @@ impl Shared {
             rx_body: pool_export(&rx_body),
             tx_sq: ring_export(&tx_sq),
             rx_sq: ring_export(&rx_sq),
-            doorbell: RegionExport {
+            bell: RegionExport {
                 id: 0,
-                path: self.doorbell.region().path().to_owned(),
-                len: DOORBELL_LEN as u64,
-                kind: RegionKind::Doorbell,
+                path: handle.bell.path().to_owned(),
+                len: BELL_LEN as u64,
+                kind: RegionKind::Bell,
                 hw_export: Vec::new(),
             },
         };
@@ -240,6 +248,7 @@ impl Shared {
                 name,
                 service,
                 pid,
+                shard,
                 rx_body: rx_body.clone(),
                 tx_body: tx_body.clone(),
                 peer: peer.id,
@@ -255,22 +264,28 @@ impl Shared {
             tx_sq: tx_sq.consumer(),
             rx_sq: rx_sq.producer(),
         };
-        let _ = self.commands.send(Command::AddPod(Box::new(port)));
-        self.doorbell.ring();
-        Ok(exports)
+        handle.pods.fetch_add(1, Ordering::Relaxed);
+        let _ = handle.commands.send(Command::AddPod(Box::new(port)));
+        handle.bell.ring();
+        Ok((exports, shard))
     }
 
     /// Removes a pod: the manager stops polling it and drops its port (its regions are
     /// unlinked once nothing maps them), and DPU slots held for it are freed.
     fn remove(&self, id: u32) -> bool {
-        let Some(name) = self.pods.lock().get(&id).map(|p| p.name.clone()) else {
+        let Some((name, shard)) = self.pods.lock().get(&id).map(|p| (p.name.clone(), p.shard))
+        else {
             return false;
         };
+        let handle = &self.shards[shard];
         let (done, wait) = crossbeam_channel::bounded(1);
-        if self.commands.send(Command::RemovePod(id, done)).is_ok() {
-            self.doorbell.ring();
+        if handle.commands.send(Command::RemovePod(id, done)).is_ok() {
+            handle.bell.interrupt();
+            // The shard answers once nothing it claimed from the pod is still on its
+            // way; a shard that stopped answers never (its pods went with it).
             let _ = wait.recv_timeout(crate::dma::manager::LEAVE_GRACE + Duration::from_secs(1));
         }
+        handle.pods.fetch_sub(1, Ordering::Relaxed);
         // Out of the table only once the manager has let go of the pod's port, so a
         // pod missing from the table is gone from the data path too; then its region
         // ids can name a new pod's pools.
@@ -290,6 +305,10 @@ impl Handler for ControlHandler {
     }
 
     fn handle(&self, peer: &Peer, request: Request) -> Response {
+        self.answer(peer, request).0
+    }
+
+    fn handle_with_fds(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
         self.answer(peer, request)
     }
 
@@ -324,8 +343,46 @@ impl ControlHandler {
         pods
     }
 
-    fn answer(&self, peer: &Peer, request: Request) -> Response {
-        match request {
+    /// The answer, and the serving shard's bell eventfd with a registration.
+    fn answer(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
+        if let Request::RegisterPod { name, service, pid } = request {
+            if peer.role != Role::Host {
+                return (
+                    Response::Error {
+                        code: ErrorCode::BadRequest,
+                        message: "only hosts register pods".to_owned(),
+                    },
+                    Vec::new(),
+                );
+            }
+            return match self.0.register(peer, name, service, pid) {
+                Ok((exports, shard)) => {
+                    let fds = rustix::io::fcntl_dupfd_cloexec(self.0.shards[shard].bell.fd(), 0)
+                        .map(|fd| vec![fd])
+                        .unwrap_or_default();
+                    (Response::PodRegistered(Box::new(exports)), fds)
+                }
+                Err(DpuError::Limit(message)) => (
+                    Response::Error {
+                        code: if message.contains("registered already") {
+                            ErrorCode::AlreadyRegistered
+                        } else {
+                            ErrorCode::Exhausted
+                        },
+                        message,
+                    },
+                    Vec::new(),
+                ),
+                Err(e) => (
+                    Response::Error {
+                        code: ErrorCode::Internal,
+                        message: e.to_string(),
+                    },
+                    Vec::new(),
+                ),
+            };
+        }
+        let response = match request {
             Request::Hello { .. } => Response::Ok,
             Request::Ping => Response::Pong,
             Request::Resolve { service } => Response::Resolved {
@@ -344,27 +401,11 @@ impl ControlHandler {
                 };
                 Response::Located { pods, remote }
             }
-            Request::RegisterPod { .. } if peer.role != Role::Host => Response::Error {
-                code: ErrorCode::BadRequest,
-                message: "only hosts register pods".to_owned(),
+            // Registrations are answered above, with their descriptors.
+            Request::RegisterPod { .. } => Response::Error {
+                code: ErrorCode::Internal,
+                message: "registration took the wrong path".to_owned(),
             },
-            Request::RegisterPod { name, service, pid } => {
-                match self.0.register(peer, name, service, pid) {
-                    Ok(exports) => Response::PodRegistered(Box::new(exports)),
-                    Err(DpuError::Limit(message)) => Response::Error {
-                        code: if message.contains("registered already") {
-                            ErrorCode::AlreadyRegistered
-                        } else {
-                            ErrorCode::Exhausted
-                        },
-                        message,
-                    },
-                    Err(e) => Response::Error {
-                        code: ErrorCode::Internal,
-                        message: e.to_string(),
-                    },
-                }
-            }
             Request::UnregisterPod { pod_id } => {
                 let owned = self
                     .0
@@ -381,16 +422,17 @@ impl ControlHandler {
                     }
                 }
             }
-        }
+        };
+        (response, Vec::new())
     }
 }
 
-/// A running node.
+/// A running node's DPU side.
 pub struct Dpu {
     shared: Arc<Shared>,
     control: Option<ControlServer>,
-    manager: Option<JoinHandle<()>>,
-    sidecars: Mutex<Vec<SidecarPort>>,
+    /// Shards not taken by a proxy yet.
+    shards: Mutex<Vec<DpuShard>>,
 }
 
 impl std::fmt::Debug for Dpu {
@@ -401,98 +443,92 @@ impl std::fmt::Debug for Dpu {
     }
 }
 
+impl DmaEngine for Box<dyn DmaEngine> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn copy(&mut self, jobs: &[crate::dma::CopyJob<'_>]) -> Result<(), crate::dma::DmaError> {
+        (**self).copy(jobs)
+    }
+}
+
 impl Dpu {
     /// Starts a node with the software DMA engine, listening for pods on `control`.
     pub fn start(config: DpuConfig, control: &Endpoint) -> Result<Self, DpuError> {
-        Self::start_with(config, control, SoftwareDma)
+        Self::start_with(config, control, || Box::new(SoftwareDma))
     }
 
-    /// Starts a node with a given DMA engine.
-    pub fn start_with<E: DmaEngine>(
+    /// Starts a node whose shards get their DMA engines from `engine`.
+    pub fn start_with(
         config: DpuConfig,
         control: &Endpoint,
-        engine: E,
+        mut engine: impl FnMut() -> Box<dyn DmaEngine>,
     ) -> Result<Self, DpuError> {
-        if config.sidecar_ports == 0 {
+        if config.shards == 0 {
             return Err(DpuError::Limit(
-                "a node needs at least one sidecar port".to_owned(),
+                "a node needs at least one shard".to_owned(),
             ));
         }
         let prefix = format!("dpumesh-{}", config.name);
-        let doorbell = Doorbell::create_in_shm(&format!("{prefix}-bell"))?;
         let next_region = AtomicU32::new(1);
         let header = PoolLayout::new(config.pod.header_slot, config.dpu_header_slots);
-        let dpu_tx_header = BufferPool::create_in_shm(
-            &format!("{prefix}-dpu-txh"),
-            next_region.fetch_add(1, Ordering::Relaxed) as u16,
-            header,
-        )?;
-        let dpu_rx_header = BufferPool::create_in_shm(
-            &format!("{prefix}-dpu-rxh"),
-            next_region.fetch_add(1, Ordering::Relaxed) as u16,
-            header,
-        )?;
-        let (commands, receiver) = crossbeam_channel::unbounded();
-        let stats = Arc::new(DmaStats::default());
+        let mut handles = Vec::new();
+        let mut shards = Vec::new();
+        for i in 0..config.shards {
+            let pool = |what: &str| {
+                BufferPool::create_in_shm(
+                    &format!("{prefix}-s{i}-{what}"),
+                    next_region.fetch_add(1, Ordering::Relaxed) as u16,
+                    header,
+                )
+            };
+            let dpu_tx_header = pool("dpu-txh")?;
+            let dpu_rx_header = pool("dpu-rxh")?;
+            let bell = Bell::create(&format!("{prefix}-s{i}-bell"))?;
+            let (commands, receiver) = crossbeam_channel::unbounded();
+            let stats = Arc::new(DmaStats::default());
+            handles.push(ShardHandle {
+                commands,
+                bell: bell.clone(),
+                pods: AtomicUsize::new(0),
+                dpu_tx_header: dpu_tx_header.clone(),
+                dpu_rx_header: dpu_rx_header.clone(),
+                stats: stats.clone(),
+            });
+            shards.push(DpuShard {
+                index: i,
+                dma: DmaManager::new(
+                    engine(),
+                    dpu_tx_header.clone(),
+                    dpu_rx_header.clone(),
+                    receiver,
+                    stats,
+                ),
+                bell,
+                dpu_tx_header,
+                dpu_rx_header,
+                shared: None,
+            });
+        }
         let shared = Arc::new(Shared {
-            prefix: prefix.clone(),
+            prefix,
             next_pod: AtomicU32::new(1),
             next_region,
             free_regions: Mutex::new(Vec::new()),
             registering: Mutex::new(()),
             pods: Mutex::new(HashMap::new()),
-            commands,
-            doorbell: doorbell.clone(),
-            dpu_tx_header: dpu_tx_header.clone(),
-            dpu_rx_header: dpu_rx_header.clone(),
-            stats: stats.clone(),
+            shards: handles,
             config,
         });
-        let mut rings = Vec::new();
-        let mut ports = Vec::new();
-        for i in 0..shared.config.sidecar_ports {
-            let to_arm = Ring::create_in_shm(
-                &format!("{prefix}-sc{i}-tx"),
-                shared.config.sidecar_ring_capacity,
-            )?;
-            let from_arm = Ring::create_in_shm(
-                &format!("{prefix}-sc{i}-rx"),
-                shared.config.sidecar_ring_capacity,
-            )?;
-            let producer = match &shared.config.sidecar_notify {
-                Some(notify) => to_arm.producer().with_notify(notify.clone()),
-                None => to_arm.producer(),
-            };
-            rings.push(SidecarRings {
-                to_arm: producer,
-                from_arm: from_arm.consumer(),
-            });
-            ports.push(SidecarPort {
-                index: i,
-                from_dma: to_arm.consumer(),
-                to_dma: from_arm.producer().with_doorbell(doorbell.clone()),
-                shared: shared.clone(),
-            });
+        for shard in &mut shards {
+            shard.shared = Some(shared.clone());
         }
-        let manager = DmaManager::new(
-            engine,
-            dpu_tx_header,
-            dpu_rx_header,
-            rings,
-            doorbell,
-            receiver,
-            shared.config.wake,
-            stats,
-        );
-        let manager = std::thread::Builder::new()
-            .name(format!("dpumesh-dma-{}", shared.config.name))
-            .spawn(move || manager.run())?;
         let control = ControlServer::start(control, Arc::new(ControlHandler(shared.clone())))?;
         Ok(Self {
             shared,
             control: Some(control),
-            manager: Some(manager),
-            sidecars: Mutex::new(ports),
+            shards: Mutex::new(shards),
         })
     }
 
@@ -506,9 +542,9 @@ impl Dpu {
         &self.shared.config.name
     }
 
-    /// Takes the sidecar ports (once): one per proxy worker.
-    pub fn take_sidecar_ports(&self) -> Vec<SidecarPort> {
-        std::mem::take(&mut *self.sidecars.lock())
+    /// Takes the shards (once), for the proxy threads that run them.
+    pub fn take_shards(&self) -> Vec<DpuShard> {
+        std::mem::take(&mut *self.shards.lock())
     }
 
     /// Registered pods.
@@ -518,68 +554,134 @@ impl Dpu {
         pods
     }
 
-    /// The DMA manager's counters.
-    pub fn stats(&self) -> &DmaStats {
-        &self.shared.stats
+    /// The shards' DMA counters, summed.
+    pub fn stats(&self) -> DmaStats {
+        let sum = DmaStats::default();
+        for s in &self.shared.shards {
+            for (total, part) in [
+                (&sum.intake, &s.stats.intake),
+                (&sum.delivered, &s.stats.delivered),
+                (&sum.completions, &s.stats.completions),
+                (&sum.errors, &s.stats.errors),
+                (&sum.bytes, &s.stats.bytes),
+                (&sum.copies, &s.stats.copies),
+                (&sum.held, &s.stats.held),
+            ] {
+                total.fetch_add(part.load(Ordering::Relaxed), Ordering::Relaxed);
+            }
+        }
+        sum
     }
 
-    /// Slots in use in the DPU header pools (TX, RX).
+    /// Slots in use in the shards' DPU header pools (TX, RX).
     pub fn dpu_pool_use(&self) -> (usize, usize) {
-        (
-            self.shared.dpu_tx_header.in_use(),
-            self.shared.dpu_rx_header.in_use(),
-        )
+        self.shared.shards.iter().fold((0, 0), |(tx, rx), s| {
+            (tx + s.dpu_tx_header.in_use(), rx + s.dpu_rx_header.in_use())
+        })
     }
 }
 
 impl Drop for Dpu {
     fn drop(&mut self) {
-        // Pods first hear Teardown; then the manager stops and everything unmaps.
+        // Pods first hear Teardown; then the shards drop their pods.
         self.control.take();
-        let _ = self.shared.commands.send(Command::Stop);
-        self.shared.doorbell.ring();
-        if let Some(m) = self.manager.take() {
-            let _ = m.join();
+        for s in &self.shared.shards {
+            let _ = s.commands.send(Command::Stop);
+            s.bell.interrupt();
         }
     }
 }
 
-/// The proxy's end of the data path on one node (one per worker): descriptors from
-/// pods come in, decisions go out.
-pub struct SidecarPort {
+/// The DMA work of one proxy shard: the pods the node gave it (their rings and pools),
+/// run inline on the shard's thread — descriptors from pods come in, decisions go out,
+/// and no other thread is involved. Sleep on [`DpuShard::bell`]: pods ring it after
+/// they publish.
+pub struct DpuShard {
     index: usize,
-    from_dma: Consumer,
-    to_dma: Producer,
-    shared: Arc<Shared>,
+    dma: DmaManager<Box<dyn DmaEngine>>,
+    bell: Bell,
+    dpu_tx_header: BufferPool,
+    dpu_rx_header: BufferPool,
+    shared: Option<Arc<Shared>>,
 }
 
-impl std::fmt::Debug for SidecarPort {
+impl std::fmt::Debug for DpuShard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SidecarPort")
+        f.debug_struct("DpuShard")
             .field("index", &self.index)
             .finish_non_exhaustive()
     }
 }
 
-impl SidecarPort {
-    /// Waits up to `timeout` for the next descriptor from the DMA manager: a pod's
-    /// request or response (header in a DPU pool), or an error about a delivery.
-    pub fn recv(
-        &mut self,
-        mode: WakeMode,
-        timeout: Duration,
-    ) -> Result<Option<Descriptor>, RingError> {
-        self.from_dma.pop_wait(mode, timeout)
+impl DpuShard {
+    fn shared(&self) -> &Shared {
+        self.shared.as_ref().expect("set when the node starts")
     }
 
-    /// Whether a descriptor is waiting.
+    /// The shard's number on its node.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The bell pods ring after publishing (and the node, when pods come and go).
+    pub fn bell(&self) -> &Bell {
+        &self.bell
+    }
+
+    /// One pass of DMA work: pods added or removed, descriptors from the pods' TX
+    /// SQs (their heads copied into this shard's DPU pool), held deliveries retried.
+    /// Returns how much was done.
+    pub fn pass(&mut self) -> usize {
+        self.dma.pass()
+    }
+
+    /// Whether a pass or [`DpuShard::try_recv`] would find something.
+    pub fn has_work(&self) -> bool {
+        self.dma.has_work()
+    }
+
+    /// Whether deliveries wait for room in a pod's ring (retry soon: pods do not say
+    /// when they make room).
+    pub fn holding(&self) -> bool {
+        self.dma.holding()
+    }
+
+    /// Whether a descriptor is waiting for the proxy.
     pub fn has_next(&self) -> bool {
-        self.from_dma.has_next()
+        self.dma.has_work()
     }
 
-    /// Takes the next descriptor if there is one.
+    /// The next descriptor for the proxy: a pod's request or response (its header in
+    /// a DPU pool), or a notice that a delivery failed. Runs a pass when none is
+    /// waiting.
     pub fn try_recv(&mut self) -> Result<Option<Descriptor>, RingError> {
-        self.from_dma.try_pop()
+        if let Some(d) = self.dma.next_for_proxy() {
+            return Ok(Some(d));
+        }
+        self.dma.pass();
+        Ok(self.dma.next_for_proxy())
+    }
+
+    /// Waits up to `timeout` (on the bell) for the next descriptor, doing the DMA
+    /// work meanwhile: for a thread that serves only this shard (tests, tools).
+    pub fn recv(&mut self, timeout: Duration) -> Result<Option<Descriptor>, RingError> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(d) = self.try_recv()? {
+                return Ok(Some(d));
+            }
+            let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
+                return Ok(None);
+            };
+            // Held deliveries are retried soon: pods do not ring when they make room.
+            let left = if self.holding() {
+                left.min(Duration::from_micros(200))
+            } else {
+                left
+            };
+            let dma = &self.dma;
+            self.bell.wait(Some(left), || dma.has_work());
+        }
     }
 
     /// The header bytes a descriptor names (in a DPU header pool).
@@ -588,17 +690,17 @@ impl SidecarPort {
     }
 
     fn dpu_pool(&self, b: Buffer) -> Result<&BufferPool, PoolError> {
-        if b.addr.region() == self.shared.dpu_tx_header.id() {
-            Ok(&self.shared.dpu_tx_header)
+        if b.addr.region() == self.dpu_tx_header.id() {
+            Ok(&self.dpu_tx_header)
         } else {
-            Ok(&self.shared.dpu_rx_header)
+            Ok(&self.dpu_rx_header)
         }
     }
 
     /// Writes a new header (a reply, or a head that arrived over the fabric) into the
-    /// DPU's RX header pool, held by the proxy until it is delivered or released.
+    /// shard's RX header pool, held by the proxy until it is delivered or released.
     pub fn alloc_header(&self, bytes: &[u8]) -> Result<Buffer, PoolError> {
-        let pool = &self.shared.dpu_rx_header;
+        let pool = &self.dpu_rx_header;
         let slot = pool.alloc(OwnerId::PROXY)?;
         pool.write(slot, bytes).inspect_err(|_| {
             let _ = pool.release(slot, OwnerId::PROXY);
@@ -612,23 +714,16 @@ impl SidecarPort {
         pool.release(slot, OwnerId::PROXY)
     }
 
-    /// Hands a descriptor to the DMA manager: a delivery to a pod, or a completion.
+    /// Hands a decision to the DMA work: a delivery to a pod (done at once, or held
+    /// while its ring is full), or a completion.
     pub fn forward(&mut self, d: &Descriptor) -> Result<(), RingError> {
-        self.to_dma.push(d)
-    }
-
-    /// The pod registered on this node under `service` (first by id), if any.
-    pub fn pod_for_service(&self, service: &str) -> Option<PodInfo> {
-        let pods = self.shared.pods.lock();
-        pods.values()
-            .filter(|p| p.service == service)
-            .min_by_key(|p| p.id)
-            .cloned()
+        self.dma.from_proxy(*d);
+        Ok(())
     }
 
     /// A registered pod by id.
     pub fn pod(&self, id: u32) -> Option<PodInfo> {
-        self.shared.pods.lock().get(&id).cloned()
+        self.shared().pods.lock().get(&id).cloned()
     }
 
     /// Reserves a body slot in pod `pod`'s RX body pool for a body that arrives from

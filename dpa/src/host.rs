@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::bell::{Bell, BellError};
 use crate::control::transport::{ControlClient, Endpoint};
 use crate::control::{ControlError, PodExports, RegionExport, Role};
 use crate::descriptor::{Buffer, Case, Descriptor, DescriptorStatus, Destination};
-use crate::doorbell::Doorbell;
 use crate::pool::{BufferPool, OwnerId, PoolError};
 use crate::ring::{Consumer, Producer, Ring, RingError, WakeMode};
 use crate::shm::{SharedRegion, ShmError};
@@ -29,6 +29,9 @@ pub enum HostError {
     /// A ring (full: back-pressure; nothing was sent and no slot is held).
     #[error(transparent)]
     Ring(#[from] RingError),
+    /// The serving shard's bell.
+    #[error(transparent)]
+    Bell(#[from] BellError),
     /// A message larger than a slot.
     #[error("{what} of {len} bytes exceeds the {limit}-byte slots this pod was given")]
     TooLarge {
@@ -130,16 +133,24 @@ impl HostPort {
     pub fn connect(endpoint: &Endpoint, name: &str, service: &str) -> Result<Self, HostError> {
         let mut control = ControlClient::connect(endpoint, Role::Host, name)?;
         let exports = control.register_pod(name, service)?;
-        let doorbell = Doorbell::new(map(&exports.doorbell)?)?;
+        // The shard's eventfd comes with the answer on a Unix socket; over TCP there is
+        // none, and the shard finds this pod's sends by polling.
+        let bell = match control.take_fds().into_iter().next() {
+            Some(fd) => Some(Bell::from_parts(map(&exports.bell)?, fd)?),
+            None => None,
+        };
+        let tx = Ring::attach(map(&exports.tx_sq)?)?.producer();
+        let tx = match bell {
+            Some(bell) => tx.with_bell(bell),
+            None => tx,
+        };
         let port = Self {
             owner: OwnerId(exports.pod_id),
             tx_header: BufferPool::attach(map(&exports.tx_header)?)?,
             tx_body: BufferPool::attach(map(&exports.tx_body)?)?,
             rx_header: BufferPool::attach(map(&exports.rx_header)?)?,
             rx_body: BufferPool::attach(map(&exports.rx_body)?)?,
-            tx: Ring::attach(map(&exports.tx_sq)?)?
-                .producer()
-                .with_doorbell(doorbell),
+            tx,
             rx: Ring::attach(map(&exports.rx_sq)?)?.consumer(),
             in_flight: 0,
             control,

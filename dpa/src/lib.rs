@@ -7,19 +7,22 @@
 //! - [`shm`]: shared memory regions mapped by every process of a node.
 //! - [`pool`]: fixed-size buffer slots with ownership that moves with descriptors and
 //!   is reclaimed from participants that die.
+//! - [`bell`]: how producers wake a consumer that sleeps in `epoll` (eventfd plus a
+//!   shared `waiting` word), and [`fdpass`]: handing such an eventfd to another process.
 //! - [`control`]: the host↔DPU control channel (registration, exports, teardown).
-//! - [`dma`]: DMA engines and the DMA manager that implements cases 1, 2 and 3.
-//! - [`doorbell`]: one futex a consumer of many rings sleeps on.
-//! - [`fabric`]: the RDMA fabric between nodes (verbs semantics; software over TCP,
-//!   and libibverbs behind `verbs`).
-//! - [`node`]: a node's DPU side (pools, sidecar rings, DMA manager, control server).
+//! - [`dma`]: DMA engines and the DMA work (cases 1, 2 and 3) a proxy shard runs for
+//!   its pods.
+//! - [`fabric`]: the RDMA fabric between nodes (verbs semantics; shared memory between
+//!   processes of one host, software over TCP between hosts, libibverbs behind
+//!   `verbs`).
+//! - [`dpu`]: a node's DPU side (pod registration, pools, rings, the shards' DMA work).
 //! - [`host`]: a host pod's port (registration, TX/RX, completions).
 //! - [`frame`]: the messages ingress and DPU proxies exchange over the fabric.
 //! - [`link`]: one queue pair carrying frames with credits, and body transfers.
 //! - [`rpc`]: RPC on the fabric (inline small requests, RDMA READ of large
 //!   ones, responses by WRITE_WITH_IMM, a ring of contexts per connection).
-//! - [`ring`]: SPSC descriptor rings (host TX/RX SQs, sidecar TX/RX SQs) with a
-//!   busy-poll and an event-driven wake mode.
+//! - [`ring`]: SPSC descriptor rings (host TX/RX SQs) with a busy-poll and an
+//!   event-driven wake mode.
 //!
 //! No DPU, RDMA NIC or DOCA exists on the machines this is developed on: the software
 //! implementations here are the product there, and follow the hardware semantics;
@@ -29,7 +32,6 @@ pub mod bell;
 pub mod control;
 pub mod descriptor;
 pub mod dma;
-pub mod doorbell;
 pub mod dpu;
 pub mod fabric;
 pub mod fdpass;
@@ -45,7 +47,7 @@ pub use descriptor::{
     BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,
     Destination, Kind, RawDescriptor,
 };
-pub use dpu::{Dpu, DpuConfig, DpuError, PodInfo, PodSizing, SidecarPort};
+pub use dpu::{Dpu, DpuConfig, DpuError, DpuShard, PodInfo, PodSizing};
 pub use host::{HostError, HostPort, Incoming, Outgoing};
 pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};
 pub use ring::{Consumer, Producer, Ring, RingError, WakeMode};

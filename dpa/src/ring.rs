@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
+use crate::bell::Bell;
 use crate::descriptor::{DESCRIPTOR_SIZE, Descriptor, DescriptorError, RawDescriptor};
-use crate::doorbell::Doorbell;
 use crate::shm::{SharedRegion, ShmError};
 
 const MAGIC: u32 = u32::from_le_bytes(*b"DPRG");
@@ -233,7 +233,7 @@ impl Ring {
             ring: self.clone(),
             tail,
             head_cache: head,
-            doorbell: None,
+            bell: None,
             notify: None,
         }
     }
@@ -255,7 +255,7 @@ pub struct Producer {
     ring: Ring,
     tail: u64,
     head_cache: u64,
-    doorbell: Option<Doorbell>,
+    bell: Option<Bell>,
     notify: Option<crate::fabric::Interrupter>,
 }
 
@@ -267,9 +267,10 @@ impl Producer {
         self
     }
 
-    /// Also rings `doorbell` after each publish (for consumers that watch many rings).
-    pub fn with_doorbell(mut self, doorbell: Doorbell) -> Self {
-        self.doorbell = Some(doorbell);
+    /// Also rings `bell` after each publish (for a consumer that watches many rings
+    /// and sleeps on its bell: a shard of a node's proxy).
+    pub fn with_bell(mut self, bell: Bell) -> Self {
+        self.bell = Some(bell);
         self
     }
 
@@ -342,7 +343,7 @@ impl Producer {
     }
 
     fn notify(&self) {
-        if let Some(bell) = &self.doorbell {
+        if let Some(bell) = &self.bell {
             bell.ring();
         }
         if let Some(notify) = &self.notify {

@@ -1,8 +1,8 @@
-//! Seed 000's data paths end to end through real processes: pods are child processes
-//! (this binary re-executed as `pod_entry`) that register over the control channel
-//! and map their pools and rings; the node (DMA manager, DPU pools) runs in the test,
-//! and the test plays the ARM proxy on the sidecar port. Bytes are checked with
-//! CRC32 at the far end.
+//! The data paths end to end through real processes: pods are child processes (this
+//! binary re-executed as `pod_entry`) that register over the control channel and map
+//! their pools and rings; the node runs in the test, which plays the proxy on the
+//! node's shard (its DMA work runs on the test's thread). Bytes are checked with CRC32
+//! at the far end.
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::{
-    Case, Descriptor, DescriptorStatus, Destination, Dpu, DpuConfig, HostPort, Incoming, Outgoing,
-    SidecarPort, WakeMode,
+    Case, Descriptor, DescriptorStatus, Destination, Dpu, DpuConfig, DpuShard, HostPort, Incoming,
+    Outgoing, WakeMode,
 };
 
 const ROLE: &str = "DPUMESH_DPA_POD_ROLE";
@@ -274,13 +274,10 @@ fn node(dir: &Path, name: &str) -> Dpu {
 
 /// The proxy's job in these tests: forward requests and responses as the pods
 /// addressed them, answer a head with `deny=` itself. Returns when `until` holds.
-fn proxy(port: &mut SidecarPort, mut until: impl FnMut(&Descriptor) -> bool) {
+fn proxy(port: &mut DpuShard, mut until: impl FnMut(&Descriptor) -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        let Some(d) = port
-            .recv(WakeMode::LOW_CPU, Duration::from_millis(100))
-            .unwrap()
-        else {
+        let Some(d) = port.recv(Duration::from_millis(100)).unwrap() else {
             continue;
         };
         if d.kind.error {
@@ -317,7 +314,7 @@ fn head_bytes(s: &str) -> Vec<u8> {
 fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     let dir = tempfile::tempdir().unwrap();
     let node = node(dir.path(), "case3");
-    let mut port = node.take_sidecar_ports().remove(0);
+    let mut port = node.take_shards().remove(0);
     let socket = dir.path().join("control.sock");
     let mut server = spawn_pod("server", &socket);
     let mut client = spawn_pod("client", &socket);
@@ -339,7 +336,8 @@ fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     // Both pods exited: their connections closed and the node reclaimed them.
     let deadline = Instant::now() + Duration::from_secs(10);
     while !node.pods().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+        // The shard lets go of a departed pod when it runs: keep it running.
+        let _ = port.recv(Duration::from_millis(5));
     }
     assert!(node.pods().is_empty());
     assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
@@ -349,7 +347,7 @@ fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
 fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let node = node(dir.path(), "reclaim");
-    let mut port = node.take_sidecar_ports().remove(0);
+    let mut port = node.take_shards().remove(0);
     let mut pod = spawn_pod("idle", &dir.path().join("control.sock"));
     let deadline = Instant::now() + Duration::from_secs(20);
     while node.pods().is_empty() && Instant::now() < deadline {
@@ -369,7 +367,8 @@ fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
     pod.wait();
     let deadline = Instant::now() + Duration::from_secs(10);
     while !node.pods().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+        // The shard lets go of a departed pod when it runs: keep it running.
+        let _ = port.recv(Duration::from_millis(5));
     }
     assert!(node.pods().is_empty(), "the dead pod was unregistered");
     // The delivery that was under way fails with a reason, and its header slot is freed.
@@ -378,10 +377,7 @@ fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
         .with_header(header)
         .with_body(body);
     port.forward(&d).unwrap();
-    let e = port
-        .recv(WakeMode::LOW_CPU, Duration::from_secs(10))
-        .unwrap()
-        .unwrap();
+    let e = port.recv(Duration::from_secs(10)).unwrap().unwrap();
     assert!(e.kind.error);
     assert_eq!(e.error_status(), Some(DescriptorStatus::UnknownPod));
     assert_eq!(node.dpu_pool_use(), (0, 0));
@@ -394,7 +390,7 @@ fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
 fn a_pod_that_sends_and_exits_at_once_still_gets_its_message_delivered() {
     let dir = tempfile::tempdir().unwrap();
     let node = node(dir.path(), "fire");
-    let mut port = node.take_sidecar_ports().remove(0);
+    let mut port = node.take_shards().remove(0);
     let socket = dir.path().join("control.sock");
     let mut receiver = spawn_pod("receive-one", &socket);
     let mut sender = spawn_pod("fire-and-forget", &socket);
@@ -407,7 +403,8 @@ fn a_pod_that_sends_and_exits_at_once_still_gets_its_message_delivered() {
     );
     let deadline = Instant::now() + Duration::from_secs(15);
     while !node.pods().is_empty() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
+        // The shard lets go of a departed pod when it runs: keep it running.
+        let _ = port.recv(Duration::from_millis(5));
     }
     assert!(node.pods().is_empty(), "both pods were reclaimed");
     assert_eq!(node.dpu_pool_use(), (0, 0));
@@ -423,15 +420,12 @@ fn a_pod_calling_itself_through_a_tiny_ring_gets_its_message_and_every_slot_back
     config.pod.ring_capacity = 2;
     config.pod.body_slots = 4;
     let node = Dpu::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap();
-    let mut port = node.take_sidecar_ports().remove(0);
+    let mut port = node.take_shards().remove(0);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let proxy_stop = stop.clone();
     let proxy = std::thread::spawn(move || {
         while !proxy_stop.load(std::sync::atomic::Ordering::Relaxed) {
-            if let Some(d) = port
-                .recv(WakeMode::LOW_CPU, Duration::from_millis(20))
-                .unwrap()
-            {
+            if let Some(d) = port.recv(Duration::from_millis(20)).unwrap() {
                 assert!(!d.kind.error, "{:?}", d.error_status());
                 port.forward(&d).unwrap();
             }

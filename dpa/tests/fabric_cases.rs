@@ -28,8 +28,8 @@ use dpumesh_dpa::fabric::{
     RemoteAddr, SendOp, SendWr, WcOpcode, WcStatus,
 };
 use dpumesh_dpa::{
-    BufAddr, Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuConfig, HostPort, Incoming,
-    Outgoing, OwnerId, PodInfo, SharedRegion, SidecarPort, WakeMode,
+    BufAddr, Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuConfig, DpuShard, HostPort,
+    Incoming, Outgoing, OwnerId, PodInfo, SharedRegion, WakeMode,
 };
 use parking_lot::Mutex;
 
@@ -241,7 +241,7 @@ struct Directory {
 
 struct Proxy {
     node: Arc<Dpu>,
-    port: SidecarPort,
+    port: DpuShard,
     pd: SoftPd,
     cq: SoftCq,
     qp: SoftQp,
@@ -274,7 +274,7 @@ impl Proxy {
         mine: Arc<Mutex<Directory>>,
         theirs: Arc<Mutex<Directory>>,
     ) -> Self {
-        let port = node.take_sidecar_ports().remove(0);
+        let port = node.take_shards().remove(0);
         let heads = Arc::new(
             SharedRegion::create_unique("dpumesh-test-heads", (2 * RECVS * HEAD_SLOT) as usize)
                 .unwrap(),

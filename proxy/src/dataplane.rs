@@ -27,18 +27,20 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
+use dpumesh_dpa::bell::{Bell, WaitSet};
 use dpumesh_dpa::fabric::{
     CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, WcStatus, WorkCompletion,
 };
 use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
-use dpumesh_dpa::link::{Link, LinkEvent, Wake};
+use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_dpa::{
-    Buffer, BufferPool, Case, Descriptor, Destination, Dpu, OwnerId, PodInfo, SidecarPort,
+    Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuShard, OwnerId, PodInfo,
 };
 use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_runtime::{
-    Decision, FailureKind, Peer, PoolError, RequestDone, RequestHead, ResponseInfo, Ticket,
+    Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead, ResponseInfo,
+    Ticket,
 };
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -78,7 +80,7 @@ pub struct DataplaneStats {
 pub struct Dataplane {
     stop: Arc<AtomicBool>,
     accept_stop: Arc<AtomicBool>,
-    wake: Wake,
+    bell: Bell,
     thread: Option<JoinHandle<()>>,
     addr: SocketAddr,
     stats: Arc<DataplaneStats>,
@@ -96,15 +98,14 @@ impl std::fmt::Debug for Dataplane {
 }
 
 impl Dataplane {
-    /// Starts the reactor: listens for queue pairs at `listen`, takes the node's first
-    /// sidecar port. `cq` must be the queue `wake` was made for, and the node must
-    /// have been started with `wake.interrupter()` as its sidecar notifier.
-    #[allow(clippy::too_many_arguments)]
+    /// Starts the reactor: listens for queue pairs at `listen` and takes the node's
+    /// first shard (its pods' rings and pools, its DMA work and its bell); the
+    /// reactor runs every request's chain inline and sleeps on one epoll set (the
+    /// shard's bell and `cq`).
     pub fn start<F: Fabric>(
         fabric: F,
         pd: F::Pd,
         cq: F::Cq,
-        wake: Wake,
         listen: SocketAddr,
         dpu: Arc<Dpu>,
         policy: Arc<Policy>,
@@ -116,19 +117,32 @@ impl Dataplane {
         // never on the reactor.
         let (accepted_tx, accepted) = crossbeam_channel::unbounded();
         let accept_stop = Arc::new(AtomicBool::new(false));
+        let port = dpu
+            .take_shards()
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("the node's shards are taken"))?;
+        let bell = port.bell().clone();
+        let mut waits = WaitSet::new()?;
+        waits.add(bell.fd(), 0)?;
+        if let Some(fd) = cq.wait_fd() {
+            waits.add(fd, 1)?;
+        }
+        let chains = LocalChains::new(SHARD_RUNNER, policy.snapshot().generation.clone());
+        let generation = policy.add_runner();
         let supervisor = Supervisor::new();
         supervisor.spawn(
             "dpumesh-accept",
             RestartPolicy::default(),
-            (listener, accepted_tx, accept_stop.clone(), wake.clone()),
-            |(listener, accepted, stop, wake)| {
+            (listener, accepted_tx, accept_stop.clone(), bell.clone()),
+            |(listener, accepted, stop, bell)| {
                 while !stop.load(Ordering::Relaxed) {
                     match listener.accept(Duration::from_millis(100)) {
                         Ok(Some(qp)) => {
                             if accepted.send(qp).is_err() {
                                 return;
                             }
-                            wake.wake();
+                            bell.ring();
                         }
                         Ok(None) => {}
                         Err(e) => {
@@ -140,11 +154,6 @@ impl Dataplane {
             },
             |_| {},
         )?;
-        let port = dpu
-            .take_sidecar_ports()
-            .into_iter()
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("the node's sidecar ports are taken"))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(DataplaneStats::default());
         let (inbox_tx, inbox) = crossbeam_channel::unbounded();
@@ -157,6 +166,9 @@ impl Dataplane {
             links: HashMap::new(),
             peer_links: HashMap::new(),
             port,
+            chains,
+            generation,
+            waits,
             dpu,
             policy,
             topology,
@@ -174,7 +186,7 @@ impl Dataplane {
             timers: BinaryHeap::new(),
             inbox,
             inbox_tx,
-            wake: wake.clone(),
+            bell: bell.clone(),
             stats: stats.clone(),
             stop: stop.clone(),
             completions: Vec::with_capacity(64),
@@ -192,7 +204,7 @@ impl Dataplane {
         Ok(Self {
             stop,
             accept_stop,
-            wake,
+            bell,
             thread: Some(thread),
             addr,
             stats,
@@ -211,7 +223,7 @@ impl Dataplane {
     #[cfg(feature = "fault-injection")]
     pub fn inject_panic(&self) {
         let _ = self.inbox.send(Inbox::Panic);
-        self.wake.wake();
+        self.bell.ring();
     }
 
     /// Where peers and the ingress connect.
@@ -229,7 +241,7 @@ impl Drop for Dataplane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         self.accept_stop.store(true, Ordering::SeqCst);
-        self.wake.interrupt();
+        self.bell.interrupt();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -339,7 +351,14 @@ struct Reactor<F: Fabric> {
     connect_failed: HashMap<String, Instant>,
     links: HashMap<u32, LinkState<F>>,
     peer_links: HashMap<String, u32>,
-    port: SidecarPort,
+    port: DpuShard,
+    /// The chains this reactor runs inline, per generation.
+    chains: LocalChains,
+    /// The generation it runs new requests on (readiness reads it).
+    generation: Arc<AtomicU64>,
+    /// Its one wait set: the shard's bell (pods, the accept loop, offloaded chains,
+    /// shutdown) and the fabric completion queue.
+    waits: WaitSet,
     dpu: Arc<Dpu>,
     policy: Arc<Policy>,
     topology: Topology,
@@ -358,7 +377,7 @@ struct Reactor<F: Fabric> {
     timers: BinaryHeap<std::cmp::Reverse<(Instant, u32)>>,
     inbox: Receiver<Inbox>,
     inbox_tx: Sender<Inbox>,
-    wake: Wake,
+    bell: Bell,
     stats: Arc<DataplaneStats>,
     stop: Arc<AtomicBool>,
     completions: Vec<WorkCompletion>,
@@ -380,6 +399,9 @@ fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
         }
     }
 }
+
+/// The runner id of a shard's inline chains in tickets (pool workers count from 0).
+const SHARD_RUNNER: usize = usize::MAX;
 
 /// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
 const MAX_LOCAL_BODY: usize = 16 << 10;
@@ -443,28 +465,48 @@ impl<F: Fabric> Reactor<F> {
                 last_tick = Instant::now();
                 self.forget_departed_pods();
                 self.publish_occupancy();
+                self.follow_generation();
             }
             if work > 0 {
                 continue;
             }
-            self.wake.sleep_begins();
-            if self.port_ready() || !self.inbox.is_empty() || !self.accepted.is_empty() {
-                self.wake.sleep_ends();
-                continue;
-            }
-            let timeout = self
-                .timers
-                .peek()
-                .map(|t| t.0.0.saturating_duration_since(Instant::now()))
-                .unwrap_or(Duration::from_millis(20))
-                .min(Duration::from_millis(20));
-            let _ = self.cq.wait(timeout);
-            self.wake.sleep_ends();
+            self.sleep();
         }
     }
 
-    fn port_ready(&mut self) -> bool {
-        self.port.has_next()
+    /// Builds the instances of a newly published generation between requests, so the
+    /// next request does not wait for them.
+    fn follow_generation(&mut self) {
+        let published = self.policy.snapshot().generation.clone();
+        if published.number() != self.chains.generation() {
+            self.chains.switch(&published);
+        }
+        self.generation
+            .store(self.chains.generation(), Ordering::Release);
+    }
+
+    /// Sleeps on the wait set until something arrives (the shard's bell: a pod sent, a
+    /// chain finished on the pool, a link was accepted; the completion queue) or the
+    /// next timer is due.
+    fn sleep(&mut self) {
+        let mut timeout = self
+            .timers
+            .peek()
+            .map(|t| t.0.0.saturating_duration_since(Instant::now()))
+            .unwrap_or(Duration::from_millis(20))
+            .min(Duration::from_millis(20));
+        if self.port.holding() || !self.deferred.is_empty() {
+            // Pods do not say when they make room in their rings: look again soon.
+            timeout = timeout.min(Duration::from_micros(200));
+        }
+        self.bell.sleep_begins();
+        let sleep = self.cq.prepare_sleep();
+        if sleep && !self.port.has_work() && self.inbox.is_empty() && self.accepted.is_empty() {
+            let _ = self.waits.wait(timeout);
+        }
+        self.cq.finish_sleep();
+        self.bell.sleep_ends();
+        self.bell.drain();
     }
 
     fn accept(&mut self) {
@@ -689,22 +731,40 @@ impl<F: Fabric> Reactor<F> {
             self.dispatch(xid);
             return;
         }
+        let generation = &snapshot.generation;
+        if !generation.chains()[chain].offload() {
+            // Run to completion here: the chain's instances are this thread's.
+            let done = self.chains.on_request(generation, chain, head);
+            self.decided(xid, Ok(Box::new(done)));
+            return;
+        }
+        // A chain with a filter slow by nature runs on the pool; its verdict comes
+        // back through the inbox and the bell.
         let inbox = self.inbox_tx.clone();
-        let wake = self.wake.clone();
-        let submitted = self.policy.pool().request_with(
-            snapshot.generation.clone(),
-            chain,
-            head,
-            move |done| {
-                let _ = inbox.send(Inbox::Decided {
-                    xid,
-                    done: done.map(Box::new),
+        let bell = self.bell.clone();
+        let submitted =
+            self.policy
+                .pool()
+                .request_with(generation.clone(), chain, head, move |done| {
+                    let _ = inbox.send(Inbox::Decided {
+                        xid,
+                        done: done.map(Box::new),
+                    });
+                    bell.ring();
                 });
-                wake.wake();
-            },
-        );
         if let Err(e) = submitted {
             self.fail(xid, pool_error(e));
+        }
+    }
+
+    /// Runs a response phase where its request phase ran: inline, or on the pool for
+    /// an offloaded chain. Response filters do not edit the response, so nobody waits
+    /// for the result.
+    fn run_response_phase(&mut self, ticket: Ticket, head: RequestHead, info: ResponseInfo) {
+        if ticket.worker == SHARD_RUNNER {
+            self.chains.on_response(&ticket, head, &info);
+        } else {
+            let _ = self.policy.pool().response_with(ticket, head, info, |_| {});
         }
     }
 
@@ -725,10 +785,7 @@ impl<F: Fabric> Reactor<F> {
                 upstream: None,
                 failure: FailureKind::Timeout,
             };
-            let _ = self
-                .policy
-                .pool()
-                .response_with(done.ticket, done.outcome.head, info, |_| {});
+            self.run_response_phase(done.ticket, done.outcome.head, info);
             return;
         };
         exchange.ticket = Some(done.ticket);
@@ -1266,7 +1323,7 @@ impl<F: Fabric> Reactor<F> {
     /// Runs the response phase (circuit breaker accounting, metrics) without waiting:
     /// response filters do not edit the response head, so nobody needs its result.
     fn response_phase(
-        &self,
+        &mut self,
         exchange: &mut Exchange,
         status: u16,
         failure: FailureKind,
@@ -1290,7 +1347,7 @@ impl<F: Fabric> Reactor<F> {
             upstream: upstream.map(|p| format!("{}/pod-{p}", exchange.service)),
             failure,
         };
-        let _ = self.policy.pool().response_with(ticket, head, info, |_| {});
+        self.run_response_phase(ticket, head, info);
     }
 
     /// A peer proxy answered a call one of our pods made.

@@ -7,10 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use dpumesh_config::Transport;
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Fabric;
+use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::fabric::soft::SoftFabric;
-use dpumesh_dpa::link::Wake;
 use dpumesh_dpa::{Dpu, DpuConfig, PodSizing};
 
 use crate::dataplane::{Dataplane, Topology};
@@ -37,6 +38,19 @@ impl std::fmt::Debug for Node {
     }
 }
 
+/// The data plane on fabric `fabric`, listening at `listen`.
+fn start_dataplane<F: Fabric>(
+    fabric: F,
+    listen: SocketAddr,
+    dpu: Arc<Dpu>,
+    policy: &Arc<Policy>,
+    topology: Topology,
+) -> anyhow::Result<Dataplane> {
+    let pd = fabric.alloc_pd()?;
+    let cq = fabric.create_cq(1 << 16)?;
+    Dataplane::start(fabric, pd, cq, listen, dpu, policy.clone(), topology)
+}
+
 /// Where node `name`'s pods register.
 pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join(format!("{name}.sock"))
@@ -52,10 +66,6 @@ impl Node {
         crate::admin::prometheus();
         let policy = Policy::start(&mesh.config.policy)?;
         policy.watch(Duration::from_millis(250))?;
-        let fabric = SoftFabric::new();
-        let pd = fabric.alloc_pd()?;
-        let cq = fabric.create_cq(1 << 16)?;
-        let wake = Wake::new(&cq);
         let max_body = mesh.config.ingress.max_body() as u32;
         // Shared-memory names carry the process id: two meshes on one machine (tests)
         // must not meet.
@@ -67,8 +77,6 @@ impl Node {
             body_slots: 64,
             ring_capacity: 256,
         };
-        config.sidecar_notify = Some(wake.interrupter());
-        config.wake = dpumesh_dpa::WakeMode::from_env();
         for (service, nodes) in mesh.placement() {
             if nodes.iter().any(|n| n == name) {
                 continue;
@@ -96,16 +104,22 @@ impl Node {
             placement: mesh.placement(),
             timeout: mesh.config.ingress.request_timeout(),
         };
-        let dataplane = Dataplane::start(
-            fabric,
-            pd,
-            cq,
-            wake,
-            entry.fabric,
-            dpu.clone(),
-            policy.clone(),
-            topology,
-        )?;
+        let dataplane = match mesh.config.transport {
+            Transport::Shm => start_dataplane(
+                ShmFabric::new(),
+                entry.fabric,
+                dpu.clone(),
+                &policy,
+                topology,
+            )?,
+            Transport::Tcp => start_dataplane(
+                SoftFabric::new(),
+                entry.fabric,
+                dpu.clone(),
+                &policy,
+                topology,
+            )?,
+        };
         let io = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("dpumesh-admin")

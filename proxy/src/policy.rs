@@ -113,6 +113,8 @@ pub struct Policy {
     /// running is never missed, and a failed attempt is not retried until something
     /// changes again.
     attempted: Mutex<Fingerprint>,
+    /// Generations of the runners outside the pool (data-plane shards).
+    runners: Mutex<Vec<Arc<std::sync::atomic::AtomicU64>>>,
 }
 
 /// A hash of the config file's text (two saves within one timestamp tick must still
@@ -202,6 +204,7 @@ impl Policy {
             reloading: Mutex::new(()),
             last_error: Mutex::new(None),
             attempted: Mutex::new(attempted),
+            runners: Mutex::new(Vec::new()),
         }))
     }
 
@@ -306,10 +309,26 @@ impl Policy {
         })
     }
 
-    /// Whether every worker runs the published generation.
+    /// Whether every worker and every shard that runs chains inline runs the
+    /// published generation.
     pub fn settled(&self) -> bool {
         let current = self.snapshot().generation.number();
         self.pool.worker_generations().iter().all(|g| *g == current)
+            && self
+                .runners
+                .lock()
+                .iter()
+                .all(|g| g.load(std::sync::atomic::Ordering::Acquire) == current)
+    }
+
+    /// A new runner of chains outside the pool (a shard of the data plane): it stores
+    /// the generation it runs new requests on here, for [`Policy::settled`].
+    pub fn add_runner(&self) -> Arc<std::sync::atomic::AtomicU64> {
+        let generation = Arc::new(std::sync::atomic::AtomicU64::new(
+            self.snapshot().generation.number(),
+        ));
+        self.runners.lock().push(generation.clone());
+        generation
     }
 
     /// Watches the config file and the files it names, reloading on change, on a
@@ -429,6 +448,7 @@ fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built,
         if let Some(ns) = &f.namespace {
             settings = settings.namespace(ns.clone());
         }
+        settings = settings.offload(f.offload);
         let bytes = read(&f.component, &format!("{key}.component"))?;
         let filter = runtime
             .load_filter(settings, &bytes)

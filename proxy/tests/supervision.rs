@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use dpumesh_config::MeshFile;
 use dpumesh_dpa::control::transport::Endpoint;
-use dpumesh_dpa::fabric::soft::SoftFabric;
+use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::{HostPort, Incoming, WakeMode};
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_ingress::{Ingress, Settings};
@@ -82,7 +82,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     )
     .unwrap();
     let ingress = Ingress::start(
-        SoftFabric::new(),
+        ShmFabric::new(),
         Settings {
             listen: "127.0.0.1:0".parse().unwrap(),
             max_head: 32 << 10,

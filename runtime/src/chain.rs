@@ -39,6 +39,12 @@ impl FilterChain {
     pub fn filters(&self) -> &[Arc<LoadedFilter>] {
         &self.filters
     }
+
+    /// Whether the chain runs on the worker pool (one of its filters asked to be
+    /// offloaded) rather than inline where the request is.
+    pub fn offload(&self) -> bool {
+        self.filters.iter().any(|f| f.settings().offload)
+    }
 }
 
 /// A reply the proxy sends instead of forwarding a request.

@@ -59,6 +59,10 @@ pub struct FilterSettings {
     pub namespace: Option<String>,
     /// When repeated faults degrade the filter.
     pub health: HealthPolicy,
+    /// Chains with this filter run on the worker pool rather than inline on the
+    /// proxy's shard: for filters slow by nature (interpreted guests), so they do not
+    /// hold up everything else the shard serves. Never the default.
+    pub offload: bool,
 }
 
 impl FilterSettings {
@@ -73,6 +77,7 @@ impl FilterSettings {
             configure_deadline: Duration::from_secs(1),
             namespace: None,
             health: HealthPolicy::default(),
+            offload: false,
         }
     }
 
@@ -103,6 +108,12 @@ impl FilterSettings {
     /// Sets when repeated faults degrade the filter.
     pub fn health(mut self, policy: HealthPolicy) -> Self {
         self.health = policy;
+        self
+    }
+
+    /// Sets whether chains with this filter run on the worker pool.
+    pub fn offload(mut self, offload: bool) -> Self {
+        self.offload = offload;
         self
     }
 

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 /// `DPMC`, little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Largest body accepted.
 pub const MAX_BODY: u32 = 64 << 10;
 const HEADER: usize = 16;
@@ -148,8 +148,10 @@ pub struct PodExports {
     pub tx_sq: RegionExport,
     /// Host RX SQ: the DMA manager produces, the pod consumes.
     pub rx_sq: RegionExport,
-    /// The node's doorbell, rung after pushing to the TX SQ.
-    pub doorbell: RegionExport,
+    /// The bell of the proxy shard that serves the pod, rung after pushing to the TX
+    /// SQ: its `waiting` word here, its eventfd passed with the answer (Unix sockets
+    /// only; over TCP the shard polls).
+    pub bell: RegionExport,
 }
 
 /// How to map one region.
@@ -178,8 +180,8 @@ pub enum RegionKind {
     },
     /// A descriptor ring.
     Ring { capacity: u32 },
-    /// A doorbell word.
-    Doorbell,
+    /// A bell's `waiting` word (see [`crate::bell`]).
+    Bell,
 }
 
 /// Why a control exchange failed.

@@ -34,8 +34,8 @@ fn exports() -> PodExports {
             ..export(5)
         },
         rx_sq: export(6),
-        doorbell: RegionExport {
-            kind: RegionKind::Doorbell,
+        bell: RegionExport {
+            kind: RegionKind::Bell,
             ..export(7)
         },
     }
@@ -83,7 +83,9 @@ fn bad_frames_are_refused_with_the_reason() {
     bytes[4..6].copy_from_slice(&7u16.to_le_bytes());
     let err = decode(&bytes).unwrap_err().to_string();
     assert!(
-        err.contains("this side speaks version 1, the peer speaks version 7"),
+        err.contains(&format!(
+            "this side speaks version {PROTOCOL_VERSION}, the peer speaks version 7"
+        )),
         "{err}"
     );
 
@@ -204,14 +206,17 @@ fn a_peer_of_another_version_is_told_so_on_both_sides() {
             name: "future".into(),
         },
     ));
-    hello[4..6].copy_from_slice(&2u16.to_le_bytes());
+    hello[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
     raw.write_all(&hello).unwrap();
     let mut reply = Vec::new();
     raw.read_to_end(&mut reply).unwrap();
     assert_eq!(u16::from_le_bytes([reply[4], reply[5]]), PROTOCOL_VERSION);
     let text = String::from_utf8_lossy(&reply[16..]);
     assert!(
-        text.contains("DPU speaks version 1, this peer sent version 2"),
+        text.contains(&format!(
+            "DPU speaks version {PROTOCOL_VERSION}, this peer sent version {}",
+            PROTOCOL_VERSION + 1
+        )),
         "{text}"
     );
 
@@ -227,14 +232,17 @@ fn a_peer_of_another_version_is_told_so_on_both_sides() {
         let mut body = vec![0u8; len];
         s.read_exact(&mut body).unwrap();
         let mut answer = encode(&Frame::Response(1, Response::Hello { node: "n".into() }));
-        answer[4..6].copy_from_slice(&3u16.to_le_bytes());
+        answer[4..6].copy_from_slice(&(PROTOCOL_VERSION + 2).to_le_bytes());
         s.write_all(&answer).unwrap();
     });
     let err = ControlClient::connect(&Endpoint::Unix(path), Role::Host, "pod")
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("this side speaks version 1, the peer speaks version 3"),
+        err.contains(&format!(
+            "this side speaks version {PROTOCOL_VERSION}, the peer speaks version {}",
+            PROTOCOL_VERSION + 2
+        )),
         "{err}"
     );
     fake.join().unwrap();

@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -133,6 +134,13 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Answers one request from `peer`.
     fn handle(&self, peer: &Peer, request: Request) -> Response;
+
+    /// Answers one request and names file descriptors to pass with the answer (a
+    /// bell's eventfd at registration). They reach peers on Unix sockets only; a TCP
+    /// peer gets the answer without them.
+    fn handle_with_fds(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
+        (self.handle(peer, request), Vec::new())
+    }
 
     /// `peer` went away (closed, crashed, or the server is stopping).
     fn disconnected(&self, _peer: &Peer) {}
@@ -322,7 +330,13 @@ fn serve(
                 }
             }
             (None, _) => error(ErrorCode::BadRequest, "say Hello first"),
-            (Some(p), request) => handler.handle(p, request),
+            (Some(p), request) => {
+                let (response, fds) = handler.handle_with_fds(p, request);
+                if reply_with_fds(&conns, id, rid, response, &fds).is_err() {
+                    break;
+                }
+                continue;
+            }
         };
         if reply(&conns, id, rid, response).is_err() {
             break;
@@ -345,6 +359,77 @@ fn reply(
     write_frame(&mut *stream, &Frame::Response(rid, response))
 }
 
+/// A reply carrying `fds` (on a Unix socket; dropped for TCP peers).
+fn reply_with_fds(
+    conns: &Mutex<HashMap<u64, Writer>>,
+    id: u64,
+    rid: u32,
+    response: Response,
+    fds: &[OwnedFd],
+) -> Result<(), ControlError> {
+    let writer = conns.lock().get(&id).cloned().ok_or(ControlError::Closed)?;
+    let mut stream = writer.lock();
+    match &mut *stream {
+        Stream::Unix(s) if !fds.is_empty() => {
+            let bytes = super::encode(&Frame::Response(rid, response));
+            let borrowed: Vec<_> = fds.iter().map(AsFd::as_fd).collect();
+            send_with_fds(s, &bytes, &borrowed)?;
+            Ok(())
+        }
+        other => write_frame(other, &Frame::Response(rid, response)),
+    }
+}
+
+/// Writes `bytes` with `fds` riding on the first of them.
+fn send_with_fds(
+    s: &mut UnixStream,
+    bytes: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
+    use std::mem::MaybeUninit;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(crate::fdpass::MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if fds.len() > crate::fdpass::MAX_FDS || !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(std::io::Error::other("too many descriptors for one answer"));
+    }
+    let sent = sendmsg(
+        &*s,
+        &[std::io::IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
+    s.write_all(&bytes[sent..])
+}
+
+/// Reads a Unix stream, keeping the descriptors that arrive on it.
+struct FdReader<'a> {
+    stream: &'a mut UnixStream,
+    fds: &'a mut Vec<OwnedFd>,
+}
+
+impl std::io::Read for FdReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
+        use std::mem::MaybeUninit;
+        let mut space =
+            [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(crate::fdpass::MAX_FDS))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let got = recvmsg(
+            &*self.stream,
+            &mut [std::io::IoSliceMut::new(buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        )?;
+        for message in control.drain() {
+            if let RecvAncillaryMessage::ScmRights(fds) = message {
+                self.fds.extend(fds);
+            }
+        }
+        Ok(got.bytes)
+    }
+}
+
 fn error(code: ErrorCode, message: &str) -> Response {
     Response::Error {
         code,
@@ -359,6 +444,8 @@ pub struct ControlClient {
     next_id: u32,
     node: String,
     teardown: Option<String>,
+    /// Descriptors that came with answers, not taken yet.
+    fds: Vec<OwnedFd>,
 }
 
 impl ControlClient {
@@ -377,6 +464,7 @@ impl ControlClient {
             next_id: 1,
             node: String::new(),
             teardown: None,
+            fds: Vec::new(),
         };
         match client.request(Request::Hello {
             role,
@@ -420,7 +508,14 @@ impl ControlClient {
             }
             return Err(e);
         }
-        match read_frame(&mut self.stream)? {
+        let frame = match &mut self.stream {
+            Stream::Unix(s) => read_frame(&mut FdReader {
+                stream: s,
+                fds: &mut self.fds,
+            })?,
+            other => read_frame(other)?,
+        };
+        match frame {
             Frame::Response(0, Response::Teardown { reason }) => {
                 self.teardown = Some(reason.clone());
                 Err(ControlError::Refused {
@@ -437,6 +532,16 @@ impl ControlClient {
             Frame::Response(_, response) => Ok(response),
             Frame::Request(..) => Err(ControlError::Body("the DPU sent a request".to_owned())),
         }
+    }
+
+    /// Descriptors that came with answers (a registration's bell eventfd), taken.
+    pub fn take_fds(&mut self) -> Vec<OwnedFd> {
+        std::mem::take(&mut self.fds)
+    }
+
+    /// Whether the channel is a Unix socket (the only kind that carries descriptors).
+    pub fn is_local(&self) -> bool {
+        matches!(self.stream, Stream::Unix(_))
     }
 
     /// Registers a pod and returns what to map.

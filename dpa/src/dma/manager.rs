@@ -1,6 +1,10 @@
-//! The DMA manager (what the DPA's cores do on BlueField-3): polls every pod's host TX SQ and every
-//! sidecar RX SQ, moves buffers with its [`DmaEngine`], writes the next ring and wakes
-//! its consumer.
+//! The DMA work of one shard of a node's DPU proxy: it polls the host TX SQs of the
+//! shard's pods, moves buffers with its [`DmaEngine`] (memcpy here, DOCA DMA on
+//! BlueField-3), writes the pods' host RX SQs and wakes them. It has no thread of its
+//! own: the shard that owns it runs [`DmaManager::pass`] in its loop, takes what pods
+//! sent with [`DmaManager::next_for_proxy`] and hands its decisions back with
+//! [`DmaManager::from_proxy`] — a request goes from a pod's ring to the proxy's chain
+//! and on to the next pod's ring without changing threads.
 //!
 //! - **Intake** (host TX SQ of pod A, cases 1 and 3 and responses): the header is
 //!   copied from A's TX header pool into a DPU header slot, which goes to the ARM on a
@@ -29,9 +33,8 @@ use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::{CopyJob, DmaEngine};
 use crate::descriptor::{Buffer, Descriptor, DescriptorStatus, Destination, Kind};
-use crate::doorbell::Doorbell;
 use crate::pool::{BufferPool, OwnerId, PoolError, SlotRef};
-use crate::ring::{Consumer, Producer, WakeMode};
+use crate::ring::{Consumer, Producer};
 
 /// Descriptors taken from one ring per pass, so one busy pod cannot starve others.
 const BUDGET: usize = 32;
@@ -61,15 +64,6 @@ pub struct PodPort {
     pub rx_sq: Producer,
 }
 
-/// One sidecar port: the rings between the manager and one proxy worker.
-#[derive(Debug)]
-pub struct SidecarRings {
-    /// Sidecar TX SQ: manager → ARM.
-    pub to_arm: Producer,
-    /// Sidecar RX SQ: ARM → manager.
-    pub from_arm: Consumer,
-}
-
 /// What the node tells the manager.
 #[derive(Debug)]
 pub enum Command {
@@ -79,7 +73,7 @@ pub enum Command {
     /// once every body the manager claimed from it is handed on (at most
     /// [`LEAVE_GRACE`]); answer then.
     RemovePod(u32, crossbeam_channel::Sender<()>),
-    /// Stop the manager.
+    /// Stop: drop every pod.
     Stop,
 }
 
@@ -102,20 +96,19 @@ pub struct DmaStats {
     pub held: AtomicU64,
 }
 
-/// The manager's state; runs on its own thread ([`DmaManager::run`]).
+/// The DMA work of one shard; driven by the shard's thread.
 pub struct DmaManager<E: DmaEngine> {
     engine: E,
     pods: HashMap<u32, PodPort>,
     order: Vec<u32>,
-    sidecars: Vec<SidecarRings>,
-    next_sidecar: usize,
     dpu_tx_header: BufferPool,
     dpu_rx_header: BufferPool,
-    doorbell: Doorbell,
     commands: Receiver<Command>,
-    wake: WakeMode,
+    stopped: bool,
     held: HashMap<u32, VecDeque<Descriptor>>,
-    to_arm_held: VecDeque<Descriptor>,
+    /// What pods sent (heads now in a DPU pool) and delivery notices, for the proxy,
+    /// in order.
+    to_proxy: VecDeque<Descriptor>,
     /// Departed pods whose ports are kept until their claimed bodies are handed on.
     leaving: Vec<Leaving>,
     /// Completions waiting for room in a pod's RX SQ.
@@ -166,84 +159,35 @@ impl From<PoolError> for Refusal {
 }
 
 impl<E: DmaEngine> DmaManager<E> {
-    /// A manager over the node's DPU pools and sidecar rings.
-    #[allow(clippy::too_many_arguments)]
+    /// A manager over a shard's DPU header pools; pods come and go by `commands`.
     pub fn new(
         engine: E,
         dpu_tx_header: BufferPool,
         dpu_rx_header: BufferPool,
-        sidecars: Vec<SidecarRings>,
-        doorbell: Doorbell,
         commands: Receiver<Command>,
-        wake: WakeMode,
         stats: Arc<DmaStats>,
     ) -> Self {
         Self {
             engine,
             pods: HashMap::new(),
             order: Vec::new(),
-            sidecars,
-            next_sidecar: 0,
             dpu_tx_header,
             dpu_rx_header,
-            doorbell,
             commands,
-            wake,
+            stopped: false,
             held: HashMap::new(),
-            to_arm_held: VecDeque::new(),
+            to_proxy: VecDeque::new(),
             leaving: Vec::new(),
             completions: HashMap::new(),
             stats,
         }
     }
 
-    /// Runs until [`Command::Stop`] (or the node's sender is dropped).
-    pub fn run(mut self) {
-        let mut idle_spins = 0u32;
-        loop {
-            if !self.commands() {
-                return;
-            }
-            let work = self.pass();
-            if work > 0 {
-                idle_spins = 0;
-                continue;
-            }
-            match self.wake {
-                WakeMode::Poll => std::hint::spin_loop(),
-                WakeMode::Event { spin } => {
-                    // About `spin` of polling passes before sleeping on the doorbell.
-                    idle_spins += 1;
-                    if (idle_spins as u128) * 200 < spin.as_nanos() {
-                        std::hint::spin_loop();
-                        continue;
-                    }
-                    let pods = &self.pods;
-                    let sidecars = &self.sidecars;
-                    let commands = &self.commands;
-                    let held = self.to_arm_held.len()
-                        + self.held.values().map(VecDeque::len).sum::<usize>()
-                        + self.completions.values().map(VecDeque::len).sum::<usize>();
-                    // Held deliveries are retried on a short timer: their rings'
-                    // consumers do not ring our doorbell when they make room.
-                    let timeout = if held > 0 {
-                        Duration::from_micros(200)
-                    } else {
-                        Duration::from_millis(100)
-                    };
-                    self.doorbell.sleep_unless(timeout, || {
-                        !commands.is_empty()
-                            || pods.values().any(|p| p.tx_sq.has_next())
-                            || sidecars.iter().any(|s| s.from_arm.has_next())
-                    });
-                    idle_spins = 0;
-                }
-            }
-        }
-    }
-
-    /// Applies pending commands; false when told to stop.
+    /// Applies pending commands; false once told to stop (every pod is dropped).
     fn commands(&mut self) -> bool {
+        if self.stopped {
+            return false;
+        }
         loop {
             match self.commands.try_recv() {
                 Ok(Command::AddPod(port)) => {
@@ -251,10 +195,43 @@ impl<E: DmaEngine> DmaManager<E> {
                     self.pods.insert(port.id, *port);
                 }
                 Ok(Command::RemovePod(id, done)) => self.remove_pod(id, done),
-                Ok(Command::Stop) | Err(TryRecvError::Disconnected) => return false,
+                Ok(Command::Stop) | Err(TryRecvError::Disconnected) => {
+                    self.stopped = true;
+                    self.pods.clear();
+                    self.order.clear();
+                    return false;
+                }
                 Err(TryRecvError::Empty) => return true,
             }
         }
+    }
+
+    /// Whether a pass would find something to do: a command, a descriptor in a pod's
+    /// TX SQ, something held, or something for the proxy.
+    pub fn has_work(&self) -> bool {
+        !self.commands.is_empty()
+            || !self.to_proxy.is_empty()
+            || !self.held.is_empty()
+            || !self.completions.is_empty()
+            || self.pods.values().any(|p| p.tx_sq.has_next())
+    }
+
+    /// Whether deliveries or completions wait for room in a pod's RX SQ (pods do not
+    /// say when they make room: the caller retries soon).
+    pub fn holding(&self) -> bool {
+        !self.held.is_empty() || !self.completions.is_empty()
+    }
+
+    /// The next descriptor for the proxy: a pod's request or response (its header in
+    /// a DPU pool), or a notice that a delivery failed.
+    pub fn next_for_proxy(&mut self) -> Option<Descriptor> {
+        self.to_proxy.pop_front()
+    }
+
+    /// The proxy's decision about a descriptor: a delivery to a pod, or a completion
+    /// (buffers the proxy is done with).
+    pub fn from_proxy(&mut self, d: Descriptor) {
+        self.handle_from_arm(d);
     }
 
     fn remove_pod(&mut self, id: u32, done: crossbeam_channel::Sender<()>) {
@@ -313,8 +290,12 @@ impl<E: DmaEngine> DmaManager<E> {
         self.leaving.iter().any(|l| l.id == id)
     }
 
-    /// One pass over every ring; returns how much work was done.
+    /// One pass over the shard's pods: commands, held work, and up to a budget of
+    /// descriptors from each pod's TX SQ; returns how much work was done.
     pub fn pass(&mut self) -> usize {
+        if !self.commands() {
+            return 0;
+        }
         if !self.leaving.is_empty() {
             self.drop_departed();
         }
@@ -322,9 +303,9 @@ impl<E: DmaEngine> DmaManager<E> {
         for i in 0..self.order.len() {
             let id = self.order[i];
             for _ in 0..BUDGET {
-                // Back-pressure: leave descriptors in the pod's ring while the ARM's
-                // rings are backed up.
-                if self.to_arm_held.len() >= MAX_HELD {
+                // Back-pressure: leave descriptors in the pod's ring while the proxy
+                // has not taken what came before.
+                if self.to_proxy.len() >= MAX_HELD {
                     break;
                 }
                 let Some(pod) = self.pods.get_mut(&id) else {
@@ -340,22 +321,6 @@ impl<E: DmaEngine> DmaManager<E> {
                     Err(e) => {
                         work += 1;
                         tracing::warn!(pod = id, error = %e, "malformed descriptor on a host TX SQ");
-                        self.stats.errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-        for s in 0..self.sidecars.len() {
-            for _ in 0..BUDGET {
-                match self.sidecars[s].from_arm.try_pop() {
-                    Ok(Some(d)) => {
-                        work += 1;
-                        self.handle_from_arm(d);
-                    }
-                    Ok(None) => break,
-                    Err(e) => {
-                        work += 1;
-                        tracing::warn!(error = %e, "malformed descriptor on a sidecar RX SQ");
                         self.stats.errors.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -471,22 +436,7 @@ impl<E: DmaEngine> DmaManager<E> {
     }
 
     fn send_to_arm(&mut self, d: Descriptor) {
-        if !self.to_arm_held.is_empty() || !self.push_to_arm(&d) {
-            self.stats.held.fetch_add(1, Ordering::Relaxed);
-            self.to_arm_held.push_back(d);
-        }
-    }
-
-    fn push_to_arm(&mut self, d: &Descriptor) -> bool {
-        let n = self.sidecars.len();
-        for i in 0..n {
-            let s = (self.next_sidecar + i) % n;
-            if self.sidecars[s].to_arm.push(d).is_ok() {
-                self.next_sidecar = (s + 1) % n;
-                return true;
-            }
-        }
-        false
+        self.to_proxy.push_back(d);
     }
 
     // === from the ARM: sidecar RX SQ → host RX SQ ===
@@ -933,14 +883,6 @@ impl<E: DmaEngine> DmaManager<E> {
             if queue.is_empty() {
                 self.completions.remove(&pod_id);
             }
-        }
-        while let Some(d) = self.to_arm_held.front().copied() {
-            if !self.push_to_arm(&d) {
-                break;
-            }
-            self.to_arm_held.pop_front();
-            self.stats.held.fetch_sub(1, Ordering::Relaxed);
-            work += 1;
         }
         let pods: Vec<u32> = self.held.keys().copied().collect();
         for dst in pods {

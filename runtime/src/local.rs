@@ -1,0 +1,185 @@
+//! Chains run on the calling thread: every generation's chain runners (so their
+//! instances) that one thread owns. A worker of the pool owns one; so does each shard
+//! of a node's DPU proxy, which runs a request's chain inline, between taking its head
+//! off the fabric and handing it to a pod, with no hand-off to another thread.
+//!
+//! A request runs on the generation it was routed in; a newer one is switched to
+//! between two calls (its instances built then), and a retired generation stays while
+//! responses are still to come for requests it ran (at most [`MAX_RETIRED`] of them,
+//! each at most [`RETIRED_TTL`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dpumesh_head::RequestHead;
+
+use crate::bindings::ResponseInfo;
+use crate::chain::ChainRunner;
+use crate::worker::{Generation, RequestDone, ResponseDone, Ticket};
+
+/// Retired generations kept for responses still to come.
+pub const MAX_RETIRED: usize = 3;
+/// A retired generation with requests still open is dropped after this long anyway
+/// (their callers never came back for the response phase).
+pub const RETIRED_TTL: Duration = Duration::from_secs(30);
+
+/// One generation's runners.
+struct Runners {
+    generation: Arc<Generation>,
+    runners: Vec<ChainRunner>,
+    /// Requests whose response phase has not run yet.
+    open: usize,
+    /// When a retired set was last used (retirement counts as a use).
+    last_used: Instant,
+}
+
+impl Runners {
+    fn new(generation: Arc<Generation>) -> Self {
+        let runners = generation
+            .chains()
+            .iter()
+            .cloned()
+            .map(ChainRunner::new)
+            .collect();
+        Self {
+            generation,
+            runners,
+            open: 0,
+            last_used: Instant::now(),
+        }
+    }
+}
+
+/// The chains one thread runs, per generation, with their instances.
+pub struct LocalChains {
+    /// Goes in tickets: which runner of several ran the request phase.
+    id: usize,
+    current: Runners,
+    /// Older generations with responses still to come, newest first.
+    retired: Vec<Runners>,
+}
+
+impl std::fmt::Debug for LocalChains {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalChains")
+            .field("id", &self.id)
+            .field("generation", &self.current.generation.number())
+            .field("retired", &self.retired.len())
+            .finish()
+    }
+}
+
+impl LocalChains {
+    /// Runner `id`'s chains of `generation`, every instance created now.
+    pub fn new(id: usize, generation: Arc<Generation>) -> Self {
+        Self {
+            id,
+            current: Runners::new(generation),
+            retired: Vec::new(),
+        }
+    }
+
+    /// The generation new requests run on.
+    pub fn generation(&self) -> u64 {
+        self.current.generation.number()
+    }
+
+    /// Runs the request phase of chain `chain` of `generation` on `head`.
+    ///
+    /// # Panics
+    ///
+    /// If `chain` is not a chain of `generation` (the caller resolved it there).
+    pub fn on_request(
+        &mut self,
+        generation: &Arc<Generation>,
+        chain: usize,
+        head: RequestHead,
+    ) -> RequestDone {
+        let worker = self.id;
+        let runners = self.runners(generation);
+        runners.open += 1;
+        let runner = &mut runners.runners[chain];
+        let outcome = runner.on_request(head);
+        runner.repair();
+        RequestDone {
+            ticket: Ticket {
+                worker,
+                generation: generation.clone(),
+                chain,
+                ran: outcome.ran,
+            },
+            outcome,
+        }
+    }
+
+    /// Runs the response phase where `ticket` says (on the instances of its request
+    /// phase).
+    pub fn on_response(
+        &mut self,
+        ticket: &Ticket,
+        head: RequestHead,
+        info: &ResponseInfo,
+    ) -> ResponseDone {
+        let runners = self.runners(&ticket.generation);
+        runners.open = runners.open.saturating_sub(1);
+        let runner = &mut runners.runners[ticket.chain];
+        let result = runner.on_response(head, info, ticket.ran);
+        runner.repair();
+        self.sweep();
+        result
+    }
+
+    /// Switches to `generation` now if it is newer (its instances are built here, not
+    /// during the next request).
+    pub fn switch(&mut self, generation: &Arc<Generation>) {
+        self.runners(generation);
+    }
+
+    /// Drops every instance and builds the current generation's again (after a panic
+    /// left them in an unknown state).
+    pub fn rebuild(&mut self) {
+        let generation = self.current.generation.clone();
+        self.retired.clear();
+        self.current = Runners::new(generation);
+    }
+
+    /// The runners of `generation`: the current ones, a retired set, or new ones (after
+    /// switching to it when it is newer than the current generation).
+    fn runners(&mut self, generation: &Arc<Generation>) -> &mut Runners {
+        let number = generation.number();
+        if number > self.current.generation.number() {
+            let mut old = std::mem::replace(&mut self.current, Runners::new(generation.clone()));
+            // The retirement TTL counts from here; the current set is not timed per job.
+            old.last_used = Instant::now();
+            self.retired.insert(0, old);
+            self.sweep();
+        }
+        if number == self.current.generation.number() {
+            return &mut self.current;
+        }
+        let index = match self
+            .retired
+            .iter()
+            .position(|r| r.generation.number() == number)
+        {
+            Some(index) => index,
+            None => {
+                // A request routed before a publish reached a runner that had already
+                // dropped (or never had) its generation: build it again.
+                self.retired.push(Runners::new(generation.clone()));
+                self.retired.len() - 1
+            }
+        };
+        let runners = &mut self.retired[index];
+        runners.last_used = Instant::now();
+        runners
+    }
+
+    /// Drops retired generations with no open requests, and the oldest beyond the
+    /// limit or idle too long.
+    fn sweep(&mut self) {
+        self.retired
+            .retain(|r| r.open > 0 && r.last_used.elapsed() < RETIRED_TTL);
+        self.retired.truncate(MAX_RETIRED);
+    }
+}
