@@ -537,6 +537,78 @@ pub(crate) fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost
     assert!(!cq.wait(Duration::from_millis(20)).unwrap());
 }
 
+/// Waits up to `timeout` for `fd` to turn readable.
+fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
+    let mut fds = [rustix::event::PollFd::new(
+        &fd,
+        rustix::event::PollFlags::IN,
+    )];
+    let ts = rustix::fs::Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: timeout.subsec_nanos() as i64,
+    };
+    matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
+}
+
+pub(crate) fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
+    let Some(_) = b.cq.wait_fd() else {
+        return;
+    };
+    for i in 0..8u64 {
+        b.qp.post_recv(RecvWr {
+            wr_id: i,
+            sge: b.mr.sge(i * 64, 64),
+        })
+        .unwrap();
+    }
+    let send = |wr_id: u64| {
+        a.qp.post_send(SendWr {
+            wr_id,
+            op: SendOp::Send,
+            sge: a.mr.sge(0, 8),
+            signaled: false,
+        })
+        .unwrap();
+    };
+    // Sleeps that were prepared and then not taken (work was there) leave nothing
+    // behind that would keep a later sleeper from being woken.
+    send(0);
+    let _ = next(&b, &a);
+    for _ in 0..3 {
+        send(1);
+        while b.cq.prepare_sleep() {
+            b.cq.finish_sleep();
+            a.cq.poll(&mut Vec::new(), 0);
+        }
+        b.cq.finish_sleep();
+        let mut out = Vec::new();
+        while out.is_empty() {
+            b.cq.poll(&mut out, 1);
+        }
+    }
+    // Now a real sleep: nothing there, the descriptor quiet, then a send wakes it.
+    assert!(b.cq.prepare_sleep(), "nothing to do yet");
+    let fd = b.cq.wait_fd().unwrap();
+    assert!(!readable(fd, Duration::ZERO), "quiet before the send");
+    let woke = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            send(3);
+        });
+        readable(fd, Duration::from_secs(10))
+    });
+    assert!(woke, "the send woke the sleeper");
+    b.cq.finish_sleep();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while out.is_empty() && Instant::now() < deadline {
+        a.cq.poll(&mut Vec::new(), 0);
+        b.cq.poll(&mut out, 1);
+    }
+    assert_eq!((out[0].wr_id, out[0].status), (4, WcStatus::Success));
+}
+
 /// Runs every conformance test against `$fabric`, in a module named `$name`.
 macro_rules! fabric_conformance {
     ($name:ident, $fabric:ty) => {
@@ -585,6 +657,10 @@ macro_rules! fabric_conformance {
             #[test]
             fn one_poller_serves_many_queue_pairs() {
                 c::one_poller_serves_many_queue_pairs::<$fabric>()
+            }
+            #[test]
+            fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send() {
+                c::an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send::<$fabric>()
             }
             #[test]
             fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {

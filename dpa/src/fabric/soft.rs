@@ -326,12 +326,9 @@ impl CompletionQueue for SoftCq {
     }
 
     fn prepare_sleep(&self) -> bool {
+        // Withdrawn by `finish_sleep`, which the caller calls either way.
         self.inner.sleepers.fetch_add(1, Ordering::SeqCst);
-        if !self.inner.entries.lock().is_empty() {
-            self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
-            return false;
-        }
-        true
+        self.inner.entries.lock().is_empty()
     }
 
     fn finish_sleep(&self) {

@@ -226,12 +226,9 @@ impl CqInner {
     }
 
     pub(super) fn prepare_sleep(&self) -> bool {
+        // Withdrawn by `finish_sleep`, which the caller calls either way.
         self.bell.sleep_begins();
-        if self.has_work() {
-            self.bell.sleep_ends();
-            return false;
-        }
-        true
+        !self.has_work()
     }
 
     pub(super) fn finish_sleep(&self) {
