@@ -72,6 +72,7 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         body_timeout: i.body_timeout(),
         request_timeout: i.request_timeout(),
         slots: i.slots(),
+        threads: i.threads,
         policy: mesh.config.policy.clone(),
         services: mesh.service_addrs(),
     }

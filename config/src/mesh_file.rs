@@ -11,6 +11,7 @@
 //!   body_timeout: 10s              # a body not received in time: 408
 //!   request_timeout: 30s           # no answer in time: 504
 //!   slots: 128                     # requests in flight
+//!   threads: 2                     # shards (default: the machine's cores)
 //! nodes:
 //!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
 //! services:
@@ -43,6 +44,9 @@ pub struct IngressConfig {
     pub request_timeout: Option<Span>,
     /// Requests in flight at once (default 128).
     pub slots: Option<u32>,
+    /// Threads, each with its own listener, connections and links to every node
+    /// (default: the machine's cores).
+    pub threads: Option<usize>,
 }
 
 impl IngressConfig {

@@ -13,14 +13,16 @@
 //! parses HTTP again: the proxy and the service get the head as fields and the body
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
-mod uplink;
+mod shard;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -32,10 +34,10 @@ use dpumesh_head::wire;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-pub use uplink::{Answer, Call, Slot, Slots, Uplink};
+pub use shard::{Answer, Shard, Slot};
 
 /// How the ingress runs.
 #[derive(Debug, Clone)]
@@ -50,26 +52,39 @@ pub struct Settings {
     pub body_timeout: Duration,
     /// Time to get an answer.
     pub request_timeout: Duration,
-    /// Requests in flight at once.
+    /// Requests in flight at once (split over the threads).
     pub slots: u32,
+    /// Threads, each a shard with its own listener, connections and links to every
+    /// node (default: the machine's cores).
+    pub threads: Option<usize>,
     /// The policy file (its routes say which service a request is for).
     pub policy: PathBuf,
     /// Fabric addresses of the nodes running each service.
     pub services: BTreeMap<String, Vec<SocketAddr>>,
 }
 
-struct State {
+/// What every shard reads: settings and routes.
+struct Routing {
     settings: Settings,
     config: ProxyConfig,
     routes: RouteTable,
-    uplink: Uplink,
     rr: AtomicUsize,
+    /// The ingress is stopping: new requests are refused (503), those in flight
+    /// finish within the drain grace.
+    draining: std::sync::atomic::AtomicBool,
+}
+
+/// A shard's view: the shared routing and its own fabric side.
+struct State<F: Fabric> {
+    routing: Arc<Routing>,
+    shard: Rc<Shard<F>>,
 }
 
 /// A running ingress.
 pub struct Ingress {
     addr: SocketAddr,
-    runtime: Option<tokio::runtime::Runtime>,
+    stops: Vec<tokio::sync::oneshot::Sender<()>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Ingress {
@@ -78,32 +93,108 @@ impl std::fmt::Debug for Ingress {
     }
 }
 
+/// A listener on `addr` that other threads may bind too (`SO_REUSEPORT`: the kernel
+/// spreads connections over them).
+fn listener(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use rustix::net::{AddressFamily, SocketType, sockopt};
+    let family = if addr.is_ipv4() {
+        AddressFamily::INET
+    } else {
+        AddressFamily::INET6
+    };
+    let fd = rustix::net::socket_with(
+        family,
+        SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )?;
+    sockopt::set_socket_reuseaddr(&fd, true)?;
+    sockopt::set_socket_reuseport(&fd, true)?;
+    rustix::net::bind(&fd, &addr)?;
+    rustix::net::listen(&fd, 1024)?;
+    Ok(std::net::TcpListener::from(fd))
+}
+
 impl Ingress {
-    /// Starts listening; requests go out over `fabric`.
-    pub fn start<F: Fabric>(fabric: F, settings: Settings) -> anyhow::Result<Self> {
+    /// Starts the shard threads; requests go out over `fabric` (each thread makes its
+    /// own links with it).
+    pub fn start<F: Fabric + Clone>(fabric: F, settings: Settings) -> anyhow::Result<Self> {
         let loaded = LoadedConfig::read(&settings.policy)?;
         let routes = RouteTable::new(&loaded.config, |_| Some(0));
-        let uplink = Uplink::start(fabric, settings.slots.max(1), settings.max_body as u64)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("dpumesh-ingress")
-            .enable_all()
-            .build()?;
-        let listener = runtime
-            .block_on(TcpListener::bind(settings.listen))
+        let threads = settings
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+            .max(1);
+        // The first listener picks the port (when 0); the others join it.
+        let first = listener(settings.listen)
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", settings.listen))?;
-        let addr = listener.local_addr()?;
-        let state = Arc::new(State {
+        let addr = first.local_addr()?;
+        let mut listeners = vec![first];
+        for _ in 1..threads {
+            listeners
+                .push(listener(addr).map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?);
+        }
+        let slots = (settings.slots.max(1) as usize).div_ceil(threads) as u32;
+        let slot_size = settings.max_body as u64;
+        let routing = Arc::new(Routing {
             settings,
             config: loaded.config,
             routes,
-            uplink,
             rr: AtomicUsize::new(0),
+            draining: std::sync::atomic::AtomicBool::new(false),
         });
-        runtime.spawn(serve(listener, state));
+        let mut stops = Vec::new();
+        let mut handles = Vec::new();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
+        for (i, listener) in listeners.into_iter().enumerate() {
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let (fabric, routing, ready) = (fabric.clone(), routing.clone(), ready_tx.clone());
+            let failed = ready_tx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("dpumesh-ingress-{i}"))
+                .spawn(move || {
+                    let run = || -> anyhow::Result<()> {
+                        let rt = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()?;
+                        let local = tokio::task::LocalSet::new();
+                        let shard = Shard::new(fabric, slots, slot_size)?;
+                        local.block_on(&rt, async move {
+                            listener.set_nonblocking(true)?;
+                            let listener = TcpListener::from_std(listener)?;
+                            shard.spawn_pump();
+                            let _ = ready.send(Ok(()));
+                            let state = Rc::new(State { routing, shard });
+                            tokio::select! {
+                                () = serve(listener, state.clone()) => {}
+                                _ = stopped => {}
+                            }
+                            drain(&state).await;
+                            Ok::<_, anyhow::Error>(())
+                        })?;
+                        Ok(())
+                    };
+                    if let Err(e) = run() {
+                        tracing::error!(error = %e, "ingress shard stopped");
+                        // Heard only while starting; later, the log says it.
+                        let _ = failed.send(Err(e));
+                    }
+                })?;
+            stops.push(stop);
+            handles.push(handle);
+        }
+        drop(ready_tx);
+        for _ in 0..threads {
+            match ready_rx.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => return Err(e),
+                Err(_) => anyhow::bail!("an ingress shard failed to start (see its log)"),
+            }
+        }
         Ok(Self {
             addr,
-            runtime: Some(runtime),
+            stops,
+            threads: handles,
         })
     }
 
@@ -115,26 +206,70 @@ impl Ingress {
 
 impl Drop for Ingress {
     fn drop(&mut self) {
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_timeout(Duration::from_secs(1));
+        for stop in self.stops.drain(..) {
+            let _ = stop.send(());
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
         }
     }
 }
 
-async fn serve(listener: TcpListener, state: Arc<State>) {
+/// Stops a shard gracefully: no new connections (the listener went with `serve`), new
+/// requests on open connections refused, requests in flight given until the grace
+/// (the request timeout, at most 5 s) to finish; what is left is answered 503.
+async fn drain<F: Fabric>(state: &State<F>) {
+    state
+        .routing
+        .draining
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let grace = state
+        .routing
+        .settings
+        .request_timeout
+        .min(Duration::from_secs(5));
+    let deadline = tokio::time::Instant::now() + grace;
+    while state.shard.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    state.shard.fail_all(&ProxyError::new(
+        ErrorKind::ShuttingDown,
+        "the ingress is shutting down",
+    ));
+    // Let the handlers write those answers before the runtime ends.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+}
+
+/// Runs futures on the current thread's local task set (hyper's HTTP/2 streams).
+#[derive(Clone, Copy)]
+struct LocalExec;
+
+impl<F> hyper::rt::Executor<F> for LocalExec
+where
+    F: std::future::Future + 'static,
+{
+    fn execute(&self, fut: F) {
+        tokio::task::spawn_local(fut);
+    }
+}
+
+async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
-        let max_head = state.settings.max_head;
-        tokio::spawn(async move {
+        let max_head = state.routing.settings.max_head;
+        tokio::task::spawn_local(async move {
             let service = hyper::service::service_fn(move |req| {
                 let state = state.clone();
                 async move { Ok::<_, Infallible>(handle(&state, req, peer).await) }
             });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
             builder
                 .http1()
                 .timer(TokioTimer::new())
@@ -173,7 +308,7 @@ fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, Pro
     Ok(head)
 }
 
-impl State {
+impl Routing {
     /// The service for a request and the node to send it to (round robin).
     fn route(&self, head: &RequestHead) -> Option<(String, SocketAddr)> {
         let host = strip_port(&head.authority);
@@ -222,7 +357,11 @@ fn framing_error(req: &Request<Incoming>) -> Option<ProxyError> {
     None
 }
 
-async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+async fn handle<F: Fabric>(
+    state: &State<F>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Full<Bytes>> {
     match forward(state, req, peer).await {
         Ok(response) => response,
         Err(e) => error_response(&e),
@@ -231,17 +370,27 @@ async fn handle(state: &State, req: Request<Incoming>, peer: SocketAddr) -> Resp
 
 /// Routes `req`, reads its body into a slot, sends it to the node and waits for the
 /// answer.
-async fn forward(
-    state: &State,
+async fn forward<F: Fabric>(
+    state: &State<F>,
     req: Request<Incoming>,
     peer: SocketAddr,
 ) -> Result<Response<Full<Bytes>>, ProxyError> {
-    let settings = &state.settings;
+    let settings = &state.routing.settings;
+    if state
+        .routing
+        .draining
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        return Err(ProxyError::new(
+            ErrorKind::ShuttingDown,
+            "the ingress is shutting down",
+        ));
+    }
     if let Some(e) = framing_error(&req) {
         return Err(e);
     }
     let head = head_of(&req, peer)?;
-    let Some((service, node)) = state.route(&head) else {
+    let Some((service, node)) = state.routing.route(&head) else {
         return Err(ProxyError::new(
             ErrorKind::NoRoute,
             format!(
@@ -280,8 +429,8 @@ async fn forward(
         }
         Err(e) => return Err(ProxyError::new(ErrorKind::HeadTooLarge, e.to_string())),
     };
-    let slots = state.uplink.slots().clone();
-    let slot = tokio::time::timeout(settings.request_timeout, slots.acquire())
+    let shard = &state.shard;
+    let slot = tokio::time::timeout(settings.request_timeout, shard.acquire())
         .await
         .map_err(|_| ProxyError::new(ErrorKind::Overloaded, "ingress is at capacity"))?;
     // The body goes straight into the slot's registered buffer.
@@ -302,7 +451,7 @@ async fn forward(
                         format!("request body exceeds the {}-byte limit", settings.max_body),
                     ));
                 }
-                slots.write(&slot, len, &data)?;
+                shard.write(&slot, len, &data)?;
                 len += data.len() as u64;
             }
         }
@@ -319,15 +468,7 @@ async fn forward(
                 ),
             )
         })??;
-    let (reply, answer) = tokio::sync::oneshot::channel();
-    state.uplink.call(Call {
-        node,
-        slot,
-        head: head_bytes,
-        body_len: len as u32,
-        deadline: settings.request_timeout,
-        reply,
-    });
+    let answer = shard.call(node, slot, head_bytes, len as u32, settings.request_timeout);
     // The node answers 504 itself at the deadline; this is the guard if it cannot.
     let answer = tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer)
         .await
@@ -340,7 +481,7 @@ async fn forward(
         .map_err(|_| {
             ProxyError::new(
                 ErrorKind::ThreadLost,
-                "the uplink thread went away with the request",
+                "the ingress shard stopped with the request in flight",
             )
         })??;
     respond(answer)

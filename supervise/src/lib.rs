@@ -103,50 +103,43 @@ impl Supervisor {
         mut recover: impl FnMut(&mut S) + Send + 'static,
     ) -> std::io::Result<JoinHandle<()>> {
         let name = name.into();
+        let mut tracked = self.track(name.clone(), policy);
+        std::thread::Builder::new().name(name).spawn(move || {
+            loop {
+                let outcome = catch_unwind(AssertUnwindSafe(|| run(&mut state)));
+                let Err(panic) = outcome else {
+                    tracked.stopped();
+                    return;
+                };
+                let again = tracked.panicked(&panic_message(panic.as_ref()));
+                if catch_unwind(AssertUnwindSafe(|| recover(&mut state))).is_err() {
+                    tracing::error!(thread = %tracked.health.name, "recovering after a panic panicked too: left down");
+                    tracked.health.state.store(DEAD, Ordering::Release);
+                    return;
+                }
+                if !again {
+                    return;
+                }
+            }
+        })
+    }
+
+    /// Supervision for a loop that is not a thread of its own (an async task): its
+    /// driver catches the panic, reports it to the returned [`Tracked`] and restarts
+    /// the loop while that says so. Readiness sees it like a thread.
+    pub fn track(&self, name: impl Into<String>, policy: RestartPolicy) -> Tracked {
         let health = Arc::new(ThreadHealth {
-            name: name.clone(),
+            name: name.into(),
             state: AtomicU8::new(RUNNING),
             panics: AtomicU32::new(0),
             last_panic: Mutex::new(None),
         });
         self.threads.lock().push(health.clone());
-        std::thread::Builder::new().name(name).spawn(move || {
-            let mut recent: Vec<Instant> = Vec::new();
-            loop {
-                let outcome = catch_unwind(AssertUnwindSafe(|| run(&mut state)));
-                let Err(panic) = outcome else {
-                    health.state.store(STOPPED, Ordering::Release);
-                    return;
-                };
-                let message = panic_message(panic.as_ref());
-                health.panics.fetch_add(1, Ordering::Relaxed);
-                *health.last_panic.lock() = Some(message.clone());
-                metrics::counter!("dpumesh_thread_panics_total", "thread" => health.name.clone())
-                    .increment(1);
-                let now = Instant::now();
-                recent.retain(|at| now.duration_since(*at) < policy.window);
-                recent.push(now);
-                if recent.len() as u32 > policy.max_restarts {
-                    tracing::error!(
-                        thread = %health.name,
-                        panic = %message,
-                        "thread panicked {} times within {:?}: left down",
-                        recent.len(),
-                        policy.window
-                    );
-                    health.state.store(DEAD, Ordering::Release);
-                    // What the loop held is answered even so.
-                    let _ = catch_unwind(AssertUnwindSafe(|| recover(&mut state)));
-                    return;
-                }
-                tracing::error!(thread = %health.name, panic = %message, "thread panicked; recovering and restarting it");
-                if catch_unwind(AssertUnwindSafe(|| recover(&mut state))).is_err() {
-                    tracing::error!(thread = %health.name, "recovering after a panic panicked too: left down");
-                    health.state.store(DEAD, Ordering::Release);
-                    return;
-                }
-            }
-        })
+        Tracked {
+            health,
+            policy,
+            recent: Vec::new(),
+        }
     }
 
     /// Every supervised thread.
@@ -176,6 +169,54 @@ impl Supervisor {
         } else {
             Err(dead.join("; "))
         }
+    }
+}
+
+/// A supervised loop's record: what its driver reports panics to.
+#[derive(Debug)]
+pub struct Tracked {
+    health: Arc<ThreadHealth>,
+    policy: RestartPolicy,
+    recent: Vec<Instant>,
+}
+
+impl Tracked {
+    /// The loop panicked with `message`: logged and counted. Returns whether it may
+    /// run again; false leaves it down (too many panics within the policy's window),
+    /// and readiness then names it.
+    pub fn panicked(&mut self, message: &str) -> bool {
+        let health = &self.health;
+        health.panics.fetch_add(1, Ordering::Relaxed);
+        *health.last_panic.lock() = Some(message.to_owned());
+        metrics::counter!("dpumesh_thread_panics_total", "thread" => health.name.clone())
+            .increment(1);
+        let now = Instant::now();
+        self.recent
+            .retain(|at| now.duration_since(*at) < self.policy.window);
+        self.recent.push(now);
+        if self.recent.len() as u32 > self.policy.max_restarts {
+            tracing::error!(
+                thread = %health.name,
+                panic = %message,
+                "panicked {} times within {:?}: left down",
+                self.recent.len(),
+                self.policy.window
+            );
+            health.state.store(DEAD, Ordering::Release);
+            return false;
+        }
+        tracing::error!(thread = %health.name, panic = %message, "panicked; recovering and restarting it");
+        true
+    }
+
+    /// The loop ended on its own (not a failure).
+    pub fn stopped(&self) {
+        self.health.state.store(STOPPED, Ordering::Release);
+    }
+
+    /// Its health, as readiness sees it.
+    pub fn health(&self) -> &Arc<ThreadHealth> {
+        &self.health
     }
 }
 

@@ -1,0 +1,468 @@
+//! One ingress shard's side of the fabric: a thread's links to every node, its
+//! registered request and response buffers (slots), and the pump that turns
+//! completions into answers.
+//!
+//! Everything here lives on the shard's thread, a current-thread runtime: a request's
+//! task writes its body into a slot, posts its frame on the link itself and awaits the
+//! answer that the pump — a task on the same thread, woken by the completion queue's
+//! descriptor through the runtime's reactor — hands it. No request crosses threads.
+//!
+//! A request holds its slot (a request buffer the node READs, a response buffer the
+//! node WRITEs) until its answer came or its link failed: only then can nothing write
+//! into it any more.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dpumesh_dpa::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps, WorkCompletion};
+use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
+use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_dpa::shm::SharedRegion;
+use dpumesh_error::{ErrorKind, ProxyError};
+use dpumesh_supervise::{RestartPolicy, Supervisor};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+
+/// How long a node that could not be reached is not tried again.
+const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// An answer from a node.
+#[derive(Debug)]
+pub struct Answer {
+    /// The response head (wire form).
+    pub head: Vec<u8>,
+    /// The body.
+    pub body: Bytes,
+}
+
+/// A request slot: its index names a request body buffer and a response buffer. It
+/// goes back to the free list when dropped.
+pub struct Slot {
+    index: u32,
+    free: Rc<RefCell<Vec<u32>>>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Slot {
+    /// Its index.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.free.borrow_mut().push(self.index);
+    }
+}
+
+struct Pending {
+    qp: u32,
+    slot: Slot,
+    reply: oneshot::Sender<Result<Answer, ProxyError>>,
+}
+
+struct Links<F: Fabric> {
+    links: HashMap<u32, (SocketAddr, Link<F>)>,
+    by_node: HashMap<SocketAddr, u32>,
+    /// Nodes whose connect failed, and when (not tried again for a while).
+    failed: HashMap<SocketAddr, Instant>,
+    pending: HashMap<u32, Pending>,
+}
+
+/// One shard of the ingress: its fabric resources and requests in flight.
+pub struct Shard<F: Fabric> {
+    fabric: F,
+    pd: F::Pd,
+    cq: F::Cq,
+    req_mr: F::Mr,
+    resp_mr: F::Mr,
+    requests: Arc<SharedRegion>,
+    responses: Arc<SharedRegion>,
+    slot_size: u64,
+    free: Rc<RefCell<Vec<u32>>>,
+    permits: Arc<Semaphore>,
+    state: RefCell<Links<F>>,
+    wcs: RefCell<Vec<WorkCompletion>>,
+    /// Makes the pump panic at its next turn (tests of supervision).
+    panic_next: Cell<bool>,
+    supervisor: Arc<Supervisor>,
+}
+
+impl<F: Fabric> Shard<F> {
+    /// A shard with `slots` request slots of `slot_size` bytes each way.
+    pub fn new(fabric: F, slots: u32, slot_size: u64) -> anyhow::Result<Rc<Self>> {
+        let pd = fabric.alloc_pd()?;
+        let cq = fabric.create_cq(8192)?;
+        let len = u64::from(slots.max(1)) * slot_size;
+        let requests = Arc::new(SharedRegion::create_unique(
+            "dpumesh-ingress-req",
+            len as usize,
+        )?);
+        let responses = Arc::new(SharedRegion::create_unique(
+            "dpumesh-ingress-resp",
+            len as usize,
+        )?);
+        let req_mr = fabric.register(&pd, &requests, 0, len, Access::all())?;
+        let resp_mr = fabric.register(&pd, &responses, 0, len, Access::all())?;
+        Ok(Rc::new(Self {
+            fabric,
+            pd,
+            cq,
+            req_mr,
+            resp_mr,
+            requests,
+            responses,
+            slot_size,
+            free: Rc::new(RefCell::new((0..slots.max(1)).rev().collect())),
+            permits: Arc::new(Semaphore::new(slots.max(1) as usize)),
+            state: RefCell::new(Links {
+                links: HashMap::new(),
+                by_node: HashMap::new(),
+                failed: HashMap::new(),
+                pending: HashMap::new(),
+            }),
+            wcs: RefCell::new(Vec::with_capacity(64)),
+            panic_next: Cell::new(false),
+            supervisor: Supervisor::new(),
+        }))
+    }
+
+    /// The pump's supervision, for readiness.
+    pub fn supervisor(&self) -> &Arc<Supervisor> {
+        &self.supervisor
+    }
+
+    /// Makes the pump panic at its next turn (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self) {
+        self.panic_next.set(true);
+        self.cq.interrupter().interrupt();
+    }
+
+    /// Waits for a free slot.
+    pub async fn acquire(&self) -> Slot {
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let index = self
+            .free
+            .borrow_mut()
+            .pop()
+            .expect("a permit guarantees a free slot");
+        Slot {
+            index,
+            free: self.free.clone(),
+            _permit: permit,
+        }
+    }
+
+    /// Writes body bytes at `at` in `slot`'s request buffer.
+    pub fn write(&self, slot: &Slot, at: u64, bytes: &[u8]) -> Result<(), ProxyError> {
+        if at + bytes.len() as u64 > self.slot_size {
+            return Err(ProxyError::new(
+                ErrorKind::BodyTooLarge,
+                format!("request body exceeds the {}-byte slot", self.slot_size),
+            ));
+        }
+        self.requests
+            .write(u64::from(slot.index) * self.slot_size + at, bytes)
+            .map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::Internal,
+                    format!("cannot write the body into its slot: {e}"),
+                )
+            })
+    }
+
+    /// Sends a request to `node` (its head, its body of `body_len` bytes in `slot`) and
+    /// returns where its answer will come. The frame is posted here, on the caller's
+    /// thread.
+    pub fn call(
+        &self,
+        node: SocketAddr,
+        slot: Slot,
+        head: Vec<u8>,
+        body_len: u32,
+        deadline: Duration,
+    ) -> oneshot::Receiver<Result<Answer, ProxyError>> {
+        let (reply, answer) = oneshot::channel();
+        if let Err(why) = self.ready() {
+            // Nobody would hand the answer over: say so now.
+            let _ = reply.send(Err(ProxyError::new(ErrorKind::ThreadLost, why)));
+            return answer;
+        }
+        let mut state = self.state.borrow_mut();
+        let qp = match self.link(&mut state, node) {
+            Ok(qp) => qp,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return answer;
+            }
+        };
+        let offset = u64::from(slot.index) * self.slot_size;
+        let xid = slot.index;
+        let request = Request {
+            xid,
+            flags: RequestFlags::default(),
+            deadline_ms: deadline.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
+            body: (body_len > 0).then(|| RemoteBuf {
+                at: self.req_mr.remote(offset),
+                len: body_len,
+            }),
+            reply: RemoteBuf {
+                at: self.resp_mr.remote(offset),
+                len: self.slot_size as u32,
+            },
+            head,
+        };
+        let (_, link) = state.links.get_mut(&qp).expect("just made");
+        if let Err(e) = link.send(Message::Request(request)) {
+            let _ = reply.send(Err(ProxyError::new(
+                ErrorKind::LinkLost,
+                format!("cannot send to the node: {e}"),
+            )));
+            if link.is_down() {
+                Self::down(&mut state, qp, &e.to_string());
+            }
+            return answer;
+        }
+        state.pending.insert(xid, Pending { qp, slot, reply });
+        answer
+    }
+
+    fn link(&self, state: &mut Links<F>, node: SocketAddr) -> Result<u32, ProxyError> {
+        if let Some(&qp) = state.by_node.get(&node)
+            && state.links.get(&qp).is_some_and(|(_, l)| !l.is_down())
+        {
+            return Ok(qp);
+        }
+        if state
+            .failed
+            .get(&node)
+            .is_some_and(|at| at.elapsed() < CONNECT_BACKOFF)
+        {
+            return Err(ProxyError::new(
+                ErrorKind::Unreachable,
+                format!("the node at {node} was unreachable moments ago"),
+            ));
+        }
+        // Connecting blocks this shard for a moment (local: a Unix handshake; remote:
+        // a TCP connect); it happens once per node, and a failure is remembered.
+        let connected = self
+            .fabric
+            .connect(&self.pd, node, &self.cq, QpCaps::default())
+            .and_then(|qp| {
+                Link::new(&self.fabric, &self.pd, qp).map_err(|e| {
+                    dpumesh_dpa::fabric::FabricError::Io(std::io::Error::other(e.to_string()))
+                })
+            });
+        let link = match connected {
+            Ok(link) => link,
+            Err(e) => {
+                state.failed.insert(node, Instant::now());
+                return Err(ProxyError::new(
+                    ErrorKind::Unreachable,
+                    format!("cannot reach the node at {node}: {e}"),
+                ));
+            }
+        };
+        state.failed.remove(&node);
+        let num = link.qp_num();
+        state.links.insert(num, (node, link));
+        state.by_node.insert(node, num);
+        Ok(num)
+    }
+
+    fn down(state: &mut Links<F>, qp: u32, why: &str) {
+        let Some((node, _)) = state.links.remove(&qp) else {
+            return;
+        };
+        tracing::warn!(%node, why, "link to node down");
+        state.by_node.remove(&node);
+        let lost: Vec<u32> = state
+            .pending
+            .iter()
+            .filter(|(_, p)| p.qp == qp)
+            .map(|(x, _)| *x)
+            .collect();
+        for xid in lost {
+            let p = state.pending.remove(&xid).expect("listed");
+            let _ = p.reply.send(Err(ProxyError::new(
+                ErrorKind::LinkLost,
+                format!("lost the link to the node at {node} ({why})"),
+            )));
+        }
+    }
+
+    /// Handles what completed; returns how many completions there were.
+    fn progress(&self) -> usize {
+        if self.panic_next.replace(false) {
+            panic!("injected ingress pump panic");
+        }
+        let mut wcs = self.wcs.borrow_mut();
+        wcs.clear();
+        self.cq.poll(&mut wcs, 64);
+        let n = wcs.len();
+        let mut state = self.state.borrow_mut();
+        for wc in wcs.iter() {
+            let Some((_, link)) = state.links.get_mut(&wc.qp_num) else {
+                continue;
+            };
+            match link.on_completion(wc) {
+                Ok(Some(LinkEvent::Message(Message::Response(r)))) => {
+                    let Some(p) = state.pending.remove(&r.xid) else {
+                        continue;
+                    };
+                    if p.qp != wc.qp_num {
+                        // Another node answered for this slot: not ours to take.
+                        state.pending.insert(r.xid, p);
+                        continue;
+                    }
+                    let body = match r.body {
+                        ResponseBody::None => Ok(Bytes::new()),
+                        ResponseBody::Inline(b) => Ok(Bytes::from(b)),
+                        ResponseBody::Written(len) if u64::from(len) <= self.slot_size => self
+                            .responses
+                            .read_vec(u64::from(p.slot.index()) * self.slot_size, len as usize)
+                            .map(Bytes::from)
+                            .map_err(|e| {
+                                ProxyError::new(
+                                    ErrorKind::Internal,
+                                    format!("cannot read the response body: {e}"),
+                                )
+                            }),
+                        ResponseBody::Written(len) => Err(ProxyError::new(
+                            ErrorKind::BadResponse,
+                            format!(
+                                "node wrote a {len}-byte body into a {}-byte buffer",
+                                self.slot_size
+                            ),
+                        )),
+                    };
+                    let _ = p.reply.send(body.map(|body| Answer { head: r.head, body }));
+                    drop(p.slot);
+                }
+                Ok(Some(LinkEvent::Message(_))) | Ok(None) | Ok(Some(LinkEvent::OpDone(_))) => {}
+                Ok(Some(LinkEvent::OpFailed(_, status))) => {
+                    Self::down(&mut state, wc.qp_num, &format!("{status:?}"));
+                }
+                Err(e) => Self::down(&mut state, wc.qp_num, &e.to_string()),
+            }
+        }
+        n
+    }
+
+    /// After a pump panic: every request in flight is answered (503) and every link
+    /// dropped (nodes free what those requests held when they see it go); links are
+    /// made again on the next call.
+    fn recover(&self) {
+        let mut state = self.state.borrow_mut();
+        for (_, p) in state.pending.drain() {
+            let _ = p.reply.send(Err(ProxyError::new(
+                ErrorKind::ThreadLost,
+                "the ingress shard's fabric pump restarted after a panic",
+            )));
+        }
+        state.links.clear();
+        state.by_node.clear();
+    }
+
+    /// Requests waiting for their answer.
+    pub fn in_flight(&self) -> usize {
+        self.state.borrow().pending.len()
+    }
+
+    /// Fails every request in flight with `e` (the shard stops).
+    pub fn fail_all(&self, e: &ProxyError) {
+        let mut state = self.state.borrow_mut();
+        for (_, p) in state.pending.drain() {
+            let _ = p.reply.send(Err(e.clone()));
+        }
+    }
+
+    /// Drives completions until the shard stops: polls while there is work, then
+    /// sleeps on the completion queue's descriptor in the runtime's reactor.
+    async fn pump(self: Rc<Self>, fd: Option<Rc<AsyncFd<OwnedFd>>>) {
+        loop {
+            if self.progress() > 0 {
+                // Let the tasks just answered (and new requests) run before more.
+                tokio::task::yield_now().await;
+                continue;
+            }
+            let Some(fd) = &fd else {
+                // A completion queue with no descriptor to sleep on: poll gently.
+                tokio::time::sleep(Duration::from_micros(200)).await;
+                continue;
+            };
+            if self.cq.prepare_sleep() {
+                match fd.readable().await {
+                    Ok(mut guard) => guard.clear_ready(),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+                }
+            }
+            self.cq.finish_sleep();
+        }
+    }
+
+    /// Runs the pump on this thread's local task set, restarted after a panic (up to
+    /// the supervision policy's limit; then the shard answers 503 and readiness says
+    /// why).
+    pub fn spawn_pump(self: &Rc<Self>) {
+        let fd = self
+            .cq
+            .wait_fd()
+            .and_then(|fd| fd.try_clone_to_owned().ok())
+            .and_then(|fd| {
+                // `AsyncFd::new` is deprecated because it takes any `AsRawFd`, whose
+                // descriptor may close while registered; an `OwnedFd` (our own
+                // duplicate of the queue's descriptor) is owned by the `AsyncFd` for as
+                // long as it is registered, which is what `register` asks of callers.
+                #[allow(deprecated)]
+                let registered = AsyncFd::new(fd);
+                registered.ok()
+            })
+            .map(Rc::new);
+        let me = self.clone();
+        let mut tracked = self
+            .supervisor
+            .track("dpumesh-ingress-pump", RestartPolicy::default());
+        tokio::task::spawn_local(async move {
+            loop {
+                let pump = tokio::task::spawn_local(me.clone().pump(fd.clone()));
+                match pump.await {
+                    Err(e) if e.is_panic() => {
+                        let message = dpumesh_supervise::panic_message(e.into_panic().as_ref());
+                        let again = tracked.panicked(&message);
+                        me.recover();
+                        if !again {
+                            me.fail_all(&ProxyError::new(
+                                ErrorKind::ThreadLost,
+                                "the ingress shard's fabric pump is down after repeated panics",
+                            ));
+                            return;
+                        }
+                    }
+                    _ => {
+                        tracked.stopped();
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Whether the pump is down (after repeated panics): calls are answered 503.
+    pub fn ready(&self) -> Result<(), String> {
+        self.supervisor.ready()
+    }
+}

@@ -1,0 +1,188 @@
+//! An ingress shard under supervision, and an ingress that stops: a panic of the
+//! shard's fabric pump answers what it held (503, never a hang), the pump comes back
+//! and serves again; a pump that keeps panicking is left down and calls get a 503
+//! naming it at once; a request in flight when the ingress stops gets 503 "shutting
+//! down" once the drain grace is over.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dpumesh_dpa::fabric::shm::ShmFabric;
+use dpumesh_dpa::fabric::{CompletionQueue, Fabric, QpCaps, QpListener};
+use dpumesh_dpa::frame::{Message, Response, ResponseBody};
+use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_error::{ErrorKind, ProxyError};
+use dpumesh_head::wire::{self, ResponseHead};
+use dpumesh_ingress::{Answer, Ingress, Settings, Shard};
+
+/// A node that answers every request 200, or holds them while `hold` is set; it
+/// counts the requests it got in `got`.
+fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
+    let fabric = ShmFabric::new();
+    let pd = fabric.alloc_pd().unwrap();
+    let cq = fabric.create_cq(4096).unwrap();
+    let listener = fabric
+        .listen(&pd, "127.0.0.1:0".parse().unwrap(), &cq, QpCaps::default())
+        .unwrap();
+    let addr = listener.local_addr();
+    std::thread::spawn(move || {
+        let mut links: Vec<Link<ShmFabric>> = Vec::new();
+        let mut wcs = Vec::new();
+        loop {
+            if let Ok(Some(qp)) = listener.accept(Duration::from_millis(1)) {
+                links.push(Link::new(&fabric, &pd, qp).unwrap());
+            }
+            wcs.clear();
+            cq.poll(&mut wcs, 64);
+            for wc in &wcs {
+                let Some(link) = links.iter_mut().find(|l| l.qp_num() == wc.qp_num) else {
+                    continue;
+                };
+                let Ok(Some(LinkEvent::Message(Message::Request(r)))) = link.on_completion(wc)
+                else {
+                    continue;
+                };
+                got.fetch_add(1, Ordering::SeqCst);
+                if hold.load(Ordering::SeqCst) {
+                    continue;
+                }
+                let head = wire::encode_response(&ResponseHead {
+                    status: 200,
+                    headers: Default::default(),
+                })
+                .unwrap();
+                let _ = link.send(Message::Response(Response {
+                    xid: r.xid,
+                    body: ResponseBody::Inline(b"ok".to_vec()),
+                    head,
+                }));
+            }
+            links.retain(|l| !l.is_down());
+        }
+    });
+    addr
+}
+
+async fn call(shard: &Shard<ShmFabric>, node: SocketAddr) -> Result<Answer, ProxyError> {
+    let slot = shard.acquire().await;
+    let answer = shard.call(node, slot, Vec::new(), 0, Duration::from_secs(5));
+    tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .expect("an answer comes: never a hang")
+        .expect("the answer is never dropped unsent")
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_panicking_pump_answers_what_it_held_and_serves_again() {
+    let local = tokio::task::LocalSet::new();
+    local
+        .run_until(async {
+            let hold = Arc::new(AtomicBool::new(false));
+            let got = Arc::new(AtomicUsize::new(0));
+            let node = fake_node(hold.clone(), got.clone());
+            let shard: Rc<Shard<ShmFabric>> = Shard::new(ShmFabric::new(), 8, 4096).unwrap();
+            shard.spawn_pump();
+            let answer = call(&shard, node).await.unwrap();
+            assert_eq!(wire::decode_response(&answer.head).unwrap().status, 200);
+            assert_eq!(&answer.body[..], b"ok");
+
+            // A request the node holds (it got it), then the pump panics.
+            hold.store(true, Ordering::SeqCst);
+            let held = call(&shard, node);
+            let panic = async {
+                while got.load(Ordering::SeqCst) < 2 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                shard.inject_panic();
+            };
+            let (held, ()) = tokio::join!(held, panic);
+            let e = held.unwrap_err();
+            assert_eq!((e.kind(), e.status()), (ErrorKind::ThreadLost, 503), "{e}");
+
+            // The pump is back; the shard links again and serves.
+            hold.store(false, Ordering::SeqCst);
+            let answer = call(&shard, node).await.unwrap();
+            assert_eq!(wire::decode_response(&answer.head).unwrap().status, 200);
+            let health = &shard.supervisor().threads()[0];
+            assert_eq!(health.panics(), 1);
+            assert!(health.running());
+            assert_eq!(shard.ready(), Ok(()));
+        })
+        .await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_pump_that_keeps_panicking_is_left_down_and_calls_get_503() {
+    let local = tokio::task::LocalSet::new();
+    local
+        .run_until(async {
+            let node = fake_node(Arc::new(AtomicBool::new(false)), Arc::default());
+            let shard: Rc<Shard<ShmFabric>> = Shard::new(ShmFabric::new(), 8, 4096).unwrap();
+            shard.spawn_pump();
+            let health = shard.supervisor().threads()[0].clone();
+            for n in 1..=6 {
+                shard.inject_panic();
+                while health.panics() < n {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            while !health.dead() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let e = call(&shard, node).await.unwrap_err();
+            assert_eq!((e.kind(), e.status()), (ErrorKind::ThreadLost, 503), "{e}");
+            assert!(e.message().contains("dpumesh-ingress-pump"), "{e}");
+        })
+        .await;
+}
+
+#[test]
+fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
+    let hold = Arc::new(AtomicBool::new(true));
+    let got = Arc::new(AtomicUsize::new(0));
+    let node = fake_node(hold, got.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "chains: {open: []}\nservices: {svc: {chain: open}}\n",
+    )
+    .unwrap();
+    let ingress = Ingress::start(
+        ShmFabric::new(),
+        Settings {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            max_head: 32 << 10,
+            max_body: 4096,
+            body_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(1),
+            slots: 4,
+            threads: Some(1),
+            policy,
+            services: BTreeMap::from([("svc".to_owned(), vec![node])]),
+        },
+    )
+    .unwrap();
+    let addr = ingress.addr();
+    let client = std::thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"GET /x HTTP/1.1\r\nhost: svc\r\n\r\n")
+            .unwrap();
+        let mut reply = String::new();
+        let _ = s.read_to_string(&mut reply);
+        reply
+    });
+    while got.load(Ordering::SeqCst) < 1 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(ingress);
+    let reply = client.join().unwrap();
+    assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
+    assert!(reply.contains("shutting down"), "{reply}");
+}
