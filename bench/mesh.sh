@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# The mesh against its peers on this machine, in one run: wrk -t1 -c32 -d${DURATION:-10}s with the same token against
+# The mesh against its peers on this machine, in one run, with the same token:
 #   (a) nginx serving a fixed 200,
 #   (b) nginx as a plain reverse proxy to (a),
-#   (c) HAProxy 2.6 in front of (a): JWT HS256 verify + expiry, a role rule on the
-#       path, a per-subject rate limit (stick table),
+#   (c) HAProxy in front of (a) at its best setting here (nbthread 2, one per core):
+#       JWT HS256 verify + expiry, a role rule on the path, a per-subject rate limit,
 #   (d) the DPUmesh local mesh (`dpumesh up`, hotel sample) with the same policy as
-#       Wasm filters (jwt, rbac, ratelimit) in front of the frontend service's /ping.
-# Prints rps and p50/p99 for each, the ratios d/c and d/b, and CPU seconds per 1000
-# requests of the service process vs HAProxy + nginx (the host CPU DPU offload saves).
-# Installs wrk, nginx and haproxy (Debian packages) when missing.
+#       Wasm filters (jwt, rbac, ratelimit) in front of the frontend service's /ping,
+#       over the shared-memory fabric (the default on one host),
+#   (e) the same mesh with the TCP fabric forced (`transport: tcp`, as across hosts),
+# each under wrk -t1 -c32 -d${DURATION:-10}s; then HTTP/2 with h2load -c32 -m10
+# against (c) serving h2 and (d).
+# Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
+# service process: what the host pays; the ingress and nodes: what the ingress node
+# and the DPUs carry), context switches per request summed over every mesh process,
+# and the ratios the goals are stated in. Installs wrk, nginx, haproxy and h2load
+# (Debian packages) when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
 SECRET="dpumesh-demo-hs256-secret-0123456789"
 
 missing=""
-for tool in wrk nginx haproxy; do
+for tool in wrk nginx haproxy h2load; do
     command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] || missing="$missing $tool"
 done
 if [ -n "$missing" ]; then
     echo "==> installing$missing"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    pkgs="${missing/h2load/nghttp2-client}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $pkgs >/dev/null
 fi
 export PATH="$PATH:/usr/sbin"
 
@@ -29,7 +36,9 @@ cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-test-arti
 
 work="$(mktemp -d)"
 pids=()
+up_pid=""
 cleanup() {
+    [ -n "$up_pid" ] && kill -INT "$up_pid" 2>/dev/null || true
     for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
     nginx -c "$work/nginx.conf" -s stop 2>/dev/null || true
     wait 2>/dev/null || true
@@ -68,7 +77,7 @@ nginx -c "$work/nginx.conf"
 
 cat > "$work/haproxy.cfg" <<HAP
 global
-    nbthread 1
+    nbthread 2
     maxconn 4096
 defaults
     mode http
@@ -78,6 +87,7 @@ defaults
     option http-keep-alive
 frontend fe
     bind 127.0.0.1:18082
+    bind 127.0.0.1:18083 proto h2
     stick-table type string len 64 size 100k expire 60s store http_req_rate(1s)
     http-request deny deny_status 401 unless { req.hdr(authorization) -m beg "Bearer " }
     http-request set-var(txn.bearer) http_auth_bearer
@@ -103,28 +113,41 @@ pids+=($!)
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
-    -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
-    -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
-    -e "s#^policy: policy.yaml#policy: $PWD/samples/hotel/policy.yaml#" \
-    samples/hotel/mesh.yaml > "$work/mesh.yaml"
-grep -q "^policy: /" "$work/mesh.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
-./target/release/dpumesh up --config "$work/mesh.yaml" > "$work/up.log" 2>&1 &
-up_pid=$!
-pids+=($up_pid)
-for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up.log" && break; sleep 0.2; done
-grep -q "Ctrl-C stops" "$work/up.log" || { cat "$work/up.log"; echo "the mesh did not start"; exit 1; }
+mesh_file() { # transport
+    sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
+        -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
+        -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
+        -e "s#^policy: policy.yaml#policy: $PWD/samples/hotel/policy.yaml\ntransport: $1#" \
+        samples/hotel/mesh.yaml > "$work/mesh-$1.yaml"
+    grep -q "^transport: $1" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
+}
+start_mesh() { # transport
+    mesh_file "$1"
+    ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
+    up_pid=$!
+    for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up-$1.log" && break; sleep 0.2; done
+    grep -q "Ctrl-C stops" "$work/up-$1.log" || { cat "$work/up-$1.log"; echo "the mesh did not start"; exit 1; }
+}
+stop_mesh() {
+    kill -INT "$up_pid" 2>/dev/null || true
+    wait "$up_pid" 2>/dev/null || true
+    up_pid=""
+}
 
-# Every target must answer the token with 200 before it is measured.
-for url in http://127.0.0.1:18080/ping http://127.0.0.1:18081/ping http://127.0.0.1:18082/ping http://127.0.0.1:18090/ping; do
-    code=$(curl -s -o /dev/null -w '%{http_code}' -H "authorization: Bearer $TOKEN" "$url")
-    [ "$code" = 200 ] || { echo "$url answered $code"; exit 1; }
-done
-# ...and the policy must really be on: no token is 401 at (c) and (d).
-for url in http://127.0.0.1:18082/ping http://127.0.0.1:18090/ping; do
-    code=$(curl -s -o /dev/null -w '%{http_code}' "$url")
-    [ "$code" = 401 ] || { echo "$url without a token answered $code"; exit 1; }
-done
+check() { # url: 200 with the token (peers may still be starting: up to 10 s)
+    local code=000
+    for _ in $(seq 1 50); do
+        code=$(curl -s -o /dev/null -w '%{http_code}' -H "authorization: Bearer $TOKEN" "$1" || true)
+        [ "$code" = 200 ] && return 0
+        sleep 0.2
+    done
+    echo "$1 answered $code"; exit 1
+}
+check_policy() { # url: the policy is on
+    local code
+    code=$(curl -s -o /dev/null -w '%{http_code}' "$1" || true)
+    [ "$code" = 401 ] || { echo "$1 without a token answered $code"; exit 1; }
+}
 
 cpu() { # utime+stime in seconds of the given pids
     local t=0
@@ -134,6 +157,16 @@ cpu() { # utime+stime in seconds of the given pids
     done
     echo "scale=4; $t / $(getconf CLK_TCK)" | bc
 }
+switches() { # voluntary + involuntary context switches of every thread of the pids
+    local t=0 v
+    for p in "$@"; do
+        for s in /proc/"$p"/task/*/status; do
+            v=$(awk '/^voluntary_ctxt_switches|^nonvoluntary_ctxt_switches/ { s += $2 } END { print s + 0 }' "$s" 2>/dev/null || echo 0)
+            t=$((t + v))
+        done
+    done
+    echo "$t"
+}
 service_pids() { # the frontend pod (the flaky service runs the same program)
     for p in $(pgrep -P "$up_pid" -f "hotel frontend"); do
         tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'DPUMESH_SERVICE=frontend' && echo "$p"
@@ -141,38 +174,80 @@ service_pids() { # the frontend pod (the flaky service runs the same program)
 }
 haproxy_pids() { pgrep -x haproxy; pgrep -x nginx; }
 mesh_pids() { pgrep -P "$up_pid" -f "dpumesh (node|ingress)"; }
+all_mesh_pids() { pgrep -P "$up_pid"; }
+none() { :; }
 
-run() { # name url pids-function [second pids-function, reported as a 7th field]
-    local name=$1 url=$2 who=$3 also=${4:-} before after before2=0 after2=0 out rps p50 p99 reqs
-    before=$(cpu $($who))
-    [ -n "$also" ] && before2=$(cpu $($also))
+run() { # name url pids [second pids] [pids whose context switches count]
+    local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
+    local before after before2 after2 s1 s2 out rps p50 p99 reqs non2xx
+    before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw))
     out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "$url")
-    after=$(cpu $($who))
-    [ -n "$also" ] && after2=$(cpu $($also))
+    after=$(cpu $($who)); after2=$(cpu $($also)); s2=$(switches $($sw))
     rps=$(awk '/Requests\/sec/ { print $2 }' <<<"$out")
     reqs=$(awk '/requests in/ { print $1 }' <<<"$out")
     p50=$(awk '$1 == "50%" { print $2 }' <<<"$out")
     p99=$(awk '$1 == "99%" { print $2 }' <<<"$out")
     non2xx=$(awk '/Non-2xx/ { print $5 }' <<<"$out")
-    echo "$name|$rps|$p50|$p99|$(echo "scale=4; ($after - $before) * 1000 / $reqs" | bc)|${non2xx:-0}|$(echo "scale=4; ($after2 - $before2) * 1000 / $reqs" | bc)"
+    echo "$name|$rps|$p50|$p99|$(echo "scale=2; ($after - $before) * 1000000 / $reqs" | bc)|${non2xx:-0}|$(echo "scale=2; ($after2 - $before2) * 1000000 / $reqs" | bc)|$(echo "scale=2; ($s2 - $s1) / $reqs" | bc)"
+}
+
+h2() { # name url: req/s and mean latency under h2load -c32 -m10
+    local out
+    out=$(h2load -c32 -m10 -D "$DURATION" -H "authorization: Bearer $TOKEN" "$1" 2>/dev/null)
+    local rps ok
+    rps=$(awk '/finished in/ { gsub(",", "", $4); print $4 }' <<<"$out")
+    ok=$(awk '/status codes:/ { print $3 }' <<<"$out")
+    echo "$2|$rps|${ok:-0}"
 }
 
 echo "==> measuring (wrk -t1 -c32 -d${DURATION}s each)"
+check http://127.0.0.1:18080/ping; check http://127.0.0.1:18081/ping; check http://127.0.0.1:18082/ping
+check_policy http://127.0.0.1:18082/ping
 a=$(run "a nginx direct" http://127.0.0.1:18080/ping "pgrep -x nginx")
 b=$(run "b nginx proxy" http://127.0.0.1:18081/ping "pgrep -x nginx")
-c=$(run "c haproxy+jwt/rbac/ratelimit" http://127.0.0.1:18082/ping haproxy_pids)
-d=$(run "d dpumesh (CPU: the service process)" http://127.0.0.1:18090/ping service_pids mesh_pids)
+c=$(run "c haproxy nbthread 2, jwt/rbac/ratelimit" http://127.0.0.1:18082/ping haproxy_pids)
+ch2=$(h2 http://127.0.0.1:18083/ping "c haproxy h2")
 
-printf '\n%-44s %10s %10s %10s %16s %8s\n' target req/s p50 p99 "CPU s/1k req" non-2xx
-for row in "$a" "$b" "$c" "$d"; do
-    IFS='|' read -r name rps p50 p99 cpu non _ <<<"$row"
-    printf '%-44s %10s %10s %10s %16s %8s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$non"
+start_mesh shm
+check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
+d=$(run "d dpumesh (shm fabric)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+dh2=$(h2 http://127.0.0.1:18090/ping "d dpumesh h2 (shm fabric)")
+stop_mesh
+
+start_mesh tcp
+check http://127.0.0.1:18090/ping
+e=$(run "e dpumesh (tcp fabric)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+stop_mesh
+
+printf '\n%-42s %10s %9s %9s %14s %14s %10s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req"
+for row in "$a" "$b" "$c" "$d" "$e"; do
+    IFS='|' read -r name rps p50 p99 cpu non mesh sw <<<"$row"
+    [ "$non" != 0 ] && name="$name ($non non-2xx!)"
+    case "$name" in
+        [de]*) printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" ;;
+        *) printf '%-42s %10s %9s %9s %14s\n' "$name" "$rps" "$p50" "$p99" "$cpu" ;;
+    esac
 done
-IFS='|' read -r _ _ _ _ _ _ dm <<<"$d"
-echo "(d: CPU of the ingress and node processes in the same run, i.e. what the DPUs and the ingress node would carry: $dm s per 1000 requests)"
-IFS='|' read -r _ rb _ _ _ _ _ <<<"$b"
-IFS='|' read -r _ rc _ _ cc _ _ <<<"$c"
-IFS='|' read -r _ rd _ _ cd _ _ <<<"$d"
+echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-e;"
+echo " mesh us/req: the ingress and node processes, what the ingress node and the DPUs carry;"
+echo " cs/req: context switches summed over every thread of the ingress, nodes and pods)"
+printf '\n%-42s %10s %10s\n' "HTTP/2 (h2load -c32 -m10)" req/s 2xx
+for row in "$ch2" "$dh2"; do
+    IFS='|' read -r name rps ok <<<"$row"
+    printf '%-42s %10s %10s\n' "$name" "$rps" "$ok"
+done
+
+IFS='|' read -r _ ra _ _ ca _ _ _ <<<"$a"
+IFS='|' read -r _ rb _ _ _ _ _ _ <<<"$b"
+IFS='|' read -r _ rc _ pc cc _ _ _ <<<"$c"
+IFS='|' read -r _ rd _ pd cd _ md swd <<<"$d"
+IFS='|' read -r _ re _ _ _ _ _ _ <<<"$e"
+IFS='|' read -r _ rch2 _ <<<"$ch2"
+IFS='|' read -r _ rdh2 _ <<<"$dh2"
 echo
-echo "d/c rps: $(echo "scale=2; $rd / $rc" | bc)   d/b rps: $(echo "scale=2; $rd / $rb" | bc)"
-echo "host CPU per 1000 requests, service process vs HAProxy+nginx: $(echo "scale=3; $cd / $cc" | bc)"
+echo "d/c req/s: $(echo "scale=2; $rd / $rc" | bc)   d/b req/s: $(echo "scale=2; $rd / $rb" | bc)   p99 d $pd vs c $pc"
+echo "service CPU per request vs nginx direct: $(echo "scale=2; $cd / $ca" | bc)"
+echo "ingress + node CPU per request vs HAProxy + nginx: $(echo "scale=2; $md / $cc" | bc)"
+echo "context switches per request across the mesh: $swd"
+echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
+echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
