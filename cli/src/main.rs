@@ -10,6 +10,13 @@
 
 #![forbid(unsafe_code)]
 
+// The proxy and the ingress allocate and free small heads, frames and guest strings on
+// every request from one thread each; glibc's malloc spent ~9 % of the data plane's
+// time (consolidating fastbins among other things) where mimalloc's thread-local pages
+// cost a fraction. Envoy makes the same choice with tcmalloc.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bench;
 mod filter;
 mod progress;

@@ -635,6 +635,12 @@ impl DpuShard {
         self.dma.pass()
     }
 
+    /// Wakes the pods given descriptors since their last wake-up: call it at the end
+    /// of each batch of work and before sleeping (one wake-up per pod per batch).
+    pub fn wake_pods(&mut self) {
+        self.dma.wake_pods();
+    }
+
     /// Whether a pass or [`DpuShard::try_recv`] would find something.
     pub fn has_work(&self) -> bool {
         self.dma.has_work()
@@ -670,6 +676,7 @@ impl DpuShard {
             if let Some(d) = self.try_recv()? {
                 return Ok(Some(d));
             }
+            self.dma.wake_pods();
             let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
                 return Ok(None);
             };

@@ -299,6 +299,18 @@ impl Producer {
         Ok(())
     }
 
+    /// Publishes a descriptor without waking the consumer: the caller batches wake-ups
+    /// and calls [`Producer::wake`] once for everything it published (a consumer that
+    /// polls sees the entry at once either way). A full ring is reported.
+    pub fn push_quietly(&mut self, descriptor: &Descriptor) -> Result<(), RingError> {
+        self.write(&descriptor.to_raw())
+    }
+
+    /// Wakes the consumer if it sleeps (after [`Producer::push_quietly`]).
+    pub fn wake(&self) {
+        self.notify();
+    }
+
     /// Publishes several descriptors, then wakes the consumer once. Stops at the first
     /// that does not fit; returns how many were published.
     pub fn push_batch(&mut self, descriptors: &[Descriptor]) -> usize {

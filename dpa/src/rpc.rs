@@ -536,13 +536,26 @@ impl RpcServer {
                                     continue;
                                 }
                             };
-                            match setup::<F>(&fabric, &pd, qp, &config) {
-                                Ok(conn) => {
-                                    conns.lock().insert(next, Arc::new(conn));
+                            // The poller must know the connection before its first
+                            // receive is posted: a request arriving in between would
+                            // complete on a queue pair it cannot place, and be lost.
+                            let conn = match setup::<F>(&fabric, &pd, qp, &config) {
+                                Ok(conn) => Arc::new(conn),
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "RPC connection setup failed");
+                                    continue;
+                                }
+                            };
+                            conns.lock().insert(next, conn.clone());
+                            match post_receives(&conn, &config) {
+                                Ok(()) => {
                                     stats.connections.fetch_add(1, Ordering::Relaxed);
                                     next += 1;
                                 }
-                                Err(e) => tracing::warn!(error = %e, "RPC connection setup failed"),
+                                Err(e) => {
+                                    conns.lock().remove(&next);
+                                    tracing::warn!(error = %e, "RPC connection setup failed");
+                                }
                             }
                         }
                     })?,
@@ -615,18 +628,23 @@ fn setup<F: Fabric>(
         config.region_len() as usize,
     )?);
     let mr = fabric.register(pd, &region, 0, config.region_len(), Access::all())?;
-    for i in 0..config.slots {
-        qp.post_recv(RecvWr {
-            wr_id: i as u64,
-            sge: mr.sge(config.meta_at(i), config.meta_cap() as u32),
-        })?;
-    }
     Ok(Conn {
         qp,
         mr,
         region,
         sends: AtomicU64::new(0),
     })
+}
+
+/// One receive per context, for the requests' metadata.
+fn post_receives<F: Fabric>(conn: &Conn<F>, config: &RpcConfig) -> Result<(), RpcError> {
+    for i in 0..config.slots {
+        conn.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sge: conn.mr.sge(config.meta_at(i), config.meta_cap() as u32),
+        })?;
+    }
+    Ok(())
 }
 
 /// Read work requests carry the connection and context: `conn << 32 | ctx`.

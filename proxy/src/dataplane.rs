@@ -467,6 +467,8 @@ impl<F: Fabric> Reactor<F> {
                 self.publish_occupancy();
                 self.follow_generation();
             }
+            // One wake-up per pod for everything this pass gave it.
+            self.port.wake_pods();
             if work > 0 {
                 continue;
             }

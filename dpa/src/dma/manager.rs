@@ -34,7 +34,7 @@ use crossbeam_channel::{Receiver, TryRecvError};
 use super::{CopyJob, DmaEngine};
 use crate::descriptor::{Buffer, Descriptor, DescriptorStatus, Destination, Kind};
 use crate::pool::{BufferPool, OwnerId, PoolError, SlotRef};
-use crate::ring::{Consumer, Producer};
+use crate::ring::{Consumer, Producer, RingError};
 
 /// Descriptors taken from one ring per pass, so one busy pod cannot starve others.
 const BUDGET: usize = 32;
@@ -113,8 +113,15 @@ pub struct DmaManager<E: DmaEngine> {
     leaving: Vec<Leaving>,
     /// Completions waiting for room in a pod's RX SQ.
     completions: HashMap<u32, VecDeque<Descriptor>>,
+    /// Pods given descriptors since they were last woken, and how many: a pod is woken
+    /// once per batch ([`DmaManager::wake_pods`]), not once per descriptor.
+    unwoken: Vec<(u32, u32)>,
     stats: Arc<DmaStats>,
 }
+
+/// A pod given this many descriptors is woken at once rather than at the end of the
+/// batch: it can start on them while the rest of the batch is still being routed.
+const WAKE_BATCH: u32 = 16;
 
 #[derive(Debug)]
 struct Leaving {
@@ -179,8 +186,38 @@ impl<E: DmaEngine> DmaManager<E> {
             to_proxy: VecDeque::new(),
             leaving: Vec::new(),
             completions: HashMap::new(),
+            unwoken: Vec::new(),
             stats,
         }
+    }
+
+    /// Wakes every pod given descriptors since its last wake-up (those that sleep: a
+    /// polling pod costs nothing here). Whoever drives the manager calls this at the
+    /// end of each batch of work and before it sleeps; a pod whose descriptors wait
+    /// for this call sees them anyway if it polls.
+    pub fn wake_pods(&mut self) {
+        for (id, _) in self.unwoken.drain(..) {
+            if let Some(pod) = self.pods.get(&id) {
+                pod.rx_sq.wake();
+            }
+        }
+    }
+
+    /// Publishes `d` on pod `id`'s RX SQ; its wake-up waits for the batch's end.
+    fn publish_to_pod(&mut self, id: u32, d: &Descriptor) -> Result<(), RingError> {
+        let Some(pod) = self.pods.get_mut(&id) else {
+            return Ok(());
+        };
+        pod.rx_sq.push_quietly(d)?;
+        match self.unwoken.iter_mut().find(|(p, _)| *p == id) {
+            Some((_, n)) if *n + 1 >= WAKE_BATCH => {
+                *n = 0;
+                pod.rx_sq.wake();
+            }
+            Some((_, n)) => *n += 1,
+            None => self.unwoken.push((id, 1)),
+        }
+        Ok(())
     }
 
     /// Applies pending commands; false once told to stop (every pod is dropped).
@@ -506,8 +543,7 @@ impl<E: DmaEngine> DmaManager<E> {
         }
         match self.move_into_pod(dst, &d) {
             Ok(delivered) => {
-                let pod = self.pods.get_mut(&dst).expect("checked by the caller");
-                match pod.rx_sq.push(&delivered) {
+                match self.publish_to_pod(dst, &delivered) {
                     Ok(()) => {
                         self.stats.delivered.fetch_add(1, Ordering::Relaxed);
                     }
@@ -515,6 +551,7 @@ impl<E: DmaEngine> DmaManager<E> {
                         // Only a ring whose consumer corrupted it refuses here: the pod
                         // does not get this, and its slots go back.
                         tracing::warn!(pod = dst, error = %e, "host RX SQ refused a delivery it had room for");
+                        let pod = self.pods.get(&dst).expect("checked by the caller");
                         let owner = OwnerId(dst);
                         for (pool, b) in [
                             (&pod.rx_header, delivered.header),
@@ -797,11 +834,11 @@ impl<E: DmaEngine> DmaManager<E> {
     /// back. A full RX SQ queues them (in order, ahead of deliveries to that pod); the
     /// queue is bounded by the pod's slots, since each TX slot has one completion.
     fn push_to_pod(&mut self, pod_id: u32, d: Descriptor) {
-        let Some(pod) = self.pods.get_mut(&pod_id) else {
+        if !self.pods.contains_key(&pod_id) {
             return;
-        };
+        }
         let queued = self.completions.get(&pod_id).is_some_and(|q| !q.is_empty());
-        if queued || pod.rx_sq.push(&d).is_err() {
+        if queued || self.publish_to_pod(pod_id, &d).is_err() {
             let queue = self.completions.entry(pod_id).or_default();
             if queue.len() >= MAX_QUEUED_COMPLETIONS {
                 tracing::warn!(pod = pod_id, "pod reads no completions; one was dropped");
@@ -868,26 +905,29 @@ impl<E: DmaEngine> DmaManager<E> {
         // Completions first: they free the slots pods may be waiting for.
         let queued: Vec<u32> = self.completions.keys().copied().collect();
         for pod_id in queued {
-            let Some(pod) = self.pods.get_mut(&pod_id) else {
+            if !self.pods.contains_key(&pod_id) {
                 self.completions.remove(&pod_id);
                 continue;
-            };
-            let queue = self.completions.get_mut(&pod_id).expect("listed above");
+            }
+            let mut queue = self.completions.remove(&pod_id).expect("listed above");
             while let Some(d) = queue.front() {
-                if pod.rx_sq.push(d).is_err() {
+                if self.publish_to_pod(pod_id, d).is_err() {
                     break;
                 }
                 queue.pop_front();
                 work += 1;
             }
-            if queue.is_empty() {
-                self.completions.remove(&pod_id);
+            if !queue.is_empty() {
+                self.completions.insert(pod_id, queue);
             }
         }
         let pods: Vec<u32> = self.held.keys().copied().collect();
         for dst in pods {
             while let Some(room) = self.pods.get_mut(&dst).map(|p| p.rx_sq.free()) {
-                if room == 0 {
+                // A delivery needs room for itself and a completion (see `deliver`):
+                // with less, it would go straight back to the end of the queue, out
+                // of order, and this loop would spin until the pod read its ring.
+                if room < 2 || self.completions.contains_key(&dst) {
                     break;
                 }
                 let Some(d) = self.held.get_mut(&dst).and_then(VecDeque::pop_front) else {
