@@ -247,6 +247,12 @@ impl Up {
                             ),
                             ("DPUMESH_SERVICE".into(), PathBuf::from(service)),
                             ("DPUMESH_POD".into(), PathBuf::from(&pod)),
+                            (
+                                dpumesh_dpa::poll::ENV.into(),
+                                PathBuf::from(
+                                    dpumesh_proxy::node::polling(&mesh.config.polling).to_string(),
+                                ),
+                            ),
                         ],
                     };
                     children.0.push((pod, spec.spawn()?));

@@ -17,7 +17,10 @@ pub mod routes;
 pub mod units;
 
 pub use error::ConfigError;
-pub use mesh_file::{IngressConfig, MeshConfig, MeshFile, NodeEntry, ServiceEntry, Transport};
+pub use mesh_file::{
+    IngressConfig, MeshConfig, MeshFile, NodeEntry, PollMode, PollingConfig, ServiceEntry,
+    Transport,
+};
 pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};
 pub use units::{ByteSize, Span};

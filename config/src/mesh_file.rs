@@ -4,6 +4,7 @@
 //! ```yaml
 //! policy: policy.yaml              # filters, chains, services' chains, routes
 //! transport: shm                   # shm (one host) or tcp (across hosts, namespaces)
+//! polling: {mode: hybrid, min: 0us, max: 50us}  # how shards and pods wait (or mode: poll)
 //! ingress:
 //!   listen: 127.0.0.1:8000
 //!   max_head: 32KiB                # larger heads: 431
@@ -109,6 +110,40 @@ pub enum Transport {
     Tcp,
 }
 
+/// How a node's shards and its pods wait when they have nothing to do.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PollMode {
+    /// Poll a while after the last work (adapting between `min` and `max`), then
+    /// sleep until woken.
+    #[default]
+    Hybrid,
+    /// Never sleep: for cores given to the mesh alone (a DPU's Arm cores).
+    Poll,
+}
+
+/// The `polling` section.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PollingConfig {
+    #[serde(default)]
+    pub mode: PollMode,
+    /// The shortest poll after the last work (hybrid; default 0).
+    pub min: Option<Span>,
+    /// The longest (hybrid; default 50 µs).
+    pub max: Option<Span>,
+}
+
+impl PollingConfig {
+    /// The hybrid bounds.
+    pub fn bounds(&self) -> (Duration, Duration) {
+        (
+            self.min.map_or(Duration::ZERO, |s| s.0),
+            self.max.map_or(Duration::from_micros(50), |s| s.0),
+        )
+    }
+}
+
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -118,6 +153,9 @@ pub struct MeshConfig {
     /// The fabric between the ingress and the nodes (default `shm`).
     #[serde(default)]
     pub transport: Transport,
+    /// How shards and pods wait (default: hybrid, 0 to 50 µs).
+    #[serde(default)]
+    pub polling: PollingConfig,
     pub ingress: IngressConfig,
     /// Nodes by name.
     pub nodes: BTreeMap<String, NodeEntry>,
@@ -153,6 +191,22 @@ impl MeshFile {
                 &format!("nodes.{name}.netns"),
                 "shared memory does not cross network namespaces: set `transport: tcp`".into(),
             ));
+        }
+        let (min, max) = config.polling.bounds();
+        match config.polling.mode {
+            PollMode::Poll if config.polling.min.is_some() || config.polling.max.is_some() => {
+                return Err(error(
+                    "polling",
+                    "mode poll never sleeps: min and max are for mode hybrid".into(),
+                ));
+            }
+            PollMode::Hybrid if min > max || max > Duration::from_secs(1) => {
+                return Err(error(
+                    "polling.max",
+                    format!("need min ≤ max ≤ 1s (min {min:?}, max {max:?})"),
+                ));
+            }
+            _ => {}
         }
         for (name, service) in &config.services {
             if service.nodes.is_empty() {
@@ -240,5 +294,35 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("unknown field `typo`"), "{e}");
+    }
+
+    const BASE: &str = "policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {}\n";
+
+    #[test]
+    fn polling_defaults_to_hybrid_and_takes_bounds_or_pure_poll() {
+        let m = load(BASE).unwrap();
+        assert_eq!(m.config.polling.mode, PollMode::Hybrid);
+        assert_eq!(
+            m.config.polling.bounds(),
+            (Duration::ZERO, Duration::from_micros(50))
+        );
+        let m = load(&format!("{BASE}polling: {{min: 5us, max: 1ms}}\n")).unwrap();
+        assert_eq!(
+            m.config.polling.bounds(),
+            (Duration::from_micros(5), Duration::from_millis(1))
+        );
+        let m = load(&format!("{BASE}polling: {{mode: poll}}\n")).unwrap();
+        assert_eq!(m.config.polling.mode, PollMode::Poll);
+    }
+
+    #[test]
+    fn polling_bounds_that_cannot_work_are_refused() {
+        let e = load(&format!("{BASE}polling: {{mode: poll, max: 5us}}\n")).unwrap_err();
+        assert_eq!(e.path, "polling");
+        assert!(e.message.contains("never sleeps"), "{e}");
+        let e = load(&format!("{BASE}polling: {{min: 50us, max: 5us}}\n")).unwrap_err();
+        assert_eq!(e.path, "polling.max");
+        let e = load(&format!("{BASE}polling: {{mode: spin}}\n")).unwrap_err();
+        assert!(e.message.contains("unknown variant `spin`"), "{e}");
     }
 }

@@ -21,6 +21,7 @@
 //! - [`link`]: one queue pair carrying frames with credits, and body transfers.
 //! - [`rpc`]: RPC on the fabric (inline small requests, RDMA READ of large
 //!   ones, responses by WRITE_WITH_IMM, a ring of contexts per connection).
+//! - [`poll`]: how a serving thread waits: adaptive hybrid polling, or pure polling.
 //! - [`ring`]: SPSC descriptor rings (host TX/RX SQs) with a busy-poll and an
 //!   event-driven wake mode.
 //!
@@ -38,6 +39,7 @@ pub mod fdpass;
 pub mod frame;
 pub mod host;
 pub mod link;
+pub mod poll;
 pub mod pool;
 pub mod ring;
 pub mod rpc;
@@ -49,6 +51,7 @@ pub use descriptor::{
 };
 pub use dpu::{Dpu, DpuConfig, DpuError, DpuShard, PodInfo, PodSizing};
 pub use host::{HostError, HostPort, Incoming, Outgoing};
+pub use poll::{Polling, Spin, Waited};
 pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};
 pub use ring::{Consumer, Producer, Ring, RingError, WakeMode};
 pub use shm::{SharedRegion, ShmError};

@@ -50,20 +50,6 @@ impl WakeMode {
     pub const LOW_CPU: WakeMode = WakeMode::Event {
         spin: Duration::from_micros(20),
     };
-
-    /// Event mode spinning `DPUMESH_SPIN_US` microseconds (default 0) before it
-    /// sleeps. On a host with few cores every spinning waiter takes the CPU another
-    /// stage of the same request needs; on a DPU with cores to spare, spinning trades
-    /// CPU for latency.
-    pub fn from_env() -> WakeMode {
-        let us = std::env::var("DPUMESH_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        WakeMode::Event {
-            spin: Duration::from_micros(us),
-        }
-    }
 }
 
 /// Why a ring operation failed.

@@ -19,7 +19,8 @@ use bytes::Bytes;
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Interrupter;
 use dpumesh_dpa::{
-    Case, Descriptor, Destination, HostError, HostPort, Incoming, Outgoing, RingError, WakeMode,
+    Case, Descriptor, Destination, HostError, HostPort, Incoming, Outgoing, Polling, RingError,
+    Spin,
 };
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
@@ -55,7 +56,9 @@ pub struct DataPathTransport {
     out: VecDeque<Queued>,
     failed: Vec<Event>,
     interrupter: Interrupter,
-    mode: WakeMode,
+    /// How the loop waits for the ring: polls a while after the last work (adapting),
+    /// then sleeps until the node wakes it; `DPUMESH_POLL` sets the bounds.
+    spin: Spin,
 }
 
 impl std::fmt::Debug for DataPathTransport {
@@ -85,7 +88,7 @@ impl DataPathTransport {
             rr: 0,
             out: VecDeque::new(),
             failed: Vec::new(),
-            mode: WakeMode::from_env(),
+            spin: Spin::new(Polling::from_env()),
         }
     }
 
@@ -380,7 +383,12 @@ impl Transport for DataPathTransport {
             } else {
                 Duration::from_millis(1).min(timeout.unwrap_or(Duration::MAX))
             };
-            if let Some(incoming) = self.port.recv(self.mode, wait).map_err(other)? {
+            let budget = self.spin.budget().unwrap_or(wait);
+            let started = Instant::now();
+            let got = self.port.recv(self.spin.wake_mode(), wait).map_err(other)?;
+            self.spin
+                .record(Spin::classify(budget, started.elapsed(), got.is_some()));
+            if let Some(incoming) = got {
                 self.incoming(incoming, out);
             }
         }

@@ -34,7 +34,8 @@ use dpumesh_dpa::fabric::{
 use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_dpa::{
-    Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuShard, OwnerId, PodInfo,
+    Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuShard, OwnerId, PodInfo, Polling,
+    Spin, Waited,
 };
 use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
 use dpumesh_head::wire::{self, ResponseHead};
@@ -100,17 +101,20 @@ impl std::fmt::Debug for Dataplane {
 impl Dataplane {
     /// Starts the reactor: listens for queue pairs at `listen` and takes the node's
     /// first shard (its pods' rings and pools, its DMA work and its bell); the
-    /// reactor runs every request's chain inline and sleeps on one epoll set (the
-    /// shard's bell and `cq`).
+    /// reactor runs every request's chain inline, polls as `polling` says after its
+    /// last work, then sleeps on one epoll set (the shard's bell and its completion
+    /// queue).
     pub fn start<F: Fabric>(
         fabric: F,
-        pd: F::Pd,
-        cq: F::Cq,
         listen: SocketAddr,
         dpu: Arc<Dpu>,
         policy: Arc<Policy>,
         topology: Topology,
+        polling: Polling,
     ) -> anyhow::Result<Self> {
+        let pd = fabric.alloc_pd()?;
+        // Every link's receives and sends complete here.
+        let cq = fabric.create_cq(1 << 16)?;
         let listener = fabric.listen(&pd, listen, &cq, QpCaps::default())?;
         let addr = listener.local_addr();
         // Accepting (with the peer's hello) may block on a slow or silent connection:
@@ -191,6 +195,7 @@ impl Dataplane {
             stop: stop.clone(),
             completions: Vec::with_capacity(64),
             deferred: VecDeque::new(),
+            spin: Spin::new(polling),
         };
         #[cfg(feature = "fault-injection")]
         let inbox = reactor.inbox_tx.clone();
@@ -383,6 +388,8 @@ struct Reactor<F: Fabric> {
     completions: Vec<WorkCompletion>,
     /// Descriptors the DMA manager's ring had no room for, in order.
     deferred: VecDeque<Descriptor>,
+    /// How long to keep polling after the last work before sleeping.
+    spin: Spin,
 }
 
 /// The round-robin counter of `key` in `turns`, advanced (allocates only the first
@@ -451,6 +458,9 @@ impl<F: Fabric> Reactor<F> {
 
     fn run(&mut self) {
         let mut last_tick = Instant::now() - Duration::from_secs(1);
+        // Since when the loop has found nothing to do (it polls until the spin's
+        // budget is spent, then sleeps).
+        let mut idle_since: Option<Instant> = None;
         while !self.stop.load(Ordering::Relaxed) {
             let mut work = 0;
             work += self.drain_sidecar();
@@ -470,9 +480,31 @@ impl<F: Fabric> Reactor<F> {
             // One wake-up per pod for everything this pass gave it.
             self.port.wake_pods();
             if work > 0 {
+                if idle_since.take().is_some() {
+                    self.spin.record(Waited::WhilePolling);
+                }
                 continue;
             }
-            self.sleep();
+            let now = Instant::now();
+            let since = *idle_since.get_or_insert(now);
+            match self.spin.budget() {
+                None => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                Some(budget) if now - since < budget => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                Some(_) => {}
+            }
+            let (slept, woken) = self.sleep();
+            idle_since = None;
+            self.spin.record(if woken {
+                Waited::Slept(slept)
+            } else {
+                Waited::Nothing
+            });
         }
     }
 
@@ -490,7 +522,9 @@ impl<F: Fabric> Reactor<F> {
     /// Sleeps on the wait set until something arrives (the shard's bell: a pod sent, a
     /// chain finished on the pool, a link was accepted; the completion queue) or the
     /// next timer is due.
-    fn sleep(&mut self) {
+    /// Returns how long it slept and whether something woke it (rather than the
+    /// timeout).
+    fn sleep(&mut self) -> (Duration, bool) {
         let mut timeout = self
             .timers
             .peek()
@@ -501,14 +535,17 @@ impl<F: Fabric> Reactor<F> {
             // Pods do not say when they make room in their rings: look again soon.
             timeout = timeout.min(Duration::from_micros(200));
         }
+        let started = Instant::now();
+        let mut woken = true;
         self.bell.sleep_begins();
         let sleep = self.cq.prepare_sleep();
         if sleep && !self.port.has_work() && self.inbox.is_empty() && self.accepted.is_empty() {
-            let _ = self.waits.wait(timeout);
+            woken = self.waits.wait(timeout).is_ok_and(|n| n > 0);
         }
         self.cq.finish_sleep();
         self.bell.sleep_ends();
         self.bell.drain();
+        (started.elapsed(), woken)
     }
 
     fn accept(&mut self) {

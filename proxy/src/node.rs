@@ -7,16 +7,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dpumesh_config::Transport;
+use dpumesh_config::{MeshFile, PollMode, PollingConfig, Transport};
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Fabric;
 use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::fabric::soft::SoftFabric;
-use dpumesh_dpa::{Dpu, DpuConfig, PodSizing};
+use dpumesh_dpa::{Dpu, DpuConfig, PodSizing, Polling};
 
 use crate::dataplane::{Dataplane, Topology};
 use crate::policy::Policy;
-use dpumesh_config::MeshFile;
 
 /// A running node.
 pub struct Node {
@@ -45,10 +44,20 @@ fn start_dataplane<F: Fabric>(
     dpu: Arc<Dpu>,
     policy: &Arc<Policy>,
     topology: Topology,
+    polling: Polling,
 ) -> anyhow::Result<Dataplane> {
-    let pd = fabric.alloc_pd()?;
-    let cq = fabric.create_cq(1 << 16)?;
-    Dataplane::start(fabric, pd, cq, listen, dpu, policy.clone(), topology)
+    Dataplane::start(fabric, listen, dpu, policy.clone(), topology, polling)
+}
+
+/// The mesh file's `polling` section as the data path's policy (shards and pods).
+pub fn polling(config: &PollingConfig) -> Polling {
+    match config.mode {
+        PollMode::Poll => Polling::Poll,
+        PollMode::Hybrid => {
+            let (min, max) = config.bounds();
+            Polling::Hybrid { min, max }
+        }
+    }
 }
 
 /// Where node `name`'s pods register.
@@ -111,6 +120,7 @@ impl Node {
                 dpu.clone(),
                 &policy,
                 topology,
+                polling(&mesh.config.polling),
             )?,
             Transport::Tcp => start_dataplane(
                 SoftFabric::new(),
@@ -118,6 +128,7 @@ impl Node {
                 dpu.clone(),
                 &policy,
                 topology,
+                polling(&mesh.config.polling),
             )?,
         };
         let io = tokio::runtime::Builder::new_multi_thread()
