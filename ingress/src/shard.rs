@@ -27,7 +27,7 @@ use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
 
 /// How long a node that could not be reached is not tried again.
 const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
@@ -92,6 +92,9 @@ pub struct Shard<F: Fabric> {
     wcs: RefCell<Vec<WorkCompletion>>,
     /// Makes the pump panic at its next turn (tests of supervision).
     panic_next: Cell<bool>,
+    /// Rung by a call that posted a frame: the pump sends what the tasks of this turn
+    /// posted, together.
+    posted: Notify,
     supervisor: Arc<Supervisor>,
 }
 
@@ -100,6 +103,9 @@ impl<F: Fabric> Shard<F> {
     pub fn new(fabric: F, slots: u32, slot_size: u64) -> anyhow::Result<Rc<Self>> {
         let pd = fabric.alloc_pd()?;
         let cq = fabric.create_cq(8192)?;
+        // Frames leave when the pump flushes them: every request a turn of the
+        // shard's tasks posts goes out in one write per link (on the TCP fabric).
+        cq.hold_sends(true);
         let len = u64::from(slots.max(1)) * slot_size;
         let requests = Arc::new(SharedRegion::create_unique(
             "dpumesh-ingress-req",
@@ -130,6 +136,7 @@ impl<F: Fabric> Shard<F> {
             }),
             wcs: RefCell::new(Vec::with_capacity(64)),
             panic_next: Cell::new(false),
+            posted: Notify::new(),
             supervisor: Supervisor::new(),
         }))
     }
@@ -237,6 +244,7 @@ impl<F: Fabric> Shard<F> {
             return answer;
         }
         state.pending.insert(xid, Pending { qp, slot, reply });
+        self.posted.notify_one();
         answer
     }
 
@@ -394,20 +402,29 @@ impl<F: Fabric> Shard<F> {
     /// sleeps on the completion queue's descriptor in the runtime's reactor.
     async fn pump(self: Rc<Self>, fd: Option<Rc<AsyncFd<OwnedFd>>>) {
         loop {
-            if self.progress() > 0 {
+            let done = self.progress();
+            // What this turn's tasks posted, and what the completions owe (credits).
+            self.cq.flush_sends();
+            if done > 0 {
                 // Let the tasks just answered (and new requests) run before more.
                 tokio::task::yield_now().await;
                 continue;
             }
             let Some(fd) = &fd else {
                 // A completion queue with no descriptor to sleep on: poll gently.
-                tokio::time::sleep(Duration::from_micros(200)).await;
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_micros(200)) => {}
+                    () = self.posted.notified() => {}
+                }
                 continue;
             };
             if self.cq.prepare_sleep() {
-                match fd.readable().await {
-                    Ok(mut guard) => guard.clear_ready(),
-                    Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+                tokio::select! {
+                    ready = fd.readable() => match ready {
+                        Ok(mut guard) => guard.clear_ready(),
+                        Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+                    },
+                    () = self.posted.notified() => {}
                 }
             }
             self.cq.finish_sleep();

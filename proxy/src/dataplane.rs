@@ -461,6 +461,9 @@ impl<F: Fabric> Reactor<F> {
         // Since when the loop has found nothing to do (it polls until the spin's
         // budget is spent, then sleeps).
         let mut idle_since: Option<Instant> = None;
+        // What a pass posts on its links leaves together at the pass's end (one write
+        // per link on the TCP fabric instead of one per frame).
+        self.cq.hold_sends(true);
         while !self.stop.load(Ordering::Relaxed) {
             let mut work = 0;
             work += self.drain_sidecar();
@@ -477,8 +480,9 @@ impl<F: Fabric> Reactor<F> {
                 self.publish_occupancy();
                 self.follow_generation();
             }
-            // One wake-up per pod for everything this pass gave it.
+            // One wake-up per pod, one send per link, for everything this pass did.
             self.port.wake_pods();
+            self.cq.flush_sends();
             if work > 0 {
                 if idle_since.take().is_some() {
                     self.spin.record(Waited::WhilePolling);
@@ -506,6 +510,7 @@ impl<F: Fabric> Reactor<F> {
                 Waited::Nothing
             });
         }
+        self.cq.hold_sends(false);
     }
 
     /// Builds the instances of a newly published generation between requests, so the

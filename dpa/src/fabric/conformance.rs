@@ -610,6 +610,55 @@ pub(crate) fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send<F: Fabric + De
 }
 
 /// Runs every conformance test against `$fabric`, in a module named `$name`.
+/// Sends held by their completion queue's owner leave on flush, in order and intact,
+/// small and large mixed (a fabric that gathers small frames into one write must not
+/// reorder them around a large one).
+pub(crate) fn held_sends_leave_on_flush_in_order_and_intact<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
+    const N: u64 = 120;
+    // Sizes from empty to 40 KiB, so some payloads are inline and some not.
+    let size = |i: u64| ((i * 337) % (40 << 10)) as usize * usize::from(!i.is_multiple_of(7));
+    for i in 0..N {
+        b.qp.post_recv(RecvWr {
+            wr_id: i,
+            sge: b.mr.sge(i * (64 << 10), 64 << 10),
+        })
+        .unwrap();
+        a.region
+            .write(i * (64 << 10), &pattern(size(i), i as u8))
+            .unwrap();
+    }
+    a.cq.hold_sends(true);
+    for i in 0..N {
+        a.qp.post_send(SendWr {
+            wr_id: i,
+            op: SendOp::SendWithImm(i as u32),
+            sge: a.mr.sge(i * (64 << 10), size(i) as u32),
+            signaled: i % 10 == 9,
+        })
+        .unwrap();
+    }
+    a.cq.flush_sends();
+    for i in 0..N {
+        let wc = next(&b, &a);
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.byte_len, wc.imm),
+            (i, WcStatus::Success, size(i) as u32, Some(i as u32)),
+            "receive {i}"
+        );
+        assert_eq!(
+            b.region.read_vec(i * (64 << 10), size(i)).unwrap(),
+            pattern(size(i), i as u8),
+            "payload {i}"
+        );
+    }
+    for i in (9..N).step_by(10) {
+        let wc = next(&a, &b);
+        assert_eq!((wc.wr_id, wc.status), (i, WcStatus::Success));
+    }
+    a.cq.hold_sends(false);
+}
+
 macro_rules! fabric_conformance {
     ($name:ident, $fabric:ty) => {
         mod $name {
@@ -661,6 +710,10 @@ macro_rules! fabric_conformance {
             #[test]
             fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send() {
                 c::an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send::<$fabric>()
+            }
+            #[test]
+            fn held_sends_leave_on_flush_in_order_and_intact() {
+                c::held_sends_leave_on_flush_in_order_and_intact::<$fabric>()
             }
             #[test]
             fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost() {

@@ -348,6 +348,18 @@ pub trait CompletionQueue: Send + Sync {
     /// After such a sleep (or the decision not to): withdraws the announcement and
     /// consumes the wake-up, so the descriptor is quiet until the next one.
     fn finish_sleep(&self) {}
+
+    /// For the owner that posts a batch of work at a time on the queue pairs whose
+    /// sends complete here: `true` holds what they post (and acknowledgements they
+    /// owe) until [`CompletionQueue::flush_sends`], so a fabric whose doorbell is a
+    /// system call rings it once per connection per batch; `false` sends as posted
+    /// again (flushing what was held). Only the thread that owns the queue may hold:
+    /// others' posts would wait for its flush. Fabrics that post without a system
+    /// call ignore it.
+    fn hold_sends(&self, _on: bool) {}
+
+    /// Sends everything held (see [`CompletionQueue::hold_sends`]).
+    fn flush_sends(&self) {}
 }
 
 /// A reliable-connected queue pair.

@@ -209,6 +209,12 @@ struct CqInner {
     interrupted: AtomicBool,
     qps: RwLock<HashMap<u32, Weak<QpInner>>>,
     overflowed: AtomicBool,
+    /// Set by the owner ([`CompletionQueue::hold_sends`]): frames its queue pairs
+    /// post wait in their queues until [`CompletionQueue::flush_sends`], so a batch
+    /// of work leaves in one write per connection.
+    holding: AtomicBool,
+    /// Queue pairs (by number) with frames held.
+    held: Mutex<Vec<u32>>,
 }
 
 impl CqInner {
@@ -331,6 +337,25 @@ impl CompletionQueue for SoftCq {
         self.inner.entries.lock().is_empty()
     }
 
+    fn hold_sends(&self, on: bool) {
+        self.inner.holding.store(on, Ordering::Relaxed);
+        if !on {
+            self.flush_sends();
+        }
+    }
+
+    fn flush_sends(&self) {
+        let held = std::mem::take(&mut *self.inner.held.lock());
+        for num in held {
+            let qp = self.inner.qps.read().get(&num).and_then(Weak::upgrade);
+            if let Some(qp) = qp {
+                let mut tx = qp.tx.lock();
+                tx.held = false;
+                qp.flush(&mut tx);
+            }
+        }
+    }
+
     fn finish_sleep(&self) {
         self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
         // Reads what the sockets have and drains the wake-up, so the epoll descriptor
@@ -410,7 +435,12 @@ struct Tx {
     outstanding: VecDeque<Outstanding>,
     queue: VecDeque<OutFrame>,
     want_writable: bool,
+    /// Listed in the send queue's held queue pairs.
+    held: bool,
 }
+
+/// Frames gathered into one write.
+const GATHER: usize = 64;
 
 #[derive(Debug)]
 enum Sink {
@@ -597,13 +627,99 @@ impl QpInner {
 
     fn enqueue(&self, tx: &mut Tx, frame: OutFrame) {
         tx.queue.push_back(frame);
+        if self.send_cq.holding.load(Ordering::Relaxed) {
+            if !tx.held {
+                tx.held = true;
+                self.send_cq.held.lock().push(self.num);
+            }
+            return;
+        }
         self.flush(tx);
     }
 
-    /// Writes queued frames until done or the socket is full.
+    /// Writes the queue's leading frames that carry no region payload (heads and
+    /// inline payloads, up to [`GATHER`] frames) in one vectored write; returns the
+    /// bytes written, or `None` if the first frame is not of that kind.
+    fn write_gathered(&self, tx: &Tx) -> Option<std::io::Result<usize>> {
+        let mut slices: [IoSlice<'_>; 2 * GATHER] = [IoSlice::new(&[]); 2 * GATHER];
+        let mut n = 0;
+        for frame in tx.queue.iter().take(GATHER) {
+            let payload: &[u8] = match &frame.payload {
+                Payload::None => &[],
+                Payload::Inline(v) => v,
+                Payload::Region(..) => break,
+            };
+            let sent = frame.sent as usize;
+            if sent < FRAME_HEADER {
+                slices[n] = IoSlice::new(&frame.head[sent..]);
+                n += 1;
+                if !payload.is_empty() {
+                    slices[n] = IoSlice::new(payload);
+                    n += 1;
+                }
+            } else {
+                slices[n] = IoSlice::new(&payload[sent - FRAME_HEADER..]);
+                n += 1;
+            }
+        }
+        if n < 2 {
+            // One slice or none: the frame-by-frame path does as well.
+            return None;
+        }
+        Some((&self.sock).write_vectored(&slices[..n]))
+    }
+
+    /// Accounts `n` written bytes to the queue's leading frames.
+    fn advance(&self, tx: &mut Tx, mut n: u64) {
+        while n > 0 {
+            let Some(frame) = tx.queue.front_mut() else {
+                return;
+            };
+            let step = (frame.total() - frame.sent).min(n);
+            frame.sent += step;
+            n -= step;
+            if frame.sent >= frame.total() {
+                tx.queue.pop_front();
+            }
+        }
+    }
+
+    /// Writes queued frames until done or the socket is full: runs of small frames
+    /// in one vectored write, region payloads straight from their memory.
     fn flush(&self, tx: &mut Tx) {
         let mut sock = &self.sock;
-        while let Some(frame) = tx.queue.front_mut() {
+        while !tx.queue.is_empty() {
+            if tx.queue.len() > 1
+                && let Some(result) = self.write_gathered(tx)
+            {
+                match result {
+                    Ok(0) => {
+                        self.fail(None, tx, None);
+                        return;
+                    }
+                    Ok(n) => {
+                        self.advance(tx, n as u64);
+                        if tx.queue.is_empty() && self.error.load(Ordering::SeqCst) {
+                            let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                        }
+                        continue;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        self.set_writable_interest(tx, true);
+                        return;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => {
+                        let first = tx
+                            .outstanding
+                            .front()
+                            .map(|o| (o.psn, WcStatus::RetryExceeded));
+                        self.fail(first, tx, None);
+                        return;
+                    }
+                }
+            }
+            let frame = tx.queue.front_mut().expect("not empty");
             let total = frame.total();
             let result = if frame.sent < FRAME_HEADER as u64 {
                 let head = &frame.head[frame.sent as usize..];
@@ -1548,6 +1664,8 @@ impl Fabric for SoftFabric {
                 interrupted: AtomicBool::new(false),
                 qps: RwLock::new(HashMap::new()),
                 overflowed: AtomicBool::new(false),
+                holding: AtomicBool::new(false),
+                held: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -1584,5 +1702,50 @@ impl Fabric for SoftFabric {
             .map_err(|e| connect_err(e.to_string()))?;
         hello(&mut sock, 0).map_err(|e| connect_err(e.to_string()))?;
         self.make_qp(pd, sock, addr, cq, caps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::conformance::pair_with;
+
+    #[test]
+    fn held_sends_wait_for_the_flush_and_leave_in_one_write() {
+        let (a, b) = pair_with::<SoftFabric>(Access::all());
+        b.qp.post_recv(RecvWr {
+            wr_id: 1,
+            sge: b.mr.sge(0, 64),
+        })
+        .unwrap();
+        b.qp.post_recv(RecvWr {
+            wr_id: 2,
+            sge: b.mr.sge(64, 64),
+        })
+        .unwrap();
+        a.region.write(0, b"one two").unwrap();
+        a.cq.hold_sends(true);
+        for _ in 0..2 {
+            a.qp.post_send(SendWr {
+                wr_id: 9,
+                op: SendOp::Send,
+                sge: a.mr.sge(0, 7),
+                signaled: false,
+            })
+            .unwrap();
+        }
+        // Nothing is on the wire yet: the peer sees no receive complete.
+        let mut out = Vec::new();
+        assert!(!b.cq.wait(Duration::from_millis(50)).unwrap());
+        assert_eq!(b.cq.poll(&mut out, 8), 0);
+        a.cq.flush_sends();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while out.len() < 2 && Instant::now() < deadline {
+            let _ = b.cq.wait(Duration::from_millis(10));
+            b.cq.poll(&mut out, 8);
+        }
+        let ids: Vec<u64> = out.iter().map(|wc| wc.wr_id).collect();
+        assert_eq!(ids, vec![1, 2]);
+        assert_eq!(b.region.read_vec(64, 7).unwrap(), b"one two");
     }
 }
