@@ -1,0 +1,145 @@
+//! The shard's loop: drain everything that arrived, flush one batch of sends and
+//! wake-ups, poll for a while, then sleep on one wait set; and its recovery after a panic.
+
+use super::*;
+
+impl<F: Fabric> Reactor<F> {
+    /// After a panic in [`Reactor::run`]: the exchanges' state cannot be trusted, so
+    /// every link goes (the ingress and peer nodes fail what they sent over them at
+    /// once, and reconnect on their next request), and every exchange still open is
+    /// answered with a 503. Descriptors owed to the DMA manager are kept.
+    pub(super) fn recover(&mut self) {
+        let qps: Vec<u32> = self.links.keys().copied().collect();
+        for qp in qps {
+            self.link_down(
+                qp,
+                "the data plane thread restarted after a panic".to_owned(),
+            );
+        }
+        for xid in self.table.open_exchanges() {
+            let e = ProxyError::new(
+                ErrorKind::ThreadLost,
+                "the data plane thread restarted after a panic",
+            );
+            self.fail(xid, e);
+        }
+        self.table.clear_waits();
+        self.regions.clear();
+        self.stats
+            .in_flight
+            .store(self.table.len() as u64, Ordering::Relaxed);
+    }
+
+    pub(super) fn run(&mut self) {
+        let mut last_tick = Instant::now() - Duration::from_secs(1);
+        // Since when the loop has found nothing to do (it polls until the spin's
+        // budget is spent, then sleeps).
+        let mut idle_since: Option<Instant> = None;
+        // What a pass posts on its links leaves together at the pass's end (one write
+        // per link on the TCP fabric instead of one per frame).
+        self.cq.hold_sends(true);
+        while !self.stop.load(Ordering::Relaxed) {
+            let mut work = 0;
+            work += self.drain_sidecar();
+            work += self.drain_completions();
+            work += self.drain_inbox();
+            work += self.flush_deferred();
+            self.expire();
+            if !self.accepted.is_empty() {
+                self.accept();
+            }
+            if last_tick.elapsed() >= Duration::from_millis(20) {
+                last_tick = Instant::now();
+                self.forget_departed_pods();
+                self.publish_occupancy();
+                self.follow_generation();
+            }
+            // One wake-up per pod, one send per link, for everything this pass did.
+            self.port.wake_pods();
+            self.cq.flush_sends();
+            self.stats
+                .in_flight
+                .store(self.table.len() as u64, Ordering::Relaxed);
+            if work > 0 {
+                if idle_since.take().is_some() {
+                    self.spin.record(Waited::WhilePolling);
+                }
+                continue;
+            }
+            let now = Instant::now();
+            let since = *idle_since.get_or_insert(now);
+            match self.spin.budget() {
+                None => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                Some(budget) if now - since < budget => {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                Some(_) => {}
+            }
+            let (slept, woken) = self.sleep();
+            idle_since = None;
+            self.spin.record(if woken {
+                Waited::Slept(slept)
+            } else {
+                Waited::Nothing
+            });
+        }
+        self.cq.hold_sends(false);
+    }
+
+    /// Builds the instances of a newly published generation between requests, so the
+    /// next request does not wait for them.
+    pub(super) fn follow_generation(&mut self) {
+        let published = self.policy.snapshot().generation.clone();
+        if published.number() != self.chains.generation() {
+            self.chains.switch(&published);
+        }
+        self.generation
+            .store(self.chains.generation(), Ordering::Release);
+    }
+
+    /// Sleeps on the wait set until something arrives (the shard's bell: a pod sent, a
+    /// chain finished on the pool, a link was accepted; the completion queue) or the
+    /// next timer is due.
+    /// Returns how long it slept and whether something woke it (rather than the
+    /// timeout).
+    pub(super) fn sleep(&mut self) -> (Duration, bool) {
+        let mut timeout = self
+            .table
+            .next_timer()
+            .map(|t| t.saturating_duration_since(Instant::now()))
+            .unwrap_or(Duration::from_millis(20))
+            .min(Duration::from_millis(20));
+        if self.port.holding() || !self.deferred.is_empty() {
+            // Pods do not say when they make room in their rings: look again soon.
+            timeout = timeout.min(Duration::from_micros(200));
+        }
+        let started = Instant::now();
+        let mut woken = true;
+        self.bell.sleep_begins();
+        let sleep = self.cq.prepare_sleep();
+        if sleep && !self.port.has_work() && self.inbox.is_empty() && self.accepted.is_empty() {
+            woken = self.waits.wait(timeout).is_ok_and(|n| n > 0);
+        }
+        self.cq.finish_sleep();
+        self.bell.sleep_ends();
+        self.bell.drain();
+        (started.elapsed(), woken)
+    }
+
+    pub(super) fn accept(&mut self) {
+        while let Ok(qp) = self.accepted.try_recv() {
+            match Link::new(&self.fabric, &self.pd, qp) {
+                Ok(link) => {
+                    tracing::debug!(qp = link.qp_num(), "mesh link accepted");
+                    self.links
+                        .insert(link.qp_num(), LinkState { link, node: None });
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot set up an accepted mesh link"),
+            }
+        }
+    }
+}

@@ -1,0 +1,251 @@
+//! Failed tries, retries, local replies, timeouts and lost links.
+
+use super::*;
+
+impl<F: Fabric> Reactor<F> {
+    /// The DMA manager could not carry a descriptor we handed it.
+    pub(super) fn delivery_failed(&mut self, d: Descriptor) {
+        let status = d.error_status();
+        if d.kind.response {
+            // A reply that could not reach its pod (it left, its pools are full): the
+            // DMA manager freed what it held; the caller's own timeout answers it.
+            tracing::warn!(?status, pod = ?d.dst, "a reply could not be delivered");
+            return;
+        }
+        let key = match d.dst {
+            Destination::Pod(_) if d.src_pod == 0 => (0, d.req_id, d.step_id),
+            _ => (d.src_pod, d.req_id, d.step_id),
+        };
+        let Some(xid) = self.table.undelivered(key) else {
+            tracing::debug!(?status, "data path error for a finished exchange");
+            return;
+        };
+        let e = ProxyError::new(
+            ErrorKind::EndpointRefused,
+            format!("the service's pod could not take the request: {status:?}"),
+        );
+        self.fail_try(xid, e);
+    }
+
+    /// Tries again on the next pod; the failed try's reply, if it comes, is dropped.
+    pub(super) fn retry(&mut self, xid: u32, status: u16) {
+        let Some(e) = self.table.begin_retry(xid) else {
+            return;
+        };
+        metrics::counter!(
+            "dpumesh_retries_total",
+            "service" => e.service.clone(),
+            "status" => status.to_string(),
+        )
+        .increment(1);
+        tracing::debug!(xid, attempt = e.attempt, status, "retrying");
+        self.dispatch(xid);
+    }
+
+    /// Ends a try that failed with `e`: tried again on the next pod when the error and
+    /// the exchange allow it, answered with `e` otherwise.
+    pub(super) fn fail_try(&mut self, xid: u32, e: ProxyError) {
+        if e.retryable() && self.table.can_retry(xid, Instant::now()) {
+            self.retry(xid, e.status());
+        } else {
+            self.fail(xid, e);
+        }
+    }
+
+    /// Answers an exchange with the proxy's error `e`.
+    pub(super) fn fail(&mut self, xid: u32, e: ProxyError) {
+        let failure = failure_kind(&e);
+        self.finish_with(xid, &e.response_head(), e.body(), failure);
+    }
+
+    /// Answers an exchange from the proxy itself: an error, or a filter's denial.
+    pub(super) fn finish_with(
+        &mut self,
+        xid: u32,
+        head: &ResponseHead,
+        body: Vec<u8>,
+        failure: FailureKind,
+    ) {
+        let Some(mut exchange) = self.table.close(xid) else {
+            return;
+        };
+        self.response_phase(&mut exchange, head.status, failure, None);
+        if let Stage::Peer { qp, reply_slot } = exchange.stage
+            && let Origin::Pod { d } = exchange.origin
+        {
+            if self.links.contains_key(&qp) {
+                // The peer may still read A's body and write into the reply slot:
+                // both stay lent until its answer comes or the link goes.
+                let mut lent = d;
+                lent.header = Buffer::NONE;
+                self.table.orphan(
+                    xid,
+                    Orphan {
+                        qp,
+                        d: lent,
+                        reply_slot,
+                    },
+                );
+                self.stats.local_replies.fetch_add(1, Ordering::Relaxed);
+                self.reply_pod(&d, head, body);
+                let mut header_only = d;
+                header_only.body = Buffer::NONE;
+                self.hand_back(&header_only);
+                return;
+            }
+            self.release_rx(d.src_pod, reply_slot);
+        }
+        self.reply_origin(&exchange.origin, head, body);
+    }
+
+    pub(super) fn drop_exchange(&mut self, xid: u32) {
+        self.table.close(xid);
+    }
+
+    pub(super) fn reply_origin_error(&mut self, origin: &Origin, e: &ProxyError) {
+        self.reply_origin(origin, &e.response_head(), e.body());
+    }
+
+    pub(super) fn reply_origin(&mut self, origin: &Origin, head: &ResponseHead, body: Vec<u8>) {
+        self.stats.local_replies.fetch_add(1, Ordering::Relaxed);
+        match origin {
+            Origin::Link { qp, xid, .. } => self.send_local(*qp, *xid, head, body),
+            Origin::Pod { d } => {
+                let d = *d;
+                self.reply_pod(&d, head, body);
+                // Its request is over: its buffers go back.
+                self.hand_back(&d);
+            }
+        }
+    }
+
+    /// A reply from the proxy over link `qp` to the sender's exchange `xid`.
+    pub(super) fn send_local(&mut self, qp: u32, xid: u32, head: &ResponseHead, mut body: Vec<u8>) {
+        // Local replies travel inline in one frame: a filter's oversized reply body is
+        // cut rather than lost.
+        body.truncate(MAX_LOCAL_BODY);
+        let body = if body.is_empty() {
+            ResponseBody::None
+        } else {
+            ResponseBody::Inline(body)
+        };
+        let head = wire::encode_response(head).unwrap_or_default();
+        self.send_link(qp, Message::Response(Response { xid, body, head }));
+    }
+
+    /// A reply from the proxy to a pod's request `d`.
+    pub(super) fn reply_pod(&mut self, d: &Descriptor, head: &ResponseHead, body: Vec<u8>) {
+        let pod = d.src_pod;
+        let Ok(bytes) = wire::encode_response(head) else {
+            return;
+        };
+        let Ok(header) = self.port.alloc_header(&bytes) else {
+            tracing::warn!(pod, "no DPU header slot for a local reply");
+            return;
+        };
+        let mut body_buf = Buffer::NONE;
+        if !body.is_empty() {
+            match self.port.reserve_body(pod, body.len() as u32) {
+                Ok(slot) => {
+                    let written = self.pod(pod).map(|info| {
+                        info.rx_body
+                            .slot_of(slot)
+                            .and_then(|s| info.rx_body.write(s, &body))
+                    });
+                    match written {
+                        Some(Ok(b)) => body_buf = b,
+                        _ => self.release_rx(pod, slot),
+                    }
+                }
+                Err(e) => tracing::warn!(pod, error = %e, "no body slot for a local reply"),
+            }
+        }
+        let mut out = Descriptor::request(
+            Case::ExternalToHost,
+            d.req_id,
+            d.step_id,
+            0,
+            Destination::Pod(pod),
+        )
+        .with_header(header)
+        .with_body(body_buf);
+        out.kind.response = true;
+        out.status = head.status;
+        self.forward(out);
+    }
+
+    /// Answers what the timers say: a try that ran out of its time is tried again
+    /// or failed; an exchange that ran out of time gets a 504.
+    pub(super) fn expire(&mut self) {
+        let now = Instant::now();
+        while let Some(due) = self.table.due(now) {
+            match due {
+                Due::TryTimeout(xid) => {
+                    let service = &self.table.get(xid).expect("due").service;
+                    let e = ProxyError::new(
+                        ErrorKind::TryTimeout,
+                        format!(
+                            "service {service:?} did not answer a try within its per-try timeout"
+                        ),
+                    );
+                    self.fail_try(xid, e);
+                }
+                Due::Timeout(xid) => {
+                    self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                    let exchange = self.table.get(xid).expect("due");
+                    let waited = now.saturating_duration_since(exchange.started);
+                    let e = ProxyError::new(
+                        ErrorKind::Timeout,
+                        format!(
+                            "service {:?} did not answer within {} ms",
+                            exchange.service,
+                            waited.as_millis()
+                        ),
+                    );
+                    self.fail(xid, e);
+                }
+            }
+        }
+    }
+
+    /// A link failed: what came over it cannot be answered; what went out over it
+    /// fails.
+    pub(super) fn link_down(&mut self, qp: u32, why: String) {
+        let Some(state) = self.links.remove(&qp) else {
+            return;
+        };
+        tracing::warn!(qp, node = ?state.node, why, "mesh link down");
+        if let Some(node) = &state.node {
+            self.peer_links.remove(node);
+        }
+        // The queue pair is gone: none of its operations will complete. What they
+        // held goes back now (nothing can write into it any more).
+        drop(state);
+        let loss = self.table.link_down(qp);
+        for op in loss.transfers {
+            match op {
+                Transfer::Read {
+                    pod, slot, header, ..
+                } => {
+                    self.release_rx(pod, slot);
+                    let _ = self.port.release_header(header);
+                }
+                Transfer::Write { done, .. } => self.hand_back(&done),
+            }
+        }
+        for o in loss.orphans {
+            self.release_rx(o.d.src_pod, o.reply_slot);
+            self.hand_back(&o.d);
+        }
+        // What came over it has nobody to answer; a reply from the pod is dropped
+        // when it comes.
+        drop(loss.dropped);
+        for xid in loss.failed {
+            let e = ProxyError::new(
+                ErrorKind::LinkLost,
+                format!("lost the link to the service's node ({why})"),
+            );
+            self.fail(xid, e);
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! Taking requests in (from links and from the node's pods), routing them and running
+//! their chains.
+
+use super::*;
+
+impl<F: Fabric> Reactor<F> {
+    pub(super) fn drain_sidecar(&mut self) -> usize {
+        let mut n = 0;
+        while n < 64 {
+            let d = match self.port.try_recv() {
+                Ok(Some(d)) => d,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::error!(error = %e, "sidecar ring: undecodable descriptor");
+                    n += 1;
+                    continue;
+                }
+            };
+            n += 1;
+            if d.kind.error {
+                self.delivery_failed(d);
+            } else if d.kind.response {
+                self.pod_response(d);
+            } else {
+                self.pod_request(d);
+            }
+        }
+        n
+    }
+
+    pub(super) fn drain_completions(&mut self) -> usize {
+        self.completions.clear();
+        let mut completions = std::mem::take(&mut self.completions);
+        self.cq.poll(&mut completions, 64);
+        let n = completions.len();
+        for wc in completions.drain(..) {
+            let Some(state) = self.links.get_mut(&wc.qp_num) else {
+                continue;
+            };
+            match state.link.on_completion(&wc) {
+                Ok(None) => {}
+                Ok(Some(LinkEvent::Message(m))) => self.link_message(wc.qp_num, m),
+                Ok(Some(LinkEvent::OpDone(token))) => self.transfer_done(token, None),
+                Ok(Some(LinkEvent::OpFailed(token, status))) => {
+                    self.transfer_done(token, Some(status));
+                    self.link_down(wc.qp_num, format!("{status:?}"));
+                }
+                Err(e) => self.link_down(wc.qp_num, e.to_string()),
+            }
+        }
+        self.completions = completions;
+        n
+    }
+
+    pub(super) fn drain_inbox(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(item) = self.inbox.try_recv() {
+            n += 1;
+            match item {
+                Inbox::Decided { xid, done } => self.decided(xid, done),
+                #[cfg(feature = "fault-injection")]
+                Inbox::Panic => panic!("injected data plane panic"),
+            }
+        }
+        n
+    }
+
+    pub(super) fn link_message(&mut self, qp: u32, message: Message) {
+        match message {
+            Message::Request(r) => self.link_request(qp, r),
+            Message::Response(r) => self.peer_response(qp, r),
+            Message::Credit => {}
+        }
+    }
+
+    /// A request from the ingress or a peer proxy.
+    pub(super) fn link_request(&mut self, qp: u32, r: Request) {
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let origin = Origin::Link {
+            qp,
+            xid: r.xid,
+            reply: r.reply,
+        };
+        let head = match wire::decode_request(&r.head) {
+            Ok(head) => head,
+            Err(e) => {
+                let e = ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("malformed request head: {e}"),
+                );
+                self.reply_origin_error(&origin, &e);
+                return;
+            }
+        };
+        let limit = (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms)));
+        self.admit(origin, head, r.body, r.flags, limit);
+    }
+
+    /// A request from a pod on this node (case 1 or 3).
+    pub(super) fn pod_request(&mut self, d: Descriptor) {
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        let origin = Origin::Pod { d };
+        let bytes = match self.port.header(&d) {
+            Ok(b) => b,
+            Err(e) => {
+                let e = ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("unreadable request head: {e}"),
+                );
+                self.reply_origin_error(&origin, &e);
+                return;
+            }
+        };
+        let mut head = match wire::decode_request(&bytes) {
+            Ok(head) => head,
+            Err(e) => {
+                let e = ProxyError::new(
+                    ErrorKind::MalformedRequest,
+                    format!("malformed request head: {e}"),
+                );
+                self.reply_origin_error(&origin, &e);
+                return;
+            }
+        };
+        // Who is calling is the data path's to say, not the pod's.
+        let service = self.pod(d.src_pod).map(|p| p.service.clone());
+        head.source = Peer {
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            identity: service.map(|s| format!("spiffe://dpumesh/{}/{s}", self.topology.node)),
+        };
+        self.admit(origin, head, None, RequestFlags::default(), None);
+    }
+
+    /// Routes a request and runs its chain (unless a peer proxy already did).
+    pub(super) fn admit(
+        &mut self,
+        origin: Origin,
+        mut head: RequestHead,
+        body: Option<RemoteBuf>,
+        flags: RequestFlags,
+        limit: Option<Duration>,
+    ) {
+        let snapshot = self.policy.snapshot();
+        let routed = if flags.policed {
+            head.destination.clone().map(|s| {
+                let policy = snapshot.service_policy(&s);
+                (s, usize::MAX, policy)
+            })
+        } else {
+            snapshot.resolve(&head.authority, &head.path)
+        };
+        let Some((service, chain, policy)) = routed else {
+            let e = ProxyError::new(
+                ErrorKind::NoRoute,
+                format!(
+                    "no route for host {:?} path {:?}",
+                    head.authority, head.path
+                ),
+            );
+            self.reply_origin_error(&origin, &e);
+            return;
+        };
+        head.destination = Some(service.clone());
+        let opening = Opening {
+            origin,
+            service,
+            method: head.method.clone(),
+            body,
+            policy,
+            default_timeout: self.topology.timeout,
+            limit,
+        };
+        let xid = self.table.open(opening, Instant::now());
+        if flags.policed {
+            self.table.get_mut(xid).expect("just opened").head = Some(head);
+            self.dispatch(xid);
+            return;
+        }
+        let generation = &snapshot.generation;
+        if !generation.chains()[chain].offload() {
+            // Run to completion here: the chain's instances are this thread's.
+            let done = self.chains.on_request(generation, chain, head);
+            self.decided(xid, Ok(Box::new(done)));
+            return;
+        }
+        // A chain with a filter slow by nature runs on the pool; its verdict comes
+        // back through the inbox and the bell.
+        let inbox = self.inbox_tx.clone();
+        let bell = self.bell.clone();
+        let submitted =
+            self.policy
+                .pool()
+                .request_with(generation.clone(), chain, head, move |done| {
+                    let _ = inbox.send(Inbox::Decided {
+                        xid,
+                        done: done.map(Box::new),
+                    });
+                    bell.ring();
+                });
+        if let Err(e) = submitted {
+            self.fail(xid, pool_error(e));
+        }
+    }
+
+    /// Runs a response phase where its request phase ran: inline, or on the pool for
+    /// an offloaded chain. Response filters do not edit the response, so nobody waits
+    /// for the result.
+    pub(super) fn run_response_phase(
+        &mut self,
+        ticket: Ticket,
+        head: RequestHead,
+        info: ResponseInfo,
+    ) {
+        if ticket.worker == SHARD_RUNNER {
+            self.chains.on_response(&ticket, head, &info);
+        } else {
+            let _ = self.policy.pool().response_with(ticket, head, info, |_| {});
+        }
+    }
+
+    /// The chain decided (or its worker died with the request).
+    pub(super) fn decided(&mut self, xid: u32, done: Result<Box<RequestDone>, PoolError>) {
+        let done = match done {
+            Ok(done) => *done,
+            Err(e) => {
+                self.fail(xid, pool_error(e));
+                return;
+            }
+        };
+        let Some(exchange) = self.table.get_mut(xid) else {
+            // Timed out while filtering: the response phase still runs.
+            let info = ResponseInfo {
+                status: 504,
+                latency_ns: 0,
+                upstream: None,
+                failure: FailureKind::Timeout,
+            };
+            self.run_response_phase(done.ticket, done.outcome.head, info);
+            return;
+        };
+        exchange.ticket = Some(done.ticket);
+        let outcome = done.outcome;
+        match outcome.decision {
+            Decision::Deny { filter, reply, .. } => {
+                metrics::counter!(
+                    "dpumesh_denials_total",
+                    "service" => exchange.service.clone(),
+                    "filter" => filter.to_string(),
+                    "status" => reply.status.to_string(),
+                )
+                .increment(1);
+                exchange.head = Some(outcome.head);
+                let mut headers = HeaderMap::new();
+                for (name, value) in &reply.headers {
+                    if let (Ok(n), Ok(v)) = (
+                        HeaderName::from_bytes(name.as_bytes()),
+                        HeaderValue::from_str(value),
+                    ) {
+                        headers.append(n, v);
+                    }
+                }
+                let head = ResponseHead {
+                    status: reply.status,
+                    headers,
+                };
+                self.finish_with(xid, &head, reply.body.into_bytes(), FailureKind::LocalReply);
+            }
+            Decision::Continue => {
+                exchange.head = Some(outcome.head);
+                self.dispatch(xid);
+            }
+        }
+    }
+}

@@ -1,0 +1,409 @@
+//! The DPU proxy's data flow: heads come in from the fabric (the ingress, or a peer
+//! node's proxy) and from the node's pods (their TX rings); the route's filter chain
+//! runs inline on the shard (an offloaded chain on the filter pool); a denial is
+//! answered at once and the body never moves; an allowed request goes to a pod of the
+//! service on this node (round robin) or, for a pod's egress call to a service
+//! elsewhere, to the proxy of a node that runs it. Responses come back the same way
+//! and pass the response phase.
+//!
+//! ```text
+//! ingress ─Request(head, body@ingress, reply@ingress)─▶ link ─┐
+//!                                                              ├▶ route → chain (inline)
+//! pod A ─TX ring─▶ shard (DMA work inline) ──────────────────┘        │
+//!   deny: local reply ◀──────────────────────────────────────────────┤
+//!   allow, pod B here: [READ body → B's RX pool] → B's RX ring
+//!   allow, elsewhere:  Request(policed, body@A's TX pool, reply@A's RX pool) → peer
+//! B's reply: B's TX ring → [WRITE body → reply buffer] → Response → origin
+//! ```
+//!
+//! One shard thread owns every queue pair, its pods' rings and the exchanges in
+//! flight, and runs each request to completion. Its parts: [`exchange`] (the sans-I/O
+//! table of exchanges, timers, transfers and orphans, and the decisions about them),
+//! `event_loop` (drain, batch, poll, sleep), `intake` (routing and the chain),
+//! `dispatch` (to a pod or a peer), `respond` (answers back), `failure` (retries,
+//! timeouts, lost links and pods).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+use dpumesh_dpa::bell::{Bell, WaitSet};
+use dpumesh_dpa::fabric::{
+    CompletionQueue, Fabric, MemoryRegion, QpCaps, QpListener, WcStatus, WorkCompletion,
+};
+use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
+use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_dpa::{
+    Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuShard, OwnerId, PodInfo, Polling,
+    Spin, Waited,
+};
+use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
+use dpumesh_head::wire::{self, ResponseHead};
+use dpumesh_runtime::{
+    Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead, ResponseInfo,
+    Ticket,
+};
+use dpumesh_supervise::{RestartPolicy, Supervisor};
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::policy::Policy;
+
+mod dispatch;
+mod event_loop;
+mod exchange;
+mod failure;
+mod intake;
+mod respond;
+
+use exchange::{
+    Due, Exchange, ExchangeTable, Opening, Origin, Orphan, PeerAnswer, PodAnswer, Stage, Transfer,
+};
+
+/// Where the other nodes are and what runs where.
+#[derive(Debug, Clone, Default)]
+pub struct Topology {
+    /// This node's name.
+    pub node: String,
+    /// Other nodes' fabric addresses.
+    pub peers: BTreeMap<String, SocketAddr>,
+    /// Nodes running each service.
+    pub placement: BTreeMap<String, Vec<String>>,
+    /// How long a request may take when its route sets no timeout.
+    pub timeout: Duration,
+}
+
+/// Counters, readable from any thread.
+#[derive(Debug, Default)]
+pub struct DataplaneStats {
+    /// Requests taken in (fabric and pods).
+    pub requests: AtomicU64,
+    /// Answered by the proxy itself (denials, errors).
+    pub local_replies: AtomicU64,
+    /// Responses relayed from pods and peers.
+    pub relayed: AtomicU64,
+    /// Exchanges that timed out.
+    pub timeouts: AtomicU64,
+    /// Exchanges in flight.
+    pub in_flight: AtomicU64,
+}
+
+/// A running data plane.
+pub struct Dataplane {
+    stop: Arc<AtomicBool>,
+    accept_stop: Arc<AtomicBool>,
+    bell: Bell,
+    thread: Option<JoinHandle<()>>,
+    addr: SocketAddr,
+    stats: Arc<DataplaneStats>,
+    supervisor: Arc<Supervisor>,
+    #[cfg(feature = "fault-injection")]
+    inbox: Sender<Inbox>,
+}
+
+impl std::fmt::Debug for Dataplane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dataplane")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dataplane {
+    /// Starts the reactor: listens for queue pairs at `listen` and takes the node's
+    /// first shard (its pods' rings and pools, its DMA work and its bell); the
+    /// reactor runs every request's chain inline, polls as `polling` says after its
+    /// last work, then sleeps on one epoll set (the shard's bell and its completion
+    /// queue).
+    pub fn start<F: Fabric>(
+        fabric: F,
+        listen: SocketAddr,
+        dpu: Arc<Dpu>,
+        policy: Arc<Policy>,
+        topology: Topology,
+        polling: Polling,
+    ) -> anyhow::Result<Self> {
+        let pd = fabric.alloc_pd()?;
+        // Every link's receives and sends complete here.
+        let cq = fabric.create_cq(1 << 16)?;
+        let listener = fabric.listen(&pd, listen, &cq, QpCaps::default())?;
+        let addr = listener.local_addr();
+        // Accepting (with the peer's hello) may block on a slow or silent connection:
+        // never on the reactor.
+        let (accepted_tx, accepted) = crossbeam_channel::unbounded();
+        let accept_stop = Arc::new(AtomicBool::new(false));
+        let port = dpu
+            .take_shards()
+            .into_iter()
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("the node's shards are taken"))?;
+        let bell = port.bell().clone();
+        let mut waits = WaitSet::new()?;
+        waits.add(bell.fd(), 0)?;
+        if let Some(fd) = cq.wait_fd() {
+            waits.add(fd, 1)?;
+        }
+        let chains = LocalChains::new(SHARD_RUNNER, policy.snapshot().generation.clone());
+        let generation = policy.add_runner();
+        let supervisor = Supervisor::new();
+        supervisor.spawn(
+            "dpumesh-accept",
+            RestartPolicy::default(),
+            (listener, accepted_tx, accept_stop.clone(), bell.clone()),
+            |(listener, accepted, stop, bell)| {
+                while !stop.load(Ordering::Relaxed) {
+                    match listener.accept(Duration::from_millis(100)) {
+                        Ok(Some(qp)) => {
+                            if accepted.send(qp).is_err() {
+                                return;
+                            }
+                            bell.ring();
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "mesh accept failed");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    }
+                }
+            },
+            |_| {},
+        )?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(DataplaneStats::default());
+        let (inbox_tx, inbox) = crossbeam_channel::unbounded();
+        let reactor = Reactor {
+            fabric,
+            pd,
+            cq,
+            accepted,
+            connect_failed: HashMap::new(),
+            links: HashMap::new(),
+            peer_links: HashMap::new(),
+            port,
+            chains,
+            generation,
+            waits,
+            dpu,
+            policy,
+            topology,
+            pods: Vec::new(),
+            pods_at: Instant::now() - Duration::from_secs(1),
+            regions: HashMap::new(),
+            table: ExchangeTable::default(),
+            pod_turns: HashMap::new(),
+            node_turns: HashMap::new(),
+            inbox,
+            inbox_tx,
+            bell: bell.clone(),
+            stats: stats.clone(),
+            stop: stop.clone(),
+            completions: Vec::with_capacity(64),
+            deferred: VecDeque::new(),
+            spin: Spin::new(polling),
+        };
+        #[cfg(feature = "fault-injection")]
+        let inbox = reactor.inbox_tx.clone();
+        let thread = supervisor.spawn(
+            "dpumesh-dataplane",
+            RestartPolicy::default(),
+            reactor,
+            Reactor::run,
+            Reactor::recover,
+        )?;
+        Ok(Self {
+            stop,
+            accept_stop,
+            bell,
+            thread: Some(thread),
+            addr,
+            stats,
+            supervisor,
+            #[cfg(feature = "fault-injection")]
+            inbox,
+        })
+    }
+
+    /// The data plane's threads (the reactor, the accept loop), for readiness.
+    pub fn supervisor(&self) -> &Arc<Supervisor> {
+        &self.supervisor
+    }
+
+    /// Makes the reactor thread panic at its next turn (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_panic(&self) {
+        let _ = self.inbox.send(Inbox::Panic);
+        self.bell.ring();
+    }
+
+    /// Where peers and the ingress connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Arc<DataplaneStats> {
+        &self.stats
+    }
+}
+
+impl Drop for Dataplane {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.accept_stop.store(true, Ordering::SeqCst);
+        self.bell.interrupt();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What the workers hand back.
+enum Inbox {
+    Decided {
+        xid: u32,
+        done: Result<Box<RequestDone>, PoolError>,
+    },
+    /// Panic (tests of supervision).
+    #[cfg(feature = "fault-injection")]
+    Panic,
+}
+
+struct LinkState<F: Fabric> {
+    link: Link<F>,
+    /// The peer node this link was connected to (`None`: accepted).
+    node: Option<String>,
+}
+
+struct PodRegions<F: Fabric> {
+    rx: F::Mr,
+    tx: F::Mr,
+    rx_pool: BufferPool,
+    tx_pool: BufferPool,
+}
+
+struct Reactor<F: Fabric> {
+    fabric: F,
+    pd: F::Pd,
+    cq: F::Cq,
+    /// Queue pairs the accept thread took.
+    accepted: Receiver<F::Qp>,
+    /// Peers whose connect failed, and when (not tried again for a second).
+    connect_failed: HashMap<String, Instant>,
+    links: HashMap<u32, LinkState<F>>,
+    peer_links: HashMap<String, u32>,
+    port: DpuShard,
+    /// The chains this reactor runs inline, per generation.
+    chains: LocalChains,
+    /// The generation it runs new requests on (readiness reads it).
+    generation: Arc<AtomicU64>,
+    /// Its one wait set: the shard's bell (pods, the accept loop, offloaded chains,
+    /// shutdown) and the fabric completion queue.
+    waits: WaitSet,
+    dpu: Arc<Dpu>,
+    policy: Arc<Policy>,
+    topology: Topology,
+    pods: Vec<PodInfo>,
+    pods_at: Instant,
+    regions: HashMap<u32, PodRegions<F>>,
+    /// The exchanges in flight and their timers (the sans-I/O core).
+    table: ExchangeTable,
+    /// Round-robin turns over a service's pods here, and over the nodes running it.
+    pod_turns: HashMap<String, usize>,
+    node_turns: HashMap<String, usize>,
+    inbox: Receiver<Inbox>,
+    inbox_tx: Sender<Inbox>,
+    bell: Bell,
+    stats: Arc<DataplaneStats>,
+    stop: Arc<AtomicBool>,
+    completions: Vec<WorkCompletion>,
+    /// Descriptors the DMA manager's ring had no room for, in order.
+    deferred: VecDeque<Descriptor>,
+    /// How long to keep polling after the last work before sleeping.
+    spin: Spin,
+}
+
+/// The round-robin counter of `key` in `turns`, advanced (allocates only the first
+/// time a key is seen).
+fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
+    match turns.get_mut(key) {
+        Some(n) => {
+            *n = n.wrapping_add(1);
+            *n
+        }
+        None => {
+            turns.insert(key.to_owned(), 0);
+            0
+        }
+    }
+}
+
+/// The runner id of a shard's inline chains in tickets (pool workers count from 0).
+const SHARD_RUNNER: usize = usize::MAX;
+
+/// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
+const MAX_LOCAL_BODY: usize = 16 << 10;
+
+/// How a request the proxy ended counts for the response phase (the circuit breaker
+/// counts only upstream failures): read from the error's kind, in this one place.
+fn failure_kind(e: &ProxyError) -> FailureKind {
+    match e.upstream_failure() {
+        Some(UpstreamFailure::Connect) => FailureKind::ConnectFailure,
+        Some(UpstreamFailure::Reset) => FailureKind::UpstreamReset,
+        Some(UpstreamFailure::Timeout) => FailureKind::Timeout,
+        None => match e.source() {
+            // Nothing upstream saw the request: like a filter's denial, not the
+            // service's failure.
+            Source::Downstream | Source::Policy => FailureKind::LocalReply,
+            Source::Internal | Source::Upstream => FailureKind::Internal,
+        },
+    }
+}
+
+/// The answer for a request the filter workers could not take or finish.
+fn pool_error(e: PoolError) -> ProxyError {
+    let kind = match e {
+        PoolError::Stopped => ErrorKind::ShuttingDown,
+        PoolError::WorkerLost => ErrorKind::ThreadLost,
+        PoolError::UnknownChain(_) | PoolError::StaleGeneration { .. } => ErrorKind::Internal,
+    };
+    ProxyError::new(kind, format!("filter chain not run: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use test_case::test_case;
+
+    use super::*;
+
+    #[test_case(ErrorKind::EndpointRefused, FailureKind::ConnectFailure; "a pod that cannot take the request is the service's")]
+    #[test_case(ErrorKind::Unreachable, FailureKind::ConnectFailure; "an unreachable node")]
+    #[test_case(ErrorKind::NoEndpoint, FailureKind::ConnectFailure; "no endpoint")]
+    #[test_case(ErrorKind::LinkLost, FailureKind::UpstreamReset; "a lost link to the service's node")]
+    #[test_case(ErrorKind::BadResponse, FailureKind::UpstreamReset; "an unusable answer")]
+    #[test_case(ErrorKind::TryTimeout, FailureKind::Timeout; "a try timeout")]
+    #[test_case(ErrorKind::Timeout, FailureKind::Timeout; "a timeout")]
+    #[test_case(ErrorKind::DownstreamLost, FailureKind::LocalReply; "the client's side went away")]
+    #[test_case(ErrorKind::HeadTooLarge, FailureKind::LocalReply; "a head too large")]
+    #[test_case(ErrorKind::NoRoute, FailureKind::LocalReply; "no route")]
+    #[test_case(ErrorKind::Overloaded, FailureKind::Internal; "the proxy is out of buffers")]
+    #[test_case(ErrorKind::ThreadLost, FailureKind::Internal; "a proxy thread died")]
+    fn the_breaker_sees_each_error_by_its_source(kind: ErrorKind, failure: FailureKind) {
+        assert_eq!(failure_kind(&ProxyError::new(kind, "x")), failure);
+    }
+
+    #[test]
+    fn filter_workers_that_stopped_or_died_give_503() {
+        let stopped = pool_error(PoolError::Stopped);
+        assert_eq!(
+            (stopped.kind(), stopped.status()),
+            (ErrorKind::ShuttingDown, 503)
+        );
+        let lost = pool_error(PoolError::WorkerLost);
+        assert_eq!((lost.kind(), lost.status()), (ErrorKind::ThreadLost, 503));
+        assert!(lost.message().contains("died"), "{lost}");
+    }
+}

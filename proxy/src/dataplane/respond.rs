@@ -1,0 +1,374 @@
+//! Answers coming back from pods and peers, relayed to where their requests came
+//! from, and the response phase.
+
+use super::*;
+
+impl<F: Fabric> Reactor<F> {
+    /// A pod answered (a request from outside the node, or a pod's call).
+    pub(super) fn pod_response(&mut self, d: Descriptor) {
+        let Destination::Pod(to) = d.dst else {
+            self.hand_back(&d);
+            return;
+        };
+        let xid = match self.table.pod_answer((to, d.req_id, d.step_id), d.src_pod) {
+            PodAnswer::Current(xid) => xid,
+            answer => {
+                // Its request timed out or its origin is gone, or the pod answers for
+                // a request it was never given: drop it, free its buffers.
+                if answer == PodAnswer::Impostor {
+                    tracing::warn!(pod = d.src_pod, "a pod answered a request it was not given");
+                }
+                self.hand_back(&d);
+                return;
+            }
+        };
+        if matches!(d.status, 502..=504) && self.table.can_retry(xid, Instant::now()) {
+            self.hand_back(&d);
+            self.retry(xid, d.status);
+            return;
+        }
+        let header = self.port.header(&d).unwrap_or_default();
+        self.stats.relayed.fetch_add(1, Ordering::Relaxed);
+        let Some(mut exchange) = self.table.close(xid) else {
+            self.hand_back(&d);
+            return;
+        };
+        self.response_phase(&mut exchange, d.status, FailureKind::None, Some(d.src_pod));
+        match exchange.origin {
+            Origin::Pod { d: request } => {
+                // Case 3: the DMA manager delivers B's reply to A (body B → A), under
+                // the ids A sent.
+                let mut d = d;
+                d.req_id = request.req_id;
+                d.step_id = request.step_id;
+                self.forward(d);
+            }
+            Origin::Link {
+                qp,
+                xid: peer_xid,
+                reply,
+            } => {
+                let body = if d.body.is_none() {
+                    ResponseBody::None
+                } else if d.body.len > reply.len {
+                    self.hand_back(&d);
+                    let e = ProxyError::new(
+                        ErrorKind::BadResponse,
+                        format!(
+                            "response body of {} bytes exceeds the {}-byte reply buffer",
+                            d.body.len, reply.len
+                        ),
+                    );
+                    self.send_local(qp, peer_xid, &e.response_head(), e.body());
+                    return;
+                } else {
+                    match self.write_body(qp, &d, reply) {
+                        Ok(()) => ResponseBody::Written(d.body.len),
+                        Err(e) => {
+                            self.send_local(qp, peer_xid, &e.response_head(), e.body());
+                            return;
+                        }
+                    }
+                };
+                if matches!(body, ResponseBody::None) {
+                    self.hand_back(&d);
+                }
+                self.send_link(
+                    qp,
+                    Message::Response(Response {
+                        xid: peer_xid,
+                        body,
+                        head: header,
+                    }),
+                );
+            }
+        }
+    }
+
+    /// RDMA-WRITEs a pod's response body (in its TX pool) to `reply`; the pod gets the
+    /// slot back when the write is done.
+    pub(super) fn write_body(
+        &mut self,
+        qp: u32,
+        d: &Descriptor,
+        reply: RemoteBuf,
+    ) -> Result<(), ProxyError> {
+        let Some(regions) = self.pod_regions(d.src_pod) else {
+            self.hand_back(d);
+            return Err(ProxyError::new(
+                ErrorKind::Internal,
+                "the service's memory cannot be registered",
+            ));
+        };
+        let Ok(offset) = regions.tx_pool.offset_of(d.body) else {
+            self.hand_back(d);
+            return Err(ProxyError::new(
+                ErrorKind::BadResponse,
+                "the service's response body is not in its pool",
+            ));
+        };
+        let sge = regions.tx.sge(offset, d.body.len);
+        let token = self.table.next_token();
+        let Some(state) = self.links.get_mut(&qp) else {
+            self.hand_back(d);
+            return Err(ProxyError::new(
+                ErrorKind::DownstreamLost,
+                "the link the request came on is gone",
+            ));
+        };
+        if state.link.write(sge, reply.at, token).is_err() {
+            self.hand_back(d);
+            self.link_down(qp, "write refused".into());
+            return Err(ProxyError::new(
+                ErrorKind::DownstreamLost,
+                "the response body could not be written back",
+            ));
+        }
+        self.table.track(token, Transfer::Write { qp, done: *d });
+        Ok(())
+    }
+
+    pub(super) fn send_link(&mut self, qp: u32, message: Message) {
+        let failed = match self.links.get_mut(&qp) {
+            Some(state) => state.link.send(message).err(),
+            None => return,
+        };
+        if let Some(e) = failed {
+            tracing::warn!(qp, error = %e, "mesh link send failed");
+            if self.links.get(&qp).is_some_and(|s| s.link.is_down()) {
+                self.link_down(qp, e.to_string());
+            }
+        }
+    }
+
+    /// Runs the response phase (circuit breaker accounting, metrics) without waiting:
+    /// response filters do not edit the response head, so nobody needs its result.
+    pub(super) fn response_phase(
+        &mut self,
+        exchange: &mut Exchange,
+        status: u16,
+        failure: FailureKind,
+        upstream: Option<u32>,
+    ) {
+        let latency = exchange.started.elapsed();
+        metrics::counter!(
+            "dpumesh_mesh_responses_total",
+            "service" => exchange.service.clone(),
+            "status" => status.to_string(),
+        )
+        .increment(1);
+        metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => exchange.service.clone())
+            .record(latency.as_secs_f64());
+        let (Some(ticket), Some(head)) = (exchange.ticket.take(), exchange.head.take()) else {
+            return;
+        };
+        let info = ResponseInfo {
+            status,
+            latency_ns: latency.as_nanos() as u64,
+            upstream: upstream.map(|p| format!("{}/pod-{p}", exchange.service)),
+            failure,
+        };
+        self.run_response_phase(ticket, head, info);
+    }
+
+    /// A peer proxy answered a call one of our pods made.
+    pub(super) fn peer_response(&mut self, qp: u32, r: Response) {
+        let mut exchange = match self.table.peer_answer(qp, r.xid) {
+            PeerAnswer::Current(exchange) => exchange,
+            PeerAnswer::Orphan(o) => {
+                // The late answer to a call we gave up on: the peer is done with A's
+                // body and the reply slot.
+                self.release_rx(o.d.src_pod, o.reply_slot);
+                self.hand_back(&o.d);
+                return;
+            }
+            PeerAnswer::Unknown => return,
+        };
+        let Stage::Peer { reply_slot, .. } = exchange.stage else {
+            unreachable!("answered over the link it went out on")
+        };
+        self.stats.relayed.fetch_add(1, Ordering::Relaxed);
+        let Origin::Pod { d } = exchange.origin else {
+            return;
+        };
+        let status = wire::decode_response(&r.head)
+            .map(|h| h.status)
+            .unwrap_or(502);
+        self.response_phase(&mut exchange, status, FailureKind::None, None);
+        let body = match r.body {
+            ResponseBody::None => {
+                self.release_rx(d.src_pod, reply_slot);
+                Buffer::NONE
+            }
+            ResponseBody::Written(len) if len <= reply_slot.len => {
+                Buffer::new(reply_slot.addr, len)
+            }
+            ResponseBody::Written(_) => {
+                self.release_rx(d.src_pod, reply_slot);
+                let e = ProxyError::new(
+                    ErrorKind::BadResponse,
+                    "the peer wrote past the reply buffer",
+                );
+                self.reply_pod(&d, &e.response_head(), e.body());
+                self.hand_back(&d);
+                return;
+            }
+            ResponseBody::Inline(bytes) => {
+                self.release_rx(d.src_pod, reply_slot);
+                let head = wire::decode_response(&r.head).unwrap_or_default();
+                self.reply_pod(&d, &head, bytes);
+                self.hand_back(&d);
+                return;
+            }
+        };
+        let header = match self.port.alloc_header(&r.head) {
+            Ok(h) => h,
+            Err(_) => {
+                if !body.is_none() {
+                    self.release_rx(d.src_pod, body);
+                }
+                self.hand_back(&d);
+                return;
+            }
+        };
+        let mut out = Descriptor::request(
+            Case::ExternalToHost,
+            d.req_id,
+            d.step_id,
+            0,
+            Destination::Pod(d.src_pod),
+        )
+        .with_header(header)
+        .with_body(body);
+        out.kind.response = true;
+        out.status = status;
+        self.forward(out);
+        // The peer read A's body before it answered: A's TX slot goes back.
+        self.hand_back(&d);
+    }
+
+    /// Sends a pod's call to a peer proxy (case 1): the body stays in the pod's TX
+    /// pool for the peer to read, and the reply lands in a slot of its RX pool.
+    pub(super) fn send_to_peer(&mut self, xid: u32, node: &str) {
+        let Some(qp) = self.peer_link(node) else {
+            let e = ProxyError::new(
+                ErrorKind::Unreachable,
+                format!("node {node:?} is unreachable"),
+            );
+            self.fail(xid, e);
+            return;
+        };
+        self.table.start_try(xid, Instant::now());
+        let exchange = self.table.get(xid).expect("dispatching");
+        let Origin::Pod { d } = exchange.origin else {
+            unreachable!("only pods' calls leave the node")
+        };
+        let head = match wire::encode_request(exchange.head.as_ref().expect("decided")) {
+            Ok(h) => h,
+            Err(e) => {
+                let e = ProxyError::new(
+                    ErrorKind::HeadTooLarge,
+                    format!("request head cannot be carried: {e}"),
+                );
+                self.fail(xid, e);
+                return;
+            }
+        };
+        // A little less than we wait ourselves, so the peer's 504 usually arrives
+        // before our deadline (and the buffers lent to it come back with it).
+        let left = exchange.deadline.saturating_duration_since(Instant::now());
+        let deadline_ms = (left.as_millis() * 9 / 10).clamp(1, u128::from(u32::MAX)) as u32;
+        let pod = d.src_pod;
+        let Some(info) = self.pod(pod).cloned() else {
+            self.drop_exchange(xid);
+            self.hand_back(&d);
+            return;
+        };
+        let reply_slot = match info.rx_body.alloc(OwnerId::FABRIC) {
+            Ok(s) => s,
+            Err(e) => {
+                let e = ProxyError::new(
+                    ErrorKind::CallerOutOfBuffers,
+                    format!("no buffer for the reply: {e}"),
+                );
+                self.fail(xid, e);
+                return;
+            }
+        };
+        let reply_buf = info
+            .rx_body
+            .buffer(reply_slot, info.rx_body.layout().slot_size)
+            .expect("a whole slot");
+        let Some(regions) = self.pod_regions(pod) else {
+            self.release_rx(pod, reply_buf);
+            let e = ProxyError::new(ErrorKind::Internal, "the pod's memory cannot be registered");
+            self.fail(xid, e);
+            return;
+        };
+        let reply = RemoteBuf {
+            at: regions
+                .rx
+                .remote(regions.rx_pool.offset_of(reply_buf).expect("ours")),
+            len: reply_buf.len,
+        };
+        let body = (!d.body.is_none()).then(|| RemoteBuf {
+            at: regions
+                .tx
+                .remote(regions.tx_pool.offset_of(d.body).unwrap_or_default()),
+            len: d.body.len,
+        });
+        self.table.get_mut(xid).expect("live").stage = Stage::Peer {
+            qp,
+            reply_slot: reply_buf,
+        };
+        self.send_link(
+            qp,
+            Message::Request(Request {
+                xid,
+                flags: RequestFlags { policed: true },
+                deadline_ms,
+                body,
+                reply,
+                head,
+            }),
+        );
+    }
+
+    pub(super) fn peer_link(&mut self, node: &str) -> Option<u32> {
+        if let Some(&qp) = self.peer_links.get(node)
+            && self.links.get(&qp).is_some_and(|s| !s.link.is_down())
+        {
+            return Some(qp);
+        }
+        let addr = *self.topology.peers.get(node)?;
+        if self
+            .connect_failed
+            .get(node)
+            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+        {
+            return None;
+        }
+        let qp = match self
+            .fabric
+            .connect(&self.pd, addr, &self.cq, QpCaps::default())
+        {
+            Ok(qp) => qp,
+            Err(e) => {
+                tracing::warn!(node, %addr, error = %e, "cannot reach peer node");
+                self.connect_failed.insert(node.to_owned(), Instant::now());
+                return None;
+            }
+        };
+        let link = Link::new(&self.fabric, &self.pd, qp).ok()?;
+        let num = link.qp_num();
+        self.links.insert(
+            num,
+            LinkState {
+                link,
+                node: Some(node.to_owned()),
+            },
+        );
+        self.peer_links.insert(node.to_owned(), num);
+        Some(num)
+    }
+}
