@@ -1,0 +1,197 @@
+//! The sending side of a queue pair: frames queued, held, gathered into one write and
+//! flushed as the socket takes them.
+
+use super::*;
+
+impl QpInner {
+    pub(super) fn enqueue(&self, tx: &mut Tx, frame: OutFrame) {
+        tx.queue.push_back(frame);
+        if self.send_cq.holding.load(Ordering::Relaxed) {
+            if !tx.held {
+                tx.held = true;
+                self.send_cq.held.lock().push(self.num);
+            }
+            return;
+        }
+        self.flush(tx);
+    }
+
+    /// Writes the queue's leading frames that carry no region payload (heads and
+    /// inline payloads, up to [`GATHER`] frames) in one vectored write; returns the
+    /// bytes written, or `None` if the first frame is not of that kind.
+    pub(super) fn write_gathered(&self, tx: &Tx) -> Option<std::io::Result<usize>> {
+        let mut slices: [IoSlice<'_>; 2 * GATHER] = [IoSlice::new(&[]); 2 * GATHER];
+        let mut n = 0;
+        for frame in tx.queue.iter().take(GATHER) {
+            let payload: &[u8] = match &frame.payload {
+                Payload::None => &[],
+                Payload::Inline(v) => v,
+                Payload::Region(..) => break,
+            };
+            let sent = frame.sent as usize;
+            if sent < FRAME_HEADER {
+                slices[n] = IoSlice::new(&frame.head[sent..]);
+                n += 1;
+                if !payload.is_empty() {
+                    slices[n] = IoSlice::new(payload);
+                    n += 1;
+                }
+            } else {
+                slices[n] = IoSlice::new(&payload[sent - FRAME_HEADER..]);
+                n += 1;
+            }
+        }
+        if n < 2 {
+            // One slice or none: the frame-by-frame path does as well.
+            return None;
+        }
+        Some((&self.sock).write_vectored(&slices[..n]))
+    }
+
+    /// Accounts `n` written bytes to the queue's leading frames.
+    pub(super) fn advance(&self, tx: &mut Tx, mut n: u64) {
+        while n > 0 {
+            let Some(frame) = tx.queue.front_mut() else {
+                return;
+            };
+            let step = (frame.total() - frame.sent).min(n);
+            frame.sent += step;
+            n -= step;
+            if frame.sent >= frame.total() {
+                tx.queue.pop_front();
+            }
+        }
+    }
+
+    /// Writes queued frames until done or the socket is full: runs of small frames
+    /// in one vectored write, region payloads straight from their memory.
+    pub(super) fn flush(&self, tx: &mut Tx) {
+        let mut sock = &self.sock;
+        while !tx.queue.is_empty() {
+            if tx.queue.len() > 1
+                && let Some(result) = self.write_gathered(tx)
+            {
+                match result {
+                    Ok(0) => {
+                        self.fail(None, tx, None);
+                        return;
+                    }
+                    Ok(n) => {
+                        self.advance(tx, n as u64);
+                        if tx.queue.is_empty() && self.error.load(Ordering::SeqCst) {
+                            let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                        }
+                        continue;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        self.set_writable_interest(tx, true);
+                        return;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(_) => {
+                        let first = tx
+                            .outstanding
+                            .front()
+                            .map(|o| (o.psn, WcStatus::RetryExceeded));
+                        self.fail(first, tx, None);
+                        return;
+                    }
+                }
+            }
+            let frame = tx.queue.front_mut().expect("not empty");
+            let total = frame.total();
+            let result = if frame.sent < FRAME_HEADER as u64 {
+                let head = &frame.head[frame.sent as usize..];
+                match &frame.payload {
+                    Payload::Inline(v) => {
+                        sock.write_vectored(&[IoSlice::new(head), IoSlice::new(v)])
+                    }
+                    _ => sock.write(head),
+                }
+            } else {
+                let done = frame.sent - FRAME_HEADER as u64;
+                match &frame.payload {
+                    Payload::None => Ok(0),
+                    Payload::Inline(v) => sock.write(&v[done as usize..]),
+                    // Straight from the registered memory, as a NIC reads it.
+                    Payload::Region(region, offset, len) => region.write_to(
+                        self.sock.as_fd(),
+                        offset + done,
+                        (len - done).min(4 << 20) as usize,
+                    ),
+                }
+            };
+            match result {
+                Ok(0) if total > frame.sent => {
+                    self.fail(None, tx, None);
+                    return;
+                }
+                Ok(n) => {
+                    let frame = tx.queue.front_mut().expect("present");
+                    frame.sent += n as u64;
+                    if frame.sent >= total {
+                        tx.queue.pop_front();
+                        if tx.queue.is_empty() && self.error.load(Ordering::SeqCst) {
+                            // The last word of a failed queue pair is out: the peer
+                            // learns the connection is over.
+                            let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                        }
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    // A large frame is mid-way: wait a little for room rather than
+                    // leave it to a poller that must first be woken. Bounded, so two
+                    // sides writing to each other at once cannot wait on each other.
+                    if total - frame.sent >= DIRECT_READ
+                        && self.wait_writable(Duration::from_micros(500))
+                    {
+                        continue;
+                    }
+                    self.set_writable_interest(tx, true);
+                    return;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    let first = tx
+                        .outstanding
+                        .front()
+                        .map(|o| (o.psn, WcStatus::RetryExceeded));
+                    self.fail(first, tx, None);
+                    return;
+                }
+            }
+        }
+        self.set_writable_interest(tx, false);
+    }
+
+    pub(super) fn wait_writable(&self, timeout: Duration) -> bool {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.sock,
+            rustix::event::PollFlags::OUT,
+        )];
+        let ts = rustix::fs::Timespec {
+            tv_sec: 0,
+            tv_nsec: timeout.as_nanos() as i64,
+        };
+        matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
+    }
+
+    pub(super) fn set_writable_interest(&self, tx: &mut Tx, on: bool) {
+        if tx.want_writable == on {
+            return;
+        }
+        tx.want_writable = on;
+        let mut flags = epoll::EventFlags::IN | epoll::EventFlags::RDHUP;
+        if on {
+            flags |= epoll::EventFlags::OUT;
+        }
+        for cq in self.cqs() {
+            let _ = epoll::modify(
+                &cq.epoll,
+                &self.sock,
+                epoll::EventData::new_u64(self.num as u64),
+                flags,
+            );
+        }
+    }
+}
