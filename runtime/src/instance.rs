@@ -74,6 +74,7 @@ impl FilterInstance {
         let mut store = Store::new(&runtime.engine, state);
         store.limiter(|state| &mut state.limiter);
         store.epoch_deadline_trap();
+        runtime.epoch.call_begins();
         let tick = runtime.config.epoch_tick;
         store.set_epoch_deadline(ticks(settings.configure_deadline, tick));
 
@@ -167,6 +168,7 @@ impl FilterInstance {
     }
 
     fn arm(&mut self) {
+        self.filter.runtime.inner.epoch.call_begins();
         self.store.data_mut().limiter.hit = false;
         self.store.set_epoch_deadline(self.deadline_ticks);
     }

@@ -19,6 +19,7 @@
 mod bindings;
 mod cache;
 mod chain;
+mod epoch;
 mod error;
 mod filter;
 mod health;

@@ -4,9 +4,8 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dpumesh_clock::{SharedClock, SystemClock};
 use dpumesh_keys::KeyStore;
@@ -15,6 +14,7 @@ use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use crate::cache::CompileCache;
+use crate::epoch::Epoch;
 use crate::imports::{NodeServices, StoreState};
 
 /// How the runtime is set up. [`RuntimeConfig::default`] suits one proxy process.
@@ -71,13 +71,14 @@ pub(crate) struct RuntimeInner {
     pub(crate) services: NodeServices,
     pub(crate) cache: CompileCache,
     pub(crate) config: RuntimeConfig,
-    ticker_stop: Arc<AtomicBool>,
+    /// The epoch ticker's shared side (calls wake it when it parked).
+    pub(crate) epoch: Arc<Epoch>,
     ticker: Option<JoinHandle<()>>,
 }
 
 impl Drop for RuntimeInner {
     fn drop(&mut self) {
-        self.ticker_stop.store(true, Ordering::Relaxed);
+        self.epoch.stop();
         if let Some(ticker) = self.ticker.take() {
             let _ = ticker.join();
         }
@@ -117,14 +118,9 @@ impl Runtime {
             keys: KeyStore::new(),
         };
         let cache = CompileCache::new(&engine, config.cache_dir.clone());
-        let ticker_stop = Arc::new(AtomicBool::new(false));
-        let ticker = spawn_ticker(
-            engine.clone(),
-            services.state.clone(),
-            config.epoch_tick,
-            ticker_stop.clone(),
-        )
-        .map_err(|e| RuntimeError(format!("starting the epoch ticker: {e}")))?;
+        let (epoch, ticker) =
+            crate::epoch::spawn(engine.clone(), services.state.clone(), config.epoch_tick)
+                .map_err(|e| RuntimeError(format!("starting the epoch ticker: {e}")))?;
         Ok(Self {
             inner: Arc::new(RuntimeInner {
                 engine,
@@ -132,7 +128,7 @@ impl Runtime {
                 services,
                 cache,
                 config,
-                ticker_stop,
+                epoch,
                 ticker: Some(ticker),
             }),
         })
@@ -193,27 +189,4 @@ fn engine_config(config: &RuntimeConfig) -> Config {
         .decommit_batch_size(16);
     wasm.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
     wasm
-}
-
-/// Advances the engine's epoch every `tick` (CPU deadlines are counted in ticks) and
-/// sweeps expired shared-state entries about once a second.
-fn spawn_ticker(
-    engine: Engine,
-    state: Arc<SharedState>,
-    tick: Duration,
-    stop: Arc<AtomicBool>,
-) -> std::io::Result<JoinHandle<()>> {
-    std::thread::Builder::new()
-        .name("dpumesh-epoch".to_owned())
-        .spawn(move || {
-            let mut last_sweep = Instant::now();
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(tick);
-                engine.increment_epoch();
-                if last_sweep.elapsed() >= Duration::from_secs(1) {
-                    state.sweep_expired();
-                    last_sweep = Instant::now();
-                }
-            }
-        })
 }

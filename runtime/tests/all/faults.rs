@@ -47,6 +47,25 @@ fn an_infinite_loop_is_interrupted_at_its_deadline_and_fails_closed() {
 }
 
 #[test]
+fn a_deadline_holds_after_the_proxy_sat_idle() {
+    // The epoch ticker parks after ~100 idle ticks; the next call must wake it, or a
+    // spinning filter would run unbounded.
+    let rt = runtime();
+    let spin =
+        settings("spinner", json!({"request": ["spin"]})).deadline(Duration::from_millis(20));
+    let mut runner = ChainRunner::new(chain(&rt, vec![spin, marker()]));
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    let outcome = runner.on_request(get("/"));
+    let elapsed = started.elapsed();
+    assert_eq!(
+        fault_of(&outcome.decision).kind,
+        FaultKind::Deadline(Duration::from_millis(20))
+    );
+    assert!(elapsed < Duration::from_secs(2), "took {elapsed:?}");
+}
+
+#[test]
 fn fail_open_skips_the_faulting_filter_and_continues() {
     let rt = runtime();
     let spin = settings("spinner", json!({"request": ["spin"]}))
