@@ -191,6 +191,22 @@ run() { # name url pids [second pids] [pids whose context switches count]
     echo "$name|$rps|$p50|$p99|$(echo "scale=2; ($after - $before) * 1000000 / $reqs" | bc)|${non2xx:-0}|$(echo "scale=2; ($after2 - $before2) * 1000000 / $reqs" | bc)|$(echo "scale=2; ($s2 - $s1) / $reqs" | bc)"
 }
 
+oncpu_ns() { # nanoseconds on CPU of every thread of a pid (schedstat: finer than ticks)
+    cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { print s + 0 }'
+}
+idle() { # seconds: CPU of each node process while the mesh serves nothing, in % of a core
+    local secs=$1 p out=""
+    local nodes
+    nodes=$(pgrep -P "$up_pid" -f "dpumesh node")
+    declare -A before
+    for p in $nodes; do before[$p]=$(oncpu_ns "$p"); done
+    sleep "$secs"
+    for p in $nodes; do
+        out="$out $(echo "scale=3; ($(oncpu_ns "$p") - ${before[$p]}) * 100 / ($secs * 1000000000)" | bc)%"
+    done
+    echo "$out"
+}
+
 h2() { # name url: req/s and mean latency under h2load -c32 -m10
     local out
     out=$(h2load -c32 -m10 -D "$DURATION" -H "authorization: Bearer $TOKEN" "$1" 2>/dev/null)
@@ -210,6 +226,9 @@ ch2=$(h2 http://127.0.0.1:18083/ping "c haproxy h2")
 
 start_mesh shm
 check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
+# Idle first (after the checks' requests have settled): what a node costs doing nothing.
+sleep 2
+idle_nodes=$(idle "$((DURATION > 5 ? DURATION : 5))")
 d=$(run "d dpumesh (shm fabric)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 dh2=$(h2 http://127.0.0.1:18090/ping "d dpumesh h2 (shm fabric)")
 stop_mesh
@@ -251,3 +270,4 @@ echo "ingress + node CPU per request vs HAProxy + nginx: $(echo "scale=2; $md / 
 echo "context switches per request across the mesh: $swd"
 echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
 echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
+echo "idle node CPU (each node, % of a core):$idle_nodes"

@@ -121,7 +121,7 @@ pub struct Policy {
 /// differ), and size and modification time of every file it names.
 type Fingerprint = (u64, Vec<(PathBuf, Option<(SystemTime, u64)>)>);
 
-fn fingerprint(file: &Path) -> Fingerprint {
+fn fingerprint(file: &Path, last: &Fingerprint) -> Fingerprint {
     use std::hash::{Hash, Hasher};
 
     let Ok(text) = std::fs::read_to_string(file) else {
@@ -129,20 +129,24 @@ fn fingerprint(file: &Path) -> Fingerprint {
     };
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     text.hash(&mut hasher);
+    let hash = hasher.finish();
+    let stamp = |f: PathBuf| {
+        let meta = std::fs::metadata(&f)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())));
+        (f, meta)
+    };
+    if hash == last.0 && hash != 0 {
+        // The same text names the same files: no need to parse it again (the watcher
+        // looks four times a second; an idle node should not parse YAML that often).
+        let files = last.1.iter().map(|(f, _)| f.clone());
+        return (hash, files.map(stamp).collect());
+    }
     let stamps = match LoadedConfig::parse(file, text) {
-        Ok(config) => config
-            .referenced_files()
-            .into_iter()
-            .map(|f| {
-                let meta = std::fs::metadata(&f)
-                    .ok()
-                    .and_then(|m| Some((m.modified().ok()?, m.len())));
-                (f, meta)
-            })
-            .collect(),
+        Ok(config) => config.referenced_files().into_iter().map(stamp).collect(),
         Err(_) => Vec::new(),
     };
-    (hasher.finish(), stamps)
+    (hash, stamps)
 }
 
 impl std::fmt::Debug for Policy {
@@ -175,7 +179,7 @@ fn default_workers() -> usize {
 impl Policy {
     /// Loads `file`, starts the runtime and the workers on generation 1.
     pub fn start(file: &Path) -> Result<Arc<Self>, ReloadError> {
-        let attempted = fingerprint(file);
+        let attempted = fingerprint(file, &(0, Vec::new()));
         let config = LoadedConfig::read(file)?;
         let workers = config.config.workers.unwrap_or_else(default_workers);
         let runtime = Runtime::new(RuntimeConfig {
@@ -262,7 +266,7 @@ impl Policy {
 
     fn try_reload(&self) -> Result<Reloaded, ReloadError> {
         let started = Instant::now();
-        *self.attempted.lock() = fingerprint(&self.file);
+        *self.attempted.lock() = fingerprint(&self.file, &(0, Vec::new()));
         let config = LoadedConfig::read(&self.file)?;
         let current = self.snapshot();
         let old = &current.config.config;
@@ -343,13 +347,14 @@ impl Policy {
                     let Some(policy) = policy.upgrade() else {
                         return;
                     };
-                    let now = fingerprint(&policy.file);
-                    if now == *policy.attempted.lock() {
+                    let last = policy.attempted.lock().clone();
+                    let now = fingerprint(&policy.file, &last);
+                    if now == last {
                         continue;
                     }
                     // Let a writer finish: reload once the files stop changing.
                     std::thread::sleep(every);
-                    if fingerprint(&policy.file) != now {
+                    if fingerprint(&policy.file, &now) != now {
                         continue;
                     }
                     tracing::info!("config or a file it names changed; reloading");

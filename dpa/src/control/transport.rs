@@ -151,6 +151,9 @@ pub trait Handler: Send + Sync + 'static {
 pub struct ControlServer {
     endpoint: Endpoint,
     stop: Arc<AtomicBool>,
+    /// Rung to wake the accept loop when it must stop (it sleeps until a connection
+    /// or this, so an idle node pays no wake-ups here).
+    wake: Arc<OwnedFd>,
     conns: Arc<Mutex<HashMap<u64, Writer>>>,
     accept: Option<JoinHandle<()>>,
 }
@@ -191,17 +194,26 @@ impl ControlServer {
             Listener::Tcp(l) => l.set_nonblocking(true)?,
         }
         let stop = Arc::new(AtomicBool::new(false));
+        let wake = Arc::new(
+            rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )
+            .map_err(std::io::Error::from)?,
+        );
         let conns: Arc<Mutex<HashMap<u64, Writer>>> = Arc::default();
         let accept = {
             let stop = stop.clone();
             let conns = conns.clone();
+            let wake = wake.clone();
             std::thread::Builder::new()
                 .name("dpumesh-control".to_owned())
-                .spawn(move || accept_loop(listener, handler, stop, conns))?
+                .spawn(move || accept_loop(listener, handler, stop, &wake, conns))?
         };
         Ok(Self {
             endpoint,
             stop,
+            wake,
             conns,
             accept: Some(accept),
         })
@@ -220,6 +232,7 @@ impl ControlServer {
 impl Drop for ControlServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
         let writers: Vec<Writer> = self.conns.lock().drain().map(|(_, w)| w).collect();
         for writer in writers {
             let mut stream = writer.lock();
@@ -247,6 +260,7 @@ fn accept_loop(
     listener: Listener,
     handler: Arc<dyn Handler>,
     stop: Arc<AtomicBool>,
+    wake: &OwnedFd,
     conns: Arc<Mutex<HashMap<u64, Writer>>>,
 ) {
     let next = AtomicU64::new(1);
@@ -261,7 +275,16 @@ fn accept_loop(
         let stream = match accepted {
             Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(10));
+                // Sleep until a pod connects or the server stops.
+                let fd = match &listener {
+                    Listener::Unix(l) => l.as_fd(),
+                    Listener::Tcp(l) => l.as_fd(),
+                };
+                let mut fds = [
+                    rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN),
+                    rustix::event::PollFd::new(wake, rustix::event::PollFlags::IN),
+                ];
+                let _ = rustix::event::poll(&mut fds, None);
                 continue;
             }
             Err(e) => {

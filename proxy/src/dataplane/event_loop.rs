@@ -3,6 +3,11 @@
 
 use super::*;
 
+/// Housekeeping period with exchanges in flight.
+const BUSY_TICK: Duration = Duration::from_millis(20);
+/// Housekeeping period of an idle shard.
+const IDLE_TICK: Duration = Duration::from_millis(250);
+
 impl<F: Fabric> Reactor<F> {
     /// After a panic in [`Reactor::run`]: the exchanges' state cannot be trusted, so
     /// every link goes (the ingress and peer nodes fail what they sent over them at
@@ -30,6 +35,17 @@ impl<F: Fabric> Reactor<F> {
             .store(self.table.len() as u64, Ordering::Relaxed);
     }
 
+    /// How often the loop does its housekeeping (pods that left, occupancy, the
+    /// generation to follow): often while requests are in flight (a try at a pod that
+    /// left is ended within it), rarely when idle, so an idle node sleeps.
+    fn tick_period(&self) -> Duration {
+        if self.table.len() == 0 {
+            IDLE_TICK
+        } else {
+            BUSY_TICK
+        }
+    }
+
     pub(super) fn run(&mut self) {
         let mut last_tick = Instant::now() - Duration::from_secs(1);
         // Since when the loop has found nothing to do (it polls until the spin's
@@ -48,7 +64,7 @@ impl<F: Fabric> Reactor<F> {
             if !self.accepted.is_empty() {
                 self.accept();
             }
-            if last_tick.elapsed() >= Duration::from_millis(20) {
+            if last_tick.elapsed() >= self.tick_period() {
                 last_tick = Instant::now();
                 self.forget_departed_pods();
                 self.publish_occupancy();
@@ -111,8 +127,8 @@ impl<F: Fabric> Reactor<F> {
             .table
             .next_timer()
             .map(|t| t.saturating_duration_since(Instant::now()))
-            .unwrap_or(Duration::from_millis(20))
-            .min(Duration::from_millis(20));
+            .unwrap_or(Duration::MAX)
+            .min(self.tick_period());
         if self.port.holding() || !self.deferred.is_empty() {
             // Pods do not say when they make room in their rings: look again soon.
             timeout = timeout.min(Duration::from_micros(200));

@@ -155,7 +155,7 @@ impl Dataplane {
             (listener, accepted_tx, accept_stop.clone(), bell.clone()),
             |(listener, accepted, stop, bell)| {
                 while !stop.load(Ordering::Relaxed) {
-                    match listener.accept(Duration::from_millis(100)) {
+                    match listener.accept(ACCEPT_LOOK) {
                         Ok(Some(qp)) => {
                             if accepted.send(qp).is_err() {
                                 return;
@@ -343,6 +343,10 @@ fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
 
 /// The runner id of a shard's inline chains in tickets (pool workers count from 0).
 const SHARD_RUNNER: usize = usize::MAX;
+
+/// How long the accept thread waits for a queue pair before it looks at its stop flag
+/// (links are set up once; an idle node should not wake for them often).
+const ACCEPT_LOOK: Duration = Duration::from_millis(250);
 
 /// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
 const MAX_LOCAL_BODY: usize = 16 << 10;
