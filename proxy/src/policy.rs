@@ -121,7 +121,9 @@ pub struct Policy {
 /// differ), and size and modification time of every file it names.
 type Fingerprint = (u64, Vec<(PathBuf, Option<(SystemTime, u64)>)>);
 
-fn fingerprint(file: &Path, last: &Fingerprint) -> Fingerprint {
+/// `last`, when given, is the previous fingerprint of the same file: if the text did
+/// not change, the files it names are stamped again without parsing it.
+fn fingerprint(file: &Path, last: Option<&Fingerprint>) -> Fingerprint {
     use std::hash::{Hash, Hasher};
 
     let Ok(text) = std::fs::read_to_string(file) else {
@@ -136,7 +138,7 @@ fn fingerprint(file: &Path, last: &Fingerprint) -> Fingerprint {
             .and_then(|m| Some((m.modified().ok()?, m.len())));
         (f, meta)
     };
-    if hash == last.0 && hash != 0 {
+    if let Some(last) = last.filter(|l| l.0 == hash) {
         // The same text names the same files: no need to parse it again (the watcher
         // looks four times a second; an idle node should not parse YAML that often).
         let files = last.1.iter().map(|(f, _)| f.clone());
@@ -179,7 +181,7 @@ fn default_workers() -> usize {
 impl Policy {
     /// Loads `file`, starts the runtime and the workers on generation 1.
     pub fn start(file: &Path) -> Result<Arc<Self>, ReloadError> {
-        let attempted = fingerprint(file, &(0, Vec::new()));
+        let attempted = fingerprint(file, None);
         let config = LoadedConfig::read(file)?;
         let workers = config.config.workers.unwrap_or_else(default_workers);
         let runtime = Runtime::new(RuntimeConfig {
@@ -266,7 +268,7 @@ impl Policy {
 
     fn try_reload(&self) -> Result<Reloaded, ReloadError> {
         let started = Instant::now();
-        *self.attempted.lock() = fingerprint(&self.file, &(0, Vec::new()));
+        *self.attempted.lock() = fingerprint(&self.file, None);
         let config = LoadedConfig::read(&self.file)?;
         let current = self.snapshot();
         let old = &current.config.config;
@@ -348,13 +350,13 @@ impl Policy {
                         return;
                     };
                     let last = policy.attempted.lock().clone();
-                    let now = fingerprint(&policy.file, &last);
+                    let now = fingerprint(&policy.file, Some(&last));
                     if now == last {
                         continue;
                     }
                     // Let a writer finish: reload once the files stop changing.
                     std::thread::sleep(every);
-                    if fingerprint(&policy.file, &now) != now {
+                    if fingerprint(&policy.file, Some(&now)) != now {
                         continue;
                     }
                     tracing::info!("config or a file it names changed; reloading");

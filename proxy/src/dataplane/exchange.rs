@@ -133,8 +133,12 @@ pub(super) enum PodAnswer {
 /// Whose a peer proxy's answer is.
 #[derive(Debug)]
 pub(super) enum PeerAnswer {
-    /// The answer to the exchange, which leaves the table.
-    Current(Box<Exchange>),
+    /// The answer to the exchange, which leaves the table; its body landed in
+    /// `reply_slot` (if it has one).
+    Current {
+        exchange: Box<Exchange>,
+        reply_slot: Buffer,
+    },
     /// The late answer to a call already answered locally: the peer is done with what
     /// was lent to it.
     Orphan(Orphan),
@@ -396,9 +400,14 @@ impl ExchangeTable {
             return PeerAnswer::Orphan(self.orphans.remove(&xid).expect("checked"));
         }
         match self.exchanges.get(&xid).map(|e| e.stage) {
-            Some(Stage::Peer { qp: at, .. }) if at == qp => {
-                let e = self.exchanges.remove(&xid).expect("checked");
-                PeerAnswer::Current(Box::new(e))
+            Some(Stage::Peer { qp: at, reply_slot }) if at == qp => {
+                match self.exchanges.remove(&xid) {
+                    Some(e) => PeerAnswer::Current {
+                        exchange: Box::new(e),
+                        reply_slot,
+                    },
+                    None => PeerAnswer::Unknown,
+                }
             }
             _ => PeerAnswer::Unknown,
         }
@@ -459,7 +468,7 @@ impl ExchangeTable {
         let mut gone: Vec<u32> = self
             .exchanges
             .iter()
-            .filter(|(_, e)| matches!(e.stage, Stage::Pod { pod, .. } if pod != 0 && !live(pod)))
+            .filter(|(_, e)| matches!(e.stage, Stage::Pod { pod, .. } if !live(pod)))
             .map(|(x, _)| *x)
             .collect();
         gone.sort_unstable();

@@ -173,8 +173,11 @@ impl<F: Fabric> Reactor<F> {
 
     /// A peer proxy answered a call one of our pods made.
     pub(super) fn peer_response(&mut self, qp: u32, r: Response) {
-        let mut exchange = match self.table.peer_answer(qp, r.xid) {
-            PeerAnswer::Current(exchange) => exchange,
+        let (mut exchange, reply_slot) = match self.table.peer_answer(qp, r.xid) {
+            PeerAnswer::Current {
+                exchange,
+                reply_slot,
+            } => (exchange, reply_slot),
             PeerAnswer::Orphan(o) => {
                 // The late answer to a call we gave up on: the peer is done with A's
                 // body and the reply slot.
@@ -183,9 +186,6 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
             PeerAnswer::Unknown => return,
-        };
-        let Stage::Peer { reply_slot, .. } = exchange.stage else {
-            unreachable!("answered over the link it went out on")
         };
         self.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Origin::Pod { d } = exchange.origin else {

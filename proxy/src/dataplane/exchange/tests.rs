@@ -295,7 +295,9 @@ fn a_peer_answer_in_time_ends_the_exchange() {
         qp: PEER,
         reply_slot: body(64),
     };
-    assert!(matches!(table.peer_answer(PEER, xid), PeerAnswer::Current(e) if e.attempt == 0));
+    assert!(
+        matches!(table.peer_answer(PEER, xid), PeerAnswer::Current { exchange, reply_slot } if exchange.attempt == 0 && reply_slot == body(64))
+    );
     assert_eq!(table.len(), 0);
 }
 
