@@ -22,6 +22,7 @@ mod filter;
 mod progress;
 mod roles;
 mod scaffold;
+mod up;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -240,7 +241,7 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             FilterCommand::Build { dir } => scaffold::build(&dir).map(|_| ExitCode::SUCCESS),
         },
         Command::Proxy { .. } => Ok(ExitCode::SUCCESS),
-        Command::Up { config } => roles::up(&config).map(|()| ExitCode::SUCCESS),
+        Command::Up { config } => up::up(&config).map(|()| ExitCode::SUCCESS),
         Command::Node {
             mesh,
             name,

@@ -2,174 +2,13 @@
 //! (two nodes, four services, the ingress), driven over plain TCP like any client.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{free_port, token};
-
-/// Status, headers (lowercase names), body.
-type Reply = (u16, Vec<(String, String)>, Vec<u8>);
-
-/// The sample's files with this build's components and free ports.
-fn mesh_files(dir: &Path) -> (PathBuf, SocketAddr) {
-    let sample = common::sample();
-    common::write_policy(dir);
-    let mut mesh = std::fs::read_to_string(sample.join("mesh.yaml")).unwrap();
-    let ingress: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
-    for (from, to) in [
-        ("127.0.0.1:8000".to_owned(), ingress.to_string()),
-        (
-            "127.0.0.1:7101".to_owned(),
-            format!("127.0.0.1:{}", free_port()),
-        ),
-        (
-            "127.0.0.1:7102".to_owned(),
-            format!("127.0.0.1:{}", free_port()),
-        ),
-        (
-            "127.0.0.1:9101".to_owned(),
-            format!("127.0.0.1:{}", free_port()),
-        ),
-        (
-            "127.0.0.1:9102".to_owned(),
-            format!("127.0.0.1:{}", free_port()),
-        ),
-        (
-            "request_timeout: 10s".to_owned(),
-            "request_timeout: 5s".to_owned(),
-        ),
-    ] {
-        mesh = mesh.replace(&from, &to);
-    }
-    let file = dir.join("mesh.yaml");
-    std::fs::write(&file, mesh).unwrap();
-    std::fs::copy(sample.join("demo-token.json"), dir.join("demo-token.json")).unwrap();
-    (file, ingress)
-}
-
-struct Mesh {
-    child: Child,
-    ingress: SocketAddr,
-    admins: Vec<SocketAddr>,
-    _dir: tempfile::TempDir,
-}
-
-impl Mesh {
-    fn up() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let (file, ingress) = mesh_files(dir.path());
-        let child = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-            .args(["up", "--config"])
-            .arg(&file)
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut mesh = Self {
-            child,
-            ingress,
-            admins: Vec::new(),
-            _dir: dir,
-        };
-        // Ready when `up` says so.
-        let banner = common::banner(mesh.child.stdout.take().unwrap());
-        assert!(
-            banner.contains(&format!("http://{}/", mesh.ingress)),
-            "{banner}"
-        );
-        assert!(banner.contains("curl"), "a ready-to-paste curl: {banner}");
-        mesh.admins = banner
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix("admin"))
-            .filter_map(|l| l.trim().strip_prefix("http://"))
-            .filter_map(|l| l.split('/').next()?.parse().ok())
-            .collect();
-        assert_eq!(mesh.admins.len(), 2, "{banner}");
-        mesh
-    }
-
-    fn admins(&self) -> Vec<SocketAddr> {
-        self.admins.clone()
-    }
-
-    fn raw(&self, request: &[u8]) -> Reply {
-        let mut s = TcpStream::connect(self.ingress).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        s.write_all(request).unwrap();
-        read_response(&mut s).expect("a response")
-    }
-
-    fn get(&self, path: &str, token: Option<&str>) -> Reply {
-        let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
-        self.raw(
-            format!("GET {path} HTTP/1.1\r\nhost: hotel\r\n{auth}connection: close\r\n\r\n")
-                .as_bytes(),
-        )
-    }
-
-    fn post(&self, path: &str, token: &str, body: &[u8]) -> Reply {
-        let mut r = format!(
-            "POST {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        )
-        .into_bytes();
-        r.extend_from_slice(body);
-        self.raw(&r)
-    }
-}
-
-impl Drop for Mesh {
-    fn drop(&mut self) {
-        common::stop(&mut self.child);
-    }
-}
-
-/// Reads one HTTP/1.1 response (content-length framed, as the ingress writes them).
-fn read_response(s: &mut TcpStream) -> Option<Reply> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 65536];
-    let head_end = loop {
-        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            break i + 4;
-        }
-        let n = s.read(&mut chunk).ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status: u16 = lines.next()?.split(' ').nth(1)?.parse().ok()?;
-    let headers: Vec<(String, String)> = lines
-        .filter(|l| !l.is_empty())
-        .filter_map(|l| l.split_once(':'))
-        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    let len: usize = headers
-        .iter()
-        .find(|(n, _)| n == "content-length")
-        .and_then(|(_, v)| v.parse().ok())
-        .unwrap_or(0);
-    let mut body = buf[head_end..].to_vec();
-    while body.len() < len {
-        let n = s.read(&mut chunk).ok()?;
-        if n == 0 {
-            break;
-        }
-        body.extend_from_slice(&chunk[..n]);
-    }
-    Some((status, headers, body))
-}
-
-fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v.as_str())
-}
+use common::mesh::*;
+use common::token;
 
 #[test]
 fn the_hotel_mesh_serves_polices_and_carries_bodies_end_to_end() {
@@ -333,64 +172,6 @@ fn malformed_and_ambiguous_requests_are_refused_at_the_ingress() {
     assert_eq!(status, 200);
 }
 
-/// A load client's result: successes, and failures (when, status; 0 for none).
-type ClientResult = (usize, Vec<(Instant, u16)>);
-
-/// Runs `threads` clients doing GET `path` until `stop`; each returns its count of
-/// successes and its failures (when, status; 0 for no response), and counts its
-/// successes in `served` as they happen.
-fn load(
-    mesh: &Mesh,
-    path: &str,
-    token: &str,
-    threads: usize,
-    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
-    served: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
-) -> Vec<std::thread::JoinHandle<ClientResult>> {
-    (0..threads)
-        .map(|_| {
-            let (addr, path, token, stop, served) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone(), served.clone());
-            std::thread::spawn(move || {
-                let (mut ok, mut failed) = (0, Vec::new());
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let Ok(mut s) = TcpStream::connect(addr) else {
-                        failed.push((Instant::now(), 0));
-                        continue;
-                    };
-                    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-                    let req = format!("GET {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
-                    s.write_all(req.as_bytes()).unwrap();
-                    match read_response(&mut s) {
-                        Some((200, _, _)) => {
-                            ok += 1;
-                            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        Some((status, _, body)) => {
-                            if failed.len() < 3 {
-                                eprintln!("failed with {status}: {}", String::from_utf8_lossy(&body));
-                            }
-                            failed.push((Instant::now(), status))
-                        }
-                        None => failed.push((Instant::now(), 0)),
-                    }
-                }
-                (ok, failed)
-            })
-        })
-        .collect()
-}
-
-fn pids_of(parent: &str, pattern: &str) -> Vec<u32> {
-    let out = Command::new("pgrep")
-        .args(["-P", parent, "-f", pattern])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.trim().parse().ok())
-        .collect()
-}
-
 #[test]
 fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     let mesh = Mesh::up();
@@ -441,7 +222,7 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (mut ok, mut failed) = (0, Vec::new());
     for c in clients {
-        let (o, f) = c.join().unwrap();
+        let (o, f, _) = c.join().unwrap();
         ok += o;
         failed.extend(f);
     }
@@ -485,28 +266,4 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     for admin in mesh.admins() {
         assert_eq!(generation(admin), 2);
     }
-}
-
-/// The value of metric `name` (with its labels, as written) on a node's admin API.
-fn metric(admin: SocketAddr, name: &str) -> f64 {
-    let mut s = TcpStream::connect(admin).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let (_, _, body) = read_response(&mut s).unwrap();
-    String::from_utf8_lossy(&body)
-        .lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
-/// The generation a node's admin API says it runs.
-fn generation(admin: SocketAddr) -> u64 {
-    let mut s = TcpStream::connect(admin).unwrap();
-    s.write_all(b"GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let (status, _, body) = read_response(&mut s).unwrap();
-    assert_eq!(status, 200);
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    v["generation"].as_u64().unwrap_or(0)
 }

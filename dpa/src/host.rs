@@ -5,6 +5,7 @@
 //! errors.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::bell::{Bell, BellError};
@@ -85,6 +86,27 @@ pub enum Incoming {
     },
 }
 
+/// Whether a port's node hung up (see [`HostPort::watch_node`]); the watching thread
+/// ends when this is dropped.
+#[derive(Debug)]
+pub struct NodeWatch {
+    gone: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+}
+
+impl NodeWatch {
+    /// The node closed the control connection.
+    pub fn gone(&self) -> bool {
+        self.gone.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for NodeWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
 /// A registered pod's port. Dropping it waits briefly (up to [`HostPort::LINGER`]) for
 /// the DPU to hand back TX slots still in flight, so a pod that sends and exits does
 /// not leave the DPU copying from memory that is going away.
@@ -157,6 +179,51 @@ impl HostPort {
             exports,
         };
         Ok(port)
+    }
+
+    /// Watches the control connection on a thread of its own: when the node hangs up
+    /// (it stopped, crashed or was killed), [`NodeWatch::gone`] turns true and a
+    /// waiting [`HostPort::recv`] returns, so the pod can register again with the
+    /// node's successor instead of waiting on rings nobody serves.
+    pub fn watch_node(&self) -> Result<NodeWatch, HostError> {
+        let fd = self
+            .control
+            .watch_fd()
+            .map_err(|e| HostError::Control(ControlError::Io(e)))?;
+        let gone = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(AtomicBool::new(false));
+        let interrupter = self.interrupter();
+        let (flag, stopped) = (gone.clone(), stop.clone());
+        std::thread::Builder::new()
+            .name("dpumesh-node-watch".into())
+            .spawn(move || {
+                use rustix::event::{PollFd, PollFlags, poll};
+                // Hang-ups only: the answers on this connection are the port's to read.
+                let ts = rustix::fs::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 500_000_000,
+                };
+                while !stopped.load(Ordering::Relaxed) {
+                    let mut fds = [PollFd::new(&fd, PollFlags::RDHUP)];
+                    if poll(&mut fds, Some(&ts)).is_ok_and(|n| n > 0)
+                        && fds[0]
+                            .revents()
+                            .intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
+                    {
+                        flag.store(true, Ordering::SeqCst);
+                        interrupter.interrupt();
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| HostError::Control(ControlError::Io(e)))?;
+        Ok(NodeWatch { gone, stop })
+    }
+
+    /// Lets go of a port whose node is gone: nothing will hand back the TX slots in
+    /// flight, so dropping does not wait for them.
+    pub fn abandon(mut self) {
+        self.in_flight = 0;
     }
 
     /// The id the DPU gave this pod.

@@ -41,6 +41,7 @@ pub mod host;
 pub mod link;
 pub mod poll;
 pub mod pool;
+pub mod reconnect;
 pub mod ring;
 pub mod rpc;
 pub mod shm;
@@ -50,7 +51,7 @@ pub use descriptor::{
     Destination, Kind, RawDescriptor,
 };
 pub use dpu::{Dpu, DpuConfig, DpuError, DpuShard, PodInfo, PodSizing};
-pub use host::{HostError, HostPort, Incoming, Outgoing};
+pub use host::{HostError, HostPort, Incoming, NodeWatch, Outgoing};
 pub use poll::{Polling, Spin, Waited};
 pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};
 pub use ring::{Consumer, Producer, Ring, RingError, WakeMode};

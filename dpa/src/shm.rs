@@ -77,6 +77,58 @@ pub fn shm_dir() -> PathBuf {
     }
 }
 
+/// The process that created a region named by [`SharedRegion::create_unique`]
+/// (`prefix-PID-N`), read back from the name.
+fn creator(name: &str) -> Option<u32> {
+    let mut parts = name.rsplitn(3, '-');
+    let n = parts.next()?;
+    let pid = parts.next()?;
+    parts.next()?;
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes the regions in [`shm_dir`] that a dead process of this user left behind (a
+/// process killed with SIGKILL never unlinks its regions). Every role calls it as it
+/// starts, so a process that crashed and was started again, by `dpumesh up` or an
+/// orchestrator, takes its predecessor's leftovers with it. Returns how many it
+/// removed.
+///
+/// Mappings others still hold stay valid: only the names go. A region is judged by
+/// the pid in its name (`/proc/PID` gone); a directory shared with another pid
+/// namespace must not be swept (set `DPUMESH_SHM_DIR` per namespace).
+pub fn sweep_orphans() -> usize {
+    sweep_orphans_in(&shm_dir())
+}
+
+fn sweep_orphans_in(dir: &Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let me = rustix::process::geteuid().as_raw();
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with("dpumesh-") {
+            continue;
+        }
+        let Some(pid) = creator(name) else { continue };
+        let alive = Path::new("/proc").join(pid.to_string()).exists();
+        let mine = entry.metadata().is_ok_and(|m| m.uid() == me && m.is_file());
+        if !alive && mine && std::fs::remove_file(entry.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        tracing::info!(removed, dir = %dir.display(), "removed shared regions of dead processes");
+    }
+    removed
+}
+
 /// A mapped shared memory region.
 pub struct SharedRegion {
     ptr: NonNull<u8>,
@@ -441,6 +493,44 @@ impl Drop for SharedRegion {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_region_name_tells_its_creator() {
+        assert_eq!(creator("dpumesh-node1-77-pod3-txh-4242-17"), Some(4242));
+        assert_eq!(creator("dpumesh-link-9-0"), Some(9));
+        assert_eq!(creator("dpumesh-link-x-0"), None);
+        assert_eq!(creator("dpumesh-link-9-"), None);
+        assert_eq!(creator("something"), None);
+    }
+
+    #[test]
+    fn the_sweep_removes_only_regions_of_dead_processes() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        let live_pid = std::process::id();
+        let names = [
+            format!("dpumesh-link-{dead_pid}-0"),
+            format!("dpumesh-node1-{dead_pid}-pod1-rxb-{dead_pid}-3"),
+            format!("dpumesh-link-{live_pid}-0"),
+            format!("other-{dead_pid}-0"),
+            "dpumesh-no-pid".to_owned(),
+        ];
+        for n in &names {
+            std::fs::write(dir.path().join(n), b"x").unwrap();
+        }
+        assert_eq!(sweep_orphans_in(dir.path()), 2);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = names[2..].to_vec();
+        want.sort();
+        assert_eq!(left, want);
+    }
+
     use super::*;
 
     #[test]

@@ -10,17 +10,22 @@
 //!   response, which the event loop matches to its step.
 //! - A full TX ring is back-pressure: what does not fit waits here, in order, and
 //!   goes out on the next turn.
+//! - A node that goes away (stopped, crashed, killed) is noticed at once (its control
+//!   connection hangs up): calls in flight fail, answers to requests it delivered are
+//!   dropped, and the pod registers again, with backoff, until the node (or its
+//!   successor, started by `dpumesh up` or an orchestrator) takes it back with fresh
+//!   pools and rings.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Interrupter;
 use dpumesh_dpa::{
-    Case, Descriptor, Destination, HostError, HostPort, Incoming, Outgoing, Polling, RingError,
-    Spin,
+    Case, Descriptor, Destination, HostError, HostPort, Incoming, NodeWatch, Outgoing, Polling,
+    RingError, Spin,
 };
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
@@ -31,6 +36,26 @@ use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker}
 
 /// How long a `Locate` answer is trusted.
 const LOCATE_TTL: Duration = Duration::from_secs(1);
+
+/// The first wait before registering again with a node that went away, and the
+/// longest (the delay doubles with each refusal in between).
+const REGISTER_FIRST: Duration = Duration::from_millis(50);
+const REGISTER_CAP: Duration = Duration::from_secs(1);
+
+/// Who this pod is, to register again when its node comes back.
+#[derive(Debug, Clone)]
+struct Registration {
+    control: Endpoint,
+    pod: String,
+    service: String,
+}
+
+/// Registering again after the node went away.
+#[derive(Debug)]
+struct Away {
+    next_try: Instant,
+    delay: Duration,
+}
 
 struct Queued {
     case: Case,
@@ -47,15 +72,29 @@ struct Queued {
 
 /// A service pod's transport over its registered port.
 pub struct DataPathTransport {
-    port: HostPort,
+    /// `None` while the node is away.
+    port: Option<HostPort>,
+    /// Says when the node hangs up (only for a transport that can register again).
+    watch: Option<NodeWatch>,
+    registration: Option<Registration>,
+    away: Option<Away>,
+    /// Times the pod registered again.
+    reregistered: u32,
     started: Instant,
     waiting: HashMap<u64, Descriptor>,
     next: u64,
+    /// Requests below this id were delivered by a node that went away: their answers
+    /// have nowhere to go.
+    lost_below: u64,
+    /// Egress calls on the wire (failed if the node goes away with them).
+    calls: HashSet<Tag>,
     located: HashMap<String, (Case, Destination, Instant)>,
     rr: usize,
     out: VecDeque<Queued>,
     failed: Vec<Event>,
-    interrupter: Interrupter,
+    /// What wakes a waiting `poll`: the RX ring's interrupter, or the loop thread
+    /// while the node is away (swapped when the pod registers again).
+    interrupter: Arc<Mutex<Interrupter>>,
     /// How the loop waits for the ring: polls a while after the last work (adapting),
     /// then sleeps until the node wakes it; `DPUMESH_POLL` sets the bounds.
     spin: Spin,
@@ -64,26 +103,42 @@ pub struct DataPathTransport {
 impl std::fmt::Debug for DataPathTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataPathTransport")
-            .field("pod", &self.port.pod_id())
+            .field("pod", &self.port.as_ref().map(HostPort::pod_id))
             .field("waiting", &self.waiting.len())
             .finish_non_exhaustive()
     }
 }
 
 impl DataPathTransport {
-    /// Registers pod `pod` of `service` with the node at `control`.
+    /// Registers pod `pod` of `service` with the node at `control`; if the node goes
+    /// away later, the pod registers again with whoever serves `control` next.
     pub fn connect(control: &Endpoint, pod: &str, service: &str) -> Result<Self, HostError> {
-        Ok(Self::new(HostPort::connect(control, pod, service)?))
+        let port = HostPort::connect(control, pod, service)?;
+        let watch = port.watch_node()?;
+        let mut transport = Self::new(port);
+        transport.watch = Some(watch);
+        transport.registration = Some(Registration {
+            control: control.clone(),
+            pod: pod.to_owned(),
+            service: service.to_owned(),
+        });
+        Ok(transport)
     }
 
-    /// Over a registered port.
+    /// Over a registered port (that is not registered again if its node goes away).
     pub fn new(port: HostPort) -> Self {
         Self {
-            interrupter: port.interrupter(),
-            port,
+            interrupter: Arc::new(Mutex::new(port.interrupter())),
+            port: Some(port),
+            watch: None,
+            registration: None,
+            away: None,
+            reregistered: 0,
             started: Instant::now(),
             waiting: HashMap::new(),
             next: 1,
+            lost_below: 0,
+            calls: HashSet::new(),
             located: HashMap::new(),
             rr: 0,
             out: VecDeque::new(),
@@ -92,9 +147,85 @@ impl DataPathTransport {
         }
     }
 
-    /// The pod's id on its node.
+    /// The pod's id on its node (0 while the node is away).
     pub fn pod_id(&self) -> u32 {
-        self.port.pod_id()
+        self.port.as_ref().map_or(0, HostPort::pod_id)
+    }
+
+    /// Times the pod registered again after its node went away.
+    pub fn reregistered(&self) -> u32 {
+        self.reregistered
+    }
+
+    /// The node hung up: everything it held for this pod is gone with it.
+    fn lose_node(&mut self) {
+        let Some(port) = self.port.take() else {
+            return;
+        };
+        self.watch = None;
+        tracing::warn!(
+            pod = port.pod_id(),
+            calls = self.calls.len(),
+            unanswered = self.waiting.len(),
+            "the node went away: registering again"
+        );
+        port.abandon();
+        for tag in self.calls.drain() {
+            self.failed.push(Event::Completion {
+                tag,
+                outcome: Err("the node went away with the call".to_owned()),
+            });
+        }
+        for q in self.out.drain(..) {
+            if let Some(tag) = q.tag {
+                self.failed.push(Event::Completion {
+                    tag,
+                    outcome: Err("the node went away before the call left".to_owned()),
+                });
+            }
+        }
+        self.waiting.clear();
+        self.lost_below = self.next;
+        self.located.clear();
+        let me = std::thread::current();
+        *self.interrupter.lock().unwrap_or_else(|e| e.into_inner()) =
+            Interrupter::new(move || me.unpark());
+        self.away = Some(Away {
+            next_try: Instant::now(),
+            delay: REGISTER_FIRST,
+        });
+    }
+
+    /// Tries to register again if it is time to.
+    fn register_again(&mut self) {
+        let (Some(away), Some(registration)) = (self.away.as_mut(), &self.registration) else {
+            return;
+        };
+        let now = Instant::now();
+        if now < away.next_try {
+            return;
+        }
+        let registered = HostPort::connect(
+            &registration.control,
+            &registration.pod,
+            &registration.service,
+        )
+        .and_then(|port| Ok((port.watch_node()?, port)));
+        match registered {
+            Ok((watch, port)) => {
+                tracing::info!(pod = port.pod_id(), "registered again");
+                *self.interrupter.lock().unwrap_or_else(|e| e.into_inner()) = port.interrupter();
+                self.port = Some(port);
+                self.watch = Some(watch);
+                self.away = None;
+                self.reregistered += 1;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "the node does not take the pod yet");
+                away.next_try = now + away.delay;
+                away.delay = (away.delay * 2).min(REGISTER_CAP);
+            }
+        }
     }
 
     /// Requests received and not answered yet.
@@ -109,8 +240,10 @@ impl DataPathTransport {
         {
             return Ok((*case, *dst));
         }
-        let (pods, remote) = self
-            .port
+        let Some(port) = self.port.as_mut() else {
+            return Err("the node is away (the pod is registering again)".to_owned());
+        };
+        let (pods, remote) = port
             .control()
             .locate(service)
             .map_err(|e| format!("cannot ask the node where {service:?} runs: {e}"))?;
@@ -129,8 +262,11 @@ impl DataPathTransport {
 
     /// Sends what waits, in order, until the ring is full.
     fn flush(&mut self) {
+        let Some(port) = self.port.as_mut() else {
+            return;
+        };
         while let Some(q) = self.out.front() {
-            let sent = self.port.send(&Outgoing {
+            let sent = port.send(&Outgoing {
                 case: q.case,
                 dst: q.dst,
                 req_id: q.req_id,
@@ -142,7 +278,9 @@ impl DataPathTransport {
             });
             match sent {
                 Ok(()) => {
-                    self.out.pop_front();
+                    if let Some(tag) = self.out.pop_front().and_then(|q| q.tag) {
+                        self.calls.insert(tag);
+                    }
                 }
                 Err(HostError::Ring(RingError::Full { .. }))
                 | Err(HostError::Pool(dpumesh_dpa::PoolError::Exhausted { .. })) => return,
@@ -177,6 +315,7 @@ impl DataPathTransport {
                     req_id: descriptor.req_id,
                     step_id: descriptor.step_id,
                 };
+                self.calls.remove(&tag);
                 let outcome = wire::decode_response(&header)
                     .map(|head| HttpResponse {
                         status: head.status,
@@ -213,11 +352,13 @@ impl DataPathTransport {
                         "a response was not delivered"
                     );
                 } else {
+                    let tag = Tag {
+                        req_id: descriptor.req_id,
+                        step_id: descriptor.step_id,
+                    };
+                    self.calls.remove(&tag);
                     out.push(Event::Completion {
-                        tag: Tag {
-                            req_id: descriptor.req_id,
-                            step_id: descriptor.step_id,
-                        },
+                        tag,
                         outcome: Err(format!("data path could not carry the call: {status:?}")),
                     });
                 }
@@ -350,6 +491,10 @@ impl Transport for DataPathTransport {
         response: HttpResponse,
     ) -> Result<(), TransportError> {
         let Some(request) = self.waiting.remove(&id.0) else {
+            if id.0 < self.lost_below {
+                // Its node went away with it: nobody waits for this answer.
+                return Ok(());
+            }
             return Err(TransportError::Other(format!(
                 "request {} was answered already",
                 id.0
@@ -372,9 +517,25 @@ impl Transport for DataPathTransport {
         _idle: bool,
         out: &mut Vec<Event>,
     ) -> Result<(), TransportError> {
+        if self.watch.as_ref().is_some_and(NodeWatch::gone) {
+            self.lose_node();
+        }
+        if self.port.is_none() {
+            self.register_again();
+        }
         self.flush();
         out.append(&mut self.failed);
         let other = |e: HostError| TransportError::Other(e.to_string());
+        let Some(port) = self.port.as_mut() else {
+            if out.is_empty() {
+                // Nothing to do until the next try (or a waker: an internal step ended).
+                let next = self.away.as_ref().map_or(REGISTER_CAP, |a| {
+                    a.next_try.saturating_duration_since(Instant::now())
+                });
+                std::thread::park_timeout(next.min(timeout.unwrap_or(REGISTER_CAP)));
+            }
+            return Ok(());
+        };
         if out.is_empty() {
             // With sends waiting for room, look again soon: the completions that make
             // room are consumed inside `recv` and do not end its wait.
@@ -385,7 +546,7 @@ impl Transport for DataPathTransport {
             };
             let budget = self.spin.budget().unwrap_or(wait);
             let started = Instant::now();
-            let got = self.port.recv(self.spin.wake_mode(), wait).map_err(other)?;
+            let got = port.recv(self.spin.wake_mode(), wait).map_err(other)?;
             self.spin
                 .record(Spin::classify(budget, started.elapsed(), got.is_some()));
             if let Some(incoming) = got {
@@ -394,7 +555,10 @@ impl Transport for DataPathTransport {
         }
         // Take everything else that is there without waiting.
         for _ in 0..256 {
-            match self.port.try_recv().map_err(other)? {
+            let Some(port) = self.port.as_mut() else {
+                break;
+            };
+            match port.try_recv().map_err(other)? {
                 Some(incoming) => self.incoming(incoming, out),
                 None => break,
             }
@@ -406,7 +570,12 @@ impl Transport for DataPathTransport {
 
     fn waker(&self) -> Waker {
         let interrupter = self.interrupter.clone();
-        Arc::new(move || interrupter.interrupt())
+        Arc::new(move || {
+            interrupter
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .interrupt()
+        })
     }
 }
 

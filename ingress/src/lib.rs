@@ -309,8 +309,14 @@ fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, Pro
 }
 
 impl Routing {
-    /// The service for a request and the node to send it to (round robin).
-    fn route(&self, head: &RequestHead) -> Option<(String, SocketAddr)> {
+    /// The service for a request and the node to send it to: round robin over the
+    /// nodes running it, passing over those `reachable` says not to try now (when
+    /// none is, the turn's node: its failure is answered at once).
+    fn route(
+        &self,
+        head: &RequestHead,
+        reachable: impl Fn(SocketAddr) -> bool,
+    ) -> Option<(String, SocketAddr)> {
         let host = strip_port(&head.authority);
         let service = if self.config.services.contains_key(host) {
             host.to_owned()
@@ -325,7 +331,11 @@ impl Routing {
             return None;
         }
         let n = self.rr.fetch_add(1, Ordering::Relaxed);
-        Some((service, nodes[n % nodes.len()]))
+        let node = (0..nodes.len())
+            .map(|i| nodes[(n + i) % nodes.len()])
+            .find(|&a| reachable(a))
+            .unwrap_or(nodes[n % nodes.len()]);
+        Some((service, node))
     }
 }
 
@@ -390,7 +400,10 @@ async fn forward<F: Fabric>(
         return Err(e);
     }
     let head = head_of(&req, peer)?;
-    let Some((service, node)) = state.routing.route(&head) else {
+    let Some((service, node)) = state
+        .routing
+        .route(&head, |node| state.shard.reachable(node))
+    else {
         return Err(ProxyError::new(
             ErrorKind::NoRoute,
             format!(

@@ -23,14 +23,12 @@ use bytes::Bytes;
 use dpumesh_dpa::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps, WorkCompletion};
 use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_dpa::reconnect::Reconnect;
 use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
-
-/// How long a node that could not be reached is not tried again.
-const CONNECT_BACKOFF: Duration = Duration::from_secs(1);
 
 /// An answer from a node.
 #[derive(Debug)]
@@ -71,8 +69,9 @@ struct Pending {
 struct Links<F: Fabric> {
     links: HashMap<u32, (SocketAddr, Link<F>)>,
     by_node: HashMap<SocketAddr, u32>,
-    /// Nodes whose connect failed, and when (not tried again for a while).
-    failed: HashMap<SocketAddr, Instant>,
+    /// Nodes whose connect failed (not tried again for a while) or whose link went
+    /// down.
+    reconnect: Reconnect<SocketAddr>,
     pending: HashMap<u32, Pending>,
 }
 
@@ -131,7 +130,7 @@ impl<F: Fabric> Shard<F> {
             state: RefCell::new(Links {
                 links: HashMap::new(),
                 by_node: HashMap::new(),
-                failed: HashMap::new(),
+                reconnect: Reconnect::default(),
                 pending: HashMap::new(),
             }),
             wcs: RefCell::new(Vec::with_capacity(64)),
@@ -248,17 +247,18 @@ impl<F: Fabric> Shard<F> {
         answer
     }
 
+    /// Whether `node` is worth sending to now (not waiting out a failed connect).
+    pub fn reachable(&self, node: SocketAddr) -> bool {
+        self.state.borrow().reconnect.may_try(&node, Instant::now())
+    }
+
     fn link(&self, state: &mut Links<F>, node: SocketAddr) -> Result<u32, ProxyError> {
         if let Some(&qp) = state.by_node.get(&node)
             && state.links.get(&qp).is_some_and(|(_, l)| !l.is_down())
         {
             return Ok(qp);
         }
-        if state
-            .failed
-            .get(&node)
-            .is_some_and(|at| at.elapsed() < CONNECT_BACKOFF)
-        {
+        if !state.reconnect.may_try(&node, Instant::now()) {
             return Err(ProxyError::new(
                 ErrorKind::Unreachable,
                 format!("the node at {node} was unreachable moments ago"),
@@ -277,14 +277,17 @@ impl<F: Fabric> Shard<F> {
         let link = match connected {
             Ok(link) => link,
             Err(e) => {
-                state.failed.insert(node, Instant::now());
+                state.reconnect.failed(&node, Instant::now());
                 return Err(ProxyError::new(
                     ErrorKind::Unreachable,
                     format!("cannot reach the node at {node}: {e}"),
                 ));
             }
         };
-        state.failed.remove(&node);
+        if state.reconnect.connected(&node) {
+            tracing::info!(%node, "link to node back");
+            metrics::counter!("dpumesh_ingress_reconnects_total").increment(1);
+        }
         let num = link.qp_num();
         state.links.insert(num, (node, link));
         state.by_node.insert(node, num);
@@ -297,6 +300,7 @@ impl<F: Fabric> Shard<F> {
         };
         tracing::warn!(%node, why, "link to node down");
         state.by_node.remove(&node);
+        state.reconnect.lost(&node);
         let lost: Vec<u32> = state
             .pending
             .iter()

@@ -39,17 +39,23 @@ pub fn prometheus() -> &'static PrometheusHandle {
 
 /// Serves the admin API on `listener` until the task is dropped. `/readyz` also
 /// reports the threads of `threads` (besides the filter workers').
-pub async fn serve(listener: TcpListener, policy: Arc<Policy>, threads: Vec<Arc<Supervisor>>) {
+pub async fn serve(
+    listener: TcpListener,
+    policy: Arc<Policy>,
+    threads: Vec<Arc<Supervisor>>,
+    checks: Vec<Check>,
+) {
     let threads = Arc::new(threads);
+    let checks = Arc::new(checks);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (policy, threads) = (policy.clone(), threads.clone());
+        let (policy, threads, checks) = (policy.clone(), threads.clone(), checks.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (policy, threads) = (policy.clone(), threads.clone());
-                async move { Ok::<_, Infallible>(handle(&policy, &threads, req).await) }
+                let (policy, threads, checks) = (policy.clone(), threads.clone(), checks.clone());
+                async move { Ok::<_, Infallible>(handle(&policy, &threads, &checks, req).await) }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
@@ -68,12 +74,18 @@ fn reply(status: StatusCode, content_type: &'static str, body: String) -> Respon
     response
 }
 
-/// Ready when no supervised thread is down and every worker runs the published
-/// generation; otherwise why not.
-fn readiness(policy: &Policy, threads: &[Arc<Supervisor>]) -> Result<(), String> {
+/// One more condition of readiness (a node's: its pods registered), saying why not.
+pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+/// Ready when no supervised thread is down, every check passes and every worker runs
+/// the published generation; otherwise why not.
+fn readiness(policy: &Policy, threads: &[Arc<Supervisor>], checks: &[Check]) -> Result<(), String> {
     policy.pool().supervisor().ready()?;
     for supervisor in threads {
         supervisor.ready()?;
+    }
+    for check in checks {
+        check()?;
     }
     if !policy.settled() {
         return Err("workers are switching to the new generation".to_owned());
@@ -84,12 +96,13 @@ fn readiness(policy: &Policy, threads: &[Arc<Supervisor>]) -> Result<(), String>
 async fn handle(
     policy: &Arc<Policy>,
     threads: &[Arc<Supervisor>],
+    checks: &[Check],
     req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
     let json = "application/json";
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".to_owned()),
-        (&Method::GET, "/readyz") => match readiness(policy, threads) {
+        (&Method::GET, "/readyz") => match readiness(policy, threads, checks) {
             Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".to_owned()),
             Err(why) => reply(
                 StatusCode::SERVICE_UNAVAILABLE,

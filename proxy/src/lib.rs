@@ -75,7 +75,12 @@ impl Proxy {
             Some(addr) => {
                 let listener = bind(addr)?;
                 let local = listener.local_addr()?;
-                io.spawn(admin::serve(listener, policy.clone(), Vec::new()));
+                io.spawn(admin::serve(
+                    listener,
+                    policy.clone(),
+                    Vec::new(),
+                    Vec::new(),
+                ));
                 Some(local)
             }
             None => None,

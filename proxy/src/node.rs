@@ -2,6 +2,7 @@
 //! rings, DMA manager, control socket for pods), the filter runtime with hot reload,
 //! the data plane on the fabric, and the admin API.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -58,6 +59,31 @@ pub fn polling(config: &PollingConfig) -> Polling {
             Polling::Hybrid { min, max }
         }
     }
+}
+
+/// The pods the mesh file places on node `name`, by service.
+fn expected_pods(mesh: &MeshFile, name: &str) -> BTreeMap<String, usize> {
+    mesh.config
+        .services
+        .iter()
+        .filter(|(_, s)| s.nodes.iter().any(|n| n == name))
+        .map(|(service, s)| (service.clone(), s.replicas.unwrap_or(1) as usize))
+        .collect()
+}
+
+/// Readiness: a node whose pods have not (all) registered, after a start or while a
+/// crashed one comes back, cannot serve what the ingress sends it.
+fn pods_registered(expected: BTreeMap<String, usize>, dpu: Arc<Dpu>) -> crate::admin::Check {
+    Arc::new(move || {
+        let pods = dpu.pods();
+        for (service, want) in &expected {
+            let have = pods.iter().filter(|p| &p.service == service).count();
+            if have < *want {
+                return Err(format!("{have} of {want} pods of {service:?} registered"));
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Where node `name`'s pods register.
@@ -146,6 +172,7 @@ impl Node {
                     listener,
                     policy.clone(),
                     vec![dataplane.supervisor().clone()],
+                    vec![pods_registered(expected_pods(mesh, name), dpu.clone())],
                 ));
                 Some(local)
             }

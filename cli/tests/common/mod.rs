@@ -3,6 +3,8 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod mesh;
+
 /// The hotel sample's HS256 secret.
 pub const SECRET: &str = "dpumesh-demo-hs256-secret-0123456789";
 

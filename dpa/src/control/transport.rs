@@ -508,6 +508,15 @@ impl ControlClient {
         &self.node
     }
 
+    /// A second handle on the connection, to watch for the node hanging up (poll it
+    /// for `POLLRDHUP`; never read from it: the answers are this client's).
+    pub fn watch_fd(&self) -> std::io::Result<OwnedFd> {
+        Ok(match &self.stream {
+            Stream::Unix(s) => s.as_fd().try_clone_to_owned()?,
+            Stream::Tcp(s) => s.as_fd().try_clone_to_owned()?,
+        })
+    }
+
     /// Why the DPU tore the connection down, if it did.
     pub fn teardown(&self) -> Option<&str> {
         self.teardown.as_deref()

@@ -52,10 +52,20 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
-    /// Answers an exchange with the proxy's error `e`.
+    /// Answers an exchange with the proxy's error `e`, blamed on where its try was.
     pub(super) fn fail(&mut self, xid: u32, e: ProxyError) {
+        let upstream = self.table.get(xid).and_then(|x| match &x.stage {
+            Stage::Pod { pod, .. } => Some(pod_upstream(&x.service, *pod)),
+            Stage::Peer { qp, .. } => self.peer_upstream(*qp),
+            Stage::Filtering | Stage::Reading => None,
+        });
+        self.fail_at(xid, e, upstream);
+    }
+
+    /// Answers an exchange with the proxy's error `e`, blamed on `upstream`.
+    pub(super) fn fail_at(&mut self, xid: u32, e: ProxyError, upstream: Option<String>) {
         let failure = failure_kind(&e);
-        self.finish_with(xid, &e.response_head(), e.body(), failure);
+        self.finish_with(xid, &e.response_head(), e.body(), failure, upstream);
     }
 
     /// Answers an exchange from the proxy itself: an error, or a filter's denial.
@@ -65,11 +75,12 @@ impl<F: Fabric> Reactor<F> {
         head: &ResponseHead,
         body: Vec<u8>,
         failure: FailureKind,
+        upstream: Option<String>,
     ) {
         let Some(mut exchange) = self.table.close(xid) else {
             return;
         };
-        self.response_phase(&mut exchange, head.status, failure, None);
+        self.response_phase(&mut exchange, head.status, failure, upstream);
         if let Stage::Peer { qp, reply_slot } = exchange.stage
             && let Origin::Pod { d } = exchange.origin
         {
@@ -217,7 +228,9 @@ impl<F: Fabric> Reactor<F> {
         tracing::warn!(qp, node = ?state.node, why, "mesh link down");
         if let Some(node) = &state.node {
             self.peer_links.remove(node);
+            self.reconnect.lost(node);
         }
+        let upstream = state.node.as_deref().map(node_upstream);
         // The queue pair is gone: none of its operations will complete. What they
         // held goes back now (nothing can write into it any more).
         drop(state);
@@ -238,14 +251,17 @@ impl<F: Fabric> Reactor<F> {
             self.hand_back(&o.d);
         }
         // What came over it has nobody to answer; a reply from the pod is dropped
-        // when it comes.
-        drop(loss.dropped);
+        // when it comes. Their response phase still runs (the breaker must not count
+        // them in flight for ever), as requests whose client went away.
+        for mut exchange in loss.dropped {
+            self.response_phase(&mut exchange, 499, FailureKind::LocalReply, None);
+        }
         for xid in loss.failed {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,
                 format!("lost the link to the service's node ({why})"),
             );
-            self.fail(xid, e);
+            self.fail_at(xid, e, upstream.clone());
         }
     }
 }

@@ -263,7 +263,13 @@ impl<F: Fabric> Reactor<F> {
                     status: reply.status,
                     headers,
                 };
-                self.finish_with(xid, &head, reply.body.into_bytes(), FailureKind::LocalReply);
+                self.finish_with(
+                    xid,
+                    &head,
+                    reply.body.into_bytes(),
+                    FailureKind::LocalReply,
+                    None,
+                );
             }
             Decision::Continue => {
                 exchange.head = Some(outcome.head);

@@ -37,6 +37,7 @@ use dpumesh_dpa::fabric::{
 };
 use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, Response, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_dpa::reconnect::Reconnect;
 use dpumesh_dpa::{
     Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuShard, OwnerId, PodInfo, Polling,
     Spin, Waited,
@@ -180,7 +181,7 @@ impl Dataplane {
             pd,
             cq,
             accepted,
-            connect_failed: HashMap::new(),
+            reconnect: Reconnect::default(),
             links: HashMap::new(),
             peer_links: HashMap::new(),
             port,
@@ -291,8 +292,9 @@ struct Reactor<F: Fabric> {
     cq: F::Cq,
     /// Queue pairs the accept thread took.
     accepted: Receiver<F::Qp>,
-    /// Peers whose connect failed, and when (not tried again for a second).
-    connect_failed: HashMap<String, Instant>,
+    /// Peers whose connect failed (tried again after a growing wait) or whose link
+    /// went down.
+    reconnect: Reconnect<String>,
     links: HashMap<u32, LinkState<F>>,
     peer_links: HashMap<String, u32>,
     port: DpuShard,
@@ -339,6 +341,18 @@ fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
             0
         }
     }
+}
+
+/// A pod as the upstream the response phase names (what the breaker and the metrics
+/// blame).
+fn pod_upstream(service: &str, pod: u32) -> String {
+    format!("{service}/pod-{pod}")
+}
+
+/// A peer node as the upstream: a request that failed because the node or the link to
+/// it died is that node's failure, not the pod's that called through it.
+fn node_upstream(node: &str) -> String {
+    format!("node/{node}")
 }
 
 /// The runner id of a shard's inline chains in tickets (pool workers count from 0).

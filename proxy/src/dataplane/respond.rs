@@ -33,7 +33,8 @@ impl<F: Fabric> Reactor<F> {
             self.hand_back(&d);
             return;
         };
-        self.response_phase(&mut exchange, d.status, FailureKind::None, Some(d.src_pod));
+        let upstream = pod_upstream(&exchange.service, d.src_pod);
+        self.response_phase(&mut exchange, d.status, FailureKind::None, Some(upstream));
         match exchange.origin {
             Origin::Pod { d: request } => {
                 // Case 3: the DMA manager delivers B's reply to A (body B → A), under
@@ -148,7 +149,7 @@ impl<F: Fabric> Reactor<F> {
         exchange: &mut Exchange,
         status: u16,
         failure: FailureKind,
-        upstream: Option<u32>,
+        upstream: Option<String>,
     ) {
         let latency = exchange.started.elapsed();
         metrics::counter!(
@@ -165,7 +166,7 @@ impl<F: Fabric> Reactor<F> {
         let info = ResponseInfo {
             status,
             latency_ns: latency.as_nanos() as u64,
-            upstream: upstream.map(|p| format!("{}/pod-{p}", exchange.service)),
+            upstream,
             failure,
         };
         self.run_response_phase(ticket, head, info);
@@ -194,7 +195,8 @@ impl<F: Fabric> Reactor<F> {
         let status = wire::decode_response(&r.head)
             .map(|h| h.status)
             .unwrap_or(502);
-        self.response_phase(&mut exchange, status, FailureKind::None, None);
+        let upstream = self.peer_upstream(qp);
+        self.response_phase(&mut exchange, status, FailureKind::None, upstream);
         let body = match r.body {
             ResponseBody::None => {
                 self.release_rx(d.src_pod, reply_slot);
@@ -334,6 +336,12 @@ impl<F: Fabric> Reactor<F> {
         );
     }
 
+    /// The upstream a peer link leads to, as the response phase names it.
+    pub(super) fn peer_upstream(&self, qp: u32) -> Option<String> {
+        let node = self.links.get(&qp)?.node.as_deref()?;
+        Some(node_upstream(node))
+    }
+
     pub(super) fn peer_link(&mut self, node: &str) -> Option<u32> {
         if let Some(&qp) = self.peer_links.get(node)
             && self.links.get(&qp).is_some_and(|s| !s.link.is_down())
@@ -341,11 +349,7 @@ impl<F: Fabric> Reactor<F> {
             return Some(qp);
         }
         let addr = *self.topology.peers.get(node)?;
-        if self
-            .connect_failed
-            .get(node)
-            .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
-        {
+        if !self.reconnect.may_try(&node.to_owned(), Instant::now()) {
             return None;
         }
         let qp = match self
@@ -354,12 +358,24 @@ impl<F: Fabric> Reactor<F> {
         {
             Ok(qp) => qp,
             Err(e) => {
-                tracing::warn!(node, %addr, error = %e, "cannot reach peer node");
-                self.connect_failed.insert(node.to_owned(), Instant::now());
+                let wait = self.reconnect.failed(&node.to_owned(), Instant::now());
+                tracing::warn!(node, %addr, error = %e, ?wait, "cannot reach peer node");
                 return None;
             }
         };
-        let link = Link::new(&self.fabric, &self.pd, qp).ok()?;
+        let link = match Link::new(&self.fabric, &self.pd, qp) {
+            Ok(link) => link,
+            Err(e) => {
+                let wait = self.reconnect.failed(&node.to_owned(), Instant::now());
+                tracing::warn!(node, error = %e, ?wait, "cannot set up the link to a peer node");
+                return None;
+            }
+        };
+        if self.reconnect.connected(&node.to_owned()) {
+            tracing::info!(node, "link to peer node back");
+            metrics::counter!("dpumesh_peer_reconnects_total", "node" => node.to_owned())
+                .increment(1);
+        }
         let num = link.qp_num();
         self.links.insert(
             num,

@@ -1,0 +1,297 @@
+//! `dpumesh up`: the whole local mesh (nodes, service pods, ingress) as child processes,
+//! each supervised: a process that dies is started again with backoff (see
+//! [`restart`]) and the rest of the mesh keeps serving meanwhile; one that keeps dying
+//! right after each start is reported with its last lines and left down. Ctrl-C stops
+//! everything.
+
+mod process;
+mod restart;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use dpumesh_config::MeshFile;
+use dpumesh_proxy::node::control_socket;
+
+pub use process::READY;
+use process::{Event, Process, Spec, State};
+use restart::RestartPolicy;
+
+/// How long a role may take to say it serves when the mesh starts.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How often the supervisor looks at its processes.
+const LOOK: Duration = Duration::from_millis(50);
+
+/// A program named in the mesh file: beside this binary first, then as given.
+fn program(name: &str) -> PathBuf {
+    if !name.contains('/')
+        && let Ok(me) = std::env::current_exe()
+        && let Some(dir) = me.parent()
+    {
+        let beside = dir.join(name);
+        if beside.is_file() {
+            return beside;
+        }
+    }
+    PathBuf::from(name)
+}
+
+/// A running local mesh.
+pub struct Up {
+    processes: Vec<Process>,
+    /// The ingress address.
+    pub ingress: String,
+    /// Admin URLs by node.
+    pub admins: BTreeMap<String, String>,
+    /// Nodes that did not come up at the start.
+    down: std::collections::BTreeSet<String>,
+    // Dropped last: the nodes' control sockets live here.
+    _run_dir: tempfile::TempDir,
+}
+
+impl Up {
+    /// Starts every node, every service replica and the ingress of `mesh`.
+    pub fn start(file: &Path) -> Result<Self> {
+        let mesh = MeshFile::read(file)?;
+        let run_dir = tempfile::Builder::new().prefix("dpumesh-up").tempdir()?;
+        let me = std::env::current_exe()?;
+        let policy = RestartPolicy::default();
+        let mut up = Self {
+            processes: Vec::new(),
+            ingress: String::new(),
+            admins: BTreeMap::new(),
+            down: Default::default(),
+            _run_dir: run_dir,
+        };
+        let run = up._run_dir.path().to_owned();
+        // A node with a network namespace runs (with its pods) inside it.
+        let in_netns = |name: String, node: &str, program: &Path| -> Spec {
+            match mesh.config.nodes.get(node).and_then(|e| e.netns.as_deref()) {
+                Some(ns) => Spec::new(name, "ip")
+                    .args(["netns", "exec", ns])
+                    .args([program]),
+                None => Spec::new(name, program),
+            }
+        };
+        for (name, entry) in &mesh.config.nodes {
+            let spec = in_netns(format!("node {name}"), name, &me)
+                .args(["node", "--mesh"])
+                .args([file])
+                .args(["--name", name, "--run-dir"])
+                .args([&run]);
+            let mut node = Process::start(spec, policy)?;
+            // A node that cannot start is the supervisor's to start again (or give up
+            // on): the rest of the mesh comes up without it.
+            if let Err(e) = node.wait_ready(START_TIMEOUT) {
+                eprintln!("dpumesh up: {e:#}");
+                up.down.insert(name.clone());
+            }
+            up.processes.push(node);
+            if let Some(a) = entry.admin {
+                up.admins.insert(name.clone(), format!("http://{a}/"));
+            }
+        }
+        for (service, entry) in &mesh.config.services {
+            let Some((command, args)) = entry.command.split_first() else {
+                continue;
+            };
+            for node in &entry.nodes {
+                for replica in 0..entry.replicas.unwrap_or(1) {
+                    let pod = format!("{service}-{node}-{replica}");
+                    let spec = in_netns(format!("pod {pod}"), node, &program(command))
+                        .args(args)
+                        .env("DPUMESH_CONTROL", control_socket(&run, node))
+                        .env("DPUMESH_SERVICE", service)
+                        .env("DPUMESH_POD", &pod)
+                        .env(
+                            dpumesh_dpa::poll::ENV,
+                            dpumesh_proxy::node::polling(&mesh.config.polling).to_string(),
+                        );
+                    up.processes.push(Process::start(spec, policy)?);
+                }
+            }
+        }
+        let spec = Spec::new("ingress", &me)
+            .args(["ingress", "--mesh"])
+            .args([file]);
+        let mut ingress = Process::start(spec, policy)?;
+        up.ingress = match ingress.wait_ready(START_TIMEOUT) {
+            Ok(line) => line.rsplit(' ').next().unwrap_or_default().to_owned(),
+            Err(e) => {
+                eprintln!("dpumesh up: {e:#}");
+                mesh.config.ingress.listen.to_string()
+            }
+        };
+        up.processes.push(ingress);
+        up.wait_for_pods(&mesh);
+        Ok(up)
+    }
+
+    /// Waits until every service's pods registered with the nodes that came up; says
+    /// which did not (the mesh serves without them meanwhile).
+    fn wait_for_pods(&self, mesh: &MeshFile) {
+        use dpumesh_dpa::control::Role;
+        use dpumesh_dpa::control::transport::{ControlClient, Endpoint};
+        let deadline = Instant::now() + START_TIMEOUT;
+        for (service, entry) in &mesh.config.services {
+            if entry.command.is_empty() {
+                continue;
+            }
+            for node in entry.nodes.iter().filter(|n| !self.down.contains(*n)) {
+                let endpoint = Endpoint::Unix(control_socket(self._run_dir.path(), node));
+                let want = entry.replicas.unwrap_or(1) as usize;
+                let mut have = 0;
+                while Instant::now() < deadline {
+                    have = ControlClient::connect(&endpoint, Role::Dpu, "dpumesh-up")
+                        .and_then(|mut c| c.resolve(service))
+                        .map_or(0, |pods| pods.len());
+                    if have >= want {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                if have < want {
+                    eprintln!(
+                        "dpumesh up: {service} on {node}: {have} of {want} pods registered \
+                         after {} s",
+                        START_TIMEOUT.as_secs()
+                    );
+                }
+            }
+        }
+    }
+
+    /// One look at every process: the dead are started again (or given up on), and
+    /// what happened is said on stderr.
+    pub fn supervise(&mut self) {
+        let now = Instant::now();
+        for p in &mut self.processes {
+            for event in p.supervise(now) {
+                report(p.name(), &event);
+            }
+        }
+    }
+
+    /// What was restarted and what was given up on, for the last words.
+    fn summary(&self) -> Vec<String> {
+        self.processes
+            .iter()
+            .filter(|p| p.restarts() > 0 || p.state() == State::GaveUp)
+            .map(|p| match p.state() {
+                State::GaveUp => {
+                    format!("{} (left down after {} restarts)", p.name(), p.restarts())
+                }
+                _ => format!("{} ({} restarts)", p.name(), p.restarts()),
+            })
+            .collect()
+    }
+}
+
+/// Says what happened to a process.
+fn report(name: &str, event: &Event) {
+    match event {
+        Event::Died { status, delay } => {
+            eprintln!("dpumesh up: {name} exited ({status}); starting it again in {delay:.1?}")
+        }
+        Event::Restarted { count } => {
+            eprintln!("dpumesh up: {name} started again (restart {count})")
+        }
+        Event::Serving { after } => {
+            eprintln!("dpumesh up: {name} serves again, {after:.1?} after it died")
+        }
+        Event::SpawnFailed(e) => eprintln!("dpumesh up: {e}"),
+        Event::GaveUp {
+            status,
+            quick_deaths,
+            tail,
+        } => {
+            eprintln!(
+                "dpumesh up: {name} died {quick_deaths} times right after starting (last: \
+                 {status}); it is left down and the rest of the mesh keeps serving. Its last \
+                 lines:"
+            );
+            for line in tail {
+                eprintln!("    {line}");
+            }
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        for p in &self.processes {
+            p.terminate();
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for p in &mut self.processes {
+            p.reap(deadline);
+        }
+    }
+}
+
+/// `dpumesh up`.
+pub fn up(file: &Path) -> Result<()> {
+    let mut up = Up::start(file)?;
+    println!("DPUmesh is up.");
+    println!("  ingress   http://{}/", up.ingress);
+    for (node, url) in &up.admins {
+        println!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
+    }
+    if let Some(token) = demo_token(file)? {
+        println!("  try:");
+        println!(
+            "    curl -s -H 'authorization: Bearer {token}' 'http://{}/hotels?user=7'",
+            up.ingress
+        );
+    }
+    println!("A process that dies is started again. Ctrl-C stops everything.");
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::spawn(move || {
+        let _ = crate::roles::wait_for_signal();
+        flag.store(true, Ordering::SeqCst);
+    });
+    while !stop.load(Ordering::SeqCst) {
+        up.supervise();
+        std::thread::sleep(LOOK);
+    }
+    let summary = up.summary();
+    if !summary.is_empty() {
+        println!("restarted while up: {}", summary.join(", "));
+    }
+    println!("stopping...");
+    drop(up);
+    Ok(())
+}
+
+/// A token for the README's curl, when the mesh file's folder has `demo-token.json`
+/// (`{"secret": "...", "claims": {...}}`, signed HS256 for an hour).
+fn demo_token(mesh: &Path) -> Result<Option<String>> {
+    let file = mesh
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("demo-token.json");
+    let Ok(text) = std::fs::read_to_string(&file) else {
+        return Ok(None);
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}", file.display()))?;
+    let secret = v["secret"].as_str().context("demo-token.json: no secret")?;
+    let mut claims = v["claims"].clone();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    claims["iat"] = now.into();
+    claims["exp"] = (now + 3600).into();
+    let token = jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
+    )?;
+    Ok(Some(token))
+}

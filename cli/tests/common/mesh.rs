@@ -1,0 +1,320 @@
+//! The hotel sample under `dpumesh up` as the end-to-end tests drive it: its files with
+//! free ports, the running mesh, a plain HTTP/1.1 client, a load generator and the
+//! nodes' admin API. Each test binary uses the part it needs.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::free_port;
+
+/// Status, headers (lowercase names), body.
+pub type Reply = (u16, Vec<(String, String)>, Vec<u8>);
+
+/// The sample's files with this build's components and free ports; `edit` may
+/// change the mesh file's text last.
+pub fn mesh_files(dir: &Path, edit: impl Fn(String) -> String) -> (PathBuf, SocketAddr) {
+    let sample = super::sample();
+    super::write_policy(dir);
+    let mut mesh = std::fs::read_to_string(sample.join("mesh.yaml")).unwrap();
+    let ingress: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    for (from, to) in [
+        ("127.0.0.1:8000".to_owned(), ingress.to_string()),
+        (
+            "127.0.0.1:7101".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        (
+            "127.0.0.1:7102".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        (
+            "127.0.0.1:9101".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        (
+            "127.0.0.1:9102".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        (
+            "request_timeout: 10s".to_owned(),
+            "request_timeout: 5s".to_owned(),
+        ),
+    ] {
+        mesh = mesh.replace(&from, &to);
+    }
+    let file = dir.join("mesh.yaml");
+    std::fs::write(&file, edit(mesh)).unwrap();
+    std::fs::copy(sample.join("demo-token.json"), dir.join("demo-token.json")).unwrap();
+    (file, ingress)
+}
+
+pub struct Mesh {
+    pub child: Child,
+    pub ingress: SocketAddr,
+    pub admins: Vec<SocketAddr>,
+    /// What `dpumesh up` said on stderr so far (it is passed through too).
+    pub log: std::sync::Arc<std::sync::Mutex<String>>,
+    pub _dir: tempfile::TempDir,
+}
+
+impl Mesh {
+    /// The hotel sample as it is.
+    pub fn up() -> Self {
+        Self::up_with(|m| m)
+    }
+
+    /// The hotel sample with its mesh file edited by `edit`.
+    pub fn up_with(edit: impl Fn(String) -> String) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (file, ingress) = mesh_files(dir.path(), edit);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(["up", "--config"])
+            .arg(&file)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (stderr, kept) = (child.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                eprintln!("{line}");
+                let mut kept = kept.lock().unwrap();
+                kept.push_str(&line);
+                kept.push('\n');
+            }
+        });
+        let mut mesh = Self {
+            child,
+            ingress,
+            admins: Vec::new(),
+            log,
+            _dir: dir,
+        };
+        // Ready when `up` says so.
+        let banner = super::banner(mesh.child.stdout.take().unwrap());
+        assert!(
+            banner.contains(&format!("http://{}/", mesh.ingress)),
+            "{banner}"
+        );
+        assert!(banner.contains("curl"), "a ready-to-paste curl: {banner}");
+        mesh.admins = banner
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("admin"))
+            .filter_map(|l| l.trim().strip_prefix("http://"))
+            .filter_map(|l| l.split('/').next()?.parse().ok())
+            .collect();
+        assert_eq!(mesh.admins.len(), 2, "{banner}");
+        mesh
+    }
+
+    pub fn admins(&self) -> Vec<SocketAddr> {
+        self.admins.clone()
+    }
+
+    /// A client of its ingress.
+    pub fn client(&self) -> Client {
+        Client(self.ingress)
+    }
+
+    pub fn raw(&self, request: &[u8]) -> Reply {
+        self.client().raw(request)
+    }
+
+    pub fn get(&self, path: &str, token: Option<&str>) -> Reply {
+        self.client().get(path, token)
+    }
+
+    pub fn post(&self, path: &str, token: &str, body: &[u8]) -> Reply {
+        self.client().post(path, token, body)
+    }
+}
+
+/// A plain HTTP/1.1 client of an ingress (one connection per request).
+pub struct Client(pub SocketAddr);
+
+impl Client {
+    /// The response, or `None` if the connection failed or closed early.
+    pub fn try_raw(&self, request: &[u8]) -> Option<Reply> {
+        let mut s = TcpStream::connect(self.0).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+        s.write_all(request).ok()?;
+        read_response(&mut s)
+    }
+
+    pub fn raw(&self, request: &[u8]) -> Reply {
+        self.try_raw(request).expect("a response")
+    }
+
+    fn get_request(path: &str, token: Option<&str>) -> Vec<u8> {
+        let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+        format!("GET {path} HTTP/1.1\r\nhost: hotel\r\n{auth}connection: close\r\n\r\n")
+            .into_bytes()
+    }
+
+    pub fn get(&self, path: &str, token: Option<&str>) -> Reply {
+        self.raw(&Self::get_request(path, token))
+    }
+
+    /// The status of a GET, 0 if there was no answer.
+    pub fn status(&self, path: &str, token: Option<&str>) -> u16 {
+        self.try_raw(&Self::get_request(path, token))
+            .map_or(0, |r| r.0)
+    }
+
+    pub fn post(&self, path: &str, token: &str, body: &[u8]) -> Reply {
+        let mut r = format!(
+            "POST {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        r.extend_from_slice(body);
+        self.raw(&r)
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        super::stop(&mut self.child);
+    }
+}
+
+/// Reads one HTTP/1.1 response (content-length framed, as the ingress writes them).
+pub fn read_response(s: &mut TcpStream) -> Option<Reply> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 65536];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = s.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let headers: Vec<(String, String)> = lines
+        .filter(|l| !l.is_empty())
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    let len: usize = headers
+        .iter()
+        .find(|(n, _)| n == "content-length")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[head_end..].to_vec();
+    while body.len() < len {
+        let n = s.read(&mut chunk).ok()?;
+        if n == 0 {
+            break;
+        }
+        body.extend_from_slice(&chunk[..n]);
+    }
+    Some((status, headers, body))
+}
+
+pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// A load client's result: successes, failures (when, status; 0 for none), and the
+/// longest any request took.
+pub type ClientResult = (usize, Vec<(Instant, u16)>, Duration);
+
+/// Runs `threads` clients doing GET `path` until `stop`; each returns its count of
+/// successes and its failures (when, status; 0 for no response), and counts its
+/// successes in `served` as they happen.
+pub fn load(
+    mesh: &Mesh,
+    path: &str,
+    token: &str,
+    threads: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    served: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> Vec<std::thread::JoinHandle<ClientResult>> {
+    (0..threads)
+        .map(|_| {
+            let (addr, path, token, stop, served) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone(), served.clone());
+            std::thread::spawn(move || {
+                let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let began = Instant::now();
+                    let Ok(mut s) = TcpStream::connect(addr) else {
+                        // The ingress is down (a test killed it): not a busy loop.
+                        failed.push((Instant::now(), 0));
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    };
+                    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                    let req = format!("GET {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
+                    s.write_all(req.as_bytes()).unwrap();
+                    match read_response(&mut s) {
+                        Some((200, _, _)) => {
+                            ok += 1;
+                            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Some((status, _, body)) => {
+                            if failed.len() < 3 {
+                                eprintln!("failed with {status}: {}", String::from_utf8_lossy(&body));
+                            }
+                            failed.push((Instant::now(), status))
+                        }
+                        None => failed.push((Instant::now(), 0)),
+                    }
+                    slowest = slowest.max(began.elapsed());
+                }
+                (ok, failed, slowest)
+            })
+        })
+        .collect()
+}
+
+pub fn pids_of(parent: &str, pattern: &str) -> Vec<u32> {
+    let out = Command::new("pgrep")
+        .args(["-P", parent, "-f", pattern])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+/// The value of metric `name` (with its labels, as written) on a node's admin API.
+pub fn metric(admin: SocketAddr, name: &str) -> f64 {
+    let mut s = TcpStream::connect(admin).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let (_, _, body) = read_response(&mut s).unwrap();
+    String::from_utf8_lossy(&body)
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The generation a node's admin API says it runs.
+pub fn generation(admin: SocketAddr) -> u64 {
+    let mut s = TcpStream::connect(admin).unwrap();
+    s.write_all(b"GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let (status, _, body) = read_response(&mut s).unwrap();
+    assert_eq!(status, 200);
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    v["generation"].as_u64().unwrap_or(0)
+}
