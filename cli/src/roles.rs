@@ -72,5 +72,6 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         threads: i.threads,
         policy: mesh.config.policy.clone(),
         services: mesh.service_addrs(),
+        admin: i.admin,
     }
 }

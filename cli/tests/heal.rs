@@ -69,10 +69,11 @@ fn killed_nodes_and_ingress_are_started_again_and_the_mesh_serves_again() {
     let up = mesh.child.id().to_string();
     let mut healed = Vec::new();
     let mut killed = Vec::new();
+    // The ingress first: the one started again then sees both nodes go and come back.
     for (what, pattern) in [
+        ("ingress", "dpumesh ingress"),
         ("node1", "dpumesh node .*--name node1"),
         ("node2", "dpumesh node .*--name node2"),
-        ("ingress", "dpumesh ingress"),
     ] {
         let pid = the_one(&up, pattern);
         let at = Instant::now();
@@ -154,6 +155,28 @@ fn killed_nodes_and_ingress_are_started_again_and_the_mesh_serves_again() {
                 && metric(admins[1], "dpumesh_pods") == 1.0
         },
     );
+    // The ingress saw its nodes go and come back, and says so.
+    let admin = mesh
+        .ingress_admin
+        .expect("the sample's ingress has an admin API");
+    wait(
+        "the ingress is ready again",
+        Duration::from_secs(20),
+        &|| admin_get(admin, "/readyz").0 == 200,
+    );
+    let (_, metrics) = admin_get(admin, "/metrics");
+    let counted = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(
+        counted("dpumesh_ingress_links_lost_total") >= 1.0
+            && counted("dpumesh_ingress_reconnects_total") >= 1.0,
+        "{metrics}"
+    );
     let log = mesh.log.lock().unwrap().clone();
     for (what, _) in &killed {
         let name = if *what == "ingress" {
@@ -200,6 +223,21 @@ fn a_node_that_cannot_start_is_given_up_on_while_the_rest_serves() {
     let (status, _, _) = mesh.get("/hotels?user=3", Some(&alice));
     assert!(matches!(status, 502 | 503), "{status}");
     assert!(began.elapsed() < REQUEST_TIMEOUT, "refused, not timed out");
+    // A request the ingress sends to node2 itself (by its service's host) finds it
+    // down: the ingress's /readyz says which node and why, and /nodes lists it.
+    let admin = mesh
+        .ingress_admin
+        .expect("the sample's ingress has an admin API");
+    assert_eq!(admin_get(admin, "/readyz").0, 200, "no node tried yet");
+    let request = format!(
+        "GET /reservations?user=3 HTTP/1.1\r\nhost: reservation\r\nauthorization: Bearer {alice}\r\nconnection: close\r\n\r\n"
+    );
+    assert_eq!(mesh.raw(request.as_bytes()).0, 502);
+    let (status, why) = admin_get(admin, "/readyz");
+    assert_eq!(status, 503, "{why}");
+    assert!(why.contains("unreachable for"), "{why}");
+    let (_, nodes) = admin_get(admin, "/nodes");
+    assert_eq!(nodes.matches(" down for ").count(), 1, "{nodes}");
 }
 
 /// Processes a test started itself, killed when it ends.

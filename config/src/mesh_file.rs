@@ -48,6 +48,9 @@ pub struct IngressConfig {
     /// Threads, each with its own listener, connections and links to every node
     /// (default: the machine's cores).
     pub threads: Option<usize>,
+    /// Where the ingress's admin API listens (`/healthz`, `/readyz`, `/nodes`,
+    /// `/metrics`); none when absent.
+    pub admin: Option<SocketAddr>,
 }
 
 impl IngressConfig {

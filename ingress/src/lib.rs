@@ -13,6 +13,8 @@
 //! parses HTTP again: the proxy and the service get the head as fields and the body
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
+pub mod admin;
+pub mod health;
 mod shard;
 
 use std::collections::BTreeMap;
@@ -61,6 +63,9 @@ pub struct Settings {
     pub policy: PathBuf,
     /// Fabric addresses of the nodes running each service.
     pub services: BTreeMap<String, Vec<SocketAddr>>,
+    /// Where the admin API listens (`/healthz`, `/readyz`, `/nodes`, `/metrics`), if
+    /// anywhere.
+    pub admin: Option<SocketAddr>,
 }
 
 /// What every shard reads: settings and routes.
@@ -83,6 +88,8 @@ struct State<F: Fabric> {
 /// A running ingress.
 pub struct Ingress {
     addr: SocketAddr,
+    health: Arc<health::Health>,
+    admin: Option<admin::Admin>,
     stops: Vec<tokio::sync::oneshot::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -136,6 +143,13 @@ impl Ingress {
         }
         let slots = (settings.slots.max(1) as usize).div_ceil(threads) as u32;
         let slot_size = settings.max_body as u64;
+        let health = Arc::new(health::Health::new(
+            settings.services.values().flatten().copied(),
+        ));
+        let admin = match settings.admin {
+            Some(at) => Some(admin::Admin::start(at, health.clone(), fabric.clone())?),
+            None => None,
+        };
         let routing = Arc::new(Routing {
             settings,
             config: loaded.config,
@@ -149,6 +163,7 @@ impl Ingress {
         for (i, listener) in listeners.into_iter().enumerate() {
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let (fabric, routing, ready) = (fabric.clone(), routing.clone(), ready_tx.clone());
+            let health = health.clone();
             let failed = ready_tx.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("dpumesh-ingress-{i}"))
@@ -158,7 +173,7 @@ impl Ingress {
                             .enable_all()
                             .build()?;
                         let local = tokio::task::LocalSet::new();
-                        let shard = Shard::new(fabric, slots, slot_size)?;
+                        let shard = Shard::new(fabric, slots, slot_size, health)?;
                         local.block_on(&rt, async move {
                             listener.set_nonblocking(true)?;
                             let listener = TcpListener::from_std(listener)?;
@@ -193,6 +208,8 @@ impl Ingress {
         }
         Ok(Self {
             addr,
+            health,
+            admin,
             stops,
             threads: handles,
         })
@@ -201,6 +218,16 @@ impl Ingress {
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where the admin API listens.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().map(admin::Admin::addr)
+    }
+
+    /// What the ingress knows of its nodes.
+    pub fn health(&self) -> &Arc<health::Health> {
+        &self.health
     }
 }
 

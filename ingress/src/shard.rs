@@ -24,6 +24,8 @@ use dpumesh_dpa::fabric::{Access, CompletionQueue, Fabric, MemoryRegion, QpCaps,
 use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_dpa::reconnect::Reconnect;
+
+use crate::health::Health;
 use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_supervise::{RestartPolicy, Supervisor};
@@ -95,11 +97,19 @@ pub struct Shard<F: Fabric> {
     /// posted, together.
     posted: Notify,
     supervisor: Arc<Supervisor>,
+    /// Where link events are told (for `/readyz` and the prober).
+    health: Arc<Health>,
 }
 
 impl<F: Fabric> Shard<F> {
-    /// A shard with `slots` request slots of `slot_size` bytes each way.
-    pub fn new(fabric: F, slots: u32, slot_size: u64) -> anyhow::Result<Rc<Self>> {
+    /// A shard with `slots` request slots of `slot_size` bytes each way; it reports
+    /// its links' events to `health`.
+    pub fn new(
+        fabric: F,
+        slots: u32,
+        slot_size: u64,
+        health: Arc<Health>,
+    ) -> anyhow::Result<Rc<Self>> {
         let pd = fabric.alloc_pd()?;
         let cq = fabric.create_cq(8192)?;
         // Frames leave when the pump flushes them: every request a turn of the
@@ -137,6 +147,7 @@ impl<F: Fabric> Shard<F> {
             panic_next: Cell::new(false),
             posted: Notify::new(),
             supervisor: Supervisor::new(),
+            health,
         }))
     }
 
@@ -238,7 +249,7 @@ impl<F: Fabric> Shard<F> {
                 format!("cannot send to the node: {e}"),
             )));
             if link.is_down() {
-                Self::down(&mut state, qp, &e.to_string());
+                self.down(&mut state, qp, &e.to_string());
             }
             return answer;
         }
@@ -278,12 +289,14 @@ impl<F: Fabric> Shard<F> {
             Ok(link) => link,
             Err(e) => {
                 state.reconnect.failed(&node, Instant::now());
+                self.health.down(node, &e.to_string(), Instant::now());
                 return Err(ProxyError::new(
                     ErrorKind::Unreachable,
                     format!("cannot reach the node at {node}: {e}"),
                 ));
             }
         };
+        self.health.up(node);
         if state.reconnect.connected(&node) {
             tracing::info!(%node, "link to node back");
             metrics::counter!("dpumesh_ingress_reconnects_total").increment(1);
@@ -294,11 +307,14 @@ impl<F: Fabric> Shard<F> {
         Ok(num)
     }
 
-    fn down(state: &mut Links<F>, qp: u32, why: &str) {
+    fn down(&self, state: &mut Links<F>, qp: u32, why: &str) {
         let Some((node, _)) = state.links.remove(&qp) else {
             return;
         };
         tracing::warn!(%node, why, "link to node down");
+        self.health
+            .down(node, &format!("link lost ({why})"), Instant::now());
+        metrics::counter!("dpumesh_ingress_links_lost_total").increment(1);
         state.by_node.remove(&node);
         state.reconnect.lost(&node);
         let lost: Vec<u32> = state
@@ -366,9 +382,9 @@ impl<F: Fabric> Shard<F> {
                 }
                 Ok(Some(LinkEvent::Message(_))) | Ok(None) | Ok(Some(LinkEvent::OpDone(_))) => {}
                 Ok(Some(LinkEvent::OpFailed(_, status))) => {
-                    Self::down(&mut state, wc.qp_num, &format!("{status:?}"));
+                    self.down(&mut state, wc.qp_num, &format!("{status:?}"));
                 }
-                Err(e) => Self::down(&mut state, wc.qp_num, &e.to_string()),
+                Err(e) => self.down(&mut state, wc.qp_num, &e.to_string()),
             }
         }
         n

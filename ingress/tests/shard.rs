@@ -18,6 +18,7 @@ use dpumesh_dpa::frame::{Message, Response, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::wire::{self, ResponseHead};
+use dpumesh_ingress::health::Health;
 use dpumesh_ingress::{Answer, Ingress, Settings, Shard};
 
 /// A node that answers every request 200, or holds them while `hold` is set; it
@@ -85,7 +86,8 @@ async fn a_panicking_pump_answers_what_it_held_and_serves_again() {
             let hold = Arc::new(AtomicBool::new(false));
             let got = Arc::new(AtomicUsize::new(0));
             let node = fake_node(hold.clone(), got.clone());
-            let shard: Rc<Shard<ShmFabric>> = Shard::new(ShmFabric::new(), 8, 4096).unwrap();
+            let shard: Rc<Shard<ShmFabric>> =
+                Shard::new(ShmFabric::new(), 8, 4096, Arc::new(Health::new([]))).unwrap();
             shard.spawn_pump();
             let answer = call(&shard, node).await.unwrap();
             assert_eq!(wire::decode_response(&answer.head).unwrap().status, 200);
@@ -122,7 +124,8 @@ async fn a_pump_that_keeps_panicking_is_left_down_and_calls_get_503() {
     local
         .run_until(async {
             let node = fake_node(Arc::new(AtomicBool::new(false)), Arc::default());
-            let shard: Rc<Shard<ShmFabric>> = Shard::new(ShmFabric::new(), 8, 4096).unwrap();
+            let shard: Rc<Shard<ShmFabric>> =
+                Shard::new(ShmFabric::new(), 8, 4096, Arc::new(Health::new([]))).unwrap();
             shard.spawn_pump();
             let health = shard.supervisor().threads()[0].clone();
             for n in 1..=6 {
@@ -165,6 +168,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
             threads: Some(1),
             policy,
             services: BTreeMap::from([("svc".to_owned(), vec![node])]),
+            admin: None,
         },
     )
     .unwrap();

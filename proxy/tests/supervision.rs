@@ -93,6 +93,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
             threads: Some(1),
             policy: dir.path().join("policy.yaml"),
             services: BTreeMap::from([("slow".to_owned(), vec![node.fabric_addr()])]),
+            admin: None,
         },
     )
     .unwrap();

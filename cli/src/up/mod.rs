@@ -173,6 +173,10 @@ impl Up {
         for p in &mut self.processes {
             for event in p.supervise(now) {
                 report(p.name(), &event);
+                // A process left down has no successor to sweep what it left.
+                if matches!(event, Event::GaveUp { .. }) {
+                    dpumesh_dpa::shm::sweep_orphans();
+                }
             }
         }
     }
@@ -190,6 +194,11 @@ impl Up {
             })
             .collect()
     }
+}
+
+/// The ingress's admin address, if the mesh file gives one.
+fn mesh_ingress_admin(file: &Path) -> Option<std::net::SocketAddr> {
+    MeshFile::read(file).ok()?.config.ingress.admin
 }
 
 /// Says what happened to a process.
@@ -231,6 +240,8 @@ impl Drop for Up {
         for p in &mut self.processes {
             p.reap(deadline);
         }
+        // Whatever a child killed at the end (or earlier) left behind.
+        dpumesh_dpa::shm::sweep_orphans();
     }
 }
 
@@ -239,6 +250,9 @@ pub fn up(file: &Path) -> Result<()> {
     let mut up = Up::start(file)?;
     println!("DPUmesh is up.");
     println!("  ingress   http://{}/", up.ingress);
+    if let Some(a) = mesh_ingress_admin(file) {
+        println!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
+    }
     for (node, url) in &up.admins {
         println!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
     }

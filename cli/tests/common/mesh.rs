@@ -32,6 +32,10 @@ pub fn mesh_files(dir: &Path, edit: impl Fn(String) -> String) -> (PathBuf, Sock
             format!("127.0.0.1:{}", free_port()),
         ),
         (
+            "127.0.0.1:9100".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        (
             "127.0.0.1:9101".to_owned(),
             format!("127.0.0.1:{}", free_port()),
         ),
@@ -56,6 +60,8 @@ pub struct Mesh {
     pub child: Child,
     pub ingress: SocketAddr,
     pub admins: Vec<SocketAddr>,
+    /// The ingress's admin API.
+    pub ingress_admin: Option<SocketAddr>,
     /// What `dpumesh up` said on stderr so far (it is passed through too).
     pub log: std::sync::Arc<std::sync::Mutex<String>>,
     pub _dir: tempfile::TempDir,
@@ -96,6 +102,7 @@ impl Mesh {
             child,
             ingress,
             admins: Vec::new(),
+            ingress_admin: None,
             log,
             _dir: dir,
         };
@@ -113,6 +120,10 @@ impl Mesh {
             .filter_map(|l| l.split('/').next()?.parse().ok())
             .collect();
         assert_eq!(mesh.admins.len(), 2, "{banner}");
+        mesh.ingress_admin = banner
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("ingress admin http://"))
+            .find_map(|l| l.split('/').next()?.parse().ok());
         mesh
     }
 
@@ -293,6 +304,17 @@ pub fn pids_of(parent: &str, pattern: &str) -> Vec<u32> {
         .lines()
         .filter_map(|l| l.trim().parse().ok())
         .collect()
+}
+
+/// GET `path` on an admin API: status and body.
+pub fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(admin).unwrap();
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
+    )
+    .unwrap();
+    let (status, _, body) = read_response(&mut s).unwrap();
+    (status, String::from_utf8_lossy(&body).into_owned())
 }
 
 /// The value of metric `name` (with its labels, as written) on a node's admin API.
