@@ -64,6 +64,16 @@ pub fn is_hop_by_hop(name: &str) -> bool {
     HOP_BY_HOP.contains(&name)
 }
 
+/// The response header a service's answer carries when it failed only because
+/// services it called failed (answered 5xx, or could not be reached): the host library
+/// sets it on such answers.
+pub const DEPENDENCY_FAILED_HEADER: &str = "x-dpumesh-dependency-failed";
+
+/// The metadata the DPU proxy sets for the response phase of a request whose answer
+/// carried [`DEPENDENCY_FAILED_HEADER`]: the circuit breaker does not count such an
+/// answer against the service (its dependency failed, not it).
+pub const DEPENDENCY_FAILED_METADATA: &str = "dpumesh.dependency-failed";
+
 /// The peer that sent a request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peer {

@@ -42,6 +42,11 @@ const LOCATE_TTL: Duration = Duration::from_secs(1);
 const REGISTER_FIRST: Duration = Duration::from_millis(50);
 const REGISTER_CAP: Duration = Duration::from_secs(1);
 
+/// How long a starting pod keeps trying to register before it gives up (less than a
+/// supervisor's "ran long enough to count as healthy", so a pod whose node never
+/// comes counts as crash-looping).
+pub const REGISTER_PATIENCE: Duration = Duration::from_secs(5);
+
 /// Who this pod is, to register again when its node comes back.
 #[derive(Debug, Clone)]
 struct Registration {
@@ -112,8 +117,25 @@ impl std::fmt::Debug for DataPathTransport {
 impl DataPathTransport {
     /// Registers pod `pod` of `service` with the node at `control`; if the node goes
     /// away later, the pod registers again with whoever serves `control` next.
+    ///
+    /// A pod often starts while its node cannot take it yet: the node is starting
+    /// (no control socket), or it still reclaims the pod's predecessor of the same
+    /// name (killed a moment ago). Registration is tried again, after 50 ms doubling
+    /// to 1 s, for up to [`REGISTER_PATIENCE`]; the last refusal is the error.
     pub fn connect(control: &Endpoint, pod: &str, service: &str) -> Result<Self, HostError> {
-        let port = HostPort::connect(control, pod, service)?;
+        let deadline = Instant::now() + REGISTER_PATIENCE;
+        let mut delay = REGISTER_FIRST;
+        let port = loop {
+            match HostPort::connect(control, pod, service) {
+                Ok(port) => break port,
+                Err(e) if Instant::now() + delay < deadline => {
+                    tracing::debug!(error = %e, "the node does not take the pod yet");
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(REGISTER_CAP);
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let watch = port.watch_node()?;
         let mut transport = Self::new(port);
         transport.watch = Some(watch);

@@ -498,8 +498,34 @@ impl Run {
                 .error
                 .clone()
                 .unwrap_or(StepError::Failed("unknown".into()));
-            error_response(&answer.id, &error)
+            let response = error_response(&answer.id, &error);
+            if self.dependency_failed(&error) {
+                // Not this service's fault: say so, so the proxy's breaker in front of
+                // it does not eject it for a service it called.
+                response.header(dpumesh_head::DEPENDENCY_FAILED_HEADER, "1")
+            } else {
+                response
+            }
         });
+    }
+
+    /// Whether `error` came from calls to other services only (an egress call answered
+    /// 5xx or could not be carried), not from this service's own code or timeouts.
+    fn dependency_failed(&self, error: &StepError) -> bool {
+        match error {
+            StepError::Status(status) => *status >= 500,
+            StepError::Transport(_) => true,
+            StepError::Parallel(ids) => ids.iter().all(|id| {
+                self.results
+                    .get(id)
+                    .and_then(|r| r.error.as_ref())
+                    .is_some_and(|e| self.dependency_failed(e))
+            }),
+            StepError::Timeout(_)
+            | StepError::Panicked(_)
+            | StepError::Failed(_)
+            | StepError::Graph(_) => false,
+        }
     }
 }
 

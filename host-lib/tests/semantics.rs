@@ -17,6 +17,13 @@ fn run(
     common::serve("/", transport, handler)
 }
 
+/// Whether the answer says the service failed only because a service it called did.
+fn blames_a_dependency(response: &HttpResponse) -> bool {
+    response
+        .headers
+        .contains_key(dpumesh_head::DEPENDENCY_FAILED_HEADER)
+}
+
 fn failing() -> InMemoryTransport {
     InMemoryTransport::new()
         .service("bad", |_| {
@@ -34,6 +41,7 @@ fn a_sequence_stops_at_its_first_failure() {
     });
     assert_eq!(response.status, 502);
     assert_eq!(response.text(), "step \"first\": upstream answered 503\n");
+    assert!(blames_a_dependency(&response));
     assert_eq!(at, ms(5));
     let hosts: Vec<_> = el
         .transport()
@@ -60,6 +68,7 @@ fn a_parallel_block_lets_the_others_finish_then_fails() {
         "{}",
         response.text()
     );
+    assert!(blames_a_dependency(&response));
     assert_eq!(
         at,
         ms(40),
@@ -87,6 +96,7 @@ fn internal_failures_and_panics_become_step_errors() {
         (response.status, response.text().as_str()),
         (500, "step \"reserve\": failed: no stock\n")
     );
+    assert!(!blames_a_dependency(&response), "its own failure");
 
     let (_, response, el) = run(InMemoryTransport::new(), |ctx| {
         ctx.run_internal(|_| -> Result<(), String> { panic!("index out of range") })
@@ -318,6 +328,7 @@ fn a_transport_that_cannot_route_fails_the_step() {
         response.text(),
         "step \"lost\": transport: no route to service \"nowhere\"\n"
     );
+    assert!(blames_a_dependency(&response));
 }
 
 #[test]

@@ -59,6 +59,10 @@ fn key(service: &str, what: &str) -> String {
     key
 }
 
+/// The metadata the DPU proxy sets for a 5xx answer that blames the service's own
+/// dependency (`dpumesh_head::DEPENDENCY_FAILED_METADATA`).
+const DEPENDENCY_FAILED: &str = "dpumesh.dependency-failed";
+
 /// Whether the upstream failed (what the breaker counts).
 fn upstream_failure(info: &ResponseInfo) -> bool {
     info.is_upstream_failure()
@@ -259,9 +263,16 @@ impl Filter for CircuitBreaker {
             let _ = shared::increment(&key(&service, "inflight"), -1, 0);
         }
         let probe = req.metadata("circuit.probe").is_some();
-        if info.failure == FailureKind::LocalReply || info.failure == FailureKind::Internal {
-            // A later filter denied it or the proxy failed: says nothing about the
-            // upstream. Free the probe slot for another try.
+        // The proxy sets this when the service answered 5xx only because a service it
+        // called failed (the host library says so on the answer).
+        let dependency_failed = req.metadata(DEPENDENCY_FAILED).is_some();
+        if info.failure == FailureKind::LocalReply
+            || info.failure == FailureKind::Internal
+            || dependency_failed
+        {
+            // A later filter denied it, the proxy failed, or the service's dependency
+            // did: says nothing about this upstream. Free the probe slot for another
+            // try.
             if probe {
                 let _ =
                     shared::increment(&key(&service, "probes"), -1, self.config.probe_timeout_ms);
@@ -365,6 +376,33 @@ mod tests {
         for _ in 0..5 {
             assert!(respond(&host, &mut f, 503, FailureKind::LocalReply).is_continue());
         }
+    }
+
+    #[test]
+    fn answers_that_blame_a_dependency_are_not_counted() {
+        let host = MockProxy::new().install();
+        let mut f: CircuitBreaker = host.configure(r#"{"consecutive_failures": 1}"#).unwrap();
+        for _ in 0..5 {
+            let req = MockRequest::get("/").with_destination("svc");
+            assert!(host.on_request(&mut f, &req).is_continue());
+            // What the proxy adds when the service's 502 says a service it called failed.
+            let req = req.with_metadata(DEPENDENCY_FAILED, "1");
+            let info = ResponseInfo {
+                status: 502,
+                latency_ns: 1,
+                upstream: None,
+                failure: FailureKind::None,
+            };
+            host.on_response(&mut f, &req, &info);
+        }
+        // Its own 502 still counts.
+        assert!(respond(&host, &mut f, 502, FailureKind::None).is_continue());
+        assert!(
+            respond(&host, &mut f, 200, FailureKind::None)
+                .reply()
+                .is_some(),
+            "open"
+        );
     }
 
     #[test]

@@ -44,6 +44,7 @@ use dpumesh_dpa::{
 };
 use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
 use dpumesh_head::wire::{self, ResponseHead};
+use dpumesh_head::{DEPENDENCY_FAILED_HEADER, DEPENDENCY_FAILED_METADATA};
 use dpumesh_runtime::{
     Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead, ResponseInfo,
     Ticket,

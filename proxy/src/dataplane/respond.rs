@@ -34,6 +34,9 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let upstream = pod_upstream(&exchange.service, d.src_pod);
+        if d.status >= 500 {
+            mark_dependency_failure(&mut exchange, &header);
+        }
         self.response_phase(&mut exchange, d.status, FailureKind::None, Some(upstream));
         match exchange.origin {
             Origin::Pod { d: request } => {
@@ -196,6 +199,9 @@ impl<F: Fabric> Reactor<F> {
             .map(|h| h.status)
             .unwrap_or(502);
         let upstream = self.peer_upstream(qp);
+        if status >= 500 {
+            mark_dependency_failure(&mut exchange, &r.head);
+        }
         self.response_phase(&mut exchange, status, FailureKind::None, upstream);
         let body = match r.body {
             ResponseBody::None => {
@@ -386,5 +392,17 @@ impl<F: Fabric> Reactor<F> {
         );
         self.peer_links.insert(node.to_owned(), num);
         Some(num)
+    }
+}
+
+/// A 5xx answer that says its service failed only because a service it called did
+/// (the host library's [`DEPENDENCY_FAILED_HEADER`]) is told to the response phase as
+/// [`DEPENDENCY_FAILED_METADATA`], so the breaker in front of the service does not
+/// eject it for its dependency's fault.
+fn mark_dependency_failure(exchange: &mut Exchange, response_head: &[u8]) {
+    let said = wire::decode_response(response_head)
+        .is_ok_and(|h| h.headers.contains_key(DEPENDENCY_FAILED_HEADER));
+    if let (true, Some(head)) = (said, exchange.head.as_mut()) {
+        head.set_metadata(DEPENDENCY_FAILED_METADATA, "1");
     }
 }
