@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 
 /// The first wait after a failed connect.
 pub const FIRST: Duration = Duration::from_millis(100);
-/// The longest wait.
-pub const CAP: Duration = Duration::from_secs(1);
+/// The longest wait (a connect refused by a local or nearby peer costs microseconds:
+/// two a second is no load, and a peer that came back waits at most this long).
+pub const CAP: Duration = Duration::from_millis(500);
 
 #[derive(Debug, Clone, Copy)]
 struct Unreachable {

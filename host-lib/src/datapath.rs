@@ -40,7 +40,7 @@ const LOCATE_TTL: Duration = Duration::from_secs(1);
 /// The first wait before registering again with a node that went away, and the
 /// longest (the delay doubles with each refusal in between).
 const REGISTER_FIRST: Duration = Duration::from_millis(50);
-const REGISTER_CAP: Duration = Duration::from_secs(1);
+const REGISTER_CAP: Duration = Duration::from_millis(500);
 
 /// How long a starting pod keeps trying to register before it gives up (less than a
 /// supervisor's "ran long enough to count as healthy", so a pod whose node never
@@ -121,7 +121,7 @@ impl DataPathTransport {
     /// A pod often starts while its node cannot take it yet: the node is starting
     /// (no control socket), or it still reclaims the pod's predecessor of the same
     /// name (killed a moment ago). Registration is tried again, after 50 ms doubling
-    /// to 1 s, for up to [`REGISTER_PATIENCE`]; the last refusal is the error.
+    /// to 0.5 s, for up to [`REGISTER_PATIENCE`]; the last refusal is the error.
     pub fn connect(control: &Endpoint, pod: &str, service: &str) -> Result<Self, HostError> {
         let deadline = Instant::now() + REGISTER_PATIENCE;
         let mut delay = REGISTER_FIRST;

@@ -63,6 +63,15 @@ impl Health {
         );
     }
 
+    /// Whether the last word on `node` is that it is reachable.
+    pub fn is_up(&self, node: SocketAddr) -> bool {
+        self.nodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&node)
+            .is_some_and(|s| *s == NodeState::Up)
+    }
+
     /// The nodes that are down.
     pub fn down_nodes(&self) -> Vec<SocketAddr> {
         self.nodes

@@ -260,7 +260,7 @@ impl<F: Fabric> Shard<F> {
 
     /// Whether `node` is worth sending to now (not waiting out a failed connect).
     pub fn reachable(&self, node: SocketAddr) -> bool {
-        self.state.borrow().reconnect.may_try(&node, Instant::now())
+        self.state.borrow().reconnect.may_try(&node, Instant::now()) || self.health.is_up(node)
     }
 
     fn link(&self, state: &mut Links<F>, node: SocketAddr) -> Result<u32, ProxyError> {
@@ -269,7 +269,9 @@ impl<F: Fabric> Shard<F> {
         {
             return Ok(qp);
         }
-        if !state.reconnect.may_try(&node, Instant::now()) {
+        // Waiting out a failed connect, unless the prober has since seen the node
+        // answer.
+        if !state.reconnect.may_try(&node, Instant::now()) && !self.health.is_up(node) {
             return Err(ProxyError::new(
                 ErrorKind::Unreachable,
                 format!("the node at {node} was unreachable moments ago"),
