@@ -32,7 +32,7 @@ pub fn mesh_files(dir: &Path, edit: impl Fn(String) -> String) -> (PathBuf, Sock
             format!("127.0.0.1:{}", free_port()),
         ),
         (
-            "127.0.0.1:9100".to_owned(),
+            "127.0.0.1:9110".to_owned(),
             format!("127.0.0.1:{}", free_port()),
         ),
         (
