@@ -369,6 +369,14 @@ const MAX_LOCAL_BODY: usize = 16 << 10;
 /// How a request the proxy ended counts for the response phase (the circuit breaker
 /// counts only upstream failures): read from the error's kind, in this one place.
 fn failure_kind(e: &ProxyError) -> FailureKind {
+    if e.kind() == ErrorKind::NoEndpoint {
+        // No pod of the service is registered here (starting, or registering again
+        // after their node restarted): no upstream saw the request and there is none
+        // to eject. A breaker that counted these would keep the service out for its
+        // ejection time after its pods are back (Envoy's "no healthy upstream" is not
+        // an outlier signal either).
+        return FailureKind::LocalReply;
+    }
     match e.upstream_failure() {
         Some(UpstreamFailure::Connect) => FailureKind::ConnectFailure,
         Some(UpstreamFailure::Reset) => FailureKind::UpstreamReset,
@@ -400,7 +408,7 @@ mod tests {
 
     #[test_case(ErrorKind::EndpointRefused, FailureKind::ConnectFailure; "a pod that cannot take the request is the service's")]
     #[test_case(ErrorKind::Unreachable, FailureKind::ConnectFailure; "an unreachable node")]
-    #[test_case(ErrorKind::NoEndpoint, FailureKind::ConnectFailure; "no endpoint")]
+    #[test_case(ErrorKind::NoEndpoint, FailureKind::LocalReply; "no endpoint: nothing to eject")]
     #[test_case(ErrorKind::LinkLost, FailureKind::UpstreamReset; "a lost link to the service's node")]
     #[test_case(ErrorKind::BadResponse, FailureKind::UpstreamReset; "an unusable answer")]
     #[test_case(ErrorKind::TryTimeout, FailureKind::Timeout; "a try timeout")]
