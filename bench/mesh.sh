@@ -46,16 +46,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-TOKEN="$(python3 - "$SECRET" <<'PY'
-import base64, hashlib, hmac, json, sys, time
-b = lambda x: base64.urlsafe_b64encode(x).rstrip(b"=").decode()
-h = b(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
-p = b(json.dumps({"iss": "dpumesh-demo", "aud": "hotel", "sub": "bench", "roles": ["user"],
-                  "role": "user", "iat": int(time.time()), "exp": int(time.time()) + 3600}).encode())
-s = b(hmac.new(sys.argv[1].encode(), f"{h}.{p}".encode(), hashlib.sha256).digest())
-print(f"{h}.{p}.{s}")
-PY
-)"
+TOKEN="$(python3 bench/token.py "$SECRET")"
 
 cat > "$work/nginx.conf" <<NGINX
 worker_processes 1;

@@ -5,7 +5,7 @@
 //!
 //! Pure: the caller passes the time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::Hash;
 use std::time::{Duration, Instant};
 
@@ -29,7 +29,7 @@ pub struct Reconnect<K> {
     cap: Duration,
     failed: HashMap<K, Unreachable>,
     /// Peers whose link went down and that were not connected again yet.
-    lost: HashMap<K, ()>,
+    lost: HashSet<K>,
 }
 
 impl<K: Hash + Eq + Clone> Default for Reconnect<K> {
@@ -45,7 +45,7 @@ impl<K: Hash + Eq + Clone> Reconnect<K> {
             first,
             cap,
             failed: HashMap::new(),
-            lost: HashMap::new(),
+            lost: HashSet::new(),
         }
     }
 
@@ -69,14 +69,14 @@ impl<K: Hash + Eq + Clone> Reconnect<K> {
 
     /// The link to `peer` went down.
     pub fn lost(&mut self, peer: &K) {
-        self.lost.insert(peer.clone(), ());
+        self.lost.insert(peer.clone());
     }
 
     /// Connected to `peer`: returns whether this was a reconnect (it had failed or
     /// its link had gone down), for the counters.
     pub fn connected(&mut self, peer: &K) -> bool {
         let failed = self.failed.remove(peer).is_some();
-        let lost = self.lost.remove(peer).is_some();
+        let lost = self.lost.remove(peer);
         failed || lost
     }
 }

@@ -17,7 +17,7 @@
 //!   pools and rings.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -30,6 +30,7 @@ use dpumesh_dpa::{
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
 use http::Method;
+use parking_lot::Mutex;
 
 use crate::http::{HttpRequest, HttpResponse};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
@@ -210,8 +211,7 @@ impl DataPathTransport {
         self.lost_below = self.next;
         self.located.clear();
         let me = std::thread::current();
-        *self.interrupter.lock().unwrap_or_else(|e| e.into_inner()) =
-            Interrupter::new(move || me.unpark());
+        *self.interrupter.lock() = Interrupter::new(move || me.unpark());
         self.away = Some(Away {
             next_try: Instant::now(),
             delay: REGISTER_FIRST,
@@ -236,7 +236,7 @@ impl DataPathTransport {
         match registered {
             Ok((watch, port)) => {
                 tracing::info!(pod = port.pod_id(), "registered again");
-                *self.interrupter.lock().unwrap_or_else(|e| e.into_inner()) = port.interrupter();
+                *self.interrupter.lock() = port.interrupter();
                 self.port = Some(port);
                 self.watch = Some(watch);
                 self.away = None;
@@ -592,12 +592,7 @@ impl Transport for DataPathTransport {
 
     fn waker(&self) -> Waker {
         let interrupter = self.interrupter.clone();
-        Arc::new(move || {
-            interrupter
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .interrupt()
-        })
+        Arc::new(move || interrupter.lock().interrupt())
     }
 }
 

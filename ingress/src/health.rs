@@ -4,9 +4,9 @@
 //! and a prober connects to the nodes that are down, so a node that came back is seen
 //! as reachable without waiting for traffic to find out.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// One node as the ingress last saw it.
@@ -35,10 +35,7 @@ impl Health {
     }
 
     fn set(&self, node: SocketAddr, state: NodeState) {
-        self.nodes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(node, state);
+        self.nodes.lock().insert(node, state);
     }
 
     /// A link to `node` was made.
@@ -49,7 +46,7 @@ impl Health {
     /// Connecting to `node` failed, or its link was lost, at `now`. A node already
     /// down keeps the time it went down.
     pub fn down(&self, node: SocketAddr, why: &str, now: Instant) {
-        let mut nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut nodes = self.nodes.lock();
         let since = match nodes.get(&node) {
             Some(NodeState::Down { since, .. }) => *since,
             _ => now,
@@ -67,7 +64,6 @@ impl Health {
     pub fn is_up(&self, node: SocketAddr) -> bool {
         self.nodes
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .get(&node)
             .is_some_and(|s| *s == NodeState::Up)
     }
@@ -76,7 +72,6 @@ impl Health {
     pub fn down_nodes(&self) -> Vec<SocketAddr> {
         self.nodes
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter(|(_, s)| matches!(s, NodeState::Down { .. }))
             .map(|(n, _)| *n)
@@ -85,7 +80,7 @@ impl Health {
 
     /// Ready when no node is down; otherwise which are, for how long, and why.
     pub fn readiness(&self, now: Instant) -> Result<(), String> {
-        let nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let nodes = self.nodes.lock();
         let down: Vec<String> = nodes
             .iter()
             .filter_map(|(node, s)| match s {
@@ -105,7 +100,7 @@ impl Health {
 
     /// Each node's state in words (for `/nodes`).
     pub fn describe(&self, now: Instant) -> Vec<(SocketAddr, String)> {
-        let nodes = self.nodes.lock().unwrap_or_else(|e| e.into_inner());
+        let nodes = self.nodes.lock();
         nodes
             .iter()
             .map(|(node, s)| {

@@ -48,10 +48,12 @@ pub struct Up {
     pub ingress: String,
     /// Admin URLs by node.
     pub admins: BTreeMap<String, String>,
+    /// The ingress's admin API, if the mesh file gives one.
+    pub ingress_admin: Option<std::net::SocketAddr>,
     /// Nodes that did not come up at the start.
     down: std::collections::BTreeSet<String>,
     // Dropped last: the nodes' control sockets live here.
-    _run_dir: tempfile::TempDir,
+    run_dir: tempfile::TempDir,
 }
 
 impl Up {
@@ -65,10 +67,11 @@ impl Up {
             processes: Vec::new(),
             ingress: String::new(),
             admins: BTreeMap::new(),
+            ingress_admin: mesh.config.ingress.admin,
             down: Default::default(),
-            _run_dir: run_dir,
+            run_dir,
         };
-        let run = up._run_dir.path().to_owned();
+        let run = up.run_dir.path().to_owned();
         // A node with a network namespace runs (with its pods) inside it.
         let in_netns = |name: String, node: &str, program: &Path| -> Spec {
             match mesh.config.nodes.get(node).and_then(|e| e.netns.as_deref()) {
@@ -143,7 +146,7 @@ impl Up {
                 continue;
             }
             for node in entry.nodes.iter().filter(|n| !self.down.contains(*n)) {
-                let endpoint = Endpoint::Unix(control_socket(self._run_dir.path(), node));
+                let endpoint = Endpoint::Unix(control_socket(self.run_dir.path(), node));
                 let want = entry.replicas.unwrap_or(1) as usize;
                 let mut have = 0;
                 while Instant::now() < deadline {
@@ -196,11 +199,6 @@ impl Up {
     }
 }
 
-/// The ingress's admin address, if the mesh file gives one.
-fn mesh_ingress_admin(file: &Path) -> Option<std::net::SocketAddr> {
-    MeshFile::read(file).ok()?.config.ingress.admin
-}
-
 /// Says what happened to a process.
 fn report(name: &str, event: &Event) {
     match event {
@@ -250,7 +248,7 @@ pub fn up(file: &Path) -> Result<()> {
     let mut up = Up::start(file)?;
     println!("DPUmesh is up.");
     println!("  ingress   http://{}/", up.ingress);
-    if let Some(a) = mesh_ingress_admin(file) {
+    if let Some(a) = up.ingress_admin {
         println!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
     }
     for (node, url) in &up.admins {

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::{Duration, Instant};
@@ -240,7 +240,7 @@ impl Process {
         match self.state {
             State::Running => {
                 let status = match self.child.as_mut().map(Child::try_wait) {
-                    Some(Ok(Some(status))) => Some(describe(status)),
+                    Some(Ok(Some(status))) => Some(status.to_string()),
                     Some(Ok(None)) => None,
                     Some(Err(e)) => Some(format!("cannot be waited for: {e}")),
                     None => Some("not running".to_owned()),
@@ -339,11 +339,6 @@ impl Process {
         }
         self.child = None;
     }
-}
-
-/// An exit status in words ("exit status: 1", "signal: 9 (SIGKILL)").
-fn describe(status: ExitStatus) -> String {
-    status.to_string()
 }
 
 #[cfg(test)]
