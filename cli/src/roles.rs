@@ -67,11 +67,14 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         max_head: i.max_head(),
         max_body: i.max_body(),
         body_timeout: i.body_timeout(),
+        header_timeout: i.header_timeout(),
+        max_headers: i.max_headers(),
         request_timeout: i.request_timeout(),
         slots: i.slots(),
         threads: i.threads,
         policy: mesh.config.policy.clone(),
         services: mesh.service_addrs(),
         admin: i.admin,
+        path: i.path,
     }
 }

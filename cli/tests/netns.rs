@@ -133,7 +133,7 @@ fn the_mesh_works_across_network_namespaces() {
         }
     };
     let dir = tempfile::tempdir().unwrap();
-    common::write_policy(dir.path());
+    common::write_policy_with(dir.path(), |p| p);
     let ingress_port = common::free_port();
     let (n1, n2) = (hosts.addr(11), hosts.addr(12));
     let mesh = format!(

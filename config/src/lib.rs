@@ -18,8 +18,8 @@ pub mod units;
 
 pub use error::ConfigError;
 pub use mesh_file::{
-    IngressConfig, MeshConfig, MeshFile, NodeEntry, PollMode, PollingConfig, ServiceEntry,
-    Transport,
+    EscapedSlashes, IngressConfig, MeshConfig, MeshFile, NodeEntry, PathConfig, PollMode,
+    PollingConfig, ServiceEntry, Transport,
 };
 pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};

@@ -10,9 +10,12 @@
 //!   max_head: 32KiB                # larger heads: 431
 //!   max_body: 8MiB                 # larger bodies: 413
 //!   body_timeout: 10s              # a body not received in time: 408
+//!   header_timeout: 10s            # a head not received in time: connection closed
+//!   max_headers: 100               # more header fields: 431
 //!   request_timeout: 30s           # no answer in time: 504
 //!   slots: 128                     # requests in flight
 //!   threads: 2                     # shards (default: the machine's cores)
+//!   path: {normalize: true, merge_slashes: true, escaped_slashes: reject}  # the defaults
 //! nodes:
 //!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
 //! services:
@@ -41,6 +44,11 @@ pub struct IngressConfig {
     pub max_body: Option<ByteSize>,
     /// Time to receive a body (default 10 s).
     pub body_timeout: Option<Span>,
+    /// Time to receive a head once it started (default 10 s): slow clients
+    /// (slowloris) are cut off.
+    pub header_timeout: Option<Span>,
+    /// Most header fields in a head (default 100; more: 431).
+    pub max_headers: Option<usize>,
     /// Time to get an answer (default 30 s).
     pub request_timeout: Option<Span>,
     /// Requests in flight at once (default 128).
@@ -51,6 +59,49 @@ pub struct IngressConfig {
     /// Where the ingress's admin API listens (`/healthz`, `/readyz`, `/nodes`,
     /// `/metrics`); none when absent.
     pub admin: Option<SocketAddr>,
+    /// How request paths are normalized before routing and filters (default: all
+    /// normalization on, escaped slashes refused).
+    #[serde(default)]
+    pub path: PathConfig,
+}
+
+/// What the ingress does with `%2F`, `%5C` (and their lower-case forms) in a path:
+/// an encoded slash is one segment to a proxy and two to a backend that decodes it, so
+/// a policy on `/admin/x` could be bypassed by `/admin%2Fx`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EscapedSlashes {
+    /// 400 (Envoy's `REJECT_REQUEST`).
+    #[default]
+    Reject,
+    /// Left as they are (`KEEP_UNCHANGED`): for backends that never decode them.
+    Keep,
+    /// Decoded to `/` (and `\` to `/`) before the other steps (`UNESCAPE_AND_FORWARD`).
+    Unescape,
+}
+
+/// The `ingress.path` section (Envoy's `normalize_path`, `merge_slashes` and
+/// `path_with_escaped_slashes_action`, all on by default here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PathConfig {
+    /// RFC 3986 §6: decode percent-encoded unreserved characters, upper-case the
+    /// other escapes, remove `.` and `..` segments.
+    pub normalize: bool,
+    /// `//` becomes `/`.
+    pub merge_slashes: bool,
+    /// See [`EscapedSlashes`].
+    pub escaped_slashes: EscapedSlashes,
+}
+
+impl Default for PathConfig {
+    fn default() -> Self {
+        Self {
+            normalize: true,
+            merge_slashes: true,
+            escaped_slashes: EscapedSlashes::Reject,
+        }
+    }
 }
 
 impl IngressConfig {
@@ -62,6 +113,12 @@ impl IngressConfig {
     }
     pub fn body_timeout(&self) -> Duration {
         self.body_timeout.map_or(Duration::from_secs(10), |s| s.0)
+    }
+    pub fn header_timeout(&self) -> Duration {
+        self.header_timeout.map_or(Duration::from_secs(10), |s| s.0)
+    }
+    pub fn max_headers(&self) -> usize {
+        self.max_headers.unwrap_or(100)
     }
     pub fn request_timeout(&self) -> Duration {
         self.request_timeout
@@ -287,6 +344,7 @@ mod tests {
         .unwrap();
         assert_eq!(m.config.ingress.max_body(), 1 << 20);
         assert_eq!(m.config.ingress.max_head(), 32 << 10);
+        assert_eq!(m.config.ingress.path, PathConfig::default());
         assert!(m.config.policy.ends_with("p.yaml"));
         assert_eq!(m.service_addrs()["a"].len(), 2);
         let e = load("policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {a: {nodes: [n9]}}\n").unwrap_err();
@@ -297,6 +355,17 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.message.contains("unknown field `typo`"), "{e}");
+        let m = load("policy: p.yaml\ningress: {listen: 127.0.0.1:8000, path: {escaped_slashes: unescape}}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {}\n").unwrap();
+        assert_eq!(
+            m.config.ingress.path.escaped_slashes,
+            EscapedSlashes::Unescape
+        );
+        assert!(
+            m.config.ingress.path.normalize,
+            "the other options keep their defaults"
+        );
+        let e = load("policy: p.yaml\ningress: {listen: 127.0.0.1:8000, path: {escaped_slashes: drop}}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {}\n").unwrap_err();
+        assert!(e.message.contains("unknown variant `drop`"), "{e}");
     }
 
     const BASE: &str = "policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {}\n";

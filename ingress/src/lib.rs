@@ -14,7 +14,9 @@
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
 pub mod admin;
+mod framing;
 pub mod health;
+pub mod path;
 mod shard;
 
 use std::collections::BTreeMap;
@@ -52,6 +54,10 @@ pub struct Settings {
     pub max_body: usize,
     /// Time to receive a request body.
     pub body_timeout: Duration,
+    /// Time to receive a request head once its first byte came (slow clients).
+    pub header_timeout: Duration,
+    /// Most header fields in a request head (more: 431).
+    pub max_headers: usize,
     /// Time to get an answer.
     pub request_timeout: Duration,
     /// Requests in flight at once (split over the threads).
@@ -66,7 +72,12 @@ pub struct Settings {
     /// Where the admin API listens (`/healthz`, `/readyz`, `/nodes`, `/metrics`), if
     /// anywhere.
     pub admin: Option<SocketAddr>,
+    /// How request paths are normalized.
+    pub path: dpumesh_config::PathConfig,
 }
+
+/// Metadata key carrying the path as the client sent it, when normalization changed it.
+pub const ORIGINAL_PATH_METADATA: &str = "dpumesh.original-path";
 
 /// What every shard reads: settings and routes.
 struct Routing {
@@ -290,19 +301,37 @@ async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
-        let max_head = state.routing.settings.max_head;
+        let settings = &state.routing.settings;
+        let (max_head, max_headers, header_timeout) = (
+            settings.max_head,
+            settings.max_headers,
+            settings.header_timeout,
+        );
+        // Which HTTP/1 requests on this connection had both framings (hyper drops the
+        // Content-Length before the handler could see it).
+        let ambiguous = Rc::new(std::cell::RefCell::new(framing::Ambiguous::default()));
+        let stream =
+            framing::Sniff::new(stream, framing::Tracker::new(max_head, ambiguous.clone()));
         tokio::task::spawn_local(async move {
-            let service = hyper::service::service_fn(move |req| {
+            let served = std::cell::Cell::new(0u64);
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let state = state.clone();
-                async move { Ok::<_, Infallible>(handle(&state, req, peer).await) }
+                let index = served.replace(served.get() + 1);
+                let both =
+                    req.version() == http::Version::HTTP_11 && ambiguous.borrow_mut().take(index);
+                async move { Ok::<_, Infallible>(handle(&state, req, peer, both).await) }
             });
             let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
             builder
                 .http1()
                 .timer(TokioTimer::new())
                 .max_buf_size(max_head)
-                .header_read_timeout(Duration::from_secs(10));
-            builder.http2().max_header_list_size(max_head as u32);
+                .max_headers(max_headers)
+                .header_read_timeout(header_timeout);
+            builder
+                .http2()
+                .timer(TokioTimer::new())
+                .max_header_list_size(max_head as u32);
             let _ = builder
                 .serve_connection(TokioIo::new(stream), service)
                 .await;
@@ -333,6 +362,27 @@ fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, Pro
         .map_err(|e| ProxyError::new(ErrorKind::MalformedRequest, e.to_string()))?;
     head.remove_hop_by_hop();
     Ok(head)
+}
+
+/// Replaces the head's path by its normalized form (routing, filters and the service
+/// all see that one); the original goes along as metadata.
+fn normalize_path(
+    head: &mut RequestHead,
+    config: &dpumesh_config::PathConfig,
+) -> Result<(), ProxyError> {
+    let normalized = match path::normalize(&head.path, config) {
+        Ok(std::borrow::Cow::Borrowed(_)) => return Ok(()),
+        Ok(std::borrow::Cow::Owned(p)) => p,
+        Err(e) => {
+            return Err(ProxyError::new(
+                ErrorKind::MalformedRequest,
+                format!("{e}: {:?}", head.path),
+            ));
+        }
+    };
+    let original = std::mem::replace(&mut head.path, normalized);
+    head.set_metadata(ORIGINAL_PATH_METADATA, &original);
+    Ok(())
 }
 
 impl Routing {
@@ -398,7 +448,14 @@ async fn handle<F: Fabric>(
     state: &State<F>,
     req: Request<Incoming>,
     peer: SocketAddr,
+    both_framings: bool,
 ) -> Response<Full<Bytes>> {
+    if both_framings {
+        return error_response(&ProxyError::new(
+            ErrorKind::AmbiguousFraming,
+            "both Content-Length and Transfer-Encoding: ambiguous framing refused",
+        ));
+    }
     match forward(state, req, peer).await {
         Ok(response) => response,
         Err(e) => error_response(&e),
@@ -426,7 +483,8 @@ async fn forward<F: Fabric>(
     if let Some(e) = framing_error(&req) {
         return Err(e);
     }
-    let head = head_of(&req, peer)?;
+    let mut head = head_of(&req, peer)?;
+    normalize_path(&mut head, &settings.path)?;
     let Some((service, node)) = state
         .routing
         .route(&head, |node| state.shard.reachable(node))

@@ -163,12 +163,15 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
             max_head: 32 << 10,
             max_body: 4096,
             body_timeout: Duration::from_secs(5),
+            header_timeout: Duration::from_secs(5),
+            max_headers: 100,
             request_timeout: Duration::from_secs(1),
             slots: 4,
             threads: Some(1),
             policy,
             services: BTreeMap::from([("svc".to_owned(), vec![node])]),
             admin: None,
+            path: Default::default(),
         },
     )
     .unwrap();

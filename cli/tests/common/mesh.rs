@@ -17,8 +17,17 @@ pub type Reply = (u16, Vec<(String, String)>, Vec<u8>);
 /// The sample's files with this build's components and free ports; `edit` may
 /// change the mesh file's text last.
 pub fn mesh_files(dir: &Path, edit: impl Fn(String) -> String) -> (PathBuf, SocketAddr) {
+    mesh_files_with(dir, edit, |p| p)
+}
+
+/// [`mesh_files`] with the policy edited by `policy` too.
+pub fn mesh_files_with(
+    dir: &Path,
+    edit: impl Fn(String) -> String,
+    policy: impl Fn(String) -> String,
+) -> (PathBuf, SocketAddr) {
     let sample = super::sample();
-    super::write_policy(dir);
+    super::write_policy_with(dir, policy);
     let mut mesh = std::fs::read_to_string(sample.join("mesh.yaml")).unwrap();
     let ingress: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
     for (from, to) in [
@@ -75,8 +84,13 @@ impl Mesh {
 
     /// The hotel sample with its mesh file edited by `edit`.
     pub fn up_with(edit: impl Fn(String) -> String) -> Self {
+        Self::up_edited(edit, |p| p)
+    }
+
+    /// The hotel sample with its mesh file edited by `edit` and its policy by `policy`.
+    pub fn up_edited(edit: impl Fn(String) -> String, policy: impl Fn(String) -> String) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let (file, ingress) = mesh_files(dir.path(), edit);
+        let (file, ingress) = mesh_files_with(dir.path(), edit, policy);
         let mut child = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
             .args(["up", "--config"])
             .arg(&file)

@@ -31,8 +31,9 @@ pub fn token(sub: &str, roles: &[&str]) -> String {
     .unwrap()
 }
 
-/// Writes the sample's policy into `dir`, pointing at this build's components.
-pub fn write_policy(dir: &Path) {
+/// Writes the sample's policy into `dir`, pointing at this build's components and
+/// edited by `edit` last.
+pub fn write_policy_with(dir: &Path, edit: impl Fn(String) -> String) {
     let mut policy = std::fs::read_to_string(sample().join("policy.yaml")).unwrap();
     for (name, path) in [
         ("trace", dpumesh_test_artifacts::FILTER_TRACE),
@@ -56,7 +57,7 @@ pub fn write_policy(dir: &Path) {
     // tests at once, a preempted 5 ms call fails closed with a 500. These tests are
     // about the data path, so give the filters room.
     let policy = policy.replace("    component: ", "    deadline: 250ms\n    component: ");
-    std::fs::write(dir.join("policy.yaml"), policy).unwrap();
+    std::fs::write(dir.join("policy.yaml"), edit(policy)).unwrap();
 }
 
 /// A port nobody listens on right now.

@@ -1,0 +1,262 @@
+//! What an attacker tries against the local mesh (`dpumesh up` on the hotel sample):
+//! paths written to slip past a policy, ambiguous framing, clients that never finish.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::mesh::*;
+use common::token;
+
+/// The hotel policy with an explicit DENY on `/admin` for everyone, ahead of the ALLOW
+/// RBAC (which lets admins in): only the DENY can stop an admin's request.
+fn deny_admin(policy: String) -> String {
+    let deny = "  deny-admin:\n    deadline: 250ms\n    component: COMPONENT\n    config:\n      action: DENY\n      policies:\n        - {name: no-admin, permissions: [{path: {prefix: /admin}}], principals: [{any: true}]}\n";
+    let component = policy
+        .lines()
+        .find(|l| l.contains("dpumesh_filter_rbac"))
+        .and_then(|l| l.trim().strip_prefix("component: "))
+        .unwrap()
+        .to_owned();
+    policy
+        .replace(
+            "\nchains:\n",
+            &format!("{}\nchains:\n", deny.replace("COMPONENT", &component)),
+        )
+        .replace(
+            "api: [trace, jwt, rbac,",
+            "api: [trace, jwt, deny-admin, rbac,",
+        )
+        .replace("bench: [jwt, rbac,", "bench: [jwt, deny-admin, rbac,")
+}
+
+#[test]
+fn no_path_trick_gets_past_a_deny_policy() {
+    let mesh = Mesh::up_edited(|m| m, deny_admin);
+    let root = token("root", &["admin", "user"]);
+    // Each of these is `/admin` to a backend that normalizes (most frameworks do).
+    let denied = [
+        "/admin",
+        "/admin/stats",
+        "/ping/../admin",
+        "/ping/./../admin",
+        "/ping/x/../../admin",
+        "/%61dmin",
+        "/%2e%2e/admin",
+        "/ping/%2E%2E/admin",
+        "/ping/.%2e/admin",
+        "//admin",
+        "/./admin",
+        "///admin//stats",
+        "/hotels/..//admin",
+    ];
+    for path in denied {
+        let (status, _, body) = mesh.get(path, Some(&root));
+        assert_eq!(
+            status,
+            403,
+            "{path}: the DENY policy must see /admin, got {status} {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // Encoded slashes and broken escapes are refused outright (Envoy's defaults).
+    let refused = [
+        "/admin%2Fstats",
+        "/ping%2F..%2Fadmin",
+        "/ping/..%2fadmin",
+        "/ping/..%5Cadmin",
+        "/%zzadmin",
+        "/admin%",
+        "/admin%00",
+    ];
+    for path in refused {
+        let (status, _, body) = mesh.get(path, Some(&root));
+        assert_eq!(
+            status,
+            400,
+            "{path}: refused, got {status} {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // Routing and the service see the normalized path too.
+    let (status, _, body) = mesh.get("/x/../%70ing", Some(&root));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(body, b"pong\n");
+    let (status, _, body) = mesh.get("/x/../hotels/../ping/.", Some(&root));
+    assert_eq!(status, 404);
+    assert_eq!(String::from_utf8_lossy(&body), "frontend has no /ping/\n");
+}
+
+#[test]
+fn escaped_slashes_can_be_decoded_instead_and_the_policy_still_holds() {
+    let mesh = Mesh::up_edited(
+        |m| {
+            m.replace(
+                "  admin: 127.0.0.1:",
+                "  path: {escaped_slashes: unescape}\n  admin: 127.0.0.1:",
+            )
+        },
+        deny_admin,
+    );
+    let root = token("root", &["admin", "user"]);
+    for path in ["/ping%2F..%2Fadmin", "/ping/..%5Cadmin", "/admin%2fstats"] {
+        let (status, _, _) = mesh.get(path, Some(&root));
+        assert_eq!(status, 403, "{path}");
+    }
+    let (status, _, body) = mesh.get("/ping%2Fx", Some(&root));
+    assert_eq!(status, 404);
+    assert_eq!(String::from_utf8_lossy(&body), "frontend has no /ping/x\n");
+}
+
+/// Reads what comes on `s` until it closes or `limit` passes.
+fn read_all(s: &mut TcpStream, limit: Duration) -> String {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn ambiguous_framing_is_refused_and_the_connection_closed() {
+    let mesh = Mesh::up();
+    let alice = token("alice", &["user"]);
+    for (name, headers) in [
+        (
+            "CL.TE",
+            "content-length: 6\r\ntransfer-encoding: chunked\r\n",
+        ),
+        (
+            "TE.CL",
+            "transfer-encoding: chunked\r\ncontent-length: 6\r\n",
+        ),
+    ] {
+        let mut s = TcpStream::connect(mesh.ingress).unwrap();
+        let request = format!(
+            "POST /echo HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\n{headers}\r\n0\r\n\r\nGET /ping HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\n\r\n"
+        );
+        s.write_all(request.as_bytes()).unwrap();
+        let answer = read_all(&mut s, Duration::from_secs(10));
+        assert!(
+            answer.starts_with("HTTP/1.1 400"),
+            "{name}: 400, got {answer}"
+        );
+        assert!(answer.contains("connection: close"), "{name}: {answer}");
+        assert_eq!(
+            answer.matches("HTTP/1.1").count(),
+            1,
+            "{name}: nothing after the refusal is served: {answer}"
+        );
+    }
+    // The same connection reused after a good request: the refusal counts per request.
+    let mut s = TcpStream::connect(mesh.ingress).unwrap();
+    let request = format!(
+        "GET /ping HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\n\r\nPOST /echo HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+    );
+    s.write_all(request.as_bytes()).unwrap();
+    let answer = read_all(&mut s, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(answer.matches("HTTP/1.1 400").count(), 1, "{answer}");
+}
+
+#[test]
+fn slow_clients_are_cut_off_and_do_not_hold_the_ingress() {
+    let mesh = Mesh::up_with(|m| {
+        m.replace(
+            "body_timeout: 10s",
+            "body_timeout: 1s\n  header_timeout: 1s",
+        )
+    });
+    let alice = token("alice", &["user"]);
+    // Slowloris: many connections each sending a head one byte at a time, never done.
+    let started = Instant::now();
+    let mut slow: Vec<TcpStream> = (0..64)
+        .map(|_| {
+            let mut s = TcpStream::connect(mesh.ingress).unwrap();
+            s.write_all(b"GET /ping HTTP/1.1\r\nhost: hotel\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    let mut cut = 0;
+    for round in 0..40 {
+        for s in &mut slow {
+            if s.write_all(b"x").is_err() {
+                continue;
+            }
+        }
+        // A real client is served all along.
+        if round % 10 == 0 {
+            let (status, _, _) = mesh.get("/ping", Some(&alice));
+            assert_eq!(status, 200, "served while slow clients hang on");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        if started.elapsed() > Duration::from_secs(3) {
+            break;
+        }
+    }
+    for s in &mut slow {
+        let answer = read_all(s, Duration::from_secs(3));
+        if answer.is_empty() || answer.starts_with("HTTP/1.1 408") {
+            cut += 1;
+        }
+    }
+    assert_eq!(
+        cut,
+        slow.len(),
+        "every slow head is cut off after the header timeout"
+    );
+    // A body trickled in one byte at a time is cut off at the body timeout too.
+    let mut s = TcpStream::connect(mesh.ingress).unwrap();
+    s.write_all(
+        format!("POST /echo HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\ncontent-length: 1000\r\n\r\n").as_bytes(),
+    )
+    .unwrap();
+    let trickle = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut answer = Vec::new();
+    while trickle.elapsed() < Duration::from_secs(5) {
+        let _ = s.write_all(b"y");
+        let mut buf = [0u8; 512];
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+            Err(_) => {}
+        }
+        if !answer.is_empty() {
+            break;
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        trickle.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        trickle.elapsed()
+    );
+}
+
+#[test]
+fn too_many_header_fields_are_refused() {
+    let mesh = Mesh::up_with(|m| {
+        m.replace(
+            "  admin: 127.0.0.1:",
+            "  max_headers: 20\n  admin: 127.0.0.1:",
+        )
+    });
+    let alice = token("alice", &["user"]);
+    let fields: String = (0..30).map(|i| format!("x-f{i}: v\r\n")).collect();
+    let (status, _, _) = mesh.raw(
+        format!(
+            "GET /ping HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\n{fields}\r\n"
+        )
+        .as_bytes(),
+    );
+    assert_eq!(status, 431);
+    let fields: String = (0..10).map(|i| format!("x-f{i}: v\r\n")).collect();
+    let (status, _, _) = mesh.raw(
+        format!("GET /ping HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\n{fields}connection: close\r\n\r\n").as_bytes(),
+    );
+    assert_eq!(status, 200);
+}

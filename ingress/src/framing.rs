@@ -1,0 +1,387 @@
+//! Finds HTTP/1.1 requests that carry both `Content-Length` and `Transfer-Encoding`.
+//!
+//! hyper reads such a request as chunked and closes the connection after answering
+//! (RFC 9112 §6.1), but it drops `Content-Length` from the headers it hands over, so
+//! the handler cannot tell: the request would be served 200. A front end and a back end
+//! reading one message two ways is request smuggling, and RFC 9112 §6.3 lets a server
+//! refuse it; every hardened proxy answers 400 and closes. [`Sniff`] watches the bytes
+//! hyper reads on a connection, follows message boundaries (heads, fixed and chunked
+//! bodies) and records which requests, by their order on the connection, were
+//! ambiguous; the handler of that request answers 400 + `connection: close`.
+//!
+//! It only observes: it never changes or holds a byte, and when it cannot follow the
+//! stream (HTTP/2, an upgrade, a head hyper would refuse anyway) it stops looking.
+//! Cost: fixed-length bodies are skipped by count; heads are scanned for their end and
+//! parsed once more with `httparse` (the parser hyper uses), chunked bodies scanned.
+
+use std::cell::RefCell;
+use std::collections::BTreeSet;
+use std::io;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// What the handlers of one connection learn from its reader.
+#[derive(Debug, Default)]
+pub struct Ambiguous {
+    /// Indexes (0 = first on the connection) of requests with both framings.
+    requests: BTreeSet<u64>,
+}
+
+impl Ambiguous {
+    /// Whether the `index`-th request had both framings (forgets it).
+    pub fn take(&mut self, index: u64) -> bool {
+        self.requests.remove(&index)
+    }
+}
+
+/// Where in the stream the reader is.
+#[derive(Debug)]
+enum State {
+    /// Reading a head (the bytes so far).
+    Head(Vec<u8>),
+    /// In a body of this many more bytes.
+    Fixed(u64),
+    /// In a chunked body.
+    Chunked(Chunk),
+    /// Not following any more.
+    Off,
+}
+
+#[derive(Debug)]
+enum Chunk {
+    /// The size line so far.
+    Size(Vec<u8>),
+    /// Data left in this chunk.
+    Data(u64),
+    /// The CRLF after a chunk's data.
+    DataEnd,
+    /// Trailer fields; `true` when the current line is empty so far.
+    Trailers(bool),
+}
+
+/// Follows HTTP/1 message boundaries over the bytes of one connection.
+#[derive(Debug)]
+pub struct Tracker {
+    state: State,
+    /// Heads seen so far.
+    index: u64,
+    max_head: usize,
+    found: Rc<RefCell<Ambiguous>>,
+}
+
+impl Tracker {
+    pub fn new(max_head: usize, found: Rc<RefCell<Ambiguous>>) -> Self {
+        Self {
+            state: State::Head(Vec::new()),
+            index: 0,
+            max_head,
+            found,
+        }
+    }
+
+    /// Takes the next bytes the connection read.
+    pub fn feed(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            bytes = match &mut self.state {
+                State::Off => return,
+                State::Fixed(left) => {
+                    let n = (*left).min(bytes.len() as u64);
+                    *left -= n;
+                    if *left == 0 {
+                        self.state = State::Head(Vec::new());
+                    }
+                    &bytes[n as usize..]
+                }
+                State::Head(buf) => {
+                    // Empty lines before a request line are allowed (RFC 9112 §2.2).
+                    if buf.is_empty() {
+                        let skip = bytes.iter().take_while(|&&b| b == b'\r' || b == b'\n');
+                        let skip = skip.count();
+                        bytes = &bytes[skip..];
+                        if bytes.is_empty() {
+                            return;
+                        }
+                    }
+                    let before = buf.len();
+                    buf.extend_from_slice(bytes);
+                    match head_end(buf, before) {
+                        Some(end) => {
+                            let used = end - before;
+                            let head = std::mem::take(buf);
+                            self.head(&head[..end]);
+                            &bytes[used..]
+                        }
+                        None => {
+                            if buf.len() > self.max_head {
+                                self.state = State::Off;
+                            }
+                            return;
+                        }
+                    }
+                }
+                State::Chunked(chunk) => {
+                    let (used, done) = chunk.feed(bytes);
+                    match done {
+                        Some(true) => self.state = State::Head(Vec::new()),
+                        Some(false) => self.state = State::Off,
+                        None => {}
+                    }
+                    &bytes[used..]
+                }
+            };
+        }
+    }
+
+    /// A complete head: records it and sets how its body is framed.
+    fn head(&mut self, head: &[u8]) {
+        let mut fields = [httparse::EMPTY_HEADER; 128];
+        let mut req = httparse::Request::new(&mut fields);
+        if !matches!(req.parse(head), Ok(httparse::Status::Complete(_)))
+            || req.version != Some(1)
+            || req.method == Some("CONNECT")
+        {
+            // HTTP/2's preface, HTTP/1.0, a tunnel or a head hyper refuses anyway.
+            self.state = State::Off;
+            return;
+        }
+        let (mut length, mut chunked, mut te) = (None, false, false);
+        for field in req.headers.iter() {
+            if field.name.eq_ignore_ascii_case("content-length") {
+                length = std::str::from_utf8(field.value)
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok());
+            } else if field.name.eq_ignore_ascii_case("transfer-encoding") {
+                te = true;
+                chunked = field
+                    .value
+                    .rsplit(|&b| b == b',')
+                    .next()
+                    .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            } else if field.name.eq_ignore_ascii_case("upgrade") {
+                self.state = State::Off;
+                return;
+            }
+        }
+        let has_length = req
+            .headers
+            .iter()
+            .any(|f| f.name.eq_ignore_ascii_case("content-length"));
+        if te && has_length {
+            self.found.borrow_mut().requests.insert(self.index);
+        }
+        self.index += 1;
+        self.state = if te {
+            // hyper refuses a transfer coding that does not end in chunked.
+            if chunked {
+                State::Chunked(Chunk::Size(Vec::new()))
+            } else {
+                State::Off
+            }
+        } else if has_length {
+            match length {
+                Some(0) => State::Head(Vec::new()),
+                Some(n) => State::Fixed(n),
+                // An unreadable length: hyper answers 400 and closes.
+                None => State::Off,
+            }
+        } else {
+            State::Head(Vec::new())
+        };
+    }
+}
+
+/// The end (exclusive) of a head in `buf` whose first `from` bytes were already
+/// searched: after `\r\n\r\n` or `\n\n`.
+fn head_end(buf: &[u8], from: usize) -> Option<usize> {
+    let start = from.saturating_sub(3);
+    (start..buf.len()).find_map(|i| {
+        if buf[i] != b'\n' {
+            return None;
+        }
+        let before = &buf[..i];
+        (before.ends_with(b"\n") || before.ends_with(b"\n\r")).then_some(i + 1)
+    })
+}
+
+impl Chunk {
+    /// Consumes what it can of `bytes`: how many, and `Some(true)` when the body ended,
+    /// `Some(false)` when it cannot be followed.
+    fn feed(&mut self, bytes: &[u8]) -> (usize, Option<bool>) {
+        let mut used = 0;
+        while used < bytes.len() {
+            let rest = &bytes[used..];
+            match self {
+                Chunk::Size(line) => {
+                    let Some(nl) = rest.iter().position(|&b| b == b'\n') else {
+                        line.extend_from_slice(rest);
+                        if line.len() > 1024 {
+                            return (bytes.len(), Some(false));
+                        }
+                        return (bytes.len(), None);
+                    };
+                    line.extend_from_slice(&rest[..nl]);
+                    used += nl + 1;
+                    let digits: Vec<u8> = line
+                        .iter()
+                        .copied()
+                        .take_while(u8::is_ascii_hexdigit)
+                        .collect();
+                    let size = std::str::from_utf8(&digits)
+                        .ok()
+                        .and_then(|d| u64::from_str_radix(d, 16).ok());
+                    *self = match size {
+                        Some(0) => Chunk::Trailers(true),
+                        Some(n) => Chunk::Data(n),
+                        None => return (used, Some(false)),
+                    };
+                }
+                Chunk::Data(left) => {
+                    let n = (*left).min(rest.len() as u64);
+                    *left -= n;
+                    used += n as usize;
+                    if *left == 0 {
+                        *self = Chunk::DataEnd;
+                    }
+                }
+                Chunk::DataEnd => match rest.iter().position(|&b| b == b'\n') {
+                    Some(nl) => {
+                        used += nl + 1;
+                        *self = Chunk::Size(Vec::new());
+                    }
+                    None => return (bytes.len(), None),
+                },
+                Chunk::Trailers(empty) => {
+                    let b = rest[0];
+                    used += 1;
+                    match b {
+                        b'\n' if *empty => return (used, Some(true)),
+                        b'\n' => *empty = true,
+                        b'\r' => {}
+                        _ => *empty = false,
+                    }
+                }
+            }
+        }
+        (used, None)
+    }
+}
+
+/// A connection whose reads are watched by a [`Tracker`].
+pub struct Sniff<T> {
+    inner: T,
+    tracker: Tracker,
+}
+
+impl<T> Sniff<T> {
+    pub fn new(inner: T, tracker: Tracker) -> Self {
+        Self { inner, tracker }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Sniff<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let poll = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = poll {
+            this.tracker.feed(&buf.filled()[before..]);
+        }
+        poll
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Sniff<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ambiguous request indexes of a stream fed in pieces of `step` bytes.
+    fn found(stream: &[u8], step: usize) -> Vec<u64> {
+        let found = Rc::new(RefCell::new(Ambiguous::default()));
+        let mut t = Tracker::new(32 << 10, found.clone());
+        for piece in stream.chunks(step) {
+            t.feed(piece);
+        }
+        found.borrow().requests.iter().copied().collect()
+    }
+
+    fn every_split(stream: &[u8], want: &[u64]) {
+        for step in [1, 2, 3, 7, 64, stream.len()] {
+            assert_eq!(found(stream, step), want, "fed {step} bytes at a time");
+        }
+    }
+
+    #[test]
+    fn both_framings_are_found_whatever_their_order_and_position() {
+        every_split(
+            b"POST /a HTTP/1.1\r\nhost: h\r\ncontent-length: 6\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+            &[0],
+        );
+        every_split(
+            b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+            &[0],
+        );
+        // The third request on a kept-alive connection, after a fixed and a chunked body.
+        every_split(
+            b"POST /a HTTP/1.1\r\ncontent-length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n0\r\nx-trailer: 1\r\n\r\n\r\nGET /c HTTP/1.1\r\ncontent-length: 0\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+            &[2],
+        );
+    }
+
+    #[test]
+    fn clean_streams_are_never_flagged() {
+        every_split(
+            b"GET / HTTP/1.1\r\nhost: h\r\n\r\nGET /2 HTTP/1.1\nhost: h\n\nPOST /3 HTTP/1.1\r\ncontent-length: 40\r\n\r\ntransfer-encoding: chunked\r\ncontent-length: 1\r\n",
+            &[],
+        );
+    }
+
+    #[test]
+    fn what_it_cannot_follow_turns_it_off() {
+        // HTTP/2's preface, an upgrade, a head over the limit: never a false finding.
+        every_split(
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",
+            &[],
+        );
+        every_split(
+            b"GET / HTTP/1.1\r\nupgrade: websocket\r\n\r\nGET / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",
+            &[],
+        );
+        let found_rc = Rc::new(RefCell::new(Ambiguous::default()));
+        let mut t = Tracker::new(16, found_rc.clone());
+        t.feed(b"GET /a-long-path HTTP/1.1\r\nx: y\r\n");
+        assert!(matches!(t.state, State::Off));
+    }
+}
