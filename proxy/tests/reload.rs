@@ -103,9 +103,8 @@ routes:
     }
 }
 
-/// Filter deadlines are wall-clock (epoch ticks): on a loaded CI machine a preempted
-/// 5 ms call fails closed. These tests assert zero failed requests across reloads, so
-/// the filters get room; the deadline itself is tested with its own filter.
+/// Deadlines are CPU time, so a preempted call no longer fails; still generous, since
+/// these tests assert zero failed requests across reloads in a debug build.
 const DEADLINE: &str = "250ms";
 
 fn tagged(name: &str, version: usize) -> String {

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 
 use dpumesh_head::RequestHead;
 use wasmtime::component::{Resource, TypedFunc};
-use wasmtime::{Store, Trap};
+use wasmtime::{Store, Trap, UpdateDeadline};
 
 use crate::bindings::{RequestLine, ResponseInfo, Verdict};
+use crate::budget::Check;
 use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
 use crate::imports::{HeadHandle, StoreState};
@@ -28,7 +29,6 @@ pub struct FilterInstance {
     store: Store<StoreState>,
     on_request: OnRequest,
     on_response: Option<OnResponse>,
-    deadline_ticks: u64,
     startup: Startup,
 }
 
@@ -52,13 +52,6 @@ impl std::fmt::Debug for FilterInstance {
     }
 }
 
-/// Epoch ticks for a deadline: rounded up, plus one because the current tick may end
-/// right after the call starts.
-fn ticks(deadline: Duration, tick: Duration) -> u64 {
-    let tick = tick.as_nanos().max(1);
-    (deadline.as_nanos().div_ceil(tick) as u64).saturating_add(1)
-}
-
 impl FilterInstance {
     pub(crate) fn new(filter: &Arc<LoadedFilter>) -> Result<Self, LoadError> {
         let runtime = &filter.runtime.inner;
@@ -70,13 +63,22 @@ impl FilterInstance {
             namespace,
             &runtime.services,
             settings.memory_cap,
+            runtime.config.epoch_tick,
         );
         let mut store = Store::new(&runtime.engine, state);
         store.limiter(|state| &mut state.limiter);
-        store.epoch_deadline_trap();
+        // The epoch deadline only triggers a look at the thread's CPU time
+        // (`budget`): a call that was preempted goes on.
+        store.epoch_deadline_callback(|mut store| {
+            let cpu = crate::budget::thread_cpu_time();
+            Ok(match store.data_mut().budget.check(cpu) {
+                Check::Continue(ticks) => UpdateDeadline::Continue(ticks),
+                Check::Exhausted => UpdateDeadline::Interrupt,
+            })
+        });
         runtime.epoch.call_begins();
-        let tick = runtime.config.epoch_tick;
-        store.set_epoch_deadline(ticks(settings.configure_deadline, tick));
+        let first = store.data_mut().budget.arm(settings.configure_deadline);
+        store.set_epoch_deadline(first);
 
         let started = Instant::now();
         let instance = match filter.pre.instantiate(&mut store) {
@@ -148,7 +150,6 @@ impl FilterInstance {
             .live
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
-            deadline_ticks: ticks(settings.deadline, tick),
             startup,
             filter: filter.clone(),
             store,
@@ -169,8 +170,10 @@ impl FilterInstance {
 
     fn arm(&mut self) {
         self.filter.runtime.inner.epoch.call_begins();
-        self.store.data_mut().limiter.hit = false;
-        self.store.set_epoch_deadline(self.deadline_ticks);
+        let data = self.store.data_mut();
+        data.limiter.hit = false;
+        let first = data.budget.arm(self.filter.settings.deadline);
+        self.store.set_epoch_deadline(first);
     }
 
     /// Runs `on-request` with `head` lent to the instance; the head comes back with the
@@ -253,17 +256,4 @@ fn classify(
         message.push_str(&stderr[start..]);
     }
     FaultKind::Trap(message)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn deadlines_round_up_to_whole_ticks_plus_one() {
-        let ms = Duration::from_millis(1);
-        assert_eq!(ticks(Duration::from_millis(5), ms), 6);
-        assert_eq!(ticks(Duration::from_micros(5500), ms), 7);
-        assert_eq!(ticks(Duration::ZERO, ms), 1);
-    }
 }

@@ -17,6 +17,7 @@
 #![deny(unsafe_code)]
 
 mod bindings;
+mod budget;
 mod cache;
 mod chain;
 mod epoch;

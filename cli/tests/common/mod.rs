@@ -53,10 +53,6 @@ pub fn write_policy_with(dir: &Path, edit: impl Fn(String) -> String) {
         );
     }
     assert!(!policy.contains("../../target"), "every component replaced");
-    // Filter deadlines are wall-clock (epoch ticks): on a CI machine running other
-    // tests at once, a preempted 5 ms call fails closed with a 500. These tests are
-    // about the data path, so give the filters room.
-    let policy = policy.replace("    component: ", "    deadline: 250ms\n    component: ");
     std::fs::write(dir.join("policy.yaml"), edit(policy)).unwrap();
 }
 

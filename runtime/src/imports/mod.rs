@@ -70,6 +70,8 @@ pub(crate) struct StoreState {
     pub(crate) head: Option<RequestHead>,
     pub(crate) limiter: MemoryLimiter,
     pub(crate) stderr: StderrTail,
+    /// The CPU budget of the call under way.
+    pub(crate) budget: crate::budget::CpuBudget,
     tag: Arc<FilterTag>,
     services: NodeServices,
     namespace: Namespace,
@@ -85,6 +87,7 @@ impl StoreState {
         namespace: &str,
         services: &NodeServices,
         memory_cap: usize,
+        tick: std::time::Duration,
     ) -> Self {
         let stderr = StderrTail::default();
         let mut wasi = WasiCtx::builder();
@@ -100,6 +103,7 @@ impl StoreState {
             head: None,
             limiter: MemoryLimiter::new(memory_cap),
             stderr,
+            budget: crate::budget::CpuBudget::new(tick),
             namespace: services.state.namespace(namespace),
             tag,
             services: services.clone(),

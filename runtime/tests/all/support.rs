@@ -25,9 +25,8 @@ pub fn runtime() -> Runtime {
 
 /// Test-filter settings with namespace `test`, so filters of one chain share counters.
 ///
-/// Deadlines are counted in wall-clock epoch ticks, and tests run many threads on two
-/// cores: a generous deadline keeps a preempted call from being interrupted. Tests of
-/// the deadline itself set their own.
+/// A generous CPU deadline: these tests are not about it (the deadline tests set
+/// their own).
 pub fn settings(name: &str, config: serde_json::Value) -> FilterSettings {
     FilterSettings::new(name, config.to_string())
         .namespace("test")

@@ -36,6 +36,9 @@ pub enum Action {
     Increment(String),
     /// Loop forever.
     Spin,
+    /// Compute for this many loop iterations (about a nanosecond each), then go on: a
+    /// call that needs real CPU time.
+    Work(u64),
     /// Allocate and touch this many MiB.
     AllocMib(u32),
     /// Allocate and touch this many MiB when header `name` is present.
@@ -146,6 +149,12 @@ impl TestFilter {
                     shared::increment(k, 1, 0).expect("increment");
                 }
                 Action::Spin => spin(),
+                Action::Work(n) => {
+                    let mut x: u64 = 0;
+                    for i in 0..*n {
+                        x = std::hint::black_box(x.wrapping_add(i));
+                    }
+                }
                 Action::SpinIfHeader(n) => {
                     if req.header(n).is_some() {
                         spin()

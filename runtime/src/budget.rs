@@ -1,0 +1,128 @@
+//! CPU-time deadlines for filter calls.
+//!
+//! The epoch ticker advances on wall-clock time, so a call preempted for a few
+//! milliseconds on a busy machine would run past a wall-clock deadline through no fault
+//! of its own. Here the epoch only says *when to look*: the check compares the worker
+//! thread's CPU time with the budget and lets a call that has not used it go on.
+//!
+//! Reading a thread's CPU time is a system call, so a call is never charged one
+//! up front: the first check comes after a quarter of the budget in wall time (every
+//! well-behaved call is long done by then) and takes a baseline; from there the call
+//! is stopped once it has used the whole budget in CPU time *after* the baseline. A
+//! call is never stopped before it used its budget, and an endless loop that runs
+//! unhindered is stopped after about 1.25× its budget (the quarter before the baseline
+//! plus the budget after it), within the 2× DESIGN allows.
+
+use std::time::Duration;
+
+/// What the epoch callback tells wasmtime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// Look again after this many ticks.
+    Continue(u64),
+    /// The call used its budget: interrupt it.
+    Exhausted,
+}
+
+/// One store's budget for the call it is running.
+#[derive(Debug, Clone)]
+pub(crate) struct CpuBudget {
+    budget: Duration,
+    tick: Duration,
+    /// The thread's CPU time at the first check of this call.
+    baseline: Option<Duration>,
+}
+
+/// Whole ticks covering `d`, at least one.
+fn ticks_for(d: Duration, tick: Duration) -> u64 {
+    let tick = tick.as_nanos().max(1);
+    (d.as_nanos().div_ceil(tick) as u64).max(1)
+}
+
+impl CpuBudget {
+    pub(crate) fn new(tick: Duration) -> Self {
+        Self {
+            budget: Duration::ZERO,
+            tick,
+            baseline: None,
+        }
+    }
+
+    /// A call with `budget` is starting: the epoch ticks until its first check (a
+    /// quarter of the budget, plus one for the tick already under way).
+    pub(crate) fn arm(&mut self, budget: Duration) -> u64 {
+        self.budget = budget;
+        self.baseline = None;
+        ticks_for(budget / 4, self.tick) + 1
+    }
+
+    /// The epoch reached the call's deadline; `cpu` is the thread's CPU time now.
+    pub(crate) fn check(&mut self, cpu: Duration) -> Check {
+        let Some(baseline) = self.baseline else {
+            self.baseline = Some(cpu);
+            // CPU time grows no faster than wall time: the budget cannot run out
+            // sooner than a whole budget from now.
+            return Check::Continue(ticks_for(self.budget, self.tick));
+        };
+        let used = cpu.saturating_sub(baseline);
+        if used >= self.budget {
+            Check::Exhausted
+        } else {
+            Check::Continue(ticks_for(self.budget - used, self.tick))
+        }
+    }
+}
+
+/// The calling thread's CPU time (a system call: only checks make it).
+pub(crate) fn thread_cpu_time() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_preempted_call_goes_on_and_a_busy_one_is_stopped_once_its_budget_is_used() {
+        let mut b = CpuBudget::new(MS);
+        assert_eq!(
+            b.arm(5 * MS),
+            3,
+            "first look after a quarter of 5 ms, plus a tick"
+        );
+        // Preempted: 3 ms of wall time, no CPU spent at the first look or after.
+        assert_eq!(b.check(Duration::from_millis(100)), Check::Continue(5));
+        assert_eq!(b.check(Duration::from_millis(100)), Check::Continue(5));
+        // Now running: 2 ms used since the baseline, 3 ms left.
+        assert_eq!(b.check(Duration::from_millis(102)), Check::Continue(3));
+        assert_eq!(b.check(Duration::from_millis(105)), Check::Exhausted);
+    }
+
+    #[test]
+    fn each_call_starts_from_a_fresh_baseline() {
+        let mut b = CpuBudget::new(MS);
+        b.arm(4 * MS);
+        b.check(Duration::from_millis(10));
+        assert_eq!(b.check(Duration::from_millis(13)), Check::Continue(1));
+        assert_eq!(b.arm(4 * MS), 2);
+        assert_eq!(b.check(Duration::from_millis(13)), Check::Continue(4));
+        assert_eq!(b.check(Duration::from_millis(16)), Check::Continue(1));
+    }
+
+    #[test]
+    fn the_thread_cpu_clock_counts_work_not_sleep() {
+        let start = thread_cpu_time();
+        std::thread::sleep(Duration::from_millis(30));
+        let slept = thread_cpu_time() - start;
+        assert!(slept < Duration::from_millis(15), "sleeping used {slept:?}");
+        let start = thread_cpu_time();
+        let mut n = 0u64;
+        while thread_cpu_time() - start < Duration::from_millis(5) {
+            n = std::hint::black_box(n + 1);
+        }
+        assert!(thread_cpu_time() - start >= Duration::from_millis(5));
+    }
+}
