@@ -201,6 +201,8 @@ fn main() -> Result<ExitCode> {
             tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
+        .with_ansi(dpumesh_proxy::logging::colour())
+        .with_writer(std::io::stderr)
         .init();
     match cli.command {
         Command::Demo {

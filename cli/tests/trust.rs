@@ -260,3 +260,38 @@ fn too_many_header_fields_are_refused() {
     );
     assert_eq!(status, 200);
 }
+
+#[test]
+fn logs_written_to_a_pipe_or_file_carry_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let (file, _) = mesh_files(dir.path(), |m| m);
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let log = dir.path().join("node.log");
+    let mut node = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["node", "--name", "node1", "--mesh"])
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(&run)
+        .env("DPUMESH_LOG", "info")
+        .env_remove("NO_COLOR")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("INFO") || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = node.kill();
+    let _ = node.wait();
+    assert!(text.contains("INFO"), "the node logged at info: {text}");
+    assert!(
+        !text.contains('\x1b'),
+        "no ANSI escapes in a log file: {text:?}"
+    );
+}

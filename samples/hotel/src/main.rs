@@ -22,6 +22,9 @@ fn main() -> Result<()> {
             tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
+        // Colours only on a terminal: `dpumesh up` and log files get plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
         .init();
     // The code to run (argument) and the service name to register under (the
     // environment, so one program can serve under several names).
