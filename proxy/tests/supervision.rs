@@ -88,12 +88,15 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
             max_head: 32 << 10,
             max_body: 1 << 20,
             body_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(10),
+            max_headers: 100,
             request_timeout: Duration::from_secs(60),
             slots: 8,
             threads: Some(1),
             policy: dir.path().join("policy.yaml"),
             services: BTreeMap::from([("slow".to_owned(), vec![node.fabric_addr()])]),
             admin: None,
+            path: Default::default(),
         },
     )
     .unwrap();
