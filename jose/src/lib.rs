@@ -35,13 +35,15 @@ pub enum Algorithm {
     Es256,
     /// ECDSA on P-384 with SHA-384.
     Es384,
+    /// ECDSA on P-521 with SHA-512.
+    Es512,
     /// Ed25519.
     EdDsa,
 }
 
 impl Algorithm {
     /// Every algorithm, in a stable order.
-    pub const ALL: [Algorithm; 12] = [
+    pub const ALL: [Algorithm; 13] = [
         Self::Hs256,
         Self::Hs384,
         Self::Hs512,
@@ -53,6 +55,7 @@ impl Algorithm {
         Self::Ps512,
         Self::Es256,
         Self::Es384,
+        Self::Es512,
         Self::EdDsa,
     ];
 
@@ -70,6 +73,7 @@ impl Algorithm {
             Self::Ps512 => "PS512",
             Self::Es256 => "ES256",
             Self::Es384 => "ES384",
+            Self::Es512 => "ES512",
             Self::EdDsa => "EdDSA",
         }
     }
@@ -85,6 +89,7 @@ impl Algorithm {
             }
             Self::Es256 => KeyKind::P256,
             Self::Es384 => KeyKind::P384,
+            Self::Es512 => KeyKind::P521,
             Self::EdDsa => KeyKind::Ed25519,
         }
     }
@@ -104,7 +109,7 @@ impl fmt::Display for UnknownAlgorithm {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "unsupported signature algorithm {:?} (expected one of HS256/384/512, RS256/384/512, PS256/384/512, ES256/384, EdDSA)",
+            "unsupported signature algorithm {:?} (expected one of HS256/384/512, RS256/384/512, PS256/384/512, ES256/384/512, EdDSA)",
             self.0
         )
     }
@@ -135,6 +140,8 @@ pub enum KeyKind {
     P256,
     /// An EC public key on P-384.
     P384,
+    /// An EC public key on P-521.
+    P521,
     /// An Ed25519 public key (`kty: OKP`).
     Ed25519,
 }
@@ -175,7 +182,7 @@ mod tests {
             assert_eq!(alg.name().parse::<Algorithm>(), Ok(alg));
             assert_eq!(alg.to_string(), alg.name());
         }
-        for bad in ["none", "hs256", "HS128", "", "ES512x"] {
+        for bad in ["none", "hs256", "HS128", "", "ES512x", "ES521"] {
             let e = bad.parse::<Algorithm>().unwrap_err();
             assert!(e.to_string().contains(&format!("{bad:?}")), "{e}");
         }
@@ -187,6 +194,7 @@ mod tests {
         assert_eq!(Algorithm::Ps512.key_kind(), KeyKind::Rsa);
         assert_eq!(Algorithm::Es256.key_kind(), KeyKind::P256);
         assert_eq!(Algorithm::Es384.key_kind(), KeyKind::P384);
+        assert_eq!(Algorithm::Es512.key_kind(), KeyKind::P521);
         assert_eq!(Algorithm::EdDsa.key_kind(), KeyKind::Ed25519);
     }
 }

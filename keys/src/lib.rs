@@ -5,7 +5,13 @@
 //! the math runs natively (on BlueField-3 the host can hand it to the PKA engine). This
 //! crate loads JSON Web Key Sets (RFC 7517), keeps them in a [`KeyStore`] that can be
 //! replaced while requests are verifying against it, and verifies with
-//! [`jsonwebtoken`]'s crypto providers.
+//! [`jsonwebtoken`]'s crypto providers (and RustCrypto's `p521` for ES512, which
+//! jsonwebtoken lacks).
+//!
+//! Interoperable with Envoy's `jwt_verify_lib`: a key without a `kid` is a candidate
+//! for any token, a token's `kid` only rules out keys carrying another one; a JWKS
+//! with malformed or unsupported keys loads the good ones (the others are listed by
+//! [`KeySet::skipped`]) and fails only when none is usable.
 //!
 //! Algorithm confusion is rejected by construction: every key has a family (HMAC secret,
 //! RSA, EC curve, Ed25519) and is only ever used with algorithms of that family, so an
@@ -20,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use jsonwebtoken::crypto::rust_crypto::DEFAULT_PROVIDER;
-use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, KeyAlgorithm, PublicKeyUse};
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, PublicKeyUse};
 use jsonwebtoken::{Algorithm as JwtAlgorithm, DecodingKey};
 
 pub use dpumesh_jose::{Algorithm, KeyKind, UnknownAlgorithm, VerifyError};
@@ -40,26 +46,9 @@ fn to_jwt(alg: Algorithm) -> JwtAlgorithm {
         Algorithm::Es256 => JwtAlgorithm::ES256,
         Algorithm::Es384 => JwtAlgorithm::ES384,
         Algorithm::EdDsa => JwtAlgorithm::EdDSA,
+        // Verified with `p521`, never through jsonwebtoken (which has no ES512).
+        Algorithm::Es512 => JwtAlgorithm::ES384,
     }
-}
-
-/// Our algorithm for a JWK's `alg`, when we support it.
-fn from_key_algorithm(alg: &KeyAlgorithm) -> Option<Algorithm> {
-    Some(match alg {
-        KeyAlgorithm::HS256 => Algorithm::Hs256,
-        KeyAlgorithm::HS384 => Algorithm::Hs384,
-        KeyAlgorithm::HS512 => Algorithm::Hs512,
-        KeyAlgorithm::RS256 => Algorithm::Rs256,
-        KeyAlgorithm::RS384 => Algorithm::Rs384,
-        KeyAlgorithm::RS512 => Algorithm::Rs512,
-        KeyAlgorithm::PS256 => Algorithm::Ps256,
-        KeyAlgorithm::PS384 => Algorithm::Ps384,
-        KeyAlgorithm::PS512 => Algorithm::Ps512,
-        KeyAlgorithm::ES256 => Algorithm::Es256,
-        KeyAlgorithm::ES384 => Algorithm::Es384,
-        KeyAlgorithm::EdDSA => Algorithm::EdDsa,
-        _ => return None,
-    })
 }
 
 /// Why a key set could not be loaded.
@@ -68,22 +57,19 @@ pub enum KeySetError {
     /// The document is not a JSON Web Key Set.
     #[error("not a JSON Web Key Set: {0}")]
     Json(#[source] serde_json::Error),
-    /// A key of a supported type has bad parameters.
-    #[error("key #{index}{}: {reason}", kid.as_ref().map(|k| format!(" (kid {k:?})")).unwrap_or_default())]
-    InvalidKey {
-        /// Position in `keys`.
-        index: usize,
-        /// The key's `kid`, if any.
-        kid: Option<String>,
-        /// What is wrong.
-        reason: String,
-    },
     /// No key in the set can verify signatures.
-    #[error("the key set has no usable signature keys ({skipped} skipped)")]
+    #[error("the key set has no usable signature key{}", if skipped.is_empty() { String::new() } else { format!(" (skipped: {})", skipped.join("; ")) })]
     NoUsableKeys {
-        /// How many keys were skipped (encryption keys, unsupported types).
-        skipped: usize,
+        /// Each key skipped and why (malformed, encryption keys, unsupported types).
+        skipped: Vec<String>,
     },
+}
+
+/// What verifies with a key.
+#[derive(Clone)]
+enum Verifier {
+    Jwt(DecodingKey),
+    P521(p521::ecdsa::VerifyingKey),
 }
 
 /// One verification key.
@@ -93,7 +79,7 @@ struct Key {
     kind: KeyKind,
     /// Restriction from the JWK's `alg`, when it names one.
     alg: Option<Algorithm>,
-    decoding: DecodingKey,
+    verifier: Verifier,
 }
 
 impl fmt::Debug for Key {
@@ -122,9 +108,9 @@ pub struct KeySet {
 impl KeySet {
     /// Parses a JWKS document (`{"keys": [...]}`).
     ///
-    /// Keys meant for encryption (`"use": "enc"`) and of unsupported types are skipped
-    /// and listed by [`KeySet::skipped`]; a supported key with bad parameters is an
-    /// error, and so is a set with nothing usable.
+    /// Keys that cannot be used (malformed, meant for encryption, of unsupported
+    /// types) are skipped and listed by [`KeySet::skipped`]; only a document that is
+    /// not a JWKS, or a set with nothing usable, is an error.
     pub fn from_jwks(json: &str) -> Result<Self, KeySetError> {
         #[derive(serde::Deserialize)]
         struct RawSet {
@@ -138,90 +124,21 @@ impl KeySet {
                 .get("kid")
                 .and_then(|kid| kid.as_str())
                 .map(str::to_owned);
-            let invalid = |reason: String| KeySetError::InvalidKey {
-                index,
-                kid: kid.clone(),
-                reason,
-            };
-            let jwk: Jwk = serde_json::from_value(value).map_err(|e| invalid(e.to_string()))?;
-            let label = format!("#{index} {}", kid.as_deref().unwrap_or("(no kid)"));
-            if matches!(jwk.common.public_key_use, Some(PublicKeyUse::Encryption)) {
-                skipped.push(format!("{label}: encryption key"));
-                continue;
+            match parse_key(value) {
+                Ok((kind, alg, verifier)) => keys.push(Key {
+                    kid,
+                    kind,
+                    alg,
+                    verifier,
+                }),
+                Err(reason) => skipped.push(format!(
+                    "key #{index}{}: {reason}",
+                    kid.map(|k| format!(" (kid {k:?})")).unwrap_or_default()
+                )),
             }
-            let kind = match &jwk.algorithm {
-                AlgorithmParameters::OctetKey(_) => KeyKind::Secret,
-                AlgorithmParameters::RSA(_) => KeyKind::Rsa,
-                AlgorithmParameters::EllipticCurve(ec) => match ec.curve {
-                    EllipticCurve::P256 => KeyKind::P256,
-                    EllipticCurve::P384 => KeyKind::P384,
-                    ref other => {
-                        skipped.push(format!("{label}: unsupported EC curve {other:?}"));
-                        continue;
-                    }
-                },
-                AlgorithmParameters::OctetKeyPair(okp) => match okp.curve {
-                    EllipticCurve::Ed25519 => {
-                        // jsonwebtoken slices `x` to 32 bytes without checking.
-                        let x = base64::Engine::decode(
-                            &base64::engine::general_purpose::URL_SAFE_NO_PAD,
-                            okp.x.trim_end_matches('='),
-                        )
-                        .map_err(|e| invalid(format!("x is not base64url: {e}")))?;
-                        if x.len() != 32 {
-                            return Err(invalid(format!(
-                                "an Ed25519 public key is 32 bytes, x has {}",
-                                x.len()
-                            )));
-                        }
-                        KeyKind::Ed25519
-                    }
-                    ref other => {
-                        skipped.push(format!("{label}: unsupported OKP curve {other:?}"));
-                        continue;
-                    }
-                },
-                _ => {
-                    skipped.push(format!("{label}: unsupported key type"));
-                    continue;
-                }
-            };
-            let alg = match &jwk.common.key_algorithm {
-                None => None,
-                Some(key_alg) => match from_key_algorithm(key_alg) {
-                    Some(alg) if alg.key_kind() == kind => Some(alg),
-                    Some(alg) => {
-                        return Err(invalid(format!("alg {alg} does not fit a {kind:?} key")));
-                    }
-                    None => {
-                        skipped.push(format!("{label}: non-signature alg {key_alg:?}"));
-                        continue;
-                    }
-                },
-            };
-            let decoding = DecodingKey::from_jwk(&jwk).map_err(|e| invalid(e.to_string()))?;
-            // Reject keys the crypto provider cannot use now, not at the first request.
-            let probe = alg.unwrap_or(match kind {
-                KeyKind::Secret => Algorithm::Hs256,
-                KeyKind::Rsa => Algorithm::Rs256,
-                KeyKind::P256 => Algorithm::Es256,
-                KeyKind::P384 => Algorithm::Es384,
-                KeyKind::Ed25519 => Algorithm::EdDsa,
-            });
-            guarded(|| (DEFAULT_PROVIDER.verifier_factory)(&to_jwt(probe), &decoding).map(drop))
-                .ok_or_else(|| invalid("the crypto provider cannot use this key".to_owned()))?
-                .map_err(|e| invalid(e.to_string()))?;
-            keys.push(Key {
-                kid,
-                kind,
-                alg,
-                decoding,
-            });
         }
         if keys.is_empty() {
-            return Err(KeySetError::NoUsableKeys {
-                skipped: skipped.len(),
-            });
+            return Err(KeySetError::NoUsableKeys { skipped });
         }
         Ok(Self { keys, skipped })
     }
@@ -233,7 +150,7 @@ impl KeySet {
                 kid: kid.map(str::to_owned),
                 kind: KeyKind::Secret,
                 alg: None,
-                decoding: DecodingKey::from_secret(secret),
+                verifier: Verifier::Jwt(DecodingKey::from_secret(secret)),
             }],
             skipped: Vec::new(),
         }
@@ -249,14 +166,15 @@ impl KeySet {
         self.keys.is_empty()
     }
 
-    /// Why keys were skipped while loading, one line each.
+    /// The keys skipped while loading and why, one line each (`key #2 (kid "a"): …`).
     pub fn skipped(&self) -> &[String] {
         &self.skipped
     }
 
-    /// Verifies `signature` over `message` with `alg` using key `kid`, or every key
-    /// fitting `alg` when `kid` is `None`. Returns the id of the key that verified
-    /// (empty when that key has none).
+    /// Verifies `signature` over `message` with `alg`, trying each key that may have
+    /// signed it: with a `kid`, the keys with that id and those without any id (as
+    /// Envoy does); without, every key. Only keys whose kind (and JWK `alg`) fit `alg`
+    /// are tried. Returns the id of the key that verified (empty when it has none).
     pub fn verify(
         &self,
         alg: Algorithm,
@@ -264,43 +182,142 @@ impl KeySet {
         message: &[u8],
         signature: &[u8],
     ) -> Result<String, VerifyError> {
-        let signature = signature.to_vec();
-        if let Some(kid) = kid {
-            let key = self
-                .keys
-                .iter()
-                .find(|key| key.kid.as_deref() == Some(kid))
-                .ok_or(VerifyError::UnknownKey)?;
-            if !key.fits(alg) {
-                return Err(VerifyError::KeyAlgorithmMismatch);
-            }
-            return if verify_with(key, alg, message, &signature) {
-                Ok(kid.to_owned())
-            } else {
-                Err(VerifyError::InvalidSignature)
-            };
+        let mut candidates = self
+            .keys
+            .iter()
+            .filter(|key| kid.is_none_or(|kid| key.kid.as_deref().is_none_or(|k| k == kid)))
+            .peekable();
+        if kid.is_some() && candidates.peek().is_none() {
+            return Err(VerifyError::UnknownKey);
         }
-        let mut fitting = self.keys.iter().filter(|key| key.fits(alg)).peekable();
+        let mut fitting = candidates.filter(|key| key.fits(alg)).peekable();
         if fitting.peek().is_none() {
             return Err(VerifyError::KeyAlgorithmMismatch);
         }
         fitting
-            .find(|key| verify_with(key, alg, message, &signature))
+            .find(|key| verify_with(key, alg, message, signature))
             .map(|key| key.kid.clone().unwrap_or_default())
             .ok_or(VerifyError::InvalidSignature)
     }
 }
 
-fn verify_with(key: &Key, alg: Algorithm, message: &[u8], signature: &Vec<u8>) -> bool {
-    // The verifier is built per call: jsonwebtoken's verifiers are not `Send`, and
-    // building one only clones the key bytes.
-    guarded(
-        || match (DEFAULT_PROVIDER.verifier_factory)(&to_jwt(alg), &key.decoding) {
-            Ok(verifier) => verifier.verify(message, signature).is_ok(),
-            Err(_) => false,
+/// A JWK as a key we can verify with (its kind, `alg` restriction and verifier), or
+/// why it is skipped.
+fn parse_key(
+    mut value: serde_json::Value,
+) -> Result<(KeyKind, Option<Algorithm>, Verifier), String> {
+    // The JWK's `alg` by our names: jsonwebtoken reads names it does not know (ES512)
+    // as "unknown", so it is taken out before the JWK is parsed.
+    let alg = match value.as_object_mut().and_then(|o| o.remove("alg")) {
+        None => None,
+        Some(serde_json::Value::String(name)) => match name.parse::<Algorithm>() {
+            Ok(alg) => Some(alg),
+            Err(_) => return Err(format!("not a signature algorithm we verify: alg {name:?}")),
         },
+        Some(other) => return Err(format!("alg is not a string: {other}")),
+    };
+    let jwk: Jwk = serde_json::from_value(value).map_err(|e| e.to_string())?;
+    if matches!(jwk.common.public_key_use, Some(PublicKeyUse::Encryption)) {
+        return Err("an encryption key (use: enc)".to_owned());
+    }
+    let kind = match &jwk.algorithm {
+        AlgorithmParameters::OctetKey(_) => KeyKind::Secret,
+        AlgorithmParameters::RSA(_) => KeyKind::Rsa,
+        AlgorithmParameters::EllipticCurve(ec) => match ec.curve {
+            EllipticCurve::P256 => KeyKind::P256,
+            EllipticCurve::P384 => KeyKind::P384,
+            EllipticCurve::P521 => KeyKind::P521,
+            ref other => return Err(format!("unsupported EC curve {other:?}")),
+        },
+        AlgorithmParameters::OctetKeyPair(okp) => match okp.curve {
+            EllipticCurve::Ed25519 => {
+                // jsonwebtoken slices `x` to 32 bytes without checking.
+                let x = base64url(&okp.x, "x")?;
+                if x.len() != 32 {
+                    return Err(format!(
+                        "an Ed25519 public key is 32 bytes, x has {}",
+                        x.len()
+                    ));
+                }
+                KeyKind::Ed25519
+            }
+            ref other => return Err(format!("unsupported OKP curve {other:?}")),
+        },
+        _ => return Err("unsupported key type".to_owned()),
+    };
+    if let Some(alg) = alg
+        && alg.key_kind() != kind
+    {
+        return Err(format!("alg {alg} does not fit a {kind:?} key"));
+    }
+    let verifier = match (&jwk.algorithm, kind) {
+        (AlgorithmParameters::EllipticCurve(ec), KeyKind::P521) => {
+            // SEC1 uncompressed point: 0x04 ‖ x ‖ y, each coordinate 66 bytes.
+            let (x, y) = (base64url(&ec.x, "x")?, base64url(&ec.y, "y")?);
+            if x.len() != 66 || y.len() != 66 {
+                return Err(format!(
+                    "a P-521 coordinate is 66 bytes, x has {} and y {}",
+                    x.len(),
+                    y.len()
+                ));
+            }
+            let point = [&[4u8][..], &x, &y].concat();
+            Verifier::P521(
+                p521::ecdsa::VerifyingKey::from_sec1_bytes(&point)
+                    .map_err(|_| "the point is not on P-521".to_owned())?,
+            )
+        }
+        _ => {
+            let decoding = DecodingKey::from_jwk(&jwk).map_err(|e| e.to_string())?;
+            // Reject keys the crypto provider cannot use now, not at the first request.
+            let probe = alg.unwrap_or(match kind {
+                KeyKind::Secret => Algorithm::Hs256,
+                KeyKind::Rsa => Algorithm::Rs256,
+                KeyKind::P256 => Algorithm::Es256,
+                KeyKind::P384 => Algorithm::Es384,
+                KeyKind::P521 => Algorithm::Es512,
+                KeyKind::Ed25519 => Algorithm::EdDsa,
+            });
+            guarded(|| (DEFAULT_PROVIDER.verifier_factory)(&to_jwt(probe), &decoding).map(drop))
+                .ok_or_else(|| "the crypto provider cannot use this key".to_owned())?
+                .map_err(|e| e.to_string())?;
+            Verifier::Jwt(decoding)
+        }
+    };
+    Ok((kind, alg, verifier))
+}
+
+fn base64url(text: &str, what: &str) -> Result<Vec<u8>, String> {
+    base64::Engine::decode(
+        &base64::engine::general_purpose::URL_SAFE_NO_PAD,
+        text.trim_end_matches('='),
     )
-    .unwrap_or(false)
+    .map_err(|e| format!("{what} is not base64url: {e}"))
+}
+
+fn verify_with(key: &Key, alg: Algorithm, message: &[u8], signature: &[u8]) -> bool {
+    match &key.verifier {
+        Verifier::P521(verifying) => {
+            use p521::ecdsa::signature::Verifier as _;
+            // JWS carries r ‖ s (RFC 7518 §3.4), 66 bytes each.
+            guarded(|| {
+                p521::ecdsa::Signature::from_slice(signature)
+                    .is_ok_and(|sig| verifying.verify(message, &sig).is_ok())
+            })
+            .unwrap_or(false)
+        }
+        // The verifier is built per call: jsonwebtoken's verifiers are not `Send`, and
+        // building one only clones the key bytes.
+        Verifier::Jwt(decoding) => {
+            guarded(
+                || match (DEFAULT_PROVIDER.verifier_factory)(&to_jwt(alg), decoding) {
+                    Ok(verifier) => verifier.verify(message, &signature.to_vec()).is_ok(),
+                    Err(_) => false,
+                },
+            )
+            .unwrap_or(false)
+        }
+    }
 }
 
 /// Runs crypto-provider code that must never take the proxy down: a panic inside it

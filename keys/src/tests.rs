@@ -20,12 +20,27 @@ fn encoding_key(alg: Algorithm) -> EncodingKey {
         KeyKind::Rsa => EncodingKey::from_rsa_pem(&fixture("rsa.pem")).unwrap(),
         KeyKind::P256 => EncodingKey::from_ec_pem(&fixture("p256.pem")).unwrap(),
         KeyKind::P384 => EncodingKey::from_ec_pem(&fixture("p384.pem")).unwrap(),
+        KeyKind::P521 => unreachable!("ES512 is signed with p521 (see sign)"),
         KeyKind::Ed25519 => EncodingKey::from_ed_pem(&fixture("ed25519.pem")).unwrap(),
     }
 }
 
+/// An ES512 signature (r ‖ s) with the P-521 fixture key.
+fn sign_es512(message: &[u8]) -> Vec<u8> {
+    use p521::ecdsa::signature::Signer as _;
+    use p521::pkcs8::DecodePrivateKey as _;
+    let pem = String::from_utf8(fixture("p521.pem")).unwrap();
+    let secret = p521::SecretKey::from_pkcs8_pem(&pem).unwrap();
+    let key = p521::ecdsa::SigningKey::from_bytes(&secret.to_bytes()).unwrap();
+    let sig: p521::ecdsa::Signature = key.sign(message);
+    sig.to_vec()
+}
+
 fn sign(alg: Algorithm, message: &[u8]) -> Vec<u8> {
     use base64::Engine as _;
+    if alg == Algorithm::Es512 {
+        return sign_es512(message);
+    }
     let sig = jsonwebtoken::crypto::sign(message, &encoding_key(alg), to_jwt(alg)).unwrap();
     base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(sig)
@@ -43,6 +58,7 @@ fn sign(alg: Algorithm, message: &[u8]) -> Vec<u8> {
 #[test_case(Algorithm::Ps512, "rsa-1")]
 #[test_case(Algorithm::Es256, "ec-p256")]
 #[test_case(Algorithm::Es384, "ec-p384")]
+#[test_case(Algorithm::Es512, "ec-p521")]
 #[test_case(Algorithm::EdDsa, "ed-1")]
 fn every_algorithm_verifies_with_and_without_kid(alg: Algorithm, kid: &str) {
     let set = jwks();
@@ -138,24 +154,87 @@ fn jwk_alg_restricts_the_key() {
 }
 
 #[test]
-fn bad_key_sets_give_precise_errors() {
+fn bad_keys_are_skipped_by_name_and_only_an_unusable_set_fails() {
     let err = KeySet::from_jwks("{").unwrap_err();
     assert!(
         err.to_string().starts_with("not a JSON Web Key Set"),
         "{err}"
     );
-    let err = KeySet::from_jwks(r#"{"keys":[{"kty":"RSA","kid":"a","n":"!!!","e":"AQAB"}]}"#)
-        .unwrap_err();
-    assert!(err.to_string().contains("key #0 (kid \"a\")"), "{err}");
-    let err = KeySet::from_jwks(r#"{"keys":[{"kty":"RSA","use":"enc","n":"AQAB","e":"AQAB"}]}"#)
+    // One good key among bad ones: the set loads, each bad key named with why.
+    let good = r#"{"kty":"oct","kid":"good","k":"c2VjcmV0"}"#;
+    let doc = format!(
+        r#"{{"keys":[{{"kty":"RSA","kid":"a","n":"!!!","e":"AQAB"}},{good},{{"kty":"oct","alg":"RS256","k":"c2VjcmV0"}},{{"kty":"EC","kid":"short","crv":"P-521","x":"AQAB","y":"AQAB"}},{{"kty":"RSA","use":"enc","n":"AQAB","e":"AQAB"}},{{"kty":"oct","kid":"weird","alg":"HS999","k":"c2VjcmV0"}}]}}"#
+    );
+    let set = KeySet::from_jwks(&doc).unwrap();
+    assert_eq!(set.len(), 1);
+    let skipped = set.skipped().join("\n");
+    assert_eq!(set.skipped().len(), 5, "{skipped}");
+    assert!(skipped.contains("key #0 (kid \"a\")"), "{skipped}");
+    assert!(
+        skipped.contains("key #2: alg RS256 does not fit"),
+        "{skipped}"
+    );
+    assert!(
+        skipped.contains("key #3 (kid \"short\"): a P-521 coordinate is 66 bytes"),
+        "{skipped}"
+    );
+    assert!(skipped.contains("key #4: an encryption key"), "{skipped}");
+    assert!(
+        skipped.contains("key #5 (kid \"weird\"): not a signature algorithm"),
+        "{skipped}"
+    );
+    // Nothing usable: an error naming every key and why.
+    let err = KeySet::from_jwks(r#"{"keys":[{"kty":"RSA","kid":"a","n":"!!!","e":"AQAB"},{"kty":"RSA","use":"enc","n":"AQAB","e":"AQAB"}]}"#)
         .unwrap_err();
     assert!(
-        matches!(err, KeySetError::NoUsableKeys { skipped: 1 }),
+        matches!(&err, KeySetError::NoUsableKeys { skipped } if skipped.len() == 2),
         "{err}"
     );
-    let err =
-        KeySet::from_jwks(r#"{"keys":[{"kty":"oct","alg":"RS256","k":"c2VjcmV0"}]}"#).unwrap_err();
-    assert!(err.to_string().contains("does not fit"), "{err}");
+    assert!(err.to_string().contains("key #0 (kid \"a\")"), "{err}");
+    assert!(
+        err.to_string().contains("key #1: an encryption key"),
+        "{err}"
+    );
+}
+
+#[test]
+fn keys_without_a_kid_are_tried_for_any_token() {
+    // An IdP whose JWKS leaves out `kid` while its tokens carry one (Envoy accepts).
+    let full = jwks();
+    let rsa = serde_json::from_slice::<serde_json::Value>(&fixture("jwks.json")).unwrap()["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["kid"] == "rsa-1")
+        .unwrap()
+        .clone();
+    let mut kidless = rsa.clone();
+    kidless.as_object_mut().unwrap().remove("kid");
+    let doc =
+        serde_json::json!({"keys": [{"kty": "oct", "kid": "other", "k": "c2VjcmV0"}, kidless]});
+    let set = KeySet::from_jwks(&doc.to_string()).unwrap();
+    let sig = sign(Algorithm::Rs256, b"m");
+    assert_eq!(
+        set.verify(Algorithm::Rs256, Some("rotated-7"), b"m", &sig),
+        Ok(String::new())
+    );
+    assert_eq!(
+        set.verify(Algorithm::Rs256, None, b"m", &sig),
+        Ok(String::new())
+    );
+    assert_eq!(
+        set.verify(Algorithm::Rs256, Some("rotated-7"), b"x", &sig),
+        Err(VerifyError::InvalidSignature)
+    );
+    // A key whose kid is another one's is still never tried.
+    assert_eq!(
+        set.verify(Algorithm::Hs256, Some("rotated-7"), b"m", &sig),
+        Err(VerifyError::KeyAlgorithmMismatch)
+    );
+    assert_eq!(
+        full.verify(Algorithm::Rs256, Some("ec-p256"), b"m", &sig),
+        Err(VerifyError::KeyAlgorithmMismatch)
+    );
 }
 
 #[test]

@@ -405,7 +405,13 @@ fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built,
         };
         let set = match jwks {
             Some(jwks) => {
-                KeySet::from_jwks(&jwks).map_err(|e| config.error(&key, e.to_string()))?
+                let set =
+                    KeySet::from_jwks(&jwks).map_err(|e| config.error(&key, e.to_string()))?;
+                // Envoy's behaviour: the usable keys serve, the others are named.
+                for skipped in set.skipped() {
+                    tracing::warn!(key_set = %name, "JWKS key skipped: {skipped}");
+                }
+                set
             }
             None => {
                 let secret = match (&source.secret, &source.secret_file) {

@@ -203,6 +203,28 @@ fn algorithm(alg: crypto::Algorithm) -> dpumesh_keys::Algorithm {
     }
 }
 
+impl StoreState {
+    fn verify_with(
+        &self,
+        alg: dpumesh_keys::Algorithm,
+        key_set: &str,
+        key_id: Option<&str>,
+        message: &[u8],
+        signature: &[u8],
+    ) -> Result<String, crypto::VerifyError> {
+        use dpumesh_keys::VerifyError as K;
+        self.services
+            .keys
+            .verify(alg, key_set, key_id, message, signature)
+            .map_err(|e| match e {
+                K::UnknownKeySet => crypto::VerifyError::UnknownKeySet,
+                K::UnknownKey => crypto::VerifyError::UnknownKey,
+                K::KeyAlgorithmMismatch => crypto::VerifyError::KeyAlgorithmMismatch,
+                K::InvalidSignature => crypto::VerifyError::InvalidSignature,
+            })
+    }
+}
+
 impl crypto::Host for StoreState {
     fn verify(
         &mut self,
@@ -212,23 +234,27 @@ impl crypto::Host for StoreState {
         message: Vec<u8>,
         signature: Vec<u8>,
     ) -> wasmtime::Result<Result<String, crypto::VerifyError>> {
-        use dpumesh_keys::VerifyError as K;
-        Ok(self
-            .services
-            .keys
-            .verify(
-                algorithm(alg),
-                &key_set,
-                key_id.as_deref(),
-                &message,
-                &signature,
-            )
-            .map_err(|e| match e {
-                K::UnknownKeySet => crypto::VerifyError::UnknownKeySet,
-                K::UnknownKey => crypto::VerifyError::UnknownKey,
-                K::KeyAlgorithmMismatch => crypto::VerifyError::KeyAlgorithmMismatch,
-                K::InvalidSignature => crypto::VerifyError::InvalidSignature,
-            }))
+        Ok(self.verify_with(
+            algorithm(alg),
+            &key_set,
+            key_id.as_deref(),
+            &message,
+            &signature,
+        ))
+    }
+
+    fn verify_named(
+        &mut self,
+        alg: String,
+        key_set: String,
+        key_id: Option<String>,
+        message: Vec<u8>,
+        signature: Vec<u8>,
+    ) -> wasmtime::Result<Result<String, crypto::VerifyError>> {
+        Ok(match alg.parse::<dpumesh_keys::Algorithm>() {
+            Ok(alg) => self.verify_with(alg, &key_set, key_id.as_deref(), &message, &signature),
+            Err(_) => Err(crypto::VerifyError::KeyAlgorithmMismatch),
+        })
     }
 
     fn key_set_version(&mut self, key_set: String) -> wasmtime::Result<u64> {

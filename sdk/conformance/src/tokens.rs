@@ -90,7 +90,29 @@ fn mint(suite: &Suite, spec: &TokenSpec) -> Result<String, String> {
     if alg_name == "none" {
         return Ok(format!("{signing_input}."));
     }
-    let alg = Algorithm::from_str(&alg_name).map_err(|e| format!("alg {alg_name}: {e}"))?;
+    let signature = if alg_name == "ES512" {
+        // jsonwebtoken has no ES512: signed with RustCrypto's p521 (r ‖ s, RFC 7518).
+        let file = spec.key_file.as_ref().ok_or("ES512 needs a key_file")?;
+        URL_SAFE_NO_PAD.encode(sign_es512(&suite.resolve(file), signing_input.as_bytes())?)
+    } else {
+        sign_with_jsonwebtoken(suite, spec, &alg_name, &signing_input)?
+    };
+    if spec.tamper {
+        claims.insert("tampered".into(), Value::from(true));
+        let payload = URL_SAFE_NO_PAD.encode(Value::Object(claims).to_string());
+        return Ok(format!("{header_b64}.{payload}.{signature}"));
+    }
+    Ok(format!("{signing_input}.{signature}"))
+}
+
+/// The signature (base64url) of `signing_input` by jsonwebtoken.
+fn sign_with_jsonwebtoken(
+    suite: &Suite,
+    spec: &TokenSpec,
+    alg_name: &str,
+    signing_input: &str,
+) -> Result<String, String> {
+    let alg = Algorithm::from_str(alg_name).map_err(|e| format!("alg {alg_name}: {e}"))?;
     let key = match (&spec.secret, &spec.key_file) {
         (Some(secret), _) => EncodingKey::from_secret(secret.as_bytes()),
         (None, Some(file)) => {
@@ -111,14 +133,21 @@ fn mint(suite: &Suite, spec: &TokenSpec) -> Result<String, String> {
         }
         (None, None) => return Err("secret or key_file is required".to_owned()),
     };
-    let signature = jsonwebtoken::crypto::sign(signing_input.as_bytes(), &key, alg)
-        .map_err(|e| format!("signing: {e}"))?;
-    if spec.tamper {
-        claims.insert("tampered".into(), Value::from(true));
-        let payload = URL_SAFE_NO_PAD.encode(Value::Object(claims).to_string());
-        return Ok(format!("{header_b64}.{payload}.{signature}"));
-    }
-    Ok(format!("{signing_input}.{signature}"))
+    jsonwebtoken::crypto::sign(signing_input.as_bytes(), &key, alg)
+        .map_err(|e| format!("signing: {e}"))
+}
+
+/// An ES512 signature over `message` with the P-521 PKCS#8 key in `path`.
+fn sign_es512(path: &std::path::Path, message: &[u8]) -> Result<Vec<u8>, String> {
+    use p521::ecdsa::signature::Signer as _;
+    use p521::pkcs8::DecodePrivateKey as _;
+    let pem = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let secret = p521::SecretKey::from_pkcs8_pem(&pem)
+        .map_err(|e| format!("{}: not a P-521 key: {e}", path.display()))?;
+    let key = p521::ecdsa::SigningKey::from_bytes(&secret.to_bytes())
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let signature: p521::ecdsa::Signature = key.sign(message);
+    Ok(signature.to_vec())
 }
 
 /// Replaces every `${token.NAME}` in `text`.

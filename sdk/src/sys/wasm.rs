@@ -175,13 +175,22 @@ pub(crate) fn verify(
         Algorithm::Es256 => wit_crypto::Algorithm::Es256,
         Algorithm::Es384 => wit_crypto::Algorithm::Es384,
         Algorithm::EdDsa => wit_crypto::Algorithm::Eddsa,
+        // Newer than the enum: by name.
+        Algorithm::Es512 => {
+            return wit_crypto::verify_named(alg.name(), key_set, key_id, message, signature)
+                .map_err(verify_error);
+        }
     };
-    wit_crypto::verify(alg, key_set, key_id, message, signature).map_err(|e| match e {
+    wit_crypto::verify(alg, key_set, key_id, message, signature).map_err(verify_error)
+}
+
+fn verify_error(e: wit_crypto::VerifyError) -> VerifyError {
+    match e {
         wit_crypto::VerifyError::UnknownKeySet => VerifyError::UnknownKeySet,
         wit_crypto::VerifyError::UnknownKey => VerifyError::UnknownKey,
         wit_crypto::VerifyError::KeyAlgorithmMismatch => VerifyError::KeyAlgorithmMismatch,
         wit_crypto::VerifyError::InvalidSignature => VerifyError::InvalidSignature,
-    })
+    }
 }
 
 pub(crate) fn key_set_version(key_set: &str) -> u64 {
