@@ -476,3 +476,88 @@ fn a_pod_calling_itself_through_a_tiny_ring_gets_its_message_and_every_slot_back
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     proxy.join().unwrap();
 }
+
+#[test]
+fn a_pod_that_stops_reading_is_refused_at_once_until_it_reads_again() {
+    // Back-pressure, not a queue: a pod whose full ring takes nothing for the stall
+    // time gets what is held for it failed (RingFull) and new deliveries refused at
+    // once; once it reads, deliveries land again. Every DPU slot comes back.
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = DpuConfig::new("stall");
+    config.pod.ring_capacity = 4;
+    let node = Dpu::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap();
+    let mut port = node.take_shards().remove(0);
+    let mut pod = HostPort::connect(
+        &Endpoint::Unix(dir.path().join("control.sock")),
+        "stuck",
+        "svc-stuck",
+    )
+    .unwrap();
+    let id = pod.pod_id();
+    // The shard learns of the pod when it runs.
+    for _ in 0..5 {
+        let _ = port.recv(Duration::from_millis(20));
+    }
+    let send = |port: &mut DpuShard, n: u32| {
+        let header = port.alloc_header(b"h").unwrap();
+        let d = Descriptor::request(Case::ExternalToHost, n, 0, 0, Destination::Pod(id))
+            .with_header(header);
+        port.forward(&d).unwrap();
+    };
+    for n in 1..=10 {
+        send(&mut port, n);
+    }
+    // The pod reads nothing: after the stall time, what was held comes back refused.
+    let started = Instant::now();
+    let mut refused = Vec::new();
+    while started.elapsed() < Duration::from_secs(5) && refused.len() < 7 {
+        if let Some(d) = port.recv(Duration::from_millis(20)).unwrap() {
+            assert!(d.kind.error, "{d:?}");
+            assert_eq!(d.error_status(), Some(DescriptorStatus::RingFull));
+            refused.push(d.req_id);
+        }
+    }
+    assert!(
+        started.elapsed() >= dpumesh_dpa::dma::manager::STALL_AFTER - Duration::from_millis(50),
+        "refused only after the stall time: {:?}",
+        started.elapsed()
+    );
+    let in_ring = 10 - refused.len() as u32;
+    assert!(
+        (2..=4).contains(&in_ring),
+        "{in_ring} delivered, {refused:?} refused"
+    );
+    // A new delivery is refused at once, not held.
+    let asked = Instant::now();
+    send(&mut port, 11);
+    let d = loop {
+        if let Some(d) = port.recv(Duration::from_millis(20)).unwrap() {
+            break d;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(2),
+            "no answer for a stalled pod"
+        );
+    };
+    assert_eq!(d.error_status(), Some(DescriptorStatus::RingFull));
+    assert!(
+        asked.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        asked.elapsed()
+    );
+    // It reads again: what was in its ring, then a new delivery lands.
+    for _ in 0..in_ring {
+        assert!(matches!(recv(&mut pod), Incoming::Message { .. }));
+    }
+    send(&mut port, 12);
+    let _ = port.recv(Duration::from_millis(50));
+    match recv(&mut pod) {
+        Incoming::Message { descriptor, .. } => assert_eq!(descriptor.req_id, 12),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        node.dpu_pool_use(),
+        (0, 0),
+        "every DPU header slot came back"
+    );
+}

@@ -171,6 +171,19 @@ impl ErrorKind {
         }
     }
 
+    /// Seconds a client should wait before trying again, for back-pressure answers
+    /// (`retry-after`): the pod or the proxy had no room now, not a broken service.
+    pub fn retry_after(self) -> Option<u32> {
+        matches!(
+            self,
+            Self::EndpointRefused
+                | Self::Overloaded
+                | Self::CallerOutOfBuffers
+                | Self::ShuttingDown
+        )
+        .then_some(1)
+    }
+
     /// Whether the client connection must be closed after the answer (the rest of it
     /// cannot be trusted).
     pub fn closes_connection(self) -> bool {
@@ -240,6 +253,9 @@ impl ProxyError {
         );
         if self.kind.closes_connection() {
             headers.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if let Some(secs) = self.kind.retry_after() {
+            headers.insert(http::header::RETRY_AFTER, HeaderValue::from(secs));
         }
         ResponseHead {
             status: self.status(),
@@ -341,5 +357,13 @@ mod tests {
         assert!(head.headers.get("connection").is_none());
         let head = ProxyError::new(ErrorKind::AmbiguousFraming, "x").response_head();
         assert_eq!(head.headers["connection"], "close");
+        let head = ProxyError::new(ErrorKind::EndpointRefused, "ring full").response_head();
+        assert_eq!(head.status, 503);
+        assert_eq!(
+            head.headers["retry-after"], "1",
+            "back-pressure says when to retry"
+        );
+        let head = ProxyError::new(ErrorKind::NoRoute, "x").response_head();
+        assert!(!head.headers.contains_key("retry-after"));
     }
 }

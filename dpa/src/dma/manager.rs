@@ -23,11 +23,16 @@
 //! against its owner before anything moves, so a pod cannot make the DPU copy memory
 //! it does not own. Failures go back to the sender as error descriptors naming the
 //! cause; a full destination ring holds deliveries (bounded) instead of dropping them.
+//! A pod that stops reading its ring (hung, stopped, deadlocked) is back-pressure, not
+//! a queue to grow: once its ring stayed full without a single delivery landing for
+//! [`STALL_AFTER`], what is held for it and what comes next is refused at once
+//! (`RingFull`: the proxy tries another pod or answers 503 with `retry-after`), until
+//! it reads again.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
 
@@ -40,6 +45,8 @@ use crate::ring::{Consumer, Producer, RingError};
 const BUDGET: usize = 32;
 /// Deliveries held for a pod whose RX ring is full; beyond this they fail.
 const MAX_HELD: usize = 4096;
+/// A pod whose full ring took no delivery for this long counts as not reading.
+pub const STALL_AFTER: Duration = Duration::from_millis(500);
 /// Completions queued for one pod before the pod counts as not reading.
 const MAX_QUEUED_COMPLETIONS: usize = 1 << 16;
 /// How long a departed pod's port is kept for bodies still on their way elsewhere.
@@ -106,6 +113,9 @@ pub struct DmaManager<E: DmaEngine> {
     commands: Receiver<Command>,
     stopped: bool,
     held: HashMap<u32, VecDeque<Descriptor>>,
+    /// For each pod whose ring is full: since when no delivery landed.
+    progress: HashMap<u32, Instant>,
+    stall_after: Duration,
     /// What pods sent (heads now in a DPU pool) and delivery notices, for the proxy,
     /// in order.
     to_proxy: VecDeque<Descriptor>,
@@ -140,7 +150,7 @@ impl<E: DmaEngine> std::fmt::Debug for DmaManager<E> {
 }
 
 /// Why a descriptor could not be carried; becomes an error descriptor.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Refusal {
     status: DescriptorStatus,
     detail: String,
@@ -183,12 +193,27 @@ impl<E: DmaEngine> DmaManager<E> {
             commands,
             stopped: false,
             held: HashMap::new(),
+            progress: HashMap::new(),
+            stall_after: STALL_AFTER,
             to_proxy: VecDeque::new(),
             leaving: Vec::new(),
             completions: HashMap::new(),
             unwoken: Vec::new(),
             stats,
         }
+    }
+
+    /// How long a full ring may go without taking a delivery before its pod counts as
+    /// not reading (default [`STALL_AFTER`]).
+    pub fn set_stall_after(&mut self, after: Duration) {
+        self.stall_after = after;
+    }
+
+    /// Whether pod `id` has deliveries held and took none for the stall time.
+    fn stalled(&self, id: u32, now: Instant) -> bool {
+        self.progress
+            .get(&id)
+            .is_some_and(|since| now.saturating_duration_since(*since) >= self.stall_after)
     }
 
     /// Wakes every pod given descriptors since its last wake-up (those that sleep: a
@@ -289,6 +314,7 @@ impl<E: DmaEngine> DmaManager<E> {
         }
         self.order.retain(|&p| p != id);
         // Deliveries held for it will never land: give their buffers back.
+        self.progress.remove(&id);
         if let Some(held) = self.held.remove(&id) {
             for d in held {
                 self.stats.held.fetch_sub(1, Ordering::Relaxed);
@@ -515,6 +541,12 @@ impl<E: DmaEngine> DmaManager<E> {
     }
 
     fn hold(&mut self, dst: u32, d: Descriptor) {
+        let now = Instant::now();
+        if self.stalled(dst, now) {
+            self.fail_delivery(&d, self.stall_refusal(dst, now));
+            return;
+        }
+        self.progress.entry(dst).or_insert(now);
         let queue = self.held.entry(dst).or_default();
         if queue.len() >= MAX_HELD {
             self.fail_delivery(
@@ -546,6 +578,10 @@ impl<E: DmaEngine> DmaManager<E> {
                 match self.publish_to_pod(dst, &delivered) {
                     Ok(()) => {
                         self.stats.delivered.fetch_add(1, Ordering::Relaxed);
+                        // The pod reads its ring again (or never stopped).
+                        if !self.progress.is_empty() {
+                            self.progress.remove(&dst);
+                        }
                     }
                     Err(e) => {
                         // Only a ring whose consumer corrupted it refuses here: the pod
@@ -900,6 +936,17 @@ impl<E: DmaEngine> DmaManager<E> {
         self.report_to_arm(d, refusal.status);
     }
 
+    fn stall_refusal(&self, dst: u32, now: Instant) -> Refusal {
+        let since = self.progress.get(&dst).map_or(Duration::ZERO, |t| now - *t);
+        Refusal::new(
+            DescriptorStatus::RingFull,
+            format!(
+                "pod {dst} has not read its RX ring for {} ms",
+                since.as_millis()
+            ),
+        )
+    }
+
     fn retry_held(&mut self) -> usize {
         let mut work = 0;
         // Completions first: they free the slots pods may be waiting for.
@@ -937,6 +984,18 @@ impl<E: DmaEngine> DmaManager<E> {
                 work += 1;
                 self.deliver(dst, d);
             }
+            let now = Instant::now();
+            if self.stalled(dst, now) {
+                // Not reading: what waits for it fails now, its buffers go back.
+                let refusal = self.stall_refusal(dst, now);
+                for d in self.held.remove(&dst).unwrap_or_default() {
+                    self.stats.held.fetch_sub(1, Ordering::Relaxed);
+                    work += 1;
+                    self.fail_delivery(&d, refusal.clone());
+                }
+            }
+            // The stall time stays while the ring is full: what comes next is refused
+            // at once until a delivery lands (`deliver` clears it).
             if self.held.get(&dst).is_some_and(VecDeque::is_empty) {
                 self.held.remove(&dst);
             }
