@@ -18,36 +18,6 @@ use common::token;
 /// The mesh file's request timeout (see `mesh_files`).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
-fn wait(what: &str, within: Duration, done: &dyn Fn() -> bool) {
-    let deadline = Instant::now() + within;
-    while !done() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// The pid of `pattern` among `up`'s children (waiting until there is exactly one).
-fn the_one(up: &str, pattern: &str) -> u32 {
-    wait(
-        &format!("one process {pattern:?}"),
-        Duration::from_secs(30),
-        &|| pids_of(up, pattern).len() == 1,
-    );
-    pids_of(up, pattern)[0]
-}
-
-/// Files in /dev/shm whose names say process `pid` made them.
-fn regions_of(pid: u32) -> Vec<String> {
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return Vec::new();
-    };
-    let tag = format!("-{pid}-");
-    dir.flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with("dpumesh-") && n.contains(&tag))
-        .collect()
-}
-
 #[test]
 fn killed_nodes_and_ingress_are_started_again_and_the_mesh_serves_again() {
     let mesh = Mesh::up();

@@ -204,6 +204,12 @@ impl Ring {
         &self.region.atomic_u32s(WAKE, 2).expect("checked at attach")[1]
     }
 
+    /// How many descriptors the consumer has taken so far (its read position): one
+    /// that does not move while the ring holds descriptors is a consumer not reading.
+    pub fn consumed(&self) -> u64 {
+        self.word(HEAD).load(Ordering::Acquire)
+    }
+
     /// Descriptors published and not yet consumed (a snapshot; for metrics).
     pub fn depth(&self) -> u32 {
         let tail = self.word(TAIL).load(Ordering::Acquire);

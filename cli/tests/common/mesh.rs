@@ -354,3 +354,46 @@ pub fn generation(admin: SocketAddr) -> u64 {
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     v["generation"].as_u64().unwrap_or(0)
 }
+
+/// Waits until `done`, failing the test after `within`.
+pub fn wait(what: &str, within: Duration, done: &dyn Fn() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pid of `pattern` among `up`'s children (waiting until there is exactly one).
+pub fn the_one(up: &str, pattern: &str) -> u32 {
+    wait(
+        &format!("one process {pattern:?}"),
+        Duration::from_secs(30),
+        &|| pids_of(up, pattern).len() == 1,
+    );
+    pids_of(up, pattern)[0]
+}
+
+/// Files in /dev/shm whose names say process `pid` made them.
+pub fn regions_of(pid: u32) -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return Vec::new();
+    };
+    let tag = format!("-{pid}-");
+    dir.flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with("dpumesh-") && n.contains(&tag))
+        .collect()
+}
+
+/// The sum of every sample of metric `name` (all label sets) on an admin API.
+pub fn metric_sum(admin: SocketAddr, name: &str) -> f64 {
+    let (_, text) = admin_get(admin, "/metrics");
+    text.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

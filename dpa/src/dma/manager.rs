@@ -24,12 +24,12 @@
 //! it does not own. Failures go back to the sender as error descriptors naming the
 //! cause; a full destination ring holds deliveries (bounded) instead of dropping them.
 //! A pod that stops reading its ring (hung, stopped, deadlocked) is back-pressure, not
-//! a queue to grow: once its ring stayed full without a single delivery landing for
-//! [`STALL_AFTER`], what is held for it and what comes next is refused at once
+//! a queue to grow: once its ring held descriptors and its read position did not move
+//! for [`STALL_AFTER`], what is held for it and what comes next is refused at once
 //! (`RingFull`: the proxy tries another pod or answers 503 with `retry-after`), until
 //! it reads again.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -45,8 +45,11 @@ use crate::ring::{Consumer, Producer, RingError};
 const BUDGET: usize = 32;
 /// Deliveries held for a pod whose RX ring is full; beyond this they fail.
 const MAX_HELD: usize = 4096;
-/// A pod whose full ring took no delivery for this long counts as not reading.
+/// A pod whose ring holds descriptors and whose read position did not move for this
+/// long counts as not reading.
 pub const STALL_AFTER: Duration = Duration::from_millis(500);
+/// How often the pods' read positions are looked at.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
 /// Completions queued for one pod before the pod counts as not reading.
 const MAX_QUEUED_COMPLETIONS: usize = 1 << 16;
 /// How long a departed pod's port is kept for bodies still on their way elsewhere.
@@ -113,9 +116,12 @@ pub struct DmaManager<E: DmaEngine> {
     commands: Receiver<Command>,
     stopped: bool,
     held: HashMap<u32, VecDeque<Descriptor>>,
-    /// For each pod whose ring is full: since when no delivery landed.
-    progress: HashMap<u32, Instant>,
+    /// Each pod's RX ring read position when last seen to move.
+    watch: HashMap<u32, Watch>,
+    /// Pods not reading their ring: deliveries to them are refused.
+    stalled: HashSet<u32>,
     stall_after: Duration,
+    next_watch: Instant,
     /// What pods sent (heads now in a DPU pool) and delivery notices, for the proxy,
     /// in order.
     to_proxy: VecDeque<Descriptor>,
@@ -132,6 +138,13 @@ pub struct DmaManager<E: DmaEngine> {
 /// A pod given this many descriptors is woken at once rather than at the end of the
 /// batch: it can start on them while the rest of the batch is still being routed.
 const WAKE_BATCH: u32 = 16;
+
+/// A pod's RX ring read position and since when it has not moved.
+#[derive(Debug, Clone, Copy)]
+struct Watch {
+    consumed: u64,
+    since: Instant,
+}
 
 #[derive(Debug)]
 struct Leaving {
@@ -193,8 +206,10 @@ impl<E: DmaEngine> DmaManager<E> {
             commands,
             stopped: false,
             held: HashMap::new(),
-            progress: HashMap::new(),
+            watch: HashMap::new(),
+            stalled: HashSet::new(),
             stall_after: STALL_AFTER,
+            next_watch: Instant::now(),
             to_proxy: VecDeque::new(),
             leaving: Vec::new(),
             completions: HashMap::new(),
@@ -209,11 +224,74 @@ impl<E: DmaEngine> DmaManager<E> {
         self.stall_after = after;
     }
 
-    /// Whether pod `id` has deliveries held and took none for the stall time.
-    fn stalled(&self, id: u32, now: Instant) -> bool {
-        self.progress
+    /// Looks at each pod's RX ring: one that holds descriptors and whose read position
+    /// did not move for the stall time is marked not reading (what is held for it
+    /// fails); one that moved is reading.
+    fn watch_rings(&mut self, now: Instant) {
+        for (&id, pod) in &self.pods {
+            let ring = pod.rx_sq.ring();
+            let consumed = ring.consumed();
+            let w = self.watch.entry(id).or_insert(Watch {
+                consumed,
+                since: now,
+            });
+            if ring.depth() == 0 || consumed != w.consumed {
+                *w = Watch {
+                    consumed,
+                    since: now,
+                };
+                if self.stalled.remove(&id) {
+                    tracing::info!(pod = id, "the pod reads its RX ring again");
+                }
+            } else if now.saturating_duration_since(w.since) >= self.stall_after
+                && self.stalled.insert(id)
+            {
+                tracing::warn!(
+                    pod = id,
+                    "the pod has not read its RX ring for {} ms: deliveries to it are refused until it does",
+                    now.saturating_duration_since(w.since).as_millis()
+                );
+            }
+        }
+        let stalled: Vec<u32> = self.stalled.iter().copied().collect();
+        for id in stalled {
+            for d in self.held.remove(&id).unwrap_or_default() {
+                self.stats.held.fetch_sub(1, Ordering::Relaxed);
+                let refusal = self.stall_refusal(id, now);
+                self.fail_delivery(&d, refusal);
+            }
+        }
+    }
+
+    /// Whether pod `id` is marked not reading and still has not moved its ring.
+    fn refuses(&mut self, id: u32) -> bool {
+        if !self.stalled.contains(&id) {
+            return false;
+        }
+        let moved = match (self.pods.get(&id), self.watch.get(&id)) {
+            (Some(pod), Some(w)) => pod.rx_sq.ring().consumed() != w.consumed,
+            _ => true,
+        };
+        if moved {
+            self.stalled.remove(&id);
+            self.watch.remove(&id);
+            tracing::info!(pod = id, "the pod reads its RX ring again");
+        }
+        !moved
+    }
+
+    fn stall_refusal(&self, id: u32, now: Instant) -> Refusal {
+        let since = self
+            .watch
             .get(&id)
-            .is_some_and(|since| now.saturating_duration_since(*since) >= self.stall_after)
+            .map_or(Duration::ZERO, |w| now.saturating_duration_since(w.since));
+        Refusal::new(
+            DescriptorStatus::RingFull,
+            format!(
+                "pod {id} has not read its RX ring for {} ms",
+                since.as_millis()
+            ),
+        )
     }
 
     /// Wakes every pod given descriptors since its last wake-up (those that sleep: a
@@ -314,7 +392,8 @@ impl<E: DmaEngine> DmaManager<E> {
         }
         self.order.retain(|&p| p != id);
         // Deliveries held for it will never land: give their buffers back.
-        self.progress.remove(&id);
+        self.watch.remove(&id);
+        self.stalled.remove(&id);
         if let Some(held) = self.held.remove(&id) {
             for d in held {
                 self.stats.held.fetch_sub(1, Ordering::Relaxed);
@@ -361,6 +440,11 @@ impl<E: DmaEngine> DmaManager<E> {
         }
         if !self.leaving.is_empty() {
             self.drop_departed();
+        }
+        let now = Instant::now();
+        if now >= self.next_watch {
+            self.next_watch = now + WATCH_EVERY;
+            self.watch_rings(now);
         }
         let mut work = self.retry_held();
         for i in 0..self.order.len() {
@@ -533,6 +617,11 @@ impl<E: DmaEngine> DmaManager<E> {
             );
             return;
         }
+        if !self.stalled.is_empty() && self.refuses(dst) {
+            let refusal = self.stall_refusal(dst, Instant::now());
+            self.fail_delivery(&d, refusal);
+            return;
+        }
         if self.held.get(&dst).is_some_and(|q| !q.is_empty()) {
             self.hold(dst, d);
             return;
@@ -541,12 +630,6 @@ impl<E: DmaEngine> DmaManager<E> {
     }
 
     fn hold(&mut self, dst: u32, d: Descriptor) {
-        let now = Instant::now();
-        if self.stalled(dst, now) {
-            self.fail_delivery(&d, self.stall_refusal(dst, now));
-            return;
-        }
-        self.progress.entry(dst).or_insert(now);
         let queue = self.held.entry(dst).or_default();
         if queue.len() >= MAX_HELD {
             self.fail_delivery(
@@ -578,10 +661,6 @@ impl<E: DmaEngine> DmaManager<E> {
                 match self.publish_to_pod(dst, &delivered) {
                     Ok(()) => {
                         self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                        // The pod reads its ring again (or never stopped).
-                        if !self.progress.is_empty() {
-                            self.progress.remove(&dst);
-                        }
                     }
                     Err(e) => {
                         // Only a ring whose consumer corrupted it refuses here: the pod
@@ -936,17 +1015,6 @@ impl<E: DmaEngine> DmaManager<E> {
         self.report_to_arm(d, refusal.status);
     }
 
-    fn stall_refusal(&self, dst: u32, now: Instant) -> Refusal {
-        let since = self.progress.get(&dst).map_or(Duration::ZERO, |t| now - *t);
-        Refusal::new(
-            DescriptorStatus::RingFull,
-            format!(
-                "pod {dst} has not read its RX ring for {} ms",
-                since.as_millis()
-            ),
-        )
-    }
-
     fn retry_held(&mut self) -> usize {
         let mut work = 0;
         // Completions first: they free the slots pods may be waiting for.
@@ -984,18 +1052,6 @@ impl<E: DmaEngine> DmaManager<E> {
                 work += 1;
                 self.deliver(dst, d);
             }
-            let now = Instant::now();
-            if self.stalled(dst, now) {
-                // Not reading: what waits for it fails now, its buffers go back.
-                let refusal = self.stall_refusal(dst, now);
-                for d in self.held.remove(&dst).unwrap_or_default() {
-                    self.stats.held.fetch_sub(1, Ordering::Relaxed);
-                    work += 1;
-                    self.fail_delivery(&d, refusal.clone());
-                }
-            }
-            // The stall time stays while the ring is full: what comes next is refused
-            // at once until a delivery lands (`deliver` clears it).
             if self.held.get(&dst).is_some_and(VecDeque::is_empty) {
                 self.held.remove(&dst);
             }
