@@ -3,7 +3,7 @@
 //! encodes back to the same bytes.
 #![no_main]
 
-use dpumesh_dpa::mesh::Frame;
+use dpumesh_dpa::frame::Frame;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

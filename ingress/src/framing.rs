@@ -23,6 +23,10 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+/// The most header fields a head is read with (hyper refuses more than the ingress's
+/// `max_headers` anyway).
+const MAX_FIELDS: usize = 4096;
+
 /// What the handlers of one connection learn from its reader.
 #[derive(Debug, Default)]
 pub struct Ambiguous {
@@ -31,6 +35,11 @@ pub struct Ambiguous {
 }
 
 impl Ambiguous {
+    /// Every request index found so far, in order.
+    pub fn indexes(&self) -> Vec<u64> {
+        self.requests.iter().copied().collect()
+    }
+
     /// Whether the `index`-th request had both framings (forgets it).
     pub fn take(&mut self, index: u64) -> bool {
         self.requests.remove(&index)
@@ -138,8 +147,16 @@ impl Tracker {
     /// A complete head: records it and sets how its body is framed.
     fn head(&mut self, head: &[u8]) {
         let mut fields = [httparse::EMPTY_HEADER; 128];
+        let mut more = Vec::new();
         let mut req = httparse::Request::new(&mut fields);
-        if !matches!(req.parse(head), Ok(httparse::Status::Complete(_)))
+        let mut parsed = req.parse(head);
+        if matches!(parsed, Err(httparse::Error::TooManyHeaders)) {
+            // A head with more fields than usual (the ingress's limit may be higher).
+            more.resize(MAX_FIELDS, httparse::EMPTY_HEADER);
+            req = httparse::Request::new(&mut more);
+            parsed = req.parse(head);
+        }
+        if !matches!(parsed, Ok(httparse::Status::Complete(_)))
             || req.version != Some(1)
             || req.method == Some("CONNECT")
         {
@@ -358,6 +375,15 @@ mod tests {
             b"POST /a HTTP/1.1\r\ncontent-length: 5\r\n\r\nhelloPOST /b HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n0\r\nx-trailer: 1\r\n\r\n\r\nGET /c HTTP/1.1\r\ncontent-length: 0\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
             &[2],
         );
+    }
+
+    #[test]
+    fn a_head_with_many_fields_is_still_read() {
+        let fields: String = (0..300).map(|i| format!("x-f{i}: v\r\n")).collect();
+        let stream = format!(
+            "POST /a HTTP/1.1\r\n{fields}content-length: 3\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n"
+        );
+        assert_eq!(found(stream.as_bytes(), 64), [0]);
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
 pub mod admin;
-mod framing;
+pub mod framing;
 pub mod health;
 pub mod path;
 mod shard;
