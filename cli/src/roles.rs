@@ -30,6 +30,8 @@ pub(crate) fn wait_for_signal() -> Result<()> {
 /// `dpumesh node`: one worker node.
 pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
     let mesh = MeshFile::read(mesh)?;
+    // Said before the policy's components load (seconds on a cold cache).
+    tracing::info!(node = name, policy = %mesh.config.policy.display(), "starting");
     std::fs::create_dir_all(run_dir)?;
     // What a killed predecessor (or any dead process of ours) left in /dev/shm.
     dpumesh_dpa::shm::sweep_orphans();

@@ -515,6 +515,10 @@ impl Proxy {
             while let Some(d) = self.port.try_recv().unwrap() {
                 self.handle_pod(d);
             }
+            // The shard's contract: pods given descriptors are woken once per batch
+            // (without it a sleeping pod sees them only when its own wait times out,
+            // and the node takes it for a pod that stopped reading).
+            self.port.wake_pods();
             wcs.clear();
             self.cq.wait(Duration::from_millis(1)).unwrap();
             self.cq.poll(&mut wcs, 64);

@@ -46,8 +46,10 @@ const BUDGET: usize = 32;
 /// Deliveries held for a pod whose RX ring is full; beyond this they fail.
 const MAX_HELD: usize = 4096;
 /// A pod whose ring holds descriptors and whose read position did not move for this
-/// long counts as not reading.
-pub const STALL_AFTER: Duration = Duration::from_millis(500);
+/// long counts as not reading. Long enough for a pod that computes between reads on a
+/// loaded machine (500 ms was not, in a debug build with a fuzzer running), short
+/// enough that a hung pod does not hold the ingress's slots for long.
+pub const STALL_AFTER: Duration = Duration::from_secs(2);
 /// How often the pods' read positions are looked at.
 const WATCH_EVERY: Duration = Duration::from_millis(50);
 /// Completions queued for one pod before the pod counts as not reading.
