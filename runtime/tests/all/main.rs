@@ -1,7 +1,6 @@
 //! Integration tests of the runtime, in one binary to keep link time down.
 
 mod chain;
-mod cpu_deadline;
 mod errors;
 mod faults;
 mod support;
