@@ -12,7 +12,7 @@ use common::token;
 /// The hotel policy with an explicit DENY on `/admin` for everyone, ahead of the ALLOW
 /// RBAC (which lets admins in): only the DENY can stop an admin's request.
 fn deny_admin(policy: String) -> String {
-    let deny = "  deny-admin:\n    component: COMPONENT\n    config:\n      action: DENY\n      policies:\n        - {name: no-admin, permissions: [{path: {prefix: /admin}}], principals: [{any: true}]}\n";
+    let deny = "  deny-admin:\n    deadline: 100ms\n    component: COMPONENT\n    config:\n      action: DENY\n      policies:\n        - {name: no-admin, permissions: [{path: {prefix: /admin}}], principals: [{any: true}]}\n";
     let component = policy
         .lines()
         .find(|l| l.contains("dpumesh_filter_rbac"))
