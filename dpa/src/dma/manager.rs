@@ -122,7 +122,6 @@ pub struct DmaManager<E: DmaEngine> {
     watch: HashMap<u32, Watch>,
     /// Pods not reading their ring: deliveries to them are refused.
     stalled: HashSet<u32>,
-    stall_after: Duration,
     next_watch: Instant,
     /// What pods sent (heads now in a DPU pool) and delivery notices, for the proxy,
     /// in order.
@@ -210,7 +209,6 @@ impl<E: DmaEngine> DmaManager<E> {
             held: HashMap::new(),
             watch: HashMap::new(),
             stalled: HashSet::new(),
-            stall_after: STALL_AFTER,
             next_watch: Instant::now(),
             to_proxy: VecDeque::new(),
             leaving: Vec::new(),
@@ -218,12 +216,6 @@ impl<E: DmaEngine> DmaManager<E> {
             unwoken: Vec::new(),
             stats,
         }
-    }
-
-    /// How long a full ring may go without taking a delivery before its pod counts as
-    /// not reading (default [`STALL_AFTER`]).
-    pub fn set_stall_after(&mut self, after: Duration) {
-        self.stall_after = after;
     }
 
     /// Looks at each pod's RX ring: one that holds descriptors and whose read position
@@ -245,7 +237,7 @@ impl<E: DmaEngine> DmaManager<E> {
                 if self.stalled.remove(&id) {
                     tracing::info!(pod = id, "the pod reads its RX ring again");
                 }
-            } else if now.saturating_duration_since(w.since) >= self.stall_after
+            } else if now.saturating_duration_since(w.since) >= STALL_AFTER
                 && self.stalled.insert(id)
             {
                 tracing::warn!(
