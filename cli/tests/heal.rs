@@ -315,7 +315,6 @@ fn without_up_killed_processes_started_again_by_hand_are_taken_back() {
     eprintln!("from kill to serving again (restarted by hand): {healed:?}");
     // The pods never restarted: each registered again with its new node.
     for (p, pid) in procs.0[2..5].iter_mut().zip(&pod_pids) {
-        assert_eq!(p.id(), *pid);
         assert!(p.try_wait().unwrap().is_none(), "pod {pid} still runs");
     }
     for (what, pid) in &killed {

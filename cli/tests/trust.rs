@@ -31,6 +31,19 @@ fn deny_admin(policy: String) -> String {
         .replace("bench: [jwt, rbac,", "bench: [jwt, deny-admin, rbac,")
 }
 
+/// GETs each path with `token` and expects `status` for every one.
+fn expect_each(mesh: &Mesh, token: &str, paths: &[&str], status: u16, why: &str) {
+    for path in paths {
+        let (got, _, body) = mesh.get(path, Some(token));
+        assert_eq!(
+            got,
+            status,
+            "{path}: {why}, got {got} {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+}
+
 #[test]
 fn no_path_trick_gets_past_a_deny_policy() {
     let mesh = Mesh::up_edited(|m| m, deny_admin);
@@ -51,15 +64,13 @@ fn no_path_trick_gets_past_a_deny_policy() {
         "///admin//stats",
         "/hotels/..//admin",
     ];
-    for path in denied {
-        let (status, _, body) = mesh.get(path, Some(&root));
-        assert_eq!(
-            status,
-            403,
-            "{path}: the DENY policy must see /admin, got {status} {}",
-            String::from_utf8_lossy(&body)
-        );
-    }
+    expect_each(
+        &mesh,
+        &root,
+        &denied,
+        403,
+        "the DENY policy must see /admin",
+    );
     // Encoded slashes and broken escapes are refused outright (Envoy's defaults).
     let refused = [
         "/admin%2Fstats",
@@ -70,15 +81,7 @@ fn no_path_trick_gets_past_a_deny_policy() {
         "/admin%",
         "/admin%00",
     ];
-    for path in refused {
-        let (status, _, body) = mesh.get(path, Some(&root));
-        assert_eq!(
-            status,
-            400,
-            "{path}: refused, got {status} {}",
-            String::from_utf8_lossy(&body)
-        );
-    }
+    expect_each(&mesh, &root, &refused, 400, "refused");
     // Routing and the service see the normalized path too.
     let (status, _, body) = mesh.get("/x/../%70ing", Some(&root));
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
@@ -100,10 +103,8 @@ fn escaped_slashes_can_be_decoded_instead_and_the_policy_still_holds() {
         deny_admin,
     );
     let root = token("root", &["admin", "user"]);
-    for path in ["/ping%2F..%2Fadmin", "/ping/..%5Cadmin", "/admin%2fstats"] {
-        let (status, _, _) = mesh.get(path, Some(&root));
-        assert_eq!(status, 403, "{path}");
-    }
+    let decoded = ["/ping%2F..%2Fadmin", "/ping/..%5Cadmin", "/admin%2fstats"];
+    expect_each(&mesh, &root, &decoded, 403, "decoded, then denied");
     let (status, _, body) = mesh.get("/ping%2Fx", Some(&root));
     assert_eq!(status, 404);
     assert_eq!(String::from_utf8_lossy(&body), "frontend has no /ping/x\n");

@@ -49,8 +49,8 @@ impl Ambiguous {
 /// Where in the stream the reader is.
 #[derive(Debug)]
 enum State {
-    /// Reading a head (the bytes so far).
-    Head(Vec<u8>),
+    /// Reading a head (its bytes so far, if it spans reads, in `Tracker::kept`).
+    Head,
     /// In a body of this many more bytes.
     Fixed(u64),
     /// In a chunked body.
@@ -75,6 +75,9 @@ enum Chunk {
 #[derive(Debug)]
 pub struct Tracker {
     state: State,
+    /// The start of a head that did not end in the read it began in (kept, with its
+    /// capacity, for the next one: a head that fits one read is parsed where it lies).
+    kept: Vec<u8>,
     /// Heads seen so far.
     index: u64,
     max_head: usize,
@@ -84,7 +87,8 @@ pub struct Tracker {
 impl Tracker {
     pub fn new(max_head: usize, found: Rc<RefCell<Ambiguous>>) -> Self {
         Self {
-            state: State::Head(Vec::new()),
+            state: State::Head,
+            kept: Vec::new(),
             index: 0,
             max_head,
             found,
@@ -100,41 +104,42 @@ impl Tracker {
                     let n = (*left).min(bytes.len() as u64);
                     *left -= n;
                     if *left == 0 {
-                        self.state = State::Head(Vec::new());
+                        self.state = State::Head;
                     }
                     &bytes[n as usize..]
                 }
-                State::Head(buf) => {
+                State::Head => {
                     // Empty lines before a request line are allowed (RFC 9112 §2.2).
-                    if buf.is_empty() {
+                    if self.kept.is_empty() {
                         let skip = bytes.iter().take_while(|&&b| b == b'\r' || b == b'\n');
-                        let skip = skip.count();
-                        bytes = &bytes[skip..];
+                        bytes = &bytes[skip.count()..];
                         if bytes.is_empty() {
                             return;
                         }
                     }
-                    let before = buf.len();
-                    buf.extend_from_slice(bytes);
-                    match head_end(buf, before) {
-                        Some(end) => {
-                            let used = end - before;
-                            let head = std::mem::take(buf);
-                            self.head(&head[..end]);
-                            &bytes[used..]
+                    let Some(used) = head_end(&self.kept, bytes) else {
+                        self.kept.extend_from_slice(bytes);
+                        if self.kept.len() > self.max_head {
+                            self.state = State::Off;
+                            self.kept = Vec::new();
                         }
-                        None => {
-                            if buf.len() > self.max_head {
-                                self.state = State::Off;
-                            }
-                            return;
-                        }
+                        return;
+                    };
+                    if self.kept.is_empty() {
+                        self.head(&bytes[..used]);
+                    } else {
+                        let mut kept = std::mem::take(&mut self.kept);
+                        kept.extend_from_slice(&bytes[..used]);
+                        self.head(&kept);
+                        kept.clear();
+                        self.kept = kept;
                     }
+                    &bytes[used..]
                 }
                 State::Chunked(chunk) => {
                     let (used, done) = chunk.feed(bytes);
                     match done {
-                        Some(true) => self.state = State::Head(Vec::new()),
+                        Some(true) => self.state = State::Head,
                         Some(false) => self.state = State::Off,
                         None => {}
                     }
@@ -199,27 +204,32 @@ impl Tracker {
             }
         } else if has_length {
             match length {
-                Some(0) => State::Head(Vec::new()),
+                Some(0) => State::Head,
                 Some(n) => State::Fixed(n),
                 // An unreadable length: hyper answers 400 and closes.
                 None => State::Off,
             }
         } else {
-            State::Head(Vec::new())
+            State::Head
         };
     }
 }
 
-/// The end (exclusive) of a head in `buf` whose first `from` bytes were already
-/// searched: after `\r\n\r\n` or `\n\n`.
-fn head_end(buf: &[u8], from: usize) -> Option<usize> {
-    let start = from.saturating_sub(3);
-    (start..buf.len()).find_map(|i| {
-        if buf[i] != b'\n' {
-            return None;
+/// How many bytes of `bytes` complete the head that `kept` began: up to and including
+/// the `\n` of `\r\n\r\n` or `\n\n`.
+fn head_end(kept: &[u8], bytes: &[u8]) -> Option<usize> {
+    // The byte `back` places before `bytes[i]`, looking into `kept` when needed.
+    let before = |i: usize, back: usize| -> Option<u8> {
+        match i.checked_sub(back) {
+            Some(j) => Some(bytes[j]),
+            None => kept.len().checked_sub(back - i).map(|j| kept[j]),
         }
-        let before = &buf[..i];
-        (before.ends_with(b"\n") || before.ends_with(b"\n\r")).then_some(i + 1)
+    };
+    bytes.iter().enumerate().find_map(|(i, &b)| {
+        let end = b == b'\n'
+            && (before(i, 1) == Some(b'\n')
+                || (before(i, 1) == Some(b'\r') && before(i, 2) == Some(b'\n')));
+        end.then_some(i + 1)
     })
 }
 

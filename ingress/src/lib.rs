@@ -5,9 +5,11 @@
 //! proxy to read into the service's host pool. The response (head and body) comes back
 //! the same way and is written to the client.
 //!
-//! Strict by construction: hyper's parser refuses conflicting `Content-Length` /
-//! `Transfer-Encoding`, obfuscated or unknown transfer codings and invalid header
-//! bytes; heads above `max_head` get 431, bodies above `max_body` 413 (before a byte
+//! Strict by construction: hyper's parser refuses conflicting `Content-Length`s,
+//! obfuscated or unknown transfer codings and invalid header bytes; a request with
+//! both `Content-Length` and `Transfer-Encoding` (which hyper would read as chunked)
+//! is found by [`framing`] and refused with 400 and `connection: close`; paths are
+//! normalized ([`path`]) before anything matches them; heads above `max_head` get 431, bodies above `max_body` 413 (before a byte
 //! of them is read when `Content-Length` says so), a body not received within
 //! `body_timeout` 408, no answer within `request_timeout` 504. Nothing downstream
 //! parses HTTP again: the proxy and the service get the head as fields and the body
@@ -416,21 +418,15 @@ impl Routing {
     }
 }
 
-/// Why a request's framing is ambiguous (RFC 9112 §6.3: a message with both
-/// `Transfer-Encoding` and `Content-Length` "ought to be handled as an error"; a
-/// front end and a back end reading it two ways is request smuggling).
+/// Why a request's framing is refused, beyond what hyper refuses itself: several
+/// `Transfer-Encoding` fields, or a coding other than `chunked` alone (hyper only
+/// checks that the last one is `chunked`). Both `Content-Length` and
+/// `Transfer-Encoding` is found by the framing tracker (hyper hides it); several
+/// `Content-Length`s are refused by hyper when they differ and merged when they agree.
 fn framing_error(req: &Request<Incoming>) -> Option<ProxyError> {
     let h = req.headers();
-    let te = h.get_all(http::header::TRANSFER_ENCODING).iter().count();
-    let cl = h.get_all(http::header::CONTENT_LENGTH).iter().count();
     let ambiguous = |m: &str| Some(ProxyError::new(ErrorKind::AmbiguousFraming, m));
-    if te > 0 && cl > 0 {
-        return ambiguous("both Content-Length and Transfer-Encoding: ambiguous framing refused");
-    }
-    if cl > 1 {
-        return ambiguous("several Content-Length fields: ambiguous framing refused");
-    }
-    if te > 1 {
+    if h.get_all(http::header::TRANSFER_ENCODING).iter().count() > 1 {
         return ambiguous("several Transfer-Encoding fields: ambiguous framing refused");
     }
     if let Some(v) = h.get(http::header::TRANSFER_ENCODING)

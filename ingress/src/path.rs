@@ -27,12 +27,7 @@ fn unreserved(b: u8) -> bool {
 }
 
 fn hex(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
-    }
+    char::from(b).to_digit(16).map(|d| d as u8)
 }
 
 /// The path filters and routing see. Borrowed when nothing changes (the common case
@@ -113,8 +108,11 @@ fn decode(path: &str, config: &PathConfig) -> Result<String, PathError> {
 
 /// Keeps an escape, in upper case when normalizing (RFC 3986 §6.2.2.1).
 fn push_escape(out: &mut String, original: &str, value: u8, config: &PathConfig) {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
     if config.normalize {
-        out.push_str(&format!("%{value:02X}"));
+        out.push('%');
+        out.push(char::from(DIGITS[usize::from(value >> 4)]));
+        out.push(char::from(DIGITS[usize::from(value & 15)]));
     } else {
         out.push_str(original);
     }

@@ -182,6 +182,8 @@ impl KeySet {
         message: &[u8],
         signature: &[u8],
     ) -> Result<String, VerifyError> {
+        // jsonwebtoken's verifiers take a `Vec`: one copy per verification.
+        let signature = signature.to_vec();
         let mut candidates = self
             .keys
             .iter()
@@ -195,7 +197,7 @@ impl KeySet {
             return Err(VerifyError::KeyAlgorithmMismatch);
         }
         fitting
-            .find(|key| verify_with(key, alg, message, signature))
+            .find(|key| verify_with(key, alg, message, &signature))
             .map(|key| key.kid.clone().unwrap_or_default())
             .ok_or(VerifyError::InvalidSignature)
     }
@@ -295,7 +297,7 @@ fn base64url(text: &str, what: &str) -> Result<Vec<u8>, String> {
     .map_err(|e| format!("{what} is not base64url: {e}"))
 }
 
-fn verify_with(key: &Key, alg: Algorithm, message: &[u8], signature: &[u8]) -> bool {
+fn verify_with(key: &Key, alg: Algorithm, message: &[u8], signature: &Vec<u8>) -> bool {
     match &key.verifier {
         Verifier::P521(verifying) => {
             use p521::ecdsa::signature::Verifier as _;
@@ -311,7 +313,7 @@ fn verify_with(key: &Key, alg: Algorithm, message: &[u8], signature: &[u8]) -> b
         Verifier::Jwt(decoding) => {
             guarded(
                 || match (DEFAULT_PROVIDER.verifier_factory)(&to_jwt(alg), decoding) {
-                    Ok(verifier) => verifier.verify(message, &signature.to_vec()).is_ok(),
+                    Ok(verifier) => verifier.verify(message, signature).is_ok(),
                     Err(_) => false,
                 },
             )

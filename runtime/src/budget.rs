@@ -128,11 +128,18 @@ mod tests {
         std::thread::sleep(Duration::from_millis(30));
         let slept = thread_cpu_time() - start;
         assert!(slept < Duration::from_millis(15), "sleeping used {slept:?}");
-        let start = thread_cpu_time();
+        // Busy for 20 ms of wall time: most of it is CPU time of this thread.
+        let (start, wall) = (thread_cpu_time(), std::time::Instant::now());
         let mut n = 0u64;
-        while thread_cpu_time() - start < Duration::from_millis(5) {
+        while wall.elapsed() < Duration::from_millis(20) {
             n = std::hint::black_box(n + 1);
         }
-        assert!(thread_cpu_time() - start >= Duration::from_millis(5));
+        let busy = thread_cpu_time() - start;
+        assert!(
+            busy >= Duration::from_millis(2),
+            "working used only {busy:?}"
+        );
+        let passed = wall.elapsed() + Duration::from_millis(1);
+        assert!(busy <= passed, "more CPU than time passed: {busy:?}");
     }
 }
