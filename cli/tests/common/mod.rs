@@ -61,13 +61,30 @@ pub fn write_policy_with(dir: &Path, edit: impl Fn(String) -> String) {
     std::fs::write(dir.join("policy.yaml"), edit(policy)).unwrap();
 }
 
-/// A port nobody listens on right now.
+/// A port nobody listens on right now, and that nothing else will take while
+/// the test runs.
+///
+/// Binding port 0 and closing it (the old way) raced: the kernel hands the same
+/// ephemeral port to the next outbound connection or `bind(0)` anywhere on the
+/// machine, and a node started (or restarted) later on that port failed with
+/// "address in use" (a CI failure). So ports come from below the ephemeral range
+/// (32768 and up on Linux), from a counter this process owns, starting at a place
+/// drawn from the pid so that nodes a previous test binary left behind do not
+/// collide; a port still found bound is skipped.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let start = (std::process::id().wrapping_mul(2_654_435_761) >> 8) % SPAN;
+    let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..SPAN {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port between {FIRST} and {}", FIRST + SPAN);
 }
 
 /// Waits (up to 120 s) until `dpumesh up` printed its banner on `out`; returns it.
