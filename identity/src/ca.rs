@@ -1,0 +1,273 @@
+//! The mesh CA: issues the certificates of nodes, the ingress and workloads.
+//!
+//! A certificate folder holds `ca.pem` (the trust bundle: every CA certificate
+//! trusted, several while a CA rotates), `ca.key` (only where certificates are
+//! issued: `dpumesh up`, `dpumesh certs`), and `<stem>.pem` / `<stem>.key` per
+//! identity ([`SpiffeId::file_stem`]). On Kubernetes the same layout comes from a
+//! Secret mounted as the folder. Every file is replaced by rename, so a reader (a
+//! node reloading its certificate) never sees half a file.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType,
+};
+use time::OffsetDateTime;
+
+use crate::{IdentityError, SpiffeId};
+
+/// How long a CA certificate is valid.
+pub const CA_VALIDITY: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+/// How long a leaf certificate `dpumesh` issues is valid by default (Istio: 24 h).
+pub const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
+
+/// The CA of a certificate folder.
+pub struct Authority {
+    cert_pem: String,
+    key: KeyPair,
+}
+
+impl std::fmt::Debug for Authority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Authority").finish_non_exhaustive()
+    }
+}
+
+fn io(path: &Path, e: std::io::Error) -> IdentityError {
+    IdentityError::File {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    }
+}
+
+fn issue_err(what: &str, e: rcgen::Error) -> IdentityError {
+    IdentityError::Issue(format!("{what}: {e}"))
+}
+
+/// Writes `text` to `path` by rename; `secret` files are readable by the owner only.
+pub(crate) fn write_atomic(path: &Path, text: &str, secret: bool) -> Result<(), IdentityError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(if secret { 0o600 } else { 0o644 })
+        .open(&tmp)
+        .map_err(|e| io(&tmp, e))?;
+    file.write_all(text.as_bytes()).map_err(|e| io(&tmp, e))?;
+    file.sync_all().map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| io(path, e))
+}
+
+fn validity(params: &mut CertificateParams, valid_for: Duration) {
+    let now = OffsetDateTime::now_utc();
+    // A minute back: clocks of two hosts differ a little.
+    params.not_before = now - time::Duration::minutes(1);
+    params.not_after = now + time::Duration::seconds(valid_for.as_secs() as i64);
+}
+
+impl Authority {
+    /// A new CA for `trust_domain`.
+    pub fn create(trust_domain: &str) -> Result<Self, IdentityError> {
+        let key = KeyPair::generate().map_err(|e| issue_err("CA key", e))?;
+        let mut params = CertificateParams::default();
+        params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, "DPUmesh");
+        dn.push(DnType::CommonName, format!("DPUmesh CA for {trust_domain}"));
+        params.distinguished_name = dn;
+        validity(&mut params, CA_VALIDITY);
+        let cert = params
+            .self_signed(&key)
+            .map_err(|e| issue_err("CA certificate", e))?;
+        Ok(Self {
+            cert_pem: cert.pem(),
+            key,
+        })
+    }
+
+    /// The CA whose `ca.pem` (first certificate) and `ca.key` are in `dir`.
+    pub fn load(dir: &Path) -> Result<Self, IdentityError> {
+        let (cert_path, key_path) = (dir.join("ca.pem"), dir.join("ca.key"));
+        let bundle = std::fs::read_to_string(&cert_path).map_err(|e| io(&cert_path, e))?;
+        let key_pem = std::fs::read_to_string(&key_path).map_err(|e| io(&key_path, e))?;
+        let key = KeyPair::from_pem(&key_pem).map_err(|e| IdentityError::File {
+            path: key_path.clone(),
+            reason: format!("not a private key: {e}"),
+        })?;
+        // The issuing CA is the bundle's first certificate.
+        const END: &str = "-----END CERTIFICATE-----";
+        let cert_pem = match bundle.find(END) {
+            Some(end) => format!("{}\n", &bundle[..end + END.len()]),
+            None => {
+                return Err(IdentityError::File {
+                    path: cert_path,
+                    reason: "no certificate in it".into(),
+                });
+            }
+        };
+        Issuer::from_ca_cert_pem(&cert_pem, &key).map_err(|e| IdentityError::File {
+            path: cert_path,
+            reason: format!("not a CA certificate this key signs with: {e}"),
+        })?;
+        Ok(Self { cert_pem, key })
+    }
+
+    /// The CA in `dir`, created (with `ca.pem` and `ca.key`) if there is none.
+    pub fn load_or_create(dir: &Path, trust_domain: &str) -> Result<Self, IdentityError> {
+        if dir.join("ca.key").exists() {
+            return Self::load(dir);
+        }
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        let ca = Self::create(trust_domain)?;
+        write_atomic(&dir.join("ca.key"), &ca.key.serialize_pem(), true)?;
+        write_atomic(&dir.join("ca.pem"), &ca.cert_pem, false)?;
+        Ok(ca)
+    }
+
+    /// The CA certificate (PEM).
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// A certificate (PEM) and its key (PEM) for `id`, valid for `valid_for`.
+    pub fn issue(
+        &self,
+        id: &SpiffeId,
+        valid_for: Duration,
+    ) -> Result<(String, String), IdentityError> {
+        let key = KeyPair::generate().map_err(|e| issue_err("key", e))?;
+        let mut params = CertificateParams::default();
+        let uri = id
+            .to_string()
+            .try_into()
+            .map_err(|e| issue_err("SPIFFE URI", e))?;
+        params.subject_alt_names = vec![SanType::URI(uri)];
+        params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        // Both ends of a mutual TLS connection present it.
+        params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, "DPUmesh");
+        dn.push(DnType::CommonName, id.to_string());
+        params.distinguished_name = dn;
+        params.use_authority_key_identifier_extension = true;
+        validity(&mut params, valid_for);
+        let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, &self.key)
+            .map_err(|e| issue_err("the CA certificate", e))?;
+        let cert = params
+            .signed_by(&key, &issuer)
+            .map_err(|e| issue_err("certificate", e))?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+
+    /// Issues `id`'s files into `dir`.
+    pub fn issue_into(
+        &self,
+        dir: &Path,
+        id: &SpiffeId,
+        valid_for: Duration,
+    ) -> Result<(), IdentityError> {
+        let (cert, key) = self.issue(id, valid_for)?;
+        let (cert_path, key_path) = files(dir, id);
+        // Key first: a reader that sees the new certificate finds its key.
+        write_atomic(&key_path, &key, true)?;
+        write_atomic(&cert_path, &cert, false)
+    }
+}
+
+/// The certificate and key files of `id` in `dir`.
+pub fn files(dir: &Path, id: &SpiffeId) -> (PathBuf, PathBuf) {
+    let stem = id.file_stem();
+    (
+        dir.join(format!("{stem}.pem")),
+        dir.join(format!("{stem}.key")),
+    )
+}
+
+/// Makes sure `dir` has a CA and a certificate for each of `ids` that is valid for
+/// at least a third of its life more; issues what is missing or ageing. Returns the
+/// identities issued.
+pub fn ensure(
+    dir: &Path,
+    trust_domain: &str,
+    ids: &[SpiffeId],
+    valid_for: Duration,
+) -> Result<Vec<SpiffeId>, IdentityError> {
+    let ca = Authority::load_or_create(dir, trust_domain)?;
+    let mut issued = Vec::new();
+    for id in ids {
+        let (cert_path, key_path) = files(dir, id);
+        let fresh = key_path.exists()
+            && std::fs::read_to_string(&cert_path)
+                .ok()
+                .and_then(|pem| crate::tls::not_after(&cert_path, &pem).ok())
+                .is_some_and(|end| {
+                    let left = end - OffsetDateTime::now_utc();
+                    left > time::Duration::seconds(valid_for.as_secs() as i64 / 3)
+                });
+        if !fresh {
+            ca.issue_into(dir, id, valid_for)?;
+            issued.push(id.clone());
+        }
+    }
+    Ok(issued)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ensure_issues_once_and_keeps_what_is_fresh() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids = [
+            SpiffeId::node("td", "n1").unwrap(),
+            SpiffeId::ingress("td").unwrap(),
+        ];
+        let first = ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap();
+        assert_eq!(first.len(), 2);
+        let again = ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap();
+        assert!(again.is_empty(), "fresh certificates are kept");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("node-n1.key"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "keys are the owner's alone");
+        // The CA is loaded back, not made anew.
+        let ca_before = std::fs::read_to_string(dir.path().join("ca.pem")).unwrap();
+        std::fs::remove_file(dir.path().join("ingress.pem")).unwrap();
+        assert_eq!(
+            ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap().len(),
+            1
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("ca.pem")).unwrap(),
+            ca_before
+        );
+    }
+
+    #[test]
+    fn certificates_close_to_their_end_are_issued_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids = [SpiffeId::node("td", "n1").unwrap()];
+        let ca = Authority::load_or_create(dir.path(), "td").unwrap();
+        ca.issue_into(dir.path(), &ids[0], Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(
+            ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap().len(),
+            1
+        );
+    }
+}

@@ -1,0 +1,186 @@
+//! SPIFFE IDs of the mesh's parts: what a certificate says its holder is.
+//!
+//! - a node's proxy: `spiffe://<trust-domain>/dpumesh/node/<name>`
+//! - the ingress: `spiffe://<trust-domain>/dpumesh/ingress`
+//! - a workload (a service's pods): `spiffe://<trust-domain>/ns/<namespace>/sa/<account>`,
+//!   Istio's form, so RBAC principals read the same in both meshes.
+
+use std::fmt;
+
+use crate::IdentityError;
+
+/// What a holder of an identity is in the mesh.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Role {
+    Node(String),
+    Ingress,
+    Workload { namespace: String, account: String },
+}
+
+/// A parsed SPIFFE ID.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SpiffeId {
+    pub trust_domain: String,
+    pub role: Role,
+}
+
+/// Trust domain and path segments: lowercase letters, digits, `-`, `.`, `_` (the
+/// SPIFFE ID spec's set), never empty, never `.` or `..`.
+fn check_segment(what: &str, s: &str) -> Result<(), IdentityError> {
+    let ok = !s.is_empty()
+        && s != "."
+        && s != ".."
+        && s.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.' | b'_')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(IdentityError::BadId(format!(
+            "{what} {s:?} must be lowercase letters, digits, '-', '.' or '_'"
+        )))
+    }
+}
+
+impl SpiffeId {
+    pub fn node(trust_domain: &str, name: &str) -> Result<Self, IdentityError> {
+        Self::checked(trust_domain, Role::Node(name.to_owned()))
+    }
+
+    pub fn ingress(trust_domain: &str) -> Result<Self, IdentityError> {
+        Self::checked(trust_domain, Role::Ingress)
+    }
+
+    pub fn workload(
+        trust_domain: &str,
+        namespace: &str,
+        account: &str,
+    ) -> Result<Self, IdentityError> {
+        Self::checked(
+            trust_domain,
+            Role::Workload {
+                namespace: namespace.to_owned(),
+                account: account.to_owned(),
+            },
+        )
+    }
+
+    fn checked(trust_domain: &str, role: Role) -> Result<Self, IdentityError> {
+        check_segment("trust domain", trust_domain)?;
+        match &role {
+            Role::Node(name) => check_segment("node name", name)?,
+            Role::Ingress => {}
+            Role::Workload { namespace, account } => {
+                check_segment("namespace", namespace)?;
+                check_segment("service account", account)?;
+            }
+        }
+        Ok(Self {
+            trust_domain: trust_domain.to_owned(),
+            role,
+        })
+    }
+
+    /// Parses `spiffe://...`; only the three forms above are mesh identities.
+    pub fn parse(uri: &str) -> Result<Self, IdentityError> {
+        let bad = |why: &str| IdentityError::BadId(format!("{uri:?}: {why}"));
+        let rest = uri
+            .strip_prefix("spiffe://")
+            .ok_or_else(|| bad("not a spiffe:// URI"))?;
+        let (domain, path) = rest.split_once('/').ok_or_else(|| bad("no path"))?;
+        let parts: Vec<&str> = path.split('/').collect();
+        let role = match parts.as_slice() {
+            ["dpumesh", "node", name] => Role::Node((*name).to_owned()),
+            ["dpumesh", "ingress"] => Role::Ingress,
+            ["ns", ns, "sa", sa] => Role::Workload {
+                namespace: (*ns).to_owned(),
+                account: (*sa).to_owned(),
+            },
+            _ => return Err(bad("not a node, ingress or workload identity of the mesh")),
+        };
+        Self::checked(domain, role).map_err(|e| bad(&e.to_string()))
+    }
+
+    /// Nodes and the ingress: the parts that may open fabric links and vouch for
+    /// requests they have already policed.
+    pub fn is_mesh_component(&self) -> bool {
+        matches!(self.role, Role::Node(_) | Role::Ingress)
+    }
+
+    pub fn is_node(&self) -> bool {
+        matches!(self.role, Role::Node(_))
+    }
+
+    /// The name of its certificate files in a certificate folder.
+    pub fn file_stem(&self) -> String {
+        match &self.role {
+            Role::Node(name) => format!("node-{name}"),
+            Role::Ingress => "ingress".to_owned(),
+            Role::Workload { namespace, account } => format!("workload-{namespace}-{account}"),
+        }
+    }
+}
+
+impl fmt::Display for SpiffeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.role {
+            Role::Node(name) => write!(f, "spiffe://{}/dpumesh/node/{name}", self.trust_domain),
+            Role::Ingress => write!(f, "spiffe://{}/dpumesh/ingress", self.trust_domain),
+            Role::Workload { namespace, account } => {
+                write!(
+                    f,
+                    "spiffe://{}/ns/{namespace}/sa/{account}",
+                    self.trust_domain
+                )
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_three_forms_print_and_parse_back() {
+        for id in [
+            SpiffeId::node("mesh.local", "node1").unwrap(),
+            SpiffeId::ingress("mesh.local").unwrap(),
+            SpiffeId::workload("mesh.local", "default", "frontend").unwrap(),
+        ] {
+            assert_eq!(SpiffeId::parse(&id.to_string()).unwrap(), id);
+        }
+        assert_eq!(
+            SpiffeId::workload("td", "prod", "api").unwrap().to_string(),
+            "spiffe://td/ns/prod/sa/api"
+        );
+    }
+
+    #[test]
+    fn anything_else_is_refused_with_the_reason() {
+        for (uri, why) in [
+            ("https://td/ns/a/sa/b", "not a spiffe"),
+            ("spiffe://td", "no path"),
+            ("spiffe://td/ns/a/sa/b/c", "not a node"),
+            ("spiffe://td/dpumesh/node/../x", "not a node"),
+            ("spiffe://TD/dpumesh/ingress", "lowercase"),
+            ("spiffe://td/ns//sa/b", "lowercase"),
+            ("spiffe://td/dpumesh/node/..", "lowercase"),
+        ] {
+            let e = SpiffeId::parse(uri).unwrap_err().to_string();
+            assert!(e.contains(why), "{uri}: {e}");
+        }
+    }
+
+    #[test]
+    fn only_nodes_and_the_ingress_are_mesh_components() {
+        assert!(SpiffeId::node("td", "n").unwrap().is_mesh_component());
+        assert!(SpiffeId::ingress("td").unwrap().is_mesh_component());
+        assert!(
+            !SpiffeId::workload("td", "a", "b")
+                .unwrap()
+                .is_mesh_component()
+        );
+        assert!(!SpiffeId::ingress("td").unwrap().is_node());
+    }
+}
