@@ -725,3 +725,98 @@ macro_rules! fabric_conformance {
 
 fabric_conformance!(soft, crate::fabric::soft::SoftFabric);
 fabric_conformance!(shm, crate::fabric::shm::ShmFabric);
+
+/// A fabric whose connections run over mutual TLS with a node certificate of a
+/// test CA (made once per test process): the same semantics must hold through it.
+#[derive(Clone)]
+pub(crate) struct WithTls<F>(F);
+
+/// Fabrics that take certificates.
+pub(crate) trait TakesTls: Sized {
+    fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self;
+}
+
+impl TakesTls for crate::fabric::soft::SoftFabric {
+    fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
+        crate::fabric::soft::SoftFabric::with_tls(self, tls)
+    }
+}
+
+impl TakesTls for crate::fabric::shm::ShmFabric {
+    fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
+        crate::fabric::shm::ShmFabric::with_tls(self, tls)
+    }
+}
+
+/// A node's certificates from a test CA (one per test process).
+pub(crate) fn test_tls() -> Arc<dpumesh_identity::MeshTls> {
+    use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
+    static TLS: std::sync::OnceLock<Arc<MeshTls>> = std::sync::OnceLock::new();
+    TLS.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("dpumesh-test-certs-{}", std::process::id()));
+        let id = SpiffeId::node("test.mesh", "n1").unwrap();
+        ca::ensure(&dir, "test.mesh", std::slice::from_ref(&id), ca::LEAF_VALIDITY).unwrap();
+        let tls = MeshTls::load(TlsFiles::in_dir(&dir, &id), "test.mesh").unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        tls
+    })
+    .clone()
+}
+
+impl<F: Fabric + Default + TakesTls> Default for WithTls<F> {
+    fn default() -> Self {
+        Self(F::default().with_tls(test_tls()))
+    }
+}
+
+impl<F: Fabric> Fabric for WithTls<F> {
+    type Pd = F::Pd;
+    type Mr = F::Mr;
+    type Cq = F::Cq;
+    type Qp = F::Qp;
+    type Listener = F::Listener;
+
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn alloc_pd(&self) -> Result<F::Pd, FabricError> {
+        self.0.alloc_pd()
+    }
+    fn register(
+        &self,
+        pd: &F::Pd,
+        region: &Arc<SharedRegion>,
+        offset: u64,
+        len: u64,
+        access: Access,
+    ) -> Result<F::Mr, FabricError> {
+        self.0.register(pd, region, offset, len, access)
+    }
+    fn create_cq(&self, depth: u32) -> Result<F::Cq, FabricError> {
+        self.0.create_cq(depth)
+    }
+    fn listen(
+        &self,
+        pd: &F::Pd,
+        addr: std::net::SocketAddr,
+        cq: &F::Cq,
+        caps: QpCaps,
+    ) -> Result<F::Listener, FabricError> {
+        self.0.listen(pd, addr, cq, caps)
+    }
+    fn connect(
+        &self,
+        pd: &F::Pd,
+        addr: std::net::SocketAddr,
+        cq: &F::Cq,
+        caps: QpCaps,
+    ) -> Result<F::Qp, FabricError> {
+        let qp = self.0.connect(pd, addr, cq, caps)?;
+        let id = qp.peer_identity().expect("a TLS connection knows its peer");
+        assert_eq!(id.to_string(), "spiffe://test.mesh/dpumesh/node/n1");
+        Ok(qp)
+    }
+}
+
+fabric_conformance!(soft_tls, super::WithTls<crate::fabric::soft::SoftFabric>);
+fabric_conformance!(shm_tls, super::WithTls<crate::fabric::shm::ShmFabric>);

@@ -370,6 +370,11 @@ pub trait QueuePair: Send + Sync {
     /// Posts a receive.
     fn post_recv(&self, wr: RecvWr) -> Result<(), FabricError>;
     fn state(&self) -> QpState;
+    /// Who the peer proved to be when the connection was set up (mutual TLS);
+    /// `None` when the fabric runs without certificates.
+    fn peer_identity(&self) -> Option<&dpumesh_identity::SpiffeId> {
+        None
+    }
 }
 
 /// Accepts queue pairs.

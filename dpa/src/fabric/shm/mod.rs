@@ -17,6 +17,13 @@
 //! paths of the segment, the bells and the region tables. The socket stays open: it
 //! closing is how a side learns the other is gone. Abstract sockets belong to a network
 //! namespace, so both ends must share one; peers on other hosts use the TCP fabric.
+//!
+//! Any process of the namespace can connect to an abstract socket, so with
+//! certificates ([`ShmFabric::with_tls`]) the handshake starts with mutual TLS on
+//! the socket: no region table or bell is exported before the peer proved a node or
+//! ingress identity. A connected Unix socket cannot be taken over, so the plain
+//! exchange after it still comes from the peer that proved itself. The listener
+//! also checks the peer's credentials (`SO_PEERCRED`): the same user, or root.
 
 mod cq;
 mod mr;
@@ -124,11 +131,16 @@ impl CompletionQueue for ShmCq {
 #[derive(Debug)]
 pub struct ShmQp {
     inner: Arc<QpInner>,
+    /// Who the peer proved to be (mutual TLS on the handshake socket).
+    peer_id: Option<dpumesh_identity::SpiffeId>,
 }
 
 impl QueuePair for ShmQp {
     fn qp_num(&self) -> u32 {
         self.inner.num
+    }
+    fn peer_identity(&self) -> Option<&dpumesh_identity::SpiffeId> {
+        self.peer_id.as_ref()
     }
     fn post_send(&self, wr: SendWr) -> Result<(), FabricError> {
         self.inner.post_send(wr)
@@ -143,12 +155,21 @@ impl QueuePair for ShmQp {
 
 /// The shared-memory fabric.
 #[derive(Debug, Clone, Default)]
-pub struct ShmFabric;
+pub struct ShmFabric {
+    /// Mutual TLS on every handshake (`None`: none).
+    tls: Option<Arc<dpumesh_identity::MeshTls>>,
+}
 
 impl ShmFabric {
     /// The fabric.
     pub fn new() -> Self {
-        Self
+        Self { tls: None }
+    }
+
+    /// Every handshake from now on starts with mutual TLS with these certificates.
+    pub fn with_tls(mut self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// A queue pair number unique in this process (completion queues key their queue
@@ -256,11 +277,34 @@ fn peer_parts(hello: &Hello, fds: Vec<OwnedFd>) -> Result<PeerParts, String> {
     Ok(PeerParts { bell, mrs })
 }
 
+/// The connecting process must run as this one's user (or as root).
+fn check_peer_user(sock: &UnixStream) -> Result<(), String> {
+    let cred = rustix::net::sockopt::socket_peercred(sock)
+        .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
+    let me = rustix::process::geteuid();
+    if cred.uid != me && !cred.uid.is_root() {
+        return Err(format!(
+            "process {} runs as user {}, not this node's user {}",
+            cred.pid.as_raw_nonzero(),
+            cred.uid.as_raw(),
+            me.as_raw()
+        ));
+    }
+    Ok(())
+}
+
 impl ShmListener {
     fn handshake(&self, mut sock: UnixStream) -> Result<ShmQp, String> {
         sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .and_then(|()| sock.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
             .map_err(|e| e.to_string())?;
+        let peer_id = match &self.fabric.tls {
+            Some(tls) => {
+                check_peer_user(&sock)?;
+                Some(tls.accept(&mut sock).map_err(|e| e.to_string())?.1)
+            }
+            None => None,
+        };
         let (bytes, fds) = fdpass::recv(&mut sock).map_err(|e| format!("no hello: {e}"))?;
         let hello = decode_hello(&bytes)?;
         let peer = peer_parts(&hello, fds)?;
@@ -302,7 +346,7 @@ impl ShmListener {
             self.caps,
         ));
         self.cq.inner.attach(&inner).map_err(|e| e.to_string())?;
-        Ok(ShmQp { inner })
+        Ok(ShmQp { inner, peer_id })
     }
 }
 
@@ -426,6 +470,14 @@ impl Fabric for ShmFabric {
         })?;
         sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
         sock.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        let peer_id = match &self.tls {
+            Some(tls) => Some(
+                tls.connect(&mut sock)
+                    .map_err(|e| connect_error(addr, e.to_string()))?
+                    .1,
+            ),
+            None => None,
+        };
         let cap = qp::capacity(caps);
         let seg = Arc::new(
             SharedRegion::create_unique("dpumesh-shmf-qp", qp::segment_len(cap))
@@ -463,6 +515,6 @@ impl Fabric for ShmFabric {
             caps,
         ));
         cq.inner.attach(&inner)?;
-        Ok(ShmQp { inner })
+        Ok(ShmQp { inner, peer_id })
     }
 }

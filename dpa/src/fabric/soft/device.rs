@@ -20,7 +20,15 @@ impl SoftFabric {
         Self {
             next_qp: Arc::new(AtomicU32::new(1)),
             spin: Self::DEFAULT_SPIN,
+            tls: None,
         }
+    }
+
+    /// Every connection from now on runs over mutual TLS with these certificates:
+    /// peers must prove a node or ingress identity of the mesh.
+    pub fn with_tls(mut self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
+        self.tls = Some(tls);
+        self
     }
 
     /// Completion queues created from now on poll for `spin` before sleeping (zero:
@@ -46,7 +54,12 @@ impl SoftFabric {
         peer: SocketAddr,
         cq: &SoftCq,
         caps: QpCaps,
+        session: Option<(dpumesh_identity::Connection, dpumesh_identity::SpiffeId)>,
     ) -> Result<SoftQp, FabricError> {
+        let (tls, peer_id) = match session {
+            Some((conn, id)) => (Some(dpumesh_identity::TlsSession::new(conn)), Some(id)),
+            None => (None, None),
+        };
         sock.set_nodelay(true)?;
         sock.set_nonblocking(true)?;
         let num = self.next_qp.fetch_add(1, Ordering::Relaxed);
@@ -57,6 +70,8 @@ impl SoftFabric {
             send_cq: cq.inner.clone(),
             recv_cq: cq.inner.clone(),
             sock,
+            tls,
+            peer_id,
             caps,
             error: AtomicBool::new(false),
             tx: Mutex::new(Tx::default()),
@@ -74,16 +89,23 @@ impl SoftFabric {
     }
 }
 
-pub(super) fn hello(sock: &mut TcpStream, qp_hint: u32) -> std::io::Result<()> {
-    let mut out = [0u8; 12];
+/// Exchanges hellos (magic, version, and whether mutual TLS follows), then runs the
+/// TLS handshake when this side has certificates. Blocking, with a 10 s limit on
+/// each read.
+pub(super) fn hello(
+    sock: &mut TcpStream,
+    tls: Option<&dpumesh_identity::MeshTls>,
+    accepting: bool,
+) -> std::io::Result<Option<(dpumesh_identity::Connection, dpumesh_identity::SpiffeId)>> {
+    let mut out = [0u8; 16];
     out[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     out[4..8].copy_from_slice(&HELLO_VERSION.to_le_bytes());
-    out[8..12].copy_from_slice(&qp_hint.to_le_bytes());
-    sock.write_all(&out)?;
-    let mut got = [0u8; 12];
+    out[12..16].copy_from_slice(&u32::from(tls.is_some()).to_le_bytes());
     sock.set_read_timeout(Some(Duration::from_secs(10)))?;
-    sock.read_exact(&mut got)?;
-    sock.set_read_timeout(None)?;
+    sock.set_write_timeout(Some(Duration::from_secs(10)))?;
+    sock.write_all(&out)?;
+    let mut got = [0u8; 16];
+    sock.read_exact(&mut got[..8])?;
     let magic = u32::from_le_bytes([got[0], got[1], got[2], got[3]]);
     let version = u32::from_le_bytes([got[4], got[5], got[6], got[7]]);
     if magic != HELLO_MAGIC {
@@ -96,7 +118,32 @@ pub(super) fn hello(sock: &mut TcpStream, qp_hint: u32) -> std::io::Result<()> {
             "software fabric version mismatch: this side speaks {HELLO_VERSION}, the peer {version}"
         )));
     }
-    Ok(())
+    sock.read_exact(&mut got[8..])?;
+    let peer_tls = u32::from_le_bytes([got[12], got[13], got[14], got[15]]) != 0;
+    let session = match (tls, peer_tls) {
+        (None, false) => None,
+        (Some(_), false) => {
+            return Err(std::io::Error::other(
+                "the peer runs without mutual TLS and this side requires it: give every part of the mesh its certificates",
+            ));
+        }
+        (None, true) => {
+            return Err(std::io::Error::other(
+                "the peer requires mutual TLS and this side has no certificates",
+            ));
+        }
+        (Some(tls), true) => {
+            let done = if accepting {
+                tls.accept(sock)
+            } else {
+                tls.connect(sock)
+            };
+            Some(done.map_err(std::io::Error::other)?)
+        }
+    };
+    sock.set_read_timeout(None)?;
+    sock.set_write_timeout(None)?;
+    Ok(session)
 }
 
 impl QpListener for SoftListener {
@@ -112,13 +159,16 @@ impl QpListener for SoftListener {
             match self.listener.accept() {
                 Ok((mut sock, peer)) => {
                     sock.set_nonblocking(false)?;
-                    if let Err(e) = hello(&mut sock, 0) {
-                        tracing::warn!(%peer, error = %e, "refused a fabric connection");
-                        continue;
-                    }
+                    let session = match hello(&mut sock, self.fabric.tls.as_deref(), true) {
+                        Ok(session) => session,
+                        Err(e) => {
+                            tracing::warn!(%peer, error = %e, "refused a fabric connection");
+                            continue;
+                        }
+                    };
                     return self
                         .fabric
-                        .make_qp(&self.pd, sock, peer, &self.cq, self.caps)
+                        .make_qp(&self.pd, sock, peer, &self.cq, self.caps, session)
                         .map(Some);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -259,7 +309,8 @@ impl Fabric for SoftFabric {
         let connect_err = |detail: String| FabricError::Connect { addr, detail };
         let mut sock = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
             .map_err(|e| connect_err(e.to_string()))?;
-        hello(&mut sock, 0).map_err(|e| connect_err(e.to_string()))?;
-        self.make_qp(pd, sock, addr, cq, caps)
+        let session =
+            hello(&mut sock, self.tls.as_deref(), false).map_err(|e| connect_err(e.to_string()))?;
+        self.make_qp(pd, sock, addr, cq, caps, session)
     }
 }

@@ -48,7 +48,8 @@ mod tests;
 
 const FRAME_HEADER: usize = 32;
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"DPRF");
-const HELLO_VERSION: u32 = 1;
+/// 2: the hello says whether mutual TLS follows.
+const HELLO_VERSION: u32 = 2;
 /// Payloads up to this size are copied at post time and written with their header
 /// in one system call; larger ones are streamed from the region as the socket takes
 /// them.
@@ -318,6 +319,10 @@ struct QpInner {
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     sock: TcpStream,
+    /// Mutual TLS on this connection (`None`: plain TCP).
+    tls: Option<dpumesh_identity::TlsSession>,
+    /// Who the peer proved to be in the handshake.
+    peer_id: Option<dpumesh_identity::SpiffeId>,
     caps: QpCaps,
     error: AtomicBool,
     tx: Mutex<Tx>,
@@ -346,6 +351,8 @@ pub struct SoftQp {
 pub struct SoftFabric {
     next_qp: Arc<AtomicU32>,
     spin: Duration,
+    /// Mutual TLS for every connection (`None`: plain TCP).
+    tls: Option<Arc<dpumesh_identity::MeshTls>>,
 }
 
 /// A listener of the software fabric.

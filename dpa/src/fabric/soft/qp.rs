@@ -117,7 +117,7 @@ impl QpInner {
             self.read_all(&mut rx);
         }
         if let Some(mut tx) = self.tx.try_lock()
-            && !tx.queue.is_empty()
+            && (!tx.queue.is_empty() || tx.want_writable)
         {
             self.flush(&mut tx);
         }
@@ -144,6 +144,10 @@ impl SoftQp {
 impl QueuePair for SoftQp {
     fn qp_num(&self) -> u32 {
         self.inner.num
+    }
+
+    fn peer_identity(&self) -> Option<&dpumesh_identity::SpiffeId> {
+        self.inner.peer_id.as_ref()
     }
 
     fn state(&self) -> QpState {

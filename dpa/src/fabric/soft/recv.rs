@@ -9,6 +9,7 @@ impl QpInner {
             // A large payload bound for registered memory lands there directly once
             // the buffered bytes are used up (no bounce through the receive buffer).
             if rx.start == rx.end
+                && self.tls.is_none()
                 && let Some(frame) = rx.current.as_mut()
                 && let Sink::Region(region, offset) = &frame.sink
                 && frame.header.len as u64 - frame.got >= DIRECT_READ
@@ -44,7 +45,11 @@ impl QpInner {
                 rx.start = 0;
             }
             let end = rx.end;
-            match (&self.sock).read(&mut rx.buf[end..]) {
+            let read = match &self.tls {
+                Some(tls) => tls.read(&mut &self.sock, &mut rx.buf[end..]),
+                None => (&self.sock).read(&mut rx.buf[end..]),
+            };
+            match read {
                 Ok(0) => {
                     self.peer_gone(rx);
                     return;
@@ -52,8 +57,10 @@ impl QpInner {
                 Ok(n) => {
                     rx.end += n;
                     self.parse(rx);
-                    if rx.end < rx.buf.len() {
+                    if rx.end < rx.buf.len() && self.tls.is_none() {
                         // A short read drained the socket; epoll says when more comes.
+                        // (Not so with TLS: a read gives one record's worth while the
+                        // session may hold more the socket no longer signals.)
                         return;
                     }
                 }

@@ -45,7 +45,7 @@ impl QpInner {
             // One slice or none: the frame-by-frame path does as well.
             return None;
         }
-        Some((&self.sock).write_vectored(&slices[..n]))
+        Some(self.write_vectored(&slices[..n]))
     }
 
     /// Accounts `n` written bytes to the queue's leading frames.
@@ -66,7 +66,26 @@ impl QpInner {
     /// Writes queued frames until done or the socket is full: runs of small frames
     /// in one vectored write, region payloads straight from their memory.
     pub(super) fn flush(&self, tx: &mut Tx) {
-        let mut sock = &self.sock;
+        // Ciphertext from before goes first: frames behind it must not overtake it.
+        if let Some(tls) = &self.tls
+            && tls.pending()
+        {
+            match tls.push(&mut &self.sock) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    self.set_writable_interest(tx, true);
+                    return;
+                }
+                Err(_) => {
+                    let first = tx
+                        .outstanding
+                        .front()
+                        .map(|o| (o.psn, WcStatus::RetryExceeded));
+                    self.fail(first, tx, None);
+                    return;
+                }
+            }
+        }
         while !tx.queue.is_empty() {
             if tx.queue.len() > 1
                 && let Some(result) = self.write_gathered(tx)
@@ -79,7 +98,7 @@ impl QpInner {
                     Ok(n) => {
                         self.advance(tx, n as u64);
                         if tx.queue.is_empty() && self.error.load(Ordering::SeqCst) {
-                            let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                            self.shutdown_write();
                         }
                         continue;
                     }
@@ -104,21 +123,18 @@ impl QpInner {
                 let head = &frame.head[frame.sent as usize..];
                 match &frame.payload {
                     Payload::Inline(v) => {
-                        sock.write_vectored(&[IoSlice::new(head), IoSlice::new(v)])
+                        self.write_vectored(&[IoSlice::new(head), IoSlice::new(v)])
                     }
-                    _ => sock.write(head),
+                    _ => self.write_vectored(&[IoSlice::new(head)]),
                 }
             } else {
                 let done = frame.sent - FRAME_HEADER as u64;
                 match &frame.payload {
                     Payload::None => Ok(0),
-                    Payload::Inline(v) => sock.write(&v[done as usize..]),
-                    // Straight from the registered memory, as a NIC reads it.
-                    Payload::Region(region, offset, len) => region.write_to(
-                        self.sock.as_fd(),
-                        offset + done,
-                        (len - done).min(4 << 20) as usize,
-                    ),
+                    Payload::Inline(v) => self.write_vectored(&[IoSlice::new(&v[done as usize..])]),
+                    Payload::Region(region, offset, len) => {
+                        self.write_region(region, offset + done, (len - done).min(4 << 20))
+                    }
                 }
             };
             match result {
@@ -134,7 +150,7 @@ impl QpInner {
                         if tx.queue.is_empty() && self.error.load(Ordering::SeqCst) {
                             // The last word of a failed queue pair is out: the peer
                             // learns the connection is over.
-                            let _ = self.sock.shutdown(std::net::Shutdown::Write);
+                            self.shutdown_write();
                         }
                     }
                 }
@@ -161,7 +177,45 @@ impl QpInner {
                 }
             }
         }
-        self.set_writable_interest(tx, false);
+        // Encrypted bytes the socket did not take yet keep the write interest.
+        let pending = self.tls.as_ref().is_some_and(|t| t.pending());
+        self.set_writable_interest(tx, pending);
+    }
+
+    /// Writes through TLS when the connection has it.
+    fn write_vectored(&self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        match &self.tls {
+            Some(tls) => tls.write_vectored(&mut &self.sock, bufs),
+            None => (&self.sock).write_vectored(bufs),
+        }
+    }
+
+    /// Writes up to `len` bytes of a registered region.
+    fn write_region(
+        &self,
+        region: &SharedRegion,
+        offset: u64,
+        len: u64,
+    ) -> std::io::Result<usize> {
+        let Some(tls) = &self.tls else {
+            // Straight from the registered memory, as a NIC reads it.
+            return region.write_to(self.sock.as_fd(), offset, len as usize);
+        };
+        // TLS encrypts from a copy: a record at a time.
+        let mut chunk = [0u8; 16 << 10];
+        let n = (len as usize).min(chunk.len());
+        region
+            .read(offset, &mut chunk[..n])
+            .map_err(std::io::Error::other)?;
+        tls.write_vectored(&mut &self.sock, &[IoSlice::new(&chunk[..n])])
+    }
+
+    /// Ends the sending direction once what is encrypted is out (best effort).
+    fn shutdown_write(&self) {
+        if let Some(tls) = &self.tls {
+            let _ = tls.push(&mut &self.sock);
+        }
+        let _ = self.sock.shutdown(std::net::Shutdown::Write);
     }
 
     pub(super) fn wait_writable(&self, timeout: Duration) -> bool {
