@@ -102,6 +102,17 @@ enum Command {
         #[arg(long)]
         mesh: PathBuf,
     },
+    /// Issue the mesh's certificates (the CA on first use, then every node, the
+    /// ingress and every service) into its certificate folder; running parts load
+    /// new ones without a restart. `dpumesh up` does this by itself.
+    Certs {
+        /// The mesh file.
+        #[arg(long, default_value = "samples/hotel/mesh.yaml")]
+        config: PathBuf,
+        /// Issue every certificate again, fresh or not (rotation).
+        #[arg(long)]
+        rotate: bool,
+    },
     /// Filter development: the conformance kit.
     Filter {
         #[command(subcommand)]
@@ -250,6 +261,9 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             run_dir,
         } => roles::node(&mesh, &name, &run_dir).map(|()| ExitCode::SUCCESS),
         Command::Ingress { mesh } => roles::ingress(&mesh).map(|()| ExitCode::SUCCESS),
+        Command::Certs { config, rotate } => {
+            roles::certs(&config, rotate).map(|()| ExitCode::SUCCESS)
+        }
     }
 }
 

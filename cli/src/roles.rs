@@ -47,14 +47,49 @@ pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `dpumesh certs`.
+pub fn certs(file: &Path, rotate: bool) -> Result<()> {
+    let mesh = MeshFile::read(file)?;
+    if mesh.config.identity.mtls == dpumesh_config::Mtls::Off {
+        anyhow::bail!(
+            "{}: identity.mtls is off: the mesh uses no certificates",
+            file.display()
+        );
+    }
+    let dir = dpumesh_proxy::trust::certs_dir(&mesh);
+    if rotate {
+        let ca = dpumesh_identity::ca::Authority::load_or_create(
+            &dir,
+            mesh.config.identity.trust_domain(),
+        )?;
+        for id in dpumesh_proxy::trust::all_ids(&mesh)? {
+            ca.issue_into(&dir, &id, dpumesh_identity::ca::LEAF_VALIDITY)?;
+            println!("issued {id}");
+        }
+    } else {
+        for id in dpumesh_proxy::trust::issue(&mesh)? {
+            println!("issued {id}");
+        }
+    }
+    println!("certificates in {}", dir.display());
+    Ok(())
+}
+
 /// `dpumesh ingress`.
 pub fn ingress(mesh: &Path) -> Result<()> {
     let mesh = MeshFile::read(mesh)?;
     dpumesh_dpa::shm::sweep_orphans();
     let settings = ingress_settings(&mesh);
-    let ingress = match mesh.config.transport {
-        Transport::Shm => dpumesh_ingress::Ingress::start(ShmFabric::new(), settings)?,
-        Transport::Tcp => dpumesh_ingress::Ingress::start(SoftFabric::new(), settings)?,
+    let tls = dpumesh_proxy::trust::load(&mesh, &dpumesh_proxy::trust::ingress_id(&mesh)?)?;
+    let ingress = match (mesh.config.transport, tls) {
+        (Transport::Shm, None) => dpumesh_ingress::Ingress::start(ShmFabric::new(), settings)?,
+        (Transport::Shm, Some(tls)) => {
+            dpumesh_ingress::Ingress::start(ShmFabric::new().with_tls(tls), settings)?
+        }
+        (Transport::Tcp, None) => dpumesh_ingress::Ingress::start(SoftFabric::new(), settings)?,
+        (Transport::Tcp, Some(tls)) => {
+            dpumesh_ingress::Ingress::start(SoftFabric::new().with_tls(tls), settings)?
+        }
     };
     println!("{READY} ingress {}", ingress.addr());
     wait_for_signal()?;

@@ -18,8 +18,8 @@ pub mod units;
 
 pub use error::ConfigError;
 pub use mesh_file::{
-    EscapedSlashes, IngressConfig, MeshConfig, MeshFile, NodeEntry, PathConfig, PollMode,
-    PollingConfig, ServiceEntry, Transport,
+    EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,
+    PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
 };
 pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};

@@ -204,6 +204,44 @@ impl PollingConfig {
     }
 }
 
+/// Whether the links between the mesh's parts run over mutual TLS.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mtls {
+    /// Every fabric link proves both ends with certificates of the mesh CA; a node
+    /// honours "already policed" only from another node.
+    #[default]
+    Mutual,
+    /// No certificates: any process that reaches a fabric address is trusted (for
+    /// measuring what TLS costs; never where the network is shared).
+    Off,
+}
+
+/// The `identity` section: certificates and SPIFFE IDs.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IdentityConfig {
+    #[serde(default)]
+    pub mtls: Mtls,
+    /// The SPIFFE trust domain (default `dpumesh.local`).
+    pub trust_domain: Option<String>,
+    /// The certificate folder (relative to the mesh file; default `.dpumesh/certs`).
+    /// `dpumesh up` issues what is missing there; on Kubernetes a Secret is mounted
+    /// as it.
+    pub certs: Option<PathBuf>,
+    /// The namespace in the workloads' identities (default `default`).
+    pub namespace: Option<String>,
+}
+
+impl IdentityConfig {
+    pub fn trust_domain(&self) -> &str {
+        self.trust_domain.as_deref().unwrap_or("dpumesh.local")
+    }
+    pub fn namespace(&self) -> &str {
+        self.namespace.as_deref().unwrap_or("default")
+    }
+}
+
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -216,6 +254,10 @@ pub struct MeshConfig {
     /// How shards and pods wait (default: hybrid, 0 to 50 µs).
     #[serde(default)]
     pub polling: PollingConfig,
+    /// Certificates and identities (default: mutual TLS, certificates issued by
+    /// `dpumesh up` into `.dpumesh/certs`).
+    #[serde(default)]
+    pub identity: IdentityConfig,
     pub ingress: IngressConfig,
     /// Nodes by name.
     pub nodes: BTreeMap<String, NodeEntry>,
@@ -241,6 +283,15 @@ impl MeshFile {
         let error = |path: &str, message: String| ConfigError::at(file, &text, path, message);
         let dir = file.parent().unwrap_or(Path::new("."));
         config.policy = dir.join(&config.policy);
+        config.identity.certs = Some(
+            dir.join(
+                config
+                    .identity
+                    .certs
+                    .as_deref()
+                    .unwrap_or(Path::new(".dpumesh/certs")),
+            ),
+        );
         if config.nodes.is_empty() {
             return Err(error("nodes", "a mesh needs at least one node".into()));
         }

@@ -144,6 +144,11 @@ impl<F: Fabric> Link<F> {
         self.qp.qp_num()
     }
 
+    /// Who the peer proved to be (mutual TLS), if the fabric checks.
+    pub fn peer_identity(&self) -> Option<&dpumesh_identity::SpiffeId> {
+        self.qp.peer_identity()
+    }
+
     /// Whether the link failed.
     pub fn is_down(&self) -> bool {
         self.down

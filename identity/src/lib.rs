@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 
 pub mod ca;
+pub mod metrics;
 pub mod spiffe;
 pub mod tls;
 pub mod wire;

@@ -171,7 +171,10 @@ fn handle(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             }
             reply(StatusCode::OK, body)
         }
-        (&Method::GET, "/metrics") => reply(StatusCode::OK, prometheus().render()),
+        (&Method::GET, "/metrics") => {
+            dpumesh_identity::metrics::refresh();
+            reply(StatusCode::OK, prometheus().render())
+        }
         _ => reply(StatusCode::NOT_FOUND, "not found\n".to_owned()),
     }
 }

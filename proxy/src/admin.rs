@@ -160,6 +160,7 @@ async fn handle(
 
 /// Gauges read at scrape time rather than kept up to date on the request path.
 fn refresh_gauges(policy: &Policy) {
+    dpumesh_identity::metrics::refresh();
     let snapshot = policy.snapshot();
     for chain in snapshot.generation.chains() {
         for filter in chain.filters() {

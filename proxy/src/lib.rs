@@ -19,6 +19,7 @@ pub mod listener;
 pub mod logging;
 pub mod node;
 pub mod policy;
+pub mod trust;
 
 use std::net::SocketAddr;
 use std::path::Path;

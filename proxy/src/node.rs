@@ -138,10 +138,16 @@ impl Node {
                 .collect(),
             placement: mesh.placement(),
             timeout: mesh.config.ingress.request_timeout(),
+            trust_domain: mesh.config.identity.trust_domain().to_owned(),
+            namespace: mesh.config.identity.namespace().to_owned(),
         };
+        let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
         let dataplane = match mesh.config.transport {
             Transport::Shm => start_dataplane(
-                ShmFabric::new(),
+                match &tls {
+                    Some(tls) => ShmFabric::new().with_tls(tls.clone()),
+                    None => ShmFabric::new(),
+                },
                 entry.fabric,
                 dpu.clone(),
                 &policy,
@@ -149,7 +155,10 @@ impl Node {
                 polling(&mesh.config.polling),
             )?,
             Transport::Tcp => start_dataplane(
-                SoftFabric::new(),
+                match &tls {
+                    Some(tls) => SoftFabric::new().with_tls(tls.clone()),
+                    None => SoftFabric::new(),
+                },
                 entry.fabric,
                 dpu.clone(),
                 &policy,

@@ -60,6 +60,15 @@ impl Up {
     /// Starts every node, every service replica and the ingress of `mesh`.
     pub fn start(file: &Path) -> Result<Self> {
         let mesh = MeshFile::read(file)?;
+        // Before any process starts: each loads its certificate.
+        let issued = dpumesh_proxy::trust::issue(&mesh)?;
+        if !issued.is_empty() {
+            eprintln!(
+                "dpumesh up: issued {} certificate(s) into {}",
+                issued.len(),
+                dpumesh_proxy::trust::certs_dir(&mesh).display()
+            );
+        }
         let run_dir = tempfile::Builder::new().prefix("dpumesh-up").tempdir()?;
         let me = std::env::current_exe()?;
         let policy = RestartPolicy::default();
@@ -250,6 +259,17 @@ pub fn up(file: &Path) -> Result<()> {
     println!("  ingress   http://{}/", up.ingress);
     if let Some(a) = up.ingress_admin {
         println!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
+    }
+    let mesh = MeshFile::read(file)?;
+    match mesh.config.identity.mtls {
+        dpumesh_config::Mtls::Mutual => println!(
+            "  identity  mutual TLS, trust domain {}, certificates in {}",
+            mesh.config.identity.trust_domain(),
+            dpumesh_proxy::trust::certs_dir(&mesh).display()
+        ),
+        dpumesh_config::Mtls::Off => {
+            println!("  identity  OFF: fabric links are not authenticated (identity.mtls: off)")
+        }
     }
     for (node, url) in &up.admins {
         println!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");

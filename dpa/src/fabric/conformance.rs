@@ -755,7 +755,13 @@ pub(crate) fn test_tls() -> Arc<dpumesh_identity::MeshTls> {
     TLS.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("dpumesh-test-certs-{}", std::process::id()));
         let id = SpiffeId::node("test.mesh", "n1").unwrap();
-        ca::ensure(&dir, "test.mesh", std::slice::from_ref(&id), ca::LEAF_VALIDITY).unwrap();
+        ca::ensure(
+            &dir,
+            "test.mesh",
+            std::slice::from_ref(&id),
+            ca::LEAF_VALIDITY,
+        )
+        .unwrap();
         let tls = MeshTls::load(TlsFiles::in_dir(&dir, &id), "test.mesh").unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         tls

@@ -81,7 +81,7 @@ impl<F: Fabric> Reactor<F> {
             xid: r.xid,
             reply: r.reply,
         };
-        let head = match wire::decode_request(&r.head) {
+        let mut head = match wire::decode_request(&r.head) {
             Ok(head) => head,
             Err(e) => {
                 let e = ProxyError::new(
@@ -92,8 +92,33 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
+        let mut flags = r.flags;
+        self.trust_claims(qp, &mut head, &mut flags);
         let limit = (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms)));
-        self.admit(origin, head, r.body, r.flags, limit);
+        self.admit(origin, head, r.body, flags, limit);
+    }
+
+    /// What a request says of itself is believed as far as its link's proven peer
+    /// vouches for it: "already policed" and a source workload identity only from a
+    /// node (which policed the request and knows its pod); from the ingress, neither
+    /// (it polices nothing and knows no workload). A mesh without mutual TLS proves
+    /// nothing and believes everything (`identity.mtls: off` warns of this).
+    fn trust_claims(&self, qp: u32, head: &mut RequestHead, flags: &mut RequestFlags) {
+        let Some(peer) = self.links.get(&qp).and_then(|s| s.link.peer_identity()) else {
+            return;
+        };
+        if peer.is_node() {
+            return;
+        }
+        if flags.policed {
+            tracing::warn!(%peer, path = %head.path, "a request claimed to be policed by a peer that is not a node: its chain runs");
+            metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "policed").increment(1);
+            flags.policed = false;
+        }
+        if let Some(claimed) = head.source.identity.take() {
+            tracing::warn!(%peer, claimed, "a request claimed a workload identity its peer cannot vouch for: dropped");
+            metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "identity").increment(1);
+        }
     }
 
     /// A request from a pod on this node (case 1 or 3).
@@ -126,7 +151,9 @@ impl<F: Fabric> Reactor<F> {
         let service = self.pod(d.src_pod).map(|p| p.service.clone());
         head.source = Peer {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            identity: service.map(|s| format!("spiffe://dpumesh/{}/{s}", self.topology.node)),
+            identity: service.map(|s| {
+                crate::trust::workload_id(&self.topology.trust_domain, &self.topology.namespace, &s)
+            }),
         };
         self.admit(origin, head, None, RequestFlags::default(), None);
     }

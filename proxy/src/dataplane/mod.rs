@@ -76,6 +76,9 @@ pub struct Topology {
     pub placement: BTreeMap<String, Vec<String>>,
     /// How long a request may take when its route sets no timeout.
     pub timeout: Duration,
+    /// The SPIFFE trust domain and namespace of the pods' identities.
+    pub trust_domain: String,
+    pub namespace: String,
 }
 
 /// Counters, readable from any thread.

@@ -191,12 +191,7 @@ impl QpInner {
     }
 
     /// Writes up to `len` bytes of a registered region.
-    fn write_region(
-        &self,
-        region: &SharedRegion,
-        offset: u64,
-        len: u64,
-    ) -> std::io::Result<usize> {
+    fn write_region(&self, region: &SharedRegion, offset: u64, len: u64) -> std::io::Result<usize> {
         let Some(tls) = &self.tls else {
             // Straight from the registered memory, as a NIC reads it.
             return region.write_to(self.sock.as_fd(), offset, len as usize);

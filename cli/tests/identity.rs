@@ -1,0 +1,161 @@
+//! Who may talk to a node (`dpumesh up` on the hotel sample, mutual TLS by default):
+//! a process with no certificate or one from another CA cannot open a fabric link,
+//! and a request that claims to be "already policed" (or to come from a workload) is
+//! believed only from another node. Without mutual TLS, the same forged request
+//! skips the chain: that is what the first test guards against.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dpumesh_dpa::fabric::shm::ShmFabric;
+use dpumesh_dpa::fabric::{
+    Access, CompletionQueue, Fabric, MemoryRegion, QpCaps, RemoteAddr, WorkCompletion,
+};
+use dpumesh_dpa::frame::{Message, RemoteBuf, Request, RequestFlags};
+use dpumesh_dpa::link::{Link, LinkEvent};
+use dpumesh_dpa::shm::SharedRegion;
+use dpumesh_head::RequestHead;
+use dpumesh_head::wire;
+use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
+
+mod common;
+use common::mesh::*;
+use common::token;
+
+const TD: &str = "dpumesh.local";
+
+/// Sends node `node` a request for the frontend (whose chain wants a JWT) that says
+/// the chain already ran and that the user service's pod sent it; returns the status
+/// answered.
+fn forged<F: Fabric>(fabric: F, node: SocketAddr) -> Result<u16, String> {
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let pd = fabric.alloc_pd().map_err(|x| e(&x))?;
+    let cq = fabric.create_cq(256).map_err(|x| e(&x))?;
+    let qp = fabric
+        .connect(&pd, node, &cq, QpCaps::default())
+        .map_err(|x| e(&x))?;
+    let mut link = Link::new(&fabric, &pd, qp).map_err(|x| e(&x))?;
+    let region = Arc::new(SharedRegion::create_unique("dpumesh-test-rogue", 1 << 20).unwrap());
+    let mr = fabric
+        .register(
+            &pd,
+            &region,
+            0,
+            1 << 20,
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let mut head = RequestHead::new("GET", "/ping");
+    head.authority = "frontend".into();
+    head.destination = Some("frontend".into());
+    head.source.identity = Some(format!("spiffe://{TD}/ns/default/sa/user"));
+    link.send(Message::Request(Request {
+        xid: 1,
+        flags: RequestFlags { policed: true },
+        deadline_ms: 5000,
+        body: None,
+        reply: RemoteBuf {
+            at: RemoteAddr {
+                addr: mr.addr(),
+                rkey: mr.rkey(),
+            },
+            len: 1 << 20,
+        },
+        head: wire::encode_request(&head).unwrap(),
+    }))
+    .map_err(|x| e(&x))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut wcs: Vec<WorkCompletion> = Vec::new();
+    while Instant::now() < deadline {
+        wcs.clear();
+        cq.poll(&mut wcs, 16);
+        for wc in &wcs {
+            match link.on_completion(wc) {
+                Ok(Some(LinkEvent::Message(Message::Response(r)))) => {
+                    return Ok(wire::decode_response(&r.head).unwrap().status);
+                }
+                Ok(_) => {}
+                Err(x) => return Err(e(&x)),
+            }
+        }
+        if link.is_down() {
+            return Err("the node closed the link".into());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Err("no answer in 10 s".into())
+}
+
+/// Node1 runs the frontend.
+fn node1_fabric(mesh: &Mesh) -> SocketAddr {
+    let file = dpumesh_config::MeshFile::read(&mesh._dir.path().join("mesh.yaml")).unwrap();
+    file.config.nodes["node1"].fabric
+}
+
+fn metric_or_zero(admin: SocketAddr, name: &str) -> f64 {
+    let v = metric(admin, name);
+    if v.is_nan() { 0.0 } else { v }
+}
+
+#[test]
+fn strangers_cannot_link_and_a_forged_policed_request_is_policed_anyway() {
+    let mesh = Mesh::up();
+    assert!(
+        mesh.log.lock().unwrap().contains("issued"),
+        "`dpumesh up` issued the mesh's certificates"
+    );
+    let node1 = node1_fabric(&mesh);
+    let admin1 = mesh.admins[0];
+    let refused = "dpumesh_tls_handshakes_total{result=\"refused\"}";
+    let before = metric_or_zero(admin1, refused);
+
+    // No certificate at all.
+    let e = forged(ShmFabric::new(), node1).unwrap_err();
+    assert!(!e.is_empty());
+    // A certificate of the right name from another CA.
+    let other = tempfile::tempdir().unwrap();
+    let ingress = SpiffeId::ingress(TD).unwrap();
+    ca::ensure(
+        other.path(),
+        TD,
+        std::slice::from_ref(&ingress),
+        ca::LEAF_VALIDITY,
+    )
+    .unwrap();
+    let stranger = MeshTls::load(TlsFiles::in_dir(other.path(), &ingress), TD).unwrap();
+    let e = forged(ShmFabric::new().with_tls(stranger), node1).unwrap_err();
+    assert!(e.contains("refused"), "{e}");
+    wait("both refusals counted", Duration::from_secs(5), &|| {
+        metric_or_zero(admin1, refused) >= before + 2.0
+    });
+
+    // The mesh's own ingress certificate: the link opens, but the ingress polices
+    // nothing and knows no workload, so the node runs the chain (the JWT filter
+    // wants a token: 401) and drops the claimed identity.
+    let certs = mesh._dir.path().join(".dpumesh/certs");
+    let ours = MeshTls::load(TlsFiles::in_dir(&certs, &ingress), TD).unwrap();
+    assert_eq!(forged(ShmFabric::new().with_tls(ours), node1), Ok(401));
+    let claims = |claim: &str| {
+        metric_or_zero(
+            admin1,
+            &format!("dpumesh_untrusted_claims_total{{claim=\"{claim}\"}}"),
+        )
+    };
+    assert_eq!(claims("policed"), 1.0);
+    assert_eq!(claims("identity"), 1.0);
+    // The mesh itself serves on, across the fabric too.
+    let alice = token("alice", &["user"]);
+    let (status, _, body) = mesh.get("/hotels?user=7", Some(&alice));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        metric_or_zero(admin1, "dpumesh_tls_handshakes_total{result=\"accepted\"}") >= 2.0,
+        "this test's link and the ingress's were accepted"
+    );
+}
+
+#[test]
+fn without_mutual_tls_a_forged_policed_request_skips_the_chain() {
+    let mesh = Mesh::up_with(|m| format!("{m}identity: {{mtls: off}}\n"));
+    assert_eq!(forged(ShmFabric::new(), node1_fabric(&mesh)), Ok(200));
+}
