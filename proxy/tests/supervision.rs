@@ -25,7 +25,7 @@ fn write_files(dir: &Path) -> MeshFile {
     .unwrap();
     std::fs::write(
         dir.join("mesh.yaml"),
-        "policy: policy.yaml\ningress: {listen: 127.0.0.1:0, request_timeout: 60s}\nnodes:\n  n1: {fabric: 127.0.0.1:0, admin: 127.0.0.1:0}\nservices:\n  slow: {nodes: [n1]}\n",
+        "policy: policy.yaml\nidentity: {mtls: off}\ningress: {listen: 127.0.0.1:0, request_timeout: 60s}\nnodes:\n  n1: {fabric: 127.0.0.1:0, admin: 127.0.0.1:0}\nservices:\n  slow: {nodes: [n1]}\n",
     )
     .unwrap();
     MeshFile::read(&dir.join("mesh.yaml")).unwrap()
