@@ -8,6 +8,9 @@
 #       Wasm filters (jwt, rbac, ratelimit) in front of the frontend service's /ping,
 #       over the shared-memory fabric (the default on one host),
 #   (e) the same mesh with the TCP fabric forced (`transport: tcp`, as across hosts),
+#       its links over mutual TLS (the default),
+#   (f) (e) without TLS (`identity: {mtls: off}`): what mutual TLS costs on the TCP
+#       fabric, in req/s and in CPU per request of the ingress and nodes,
 # each under wrk -t1 -c32 -d${DURATION:-10}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -104,16 +107,17 @@ pids+=($!)
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport
+mesh_file() { # transport [plain]
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
         -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
         -e "s#^policy: policy.yaml#policy: $PWD/samples/hotel/policy.yaml\ntransport: $1#" \
         samples/hotel/mesh.yaml > "$work/mesh-$1.yaml"
     grep -q "^transport: $1" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
+    if [ "${2:-}" = plain ]; then echo "identity: {mtls: off}" >> "$work/mesh-$1.yaml"; fi
 }
-start_mesh() { # transport
-    mesh_file "$1"
+start_mesh() { # transport [plain]
+    mesh_file "$1" "${2:-}"
     ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
     up_pid=$!
     for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up-$1.log" && break; sleep 0.2; done
@@ -226,19 +230,24 @@ stop_mesh
 
 start_mesh tcp
 check http://127.0.0.1:18090/ping
-e=$(run "e dpumesh (tcp fabric)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+stop_mesh
+
+start_mesh tcp plain
+check http://127.0.0.1:18090/ping
+f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
 printf '\n%-42s %10s %9s %9s %14s %14s %10s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req"
-for row in "$a" "$b" "$c" "$d" "$e"; do
+for row in "$a" "$b" "$c" "$d" "$e" "$f"; do
     IFS='|' read -r name rps p50 p99 cpu non mesh sw <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     case "$name" in
-        [de]*) printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" ;;
+        [def]*) printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" ;;
         *) printf '%-42s %10s %9s %9s %14s\n' "$name" "$rps" "$p50" "$p99" "$cpu" ;;
     esac
 done
-echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-e;"
+echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-f;"
 echo " mesh us/req: the ingress and node processes, what the ingress node and the DPUs carry;"
 echo " cs/req: context switches summed over every thread of the ingress, nodes and pods)"
 printf '\n%-42s %10s %10s\n' "HTTP/2 (h2load -c32 -m10)" req/s 2xx
@@ -251,7 +260,8 @@ IFS='|' read -r _ ra _ _ ca _ _ _ <<<"$a"
 IFS='|' read -r _ rb _ _ _ _ _ _ <<<"$b"
 IFS='|' read -r _ rc _ pc cc _ _ _ <<<"$c"
 IFS='|' read -r _ rd _ pd cd _ md swd <<<"$d"
-IFS='|' read -r _ re _ _ _ _ _ _ <<<"$e"
+IFS='|' read -r _ re _ _ _ _ me _ <<<"$e"
+IFS='|' read -r _ rf _ _ _ _ mf _ <<<"$f"
 IFS='|' read -r _ rch2 _ <<<"$ch2"
 IFS='|' read -r _ rdh2 _ <<<"$dh2"
 echo
@@ -260,5 +270,6 @@ echo "service CPU per request vs nginx direct: $(echo "scale=2; $cd / $ca" | bc)
 echo "ingress + node CPU per request vs HAProxy + nginx: $(echo "scale=2; $md / $cc" | bc)"
 echo "context switches per request across the mesh: $swd"
 echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
+echo "mutual TLS on the tcp fabric: req/s e/f $(echo "scale=2; $re / $rf" | bc), ingress + node CPU per request e $me vs f $mf us"
 echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
 echo "idle node CPU (each node, % of a core):$idle_nodes"

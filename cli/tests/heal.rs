@@ -276,9 +276,14 @@ fn without_up_killed_processes_started_again_by_hand_are_taken_back() {
         .parent()
         .unwrap()
         .join("hotel");
+    // And what the service's Secret would hold: its registration token.
+    let key =
+        dpumesh_identity::registration::RegistrationKey::load(&dir.path().join(".dpumesh/certs"))
+            .unwrap();
     let pod = |service: &str, node: &str| {
         Command::new(&hotel)
             .arg(service)
+            .env("DPUMESH_TOKEN", key.token(service))
             .env("DPUMESH_CONTROL", run.join(format!("{node}.sock")))
             .env("DPUMESH_SERVICE", service)
             .env("DPUMESH_POD", format!("{service}-{node}-0"))

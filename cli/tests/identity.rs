@@ -159,3 +159,41 @@ fn without_mutual_tls_a_forged_policed_request_skips_the_chain() {
     let mesh = Mesh::up_with(|m| format!("{m}identity: {{mtls: off}}\n"));
     assert_eq!(forged(ShmFabric::new(), node1_fabric(&mesh)), Ok(200));
 }
+
+#[test]
+fn a_pod_registers_only_with_its_services_token() {
+    use dpumesh_dpa::control::transport::{ControlClient, Endpoint};
+    use dpumesh_dpa::control::{ControlError, ErrorCode, Role};
+    let mesh = Mesh::up();
+    // node1's control socket: in the run folder `up` gave it.
+    let node1 = the_one(&mesh.child.id().to_string(), "dpumesh node .*--name node1");
+    let args = std::fs::read(format!("/proc/{node1}/cmdline")).unwrap();
+    let args: Vec<String> = args
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let run = &args[args.iter().position(|a| a == "--run-dir").unwrap() + 1];
+    let socket = Endpoint::Unix(std::path::Path::new(run).join("node1.sock"));
+    let register = |pod: &str, service: &str, token: Option<&str>| {
+        let mut c = ControlClient::connect(&socket, Role::Host, pod).unwrap();
+        c.register_pod(pod, service, token).map(|_| ())
+    };
+    let refused = |r: Result<(), ControlError>| match r {
+        Err(ControlError::Refused { code, message }) => {
+            assert_eq!(code, ErrorCode::Unauthorized, "{message}");
+            message
+        }
+        other => panic!("registered without proof: {other:?}"),
+    };
+    let why = refused(register("rogue-0", "frontend", None));
+    assert!(why.contains("no registration token"), "{why}");
+    let key = dpumesh_identity::registration::RegistrationKey::load(
+        &mesh._dir.path().join(".dpumesh/certs"),
+    )
+    .unwrap();
+    // The user service's token does not make a frontend.
+    let why = refused(register("rogue-1", "frontend", Some(&key.token("user"))));
+    assert!(why.contains("does not prove"), "{why}");
+    // The frontend's token does.
+    register("extra-frontend-0", "frontend", Some(&key.token("frontend"))).unwrap();
+}

@@ -68,6 +68,9 @@ pub struct DpuConfig {
     /// Services that run on other nodes, with the fabric address of one of them (what
     /// `Locate` answers when no pod here serves the service).
     pub remote_services: std::collections::BTreeMap<String, std::net::SocketAddr>,
+    /// The mesh's registration key: a pod registers only with its service's token
+    /// (`None`: anyone who reaches the control socket registers as anything).
+    pub registration: Option<dpumesh_identity::registration::RegistrationKey>,
 }
 
 impl DpuConfig {
@@ -80,6 +83,7 @@ impl DpuConfig {
             shards: 1,
             max_pods: 64,
             remote_services: std::collections::BTreeMap::new(),
+            registration: None,
         }
     }
 }
@@ -345,12 +349,35 @@ impl ControlHandler {
 
     /// The answer, and the serving shard's bell eventfd with a registration.
     fn answer(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
-        if let Request::RegisterPod { name, service, pid } = request {
+        if let Request::RegisterPod {
+            name,
+            service,
+            pid,
+            token,
+        } = request
+        {
             if peer.role != Role::Host {
                 return (
                     Response::Error {
                         code: ErrorCode::BadRequest,
                         message: "only hosts register pods".to_owned(),
+                    },
+                    Vec::new(),
+                );
+            }
+            if let Some(key) = &self.0.config.registration
+                && !token.as_deref().is_some_and(|t| key.verify(&service, t))
+            {
+                let why = if token.is_none() {
+                    "no registration token (DPUMESH_TOKEN)"
+                } else {
+                    "a registration token that does not prove the service"
+                };
+                tracing::warn!(pod = name, service, pid, "refused a registration: {why}");
+                return (
+                    Response::Error {
+                        code: ErrorCode::Unauthorized,
+                        message: format!("pod {name} cannot register as {service}: {why}"),
                     },
                     Vec::new(),
                 );

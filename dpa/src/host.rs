@@ -151,10 +151,12 @@ impl HostPort {
     pub const LINGER: Duration = Duration::from_secs(1);
 
     /// Registers pod `name` of `service` with the DPU at `endpoint` and maps what it
-    /// exports.
+    /// exports. The service's registration token comes from `DPUMESH_TOKEN` (set by
+    /// `dpumesh up`), as the control socket comes from `DPUMESH_CONTROL`.
     pub fn connect(endpoint: &Endpoint, name: &str, service: &str) -> Result<Self, HostError> {
         let mut control = ControlClient::connect(endpoint, Role::Host, name)?;
-        let exports = control.register_pod(name, service)?;
+        let token = std::env::var("DPUMESH_TOKEN").ok();
+        let exports = control.register_pod(name, service, token.as_deref())?;
         // The shard's eventfd comes with the answer on a Unix socket; over TCP there is
         // none, and the shard finds this pod's sends by polling.
         let bell = match control.take_fds().into_iter().next() {

@@ -39,6 +39,7 @@ pub mod fdpass;
 pub mod frame;
 pub mod host;
 pub mod link;
+pub mod peercred;
 pub mod poll;
 pub mod pool;
 pub mod reconnect;

@@ -4,11 +4,13 @@
 //! - [`ca`]: the mesh CA and the certificate folder it issues into.
 //! - [`tls`]: mutual TLS configs from a folder, peer checks, hot reload, counts.
 //! - [`wire`]: a TLS session driven by a non-blocking event loop (the TCP fabric).
+//! - [`registration`]: the tokens pods register with.
 
 use std::path::PathBuf;
 
 pub mod ca;
 pub mod metrics;
+pub mod registration;
 pub mod spiffe;
 pub mod tls;
 pub mod wire;

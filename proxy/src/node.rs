@@ -105,6 +105,7 @@ impl Node {
         // Shared-memory names carry the process id: two meshes on one machine (tests)
         // must not meet.
         let mut config = DpuConfig::new(format!("{name}-{}", std::process::id()));
+        config.registration = crate::trust::registration_key(mesh)?;
         config.pod = PodSizing {
             header_slot: 64 << 10,
             header_slots: 256,

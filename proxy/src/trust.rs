@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use dpumesh_config::{MeshFile, Mtls};
+use dpumesh_identity::registration::RegistrationKey;
 use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
 
 /// The certificate folder of a mesh file.
@@ -65,6 +66,8 @@ pub fn issue(mesh: &MeshFile) -> Result<Vec<SpiffeId>> {
         return Ok(Vec::new());
     }
     let dir = certs_dir(mesh);
+    RegistrationKey::load_or_create(&dir)
+        .with_context(|| format!("cannot make the registration key in {}", dir.display()))?;
     ca::ensure(
         &dir,
         mesh.config.identity.trust_domain(),
@@ -77,6 +80,25 @@ pub fn issue(mesh: &MeshFile) -> Result<Vec<SpiffeId>> {
             dir.display()
         )
     })
+}
+
+/// The key a node checks pods' registrations with (`None` without mutual TLS).
+pub fn registration_key(mesh: &MeshFile) -> Result<Option<RegistrationKey>> {
+    if mesh.config.identity.mtls == Mtls::Off {
+        return Ok(None);
+    }
+    let dir = certs_dir(mesh);
+    RegistrationKey::load(&dir).map(Some).with_context(|| {
+        format!(
+            "no registration key in {} (`dpumesh up` and `dpumesh certs` make it)",
+            dir.display()
+        )
+    })
+}
+
+/// The token `service`'s pods register with (`None` without mutual TLS).
+pub fn registration_token(mesh: &MeshFile, service: &str) -> Result<Option<String>> {
+    Ok(registration_key(mesh)?.map(|k| k.token(service)))
 }
 
 /// `id`'s certificates, or `None` when the mesh runs without mutual TLS.

@@ -115,7 +115,7 @@ impl Up {
             for node in &entry.nodes {
                 for replica in 0..entry.replicas.unwrap_or(1) {
                     let pod = format!("{service}-{node}-{replica}");
-                    let spec = in_netns(format!("pod {pod}"), node, &program(command))
+                    let mut spec = in_netns(format!("pod {pod}"), node, &program(command))
                         .args(args)
                         .env("DPUMESH_CONTROL", control_socket(&run, node))
                         .env("DPUMESH_SERVICE", service)
@@ -124,6 +124,9 @@ impl Up {
                             dpumesh_dpa::poll::ENV,
                             dpumesh_proxy::node::polling(&mesh.config.polling).to_string(),
                         );
+                    if let Some(token) = dpumesh_proxy::trust::registration_token(&mesh, service)? {
+                        spec = spec.env("DPUMESH_TOKEN", token);
+                    }
                     up.processes.push(Process::start(spec, policy)?);
                 }
             }

@@ -30,7 +30,8 @@ use serde::{Deserialize, Serialize};
 /// `DPMC`, little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// 3: registrations carry a token.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Largest body accepted.
 pub const MAX_BODY: u32 = 64 << 10;
 const HEADER: usize = 16;
@@ -58,6 +59,9 @@ pub enum Request {
         service: String,
         /// Its process id (for liveness checks beside the connection itself).
         pid: u32,
+        /// Proof that it may serve as `service` (see `dpumesh_identity::registration`);
+        /// a node with a registration key refuses registrations without a valid one.
+        token: Option<String>,
     },
     /// Unregisters a pod: its rings stop being polled and its buffers are reclaimed.
     UnregisterPod { pod_id: u32 },
@@ -120,6 +124,8 @@ pub enum ErrorCode {
     BadRequest,
     /// Something failed on the DPU.
     Internal,
+    /// The registration's token does not prove its service.
+    Unauthorized,
 }
 
 /// Who is on the other end.

@@ -57,6 +57,7 @@ fn frames_round_trip() {
                 name: "a".into(),
                 service: "users".into(),
                 pid: 77,
+                token: Some("ab".repeat(32)),
             },
         ),
         Frame::Response(2, Response::PodRegistered(Box::new(exports()))),
@@ -143,9 +144,9 @@ fn a_client_registers_and_the_server_learns_when_it_goes() {
     let mut client = ControlClient::connect(&endpoint, Role::Host, "pod-a").unwrap();
     assert_eq!(client.node(), "node-test");
     client.ping().unwrap();
-    assert_eq!(client.register_pod("a", "users").unwrap(), exports());
+    assert_eq!(client.register_pod("a", "users", None).unwrap(), exports());
     let err = client
-        .register_pod("taken", "users")
+        .register_pod("taken", "users", None)
         .unwrap_err()
         .to_string();
     assert!(

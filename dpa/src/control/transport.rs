@@ -293,6 +293,14 @@ fn accept_loop(
                 continue;
             }
         };
+        // A pod's identity is its registration: only processes of the node's user
+        // (or root) may register (the token then proves the service).
+        if let Stream::Unix(s) = &stream
+            && let Err(why) = crate::peercred::check_same_user(s)
+        {
+            tracing::warn!(why, "refused a control connection");
+            continue;
+        }
         let blocking = match &stream {
             Stream::Unix(s) => s.set_nonblocking(false),
             Stream::Tcp(s) => s.set_nonblocking(false),
@@ -576,12 +584,19 @@ impl ControlClient {
         matches!(self.stream, Stream::Unix(_))
     }
 
-    /// Registers a pod and returns what to map.
-    pub fn register_pod(&mut self, name: &str, service: &str) -> Result<PodExports, ControlError> {
+    /// Registers a pod (with its service's registration token, if it has one) and
+    /// returns what to map.
+    pub fn register_pod(
+        &mut self,
+        name: &str,
+        service: &str,
+        token: Option<&str>,
+    ) -> Result<PodExports, ControlError> {
         match self.request(Request::RegisterPod {
             name: name.to_owned(),
             service: service.to_owned(),
             pid: std::process::id(),
+            token: token.map(str::to_owned),
         })? {
             Response::PodRegistered(exports) => Ok(*exports),
             other => Err(ControlError::Body(format!(

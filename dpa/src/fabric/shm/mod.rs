@@ -277,22 +277,6 @@ fn peer_parts(hello: &Hello, fds: Vec<OwnedFd>) -> Result<PeerParts, String> {
     Ok(PeerParts { bell, mrs })
 }
 
-/// The connecting process must run as this one's user (or as root).
-fn check_peer_user(sock: &UnixStream) -> Result<(), String> {
-    let cred = rustix::net::sockopt::socket_peercred(sock)
-        .map_err(|e| format!("cannot read the peer's credentials: {e}"))?;
-    let me = rustix::process::geteuid();
-    if cred.uid != me && !cred.uid.is_root() {
-        return Err(format!(
-            "process {} runs as user {}, not this node's user {}",
-            cred.pid.as_raw_nonzero(),
-            cred.uid.as_raw(),
-            me.as_raw()
-        ));
-    }
-    Ok(())
-}
-
 impl ShmListener {
     fn handshake(&self, mut sock: UnixStream) -> Result<ShmQp, String> {
         sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
@@ -300,7 +284,7 @@ impl ShmListener {
             .map_err(|e| e.to_string())?;
         let peer_id = match &self.fabric.tls {
             Some(tls) => {
-                check_peer_user(&sock)?;
+                crate::peercred::check_same_user(&sock)?;
                 Some(tls.accept(&mut sock).map_err(|e| e.to_string())?.1)
             }
             None => None,
