@@ -1,6 +1,8 @@
-//! Faults that do not kill anything, through real processes: a pod that stops reading
-//! its ring (SIGSTOP: hung, deadlocked, swapped out). The mesh answers for it at
-//! once, the others serve on, and once it is back nothing is left held.
+//! Faults through real processes: a pod that stops reading its ring (SIGSTOP: hung,
+//! deadlocked, swapped out) — the mesh answers for it at once, the others serve on,
+//! and once it is back nothing is left held; and a fabric link that drops while
+//! bodies cross it (the node at its far end killed) — every client gets the whole
+//! body or an error, never a truncated 200.
 
 use std::process::Command;
 use std::sync::Arc;
@@ -132,4 +134,104 @@ fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
             "no region of {pid} left"
         );
     }
+}
+
+/// POSTs `body` to the reservation service's echo (node2: across the fabric from
+/// the ingress, both ways).
+fn echo(client: &Client, body: &[u8]) -> Option<Reply> {
+    let mut r = format!(
+        "POST /echo HTTP/1.1\r\nhost: reservation\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    r.extend_from_slice(body);
+    client.try_raw(&r)
+}
+
+#[test]
+fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
+    // The TCP fabric (with its mutual TLS): the link is a connection that breaks.
+    let mesh =
+        Mesh::up_with(|m| m.replace("policy: policy.yaml", "policy: policy.yaml\ntransport: tcp"));
+    let up = mesh.child.id().to_string();
+    let client = mesh.client();
+    let body: Arc<Vec<u8>> = Arc::new(
+        (0..(2usize << 20))
+            .map(|i| (i * 13 + i / 509) as u8)
+            .collect(),
+    );
+    wait("echo serves", Duration::from_secs(60), &|| {
+        echo(&client, &body).is_some_and(|r| r.0 == 200)
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let senders: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, client, body) = (stop.clone(), Client(mesh.ingress), body.clone());
+            std::thread::spawn(move || {
+                let mut want = body.to_vec();
+                want.reverse();
+                let (mut whole, mut errors, mut dropped) = (0, 0, 0);
+                while !stop.load(Ordering::Relaxed) {
+                    match echo(&client, &body) {
+                        Some((200, headers, got)) => {
+                            assert_eq!(
+                                header(&headers, "content-length"),
+                                Some(body.len().to_string().as_str())
+                            );
+                            assert!(
+                                got == want,
+                                "a 200 carried {} of {} bytes, or other bytes",
+                                got.len(),
+                                body.len()
+                            );
+                            whole += 1;
+                        }
+                        Some((status, _, got)) => {
+                            assert!(
+                                status >= 500,
+                                "an error status, got {status}: {}",
+                                String::from_utf8_lossy(&got)
+                            );
+                            errors += 1;
+                        }
+                        None => dropped += 1,
+                    }
+                }
+                (whole, errors, dropped)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(700));
+    let node2 = the_one(&up, "dpumesh node .*--name node2");
+    signal(node2, "-KILL");
+    // `up` starts it again; the senders go on through its return.
+    wait(
+        "node2 is back and echo serves",
+        Duration::from_secs(60),
+        &|| echo(&client, &body).is_some_and(|r| r.0 == 200),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    let (mut whole, mut errors, mut dropped) = (0, 0, 0);
+    for t in senders {
+        let (w, e, d) = t.join().unwrap();
+        (whole, errors, dropped) = (whole + w, errors + e, dropped + d);
+    }
+    eprintln!(
+        "2 MiB echoes across a link killed mid-way: {whole} whole, {errors} errors, {dropped} connections dropped without an answer"
+    );
+    assert!(whole > 0 && errors > 0, "the kill hit bodies in flight");
+    assert_eq!(dropped, 0, "every client got an answer");
+    for admin in mesh.admins() {
+        wait("the nodes are idle again", Duration::from_secs(15), &|| {
+            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
+                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
+        });
+    }
+    drop(mesh);
+    assert_eq!(
+        regions_of(node2),
+        Vec::<String>::new(),
+        "the killed node's regions are swept"
+    );
 }

@@ -197,3 +197,31 @@ fn a_pod_registers_only_with_its_services_token() {
     // The frontend's token does.
     register("extra-frontend-0", "frontend", Some(&key.token("frontend"))).unwrap();
 }
+
+#[test]
+fn certificates_rotate_under_a_running_mesh() {
+    let mesh = Mesh::up();
+    let node1 = node1_fabric(&mesh);
+    let admin1 = mesh.admins[0];
+    let certs = mesh._dir.path().join(".dpumesh/certs");
+    let ingress = SpiffeId::ingress(TD).unwrap();
+    let before = std::fs::read(certs.join("ingress.pem")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["certs", "--rotate", "--config"])
+        .arg(mesh._dir.path().join("mesh.yaml"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_ne!(std::fs::read(certs.join("ingress.pem")).unwrap(), before);
+    // The node looks at its files (at most once a second) when it next accepts a link.
+    std::thread::sleep(Duration::from_millis(1100));
+    let fresh = MeshTls::load(TlsFiles::in_dir(&certs, &ingress), TD).unwrap();
+    assert_eq!(forged(ShmFabric::new().with_tls(fresh), node1), Ok(401));
+    assert!(
+        metric_or_zero(admin1, "dpumesh_tls_certificate_reloads_total") >= 1.0,
+        "node1 took its new certificate without a restart"
+    );
+    // Links made before keep serving.
+    let alice = token("alice", &["user"]);
+    assert_eq!(mesh.get("/hotels?user=7", Some(&alice)).0, 200);
+}
