@@ -36,7 +36,7 @@ pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
     // What a killed predecessor (or any dead process of ours) left in /dev/shm.
     dpumesh_dpa::shm::sweep_orphans();
     let node = Node::start(&mesh, name, run_dir)?;
-    println!(
+    say!(
         "{READY} node {name} fabric {} control {} admin {}",
         node.fabric_addr(),
         node.control_socket().display(),
@@ -64,14 +64,14 @@ pub fn certs(file: &Path, rotate: bool) -> Result<()> {
         )?;
         for id in dpumesh_proxy::trust::all_ids(&mesh)? {
             ca.issue_into(&dir, &id, dpumesh_identity::ca::LEAF_VALIDITY)?;
-            println!("issued {id}");
+            say!("issued {id}");
         }
     } else {
         for id in dpumesh_proxy::trust::issue(&mesh)? {
-            println!("issued {id}");
+            say!("issued {id}");
         }
     }
-    println!("certificates in {}", dir.display());
+    say!("certificates in {}", dir.display());
     Ok(())
 }
 
@@ -91,7 +91,7 @@ pub fn ingress(mesh: &Path) -> Result<()> {
             dpumesh_ingress::Ingress::start(SoftFabric::new().with_tls(tls), settings)?
         }
     };
-    println!("{READY} ingress {}", ingress.addr());
+    say!("{READY} ingress {}", ingress.addr());
     wait_for_signal()?;
     drop(ingress);
     Ok(())

@@ -235,3 +235,111 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
         "the killed node's regions are swept"
     );
 }
+
+#[test]
+fn an_exhausted_ingress_pool_refuses_with_retry_after_and_loses_no_slot() {
+    // One slot in the whole ingress: a leaked slot would stop it for good.
+    let mesh = Mesh::up_with(|m| {
+        m.replace(
+            "  request_timeout: 5s",
+            "  request_timeout: 2s\n  slots: 1\n  threads: 1",
+        )
+    });
+    let up = mesh.child.id().to_string();
+    let client = mesh.client();
+    wait("reservation serves", Duration::from_secs(60), &|| {
+        reservation(&client).is_some_and(|r| r.0 == 200)
+    });
+    let pod = the_one(&up, "hotel reservation");
+    signal(pod, "-STOP");
+    let ask_all = |n: usize| -> Vec<(Option<Reply>, Duration)> {
+        let askers: Vec<_> = (0..n)
+            .map(|_| {
+                let client = Client(mesh.ingress);
+                std::thread::spawn(move || {
+                    let started = Instant::now();
+                    (reservation(&client), started.elapsed())
+                })
+            })
+            .collect();
+        askers.into_iter().map(|t| t.join().unwrap()).collect()
+    };
+    let seen = ask_all(8);
+    signal(pod, "-CONT");
+    let mut at_capacity = 0;
+    for (reply, took) in &seen {
+        let (status, headers, body) = reply.as_ref().expect("every request is answered");
+        let body = String::from_utf8_lossy(body);
+        assert!(matches!(status, 503 | 504), "got {status}: {body}");
+        assert!(*took < Duration::from_secs(5), "bounded wait: {took:?}");
+        if body.contains("at capacity") {
+            assert_eq!(header(headers, "retry-after"), Some("1"), "{body}");
+            at_capacity += 1;
+        }
+    }
+    assert!(
+        at_capacity > 0,
+        "waiting for the one slot ends in 503 at capacity"
+    );
+    // The slot came back: everything is served again, one after the other.
+    wait("reservation serves again", Duration::from_secs(30), &|| {
+        reservation(&client).is_some_and(|r| r.0 == 200)
+    });
+    let after = ask_all(8);
+    assert!(
+        after
+            .iter()
+            .all(|(r, _)| r.as_ref().is_some_and(|r| r.0 == 200)),
+        "{:?}",
+        after
+            .iter()
+            .map(|(r, _)| r.as_ref().map(|r| r.0))
+            .collect::<Vec<_>>()
+    );
+    for admin in mesh.admins() {
+        wait("the nodes are idle again", Duration::from_secs(15), &|| {
+            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
+                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
+        });
+    }
+}
+
+#[test]
+fn logs_to_a_full_disk_lose_no_request() {
+    // `/dev/full` fails every write with ENOSPC: what a full log partition does to a
+    // process whose output is redirected to a file there.
+    let dir = tempfile::tempdir().unwrap();
+    let (file, ingress) = mesh_files(dir.path(), |m| m);
+    let full = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .unwrap()
+    };
+    let mut up = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["up", "--config"])
+        .arg(&file)
+        .stdout(full())
+        .stderr(full())
+        .spawn()
+        .unwrap();
+    let client = Client(ingress);
+    let alice = token("alice", &["user"]);
+    wait("the mesh serves", Duration::from_secs(120), &|| {
+        client.status("/hotels?user=7", Some(&alice)) == 200
+    });
+    // A pod killed makes `up` and the node log (restart, re-registration): still
+    // nothing fails but the log lines.
+    let pod = the_one(&up.id().to_string(), "hotel reservation");
+    signal(pod, "-KILL");
+    wait("reservation serves again", Duration::from_secs(60), &|| {
+        reservation(&client).is_some_and(|r| r.0 == 200)
+    });
+    for _ in 0..50 {
+        assert_eq!(client.status("/hotels?user=7", Some(&alice)), 200);
+    }
+    assert!(up.try_wait().unwrap().is_none(), "`up` still runs");
+    signal(up.id(), "-INT");
+    let status = up.wait().unwrap();
+    assert!(status.success(), "`up` stops cleanly: {status:?}");
+}

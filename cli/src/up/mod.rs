@@ -63,7 +63,7 @@ impl Up {
         // Before any process starts: each loads its certificate.
         let issued = dpumesh_proxy::trust::issue(&mesh)?;
         if !issued.is_empty() {
-            eprintln!(
+            say_err!(
                 "dpumesh up: issued {} certificate(s) into {}",
                 issued.len(),
                 dpumesh_proxy::trust::certs_dir(&mesh).display()
@@ -100,7 +100,7 @@ impl Up {
             // A node that cannot start is the supervisor's to start again (or give up
             // on): the rest of the mesh comes up without it.
             if let Err(e) = node.wait_ready(START_TIMEOUT) {
-                eprintln!("dpumesh up: {e:#}");
+                say_err!("dpumesh up: {e:#}");
                 up.down.insert(name.clone());
             }
             up.processes.push(node);
@@ -138,7 +138,7 @@ impl Up {
         up.ingress = match ingress.wait_ready(START_TIMEOUT) {
             Ok(line) => line.rsplit(' ').next().unwrap_or_default().to_owned(),
             Err(e) => {
-                eprintln!("dpumesh up: {e:#}");
+                say_err!("dpumesh up: {e:#}");
                 mesh.config.ingress.listen.to_string()
             }
         };
@@ -171,7 +171,7 @@ impl Up {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 if have < want {
-                    eprintln!(
+                    say_err!(
                         "dpumesh up: {service} on {node}: {have} of {want} pods registered \
                          after {} s",
                         START_TIMEOUT.as_secs()
@@ -215,27 +215,27 @@ impl Up {
 fn report(name: &str, event: &Event) {
     match event {
         Event::Died { status, delay } => {
-            eprintln!("dpumesh up: {name} exited ({status}); starting it again in {delay:.1?}")
+            say_err!("dpumesh up: {name} exited ({status}); starting it again in {delay:.1?}")
         }
         Event::Restarted { count } => {
-            eprintln!("dpumesh up: {name} started again (restart {count})")
+            say_err!("dpumesh up: {name} started again (restart {count})")
         }
         Event::Serving { after } => {
-            eprintln!("dpumesh up: {name} serves again, {after:.1?} after it died")
+            say_err!("dpumesh up: {name} serves again, {after:.1?} after it died")
         }
-        Event::SpawnFailed(e) => eprintln!("dpumesh up: {e}"),
+        Event::SpawnFailed(e) => say_err!("dpumesh up: {e}"),
         Event::GaveUp {
             status,
             quick_deaths,
             tail,
         } => {
-            eprintln!(
+            say_err!(
                 "dpumesh up: {name} died {quick_deaths} times right after starting (last: \
                  {status}); it is left down and the rest of the mesh keeps serving. Its last \
                  lines:"
             );
             for line in tail {
-                eprintln!("    {line}");
+                say_err!("    {line}");
             }
         }
     }
@@ -258,33 +258,33 @@ impl Drop for Up {
 /// `dpumesh up`.
 pub fn up(file: &Path) -> Result<()> {
     let mut up = Up::start(file)?;
-    println!("DPUmesh is up.");
-    println!("  ingress   http://{}/", up.ingress);
+    say!("DPUmesh is up.");
+    say!("  ingress   http://{}/", up.ingress);
     if let Some(a) = up.ingress_admin {
-        println!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
+        say!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
     }
     let mesh = MeshFile::read(file)?;
     match mesh.config.identity.mtls {
-        dpumesh_config::Mtls::Mutual => println!(
+        dpumesh_config::Mtls::Mutual => say!(
             "  identity  mutual TLS, trust domain {}, certificates in {}",
             mesh.config.identity.trust_domain(),
             dpumesh_proxy::trust::certs_dir(&mesh).display()
         ),
         dpumesh_config::Mtls::Off => {
-            println!("  identity  OFF: fabric links are not authenticated (identity.mtls: off)")
+            say!("  identity  OFF: fabric links are not authenticated (identity.mtls: off)")
         }
     }
     for (node, url) in &up.admins {
-        println!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
+        say!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
     }
     if let Some(token) = demo_token(file)? {
-        println!("  try:");
-        println!(
+        say!("  try:");
+        say!(
             "    curl -s -H 'authorization: Bearer {token}' 'http://{}/hotels?user=7'",
             up.ingress
         );
     }
-    println!("A process that dies is started again. Ctrl-C stops everything.");
+    say!("A process that dies is started again. Ctrl-C stops everything.");
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     std::thread::spawn(move || {
@@ -297,9 +297,9 @@ pub fn up(file: &Path) -> Result<()> {
     }
     let summary = up.summary();
     if !summary.is_empty() {
-        println!("restarted while up: {}", summary.join(", "));
+        say!("restarted while up: {}", summary.join(", "));
     }
-    println!("stopping...");
+    say!("stopping...");
     drop(up);
     Ok(())
 }

@@ -192,9 +192,9 @@ impl Process {
                     continue;
                 }
                 if err {
-                    eprintln!("[{label}] {line}");
+                    say_err!("[{label}] {line}");
                 } else {
-                    println!("[{label}] {line}");
+                    say!("[{label}] {line}");
                 }
                 backtrace |= line.trim_start().starts_with("Stack backtrace:")
                     || line.contains("stack backtrace:");
