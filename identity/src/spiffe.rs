@@ -183,4 +183,18 @@ mod tests {
         );
         assert!(!SpiffeId::ingress("td").unwrap().is_node());
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(20_000))]
+        /// A peer's certificate names what it likes: parsing never panics, and what
+        /// parses prints back to the same text.
+        #[test]
+        fn any_uri_parses_or_is_refused_without_a_panic(
+            uri in "(spiffe://)?[a-zA-Z0-9._/%-]{0,40}|spiffe://[a-z.]{1,8}/(ns|dpumesh)/[a-z./]{0,12}(/sa/[a-z.]{0,6})?"
+        ) {
+            if let Ok(id) = SpiffeId::parse(&uri) {
+                proptest::prop_assert_eq!(id.to_string(), uri);
+            }
+        }
+    }
 }
