@@ -225,3 +225,33 @@ fn certificates_rotate_under_a_running_mesh() {
     let alice = token("alice", &["user"]);
     assert_eq!(mesh.get("/hotels?user=7", Some(&alice)).0, 200);
 }
+
+/// The internal services let in only the frontend's pods, by SPIFFE ID.
+fn only_the_frontend(policy: String) -> String {
+    let component = policy
+        .lines()
+        .find(|l| l.contains("dpumesh_filter_rbac"))
+        .and_then(|l| l.trim().strip_prefix("component: "))
+        .unwrap()
+        .to_owned();
+    let filter = format!(
+        "  only-frontend:\n    deadline: 100ms\n    component: {component}\n    config:\n      action: ALLOW\n      policies:\n        - {{name: frontend, permissions: [{{any: true}}], principals: [{{identity: {{exact: \"spiffe://{TD}/ns/default/sa/frontend\"}}}}]}}\n"
+    );
+    policy
+        .replace("\nchains:\n", &format!("{filter}\nchains:\n"))
+        .replace("  internal: [trace]", "  internal: [trace, only-frontend]")
+}
+
+#[test]
+fn rbac_sees_the_calling_pods_workload_identity() {
+    let mesh = Mesh::up_edited(|m| m, only_the_frontend);
+    let alice = token("alice", &["user"]);
+    // The frontend's pod calls user (same node) and reservation (node2): allowed.
+    let (status, _, body) = mesh.get("/hotels?user=7", Some(&alice));
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    // From outside (the ingress: no workload identity), the same services say no.
+    let (status, _, _) = mesh.client().raw(
+        b"GET /reservations?user=3 HTTP/1.1\r\nhost: reservation\r\nconnection: close\r\n\r\n",
+    );
+    assert_eq!(status, 403);
+}
