@@ -89,6 +89,40 @@ impl SoftFabric {
     }
 }
 
+/// Reads a peer's 16-byte hello: whether it wants mutual TLS, or why it is not a
+/// peer of this build. (Public for the fuzz target: it is what a stranger's bytes meet
+/// first on a fabric port.)
+pub fn parse_hello(got: &[u8]) -> Result<bool, String> {
+    hello_prefix(got)?;
+    match hello_word(got, 12)? {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(format!("the peer's hello asks for security mode {other}")),
+    }
+}
+
+fn hello_word(got: &[u8], i: usize) -> Result<u32, String> {
+    got.get(i..i + 4)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| format!("a hello is 16 bytes, got {}", got.len()))
+}
+
+/// Checks a hello's magic and version (its first 8 bytes).
+fn hello_prefix(got: &[u8]) -> Result<(), String> {
+    let word = |i| hello_word(got, i);
+    if word(0)? != HELLO_MAGIC {
+        return Err("the peer is not a DPUmesh software fabric endpoint".into());
+    }
+    let version = word(4)?;
+    if version != HELLO_VERSION {
+        return Err(format!(
+            "software fabric version mismatch: this side speaks {HELLO_VERSION}, the peer {version}"
+        ));
+    }
+    Ok(())
+}
+
 /// Exchanges hellos (magic, version, and whether mutual TLS follows), then runs the
 /// TLS handshake when this side has certificates. Blocking, with a 10 s limit on
 /// each read.
@@ -105,21 +139,11 @@ pub(super) fn hello(
     sock.set_write_timeout(Some(Duration::from_secs(10)))?;
     sock.write_all(&out)?;
     let mut got = [0u8; 16];
+    // Magic and version first: a peer of another version may send fewer bytes.
     sock.read_exact(&mut got[..8])?;
-    let magic = u32::from_le_bytes([got[0], got[1], got[2], got[3]]);
-    let version = u32::from_le_bytes([got[4], got[5], got[6], got[7]]);
-    if magic != HELLO_MAGIC {
-        return Err(std::io::Error::other(
-            "the peer is not a DPUmesh software fabric endpoint",
-        ));
-    }
-    if version != HELLO_VERSION {
-        return Err(std::io::Error::other(format!(
-            "software fabric version mismatch: this side speaks {HELLO_VERSION}, the peer {version}"
-        )));
-    }
+    hello_prefix(&got[..8]).map_err(std::io::Error::other)?;
     sock.read_exact(&mut got[8..])?;
-    let peer_tls = u32::from_le_bytes([got[12], got[13], got[14], got[15]]) != 0;
+    let peer_tls = parse_hello(&got).map_err(std::io::Error::other)?;
     let session = match (tls, peer_tls) {
         (None, false) => None,
         (Some(_), false) => {

@@ -39,6 +39,7 @@ use crate::shm::SharedRegion;
 
 mod cq;
 mod device;
+pub use device::parse_hello;
 mod mr;
 mod qp;
 mod recv;

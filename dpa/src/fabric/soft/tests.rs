@@ -41,3 +41,27 @@ fn held_sends_wait_for_the_flush_and_leave_in_one_write() {
     assert_eq!(ids, vec![1, 2]);
     assert_eq!(b.region.read_vec(64, 7).unwrap(), b"one two");
 }
+
+#[test]
+fn a_hello_says_what_is_wrong_with_it() {
+    use super::{HELLO_MAGIC, parse_hello};
+    let hello = |magic: u32, version: u32, mode: u32| {
+        let mut b = [0u8; 16];
+        b[0..4].copy_from_slice(&magic.to_le_bytes());
+        b[4..8].copy_from_slice(&version.to_le_bytes());
+        b[12..16].copy_from_slice(&mode.to_le_bytes());
+        b
+    };
+    assert_eq!(parse_hello(&hello(HELLO_MAGIC, 2, 0)), Ok(false));
+    assert_eq!(parse_hello(&hello(HELLO_MAGIC, 2, 1)), Ok(true));
+    for (bytes, why) in [
+        (hello(0x1234, 2, 0).to_vec(), "not a DPUmesh"),
+        (hello(HELLO_MAGIC, 1, 0).to_vec(), "speaks 2, the peer 1"),
+        (hello(HELLO_MAGIC, 2, 7).to_vec(), "security mode 7"),
+        (hello(HELLO_MAGIC, 2, 0)[..12].to_vec(), "16 bytes, got 12"),
+        (Vec::new(), "16 bytes, got 0"),
+    ] {
+        let e = parse_hello(&bytes).unwrap_err();
+        assert!(e.contains(why), "{e}");
+    }
+}
