@@ -141,6 +141,7 @@ impl Node {
             timeout: mesh.config.ingress.request_timeout(),
             trust_domain: mesh.config.identity.trust_domain().to_owned(),
             namespace: mesh.config.identity.namespace().to_owned(),
+            require_identity: mesh.config.identity.mtls == dpumesh_config::Mtls::Mutual,
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
         let dataplane = match mesh.config.transport {

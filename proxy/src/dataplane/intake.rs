@@ -102,14 +102,17 @@ impl<F: Fabric> Reactor<F> {
     /// vouches for it: "already policed" and a source workload identity only from a
     /// node (which policed the request and knows its pod); from the ingress, neither
     /// (it polices nothing and knows no workload). A mesh without mutual TLS proves
-    /// nothing and believes everything (`identity.mtls: off` warns of this).
+    /// nothing and believes everything (`identity.mtls: off` warns of this); a mesh
+    /// that requires identities believes nothing from a link that proved none (a
+    /// backend without authentication: fail closed).
     fn trust_claims(&self, qp: u32, head: &mut RequestHead, flags: &mut RequestFlags) {
-        let Some(peer) = self.links.get(&qp).and_then(|s| s.link.peer_identity()) else {
-            return;
+        let peer = self.links.get(&qp).and_then(|s| s.link.peer_identity());
+        let peer = match peer {
+            Some(peer) if peer.is_node() => return,
+            Some(peer) => peer.to_string(),
+            None if !self.topology.require_identity => return,
+            None => "an unauthenticated link".to_owned(),
         };
-        if peer.is_node() {
-            return;
-        }
         if flags.policed {
             tracing::warn!(%peer, path = %head.path, "a request claimed to be policed by a peer that is not a node: its chain runs");
             metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "policed").increment(1);

@@ -79,6 +79,9 @@ pub struct Topology {
     /// The SPIFFE trust domain and namespace of the pods' identities.
     pub trust_domain: String,
     pub namespace: String,
+    /// Links must prove a node's identity for their claims to be believed (mutual
+    /// TLS is on); otherwise every link is believed.
+    pub require_identity: bool,
 }
 
 /// Counters, readable from any thread.
