@@ -339,7 +339,26 @@ fn logs_to_a_full_disk_lose_no_request() {
         assert_eq!(client.status("/hotels?user=7", Some(&alice)), 200);
     }
     assert!(up.try_wait().unwrap().is_none(), "`up` still runs");
+    let mesh = dpumesh_config::MeshFile::read(&file).unwrap();
+    for node in mesh.config.nodes.values() {
+        let admin = node.admin.unwrap();
+        wait("the nodes are idle again", Duration::from_secs(15), &|| {
+            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
+                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
+        });
+    }
+    let pids: Vec<u32> = ["dpumesh node", "dpumesh ingress", "hotel"]
+        .iter()
+        .flat_map(|p| pids_of(&up.id().to_string(), p))
+        .collect();
     signal(up.id(), "-INT");
     let status = up.wait().unwrap();
     assert!(status.success(), "`up` stops cleanly: {status:?}");
+    for pid in pids {
+        assert_eq!(
+            regions_of(pid),
+            Vec::<String>::new(),
+            "no region of {pid} left"
+        );
+    }
 }
