@@ -5,18 +5,20 @@
 //! - [`tls`]: mutual TLS configs from a folder, peer checks, hot reload, counts.
 //! - [`wire`]: a TLS session driven by a non-blocking event loop (the TCP fabric).
 //! - [`registration`]: the tokens pods register with.
+//! - [`relay`]: a TLS connection as a plain stream (the control channel over TCP).
 
 use std::path::PathBuf;
 
 pub mod ca;
 pub mod metrics;
 pub mod registration;
+pub mod relay;
 pub mod spiffe;
 pub mod tls;
 pub mod wire;
 
 pub use spiffe::{Role, SpiffeId};
-pub use tls::{HandshakeStats, MeshTls, TlsFiles, spiffe_of};
+pub use tls::{HandshakeStats, MeshTls, Peers, TlsFiles, spiffe_of};
 pub use wire::TlsSession;
 
 /// The rustls connection type the handshakes return.

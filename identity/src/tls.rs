@@ -251,6 +251,16 @@ fn load(files: &TlsFiles, trust_domain: &str) -> Result<Loaded, IdentityError> {
     })
 }
 
+/// Whom a handshake accepts as the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peers {
+    /// Nodes and the ingress (fabric links).
+    MeshComponents,
+    /// Any identity of the trust domain, workloads too (the control channel, where
+    /// pods call their node).
+    TrustDomain,
+}
+
 /// The byte a server sends (encrypted) once it accepted the client's certificate.
 const ACCEPTED: u8 = 0xA5;
 
@@ -305,9 +315,13 @@ impl MeshTls {
         }
     }
 
-    /// A peer may hold a link when the mesh CA vouches for it as a node or the
-    /// ingress of this trust domain.
-    fn check_peer(&self, certs: Option<&[CertificateDer<'_>]>) -> Result<SpiffeId, IdentityError> {
+    /// A peer is accepted when the mesh CA vouches for it as one of `peers` of this
+    /// trust domain.
+    fn check_peer(
+        &self,
+        certs: Option<&[CertificateDer<'_>]>,
+        peers: Peers,
+    ) -> Result<SpiffeId, IdentityError> {
         let cert = certs
             .and_then(|c| c.first())
             .ok_or_else(|| IdentityError::Refused("the peer presented no certificate".into()))?;
@@ -318,7 +332,7 @@ impl MeshTls {
                 self.trust_domain
             )));
         }
-        if !id.is_mesh_component() {
+        if peers == Peers::MeshComponents && !id.is_mesh_component() {
             return Err(IdentityError::Refused(format!(
                 "{id} is a workload: only nodes and the ingress open fabric links"
             )));
@@ -343,6 +357,15 @@ impl MeshTls {
         &self,
         sock: &mut S,
     ) -> Result<(Connection, SpiffeId), IdentityError> {
+        self.connect_to(sock, Peers::MeshComponents)
+    }
+
+    /// [`Self::connect`] accepting `peers`.
+    pub fn connect_to<S: Read + Write>(
+        &self,
+        sock: &mut S,
+        peers: Peers,
+    ) -> Result<(Connection, SpiffeId), IdentityError> {
         self.refresh();
         let config = self.current.load().client.clone();
         let r = (|| {
@@ -353,7 +376,7 @@ impl MeshTls {
                 conn.complete_io(sock)
                     .map_err(|e| IdentityError::Refused(e.to_string()))?;
             }
-            let id = self.check_peer(conn.peer_certificates())?;
+            let id = self.check_peer(conn.peer_certificates(), peers)?;
             let mut byte = [0u8; 1];
             rustls::Stream::new(&mut conn, sock)
                 .read_exact(&mut byte)
@@ -375,6 +398,15 @@ impl MeshTls {
         &self,
         sock: &mut S,
     ) -> Result<(Connection, SpiffeId), IdentityError> {
+        self.accept_from(sock, Peers::MeshComponents)
+    }
+
+    /// [`Self::accept`] accepting `peers`.
+    pub fn accept_from<S: Read + Write>(
+        &self,
+        sock: &mut S,
+        peers: Peers,
+    ) -> Result<(Connection, SpiffeId), IdentityError> {
         self.refresh();
         let config = self.current.load().server.clone();
         let r = (|| {
@@ -384,7 +416,7 @@ impl MeshTls {
                 conn.complete_io(sock)
                     .map_err(|e| IdentityError::Refused(e.to_string()))?;
             }
-            let id = self.check_peer(conn.peer_certificates())?;
+            let id = self.check_peer(conn.peer_certificates(), peers)?;
             let mut stream = rustls::Stream::new(&mut conn, sock);
             stream
                 .write_all(&[ACCEPTED])

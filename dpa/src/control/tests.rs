@@ -290,3 +290,38 @@ proptest! {
         let _ = decode(&bytes);
     }
 }
+
+#[test]
+fn over_tcp_with_certificates_only_a_proven_peer_is_heard() {
+    let tls = crate::fabric::conformance::test_tls();
+    let handler = Arc::new(Echo::default());
+    let server = ControlServer::start_with_tls(
+        &Endpoint::Tcp("127.0.0.1:0".parse().unwrap()),
+        handler.clone(),
+        Some(tls.clone()),
+    )
+    .unwrap();
+    // With the mesh's certificate: the protocol runs as on a Unix socket.
+    let mut client =
+        ControlClient::connect_with_tls(server.endpoint(), Role::Host, "pod-a", Some(&tls))
+            .unwrap();
+    assert_eq!(client.node(), "node-test");
+    client.ping().unwrap();
+    assert_eq!(client.register_pod("a", "users", None).unwrap(), exports());
+    // Without one: the connection ends before a frame is read.
+    let plain = ControlClient::connect(server.endpoint(), Role::Host, "rogue");
+    assert!(plain.is_err(), "{plain:?}");
+    assert_eq!(server.peers(), 1, "only the proven client is a peer");
+    drop(client);
+    for _ in 0..200 {
+        if handler.gone.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        handler.gone.load(Ordering::SeqCst),
+        1,
+        "a closed TLS peer is gone"
+    );
+}

@@ -175,6 +175,18 @@ impl ControlServer {
     /// Listens on `endpoint` (a Unix socket file left by an earlier run is replaced;
     /// TCP port 0 picks a free port, see [`ControlServer::endpoint`]).
     pub fn start(endpoint: &Endpoint, handler: Arc<dyn Handler>) -> Result<Self, ControlError> {
+        Self::start_with_tls(endpoint, handler, None)
+    }
+
+    /// [`Self::start`], with TCP connections over mutual TLS when `tls` is given: a
+    /// peer must prove an identity of the trust domain (pods hold workload
+    /// certificates) before a byte of the protocol is read. (Unix connections are
+    /// checked by their peer's user instead.)
+    pub fn start_with_tls(
+        endpoint: &Endpoint,
+        handler: Arc<dyn Handler>,
+        tls: Option<Arc<dpumesh_identity::MeshTls>>,
+    ) -> Result<Self, ControlError> {
         let (listener, endpoint) = match endpoint {
             Endpoint::Unix(path) => {
                 if path.exists() {
@@ -208,7 +220,7 @@ impl ControlServer {
             let wake = wake.clone();
             std::thread::Builder::new()
                 .name("dpumesh-control".to_owned())
-                .spawn(move || accept_loop(listener, handler, stop, &wake, conns))?
+                .spawn(move || accept_loop(listener, handler, stop, &wake, conns, tls))?
         };
         Ok(Self {
             endpoint,
@@ -262,6 +274,7 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
     wake: &OwnedFd,
     conns: Arc<Mutex<HashMap<u64, Writer>>>,
+    tls: Option<Arc<dpumesh_identity::MeshTls>>,
 ) {
     let next = AtomicU64::new(1);
     while !stop.load(Ordering::Relaxed) {
@@ -301,6 +314,17 @@ fn accept_loop(
             tracing::warn!(why, "refused a control connection");
             continue;
         }
+        // Over TCP with certificates, the peer proves who it is first.
+        let stream = match (stream, &tls) {
+            (Stream::Tcp(s), Some(tls)) => match over_tls(s, tls, true) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "refused a control connection");
+                    continue;
+                }
+            },
+            (stream, _) => stream,
+        };
         let blocking = match &stream {
             Stream::Unix(s) => s.set_nonblocking(false),
             Stream::Tcp(s) => s.set_nonblocking(false),
@@ -468,6 +492,26 @@ fn error(code: ErrorCode, message: &str) -> Response {
     }
 }
 
+/// Runs mutual TLS on a fresh TCP connection (blocking, 5 s per step) and hands the
+/// session back as a plain stream (see `dpumesh_identity::relay`).
+fn over_tls(
+    mut s: TcpStream,
+    tls: &dpumesh_identity::MeshTls,
+    accepting: bool,
+) -> Result<Stream, ControlError> {
+    use dpumesh_identity::Peers;
+    s.set_nonblocking(false)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.set_write_timeout(Some(Duration::from_secs(5)))?;
+    let (conn, _peer) = if accepting {
+        tls.accept_from(&mut s, Peers::TrustDomain)
+    } else {
+        tls.connect_to(&mut s, Peers::MeshComponents)
+    }
+    .map_err(|e| ControlError::Body(e.to_string()))?;
+    Ok(Stream::Unix(dpumesh_identity::relay::relay(conn, s)?))
+}
+
 /// A blocking control-channel client.
 #[derive(Debug)]
 pub struct ControlClient {
@@ -482,12 +526,26 @@ pub struct ControlClient {
 impl ControlClient {
     /// Connects and says Hello.
     pub fn connect(endpoint: &Endpoint, role: Role, name: &str) -> Result<Self, ControlError> {
+        Self::connect_with_tls(endpoint, role, name, None)
+    }
+
+    /// [`Self::connect`], over mutual TLS on TCP when `tls` is given (the node must
+    /// prove a node identity).
+    pub fn connect_with_tls(
+        endpoint: &Endpoint,
+        role: Role,
+        name: &str,
+        tls: Option<&dpumesh_identity::MeshTls>,
+    ) -> Result<Self, ControlError> {
         let stream = match endpoint {
             Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path)?),
             Endpoint::Tcp(addr) => {
                 let s = TcpStream::connect(addr)?;
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                match tls {
+                    Some(tls) => over_tls(s, tls, false)?,
+                    None => Stream::Tcp(s),
+                }
             }
         };
         let mut client = Self {

@@ -24,7 +24,7 @@
 //! an offset), as verbs uses them; a peer learns them with the rkey.
 
 #[cfg(test)]
-mod conformance;
+pub(crate) mod conformance;
 pub mod shm;
 pub mod soft;
 #[cfg(feature = "verbs")]
