@@ -28,6 +28,9 @@ pub enum Entry {
     Claim(String),
     /// The source IP address.
     SourceIp,
+    /// The calling workload's identity (its SPIFFE ID, which the mesh sets for
+    /// requests from its pods); no match for requests from outside the mesh.
+    SourceIdentity,
     /// The destination service: any (the value is the service) ...
     Destination,
     /// ... or only this one (a condition).

@@ -88,6 +88,7 @@ fn extract(entries: &[Entry], req: &Request<'_>) -> Option<Vec<String>> {
             }
             Entry::Claim(path) => values.push(claim(req, path)?),
             Entry::SourceIp => values.push(req.source().address),
+            Entry::SourceIdentity => values.push(req.source().identity?),
             Entry::Destination => values.push(req.destination()?),
             Entry::DestinationIs(service) => {
                 if req.destination().as_deref() != Some(service.as_str()) {
