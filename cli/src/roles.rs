@@ -56,22 +56,13 @@ pub fn certs(file: &Path, rotate: bool) -> Result<()> {
             file.display()
         );
     }
-    let dir = dpumesh_proxy::trust::certs_dir(&mesh);
-    if rotate {
-        let ca = dpumesh_identity::ca::Authority::load_or_create(
-            &dir,
-            mesh.config.identity.trust_domain(),
-        )?;
-        for id in dpumesh_proxy::trust::all_ids(&mesh)? {
-            ca.issue_into(&dir, &id, dpumesh_identity::ca::LEAF_VALIDITY)?;
-            say!("issued {id}");
-        }
-    } else {
-        for id in dpumesh_proxy::trust::issue(&mesh)? {
-            say!("issued {id}");
-        }
+    for id in dpumesh_proxy::trust::issue(&mesh, rotate)? {
+        say!("issued {id}");
     }
-    say!("certificates in {}", dir.display());
+    say!(
+        "certificates in {}",
+        dpumesh_proxy::trust::certs_dir(&mesh).display()
+    );
     Ok(())
 }
 
@@ -81,13 +72,11 @@ pub fn ingress(mesh: &Path) -> Result<()> {
     dpumesh_dpa::shm::sweep_orphans();
     let settings = ingress_settings(&mesh);
     let tls = dpumesh_proxy::trust::load(&mesh, &dpumesh_proxy::trust::ingress_id(&mesh)?)?;
-    let ingress = match (mesh.config.transport, tls) {
-        (Transport::Shm, None) => dpumesh_ingress::Ingress::start(ShmFabric::new(), settings)?,
-        (Transport::Shm, Some(tls)) => {
+    let ingress = match mesh.config.transport {
+        Transport::Shm => {
             dpumesh_ingress::Ingress::start(ShmFabric::new().with_tls(tls), settings)?
         }
-        (Transport::Tcp, None) => dpumesh_ingress::Ingress::start(SoftFabric::new(), settings)?,
-        (Transport::Tcp, Some(tls)) => {
+        Transport::Tcp => {
             dpumesh_ingress::Ingress::start(SoftFabric::new().with_tls(tls), settings)?
         }
     };

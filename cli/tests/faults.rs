@@ -29,17 +29,24 @@ fn reservation(client: &Client) -> Option<Reply> {
     )
 }
 
+/// Once the reservation service serves, stops its pod (SIGSTOP); returns its pid.
+fn stop_the_reservation_pod(mesh: &Mesh) -> u32 {
+    let client = mesh.client();
+    wait("reservation serves", Duration::from_secs(60), &|| {
+        reservation(&client).is_some_and(|r| r.0 == 200)
+    });
+    let pod = the_one(&mesh.child.id().to_string(), "hotel reservation");
+    signal(pod, "-STOP");
+    pod
+}
+
 #[test]
 fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
     let mesh = Mesh::up();
     let alice = token("alice", &["user"]);
     let up = mesh.child.id().to_string();
     let client = mesh.client();
-    wait("reservation serves", Duration::from_secs(60), &|| {
-        reservation(&client).is_some_and(|r| r.0 == 200)
-    });
-    let pod = the_one(&up, "hotel reservation");
-    signal(pod, "-STOP");
+    let pod = stop_the_reservation_pod(&mesh);
     // Clients keep asking the stopped pod's service for a while.
     let stop = Arc::new(AtomicBool::new(false));
     let askers: Vec<_> = (0..6)
@@ -245,13 +252,8 @@ fn an_exhausted_ingress_pool_refuses_with_retry_after_and_loses_no_slot() {
             "  request_timeout: 2s\n  slots: 1\n  threads: 1",
         )
     });
-    let up = mesh.child.id().to_string();
     let client = mesh.client();
-    wait("reservation serves", Duration::from_secs(60), &|| {
-        reservation(&client).is_some_and(|r| r.0 == 200)
-    });
-    let pod = the_one(&up, "hotel reservation");
-    signal(pod, "-STOP");
+    let pod = stop_the_reservation_pod(&mesh);
     let ask_all = |n: usize| -> Vec<(Option<Reply>, Duration)> {
         let askers: Vec<_> = (0..n)
             .map(|_| {

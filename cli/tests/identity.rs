@@ -121,10 +121,11 @@ fn strangers_cannot_link_and_a_forged_policed_request_is_policed_anyway() {
         TD,
         std::slice::from_ref(&ingress),
         ca::LEAF_VALIDITY,
+        false,
     )
     .unwrap();
     let stranger = MeshTls::load(TlsFiles::in_dir(other.path(), &ingress), TD).unwrap();
-    let e = forged(ShmFabric::new().with_tls(stranger), node1).unwrap_err();
+    let e = forged(ShmFabric::new().with_tls(Some(stranger)), node1).unwrap_err();
     assert!(e.contains("refused"), "{e}");
     wait("both refusals counted", Duration::from_secs(5), &|| {
         metric_or_zero(admin1, refused) >= before + 2.0
@@ -135,7 +136,10 @@ fn strangers_cannot_link_and_a_forged_policed_request_is_policed_anyway() {
     // wants a token: 401) and drops the claimed identity.
     let certs = mesh._dir.path().join(".dpumesh/certs");
     let ours = MeshTls::load(TlsFiles::in_dir(&certs, &ingress), TD).unwrap();
-    assert_eq!(forged(ShmFabric::new().with_tls(ours), node1), Ok(401));
+    assert_eq!(
+        forged(ShmFabric::new().with_tls(Some(ours)), node1),
+        Ok(401)
+    );
     let claims = |claim: &str| {
         metric_or_zero(
             admin1,
@@ -216,7 +220,10 @@ fn certificates_rotate_under_a_running_mesh() {
     // The node looks at its files (at most once a second) when it next accepts a link.
     std::thread::sleep(Duration::from_millis(1100));
     let fresh = MeshTls::load(TlsFiles::in_dir(&certs, &ingress), TD).unwrap();
-    assert_eq!(forged(ShmFabric::new().with_tls(fresh), node1), Ok(401));
+    assert_eq!(
+        forged(ShmFabric::new().with_tls(Some(fresh)), node1),
+        Ok(401)
+    );
     assert!(
         metric_or_zero(admin1, "dpumesh_tls_certificate_reloads_total") >= 1.0,
         "node1 took its new certificate without a restart"
@@ -228,12 +235,7 @@ fn certificates_rotate_under_a_running_mesh() {
 
 /// The internal services let in only the frontend's pods, by SPIFFE ID.
 fn only_the_frontend(policy: String) -> String {
-    let component = policy
-        .lines()
-        .find(|l| l.contains("dpumesh_filter_rbac"))
-        .and_then(|l| l.trim().strip_prefix("component: "))
-        .unwrap()
-        .to_owned();
+    let component = rbac_component(&policy);
     let filter = format!(
         "  only-frontend:\n    deadline: 100ms\n    component: {component}\n    config:\n      action: ALLOW\n      policies:\n        - {{name: frontend, permissions: [{{any: true}}], principals: [{{identity: {{exact: \"spiffe://{TD}/ns/default/sa/frontend\"}}}}]}}\n"
     );

@@ -13,12 +13,7 @@ use common::token;
 /// RBAC (which lets admins in): only the DENY can stop an admin's request.
 fn deny_admin(policy: String) -> String {
     let deny = "  deny-admin:\n    deadline: 100ms\n    component: COMPONENT\n    config:\n      action: DENY\n      policies:\n        - {name: no-admin, permissions: [{path: {prefix: /admin}}], principals: [{any: true}]}\n";
-    let component = policy
-        .lines()
-        .find(|l| l.contains("dpumesh_filter_rbac"))
-        .and_then(|l| l.trim().strip_prefix("component: "))
-        .unwrap()
-        .to_owned();
+    let component = rbac_component(&policy);
     policy
         .replace(
             "\nchains:\n",

@@ -234,6 +234,16 @@ pub struct IdentityConfig {
 }
 
 impl IdentityConfig {
+    /// Where the certificates are when the file names no folder.
+    pub const DEFAULT_CERTS: &str = ".dpumesh/certs";
+
+    /// The certificate folder (resolved against the mesh file's folder once read).
+    pub fn certs(&self) -> &Path {
+        self.certs
+            .as_deref()
+            .unwrap_or(Path::new(Self::DEFAULT_CERTS))
+    }
+
     pub fn trust_domain(&self) -> &str {
         self.trust_domain.as_deref().unwrap_or("dpumesh.local")
     }

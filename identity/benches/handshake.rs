@@ -20,6 +20,7 @@ fn bench(c: &mut Criterion) {
         "td",
         &[node.clone(), ingress.clone()],
         ca::LEAF_VALIDITY,
+        false,
     )
     .unwrap();
     let server: Arc<MeshTls> = MeshTls::load(TlsFiles::in_dir(dir.path(), &node), "td").unwrap();

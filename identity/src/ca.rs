@@ -14,6 +14,7 @@ use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
+use rustls::pki_types::CertificateDer;
 use time::OffsetDateTime;
 
 use crate::{IdentityError, SpiffeId};
@@ -25,7 +26,7 @@ pub const LEAF_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 
 /// The CA of a certificate folder.
 pub struct Authority {
-    cert_pem: String,
+    cert: CertificateDer<'static>,
     key: KeyPair,
 }
 
@@ -74,8 +75,8 @@ fn validity(params: &mut CertificateParams, valid_for: Duration) {
 }
 
 impl Authority {
-    /// A new CA for `trust_domain`.
-    pub fn create(trust_domain: &str) -> Result<Self, IdentityError> {
+    /// A new CA for `trust_domain`, and its certificate as PEM.
+    fn create(trust_domain: &str) -> Result<(Self, String), IdentityError> {
         let key = KeyPair::generate().map_err(|e| issue_err("CA key", e))?;
         let mut params = CertificateParams::default();
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
@@ -88,10 +89,14 @@ impl Authority {
         let cert = params
             .self_signed(&key)
             .map_err(|e| issue_err("CA certificate", e))?;
-        Ok(Self {
-            cert_pem: cert.pem(),
-            key,
-        })
+        let pem = cert.pem();
+        Ok((
+            Self {
+                cert: cert.der().clone(),
+                key,
+            },
+            pem,
+        ))
     }
 
     /// The CA whose `ca.pem` (first certificate) and `ca.key` are in `dir`.
@@ -104,21 +109,13 @@ impl Authority {
             reason: format!("not a private key: {e}"),
         })?;
         // The issuing CA is the bundle's first certificate.
-        const END: &str = "-----END CERTIFICATE-----";
-        let cert_pem = match bundle.find(END) {
-            Some(end) => format!("{}\n", &bundle[..end + END.len()]),
-            None => {
-                return Err(IdentityError::File {
-                    path: cert_path,
-                    reason: "no certificate in it".into(),
-                });
-            }
-        };
-        Issuer::from_ca_cert_pem(&cert_pem, &key).map_err(|e| IdentityError::File {
+        let cert = crate::tls::read_certs(&cert_path, &bundle)?.swap_remove(0);
+        let ca = Self { cert, key };
+        ca.issuer().map_err(|e| IdentityError::File {
             path: cert_path,
             reason: format!("not a CA certificate this key signs with: {e}"),
         })?;
-        Ok(Self { cert_pem, key })
+        Ok(ca)
     }
 
     /// The CA in `dir`, created (with `ca.pem` and `ca.key`) if there is none.
@@ -127,15 +124,14 @@ impl Authority {
             return Self::load(dir);
         }
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-        let ca = Self::create(trust_domain)?;
+        let (ca, pem) = Self::create(trust_domain)?;
         write_atomic(&dir.join("ca.key"), &ca.key.serialize_pem(), true)?;
-        write_atomic(&dir.join("ca.pem"), &ca.cert_pem, false)?;
+        write_atomic(&dir.join("ca.pem"), &pem, false)?;
         Ok(ca)
     }
 
-    /// The CA certificate (PEM).
-    pub fn cert_pem(&self) -> &str {
-        &self.cert_pem
+    fn issuer(&self) -> Result<Issuer<'static, &KeyPair>, rcgen::Error> {
+        Issuer::from_ca_cert_der(&self.cert, &self.key)
     }
 
     /// A certificate (PEM) and its key (PEM) for `id`, valid for `valid_for`.
@@ -163,7 +159,8 @@ impl Authority {
         params.distinguished_name = dn;
         params.use_authority_key_identifier_extension = true;
         validity(&mut params, valid_for);
-        let issuer = Issuer::from_ca_cert_pem(&self.cert_pem, &self.key)
+        let issuer = self
+            .issuer()
             .map_err(|e| issue_err("the CA certificate", e))?;
         let cert = params
             .signed_by(&key, &issuer)
@@ -196,19 +193,21 @@ pub fn files(dir: &Path, id: &SpiffeId) -> (PathBuf, PathBuf) {
 }
 
 /// Makes sure `dir` has a CA and a certificate for each of `ids` that is valid for
-/// at least a third of its life more; issues what is missing or ageing. Returns the
-/// identities issued.
+/// at least a third of its life more; issues what is missing or ageing, or every
+/// one with `rotate`. Returns the identities issued.
 pub fn ensure(
     dir: &Path,
     trust_domain: &str,
     ids: &[SpiffeId],
     valid_for: Duration,
+    rotate: bool,
 ) -> Result<Vec<SpiffeId>, IdentityError> {
     let ca = Authority::load_or_create(dir, trust_domain)?;
     let mut issued = Vec::new();
     for id in ids {
         let (cert_path, key_path) = files(dir, id);
-        let fresh = key_path.exists()
+        let fresh = !rotate
+            && key_path.exists()
             && std::fs::read_to_string(&cert_path)
                 .ok()
                 .and_then(|pem| crate::tls::not_after(&cert_path, &pem).ok())
@@ -235,9 +234,9 @@ mod tests {
             SpiffeId::node("td", "n1").unwrap(),
             SpiffeId::ingress("td").unwrap(),
         ];
-        let first = ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap();
+        let first = ensure(dir.path(), "td", &ids, LEAF_VALIDITY, false).unwrap();
         assert_eq!(first.len(), 2);
-        let again = ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap();
+        let again = ensure(dir.path(), "td", &ids, LEAF_VALIDITY, false).unwrap();
         assert!(again.is_empty(), "fresh certificates are kept");
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.path().join("node-n1.key"))
@@ -249,7 +248,9 @@ mod tests {
         let ca_before = std::fs::read_to_string(dir.path().join("ca.pem")).unwrap();
         std::fs::remove_file(dir.path().join("ingress.pem")).unwrap();
         assert_eq!(
-            ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap().len(),
+            ensure(dir.path(), "td", &ids, LEAF_VALIDITY, false)
+                .unwrap()
+                .len(),
             1
         );
         assert_eq!(
@@ -266,7 +267,9 @@ mod tests {
         ca.issue_into(dir.path(), &ids[0], Duration::from_secs(60))
             .unwrap();
         assert_eq!(
-            ensure(dir.path(), "td", &ids, LEAF_VALIDITY).unwrap().len(),
+            ensure(dir.path(), "td", &ids, LEAF_VALIDITY, false)
+                .unwrap()
+                .len(),
             1
         );
     }

@@ -101,6 +101,13 @@ impl SpiffeId {
         Self::checked(domain, role).map_err(|e| bad(&e.to_string()))
     }
 
+    /// What a workload's account name is appended to for its ID in `namespace`
+    /// (the data path builds pods' IDs from it, once per request, unchecked: a
+    /// service name SPIFFE does not allow still names a distinct source).
+    pub fn workload_prefix(trust_domain: &str, namespace: &str) -> String {
+        format!("spiffe://{trust_domain}/ns/{namespace}/sa/")
+    }
+
     /// Nodes and the ingress: the parts that may open fabric links and vouch for
     /// requests they have already policed.
     pub fn is_mesh_component(&self) -> bool {

@@ -8,8 +8,36 @@ use super::*;
 
 fn folder(td: &str, ids: &[SpiffeId]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    ca::ensure(dir.path(), td, ids, ca::LEAF_VALIDITY).unwrap();
+    ca::ensure(dir.path(), td, ids, ca::LEAF_VALIDITY, false).unwrap();
     dir
+}
+
+/// A node `n1` and the ingress of trust domain `td`, with their certificates.
+struct Mesh {
+    dir: tempfile::TempDir,
+    n1: SpiffeId,
+    ing: SpiffeId,
+    node: std::sync::Arc<MeshTls>,
+    ingress: std::sync::Arc<MeshTls>,
+}
+
+impl Mesh {
+    fn new() -> Self {
+        let (n1, ing) = (
+            SpiffeId::node("td", "n1").unwrap(),
+            SpiffeId::ingress("td").unwrap(),
+        );
+        let dir = folder("td", &[n1.clone(), ing.clone()]);
+        let node = MeshTls::load(TlsFiles::in_dir(dir.path(), &n1), "td").unwrap();
+        let ingress = MeshTls::load(TlsFiles::in_dir(dir.path(), &ing), "td").unwrap();
+        Self {
+            dir,
+            n1,
+            ing,
+            node,
+            ingress,
+        }
+    }
 }
 
 /// Runs `accept` on one end of a TCP connection and `connect` on the other.
@@ -38,13 +66,13 @@ fn pair(
 
 #[test]
 fn two_parts_of_one_mesh_learn_each_others_identity() {
-    let (n1, ing) = (
-        SpiffeId::node("td", "n1").unwrap(),
-        SpiffeId::ingress("td").unwrap(),
-    );
-    let dir = folder("td", &[n1.clone(), ing.clone()]);
-    let node = MeshTls::load(TlsFiles::in_dir(dir.path(), &n1), "td").unwrap();
-    let ingress = MeshTls::load(TlsFiles::in_dir(dir.path(), &ing), "td").unwrap();
+    let Mesh {
+        dir: _dir,
+        n1,
+        ing,
+        node,
+        ingress,
+    } = Mesh::new();
     let (server_saw, client_saw) = pair(&node, &ingress);
     assert_eq!(server_saw.unwrap(), ing);
     assert_eq!(client_saw.unwrap(), n1);
@@ -109,14 +137,14 @@ fn another_trust_domain_is_refused() {
 
 #[test]
 fn a_rotated_certificate_is_used_without_a_restart_and_a_broken_one_is_not() {
-    let (n1, ing) = (
-        SpiffeId::node("td", "n1").unwrap(),
-        SpiffeId::ingress("td").unwrap(),
-    );
-    let dir = folder("td", &[n1.clone(), ing.clone()]);
+    let Mesh {
+        dir,
+        n1,
+        node,
+        ingress,
+        ..
+    } = Mesh::new();
     let files = TlsFiles::in_dir(dir.path(), &n1);
-    let node = MeshTls::load(files.clone(), "td").unwrap();
-    let ingress = MeshTls::load(TlsFiles::in_dir(dir.path(), &ing), "td").unwrap();
     let before = std::fs::read(&files.cert).unwrap();
     assert!(!node.reload(), "nothing changed");
     ca::Authority::load(dir.path())
@@ -154,13 +182,12 @@ fn bad_files_are_named_in_the_error() {
 #[test]
 fn a_session_carries_data_over_non_blocking_sockets() {
     use std::io::IoSlice;
-    let (n1, ing) = (
-        SpiffeId::node("td", "n1").unwrap(),
-        SpiffeId::ingress("td").unwrap(),
-    );
-    let dir = folder("td", &[n1.clone(), ing.clone()]);
-    let node = MeshTls::load(TlsFiles::in_dir(dir.path(), &n1), "td").unwrap();
-    let ingress = MeshTls::load(TlsFiles::in_dir(dir.path(), &ing), "td").unwrap();
+    let Mesh {
+        dir: _dir,
+        node,
+        ingress,
+        ..
+    } = Mesh::new();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (server, mut ssock) = std::thread::scope(|s| {

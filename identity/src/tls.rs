@@ -251,6 +251,21 @@ fn load(files: &TlsFiles, trust_domain: &str) -> Result<Loaded, IdentityError> {
     })
 }
 
+fn refused(e: impl std::fmt::Display) -> IdentityError {
+    IdentityError::Refused(e.to_string())
+}
+
+/// Moves a blocking handshake on until it is done.
+fn handshake<D>(
+    conn: &mut rustls::ConnectionCommon<D>,
+    sock: &mut (impl Read + Write),
+) -> Result<(), IdentityError> {
+    while conn.is_handshaking() {
+        conn.complete_io(sock).map_err(refused)?;
+    }
+    Ok(())
+}
+
 /// Whom a handshake accepts as the peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Peers {
@@ -325,7 +340,7 @@ impl MeshTls {
         let cert = certs
             .and_then(|c| c.first())
             .ok_or_else(|| IdentityError::Refused("the peer presented no certificate".into()))?;
-        let id = spiffe_of(cert).map_err(|e| IdentityError::Refused(e.to_string()))?;
+        let id = spiffe_of(cert).map_err(refused)?;
         if id.trust_domain != self.trust_domain {
             return Err(IdentityError::Refused(format!(
                 "{id} is not of trust domain {}",
@@ -370,12 +385,8 @@ impl MeshTls {
         let config = self.current.load().client.clone();
         let r = (|| {
             let name = ServerName::try_from("dpumesh.mesh").expect("a valid name");
-            let mut conn = ClientConnection::new(config, name)
-                .map_err(|e| IdentityError::Refused(e.to_string()))?;
-            while conn.is_handshaking() {
-                conn.complete_io(sock)
-                    .map_err(|e| IdentityError::Refused(e.to_string()))?;
-            }
+            let mut conn = ClientConnection::new(config, name).map_err(refused)?;
+            handshake(&mut conn, sock)?;
             let id = self.check_peer(conn.peer_certificates(), peers)?;
             let mut byte = [0u8; 1];
             rustls::Stream::new(&mut conn, sock)
@@ -410,18 +421,14 @@ impl MeshTls {
         self.refresh();
         let config = self.current.load().server.clone();
         let r = (|| {
-            let mut conn =
-                ServerConnection::new(config).map_err(|e| IdentityError::Refused(e.to_string()))?;
-            while conn.is_handshaking() {
-                conn.complete_io(sock)
-                    .map_err(|e| IdentityError::Refused(e.to_string()))?;
-            }
+            let mut conn = ServerConnection::new(config).map_err(refused)?;
+            handshake(&mut conn, sock)?;
             let id = self.check_peer(conn.peer_certificates(), peers)?;
             let mut stream = rustls::Stream::new(&mut conn, sock);
             stream
                 .write_all(&[ACCEPTED])
                 .and_then(|()| stream.flush())
-                .map_err(|e| IdentityError::Refused(e.to_string()))?;
+                .map_err(refused)?;
             Ok((Connection::from(conn), id))
         })();
         self.counted(r)

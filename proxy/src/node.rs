@@ -139,17 +139,13 @@ impl Node {
                 .collect(),
             placement: mesh.placement(),
             timeout: mesh.config.ingress.request_timeout(),
-            trust_domain: mesh.config.identity.trust_domain().to_owned(),
-            namespace: mesh.config.identity.namespace().to_owned(),
+            workload_prefix: crate::trust::workload_prefix(mesh),
             require_identity: mesh.config.identity.mtls == dpumesh_config::Mtls::Mutual,
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
         let dataplane = match mesh.config.transport {
             Transport::Shm => start_dataplane(
-                match &tls {
-                    Some(tls) => ShmFabric::new().with_tls(tls.clone()),
-                    None => ShmFabric::new(),
-                },
+                ShmFabric::new().with_tls(tls),
                 entry.fabric,
                 dpu.clone(),
                 &policy,
@@ -157,10 +153,7 @@ impl Node {
                 polling(&mesh.config.polling),
             )?,
             Transport::Tcp => start_dataplane(
-                match &tls {
-                    Some(tls) => SoftFabric::new().with_tls(tls.clone()),
-                    None => SoftFabric::new(),
-                },
+                SoftFabric::new().with_tls(tls),
                 entry.fabric,
                 dpu.clone(),
                 &policy,

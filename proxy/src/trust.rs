@@ -2,7 +2,7 @@
 //! `identity` section), the certificates `dpumesh up` issues, and the handshake
 //! counts the admin API shows.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -11,12 +11,8 @@ use dpumesh_identity::registration::RegistrationKey;
 use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
 
 /// The certificate folder of a mesh file.
-pub fn certs_dir(mesh: &MeshFile) -> PathBuf {
-    mesh.config
-        .identity
-        .certs
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(".dpumesh/certs"))
+pub fn certs_dir(mesh: &MeshFile) -> &Path {
+    mesh.config.identity.certs()
 }
 
 /// A node's identity.
@@ -31,15 +27,11 @@ pub fn ingress_id(mesh: &MeshFile) -> Result<SpiffeId> {
         .context("the ingress cannot have a SPIFFE ID")
 }
 
-/// The identity of a service's pods: what RBAC principals and rate-limit
-/// descriptors see as the source of the requests they make.
-pub fn workload_id(trust_domain: &str, namespace: &str, service: &str) -> String {
-    match SpiffeId::workload(trust_domain, namespace, service) {
-        Ok(id) => id.to_string(),
-        // A service name SPIFFE does not allow (upper case, say) still names a
-        // distinct source, unmistakably not a valid ID.
-        Err(_) => format!("spiffe://{trust_domain}/ns/{namespace}/sa/{service}"),
-    }
+/// What a service's name is appended to for its pods' identity (the source that
+/// RBAC principals and rate-limit descriptors see): `spiffe://<td>/ns/<ns>/sa/`.
+pub fn workload_prefix(mesh: &MeshFile) -> String {
+    let identity = &mesh.config.identity;
+    SpiffeId::workload_prefix(identity.trust_domain(), identity.namespace())
 }
 
 /// Every identity of the mesh file: its nodes, its ingress and its services.
@@ -59,20 +51,22 @@ pub fn all_ids(mesh: &MeshFile) -> Result<Vec<SpiffeId>> {
 }
 
 /// Issues what the certificate folder lacks (`dpumesh up`, `dpumesh certs`):
-/// the CA on first use, then a certificate per identity that has none or whose end
-/// is near. Returns the identities issued.
-pub fn issue(mesh: &MeshFile) -> Result<Vec<SpiffeId>> {
+/// the CA and the registration key on first use, then a certificate per identity
+/// that has none or whose end is near (every one with `rotate`). Returns the
+/// identities issued.
+pub fn issue(mesh: &MeshFile, rotate: bool) -> Result<Vec<SpiffeId>> {
     if mesh.config.identity.mtls == Mtls::Off {
         return Ok(Vec::new());
     }
     let dir = certs_dir(mesh);
-    RegistrationKey::load_or_create(&dir)
+    RegistrationKey::load_or_create(dir)
         .with_context(|| format!("cannot make the registration key in {}", dir.display()))?;
     ca::ensure(
-        &dir,
+        dir,
         mesh.config.identity.trust_domain(),
         &all_ids(mesh)?,
         ca::LEAF_VALIDITY,
+        rotate,
     )
     .with_context(|| {
         format!(
@@ -88,17 +82,12 @@ pub fn registration_key(mesh: &MeshFile) -> Result<Option<RegistrationKey>> {
         return Ok(None);
     }
     let dir = certs_dir(mesh);
-    RegistrationKey::load(&dir).map(Some).with_context(|| {
+    RegistrationKey::load(dir).map(Some).with_context(|| {
         format!(
             "no registration key in {} (`dpumesh up` and `dpumesh certs` make it)",
             dir.display()
         )
     })
-}
-
-/// The token `service`'s pods register with (`None` without mutual TLS).
-pub fn registration_token(mesh: &MeshFile, service: &str) -> Result<Option<String>> {
-    Ok(registration_key(mesh)?.map(|k| k.token(service)))
 }
 
 /// `id`'s certificates, or `None` when the mesh runs without mutual TLS.
@@ -110,7 +99,7 @@ pub fn load(mesh: &MeshFile, id: &SpiffeId) -> Result<Option<Arc<MeshTls>>> {
         return Ok(None);
     }
     let dir = certs_dir(mesh);
-    let tls = MeshTls::load(TlsFiles::in_dir(&dir, id), mesh.config.identity.trust_domain())
+    let tls = MeshTls::load(TlsFiles::in_dir(dir, id), mesh.config.identity.trust_domain())
         .with_context(|| {
             format!(
                 "no usable certificate for {id} in {} (`dpumesh up` and `dpumesh certs` issue them; on Kubernetes mount the mesh's Secret there)",

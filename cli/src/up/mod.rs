@@ -50,6 +50,8 @@ pub struct Up {
     pub admins: BTreeMap<String, String>,
     /// The ingress's admin API, if the mesh file gives one.
     pub ingress_admin: Option<std::net::SocketAddr>,
+    /// How the mesh proves who is who, for the banner.
+    pub identity: String,
     /// Nodes that did not come up at the start.
     down: std::collections::BTreeSet<String>,
     // Dropped last: the nodes' control sockets live here.
@@ -61,7 +63,8 @@ impl Up {
     pub fn start(file: &Path) -> Result<Self> {
         let mesh = MeshFile::read(file)?;
         // Before any process starts: each loads its certificate.
-        let issued = dpumesh_proxy::trust::issue(&mesh)?;
+        let issued = dpumesh_proxy::trust::issue(&mesh, false)?;
+        let registration = dpumesh_proxy::trust::registration_key(&mesh)?;
         if !issued.is_empty() {
             say_err!(
                 "dpumesh up: issued {} certificate(s) into {}",
@@ -77,6 +80,16 @@ impl Up {
             ingress: String::new(),
             admins: BTreeMap::new(),
             ingress_admin: mesh.config.ingress.admin,
+            identity: match mesh.config.identity.mtls {
+                dpumesh_config::Mtls::Mutual => format!(
+                    "mutual TLS, trust domain {}, certificates in {}",
+                    mesh.config.identity.trust_domain(),
+                    dpumesh_proxy::trust::certs_dir(&mesh).display()
+                ),
+                dpumesh_config::Mtls::Off => {
+                    "OFF: fabric links are not authenticated (identity.mtls: off)".to_owned()
+                }
+            },
             down: Default::default(),
             run_dir,
         };
@@ -124,8 +137,8 @@ impl Up {
                             dpumesh_dpa::poll::ENV,
                             dpumesh_proxy::node::polling(&mesh.config.polling).to_string(),
                         );
-                    if let Some(token) = dpumesh_proxy::trust::registration_token(&mesh, service)? {
-                        spec = spec.env("DPUMESH_TOKEN", token);
+                    if let Some(key) = &registration {
+                        spec = spec.env("DPUMESH_TOKEN", key.token(service));
                     }
                     up.processes.push(Process::start(spec, policy)?);
                 }
@@ -263,17 +276,7 @@ pub fn up(file: &Path) -> Result<()> {
     if let Some(a) = up.ingress_admin {
         say!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
     }
-    let mesh = MeshFile::read(file)?;
-    match mesh.config.identity.mtls {
-        dpumesh_config::Mtls::Mutual => say!(
-            "  identity  mutual TLS, trust domain {}, certificates in {}",
-            mesh.config.identity.trust_domain(),
-            dpumesh_proxy::trust::certs_dir(&mesh).display()
-        ),
-        dpumesh_config::Mtls::Off => {
-            say!("  identity  OFF: fabric links are not authenticated (identity.mtls: off)")
-        }
-    }
+    say!("  identity  {}", up.identity);
     for (node, url) in &up.admins {
         say!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
     }

@@ -397,3 +397,14 @@ pub fn metric_sum(admin: SocketAddr, name: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// The path of the RBAC component in a policy written by [`super::write_policy_with`]
+/// (for tests that add RBAC filters of their own).
+pub fn rbac_component(policy: &str) -> String {
+    policy
+        .lines()
+        .find(|l| l.contains("dpumesh_filter_rbac"))
+        .and_then(|l| l.trim().strip_prefix("component: "))
+        .expect("the policy loads the RBAC component")
+        .to_owned()
+}

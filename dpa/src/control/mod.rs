@@ -224,6 +224,9 @@ pub enum ControlError {
     /// A body that does not decode.
     #[error("control frame body does not decode: {0}")]
     Body(String),
+    /// The peer did not prove who it is (mutual TLS on a TCP connection).
+    #[error("control channel: {0}")]
+    Handshake(#[from] dpumesh_identity::IdentityError),
     /// A response to a request that was not asked.
     #[error("response id {got} does not answer request {expected}")]
     Unexpected {

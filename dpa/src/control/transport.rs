@@ -507,8 +507,7 @@ fn over_tls(
         tls.accept_from(&mut s, Peers::TrustDomain)
     } else {
         tls.connect_to(&mut s, Peers::MeshComponents)
-    }
-    .map_err(|e| ControlError::Body(e.to_string()))?;
+    }?;
     Ok(Stream::Unix(dpumesh_identity::relay::relay(conn, s)?))
 }
 

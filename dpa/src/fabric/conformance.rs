@@ -738,13 +738,13 @@ pub(crate) trait TakesTls: Sized {
 
 impl TakesTls for crate::fabric::soft::SoftFabric {
     fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
-        crate::fabric::soft::SoftFabric::with_tls(self, tls)
+        crate::fabric::soft::SoftFabric::with_tls(self, Some(tls))
     }
 }
 
 impl TakesTls for crate::fabric::shm::ShmFabric {
     fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
-        crate::fabric::shm::ShmFabric::with_tls(self, tls)
+        crate::fabric::shm::ShmFabric::with_tls(self, Some(tls))
     }
 }
 
@@ -760,6 +760,7 @@ pub(crate) fn test_tls() -> Arc<dpumesh_identity::MeshTls> {
             "test.mesh",
             std::slice::from_ref(&id),
             ca::LEAF_VALIDITY,
+            false,
         )
         .unwrap();
         let tls = MeshTls::load(TlsFiles::in_dir(&dir, &id), "test.mesh").unwrap();

@@ -150,13 +150,17 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        // Who is calling is the data path's to say, not the pod's.
-        let service = self.pod(d.src_pod).map(|p| p.service.clone());
+        // Who is calling is the data path's to say, not the pod's: its service's
+        // workload ID (one allocation; `pod` first takes a new pod into the table).
+        let _ = self.pod(d.src_pod);
+        let identity = self
+            .pods
+            .iter()
+            .find(|p| p.id == d.src_pod)
+            .map(|p| format!("{}{}", self.topology.workload_prefix, p.service));
         head.source = Peer {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
-            identity: service.map(|s| {
-                crate::trust::workload_id(&self.topology.trust_domain, &self.topology.namespace, &s)
-            }),
+            identity,
         };
         self.admit(origin, head, None, RequestFlags::default(), None);
     }

@@ -76,9 +76,9 @@ pub struct Topology {
     pub placement: BTreeMap<String, Vec<String>>,
     /// How long a request may take when its route sets no timeout.
     pub timeout: Duration,
-    /// The SPIFFE trust domain and namespace of the pods' identities.
-    pub trust_domain: String,
-    pub namespace: String,
+    /// What a pod's service name is appended to for its SPIFFE ID
+    /// (`spiffe://<td>/ns/<ns>/sa/`).
+    pub workload_prefix: String,
     /// Links must prove a node's identity for their claims to be believed (mutual
     /// TLS is on); otherwise every link is believed.
     pub require_identity: bool,

@@ -22,8 +22,9 @@
 //! certificates ([`ShmFabric::with_tls`]) the handshake starts with mutual TLS on
 //! the socket: no region table or bell is exported before the peer proved a node or
 //! ingress identity. A connected Unix socket cannot be taken over, so the plain
-//! exchange after it still comes from the peer that proved itself. The listener
-//! also checks the peer's credentials (`SO_PEERCRED`): the same user, or root.
+//! exchange after it still comes from the peer that proved itself. With
+//! certificates the listener also checks the peer's credentials (`SO_PEERCRED`):
+//! the same user, or root.
 
 mod cq;
 mod mr;
@@ -166,9 +167,10 @@ impl ShmFabric {
         Self { tls: None }
     }
 
-    /// Every handshake from now on starts with mutual TLS with these certificates.
-    pub fn with_tls(mut self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
-        self.tls = Some(tls);
+    /// Every handshake from now on starts with mutual TLS with these certificates
+    /// (`None`: none).
+    pub fn with_tls(mut self, tls: Option<Arc<dpumesh_identity::MeshTls>>) -> Self {
+        self.tls = tls;
         self
     }
 

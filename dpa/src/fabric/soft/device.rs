@@ -24,10 +24,10 @@ impl SoftFabric {
         }
     }
 
-    /// Every connection from now on runs over mutual TLS with these certificates:
-    /// peers must prove a node or ingress identity of the mesh.
-    pub fn with_tls(mut self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
-        self.tls = Some(tls);
+    /// Every connection from now on runs over mutual TLS with these certificates
+    /// (`None`: plain TCP): peers must prove a node or ingress identity of the mesh.
+    pub fn with_tls(mut self, tls: Option<Arc<dpumesh_identity::MeshTls>>) -> Self {
+        self.tls = tls;
         self
     }
 

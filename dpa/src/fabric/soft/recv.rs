@@ -84,11 +84,7 @@ impl QpInner {
             return;
         }
         let mut tx = self.tx.lock();
-        let first = tx
-            .outstanding
-            .front()
-            .map(|o| (o.psn, WcStatus::RetryExceeded));
-        self.fail(first, &mut tx, Some(rx));
+        self.connection_lost(&mut tx, Some(rx));
     }
 
     pub(super) fn parse(&self, rx: &mut Rx) {

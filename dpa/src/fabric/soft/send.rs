@@ -77,11 +77,7 @@ impl QpInner {
                     return;
                 }
                 Err(_) => {
-                    let first = tx
-                        .outstanding
-                        .front()
-                        .map(|o| (o.psn, WcStatus::RetryExceeded));
-                    self.fail(first, tx, None);
+                    self.connection_lost(tx, None);
                     return;
                 }
             }
@@ -108,11 +104,7 @@ impl QpInner {
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(_) => {
-                        let first = tx
-                            .outstanding
-                            .front()
-                            .map(|o| (o.psn, WcStatus::RetryExceeded));
-                        self.fail(first, tx, None);
+                        self.connection_lost(tx, None);
                         return;
                     }
                 }
@@ -168,11 +160,7 @@ impl QpInner {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => {
-                    let first = tx
-                        .outstanding
-                        .front()
-                        .map(|o| (o.psn, WcStatus::RetryExceeded));
-                    self.fail(first, tx, None);
+                    self.connection_lost(tx, None);
                     return;
                 }
             }
@@ -180,6 +168,16 @@ impl QpInner {
         // Encrypted bytes the socket did not take yet keep the write interest.
         let pending = self.tls.as_ref().is_some_and(|t| t.pending());
         self.set_writable_interest(tx, pending);
+    }
+
+    /// The connection broke: what is outstanding fails (the first with "retry
+    /// exceeded", as a NIC reports a peer that stopped answering).
+    pub(super) fn connection_lost(&self, tx: &mut Tx, rx: Option<&mut Rx>) {
+        let first = tx
+            .outstanding
+            .front()
+            .map(|o| (o.psn, WcStatus::RetryExceeded));
+        self.fail(first, tx, rx);
     }
 
     /// Writes through TLS when the connection has it.
