@@ -23,6 +23,7 @@
 //! Addresses are virtual addresses in the owner's process ([`MemoryRegion::addr`] plus
 //! an offset), as verbs uses them; a peer learns them with the rkey.
 
+pub mod admission;
 #[cfg(test)]
 pub(crate) mod conformance;
 pub mod shm;

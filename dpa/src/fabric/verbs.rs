@@ -5,18 +5,26 @@
 //! the queue pairs that rdma_cm connects share one verbs context. Completion queues
 //! have a completion channel, so [`CompletionQueue::wait`] sleeps in the kernel.
 //!
+//! With certificates ([`VerbsFabric::with_tls`]) a link is admitted as in
+//! [`super::admission`]: the connecting side proves itself with mutual TLS at the
+//! listener's gate and puts the ticket it got into the connect request's private
+//! data; the listener rejects a request without a valid ticket before a queue pair
+//! exists. The gate and the tickets run (and are tested) on any machine; handing the
+//! ticket through rdma_cm is the part here.
+//!
 //! Compiled wherever libibverbs/librdmacm headers exist. These machines have no RDMA
 //! device: [`VerbsFabric::open`] says so, and nothing else here has run.
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_int, c_void};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::ptr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdma_sys as sys;
 
+use super::admission::{self, Gate};
 use super::{
     Access, CompletionQueue, Fabric, FabricError, MemoryRegion, QpCaps, QpListener, QpState,
     QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
@@ -46,6 +54,7 @@ unsafe impl Sync for Context {}
 #[derive(Debug, Clone)]
 pub struct VerbsFabric {
     context: Arc<Context>,
+    tls: Option<Arc<dpumesh_identity::MeshTls>>,
 }
 
 impl VerbsFabric {
@@ -91,7 +100,15 @@ impl VerbsFabric {
         };
         Ok(Self {
             context: Arc::new(Context { ctx, name }),
+            tls: None,
         })
+    }
+
+    /// Links admitted only for peers that prove a node or ingress identity of the
+    /// mesh with these certificates (see the module's documentation).
+    pub fn with_tls(mut self, tls: Option<Arc<dpumesh_identity::MeshTls>>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// The device's name.
@@ -310,6 +327,8 @@ impl CompletionQueue for VerbsCq {
 pub struct VerbsQp {
     id: *mut sys::rdma_cm_id,
     channel: *mut sys::rdma_event_channel,
+    /// Who the peer proved to be (with certificates).
+    peer: Option<dpumesh_identity::SpiffeId>,
     _pd: Arc<PdHandle>,
     _cq: Arc<CqHandle>,
 }
@@ -346,6 +365,10 @@ impl QueuePair for VerbsQp {
         } else {
             QpState::ReadyToSend
         }
+    }
+
+    fn peer_identity(&self) -> Option<&dpumesh_identity::SpiffeId> {
+        self.peer.as_ref()
     }
 
     fn post_send(&self, wr: SendWr) -> Result<(), FabricError> {
@@ -457,12 +480,18 @@ fn sockaddr(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
     }
 }
 
+/// A connection-manager event: its id, and the private data of a connect request.
+struct CmEvent {
+    id: *mut sys::rdma_cm_id,
+    private_data: Vec<u8>,
+}
+
 /// Waits for the next CM event on `channel` of `want` type (others are errors).
 fn expect_event(
     channel: *mut sys::rdma_event_channel,
     want: sys::rdma_cm_event_type::Type,
     timeout: Duration,
-) -> Result<*mut sys::rdma_cm_id, String> {
+) -> Result<CmEvent, String> {
     // SAFETY: the channel's fd is valid while the channel lives.
     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw((*channel).fd) };
     let mut fds = [rustix::event::PollFd::new(
@@ -487,12 +516,51 @@ fn expect_event(
         let kind = (*event).event;
         let id = (*event).id;
         let status = (*event).status;
+        // Copied before the ack frees it; a connect request's parameters are `conn`.
+        let private_data = if kind == sys::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+            let conn = &(*event).param.conn;
+            if conn.private_data.is_null() {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(
+                    conn.private_data.cast::<u8>(),
+                    usize::from(conn.private_data_len),
+                )
+                .to_vec()
+            }
+        } else {
+            Vec::new()
+        };
         sys::rdma_ack_cm_event(event);
         if kind != want {
             let name = CStr::from_ptr(sys::rdma_event_str(kind)).to_string_lossy();
             return Err(format!("connection manager event {name} (status {status})"));
         }
-        Ok(id)
+        Ok(CmEvent { id, private_data })
+    }
+}
+
+/// The IP address of the peer of a connection id.
+///
+/// # Safety
+/// `id` must be a live connection id.
+unsafe fn peer_ip(id: *mut sys::rdma_cm_id) -> Option<IpAddr> {
+    // SAFETY: the caller's promise; rdma_cm keeps the route's addresses in the id.
+    let sa = unsafe { sys::rdma_get_peer_addr(&*id) };
+    match i32::from(sa.sa_family) {
+        libc::AF_INET => {
+            // SAFETY: the family says it is a sockaddr_in.
+            let sin = unsafe { &*(sa as *const libc::sockaddr).cast::<libc::sockaddr_in>() };
+            Some(IpAddr::from(
+                u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+            ))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: the family says it is a sockaddr_in6.
+            let sin6 = unsafe { &*(sa as *const libc::sockaddr).cast::<libc::sockaddr_in6>() };
+            Some(IpAddr::from(sin6.sin6_addr.s6_addr))
+        }
+        _ => None,
     }
 }
 
@@ -529,6 +597,8 @@ pub struct VerbsListener {
     cq: Arc<CqHandle>,
     caps: QpCaps,
     addr: SocketAddr,
+    /// Where peers get their tickets (with certificates).
+    gate: Option<Gate>,
 }
 
 // SAFETY: the listener is used from one thread at a time (accept takes &self, but
@@ -555,12 +625,12 @@ impl QpListener for VerbsListener {
     }
 
     fn accept(&self, timeout: Duration) -> Result<Option<VerbsQp>, FabricError> {
-        let id = match expect_event(
+        let request = match expect_event(
             self.channel,
             sys::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST,
             timeout,
         ) {
-            Ok(id) => id,
+            Ok(request) => request,
             Err(e) if e.starts_with("no connection-manager event") => return Ok(None),
             Err(detail) => {
                 return Err(FabricError::Connect {
@@ -568,6 +638,28 @@ impl QpListener for VerbsListener {
                     detail,
                 });
             }
+        };
+        let id = request.id;
+        // Admission before any queue pair exists: a request without a valid ticket
+        // is rejected and its id destroyed.
+        let peer = match &self.gate {
+            None => None,
+            // SAFETY: `id` is the live id of the request.
+            Some(gate) => match unsafe { peer_ip(id) }
+                .ok_or_else(|| admission::AdmissionError::Refused("no peer address".into()))
+                .and_then(|ip| gate.redeem(&request.private_data, ip))
+            {
+                Ok(peer) => Some(peer),
+                Err(e) => {
+                    tracing::warn!(addr = %self.addr, error = %e, "rejected a verbs connect request");
+                    // SAFETY: the request's id, rejected and destroyed once.
+                    unsafe {
+                        sys::rdma_reject(id, ptr::null(), 0);
+                        sys::rdma_destroy_id(id);
+                    }
+                    return Ok(None);
+                }
+            },
         };
         let mut attr = qp_attr(&self.cq, self.caps);
         let mut param = conn_param();
@@ -597,6 +689,7 @@ impl QpListener for VerbsListener {
         Ok(Some(VerbsQp {
             id,
             channel: ptr::null_mut(),
+            peer,
             _pd: self.pd.clone(),
             _cq: self.cq.clone(),
         }))
@@ -747,6 +840,20 @@ impl Fabric for VerbsFabric {
                 sys::rdma_destroy_event_channel(channel);
                 return Err(e);
             }
+            // The port rdma_cm bound (the one asked for, or a free one for 0); the
+            // gate listens on the same number.
+            let addr = SocketAddr::new(addr.ip(), u16::from_be(sys::rdma_get_src_port(id)));
+            let gate = match &self.tls {
+                None => None,
+                Some(tls) => match Gate::start(tls.clone(), addr) {
+                    Ok(gate) => Some(gate),
+                    Err(e) => {
+                        sys::rdma_destroy_id(id);
+                        sys::rdma_destroy_event_channel(channel);
+                        return Err(FabricError::Io(e));
+                    }
+                },
+            };
             Ok(VerbsListener {
                 id,
                 channel,
@@ -754,6 +861,7 @@ impl Fabric for VerbsFabric {
                 cq: cq.cq.clone(),
                 caps,
                 addr,
+                gate,
             })
         }
     }
@@ -768,6 +876,14 @@ impl Fabric for VerbsFabric {
         let (mut sa, _) = sockaddr(addr);
         let fail = |detail: String| FabricError::Connect { addr, detail };
         let step = Duration::from_secs(10);
+        // Proven at the gate first: the ticket rides in the connect request.
+        let admitted = match &self.tls {
+            None => None,
+            Some(tls) => Some(admission::admit(tls, addr).map_err(|e| fail(e.to_string()))?),
+        };
+        let private_data = admitted
+            .as_ref()
+            .map(|(ticket, _)| ticket.to_private_data());
         // SAFETY: channel and id are ours; on failure both are destroyed here,
         // otherwise the returned QP owns them.
         unsafe {
@@ -821,6 +937,10 @@ impl Fabric for VerbsFabric {
                     return Err(last_os_error("rdma_create_qp"));
                 }
                 let mut param = conn_param();
+                if let Some(data) = &private_data {
+                    param.private_data = data.as_ptr().cast();
+                    param.private_data_len = admission::PRIVATE_DATA_LEN as u8;
+                }
                 if sys::rdma_connect(id, &mut param) != 0 {
                     sys::rdma_destroy_qp(id);
                     return Err(fail(std::io::Error::last_os_error().to_string()));
@@ -842,6 +962,7 @@ impl Fabric for VerbsFabric {
             Ok(VerbsQp {
                 id,
                 channel,
+                peer: admitted.map(|(_, listener)| listener),
                 _pd: pd.pd.clone(),
                 _cq: cq.cq.clone(),
             })
