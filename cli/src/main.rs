@@ -40,6 +40,7 @@ mod filter;
 mod progress;
 mod roles;
 mod scaffold;
+mod secrets;
 mod up;
 
 use std::path::{Path, PathBuf};
@@ -130,6 +131,15 @@ enum Command {
         /// Issue every certificate again, fresh or not (rotation).
         #[arg(long)]
         rotate: bool,
+        /// Also write them as Kubernetes Secrets (and a kustomization) into this
+        /// folder: one per node and for the ingress, to mount as the certificate
+        /// folder, and each service's registration token. Never the CA's key.
+        #[arg(long, value_name = "DIR")]
+        secrets: Option<PathBuf>,
+        /// The namespace of the nodes' and the ingress's Secrets (the tokens go to
+        /// the workloads' namespace, `identity.namespace`).
+        #[arg(long, default_value = secrets::SYSTEM_NAMESPACE, requires = "secrets")]
+        system_namespace: String,
     },
     /// Filter development: the conformance kit.
     Filter {
@@ -279,9 +289,13 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             run_dir,
         } => roles::node(&mesh, &name, &run_dir).map(|()| ExitCode::SUCCESS),
         Command::Ingress { mesh } => roles::ingress(&mesh).map(|()| ExitCode::SUCCESS),
-        Command::Certs { config, rotate } => {
-            roles::certs(&config, rotate).map(|()| ExitCode::SUCCESS)
-        }
+        Command::Certs {
+            config,
+            rotate,
+            secrets,
+            system_namespace,
+        } => roles::certs(&config, rotate, secrets.as_deref(), &system_namespace)
+            .map(|()| ExitCode::SUCCESS),
     }
 }
 

@@ -48,7 +48,12 @@ pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
 }
 
 /// `dpumesh certs`.
-pub fn certs(file: &Path, rotate: bool) -> Result<()> {
+pub fn certs(
+    file: &Path,
+    rotate: bool,
+    secrets: Option<&Path>,
+    system_namespace: &str,
+) -> Result<()> {
     let mesh = MeshFile::read(file)?;
     if mesh.config.identity.mtls == dpumesh_config::Mtls::Off {
         anyhow::bail!(
@@ -63,6 +68,15 @@ pub fn certs(file: &Path, rotate: bool) -> Result<()> {
         "certificates in {}",
         dpumesh_proxy::trust::certs_dir(&mesh).display()
     );
+    if let Some(out) = secrets {
+        let written = crate::secrets::write(&mesh, out, system_namespace)?;
+        say!(
+            "{} Kubernetes Secrets in {} (kubectl apply -k {})",
+            written.len() - 1,
+            out.display(),
+            out.display()
+        );
+    }
     Ok(())
 }
 

@@ -257,3 +257,123 @@ fn rbac_sees_the_calling_pods_workload_identity() {
     );
     assert_eq!(status, 403);
 }
+
+/// What a volume of Secret `file` holds: its data, decoded, as files in `mount`.
+fn mount_secret(file: &std::path::Path, mount: &std::path::Path) -> serde_json::Value {
+    use base64::Engine;
+    let secret: serde_json::Value =
+        serde_norway::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+    std::fs::create_dir_all(mount).unwrap();
+    for (name, value) in secret["data"].as_object().unwrap() {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(value.as_str().unwrap())
+            .unwrap();
+        std::fs::write(mount.join(name), bytes).unwrap();
+    }
+    secret
+}
+
+#[test]
+fn a_node_and_the_ingress_take_their_certificates_from_kubernetes_secrets() {
+    use dpumesh_identity::registration::RegistrationKey;
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (mesh_file, _) = mesh_files(dir.path(), |m| m);
+    let out = dir.path().join("secrets");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["certs", "--config"])
+        .arg(&mesh_file)
+        .arg("--secrets")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{run:?}");
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "dpumesh-ingress.yaml",
+            "dpumesh-node-node1.yaml",
+            "dpumesh-node-node2.yaml",
+            "dpumesh-token-flaky.yaml",
+            "dpumesh-token-frontend.yaml",
+            "dpumesh-token-reservation.yaml",
+            "dpumesh-token-user.yaml",
+            "kustomization.yaml",
+        ]
+    );
+    for f in &files {
+        let mode = std::fs::metadata(out.join(f)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{f} holds keys: owner-only");
+        let text = std::fs::read_to_string(out.join(f)).unwrap();
+        assert!(!text.contains("ca.key"), "the CA's key never leaves: {f}");
+    }
+
+    // Mounted as volumes, the Secrets are certificate folders: the node and the
+    // ingress prove themselves to each other from them.
+    let mounts = dir.path().join("mounts");
+    let node = mount_secret(&out.join("dpumesh-node-node1.yaml"), &mounts.join("node1"));
+    assert_eq!(node["metadata"]["namespace"], "dpumesh-system");
+    assert_eq!(node["type"], "Opaque");
+    mount_secret(&out.join("dpumesh-ingress.yaml"), &mounts.join("ingress"));
+    let (n1, ing) = (
+        SpiffeId::node(TD, "node1").unwrap(),
+        SpiffeId::ingress(TD).unwrap(),
+    );
+    let node_tls = MeshTls::load(TlsFiles::in_dir(&mounts.join("node1"), &n1), TD).unwrap();
+    let ingress_tls = MeshTls::load(TlsFiles::in_dir(&mounts.join("ingress"), &ing), TD).unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut sock, _) = listener.accept().unwrap();
+        node_tls.accept(&mut sock).map(|(_, id)| id).unwrap()
+    });
+    let mut sock = std::net::TcpStream::connect(addr).unwrap();
+    let (_, node_seen) = ingress_tls.connect(&mut sock).unwrap();
+    assert_eq!(node_seen, n1);
+    assert_eq!(server.join().unwrap(), ing);
+
+    // The node checks a pod's token from its Secret with the key in its own.
+    let key = RegistrationKey::load(&mounts.join("node1")).unwrap();
+    let token = mount_secret(&out.join("dpumesh-token-user.yaml"), &mounts.join("user"));
+    assert_eq!(token["metadata"]["namespace"], "default");
+    let user = std::fs::read_to_string(mounts.join("user/token")).unwrap();
+    assert!(key.verify("user", &user));
+    assert!(!key.verify("frontend", &user));
+
+    // kustomize (kubectl's, offline) takes the folder as it is.
+    match std::process::Command::new("kubectl")
+        .args(["kustomize"])
+        .arg(&out)
+        .output()
+    {
+        Ok(built) => {
+            assert!(built.status.success(), "{built:?}");
+            let text = String::from_utf8(built.stdout).unwrap();
+            assert_eq!(text.matches("kind: Secret").count(), 7, "{text}");
+        }
+        Err(e) => eprintln!("kubectl not found ({e}): the kustomization was not built"),
+    }
+
+    // A mesh whose names Kubernetes cannot take says so.
+    let bad = std::fs::read_to_string(&mesh_file)
+        .unwrap()
+        .replace("node1", "node_1");
+    std::fs::write(&mesh_file, bad).unwrap();
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["certs", "--config"])
+        .arg(&mesh_file)
+        .arg("--secrets")
+        .arg(dir.path().join("bad"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        !run.status.success() && err.contains("not a Kubernetes name"),
+        "{err}"
+    );
+}

@@ -4,8 +4,8 @@
 //! be proven: the node holds the mesh's registration key (`registration.key` in the
 //! certificate folder, owner-only) and accepts a registration for service `s` only
 //! with `HMAC-SHA256(key, "dpumesh-registration/v1/" + s)`. `dpumesh up` hands each
-//! pod its service's token as `DPUMESH_TOKEN`; on Kubernetes it would come from the
-//! service's Secret. A token proves the service, not the pod: replicas share it, as
+//! pod its service's token as `DPUMESH_TOKEN`; on Kubernetes it comes from the
+//! service's Secret (`dpumesh certs --secrets`). A token proves the service, not the pod: replicas share it, as
 //! they share a service account.
 
 use std::path::{Path, PathBuf};

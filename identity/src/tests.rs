@@ -163,6 +163,71 @@ fn a_rotated_certificate_is_used_without_a_restart_and_a_broken_one_is_not() {
     assert!(server_saw.is_ok() && client_saw.is_ok());
 }
 
+/// Lays `files` out as a Kubernetes Secret volume does: the files in a timestamped
+/// folder, `..data` a symlink to it, each file a symlink through `..data`. Writing
+/// again swaps `..data` atomically. Every copy keeps the time `mtime` so only the
+/// inode tells a new file.
+fn kubelet_write(mount: &std::path::Path, generation: u32, files: &[(String, Vec<u8>)]) {
+    use std::os::unix::fs::symlink;
+    let mtime = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    let folder = format!("..2026_11_24_{generation}");
+    std::fs::create_dir_all(mount.join(&folder)).unwrap();
+    for (name, bytes) in files {
+        let path = mount.join(&folder).join(name);
+        std::fs::write(&path, bytes).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        let link = mount.join(name);
+        if std::fs::symlink_metadata(&link).is_err() {
+            symlink(format!("..data/{name}"), &link).unwrap();
+        }
+    }
+    let tmp = mount.join("..data_tmp");
+    symlink(&folder, &tmp).unwrap();
+    std::fs::rename(&tmp, mount.join("..data")).unwrap();
+}
+
+/// The files of `files` as (name, bytes).
+fn contents(files: &TlsFiles) -> Vec<(String, Vec<u8>)> {
+    [&files.ca, &files.cert, &files.key]
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(p).unwrap())
+        })
+        .to_vec()
+}
+
+#[test]
+fn a_secret_volume_rotated_by_the_kubelet_is_reloaded() {
+    let Mesh {
+        dir, n1, ingress, ..
+    } = Mesh::new();
+    let files = TlsFiles::in_dir(dir.path(), &n1);
+    let mount = tempfile::tempdir().unwrap();
+    let first = contents(&files);
+    kubelet_write(mount.path(), 1, &first);
+    let node = MeshTls::load(TlsFiles::in_dir(mount.path(), &n1), "td").unwrap();
+    assert!(pair(&node, &ingress).0.is_ok());
+    assert!(!node.reload(), "nothing changed");
+
+    ca::Authority::load(dir.path())
+        .unwrap()
+        .issue_into(dir.path(), &n1, ca::LEAF_VALIDITY)
+        .unwrap();
+    let second = contents(&files);
+    assert_ne!(first[1].1, second[1].1, "a new certificate was issued");
+    kubelet_write(mount.path(), 2, &second);
+    assert!(node.reload(), "the swapped Secret volume is read again");
+    assert_eq!(node.stats.reloads.load(Ordering::Relaxed), 1);
+    let (server_saw, client_saw) = pair(&node, &ingress);
+    assert_eq!(server_saw.unwrap(), SpiffeId::ingress("td").unwrap());
+    assert_eq!(client_saw.unwrap(), n1);
+}
+
 #[test]
 fn bad_files_are_named_in_the_error() {
     let n1 = SpiffeId::node("td", "n1").unwrap();

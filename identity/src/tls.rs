@@ -46,17 +46,24 @@ impl TlsFiles {
         }
     }
 
-    fn stamp(&self) -> Vec<Option<(SystemTime, u64)>> {
+    /// What tells a changed file: its time, size and inode, through symlinks. A
+    /// Kubernetes Secret volume swaps a `..data` symlink to a new folder, so a
+    /// rotated file is a new inode even where a copy kept time and size.
+    fn stamp(&self) -> Vec<Option<Stamp>> {
+        use std::os::unix::fs::MetadataExt;
         [&self.ca, &self.cert, &self.key]
             .iter()
             .map(|p| {
                 std::fs::metadata(p)
                     .ok()
-                    .and_then(|m| Some((m.modified().ok()?, m.len())))
+                    .and_then(|m| Some((m.modified().ok()?, m.len(), m.ino())))
             })
             .collect()
     }
 }
+
+/// A file's modification time, size and inode.
+type Stamp = (SystemTime, u64, u64);
 
 /// Handshake counts, for the metrics.
 #[derive(Debug, Default)]
@@ -71,7 +78,7 @@ struct Loaded {
     server: Arc<ServerConfig>,
     client: Arc<ClientConfig>,
     id: SpiffeId,
-    stamp: Vec<Option<(SystemTime, u64)>>,
+    stamp: Vec<Option<Stamp>>,
 }
 
 /// One holder's mutual TLS: its identity, whom it trusts, and its handshakes.
