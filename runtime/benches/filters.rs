@@ -326,34 +326,14 @@ fn full_chain(c: &mut Criterion) {
     });
     group.finish();
 
-    // Percentiles (head clones outside the timed part).
-    let wasm_samples: Vec<Duration> = (0..20_000)
-        .map(|_| {
-            let head = template.clone();
-            let t = Instant::now();
-            let outcome = runner.on_request(head);
-            let elapsed = t.elapsed();
-            drop(outcome);
-            elapsed
-        })
-        .collect();
-    let native_samples: Vec<Duration> = (0..20_000)
-        .map(|_| {
-            let head = template.clone();
-            let t = Instant::now();
-            let out = native(head);
-            let elapsed = t.elapsed();
-            drop(out);
-            elapsed
-        })
-        .collect();
-    let (mut wasm_samples, mut native_samples) = (wasm_samples, native_samples);
-    for samples in [&mut wasm_samples, &mut native_samples] {
-        samples.sort();
-    }
-    let pct = |samples: &[Duration], p: f64| {
-        samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)]
-    };
+    // Percentiles (head clones outside the timed part), Wasm and native requests
+    // alternating so that drift of this shared machine hits both alike.
+    let (wasm_samples, native_samples) = interleaved(
+        20_000,
+        &template,
+        |head| runner.on_request(head),
+        &mut native,
+    );
     for (name, samples) in [("wasm", &wasm_samples), ("native", &native_samples)] {
         println!(
             "full_chain {name} percentiles over {} requests (one core, head clone excluded): p50 {:?}  p99 {:?}  p99.9 {:?}",
@@ -364,14 +344,107 @@ fn full_chain(c: &mut Criterion) {
         );
     }
     println!(
-        "full_chain wasm/native at p50: {:.2}x",
-        pct(&wasm_samples, 0.5).as_secs_f64() / pct(&native_samples, 0.5).as_secs_f64()
+        "full_chain wasm/native: p50 {:.2}x  p99 {:.2}x",
+        pct(&wasm_samples, 0.5).as_secs_f64() / pct(&native_samples, 0.5).as_secs_f64(),
+        pct(&wasm_samples, 0.99).as_secs_f64() / pct(&native_samples, 0.99).as_secs_f64()
     );
+}
+
+/// Each filter of the chain alone, Wasm against native, alternating requests: where
+/// the chain's extra time goes (the table in docs/benchmarks.md).
+fn breakdown(_: &mut Criterion) {
+    let s = setup();
+    let head = head(&s.hs_token);
+    let jwt = jwt_config(&["HS256"], "shared", 1000);
+    println!("per-filter p50 over 20000 alternating requests (one core, head clone excluded):");
+    println!("  filter      wasm      native    extra     ratio");
+    let row = |name: &str, wasm_p50: Duration, native_p50: Duration| {
+        println!(
+            "  {name:<10} {:>7.2}µs {:>7.2}µs {:>7.2}µs {:>6.2}x",
+            wasm_p50.as_secs_f64() * 1e6,
+            native_p50.as_secs_f64() * 1e6,
+            (wasm_p50.as_secs_f64() - native_p50.as_secs_f64()) * 1e6,
+            wasm_p50.as_secs_f64() / native_p50.as_secs_f64()
+        );
+    };
+    macro_rules! measure {
+        ($name:literal, $ty:ty, $component:expr, $config:expr) => {{
+            let mut runner = wasm(&s.rt, $name, $component, $config);
+            let mut native: $ty = s.host.configure($config).unwrap();
+            let (w, n) = interleaved(
+                20_000,
+                &head,
+                |h| runner.on_request(h),
+                |h| {
+                    let req = MockRequest::from_head(h);
+                    let _ = s.host.on_request(&mut native, &req);
+                    req
+                },
+            );
+            row($name, pct(&w, 0.5), pct(&n, 0.5));
+        }};
+    }
+    measure!(
+        "trace",
+        dpumesh_filter_trace::Trace,
+        artifacts::FILTER_TRACE,
+        TRACE
+    );
+    measure!("jwt", dpumesh_filter_jwt::Jwt, artifacts::FILTER_JWT, &jwt);
+    measure!(
+        "rbac",
+        dpumesh_filter_rbac::Rbac,
+        artifacts::FILTER_RBAC,
+        RBAC
+    );
+    measure!(
+        "ratelimit",
+        dpumesh_filter_ratelimit::RateLimit,
+        artifacts::FILTER_RATELIMIT,
+        RATELIMIT
+    );
+    measure!(
+        "breaker",
+        dpumesh_filter_circuit_breaker::CircuitBreaker,
+        artifacts::FILTER_CIRCUIT_BREAKER,
+        BREAKER
+    );
+}
+
+/// `n` timed calls of `a` and of `b` on a copy of `head` (copied outside the timed
+/// part), alternating; each set sorted.
+fn interleaved<A, B>(
+    n: usize,
+    head: &RequestHead,
+    mut a: impl FnMut(RequestHead) -> A,
+    mut b: impl FnMut(RequestHead) -> B,
+) -> (Vec<Duration>, Vec<Duration>) {
+    let mut time_a = Vec::with_capacity(n);
+    let mut time_b = Vec::with_capacity(n);
+    for _ in 0..n {
+        let copy = head.clone();
+        let t = Instant::now();
+        let out = a(copy);
+        time_a.push(t.elapsed());
+        drop(out);
+        let copy = head.clone();
+        let t = Instant::now();
+        let out = b(copy);
+        time_b.push(t.elapsed());
+        drop(out);
+    }
+    time_a.sort();
+    time_b.sort();
+    (time_a, time_b)
+}
+
+fn pct(samples: &[Duration], p: f64) -> Duration {
+    samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)]
 }
 
 #[allow(missing_docs, reason = "criterion-generated")]
 mod group {
-    use super::{filters, full_chain};
-    criterion::criterion_group!(benches, filters, full_chain);
+    use super::{breakdown, filters, full_chain};
+    criterion::criterion_group!(benches, filters, full_chain, breakdown);
 }
 criterion_main!(group::benches);

@@ -3,11 +3,13 @@
 //! from each filter to the next.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use dpumesh_head::RequestHead;
 use http::{HeaderName, HeaderValue};
 
 use crate::bindings::{self, RequestLine, ResponseInfo};
+use crate::epoch::Epoch;
 use crate::error::{FaultKind, FilterFault, Phase};
 use crate::filter::{FailurePolicy, LoadedFilter};
 use crate::health::HealthState;
@@ -135,6 +137,9 @@ enum Step {
 pub struct ChainRunner {
     chain: Arc<FilterChain>,
     slots: Vec<Slot>,
+    /// The epoch tickers of the chain's runtimes (one, in practice), woken once per
+    /// phase rather than once per filter call.
+    epochs: Vec<Arc<Epoch>>,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -210,7 +215,24 @@ impl ChainRunner {
                 filter: filter.clone(),
             })
             .collect();
-        Self { chain, slots }
+        let mut epochs: Vec<Arc<Epoch>> = Vec::new();
+        for filter in &chain.filters {
+            let epoch = &filter.runtime.inner.epoch;
+            if !epochs.iter().any(|e| Arc::ptr_eq(e, epoch)) {
+                epochs.push(epoch.clone());
+            }
+        }
+        Self {
+            chain,
+            slots,
+            epochs,
+        }
+    }
+
+    fn wake_epochs(&self) {
+        for epoch in &self.epochs {
+            epoch.call_begins();
+        }
     }
 
     /// The chain this runner runs.
@@ -236,20 +258,32 @@ impl ChainRunner {
     /// Runs the request phase.
     pub fn on_request(&mut self, mut head: RequestHead) -> ChainOutcome {
         let mut faults = Vec::new();
+        self.wake_epochs();
+        // Filters cannot edit the request line (pseudo-headers are read-only), so one
+        // copy serves the whole chain.
+        let line = Arc::new(RequestLine {
+            method: crate::imports::wit_method(&head.method),
+            scheme: crate::imports::wit_scheme(&head.scheme),
+            authority: head.authority.clone(),
+            path: head.path.clone(),
+        });
+        // One clock read per filter: a filter's time runs from the end of the one
+        // before it (the chain's own bookkeeping between two calls is included).
+        let mut mark = Instant::now();
         for index in 0..self.slots.len() {
-            let filter = self.slots[index].filter.clone();
-            let policy = filter.settings.failure_policy;
-            let step = if let HealthState::Degraded { retry_in_ms } = filter.health.state() {
+            let policy = self.slots[index].filter.settings.failure_policy;
+            let health = self.slots[index].filter.health.state();
+            let step = if let HealthState::Degraded { retry_in_ms } = health {
                 Step::Fault(self.skipped(index, retry_in_ms))
             } else {
                 // A retry must see the head as it was, not half-edited by the failed call.
                 let original = (policy == FailurePolicy::Reload).then(|| head.clone());
-                let (returned, step) = self.step(index, head);
+                let (returned, step) = self.step(index, &line, &mut mark, head);
                 head = returned;
                 match (step, original) {
                     (Step::Fault(fault), Some(original)) if fault.kind.retryable() => {
                         faults.push(fault);
-                        let (returned, step) = self.step(index, original);
+                        let (returned, step) = self.step(index, &line, &mut mark, original);
                         head = returned;
                         step
                     }
@@ -273,7 +307,7 @@ impl ChainRunner {
             return ChainOutcome {
                 head,
                 decision: Decision::Deny {
-                    filter: filter.tag.name.clone(),
+                    filter: self.slots[index].filter.tag.name.clone(),
                     reply,
                     cause,
                 },
@@ -290,8 +324,14 @@ impl ChainRunner {
     }
 
     /// Calls one filter's `on-request` and sorts out the result.
-    fn step(&mut self, index: usize, head: RequestHead) -> (RequestHead, Step) {
-        let (head, result) = self.call(index, head);
+    fn step(
+        &mut self,
+        index: usize,
+        line: &Arc<RequestLine>,
+        mark: &mut Instant,
+        head: RequestHead,
+    ) -> (RequestHead, Step) {
+        let (head, result) = self.call(index, line, mark, head);
         let step = match result {
             Ok(bindings::Verdict::Continue) => {
                 self.slots[index].filter.health.record_success();
@@ -333,6 +373,9 @@ impl ChainRunner {
         ran: usize,
     ) -> (RequestHead, Vec<FilterFault>) {
         let mut faults = Vec::new();
+        if ran > 0 {
+            self.wake_epochs();
+        }
         for index in (0..ran.min(self.slots.len())).rev() {
             if self.slots[index].filter.health.is_degraded() {
                 continue;
@@ -354,6 +397,8 @@ impl ChainRunner {
     fn call(
         &mut self,
         index: usize,
+        line: &Arc<RequestLine>,
+        mark: &mut Instant,
         head: RequestHead,
     ) -> (RequestHead, Result<bindings::Verdict, FaultKind>) {
         let slot = &mut self.slots[index];
@@ -367,15 +412,10 @@ impl ChainRunner {
         let Some(instance) = slot.instance.as_mut() else {
             return (head, Err(FaultKind::Unavailable("no instance".to_owned())));
         };
-        let line = RequestLine {
-            method: crate::imports::wit_method(&head.method),
-            scheme: crate::imports::wit_scheme(&head.scheme),
-            authority: head.authority.clone(),
-            path: head.path.clone(),
-        };
-        let started = std::time::Instant::now();
-        let result = instance.on_request(line, head);
-        slot.duration.record(started.elapsed().as_secs_f64());
+        let result = instance.on_request(line.clone(), head);
+        let now = Instant::now();
+        slot.duration.record((now - *mark).as_secs_f64());
+        *mark = now;
         result
     }
 

@@ -17,7 +17,9 @@ use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
 use crate::imports::{HeadHandle, StoreState};
 
-type OnRequest = TypedFunc<(RequestLine, Resource<HeadHandle>), (Verdict,)>;
+/// The request line goes in by `Arc`: a chain builds it once per request and every
+/// filter's call lowers it from there (no copy of the path and authority per filter).
+type OnRequest = TypedFunc<(Arc<RequestLine>, Resource<HeadHandle>), (Verdict,)>;
 type OnResponse = TypedFunc<(Resource<HeadHandle>, ResponseInfo), ()>;
 
 /// Most stderr quoted in a fault report.
@@ -107,7 +109,7 @@ impl FilterInstance {
             }
         };
         let on_request = instance
-            .get_typed_func::<(RequestLine, Resource<HeadHandle>), (Verdict,)>(
+            .get_typed_func::<(Arc<RequestLine>, Resource<HeadHandle>), (Verdict,)>(
                 &mut store,
                 &filter.exports.on_request,
             )
@@ -168,8 +170,9 @@ impl FilterInstance {
         self.startup
     }
 
+    /// Readies the store for a call. The epoch ticker was woken by the caller, once
+    /// per chain run ([`crate::chain::ChainRunner`]), not per filter.
     fn arm(&mut self) {
-        self.filter.runtime.inner.epoch.call_begins();
         let data = self.store.data_mut();
         data.limiter.hit = false;
         let first = data.budget.arm(self.filter.settings.deadline);
@@ -180,7 +183,7 @@ impl FilterInstance {
     /// filter's edits, whatever happened.
     pub(crate) fn on_request(
         &mut self,
-        line: RequestLine,
+        line: Arc<RequestLine>,
         head: RequestHead,
     ) -> (RequestHead, Result<Verdict, FaultKind>) {
         self.arm();

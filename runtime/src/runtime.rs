@@ -188,5 +188,22 @@ fn engine_config(config: &RuntimeConfig) -> Config {
         .pagemap_scan(wasmtime::Enabled::Auto)
         .decommit_batch_size(16);
     wasm.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    // `perf` names guest functions only if the engine tells it where they are:
+    // DPUMESH_WASM_PROFILER=perfmap (/tmp/perf-<pid>.map) or jitdump (`perf inject`).
+    match std::env::var("DPUMESH_WASM_PROFILER").as_deref() {
+        Ok("perfmap") => {
+            wasm.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
+        Ok("jitdump") => {
+            wasm.profiler(wasmtime::ProfilingStrategy::JitDump);
+        }
+        Ok(other) => {
+            tracing::warn!(
+                value = other,
+                "DPUMESH_WASM_PROFILER is perfmap or jitdump; ignored"
+            )
+        }
+        Err(_) => {}
+    }
     wasm
 }
