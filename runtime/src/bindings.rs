@@ -5,7 +5,7 @@
 
 wasmtime::component::bindgen!({
     path: "../wit",
-    world: "filter",
+    world: "batched-filter",
     with: {
         "dpumesh:filter/types.request-head": crate::imports::HeadHandle,
     },
@@ -14,4 +14,5 @@ wasmtime::component::bindgen!({
     imports: { default: trappable },
 });
 
+pub(crate) use dpumesh::filter::types::HeaderEdit;
 pub use dpumesh::filter::types::{FailureKind, LocalReply};

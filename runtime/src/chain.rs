@@ -13,7 +13,7 @@ use crate::epoch::Epoch;
 use crate::error::{FaultKind, FilterFault, Phase};
 use crate::filter::{FailurePolicy, LoadedFilter};
 use crate::health::HealthState;
-use crate::instance::FilterInstance;
+use crate::instance::{CallInput, FilterInstance};
 
 /// An ordered list of loaded filters: the definition of a chain, shared by every
 /// worker.
@@ -140,6 +140,8 @@ pub struct ChainRunner {
     /// The epoch tickers of the chain's runtimes (one, in practice), woken once per
     /// phase rather than once per filter call.
     epochs: Vec<Arc<Epoch>>,
+    /// Whether a filter takes the batched call (the shared input is built then).
+    batched: bool,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -222,10 +224,12 @@ impl ChainRunner {
                 epochs.push(epoch.clone());
             }
         }
+        let batched = chain.filters.iter().any(|f| f.is_batched());
         Self {
             chain,
             slots,
             epochs,
+            batched,
         }
     }
 
@@ -259,14 +263,22 @@ impl ChainRunner {
     pub fn on_request(&mut self, mut head: RequestHead) -> ChainOutcome {
         let mut faults = Vec::new();
         self.wake_epochs();
-        // Filters cannot edit the request line (pseudo-headers are read-only), so one
-        // copy serves the whole chain.
+        // Filters cannot edit the request line (pseudo-headers are read-only), the
+        // query, the destination or the source, so one copy serves the whole chain.
         let line = Arc::new(RequestLine {
             method: crate::imports::wit_method(&head.method),
             scheme: crate::imports::wit_scheme(&head.scheme),
             authority: head.authority.clone(),
             path: head.path.clone(),
         });
+        let common = match (self.batched, self.slots.first()) {
+            (true, Some(slot)) => {
+                let clock = &slot.filter.runtime.inner.services.clock;
+                crate::input::common(&head, clock.wall_ns(), clock.monotonic_ns())
+            }
+            _ => Vec::new(),
+        };
+        let line = CallInput { line, common };
         // One clock read per filter: a filter's time runs from the end of the one
         // before it (the chain's own bookkeeping between two calls is included).
         let mut mark = Instant::now();
@@ -327,7 +339,7 @@ impl ChainRunner {
     fn step(
         &mut self,
         index: usize,
-        line: &Arc<RequestLine>,
+        line: &CallInput,
         mark: &mut Instant,
         head: RequestHead,
     ) -> (RequestHead, Step) {
@@ -397,7 +409,7 @@ impl ChainRunner {
     fn call(
         &mut self,
         index: usize,
-        line: &Arc<RequestLine>,
+        line: &CallInput,
         mark: &mut Instant,
         head: RequestHead,
     ) -> (RequestHead, Result<bindings::Verdict, FaultKind>) {
@@ -412,7 +424,7 @@ impl ChainRunner {
         let Some(instance) = slot.instance.as_mut() else {
             return (head, Err(FaultKind::Unavailable("no instance".to_owned())));
         };
-        let result = instance.on_request(line.clone(), head);
+        let result = instance.on_request(line, head);
         let now = Instant::now();
         slot.duration.record((now - *mark).as_secs_f64());
         *mark = now;

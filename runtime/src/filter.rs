@@ -16,7 +16,7 @@ use crate::instance::FilterInstance;
 use crate::runtime::Runtime;
 
 /// The version of the `dpumesh:filter` package this runtime serves.
-pub const WIT_VERSION: &str = "0.1.0";
+pub const WIT_VERSION: &str = "0.1.1";
 const WIT_PACKAGE: &str = "dpumesh:filter";
 /// Types the `filter` world `use`s at its top level; components import them by these
 /// plain names.
@@ -130,6 +130,9 @@ pub(crate) struct Exports {
     pub(crate) configure: Option<ComponentExportIndex>,
     pub(crate) on_request: ComponentExportIndex,
     pub(crate) on_response: Option<ComponentExportIndex>,
+    /// The `batched-filter` world's (0.1.1): called instead of `on-request`.
+    pub(crate) handle_request: Option<ComponentExportIndex>,
+    pub(crate) interest: Option<ComponentExportIndex>,
 }
 
 /// A compiled, checked and validated filter version, ready to instantiate on any
@@ -185,6 +188,12 @@ impl LoadedFilter {
         self.exports.on_response.is_some()
     }
 
+    /// Whether requests reach it through the batched call (`handle-request`, WIT
+    /// 0.1.1) rather than `on-request`.
+    pub fn is_batched(&self) -> bool {
+        self.exports.handle_request.is_some()
+    }
+
     /// A new instance, configured. Used by workers; also how a load is validated.
     pub fn instantiate(self: &Arc<Self>) -> Result<FilterInstance, LoadError> {
         FilterInstance::new(self)
@@ -193,7 +202,7 @@ impl LoadedFilter {
 
 impl Runtime {
     /// Loads a filter from component bytes: compiles it (or takes it from the cache),
-    /// checks that it targets `dpumesh:filter@0.1.0`, and configures one instance to
+    /// checks that it targets `dpumesh:filter@0.1.1`, and configures one instance to
     /// validate the configuration. Nothing is published; the caller decides.
     pub fn load_filter(
         &self,
@@ -221,7 +230,7 @@ impl Runtime {
     }
 
     /// Compiles a component ahead of time for this runtime's engine (a `.cwasm`), after
-    /// checking it targets `dpumesh:filter@0.1.0`. Loading it back is only for files
+    /// checking it targets `dpumesh:filter@0.1.1`. Loading it back is only for files
     /// this machine produced: see the compile cache.
     pub fn precompile(&self, name: &str, bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
         let engine = &self.inner.engine;
@@ -268,6 +277,8 @@ impl Runtime {
                 export: "on-request",
             })?,
             on_response: export("on-response"),
+            handle_request: export("handle-request"),
+            interest: export("interest"),
         };
         let pre =
             self.inner

@@ -11,7 +11,7 @@ use dpumesh_head::RequestHead;
 use wasmtime::component::{Resource, TypedFunc};
 use wasmtime::{Store, Trap, UpdateDeadline};
 
-use crate::bindings::{RequestLine, ResponseInfo, Verdict};
+use crate::bindings::{HeaderEdit, Interest, Outcome, RequestLine, ResponseInfo, Verdict};
 use crate::budget::Check;
 use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
@@ -21,6 +21,25 @@ use crate::imports::{HeadHandle, StoreState};
 /// filter's call lowers it from there (no copy of the path and authority per filter).
 type OnRequest = TypedFunc<(Arc<RequestLine>, Resource<HeadHandle>), (Verdict,)>;
 type OnResponse = TypedFunc<(Resource<HeadHandle>, ResponseInfo), ()>;
+type HandleRequest = TypedFunc<(Resource<HeadHandle>, Vec<u8>), (Outcome,)>;
+
+/// Most headers and metadata keys a filter may declare it reads.
+const MAX_DECLARED: usize = 256;
+
+/// What one chain run hands every filter call.
+pub(crate) struct CallInput {
+    /// The request line (`on-request`).
+    pub(crate) line: Arc<RequestLine>,
+    /// The part of the batched input every filter shares ([`crate::input::common`]);
+    /// empty when the chain has no batched filter.
+    pub(crate) common: Vec<u8>,
+}
+
+/// A component of the `batched-filter` world: its call and what it declared.
+struct Batched {
+    handle: HandleRequest,
+    interest: Interest,
+}
 
 /// Most stderr quoted in a fault report.
 const STDERR_QUOTE: usize = 400;
@@ -31,6 +50,7 @@ pub struct FilterInstance {
     store: Store<StoreState>,
     on_request: OnRequest,
     on_response: Option<OnResponse>,
+    batched: Option<Batched>,
     startup: Startup,
 }
 
@@ -144,6 +164,41 @@ impl FilterInstance {
                 }
             }
         }
+        let batched = match &filter.exports.handle_request {
+            None => None,
+            Some(index) => {
+                let handle = instance
+                    .get_typed_func::<(Resource<HeadHandle>, Vec<u8>), (Outcome,)>(
+                        &mut store, index,
+                    )
+                    .map_err(export_type("handle-request"))?;
+                let interest = match &filter.exports.interest {
+                    None => Interest {
+                        headers: Vec::new(),
+                        metadata: Vec::new(),
+                    },
+                    Some(index) => {
+                        let interest = instance
+                            .get_typed_func::<(), (Interest,)>(&mut store, index)
+                            .map_err(export_type("interest"))?;
+                        match interest.call(&mut store, ()) {
+                            Ok((interest,)) => interest,
+                            Err(e) => {
+                                let fault = classify(&mut store, e, settings.configure_deadline);
+                                return Err(LoadError::ConfigureFault {
+                                    filter: name(),
+                                    fault,
+                                });
+                            }
+                        }
+                    }
+                };
+                Some(Batched {
+                    handle,
+                    interest: checked_interest(&settings.name, interest)?,
+                })
+            }
+        };
         let startup = Startup {
             instantiate: instantiated - started,
             configure: instantiated.elapsed(),
@@ -157,6 +212,7 @@ impl FilterInstance {
             store,
             on_request,
             on_response,
+            batched,
         })
     }
 
@@ -179,23 +235,45 @@ impl FilterInstance {
         self.store.set_epoch_deadline(first);
     }
 
-    /// Runs `on-request` with `head` lent to the instance; the head comes back with the
+    /// Runs the request phase (`handle-request` for a batched component, `on-request`
+    /// otherwise) with `head` lent to the instance; the head comes back with the
     /// filter's edits, whatever happened.
     pub(crate) fn on_request(
         &mut self,
-        line: Arc<RequestLine>,
+        call: &CallInput,
         head: RequestHead,
     ) -> (RequestHead, Result<Verdict, FaultKind>) {
         self.arm();
-        self.store.data_mut().head = Some(head);
-        let result = self
-            .on_request
-            .call(&mut self.store, (line, Resource::new_borrow(0)));
-        let head = self.take_head();
-        let result = result
-            .map(|(verdict,)| verdict)
-            .map_err(|e| classify(&mut self.store, e, self.filter.settings.deadline));
-        (head, result)
+        let deadline = self.filter.settings.deadline;
+        let result = match &self.batched {
+            Some(batched) => {
+                let mut input = Vec::with_capacity(call.common.len() + 256);
+                input.extend_from_slice(&call.common);
+                crate::input::declared(
+                    &mut input,
+                    &head,
+                    &batched.interest.headers,
+                    &batched.interest.metadata,
+                );
+                let handle = batched.handle;
+                self.store.data_mut().head = Some(head);
+                match handle.call(&mut self.store, (Resource::new_borrow(0), input)) {
+                    Ok((outcome,)) => apply(self.store.data_mut(), outcome),
+                    Err(e) => Err(classify(&mut self.store, e, deadline)),
+                }
+            }
+            None => {
+                self.store.data_mut().head = Some(head);
+                self.on_request
+                    .call(
+                        &mut self.store,
+                        (call.line.clone(), Resource::new_borrow(0)),
+                    )
+                    .map(|(verdict,)| verdict)
+                    .map_err(|e| classify(&mut self.store, e, deadline))
+            }
+        };
+        (self.take_head(), result)
     }
 
     /// Runs `on-response` (a no-op for filters without a response phase).
@@ -228,6 +306,53 @@ impl Drop for FilterInstance {
             .live
             .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// Applies what a batched call returned to the lent head: counters, metadata, then
+/// header edits in order, each checked as `set-header` and friends check them. A
+/// refused edit faults the call (an SDK refuses it when it is made, so only a filter
+/// that bypasses its SDK gets here).
+fn apply(state: &mut StoreState, outcome: Outcome) -> Result<Verdict, FaultKind> {
+    use crate::bindings::dpumesh::filter::metrics::Host as _;
+    for (id, delta) in outcome.counters {
+        // Never fails: unknown ids are ignored, as the import does.
+        let _ = state.increment(id, delta);
+    }
+    let head = state
+        .head
+        .as_mut()
+        .ok_or_else(|| FaultKind::Trap("the head was not lent (a host bug)".into()))?;
+    for (key, value) in &outcome.metadata {
+        head.set_metadata(key, value);
+    }
+    for edit in outcome.headers {
+        let (name, result) = match &edit {
+            HeaderEdit::Set((name, value)) => (name, head.set_header(name, value)),
+            HeaderEdit::Append((name, value)) => (name, head.append_header(name, value)),
+            HeaderEdit::Remove(name) => (name, head.remove_header(name)),
+        };
+        result.map_err(|e| FaultKind::BadReply(format!("header edit of {name:?} refused: {e}")))?;
+    }
+    Ok(outcome.verdict)
+}
+
+/// Lower-cases declared header names (matching is case-insensitive) and bounds what
+/// a filter may declare.
+fn checked_interest(filter: &str, mut interest: Interest) -> Result<Interest, LoadError> {
+    if interest.headers.len() > MAX_DECLARED || interest.metadata.len() > MAX_DECLARED {
+        return Err(LoadError::Settings {
+            filter: filter.to_owned(),
+            detail: format!(
+                "the filter declares {} headers and {} metadata keys; at most {MAX_DECLARED} each",
+                interest.headers.len(),
+                interest.metadata.len()
+            ),
+        });
+    }
+    for name in &mut interest.headers {
+        name.make_ascii_lowercase();
+    }
+    Ok(interest)
 }
 
 /// Turns a call error into a fault: memory cap, deadline, or a trap with the guest's

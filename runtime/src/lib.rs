@@ -2,7 +2,7 @@
 //!
 //! This crate runs WebAssembly filter components against request heads: one wasmtime
 //! [`Engine`](wasmtime::Engine) per proxy, each filter compiled once (with an on-disk
-//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.0` world, instantiated
+//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.1` world, instantiated
 //! from a pooling allocator per worker thread, and run in [chains](FilterChain) with a
 //! memory cap, a CPU deadline per call and a failure policy per filter.
 //!
@@ -25,6 +25,7 @@ mod error;
 mod filter;
 mod health;
 mod imports;
+pub mod input;
 mod instance;
 mod limits;
 mod local;

@@ -107,7 +107,7 @@ impl Runtime {
         let mut linker = Linker::<StoreState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| RuntimeError(format!("linking WASI: {e:#}")))?;
-        crate::bindings::Filter::add_to_linker::<StoreState, HasSelf<StoreState>>(
+        crate::bindings::BatchedFilter::add_to_linker::<StoreState, HasSelf<StoreState>>(
             &mut linker,
             |state| state,
         )

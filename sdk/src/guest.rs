@@ -197,6 +197,76 @@ fn deny(reply: LocalReply) -> wit::Verdict {
     })
 }
 
+thread_local! {
+    /// What this instance's filter declared (asked once, by `interest`).
+    static INTEREST: RefCell<crate::Interest> = RefCell::new(crate::Interest::default());
+}
+
+/// `interest` export: what the filter reads on every request, lower-cased as the
+/// proxy will match it, kept so that inputs are read in the same order.
+pub fn interest<F: Filter>(slot: &'static Slot<F>) -> wit::Interest {
+    if ensure_configured(slot).is_err() {
+        return wit::Interest {
+            headers: Vec::new(),
+            metadata: Vec::new(),
+        };
+    }
+    let mut interest =
+        slot.with(|cell| cell.borrow().as_ref().map(F::interest).unwrap_or_default());
+    for name in &mut interest.headers {
+        name.make_ascii_lowercase();
+    }
+    INTEREST.with(|i| *i.borrow_mut() = interest.clone());
+    wit::Interest {
+        headers: interest.headers,
+        metadata: interest.metadata,
+    }
+}
+
+/// `handle-request` export: the batched call.
+pub fn handle_request<F: Filter>(
+    slot: &'static Slot<F>,
+    head: &wit::RequestHead,
+    input: &[u8],
+) -> wit::Outcome {
+    let outcome = |verdict: Verdict, edits, metadata| wit::Outcome {
+        verdict: match verdict {
+            Verdict::Continue => wit::Verdict::Continue,
+            Verdict::Deny(reply) => deny(reply),
+        },
+        headers: edits,
+        metadata,
+        counters: crate::sys::take_counters(),
+    };
+    if let Err(e) = ensure_configured(slot) {
+        let reply = LocalReply::new(500).body(format!("filter is not configured: {e}"));
+        return outcome(reply.into(), Vec::new(), Vec::new());
+    }
+    INTEREST.with(|interest| {
+        let interest = interest.borrow();
+        let decoded =
+            crate::input::Input::decode(input, interest.headers.len(), interest.metadata.len());
+        let input = match decoded {
+            Ok(input) => input,
+            // A proxy speaking another encoding: say so rather than guess.
+            Err(e) => {
+                let reply = LocalReply::new(500).body(format!("filter input: {e}"));
+                return outcome(reply.into(), Vec::new(), Vec::new());
+            }
+        };
+        let line = input.line.clone();
+        let access = crate::batched::BatchedHead::new(head, input, &interest);
+        let request = Request::with_line(line, &access);
+        let verdict = slot.with(|cell| match cell.borrow_mut().as_mut() {
+            Some(filter) => filter.on_request(&request),
+            None => Verdict::Continue,
+        });
+        drop(request);
+        let (edits, metadata) = access.finish();
+        outcome(verdict, edits, metadata)
+    })
+}
+
 /// `on-response` export.
 pub fn on_response<F: Filter>(
     slot: &'static Slot<F>,

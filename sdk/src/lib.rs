@@ -3,7 +3,7 @@
 //! A filter is a type implementing [`Filter`]: it is built once per instance from its
 //! configuration ([`Filter::Config`], parsed from JSON), sees the head of every request
 //! routed through its chain in [`Filter::on_request`], and may watch the outcome in
-//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.0`
+//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.1`
 //! component when built for `wasm32-wasip2`.
 //!
 //! ```
@@ -45,6 +45,7 @@
 
 pub mod clock;
 pub mod crypto;
+pub mod input;
 pub mod log;
 pub mod metrics;
 pub mod shared;
@@ -55,10 +56,13 @@ mod sys;
 mod verdict;
 
 #[cfg(target_arch = "wasm32")]
+mod batched;
+#[cfg(target_arch = "wasm32")]
 mod guest;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod mock;
 
+pub use input::Interest;
 pub use request::{HeadAccess, HeaderError, Method, Peer, Request, RequestLine, Scheme};
 pub use verdict::{FailureKind, LocalReply, ResponseInfo, Verdict};
 
@@ -70,7 +74,7 @@ pub use verdict::{FailureKind, LocalReply, ResponseInfo, Verdict};
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../wit",
-        world: "filter",
+        world: "batched-filter",
         pub_export_macro: true,
         export_macro_name: "__export_filter_world",
         default_bindings_module: "dpumesh_filter_sdk::bindings",
@@ -97,6 +101,15 @@ pub trait Filter: Sized + 'static {
     /// Decides about one request.
     fn on_request(&mut self, req: &Request<'_>) -> Verdict;
 
+    /// What the filter reads on every request: the proxy hands these headers and
+    /// metadata in with the call, so reading them costs no crossing into the proxy
+    /// (anything else is still fetched when asked for). Asked once, after
+    /// [`Filter::new`]. Header edits, metadata and counters are sent back with the
+    /// verdict in any case.
+    fn interest(&self) -> Interest {
+        Interest::default()
+    }
+
     /// Observes the outcome of a request whose `on_request` ran (reverse chain order).
     fn on_response(&mut self, req: &Request<'_>, info: &ResponseInfo) {
         let _ = (req, info);
@@ -119,7 +132,7 @@ pub fn configure<F: Filter>(config: &str) -> Result<F, String> {
     F::new(parse_config(config)?)
 }
 
-/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.0` world.
+/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.1` world.
 ///
 /// Expands to nothing on native targets, so the same crate builds for unit tests.
 #[macro_export]
@@ -154,6 +167,17 @@ macro_rules! export_filter {
                 ) {
                     $crate::__private::on_response::<$ty>(&FILTER, head, info)
                 }
+
+                fn interest() -> $crate::bindings::dpumesh::filter::types::Interest {
+                    $crate::__private::interest::<$ty>(&FILTER)
+                }
+
+                fn handle_request(
+                    head: &$crate::bindings::dpumesh::filter::types::RequestHead,
+                    input: ::std::vec::Vec<u8>,
+                ) -> $crate::bindings::dpumesh::filter::types::Outcome {
+                    $crate::__private::handle_request::<$ty>(&FILTER, head, &input)
+                }
             }
 
             $crate::bindings::__export_filter_world!(
@@ -166,7 +190,7 @@ macro_rules! export_filter {
 #[doc(hidden)]
 #[cfg(target_arch = "wasm32")]
 pub mod __private {
-    pub use crate::guest::{configure, on_request, on_response};
+    pub use crate::guest::{configure, handle_request, interest, on_request, on_response};
 }
 
 #[cfg(test)]

@@ -152,6 +152,11 @@ pub trait HeadAccess {
     fn metadata(&self, key: &str) -> Option<String>;
     /// Writes per-request metadata.
     fn set_metadata(&self, key: &str, value: &str);
+    /// Wall-clock and monotonic ns when the proxy started this request's chain, when
+    /// the call brought them.
+    fn times(&self) -> Option<(u64, u64)> {
+        None
+    }
 }
 
 /// The request being filtered.
@@ -289,5 +294,21 @@ impl<'a> Request<'a> {
     /// Sets metadata for later filters and the response phase.
     pub fn set_metadata(&self, key: &str, value: &str) {
         self.head.set_metadata(key, value)
+    }
+
+    /// Wall-clock time for this request's decisions, ns since the Unix epoch: when the
+    /// proxy started the request's chain if the call brought it (no crossing), else
+    /// [`crate::clock::wall_ns`]. Every filter of a chain sees the same value.
+    pub fn wall_ns(&self) -> u64 {
+        self.head
+            .times()
+            .map_or_else(crate::clock::wall_ns, |(wall, _)| wall)
+    }
+
+    /// Monotonic time for this request, ns, taken as [`Request::wall_ns`] is.
+    pub fn monotonic_ns(&self) -> u64 {
+        self.head
+            .times()
+            .map_or_else(crate::clock::monotonic_ns, |(_, mono)| mono)
     }
 }

@@ -27,7 +27,7 @@ pub mod config;
 use dpumesh_filter_sdk::metrics::Counter;
 use dpumesh_filter_sdk::shared::{self, StateError};
 use dpumesh_filter_sdk::{
-    FailureKind, Filter, LocalReply, Request, ResponseInfo, Verdict, clock, export_filter, log,
+    FailureKind, Filter, LocalReply, Request, ResponseInfo, Verdict, export_filter, log,
 };
 
 use crate::config::Config;
@@ -42,8 +42,9 @@ pub struct CircuitBreaker {
     rejected_concurrency: Counter,
 }
 
-fn now_ms() -> i64 {
-    (clock::monotonic_ns() / 1_000_000) as i64
+/// Monotonic ms for `req`: when its chain started if the call brought it.
+fn now_ms(req: &Request<'_>) -> i64 {
+    (req.monotonic_ns() / 1_000_000) as i64
 }
 
 fn service(req: &Request<'_>) -> String {
@@ -203,7 +204,7 @@ impl Filter for CircuitBreaker {
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
         let service = service(req);
-        let now = now_ms();
+        let now = now_ms(req);
         let open_until = match shared::get(&key(&service, "open_until")) {
             Ok(v) => v,
             Err(e) => {
@@ -258,7 +259,7 @@ impl Filter for CircuitBreaker {
         let Some(service) = req.metadata("circuit.service") else {
             return;
         };
-        let now = now_ms();
+        let now = now_ms(req);
         if req.metadata("circuit.inflight").is_some() {
             let _ = shared::increment(&key(&service, "inflight"), -1, 0);
         }

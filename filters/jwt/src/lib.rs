@@ -28,7 +28,9 @@ pub mod verifier;
 
 use dpumesh_filter_sdk::metrics::Counter;
 use dpumesh_filter_sdk::util::base64url_encode;
-use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, clock, crypto, export_filter, log};
+use dpumesh_filter_sdk::{
+    Filter, Interest, LocalReply, Request, Verdict, crypto, export_filter, log,
+};
 use serde_json::Value;
 
 use crate::cache::{TokenCache, Verified};
@@ -162,6 +164,22 @@ impl Filter for Jwt {
         })
     }
 
+    /// Every provider's token headers, and `cookie` when a provider reads cookies.
+    fn interest(&self) -> Interest {
+        let mut interest = Interest::default();
+        for provider in &self.config.providers {
+            for source in &provider.headers {
+                interest = interest.header(&source.name);
+            }
+            if !provider.raw.from_cookies.is_empty() {
+                interest = interest.header("cookie");
+            }
+        }
+        interest.headers.sort();
+        interest.headers.dedup();
+        interest
+    }
+
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
         let Some(rule) = matcher::find(&self.config.rules, req.method(), req.path()) else {
             return Verdict::Continue;
@@ -177,7 +195,8 @@ impl Filter for Jwt {
                 Mode::AllowMissing | Mode::AllowMissingOrFailed => Verdict::Continue,
             };
         };
-        let now = clock::wall_ns() as f64 / 1e9;
+        // The time the chain started on this request (handed in with the call).
+        let now = req.wall_ns() as f64 / 1e9;
         // Applied in place: a cache hit is used by reference, never copied per request.
         let result = if token.len() > provider.raw.max_token_bytes {
             Err(Failure::TooLarge)

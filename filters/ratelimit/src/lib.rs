@@ -17,7 +17,7 @@ pub mod config;
 
 use dpumesh_filter_sdk::metrics::Counter;
 use dpumesh_filter_sdk::shared::{self, TokenBucket};
-use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, export_filter, log};
+use dpumesh_filter_sdk::{Filter, Interest, LocalReply, Request, Verdict, export_filter, log};
 use sha2::{Digest, Sha256};
 
 use crate::config::{CheckedBucket, Config, Entry, RawConfig};
@@ -186,6 +186,27 @@ impl RateLimit {
 
 impl Filter for RateLimit {
     type Config = RawConfig;
+
+    /// The headers and the claims the descriptors name (top-level claims as
+    /// `jwt.claim.<name>`, nested ones through `jwt.payload`).
+    fn interest(&self) -> Interest {
+        let mut interest = Interest::default();
+        for descriptor in &self.config.descriptors {
+            for entry in &descriptor.entries {
+                interest = match entry {
+                    Entry::Header(name) => interest.header(name),
+                    Entry::Claim(path) if path.contains('.') => interest.metadata("jwt.payload"),
+                    Entry::Claim(path) => interest.metadata(format!("jwt.claim.{path}")),
+                    _ => interest,
+                };
+            }
+        }
+        interest.headers.sort();
+        interest.headers.dedup();
+        interest.metadata.sort();
+        interest.metadata.dedup();
+        interest
+    }
 
     fn new(raw: RawConfig) -> Result<Self, String> {
         let config = Config::try_from(raw)?;

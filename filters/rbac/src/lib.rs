@@ -19,10 +19,10 @@ use std::cell::OnceCell;
 use std::net::IpAddr;
 
 use dpumesh_filter_sdk::metrics::Counter;
-use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, export_filter, log};
+use dpumesh_filter_sdk::{Filter, Interest, LocalReply, Request, Verdict, export_filter, log};
 use serde::Deserialize;
 
-use crate::matcher::{Permission, Principal, RawPermission, RawPrincipal};
+use crate::matcher::{Permission, Principal, RawPermission, RawPrincipal, Reads};
 
 /// What the policy evaluation needs of a request; the filter's logic is pure over it.
 pub trait RequestView {
@@ -227,6 +227,26 @@ pub struct Rbac {
 
 impl Filter for Rbac {
     type Config = RawConfig;
+
+    /// The headers the policies name, and the verified claims (`jwt.payload`) when a
+    /// principal reads them.
+    fn interest(&self) -> Interest {
+        let mut reads = Reads::default();
+        for policy in &self.engine.policies {
+            policy.permissions.iter().for_each(|p| p.reads(&mut reads));
+            policy.principals.iter().for_each(|p| p.reads(&mut reads));
+        }
+        reads.headers.sort();
+        reads.headers.dedup();
+        let mut interest = Interest {
+            headers: reads.headers,
+            metadata: Vec::new(),
+        };
+        if reads.claims {
+            interest = interest.metadata("jwt.payload");
+        }
+        interest
+    }
 
     fn new(raw: RawConfig) -> Result<Self, String> {
         let shadow = raw.shadow;

@@ -308,7 +308,25 @@ pub enum Permission {
     Not(Box<Permission>),
 }
 
+/// What a policy reads of a request beyond its line, source and destination (which
+/// come with every call): headers by name, and whether it reads verified claims.
+#[derive(Debug, Default)]
+pub struct Reads {
+    pub headers: Vec<String>,
+    pub claims: bool,
+}
+
 impl Permission {
+    /// Adds what this permission reads to `reads`.
+    pub fn reads(&self, reads: &mut Reads) {
+        match self {
+            Self::Header(h) => reads.headers.push(h.name.to_ascii_lowercase()),
+            Self::And(v) | Self::Or(v) => v.iter().for_each(|p| p.reads(reads)),
+            Self::Not(p) => p.reads(reads),
+            Self::Any | Self::Method(_) | Self::Path(_) | Self::Destination(_) => {}
+        }
+    }
+
     /// Compiles a raw permission.
     pub fn compile(raw: RawPermission) -> Result<Self, String> {
         Ok(match raw {
@@ -397,6 +415,17 @@ pub enum Principal {
 }
 
 impl Principal {
+    /// Adds what this principal reads to `reads`.
+    pub fn reads(&self, reads: &mut Reads) {
+        match self {
+            Self::Header(h) => reads.headers.push(h.name.to_ascii_lowercase()),
+            Self::Authenticated | Self::Claim(_) => reads.claims = true,
+            Self::And(v) | Self::Or(v) => v.iter().for_each(|p| p.reads(reads)),
+            Self::Not(p) => p.reads(reads),
+            Self::Any | Self::SourceIp(_) | Self::Identity(_) => {}
+        }
+    }
+
     /// Compiles a raw principal.
     pub fn compile(raw: RawPrincipal) -> Result<Self, String> {
         Ok(match raw {

@@ -19,7 +19,7 @@ pub mod ids;
 pub mod traceparent;
 
 use dpumesh_filter_sdk::metrics::Counter;
-use dpumesh_filter_sdk::{Filter, Request, Verdict, export_filter};
+use dpumesh_filter_sdk::{Filter, Interest, Request, Verdict, export_filter};
 use serde::Deserialize;
 
 use crate::ids::IdSource;
@@ -104,6 +104,19 @@ impl Filter for Trace {
             config,
             ids: IdSource::from_entropy(),
         })
+    }
+
+    /// The request-id header, the trace-id header and `traceparent`.
+    fn interest(&self) -> Interest {
+        let c = &self.config;
+        let mut interest = Interest::default().header(&c.request_id_header);
+        if !c.trace_id_header.is_empty() {
+            interest = interest.header(&c.trace_id_header);
+        }
+        if c.traceparent {
+            interest = interest.header("traceparent");
+        }
+        interest
     }
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {

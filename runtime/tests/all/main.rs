@@ -1,6 +1,7 @@
 //! Integration tests of the runtime, in one binary to keep link time down.
 
 mod chain;
+mod compat;
 mod errors;
 mod faults;
 mod support;

@@ -75,6 +75,12 @@ pub(crate) fn flush_counters() {
     pending::flush()
 }
 
+/// The counter increments gathered during this call, handed over (the batched call
+/// returns them with its outcome instead of calling the proxy).
+pub(crate) fn take_counters() -> Vec<(u32, u64)> {
+    pending::take()
+}
+
 /// Counter increments gathered during one export call: a host call per increment costs
 /// more than the rest of a typical filter, so they are sent in one batch when the call
 /// returns (the export glue calls [`flush_counters`]).
@@ -92,6 +98,10 @@ mod pending {
             Some((_, sum)) => *sum = sum.saturating_add(delta),
             None => pending.push((id, delta)),
         });
+    }
+
+    pub(super) fn take() -> Vec<(u32, u64)> {
+        PENDING.with_borrow_mut(std::mem::take)
     }
 
     pub(super) fn flush() {

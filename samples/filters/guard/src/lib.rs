@@ -20,7 +20,7 @@
 #![forbid(unsafe_code)]
 
 use dpumesh_filter_sdk::metrics::Counter;
-use dpumesh_filter_sdk::{Filter, LocalReply, Request, Verdict, export_filter};
+use dpumesh_filter_sdk::{Filter, Interest, LocalReply, Request, Verdict, export_filter};
 use serde::Deserialize;
 
 /// What a rule does when it matches.
@@ -126,6 +126,15 @@ impl Guard {
 
 impl Filter for Guard {
     type Config = Config;
+
+    /// The headers the rules look at: handed in with each call, no crossing to read.
+    fn interest(&self) -> Interest {
+        self.config
+            .rules
+            .iter()
+            .filter_map(|r| r.header.as_ref())
+            .fold(Interest::default(), |i, h| i.header(&h.name))
+    }
 
     fn new(config: Config) -> Result<Self, String> {
         if !(100..=599).contains(&config.deny_status) {
