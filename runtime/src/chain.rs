@@ -271,14 +271,18 @@ impl ChainRunner {
             authority: head.authority.clone(),
             path: head.path.clone(),
         });
-        let common = match (self.batched, self.slots.first()) {
+        let shared = match (self.batched, self.slots.first()) {
             (true, Some(slot)) => {
                 let clock = &slot.filter.runtime.inner.services.clock;
-                crate::input::common(&head, clock.wall_ns(), clock.monotonic_ns())
+                Some(crate::input::Shared::new(
+                    &head,
+                    clock.wall_ns(),
+                    clock.monotonic_ns(),
+                ))
             }
-            _ => Vec::new(),
+            _ => None,
         };
-        let line = CallInput { line, common };
+        let line = CallInput { line, shared };
         // One clock read per filter: a filter's time runs from the end of the one
         // before it (the chain's own bookkeeping between two calls is included).
         let mut mark = Instant::now();

@@ -145,6 +145,9 @@ pub struct LoadedFilter {
     pub(crate) tag: Arc<FilterTag>,
     pub(crate) health: FilterHealth,
     pub(crate) live: AtomicUsize,
+    /// What the filter declared it reads, learned from its first instance, when it
+    /// takes the batched call at all.
+    pub(crate) interest: std::sync::OnceLock<Option<crate::bindings::Interest>>,
     hash: String,
 }
 
@@ -189,9 +192,12 @@ impl LoadedFilter {
     }
 
     /// Whether requests reach it through the batched call (`handle-request`, WIT
-    /// 0.1.1) rather than `on-request`.
+    /// 0.1.1) rather than `on-request`: when the component exports it and declares
+    /// something it reads. One that declares nothing gains nothing from the call's
+    /// input, so it keeps `on-request`, which measured cheaper for it (the input's
+    /// fixed cost; docs/benchmarks.md).
     pub fn is_batched(&self) -> bool {
-        self.exports.handle_request.is_some()
+        self.interest.get().is_some_and(Option::is_some)
     }
 
     /// A new instance, configured. Used by workers; also how a load is validated.
@@ -277,7 +283,13 @@ impl Runtime {
                 export: "on-request",
             })?,
             on_response: export("on-response"),
-            handle_request: export("handle-request"),
+            // DPUMESH_BATCHED_CALLS=off calls `on-request` even where `handle-request`
+            // is exported: how the two were measured against each other (see
+            // docs/benchmarks.md).
+            handle_request: match std::env::var("DPUMESH_BATCHED_CALLS").as_deref() {
+                Ok("off") => None,
+                _ => export("handle-request"),
+            },
             interest: export("interest"),
         };
         let pre =
@@ -300,6 +312,7 @@ impl Runtime {
             tag,
             health: FilterHealth::new(self.inner.config.clock.clone(), settings_health),
             live: AtomicUsize::new(0),
+            interest: std::sync::OnceLock::new(),
             hash,
         });
         // Configure one instance now, so a bad configuration is refused at load time

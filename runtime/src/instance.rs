@@ -30,9 +30,9 @@ const MAX_DECLARED: usize = 256;
 pub(crate) struct CallInput {
     /// The request line (`on-request`).
     pub(crate) line: Arc<RequestLine>,
-    /// The part of the batched input every filter shares ([`crate::input::common`]);
-    /// empty when the chain has no batched filter.
-    pub(crate) common: Vec<u8>,
+    /// What every batched call of the run shares; `None` when the chain has no
+    /// batched filter.
+    pub(crate) shared: Option<crate::input::Shared>,
 }
 
 /// A component of the `batched-filter` world: its call and what it declared.
@@ -165,7 +165,10 @@ impl FilterInstance {
             }
         }
         let batched = match &filter.exports.handle_request {
-            None => None,
+            None => {
+                let _ = filter.interest.set(None);
+                None
+            }
             Some(index) => {
                 let handle = instance
                     .get_typed_func::<(Resource<HeadHandle>, Vec<u8>), (Outcome,)>(
@@ -193,10 +196,12 @@ impl FilterInstance {
                         }
                     }
                 };
-                Some(Batched {
-                    handle,
-                    interest: checked_interest(&settings.name, interest)?,
-                })
+                let interest = checked_interest(&settings.name, interest)?;
+                let declared = !interest.headers.is_empty() || !interest.metadata.is_empty();
+                // Every instance of one configuration declares the same; the first
+                // one's answer decides how the filter is called.
+                let _ = filter.interest.set(declared.then(|| interest.clone()));
+                declared.then_some(Batched { handle, interest })
             }
         };
         let startup = Startup {
@@ -247,14 +252,16 @@ impl FilterInstance {
         let deadline = self.filter.settings.deadline;
         let result = match &self.batched {
             Some(batched) => {
-                let mut input = Vec::with_capacity(call.common.len() + 256);
-                input.extend_from_slice(&call.common);
-                crate::input::declared(
-                    &mut input,
-                    &head,
-                    &batched.interest.headers,
-                    &batched.interest.metadata,
-                );
+                let mut input = Vec::with_capacity(512);
+                if let Some(shared) = &call.shared {
+                    crate::input::encode(
+                        &mut input,
+                        &head,
+                        shared,
+                        &batched.interest.headers,
+                        &batched.interest.metadata,
+                    );
+                }
                 let handle = batched.handle;
                 self.store.data_mut().head = Some(head);
                 match handle.call(&mut self.store, (Resource::new_borrow(0), input)) {

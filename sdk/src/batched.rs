@@ -11,7 +11,7 @@ use crate::{HeadAccess, HeaderError, Peer, RequestLine};
 /// The head as a batched call sees it.
 pub(crate) struct BatchedHead<'a> {
     head: &'a wit::RequestHead,
-    input: Input,
+    input: Input<'a>,
     interest: &'a Interest,
     edits: RefCell<Vec<wit::HeaderEdit>>,
     metadata: RefCell<Vec<(String, String)>>,
@@ -25,7 +25,11 @@ fn edit_name(edit: &wit::HeaderEdit) -> &str {
 }
 
 impl<'a> BatchedHead<'a> {
-    pub(crate) fn new(head: &'a wit::RequestHead, input: Input, interest: &'a Interest) -> Self {
+    pub(crate) fn new(
+        head: &'a wit::RequestHead,
+        input: Input<'a>,
+        interest: &'a Interest,
+    ) -> Self {
         Self {
             head,
             input,
@@ -40,12 +44,13 @@ impl<'a> BatchedHead<'a> {
         (self.edits.into_inner(), self.metadata.into_inner())
     }
 
-    fn declared_header(&self, name: &str) -> Option<&Vec<String>> {
+    /// The values of `name` as the input brought them, if the filter declared it.
+    fn declared_header(&self, name: &str) -> Option<impl Iterator<Item = &'a str> + use<'a>> {
         self.interest
             .headers
             .iter()
             .position(|h| h.eq_ignore_ascii_case(name))
-            .and_then(|i| self.input.headers.get(i))
+            .map(|i| self.input.header(i))
     }
 
     fn edited(&self, name: &str) -> bool {
@@ -79,23 +84,26 @@ impl<'a> BatchedHead<'a> {
 
 impl HeadAccess for BatchedHead<'_> {
     fn line(&self) -> RequestLine {
-        self.input.line.clone()
+        self.input.line()
     }
 
     fn query(&self) -> Option<String> {
-        self.input.query.clone()
+        self.input.query().map(str::to_owned)
     }
 
     fn header(&self, name: &str) -> Option<String> {
-        if self.declared_header(name).is_none() && !self.edited(name) {
-            return self.head.header(name);
+        if self.edited(name) {
+            return self.header_all(name).into_iter().next();
         }
-        self.header_all(name).into_iter().next()
+        match self.declared_header(name) {
+            Some(mut values) => values.next().map(str::to_owned),
+            None => self.head.header(name),
+        }
     }
 
     fn header_all(&self, name: &str) -> Vec<String> {
         let base = match self.declared_header(name) {
-            Some(values) => values.clone(),
+            Some(values) => values.map(str::to_owned).collect(),
             None => self.head.header_all(name),
         };
         self.with_edits(name, base)
@@ -120,7 +128,7 @@ impl HeadAccess for BatchedHead<'_> {
                 if self.declared_header(n).is_none() && !self.edited(n) {
                     fetched.next().flatten()
                 } else {
-                    self.header_all(n).into_iter().next()
+                    self.header(n)
                 }
             })
             .collect()
@@ -140,11 +148,11 @@ impl HeadAccess for BatchedHead<'_> {
     }
 
     fn source(&self) -> Peer {
-        self.input.source.clone()
+        self.input.source()
     }
 
     fn destination(&self) -> Option<String> {
-        self.input.destination.clone()
+        self.input.destination().map(str::to_owned)
     }
 
     fn set_header(&self, name: &str, value: &str) -> Result<(), HeaderError> {
@@ -170,7 +178,7 @@ impl HeadAccess for BatchedHead<'_> {
             return Some(v.clone());
         }
         match self.interest.metadata.iter().position(|k| k == key) {
-            Some(i) => self.input.metadata.get(i).cloned().flatten(),
+            Some(i) => self.input.metadata(i).map(str::to_owned),
             None => self.head.metadata(key),
         }
     }

@@ -254,9 +254,9 @@ pub fn handle_request<F: Filter>(
                 return outcome(reply.into(), Vec::new(), Vec::new());
             }
         };
-        let line = input.line.clone();
         let access = crate::batched::BatchedHead::new(head, input, &interest);
-        let request = Request::with_line(line, &access);
+        // The line is copied out of the input only if the filter reads it.
+        let request = Request::lazy(&access);
         let verdict = slot.with(|cell| match cell.borrow_mut().as_mut() {
             Some(filter) => filter.on_request(&request),
             None => Verdict::Continue,

@@ -1,16 +1,20 @@
 //! The batched call's input (WIT 0.1.1 `handle-request`) and the checks an edit gets
 //! before it is batched.
 //!
-//! The encoding (version 1, little-endian; `str` is a `u32` length and UTF-8 bytes,
-//! `opt` a byte 0 for none or 1 followed by a `str`):
+//! The encoding (version 1, little-endian):
 //!
 //! ```text
-//! u8 version | u8 scheme (0 http, 1 https) | u64 wall ns | u64 monotonic ns
-//! str method | str authority | str path | opt query | opt destination
-//! str source address | u16 source port | opt source identity
-//! for each declared header:        u32 count, count × str (every value, in order)
-//! for each declared metadata key:  opt value
+//! u8 version | u8 scheme (0 http, 1 https) | u16 source port | u32 field count N
+//! u64 wall ns | u64 monotonic ns
+//! N × (u32 offset, u32 length) into the text; length 0xFFFF_FFFF = absent
+//! text: UTF-8, every field's bytes
 //! ```
+//!
+//! Fields in order: method, authority, path, query, destination, source address,
+//! source identity, then one per declared header (every value, joined by `\n`, which
+//! no header value contains; absent when the header is), then one per declared
+//! metadata key. The text is checked as UTF-8 once and every field on its bounds
+//! when the input is read; after that, fields are slices of it (no allocation).
 //!
 //! The proxy's encoder is `dpumesh_runtime::input`; a test there decodes its output
 //! with [`Input::decode`].
@@ -43,25 +47,21 @@ impl Interest {
     }
 }
 
-/// A batched call's input, decoded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Input {
-    /// Method, scheme, authority and path.
-    pub line: RequestLine,
-    /// The raw query.
-    pub query: Option<String>,
-    /// The destination service.
-    pub destination: Option<String>,
-    /// Who sent the request.
-    pub source: Peer,
+/// A batched call's input, read in place: every string is a slice of the input's
+/// bytes, so reading it allocates nothing (a filter copies only what it asks for).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Input<'a> {
+    /// `http` or `https`.
+    pub scheme: Scheme,
+    /// The sending peer's port.
+    pub source_port: u16,
     /// Wall-clock time when the proxy started this request's chain, ns since the epoch.
     pub wall_ns: u64,
     /// Monotonic time at the same moment, ns.
     pub monotonic_ns: u64,
-    /// Every value of each declared header, in declaration order.
-    pub headers: Vec<Vec<String>>,
-    /// Each declared metadata key's value, in declaration order.
-    pub metadata: Vec<Option<String>>,
+    table: &'a [u8],
+    text: &'a str,
+    headers: usize,
 }
 
 /// Why an input could not be read (a proxy that speaks another encoding).
@@ -76,124 +76,163 @@ impl fmt::Display for InputError {
 
 /// The encoding's version.
 pub const VERSION: u8 = 1;
+const ABSENT: u32 = u32::MAX;
+const FIXED: usize = 24;
+const FIXED_FIELDS: usize = 7;
 
-struct Reader<'a> {
-    bytes: &'a [u8],
+#[inline]
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], InputError> {
-        if self.bytes.len() < n {
-            return Err(InputError(format!("{what} is cut short")));
-        }
-        let (head, rest) = self.bytes.split_at(n);
-        self.bytes = rest;
-        Ok(head)
-    }
-
-    fn u8(&mut self, what: &str) -> Result<u8, InputError> {
-        Ok(self.take(1, what)?[0])
-    }
-
-    fn u16(&mut self, what: &str) -> Result<u16, InputError> {
-        let b = self.take(2, what)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
-    }
-
-    fn u32(&mut self, what: &str) -> Result<u32, InputError> {
-        let b = self.take(4, what)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    }
-
-    fn u64(&mut self, what: &str) -> Result<u64, InputError> {
-        let mut b = [0u8; 8];
-        b.copy_from_slice(self.take(8, what)?);
-        Ok(u64::from_le_bytes(b))
-    }
-
-    fn str(&mut self, what: &str) -> Result<String, InputError> {
-        let len = self.u32(what)? as usize;
-        let bytes = self.take(len, what)?;
-        std::str::from_utf8(bytes)
-            .map(str::to_owned)
-            .map_err(|_| InputError(format!("{what} is not UTF-8")))
-    }
-
-    fn opt(&mut self, what: &str) -> Result<Option<String>, InputError> {
-        match self.u8(what)? {
-            0 => Ok(None),
-            1 => self.str(what).map(Some),
-            tag => Err(InputError(format!("{what} has presence byte {tag}"))),
-        }
-    }
+#[inline]
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&bytes[at..at + 8]);
+    u64::from_le_bytes(b)
 }
 
-impl Input {
+impl<'a> Input<'a> {
     /// Reads an input carrying `headers` declared headers and `metadata` declared keys.
-    pub fn decode(bytes: &[u8], headers: usize, metadata: usize) -> Result<Self, InputError> {
-        let mut r = Reader { bytes };
-        let version = r.u8("version")?;
-        if version != VERSION {
-            return Err(InputError(format!(
-                "version {version} (this SDK reads {VERSION})"
-            )));
+    pub fn decode(bytes: &'a [u8], headers: usize, metadata: usize) -> Result<Self, InputError> {
+        let err = |why: String| Err(InputError(why));
+        if bytes.len() < FIXED {
+            return err(format!(
+                "{} bytes, the fixed part alone is {FIXED}",
+                bytes.len()
+            ));
         }
-        let scheme = match r.u8("scheme")? {
+        if bytes[0] != VERSION {
+            return err(format!("version {} (this SDK reads {VERSION})", bytes[0]));
+        }
+        let scheme = match bytes[1] {
             0 => Scheme::Http,
             1 => Scheme::Https,
-            other => return Err(InputError(format!("scheme {other}"))),
+            other => return err(format!("scheme {other}")),
         };
-        let wall_ns = r.u64("wall time")?;
-        let monotonic_ns = r.u64("monotonic time")?;
-        let method = Method::parse(&r.str("method")?);
-        let authority = r.str("authority")?;
-        let path = r.str("path")?;
-        let query = r.opt("query")?;
-        let destination = r.opt("destination")?;
-        let source = Peer {
-            address: r.str("source address")?,
-            port: r.u16("source port")?,
-            identity: r.opt("source identity")?,
+        let fields = u32_at(bytes, 4) as usize;
+        let want = FIXED_FIELDS + headers + metadata;
+        if fields != want {
+            return err(format!("{fields} fields, {want} expected"));
+        }
+        let text_at = FIXED + fields * 8;
+        if bytes.len() < text_at {
+            return err(format!(
+                "the field table is cut short ({} bytes)",
+                bytes.len()
+            ));
+        }
+        let table = &bytes[FIXED..text_at];
+        let Ok(text) = std::str::from_utf8(&bytes[text_at..]) else {
+            return err("the text is not UTF-8".into());
         };
-        let mut values = Vec::with_capacity(headers);
-        for _ in 0..headers {
-            let n = r.u32("header count")? as usize;
-            // Each value takes at least its 4-byte length: a count beyond what is
-            // left is a broken input, not an allocation to make.
-            if n > r.bytes.len() / 4 {
-                return Err(InputError(format!(
-                    "{n} header values in {} bytes",
-                    r.bytes.len()
-                )));
+        // The other fields are checked when read (a field outside the text reads as
+        // absent): most filters read few of them.
+        for i in 0..3 {
+            let (offset, len) = (u32_at(table, i * 8) as usize, u32_at(table, i * 8 + 4));
+            if len == ABSENT
+                || text
+                    .get(offset..offset.saturating_add(len as usize))
+                    .is_none()
+            {
+                return err(format!("field {i} (method, authority or path) is missing"));
             }
-            let mut all = Vec::with_capacity(n);
-            for _ in 0..n {
-                all.push(r.str("header value")?);
-            }
-            values.push(all);
-        }
-        let mut meta = Vec::with_capacity(metadata);
-        for _ in 0..metadata {
-            meta.push(r.opt("metadata value")?);
-        }
-        if !r.bytes.is_empty() {
-            return Err(InputError(format!("{} bytes left over", r.bytes.len())));
         }
         Ok(Self {
-            line: RequestLine {
-                method,
-                scheme,
-                authority,
-                path,
-            },
-            query,
-            destination,
-            source,
-            wall_ns,
-            monotonic_ns,
-            headers: values,
-            metadata: meta,
+            scheme,
+            source_port: u16::from_le_bytes([bytes[2], bytes[3]]),
+            wall_ns: u64_at(bytes, 8),
+            monotonic_ns: u64_at(bytes, 16),
+            table,
+            text,
+            headers,
         })
+    }
+
+    /// Field `i`; absent when the table says so, or when it lies outside the text or
+    /// off a character boundary (a broken input).
+    #[inline]
+    fn field(&self, i: usize) -> Option<&'a str> {
+        if (i + 1) * 8 > self.table.len() {
+            return None;
+        }
+        let (offset, len) = (
+            u32_at(self.table, i * 8) as usize,
+            u32_at(self.table, i * 8 + 4),
+        );
+        if len == ABSENT {
+            return None;
+        }
+        self.text.get(offset..offset.saturating_add(len as usize))
+    }
+
+    /// The method as sent.
+    pub fn method(&self) -> &'a str {
+        self.field(0).unwrap_or_default()
+    }
+
+    /// The authority.
+    pub fn authority(&self) -> &'a str {
+        self.field(1).unwrap_or_default()
+    }
+
+    /// The path without the query.
+    pub fn path(&self) -> &'a str {
+        self.field(2).unwrap_or_default()
+    }
+
+    /// The raw query.
+    pub fn query(&self) -> Option<&'a str> {
+        self.field(3)
+    }
+
+    /// The destination service.
+    pub fn destination(&self) -> Option<&'a str> {
+        self.field(4)
+    }
+
+    /// The sending peer's address as text.
+    pub fn source_address(&self) -> &'a str {
+        self.field(5).unwrap_or_default()
+    }
+
+    /// The sending workload's identity, when the mesh knows it.
+    pub fn source_identity(&self) -> Option<&'a str> {
+        self.field(6)
+    }
+
+    /// The values of the `i`th declared header, in arrival order (none if absent).
+    pub fn header(&self, i: usize) -> impl Iterator<Item = &'a str> + use<'a> {
+        let joined = if i < self.headers {
+            self.field(FIXED_FIELDS + i)
+        } else {
+            None
+        };
+        joined.into_iter().flat_map(|j| j.split('\n'))
+    }
+
+    /// The value of the `i`th declared metadata key.
+    pub fn metadata(&self, i: usize) -> Option<&'a str> {
+        self.field(FIXED_FIELDS + self.headers + i)
+    }
+
+    /// The request line, copied.
+    pub fn line(&self) -> RequestLine {
+        RequestLine {
+            method: Method::parse(self.method()),
+            scheme: self.scheme,
+            authority: self.authority().to_owned(),
+            path: self.path().to_owned(),
+        }
+    }
+
+    /// The sending peer, copied.
+    pub fn source(&self) -> Peer {
+        Peer {
+            address: self.source_address().to_owned(),
+            port: self.source_port,
+            identity: self.source_identity().map(str::to_owned),
+        }
     }
 }
 
@@ -242,24 +281,58 @@ mod tests {
 
     #[test]
     fn broken_inputs_are_refused_with_the_reason() {
+        let why = |bytes: &[u8]| Input::decode(bytes, 0, 0).unwrap_err().to_string();
+        assert!(why(&[]).contains("fixed part"));
+        let mut fixed = [0u8; 24];
+        fixed[0] = 9;
+        assert!(why(&fixed).contains("version 9"));
+        fixed[0] = 1;
+        assert!(why(&fixed).contains("0 fields, 7 expected"));
+        fixed[4] = 7;
+        assert!(why(&fixed).contains("table is cut short"));
+        let mut bytes = fixed.to_vec();
+        bytes.extend_from_slice(&[0u8; 56]);
+        // Seven empty fields at offset 0: well-formed, if odd.
+        assert!(Input::decode(&bytes, 0, 0).is_ok());
+        bytes[24 + 4] = 9; // the method: 9 bytes of an empty text
         assert!(
-            Input::decode(&[], 0, 0)
+            Input::decode(&bytes, 0, 0)
                 .unwrap_err()
                 .to_string()
-                .contains("version")
+                .contains("field 0 (method, authority or path) is missing")
         );
+        bytes[24 + 4] = 0;
+        bytes.push(0xff);
         assert!(
-            Input::decode(&[9], 0, 0)
+            Input::decode(&bytes, 0, 0)
                 .unwrap_err()
                 .to_string()
-                .contains("version 9")
+                .contains("not UTF-8")
         );
-        assert!(
-            Input::decode(&[1, 0, 1, 2], 0, 0)
-                .unwrap_err()
-                .to_string()
-                .contains("wall time is cut short")
-        );
+    }
+
+    #[test]
+    fn any_bytes_are_read_or_refused_without_panic() {
+        // A small LCG: deterministic bytes of every shape, the field table included.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for n in 0..20_000usize {
+            let len = n % 200;
+            let mut bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                    (x >> 33) as u8
+                })
+                .collect();
+            if len > 8 {
+                bytes[0] = VERSION;
+                bytes[4..8].copy_from_slice(&((n % 12) as u32).to_le_bytes());
+            }
+            if let Ok(input) = Input::decode(&bytes, n % 3, n % 2) {
+                let _ = (input.method(), input.query(), input.source_identity());
+                let _ = input.header(0).count() + input.header(5).count();
+                let _ = (input.metadata(0), input.line(), input.source());
+            }
+        }
     }
 
     #[test]
