@@ -73,24 +73,6 @@ fn address_text(ip: std::net::IpAddr) -> String {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn addresses_read_as_the_standard_library_writes_them() {
-        for ip in [
-            "0.0.0.0",
-            "10.1.20.255",
-            "127.0.0.1",
-            "192.168.100.9",
-            "::1",
-            "fd00::7",
-        ] {
-            let ip: std::net::IpAddr = ip.parse().unwrap();
-            assert_eq!(super::address_text(ip), ip.to_string());
-        }
-    }
-}
-
 /// Writes the input for a filter declaring `headers` and `metadata` into `out`
 /// (cleared first), from `head` as it is now.
 pub fn encode(
@@ -181,5 +163,23 @@ impl Writer<'_> {
         self.out[at..at + 4].copy_from_slice(&offset.to_le_bytes());
         self.out[at + 4..at + 8].copy_from_slice(&len.to_le_bytes());
         self.index += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn addresses_read_as_the_standard_library_writes_them() {
+        for ip in [
+            "0.0.0.0",
+            "10.1.20.255",
+            "127.0.0.1",
+            "192.168.100.9",
+            "::1",
+            "fd00::7",
+        ] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            assert_eq!(super::address_text(ip), ip.to_string());
+        }
     }
 }
