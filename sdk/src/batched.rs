@@ -184,11 +184,12 @@ impl HeadAccess for BatchedHead<'_> {
     }
 
     fn set_metadata(&self, key: &str, value: &str) {
-        let mut pending = self.metadata.borrow_mut();
-        match pending.iter_mut().find(|(k, _)| k == key) {
-            Some((_, v)) => value.clone_into(v),
-            None => pending.push((key.to_owned(), value.to_owned())),
-        }
+        // Appended without looking for the key: the proxy applies entries in order
+        // (the last one for a key wins) and reads look from the end, so a filter that
+        // writes a dozen keys does not compare each with all before it.
+        self.metadata
+            .borrow_mut()
+            .push((key.to_owned(), value.to_owned()));
     }
 
     fn times(&self) -> Option<(u64, u64)> {

@@ -106,18 +106,19 @@ impl HeadAccess for Head<'_> {
 
     fn metadata(&self, key: &str) -> Option<String> {
         let pending = self.metadata.borrow();
-        match pending.iter().find(|(k, _)| k == key) {
+        match pending.iter().rev().find(|(k, _)| k == key) {
             Some((_, value)) => Some(value.clone()),
             None => self.head.metadata(key),
         }
     }
 
     fn set_metadata(&self, key: &str, value: &str) {
-        let mut pending = self.metadata.borrow_mut();
-        match pending.iter_mut().find(|(k, _)| k == key) {
-            Some((_, v)) => value.clone_into(v),
-            None => pending.push((key.to_owned(), value.to_owned())),
-        }
+        // Appended without looking for the key: the proxy applies entries in order
+        // (the last one for a key wins) and reads look from the end, so a filter that
+        // writes a dozen keys does not compare each with all before it.
+        self.metadata
+            .borrow_mut()
+            .push((key.to_owned(), value.to_owned()));
     }
 }
 

@@ -5,6 +5,7 @@
 //! every hit.
 
 use std::collections::HashMap;
+use std::rc::Rc;
 
 use crate::verifier::Window;
 
@@ -19,14 +20,18 @@ pub struct Verified {
     pub window: Window,
     /// The payload JSON.
     pub payload: String,
-    /// Top-level claims as metadata values (strings raw, others JSON).
+    /// Top-level claims as metadata entries: `jwt.claim.<name>` (formatted once, when
+    /// the token is verified) and the value (strings raw, others JSON).
     pub claims: Vec<(String, String)>,
 }
 
 #[derive(Debug)]
 pub struct TokenCache {
     max: usize,
-    entries: HashMap<Box<str>, Verified>,
+    /// By token, with a seeded fast hash (tokens are inserted only once verified, so
+    /// nobody can choose colliding keys to fill it). Entries are shared, so a hit is a
+    /// reference count, not a copy, and one lookup.
+    entries: HashMap<Box<str>, Rc<Verified>, foldhash::fast::RandomState>,
 }
 
 impl TokenCache {
@@ -34,7 +39,7 @@ impl TokenCache {
     pub fn new(max: usize) -> Self {
         Self {
             max,
-            entries: HashMap::new(),
+            entries: HashMap::default(),
         }
     }
 
@@ -45,21 +50,19 @@ impl TokenCache {
         provider: usize,
         key_version: u64,
         now: f64,
-    ) -> Option<&Verified> {
-        let fresh = self.entries.get(token).is_some_and(|v| {
-            v.provider == provider
-                && v.key_version == key_version
-                && now < v.window.1
-                && now >= v.window.0
-        });
-        if !fresh {
-            self.entries.remove(token);
-            return None;
+    ) -> Option<Rc<Verified>> {
+        let hit = self.entries.get(token)?;
+        if hit.provider == provider
+            && hit.key_version == key_version
+            && now < hit.window.1
+            && now >= hit.window.0
+        {
+            return Some(hit.clone());
         }
-        self.entries.get(token)
+        self.entries.remove(token);
+        None
     }
 
-    /// Remembers a verification, evicting expired entries (then arbitrary ones) when full.
     pub fn insert(&mut self, token: &str, verified: Verified, now: f64) {
         if self.max == 0 {
             return;
@@ -73,7 +76,7 @@ impl TokenCache {
             };
             self.entries.remove(&victim);
         }
-        self.entries.insert(token.into(), verified);
+        self.entries.insert(token.into(), Rc::new(verified));
     }
 
     /// Entries held.

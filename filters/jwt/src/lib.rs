@@ -70,7 +70,7 @@ fn verify(token: &str, provider: &Provider, now: f64) -> Result<Verified, Failur
         claims: parsed
             .claims
             .iter()
-            .map(|(k, v)| (k.clone(), metadata_value(v)))
+            .map(|(k, v)| (format!("jwt.claim.{k}"), metadata_value(v)))
             .collect(),
     })
 }
@@ -101,8 +101,8 @@ impl Jwt {
     fn apply(req: &Request<'_>, provider: &Provider, verified: &Verified, location: &Location) {
         req.set_metadata("jwt.provider", &provider.name);
         req.set_metadata("jwt.payload", &verified.payload);
-        for (name, value) in &verified.claims {
-            req.set_metadata(&format!("jwt.claim.{name}"), value);
+        for (key, value) in &verified.claims {
+            req.set_metadata(key, value);
         }
         if !provider.raw.claim_to_headers.is_empty() {
             let payload: Value = serde_json::from_str(&verified.payload).unwrap_or(Value::Null);
@@ -206,7 +206,7 @@ impl Filter for Jwt {
             let key_version = crypto::key_set_version(&provider.raw.key_set);
             if let Some(hit) = self.cache.get(&token, index, key_version, now) {
                 self.cache_hits.increment(1);
-                Self::apply(req, provider, hit, &location);
+                Self::apply(req, provider, &hit, &location);
                 Ok(())
             } else {
                 verify(&token, provider, now).map(|mut verified| {
