@@ -252,16 +252,27 @@ impl FilterInstance {
         let deadline = self.filter.settings.deadline;
         let result = match &self.batched {
             Some(batched) => {
+                // The chain builds the shared part when it knows of a batched filter;
+                // an instance declaring what its filter's first one did not (a filter
+                // whose interest varies) gets it built here.
+                let built;
+                let shared = match &call.shared {
+                    Some(shared) => shared,
+                    None => {
+                        let clock = &self.filter.runtime.inner.services.clock;
+                        built =
+                            crate::input::Shared::new(&head, clock.wall_ns(), clock.monotonic_ns());
+                        &built
+                    }
+                };
                 let mut input = Vec::with_capacity(512);
-                if let Some(shared) = &call.shared {
-                    crate::input::encode(
-                        &mut input,
-                        &head,
-                        shared,
-                        &batched.interest.headers,
-                        &batched.interest.metadata,
-                    );
-                }
+                crate::input::encode(
+                    &mut input,
+                    &head,
+                    shared,
+                    &batched.interest.headers,
+                    &batched.interest.metadata,
+                );
                 let handle = batched.handle;
                 self.store.data_mut().head = Some(head);
                 match handle.call(&mut self.store, (Resource::new_borrow(0), input)) {
