@@ -64,8 +64,39 @@ fn check_name(name: &str) -> Result<()> {
     Ok(())
 }
 
-fn secret(name: String, namespace: &str, role: &str, files: &[PathBuf]) -> Result<Secret> {
+/// An Opaque Secret of the mesh, labelled with its role (and more `labels`).
+fn secret(
+    name: String,
+    namespace: &str,
+    role: &str,
+    labels: &[(&'static str, String)],
+    data: BTreeMap<String, String>,
+) -> Result<Secret> {
     check_name(&name)?;
+    let mut all = BTreeMap::from([
+        ("app.kubernetes.io/part-of", "dpumesh".to_owned()),
+        ("dpumesh.io/role", role.to_owned()),
+    ]);
+    all.extend(labels.iter().cloned());
+    Ok(Secret {
+        api_version: "v1",
+        kind: "Secret",
+        metadata: Metadata {
+            name,
+            namespace: namespace.to_owned(),
+            labels: all,
+        },
+        kind_of_secret: "Opaque",
+        data,
+    })
+}
+
+fn base64(bytes: impl AsRef<[u8]>) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// Files as a Secret's data: each under its file name.
+fn files_data(files: &[PathBuf]) -> Result<BTreeMap<String, String>> {
     let mut data = BTreeMap::new();
     for path in files {
         let bytes = std::fs::read(path).with_context(|| {
@@ -75,25 +106,9 @@ fn secret(name: String, namespace: &str, role: &str, files: &[PathBuf]) -> Resul
             .file_name()
             .and_then(|n| n.to_str())
             .context("a certificate file without a name")?;
-        data.insert(
-            key.to_owned(),
-            base64::engine::general_purpose::STANDARD.encode(bytes),
-        );
+        data.insert(key.to_owned(), base64(bytes));
     }
-    Ok(Secret {
-        api_version: "v1",
-        kind: "Secret",
-        metadata: Metadata {
-            name,
-            namespace: namespace.to_owned(),
-            labels: BTreeMap::from([
-                ("app.kubernetes.io/part-of", "dpumesh".to_owned()),
-                ("dpumesh.io/role", role.to_owned()),
-            ]),
-        },
-        kind_of_secret: "Opaque",
-        data,
-    })
+    Ok(data)
 }
 
 /// The Secrets of `mesh`'s certificate folder, by file name.
@@ -104,19 +119,17 @@ fn render(mesh: &MeshFile, system_namespace: &str) -> Result<Vec<(String, Secret
     for name in mesh.config.nodes.keys() {
         let files = TlsFiles::in_dir(dir, &trust::node_id(mesh, name)?);
         let secret_name = format!("dpumesh-node-{name}");
-        out.push(secret(
-            secret_name,
-            system_namespace,
-            "node",
-            &[files.ca, files.cert, files.key, dir.join(KEY_FILE)],
-        )?);
+        let data = files_data(&[files.ca, files.cert, files.key, dir.join(KEY_FILE)])?;
+        out.push(secret(secret_name, system_namespace, "node", &[], data)?);
     }
     let files = TlsFiles::in_dir(dir, &trust::ingress_id(mesh)?);
+    let data = files_data(&[files.ca, files.cert, files.key])?;
     out.push(secret(
         "dpumesh-ingress".into(),
         system_namespace,
         "ingress",
-        &[files.ca, files.cert, files.key],
+        &[],
+        data,
     )?);
     let key = RegistrationKey::load(dir)?;
     let workloads = mesh.config.identity.namespace();
@@ -125,26 +138,13 @@ fn render(mesh: &MeshFile, system_namespace: &str) -> Result<Vec<(String, Secret
         if SpiffeId::workload(mesh.config.identity.trust_domain(), workloads, service).is_err() {
             continue;
         }
-        let name = format!("dpumesh-token-{service}");
-        check_name(&name)?;
-        out.push(Secret {
-            api_version: "v1",
-            kind: "Secret",
-            metadata: Metadata {
-                name,
-                namespace: workloads.to_owned(),
-                labels: BTreeMap::from([
-                    ("app.kubernetes.io/part-of", "dpumesh".to_owned()),
-                    ("dpumesh.io/role", "workload".to_owned()),
-                    ("dpumesh.io/service", service.clone()),
-                ]),
-            },
-            kind_of_secret: "Opaque",
-            data: BTreeMap::from([(
-                "token".to_owned(),
-                base64::engine::general_purpose::STANDARD.encode(key.token(service)),
-            )]),
-        });
+        out.push(secret(
+            format!("dpumesh-token-{service}"),
+            workloads,
+            "workload",
+            &[("dpumesh.io/service", service.clone())],
+            BTreeMap::from([("token".to_owned(), base64(key.token(service)))]),
+        )?);
     }
     Ok(out
         .into_iter()

@@ -255,11 +255,8 @@ fn without_up_killed_processes_started_again_by_hand_are_taken_back() {
     std::fs::create_dir_all(&run).unwrap();
     let file = file.as_os_str().to_owned();
     // What the orchestrator's Secret would hold: the mesh's certificates.
-    let certs = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["certs".as_ref(), "--config".as_ref(), file.as_os_str()])
-        .output()
-        .unwrap();
-    assert!(certs.status.success(), "{certs:?}");
+    let issued = certs(std::path::Path::new(&file), &[]);
+    assert!(issued.status.success(), "{issued:?}");
     let node = |name: &str| {
         role(&[
             "node".as_ref(),

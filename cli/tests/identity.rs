@@ -207,19 +207,15 @@ fn certificates_rotate_under_a_running_mesh() {
     let mesh = Mesh::up();
     let node1 = node1_fabric(&mesh);
     let admin1 = mesh.admins[0];
-    let certs = mesh._dir.path().join(".dpumesh/certs");
+    let folder = mesh._dir.path().join(".dpumesh/certs");
     let ingress = SpiffeId::ingress(TD).unwrap();
-    let before = std::fs::read(certs.join("ingress.pem")).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["certs", "--rotate", "--config"])
-        .arg(mesh._dir.path().join("mesh.yaml"))
-        .output()
-        .unwrap();
+    let before = std::fs::read(folder.join("ingress.pem")).unwrap();
+    let out = certs(&mesh._dir.path().join("mesh.yaml"), &["--rotate".as_ref()]);
     assert!(out.status.success(), "{out:?}");
-    assert_ne!(std::fs::read(certs.join("ingress.pem")).unwrap(), before);
+    assert_ne!(std::fs::read(folder.join("ingress.pem")).unwrap(), before);
     // The node looks at its files (at most once a second) when it next accepts a link.
     std::thread::sleep(Duration::from_millis(1100));
-    let fresh = MeshTls::load(TlsFiles::in_dir(&certs, &ingress), TD).unwrap();
+    let fresh = MeshTls::load(TlsFiles::in_dir(&folder, &ingress), TD).unwrap();
     assert_eq!(
         forged(ShmFabric::new().with_tls(Some(fresh)), node1),
         Ok(401)
@@ -280,13 +276,7 @@ fn a_node_and_the_ingress_take_their_certificates_from_kubernetes_secrets() {
     let dir = tempfile::tempdir().unwrap();
     let (mesh_file, _) = mesh_files(dir.path(), |m| m);
     let out = dir.path().join("secrets");
-    let run = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["certs", "--config"])
-        .arg(&mesh_file)
-        .arg("--secrets")
-        .arg(&out)
-        .output()
-        .unwrap();
+    let run = certs(&mesh_file, &["--secrets".as_ref(), out.as_os_str()]);
     assert!(run.status.success(), "{run:?}");
     let mut files: Vec<String> = std::fs::read_dir(&out)
         .unwrap()
@@ -364,13 +354,10 @@ fn a_node_and_the_ingress_take_their_certificates_from_kubernetes_secrets() {
         .unwrap()
         .replace("node1", "node_1");
     std::fs::write(&mesh_file, bad).unwrap();
-    let run = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["certs", "--config"])
-        .arg(&mesh_file)
-        .arg("--secrets")
-        .arg(dir.path().join("bad"))
-        .output()
-        .unwrap();
+    let run = certs(
+        &mesh_file,
+        &["--secrets".as_ref(), dir.path().join("bad").as_os_str()],
+    );
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(
         !run.status.success() && err.contains("not a Kubernetes name"),

@@ -35,7 +35,7 @@ pub enum HeaderError {
 /// Headers the proxy owns: they frame the message or describe one hop, and letting a
 /// filter edit them would open the door to request smuggling. The authority is part of
 /// the request line, so `host` is read-only too.
-const READ_ONLY: [&str; 8] = [
+pub const READ_ONLY: [&str; 8] = [
     "connection",
     "content-length",
     "host",

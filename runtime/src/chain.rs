@@ -8,7 +8,7 @@ use std::time::Instant;
 use dpumesh_head::RequestHead;
 use http::{HeaderName, HeaderValue};
 
-use crate::bindings::{self, RequestLine, ResponseInfo};
+use crate::bindings::{self, ResponseInfo};
 use crate::epoch::Epoch;
 use crate::error::{FaultKind, FilterFault, Phase};
 use crate::filter::{FailurePolicy, LoadedFilter};
@@ -263,14 +263,6 @@ impl ChainRunner {
     pub fn on_request(&mut self, mut head: RequestHead) -> ChainOutcome {
         let mut faults = Vec::new();
         self.wake_epochs();
-        // Filters cannot edit the request line (pseudo-headers are read-only), the
-        // query, the destination or the source, so one copy serves the whole chain.
-        let line = Arc::new(RequestLine {
-            method: crate::imports::wit_method(&head.method),
-            scheme: crate::imports::wit_scheme(&head.scheme),
-            authority: head.authority.clone(),
-            path: head.path.clone(),
-        });
         let shared = match (self.batched, self.slots.first()) {
             (true, Some(slot)) => {
                 let clock = &slot.filter.runtime.inner.services.clock;
@@ -282,7 +274,10 @@ impl ChainRunner {
             }
             _ => None,
         };
-        let line = CallInput { line, shared };
+        let line = CallInput {
+            line: std::cell::OnceCell::new(),
+            shared,
+        };
         // One clock read per filter: a filter's time runs from the end of the one
         // before it (the chain's own bookkeeping between two calls is included).
         let mut mark = Instant::now();

@@ -145,9 +145,9 @@ pub struct LoadedFilter {
     pub(crate) tag: Arc<FilterTag>,
     pub(crate) health: FilterHealth,
     pub(crate) live: AtomicUsize,
-    /// What the filter declared it reads, learned from its first instance, when it
-    /// takes the batched call at all.
-    pub(crate) interest: std::sync::OnceLock<Option<crate::bindings::Interest>>,
+    /// Whether it takes the batched call, learned from its first instance (one that
+    /// exports `handle-request` and declares something it reads).
+    pub(crate) batched: std::sync::OnceLock<bool>,
     hash: String,
 }
 
@@ -197,7 +197,7 @@ impl LoadedFilter {
     /// input, so it keeps `on-request`, which measured cheaper for it (the input's
     /// fixed cost; docs/benchmarks.md).
     pub fn is_batched(&self) -> bool {
-        self.interest.get().is_some_and(Option::is_some)
+        self.batched.get().copied().unwrap_or(false)
     }
 
     /// A new instance, configured. Used by workers; also how a load is validated.
@@ -312,7 +312,7 @@ impl Runtime {
             tag,
             health: FilterHealth::new(self.inner.config.clock.clone(), settings_health),
             live: AtomicUsize::new(0),
-            interest: std::sync::OnceLock::new(),
+            batched: std::sync::OnceLock::new(),
             hash,
         });
         // Configure one instance now, so a bad configuration is refused at load time

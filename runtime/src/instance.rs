@@ -28,11 +28,28 @@ const MAX_DECLARED: usize = 256;
 
 /// What one chain run hands every filter call.
 pub(crate) struct CallInput {
-    /// The request line (`on-request`).
-    pub(crate) line: Arc<RequestLine>,
+    /// The request line for `on-request`, built by the first filter that takes it.
+    /// Filters cannot edit the line (pseudo-headers are read-only), the query, the
+    /// destination or the source, so one copy serves the whole run.
+    pub(crate) line: std::cell::OnceCell<Arc<RequestLine>>,
     /// What every batched call of the run shares; `None` when the chain has no
     /// batched filter.
     pub(crate) shared: Option<crate::input::Shared>,
+}
+
+impl CallInput {
+    fn line(&self, head: &RequestHead) -> Arc<RequestLine> {
+        self.line
+            .get_or_init(|| {
+                Arc::new(RequestLine {
+                    method: crate::imports::wit_method(&head.method),
+                    scheme: crate::imports::wit_scheme(&head.scheme),
+                    authority: head.authority.clone(),
+                    path: head.path.clone(),
+                })
+            })
+            .clone()
+    }
 }
 
 /// A component of the `batched-filter` world: its call and what it declared.
@@ -166,7 +183,7 @@ impl FilterInstance {
         }
         let batched = match &filter.exports.handle_request {
             None => {
-                let _ = filter.interest.set(None);
+                let _ = filter.batched.set(false);
                 None
             }
             Some(index) => {
@@ -200,7 +217,7 @@ impl FilterInstance {
                 let declared = !interest.headers.is_empty() || !interest.metadata.is_empty();
                 // Every instance of one configuration declares the same; the first
                 // one's answer decides how the filter is called.
-                let _ = filter.interest.set(declared.then(|| interest.clone()));
+                let _ = filter.batched.set(declared);
                 declared.then_some(Batched { handle, interest })
             }
         };
@@ -265,6 +282,8 @@ impl FilterInstance {
                         &built
                     }
                 };
+                // The call takes the list by value (wasmtime lowers it from an owned
+                // `Vec`), so it cannot be a buffer kept across calls.
                 let mut input = Vec::with_capacity(512);
                 crate::input::encode(
                     &mut input,
@@ -281,12 +300,10 @@ impl FilterInstance {
                 }
             }
             None => {
+                let line = call.line(&head);
                 self.store.data_mut().head = Some(head);
                 self.on_request
-                    .call(
-                        &mut self.store,
-                        (call.line.clone(), Resource::new_borrow(0)),
-                    )
+                    .call(&mut self.store, (line, Resource::new_borrow(0)))
                     .map(|(verdict,)| verdict)
                     .map_err(|e| classify(&mut self.store, e, deadline))
             }

@@ -203,8 +203,8 @@ thread_local! {
     static INTEREST: RefCell<crate::Interest> = RefCell::new(crate::Interest::default());
 }
 
-/// `interest` export: what the filter reads on every request, lower-cased as the
-/// proxy will match it, kept so that inputs are read in the same order.
+/// `interest` export: what the filter reads on every request, kept so that inputs
+/// are read in the same order (names are matched case-insensitively on both sides).
 pub fn interest<F: Filter>(slot: &'static Slot<F>) -> wit::Interest {
     if ensure_configured(slot).is_err() {
         return wit::Interest {
@@ -212,11 +212,7 @@ pub fn interest<F: Filter>(slot: &'static Slot<F>) -> wit::Interest {
             metadata: Vec::new(),
         };
     }
-    let mut interest =
-        slot.with(|cell| cell.borrow().as_ref().map(F::interest).unwrap_or_default());
-    for name in &mut interest.headers {
-        name.make_ascii_lowercase();
-    }
+    let interest = slot.with(|cell| cell.borrow().as_ref().map(F::interest).unwrap_or_default());
     INTEREST.with(|i| *i.borrow_mut() = interest.clone());
     wit::Interest {
         headers: interest.headers,

@@ -236,7 +236,8 @@ impl<'a> Input<'a> {
     }
 }
 
-/// Headers the proxy owns (framing, hop-by-hop, `host`): the proxy's list.
+/// Headers the proxy owns (framing, hop-by-hop, `host`): `dpumesh_head::READ_ONLY`,
+/// which guests do not link (it pulls in the `http` crate); a test keeps the two equal.
 const READ_ONLY: [&str; 8] = [
     "connection",
     "content-length",
@@ -333,6 +334,11 @@ mod tests {
                 let _ = (input.metadata(0), input.line(), input.source());
             }
         }
+    }
+
+    #[test]
+    fn the_read_only_headers_are_the_proxys() {
+        assert_eq!(READ_ONLY, dpumesh_head::READ_ONLY);
     }
 
     #[test]

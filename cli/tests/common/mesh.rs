@@ -14,6 +14,16 @@ use super::free_port;
 /// Status, headers (lowercase names), body.
 pub type Reply = (u16, Vec<(String, String)>, Vec<u8>);
 
+/// `dpumesh certs --config <mesh> <args>`: what an operator runs to issue the mesh's
+/// certificates (and write its Secrets).
+pub fn certs(mesh: &Path, args: &[&std::ffi::OsStr]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["certs".as_ref(), "--config".as_ref(), mesh.as_os_str()])
+        .args(args)
+        .output()
+        .expect("dpumesh runs")
+}
+
 /// The sample's files with this build's components and free ports; `edit` may
 /// change the mesh file's text last.
 pub fn mesh_files(dir: &Path, edit: impl Fn(String) -> String) -> (PathBuf, SocketAddr) {
