@@ -3,6 +3,8 @@
 # workspace's tests (guest components are built for wasm32-wasip2 by the test build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One clean build: incremental state would only double the target directory's size.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 ./scripts/install-toolchain.sh
 echo "==> cargo fmt --check"
