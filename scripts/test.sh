@@ -17,7 +17,11 @@ echo "==> cargo clippy (data path with the DOCA backends: type-checked, linked o
 cargo clippy --locked -p dpumesh-dpa --features doca --all-targets -- -D warnings
 echo "==> cargo clippy (data path with the verbs backend)"
 cargo clippy --locked -p dpumesh-dpa --features verbs --all-targets -- -D warnings
+echo "==> the Python host library (pip install ./host-lib/python)"
+./scripts/install-python.sh
 echo "==> cargo test"
 cargo test --workspace --locked
 echo "==> cargo test (verbs backend: with no RDMA device it says so)"
 cargo test --locked -p dpumesh-dpa --features verbs --lib fabric::verbs
+echo "==> pytest (the Python host library: the seed's examples, errors, WSGI)"
+python3 -m pytest -q host-lib/python/tests

@@ -255,7 +255,7 @@ impl CallBuilder<'_> {
         mut self,
         builder: impl FnOnce(&Inputs) -> Vec<HttpRequest> + Send + 'static,
     ) -> Self {
-        self.step().requests = Requests::Builder(Box::new(builder));
+        self.step().requests = Requests::Builder(Box::new(move |inputs| Ok(builder(inputs))));
         self
     }
 

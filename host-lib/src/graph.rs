@@ -12,7 +12,8 @@ use crate::result::{Inputs, StepError, StepId, StepOutput};
 
 /// A request builder: a function of the step's inputs returning the requests to send
 /// (none: the step is skipped; several: fan-out).
-pub type RequestBuilder = Box<dyn FnOnce(&Inputs) -> Vec<HttpRequest> + Send>;
+/// A builder that cannot make its requests says why (the step fails with it).
+pub type RequestBuilder = Box<dyn FnOnce(&Inputs) -> Result<Vec<HttpRequest>, String> + Send>;
 
 /// An internal step's work.
 pub type InternalFn = Box<dyn FnOnce(&Inputs) -> Result<StepOutput, String> + Send>;
@@ -92,6 +93,16 @@ impl EgressStep {
         id: impl Into<StepId>,
         inputs: Vec<StepId>,
         builder: impl FnOnce(&Inputs) -> Vec<HttpRequest> + Send + 'static,
+    ) -> Self {
+        Self::try_built(id, inputs, move |inputs| Ok(builder(inputs)))
+    }
+
+    /// A step whose requests `builder` makes from its inputs, or fails to (the step
+    /// then fails with the reason, as an internal step returning an error does).
+    pub fn try_built(
+        id: impl Into<StepId>,
+        inputs: Vec<StepId>,
+        builder: impl FnOnce(&Inputs) -> Result<Vec<HttpRequest>, String> + Send + 'static,
     ) -> Self {
         Self {
             id: id.into(),

@@ -232,21 +232,24 @@ impl Run {
             Requests::Fixed(r) => r,
             Requests::Builder(build) => {
                 let inputs = self.inputs(&input_ids);
-                // A builder that panics fails its step, not the event loop.
-                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| build(&inputs))) {
+                // A builder that fails or panics fails its step, not the event loop.
+                let built =
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| build(&inputs)))
+                    {
+                        Ok(Ok(r)) => Ok(r),
+                        Ok(Err(why)) => Err(StepError::Failed(format!("request builder: {why}"))),
+                        Err(panic) => Err(StepError::Panicked(format!(
+                            "request builder: {}",
+                            panic_text(&*panic)
+                        ))),
+                    };
+                match built {
                     Ok(r) => r,
-                    Err(panic) => {
+                    Err(error) => {
                         let Kind::Egress(e) = &self.nodes[n].kind else {
                             unreachable!()
                         };
-                        let id = e.id.clone();
-                        let result = StepResult::failure(
-                            id,
-                            StepError::Panicked(format!(
-                                "request builder: {}",
-                                panic_text(&*panic)
-                            )),
-                        );
+                        let result = StepResult::failure(e.id.clone(), error);
                         self.complete(n, Some(result), actions);
                         return;
                     }

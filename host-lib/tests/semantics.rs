@@ -134,6 +134,32 @@ fn a_handler_that_panics_or_builds_a_bad_graph_is_answered_500() {
 }
 
 #[test]
+fn a_request_builder_that_cannot_build_fails_its_step_with_the_reason() {
+    use dpumesh_host::{EgressStep, Node};
+    let transport = InMemoryTransport::new().service("a", |_| Reply::ok_after(1, "a"));
+    let (_, response, el) = run(transport, |ctx| {
+        ctx.get("http://a/").id("first");
+        ctx.add(Node::from(EgressStep::try_built(
+            "second",
+            vec!["first".into()],
+            |_| Err("TypeError: not a list".to_owned()),
+        )));
+        ctx.get("http://a/").id("never");
+    });
+    assert_eq!(response.status, 500);
+    assert_eq!(
+        response.text(),
+        "step \"second\": failed: request builder: TypeError: not a list\n"
+    );
+    assert_eq!(
+        el.stats().egress,
+        1,
+        "the sequence stopped at the failed step"
+    );
+    assert_eq!(el.in_flight(), (0, 0));
+}
+
+#[test]
 fn a_step_timeout_fails_the_request_and_the_late_completion_is_dropped() {
     let transport = InMemoryTransport::new().service("slow", |_| Reply::ok_after(100, "too late"));
     let (at, response, mut el) = run(transport, |ctx| {

@@ -94,6 +94,12 @@ impl Up {
             run_dir,
         };
         let run = up.run_dir.path().to_owned();
+        // Pods start in the mesh file's folder, so a command's relative paths (a Python
+        // app's module, a config file) mean what they mean beside the mesh file.
+        let pods_dir = std::path::absolute(file)?
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
         // A node with a network namespace runs (with its pods) inside it.
         let in_netns = |name: String, node: &str, program: &Path| -> Spec {
             match mesh.config.nodes.get(node).and_then(|e| e.netns.as_deref()) {
@@ -130,6 +136,7 @@ impl Up {
                     let pod = format!("{service}-{node}-{replica}");
                     let mut spec = in_netns(format!("pod {pod}"), node, &program(command))
                         .args(args)
+                        .current_dir(&pods_dir)
                         .env("DPUMESH_CONTROL", control_socket(&run, node))
                         .env("DPUMESH_SERVICE", service)
                         .env("DPUMESH_POD", &pod)

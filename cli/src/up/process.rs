@@ -32,6 +32,8 @@ pub struct Spec {
     pub program: PathBuf,
     pub args: Vec<OsString>,
     pub env: Vec<(String, OsString)>,
+    /// Its working directory (`up`'s own when `None`).
+    pub dir: Option<PathBuf>,
 }
 
 impl Spec {
@@ -42,6 +44,7 @@ impl Spec {
             program: program.into(),
             args: Vec::new(),
             env: Vec::new(),
+            dir: None,
         }
     }
 
@@ -52,6 +55,12 @@ impl Spec {
         S: Into<OsString>,
     {
         self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Runs it in `dir`.
+    pub fn current_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dir = Some(dir.into());
         self
     }
 
@@ -157,6 +166,9 @@ impl Process {
             .stderr(Stdio::piped());
         for (k, v) in &self.spec.env {
             cmd.env(k, v);
+        }
+        if let Some(dir) = &self.spec.dir {
+            cmd.current_dir(dir);
         }
         let mut child = cmd.spawn().with_context(|| {
             format!(

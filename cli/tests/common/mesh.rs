@@ -101,9 +101,15 @@ impl Mesh {
     pub fn up_edited(edit: impl Fn(String) -> String, policy: impl Fn(String) -> String) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let (file, ingress) = mesh_files_with(dir.path(), edit, policy);
+        Self::start(dir, &file, ingress)
+    }
+
+    /// `dpumesh up --config <file>` (a mesh file in `dir`, its ingress on `ingress`),
+    /// ready when it says so.
+    pub fn start(dir: tempfile::TempDir, file: &Path, ingress: SocketAddr) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
             .args(["up", "--config"])
-            .arg(&file)
+            .arg(file)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

@@ -1,0 +1,143 @@
+//! Services in Python on the mesh, through real processes: the hotel sample's Flask
+//! frontend (`samples/hotel-py`, served by `python3 -m dpumesh.server`) calling the Rust
+//! services, and the Rust frontend calling a Python `user` service.
+//!
+//! Needs the `dpumesh` Python package for `python3` (`scripts/install-python.sh`; the
+//! test command runs it first).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+use common::mesh::*;
+use common::{free_port, token, write_policy_with};
+
+fn python_sample() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../samples/hotel-py")
+}
+
+fn require_package() {
+    let out = Command::new("python3")
+        .args(["-c", "import dpumesh._native, flask"])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the dpumesh Python package (and Flask) must be installed for python3: \
+         run ./scripts/install-python.sh\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `samples/hotel-py/mesh.yaml` as it is, on free ports, with this build's policy; the
+/// app copied beside the mesh file (pods start in the mesh file's folder).
+fn python_mesh() -> Mesh {
+    require_package();
+    let dir = tempfile::tempdir().unwrap();
+    write_policy_with(dir.path(), |p| p);
+    let sample = python_sample();
+    let mut text = std::fs::read_to_string(sample.join("mesh.yaml")).unwrap();
+    let ingress: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    text = text.replace("127.0.0.1:8010", &ingress.to_string());
+    for port in ["7111", "7112", "9111", "9112", "9120"] {
+        text = text.replace(
+            &format!("127.0.0.1:{port}"),
+            &format!("127.0.0.1:{}", free_port()),
+        );
+    }
+    assert!(text.contains("policy: ../hotel/policy.yaml"), "{text}");
+    text = text.replace("policy: ../hotel/policy.yaml", "policy: policy.yaml");
+    std::fs::copy(sample.join("app.py"), dir.path().join("app.py")).unwrap();
+    let rust_sample = sample.join("../hotel/demo-token.json");
+    std::fs::copy(rust_sample, dir.path().join("demo-token.json")).unwrap();
+    let file = dir.path().join("mesh.yaml");
+    std::fs::write(&file, text).unwrap();
+    Mesh::start(dir, &file, ingress)
+}
+
+#[test]
+fn a_flask_frontend_on_the_mesh_calls_the_rust_services_and_is_policed() {
+    let mesh = python_mesh();
+    let alice = token("alice", &["user"]);
+
+    // The Python frontend calls user (Rust, same node) and reservation (Rust, other
+    // node) at once and merges them in an internal step: the Rust frontend's answer.
+    let (status, headers, body) = mesh.get("/hotels?user=7", Some(&alice));
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(header(&headers, "content-type"), Some("application/json"));
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["user"], serde_json::json!({"id": "7", "name": "guest-7"}));
+    assert_eq!(v["reservations"][0]["hotel"], "harbour-view");
+    assert_eq!(v["reservations"][1]["nights"], 1);
+
+    // The DPU proxies' filters police it before any Python runs.
+    let (status, _, _) = mesh.get("/hotels?user=7", None);
+    assert_eq!(status, 401, "no token");
+    let (status, _, _) = mesh.get("/admin/stats", Some(&alice));
+    assert_eq!(status, 403, "a user is not an admin");
+
+    // A failing egress call fails its step and the sequence stops there: 502 naming
+    // the step (no service `inventory` in this mesh).
+    let (status, _, body) = mesh.get("/hotels/inventory", Some(&alice));
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 502, "{text}");
+    assert!(
+        text.contains("\"stock\""),
+        "the failed step is named: {text}"
+    );
+    assert!(!text.contains("never reached"), "{text}");
+
+    // A handler that answers by itself is served as is; Flask's own 404 too.
+    let (status, _, body) = mesh.get("/ping", Some(&alice));
+    assert_eq!((status, body.as_slice()), (200, &b"pong\n"[..]));
+    let (status, _, _) = mesh.get("/hotels/nowhere", Some(&alice));
+    assert_eq!(status, 404);
+
+    // Flask reads the body the data path delivered (request.get_data()), and its
+    // answer carries headers back: 0 B, 1 KiB, 1 MiB intact both ways.
+    for len in [0usize, 1024, 1 << 20] {
+        let sent: Vec<u8> = (0..len).map(|i| (i * 13 + i / 97) as u8).collect();
+        let (status, headers, got) = mesh.post("/echo", &alice, &sent);
+        assert_eq!(status, 200, "{len} B");
+        assert_eq!(header(&headers, "x-len"), Some(len.to_string().as_str()));
+        assert_eq!(
+            header(&headers, "x-crc32"),
+            Some(crc32fast::hash(&sent).to_string().as_str()),
+            "{len} B arrived intact"
+        );
+        let mut want = sent;
+        want.reverse();
+        assert!(got == want, "{len} B came back intact");
+    }
+}
+
+#[test]
+fn the_rust_frontend_calls_a_python_user_service() {
+    require_package();
+    let app_dir = python_sample();
+    let app_dir = app_dir.canonicalize().unwrap();
+    let mesh = Mesh::up_with(|m| {
+        let python = format!(
+            "user: {{nodes: [node1], command: [python3, -m, dpumesh.server, --app-dir, {}, \"users:app\"]}}",
+            app_dir.display()
+        );
+        let edited = m.replace(
+            "user: {nodes: [node1], replicas: 2, command: [hotel, user]}",
+            &python,
+        );
+        assert_ne!(edited, m, "the sample's user line is as expected");
+        edited
+    });
+    let alice = token("alice", &["user"]);
+    let (status, _, body) = mesh.get("/hotels?user=3", Some(&alice));
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        v["user"],
+        serde_json::json!({"id": "3", "name": "guest-3", "served_by": "python"})
+    );
+    assert_eq!(v["reservations"][0]["hotel"], "harbour-view");
+}

@@ -1,0 +1,110 @@
+//! The service's handler: the request goes to the Python dispatcher (`dpumesh.wsgi`),
+//! which runs the WSGI app; its answer is either a response to send as is or the graph
+//! the handler scheduled, turned into the Rust library's nodes here.
+
+use std::sync::Arc;
+
+use dpumesh_host::{ExecutionContext, HttpResponse};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+use crate::graph::{Helpers, error_text, is_graph, node};
+use crate::result::{header_map, header_text};
+
+/// Calls `dispatch(method, target, headers, body)` for each request.
+pub(crate) struct PyHandler {
+    dispatch: Py<PyAny>,
+    helpers: Arc<Helpers>,
+}
+
+fn text(status: u16, body: String) -> HttpResponse {
+    HttpResponse::new(status, body).header("content-type", "text/plain; charset=utf-8")
+}
+
+impl PyHandler {
+    pub(crate) fn new(py: Python<'_>, dispatch: Py<PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            dispatch,
+            helpers: Helpers::load(py)?,
+        })
+    }
+
+    /// Builds `ctx`'s graph (or its one answer) from what the app did.
+    pub(crate) fn handle(&self, ctx: &mut ExecutionContext) {
+        let answer = Python::attach(|py| self.dispatch(py, ctx));
+        if let Some(response) = answer {
+            ctx.respond(move |_| Ok::<_, std::convert::Infallible>(response));
+        }
+    }
+
+    /// Adds the graph's nodes to `ctx`, or returns the response to answer with.
+    fn dispatch(&self, py: Python<'_>, ctx: &mut ExecutionContext) -> Option<HttpResponse> {
+        let request = ctx.request();
+        let headers = PyList::empty(py);
+        for (name, value) in &request.headers {
+            let pair = PyTuple::new(py, [name.as_str().to_owned(), header_text(value)]);
+            if let Err(e) = pair.and_then(|p| headers.append(p)) {
+                return Some(text(
+                    500,
+                    format!(
+                        "cannot hand the request to Python: {}\n",
+                        error_text(py, &e)
+                    ),
+                ));
+            }
+        }
+        let body = PyBytes::new(py, &request.body);
+        let args = (request.method.as_str(), request.url.as_str(), headers, body);
+        let value = match self.dispatch.bind(py).call1(args) {
+            Ok(v) => v,
+            Err(e) => {
+                // The dispatcher catches the app's exceptions; this is its own failure.
+                e.print(py);
+                return Some(text(
+                    500,
+                    format!("dpumesh dispatcher failed: {}\n", error_text(py, &e)),
+                ));
+            }
+        };
+        if is_graph(&value) {
+            let nodes = value.try_iter().and_then(|it| {
+                it.map(|n| node(py, &n?, &self.helpers))
+                    .collect::<PyResult<Vec<_>>>()
+            });
+            match nodes {
+                Ok(nodes) => {
+                    for n in nodes {
+                        ctx.add(n);
+                    }
+                    None
+                }
+                Err(e) => Some(text(
+                    500,
+                    format!("the handler's graph is not valid: {}\n", error_text(py, &e)),
+                )),
+            }
+        } else {
+            Some(response(&value).unwrap_or_else(|e| {
+                text(
+                    500,
+                    format!(
+                        "the handler's response is not valid: {}\n",
+                        error_text(py, &e)
+                    ),
+                )
+            }))
+        }
+    }
+}
+
+/// `(status, [(name, value)], bytes)` as a response.
+fn response(value: &Bound<'_, PyAny>) -> PyResult<HttpResponse> {
+    let (status, headers, body): (u16, Vec<(String, String)>, Bound<'_, PyAny>) =
+        value.extract()?;
+    let body = body.cast::<PyBytes>()?;
+    Ok(HttpResponse {
+        status,
+        headers: header_map(&headers, "the response")?,
+        body: bytes::Bytes::copy_from_slice(body.as_bytes()),
+    })
+}

@@ -1,0 +1,21 @@
+//! `dpumesh._native`: the Rust half of the `dpumesh` Python package. The graph API,
+//! WSGI glue and checks are Python (`python/dpumesh`); this runs dpumesh-host's event
+//! loop for them, turning the graphs Python handlers build into the Rust library's
+//! nodes and calling back into Python for internal steps and request builders.
+
+mod graph;
+mod handler;
+mod result;
+mod serve;
+mod testing;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<result::PyStepResult>()?;
+    m.add_class::<testing::TestMesh>()?;
+    m.add_function(wrap_pyfunction!(serve::serve, m)?)?;
+    m.add_function(wrap_pyfunction!(testing::bench_rust, m)?)?;
+    Ok(())
+}
