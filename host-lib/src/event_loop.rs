@@ -23,7 +23,7 @@ use crossbeam_channel::Receiver;
 
 use crate::context::ExecutionContext;
 use crate::http::HttpResponse;
-use crate::pool::{Done, JobKey, Pool};
+use crate::pool::{Done, JobKey, Pool, WorkerScope};
 use crate::run::{Action, Run, panic_text};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError};
 
@@ -115,8 +115,18 @@ impl<T: Transport> EventLoop<T> {
         handler: impl Fn(&mut ExecutionContext) + Send + Sync + 'static,
         config: LoopConfig,
     ) -> std::io::Result<Self> {
+        Self::with_worker_scope(transport, handler, config, None)
+    }
+
+    /// A loop whose pool threads each run inside `scope` (see [`WorkerScope`]).
+    pub fn with_worker_scope(
+        transport: T,
+        handler: impl Fn(&mut ExecutionContext) + Send + Sync + 'static,
+        config: LoopConfig,
+        scope: Option<WorkerScope>,
+    ) -> std::io::Result<Self> {
         let (done_tx, done) = crossbeam_channel::unbounded();
-        let pool = Pool::new(config.threads, done_tx, transport.waker())?;
+        let pool = Pool::new(config.threads, done_tx, transport.waker(), scope)?;
         Ok(Self {
             transport,
             handler: Arc::new(handler),
@@ -139,6 +149,14 @@ impl<T: Transport> EventLoop<T> {
             queue: VecDeque::new(),
             stats: LoopStats::default(),
         })
+    }
+
+    /// Stops taking internal steps and waits (at most `patience`) until the pool's
+    /// threads ended after the steps they run; whether they all did. Dropping the loop
+    /// does not wait (a step stuck forever must not hang it); a binding whose worker
+    /// threads must be gone before it goes (Python's interpreter) calls this first.
+    pub fn shutdown(&mut self, patience: Duration) -> bool {
+        self.pool.shutdown(patience)
     }
 
     /// The transport (tests inject requests and read answers through it).

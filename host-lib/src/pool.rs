@@ -39,39 +39,80 @@ pub(crate) fn run_step(func: InternalFn, inputs: &Inputs) -> Result<StepOutput, 
     }
 }
 
+/// Runs a pool thread's whole body (`run`): a binding wraps it in what each thread
+/// needs for its whole life (the Python package keeps one interpreter thread state per
+/// worker this way instead of making and freeing one per step).
+pub type WorkerScope = std::sync::Arc<dyn Fn(&mut (dyn FnMut() + Send)) + Send + Sync>;
+
 /// Worker threads for internal steps.
 pub(crate) struct Pool {
     jobs: Option<Sender<Job>>,
     threads: Vec<JoinHandle<()>>,
+    /// Each worker says here that it ended (after its scope returned).
+    exited: Receiver<()>,
 }
 
 impl Pool {
     /// `threads` workers; results go to `done`, then `wake` is called.
-    pub(crate) fn new(threads: usize, done: Sender<Done>, wake: Waker) -> std::io::Result<Self> {
+    pub(crate) fn new(
+        threads: usize,
+        done: Sender<Done>,
+        wake: Waker,
+        scope: Option<WorkerScope>,
+    ) -> std::io::Result<Self> {
         let (jobs, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
+        let (exit_tx, exited) = crossbeam_channel::unbounded();
         let threads = (0..threads.max(1))
             .map(|i| {
                 let rx = rx.clone();
+                let exit_tx = exit_tx.clone();
                 let done = done.clone();
                 let wake = wake.clone();
+                let scope = scope.clone();
                 std::thread::Builder::new()
                     .name(format!("dpumesh-host-worker-{i}"))
                     .spawn(move || {
-                        for job in rx {
-                            let Job { key, func, inputs } = job;
-                            let outcome = run_step(func, &inputs);
-                            if done.send(Done { key, outcome }).is_err() {
-                                return;
+                        let mut work = || {
+                            for job in rx.iter() {
+                                let Job { key, func, inputs } = job;
+                                let outcome = run_step(func, &inputs);
+                                if done.send(Done { key, outcome }).is_err() {
+                                    return;
+                                }
+                                wake();
                             }
-                            wake();
+                        };
+                        match &scope {
+                            Some(scope) => scope(&mut work),
+                            None => work(),
                         }
+                        let _ = exit_tx.send(());
                     })
             })
             .collect::<std::io::Result<Vec<_>>>()?;
         Ok(Self {
             jobs: Some(jobs),
             threads,
+            exited,
         })
+    }
+
+    /// Closes the queue and waits (at most `patience`) until every worker ended, after
+    /// the steps they run. Whether they all did.
+    pub(crate) fn shutdown(&mut self, patience: std::time::Duration) -> bool {
+        self.jobs.take();
+        let deadline = std::time::Instant::now() + patience;
+        let mut left = self.threads.len();
+        while left > 0 {
+            match self.exited.recv_deadline(deadline) {
+                Ok(()) => left -= 1,
+                Err(_) => return false,
+            }
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        true
     }
 
     pub(crate) fn submit(&self, key: JobKey, func: InternalFn, inputs: Inputs) {

@@ -442,3 +442,39 @@ fn respond_runs_on_the_loop_thread_and_internal_work_on_the_pool() {
     assert_ne!(seen[0].1, loop_thread, "user work stays off the loop");
     assert_eq!(el.stats().internal, 2);
 }
+
+#[test]
+fn a_worker_scope_wraps_each_pool_thread_and_shutdown_waits_for_the_workers() {
+    use dpumesh_host::WorkerScope;
+    let (entered, left) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let (e, l) = (entered.clone(), left.clone());
+    let scope: WorkerScope = Arc::new(move |run| {
+        e.fetch_add(1, Ordering::SeqCst);
+        run();
+        l.fetch_add(1, Ordering::SeqCst);
+    });
+    let config = LoopConfig {
+        threads: 3,
+        ..LoopConfig::default()
+    };
+    let handler = |ctx: &mut ExecutionContext| {
+        ctx.run_internal(|_| Ok::<_, String>("ran in scope"));
+    };
+    let mut el =
+        EventLoop::with_worker_scope(InMemoryTransport::new(), handler, config, Some(scope))
+            .unwrap();
+    let id = el.transport().inject(HttpRequest::get("/"));
+    el.run_until_idle().unwrap();
+    assert_eq!(
+        el.transport().response(id).unwrap().1.text(),
+        "ran in scope"
+    );
+    assert_eq!(
+        left.load(Ordering::SeqCst),
+        0,
+        "workers live until shutdown"
+    );
+    assert!(el.shutdown(Duration::from_secs(10)), "every worker ended");
+    assert_eq!(entered.load(Ordering::SeqCst), 3);
+    assert_eq!(left.load(Ordering::SeqCst), 3, "each left its scope");
+}

@@ -11,6 +11,14 @@ use pyo3::types::{PyBytes, PyList, PyTuple};
 use crate::graph::{Helpers, error_text, is_graph, node};
 use crate::result::{header_map, header_text};
 
+/// Pool threads keep one interpreter thread state for their whole life: attached once,
+/// then detached while they wait for work, so each internal step only takes the GIL.
+/// (Attaching from a thread without a state makes one per step and frees it after,
+/// which costs an mmap/munmap pair per step and a TLB shootdown across the cores.)
+pub(crate) fn worker_scope() -> dpumesh_host::WorkerScope {
+    Arc::new(|run: &mut (dyn FnMut() + Send)| Python::attach(|py| py.detach(run)))
+}
+
 /// Calls `dispatch(method, target, headers, body)` for each request.
 pub(crate) struct PyHandler {
     dispatch: Py<PyAny>,

@@ -17,6 +17,9 @@ use crate::handler::PyHandler;
 /// loop turns far more often).
 const TURN: Duration = Duration::from_millis(50);
 
+/// How long stopping waits for internal steps still running.
+pub(crate) const SHUTDOWN_PATIENCE: Duration = Duration::from_secs(5);
+
 fn init_logging() {
     // The transport reports registration and node restarts through `tracing`.
     let filter = tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
@@ -52,11 +55,23 @@ pub(crate) fn serve(
         threads: threads.max(1),
         ..LoopConfig::default()
     };
-    let mut service_loop = EventLoop::new(transport, move |ctx| handler.handle(ctx), config)
-        .map_err(|e| PyRuntimeError::new_err(format!("cannot start the event loop: {e}")))?;
-    loop {
-        py.detach(|| service_loop.turn(Some(TURN)))
-            .map_err(|e| PyRuntimeError::new_err(format!("{service}: {e}")))?;
-        py.check_signals()?;
-    }
+    let mut service_loop = EventLoop::with_worker_scope(
+        transport,
+        move |ctx| handler.handle(ctx),
+        config,
+        Some(crate::handler::worker_scope()),
+    )
+    .map_err(|e| PyRuntimeError::new_err(format!("cannot start the event loop: {e}")))?;
+    let ended = loop {
+        if let Err(e) = py.detach(|| service_loop.turn(Some(TURN))) {
+            break PyRuntimeError::new_err(format!("{service}: {e}"));
+        }
+        if let Err(e) = py.check_signals() {
+            break e;
+        }
+    };
+    // The pool's threads hold interpreter thread states: they end (after the steps
+    // they run, up to SHUTDOWN_PATIENCE) before Python may finalize.
+    py.detach(|| service_loop.shutdown(SHUTDOWN_PATIENCE));
+    Err(ended)
 }

@@ -93,8 +93,13 @@ impl TestMesh {
             threads: threads.max(1),
             ..LoopConfig::default()
         };
-        let service_loop = EventLoop::new(transport, move |ctx| handler.handle(ctx), config)
-            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the event loop: {e}")))?;
+        let service_loop = EventLoop::with_worker_scope(
+            transport,
+            move |ctx| handler.handle(ctx),
+            config,
+            Some(crate::handler::worker_scope()),
+        )
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot start the event loop: {e}")))?;
         Ok(Self {
             service_loop: Mutex::new(service_loop),
         })
@@ -161,6 +166,19 @@ impl TestMesh {
             .map_err(|_| PyRuntimeError::new_err("the test mesh failed earlier"))?;
         let total = batches(py, &mut service_loop, n, || HttpRequest::get(target))?;
         Ok(total.as_nanos() as f64 / n.max(1) as f64)
+    }
+
+    /// Ends the pool's threads (after the steps they run); the mesh serves no more.
+    /// `dpumesh.testing` closes every mesh at exit at the latest: the threads must be
+    /// gone before the interpreter finalizes.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let mut service_loop = self
+            .service_loop
+            .lock()
+            .map_err(|_| PyRuntimeError::new_err("the test mesh failed earlier"))?;
+        let running: &mut EventLoop<InMemoryTransport> = &mut service_loop;
+        py.detach(|| running.shutdown(crate::serve::SHUTDOWN_PATIENCE));
+        Ok(())
     }
 
     /// Egress requests sent so far: `(at_ms, method, url)`.

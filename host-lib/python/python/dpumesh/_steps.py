@@ -13,6 +13,7 @@ import logging
 import types
 from typing import Any, Callable
 
+from ._native import StepResult
 from .graph import normalize_request
 
 log = logging.getLogger("dpumesh")
@@ -101,8 +102,6 @@ def output(value: Any, where: str) -> tuple:
     ``None`` → empty; ``str`` → UTF-8 text; ``bytes`` → as is; ``dict``/``list`` → JSON;
     a ``StepResult`` or a Werkzeug/Flask ``Response`` → its status, headers, body;
     ``(body, status)``, ``(body, headers)`` or ``(body, status, headers)`` as in Flask."""
-    from ._native import StepResult
-
     if value is None:
         return (None, [], b"")
     if isinstance(value, str):

@@ -12,12 +12,23 @@ a test asserts concurrency from the clock (two 10 ms calls in parallel finish at
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from . import _native
 from .wsgi import Dispatcher
 
 __all__ = ["TestMesh", "Response", "Request"]
+
+# Meshes still open: their pool threads must end before the interpreter finalizes.
+_open: "weakref.WeakSet[TestMesh]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for mesh in list(_open):
+        mesh.close()
 
 
 class Request:
@@ -103,6 +114,23 @@ class TestMesh:
             host: f if isinstance(f, str) else _service(f) for host, f in (services or {}).items()
         }
         self._mesh = _native.TestMesh(Dispatcher(app, service), wrapped, threads, record)
+        _open.add(self)
+
+    def close(self) -> None:
+        """Ends the mesh's threads (after the steps they run)."""
+        self._mesh.close()
+        _open.discard(self)
+
+    def __del__(self) -> None:
+        mesh = getattr(self, "_mesh", None)
+        if mesh is not None:
+            mesh.close()
+
+    def __enter__(self) -> "TestMesh":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def request(
         self,
