@@ -108,11 +108,28 @@ class ExecutionContext:
         ``InternalStep``) to the current block."""
         if not isinstance(node, (Order, Pipe, EgressStep, InternalStep)):
             raise TypeError(f"{node!r} is not a step (EgressStep, InternalStep, order or pipe)")
-        validate(node, self._visible(), self._taken)
-        self.used = True
         frame = self._stack[-1]
+        if isinstance(node, (Order, Pipe)):
+            validate(node, self._visible(), self._taken)
+            frame.ids.extend(step_ids(node))
+        else:
+            # One step (the high-level calls): the same checks without walking a tree.
+            if node.id in self._taken:
+                raise ValueError(f"step id {node.id!r} is used twice in this request")
+            if node.inputs:
+                visible = self._visible()
+                for i in node.inputs:
+                    if i not in visible:
+                        why = (
+                            "runs at the same time (same parallel block) or later"
+                            if i in self._taken
+                            else "is not a step scheduled before it"
+                        )
+                        raise ValueError(f"step {node.id!r} takes input {i!r}, which {why}")
+            self._taken.add(node.id)
+            frame.ids.append(node.id)
+        self.used = True
         frame.nodes.append(node)
-        frame.ids.extend(step_ids(node))
 
     # -- internals ------------------------------------------------------------------
 

@@ -61,14 +61,17 @@ def load(spec: str, app_dir: Optional[str] = None) -> Callable[..., Any]:
     directory = os.path.abspath(app_dir or os.getcwd())
     if directory not in sys.path:
         sys.path.insert(0, directory)
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SystemExit(f"dpumesh.server: cannot import {module_name!r} from {directory}: {e}") from None
     attribute = attribute or "app"
     try:
         app = getattr(module, attribute)
     except AttributeError:
-        raise SystemExit(f"{module_name} has no {attribute!r}") from None
+        raise SystemExit(f"dpumesh.server: {module_name} has no {attribute!r}") from None
     if not callable(app):
-        raise SystemExit(f"{spec} is not a WSGI app")
+        raise SystemExit(f"dpumesh.server: {spec} is not a WSGI app")
     return app
 
 

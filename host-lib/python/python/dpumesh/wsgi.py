@@ -29,8 +29,11 @@ def environ_for(method: str, target: str, headers: list, body: bytes, server: st
     environ = {
         "REQUEST_METHOD": method,
         "SCRIPT_NAME": "",
-        # PEP 3333: the decoded path as latin-1 code points of its bytes.
-        "PATH_INFO": unquote_to_bytes(path).decode("latin-1"),
+        # PEP 3333: the decoded path as latin-1 code points of its bytes (a plain
+        # ASCII path, the usual case, is that already).
+        "PATH_INFO": path
+        if path.isascii() and "%" not in path
+        else unquote_to_bytes(path).decode("latin-1"),
         "QUERY_STRING": query,
         "RAW_URI": target,
         "REQUEST_URI": target,
