@@ -154,3 +154,30 @@ def test_internal_steps_run_on_the_pool_not_the_loop_thread():
     r = TestMesh(app).get("/")
     assert r.text == "done"
     assert threads["step"] != threads["handler"]
+
+
+def test_a_fan_out_outside_a_parallel_block_sends_its_requests_one_after_another():
+    from flask import Flask
+
+    from dpumesh.server import get_context
+
+    app = Flask(__name__)
+
+    @app.route("/")
+    def index():
+        ctx = get_context()
+        ctx.call(
+            "GET",
+            "unused",
+            request_builder=lambda: [("GET", f"http://s/{n}", {}, None) for n in range(3)],
+            id="each",
+        )
+        ctx.run_internal(lambda each: [p.body for p in each.parts], inputs=["each"])
+        return ""
+
+    mesh = TestMesh(app, services={"s": lambda req: (200, req.url[-1], 5)})
+    r = mesh.get("/")
+    assert r.json() == ["0", "1", "2"]
+    times = [at for at, _, _ in mesh.sent]
+    assert times[0] < times[1] < times[2], times
+    assert r.elapsed_ms >= 15
