@@ -48,9 +48,9 @@ fn python_mesh() -> Mesh {
     }
     assert!(text.contains("policy: ../hotel/policy.yaml"), "{text}");
     text = text.replace("policy: ../hotel/policy.yaml", "policy: policy.yaml");
-    std::fs::copy(sample.join("app.py"), dir.path().join("app.py")).unwrap();
-    let rust_sample = sample.join("../hotel/demo-token.json");
-    std::fs::copy(rust_sample, dir.path().join("demo-token.json")).unwrap();
+    for file in ["app.py", "demo-token.json"] {
+        std::fs::copy(sample.join(file), dir.path().join(file)).unwrap();
+    }
     let file = dir.path().join("mesh.yaml");
     std::fs::write(&file, text).unwrap();
     Mesh::start(dir, &file, ingress)
