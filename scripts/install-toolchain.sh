@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing DPUmesh needs, idempotently: the pinned Rust
-# toolchain (rust-toolchain.toml) with rustfmt, clippy and the wasm32-wasip2 target.
+# toolchain (rust-toolchain.toml) with rustfmt, clippy and the wasm32-wasip2 target, the
+# guest toolchains of the other filter languages, and the Arm64 cross toolchain.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,5 +58,24 @@ if [ -n "$c_missing" ]; then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $c_missing >/dev/null
     else
         echo "warning: C filters and the verbs backend need: apt-get install$c_missing" >&2
+    fi
+fi
+
+# The DPU side for BlueField-3's Arm cores: the aarch64 target, Debian's cross linker
+# and qemu user emulation to run its tests (scripts/test-arm64.sh; .cargo/config.toml
+# names the linker and the runner).
+rustup target list --toolchain "$channel" --installed | grep -qx aarch64-unknown-linux-gnu \
+    || rustup target add --toolchain "$channel" aarch64-unknown-linux-gnu
+arm_packages="gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static"
+arm_missing=""
+for p in $arm_packages; do
+    dpkg -s "$p" >/dev/null 2>&1 || arm_missing="$arm_missing $p"
+done
+if [ -n "$arm_missing" ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $arm_missing >/dev/null
+    else
+        echo "warning: the Arm64 build and its emulated tests need: apt-get install$arm_missing" >&2
     fi
 fi

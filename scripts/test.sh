@@ -23,5 +23,7 @@ echo "==> cargo test"
 cargo test --workspace --locked
 echo "==> cargo test (verbs backend: with no RDMA device it says so)"
 cargo test --locked -p dpumesh-dpa --features verbs --lib fabric::verbs
+echo "==> the DPU side for Arm64 (aarch64 cross-build, tests under qemu)"
+./scripts/test-arm64.sh
 echo "==> pytest (the Python host library: the seed's examples, errors, WSGI)"
 python3 -m pytest -q host-lib/python/tests

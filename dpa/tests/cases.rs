@@ -5,8 +5,10 @@
 //! at the far end.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
+
+mod common;
 
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::{
@@ -33,7 +35,7 @@ impl Drop for Pod {
 }
 
 fn spawn_pod(role: &str, control: &Path) -> Pod {
-    Pod(Command::new(std::env::current_exe().unwrap())
+    Pod(common::this_test_binary()
         .args([
             "--exact",
             "pod_entry",

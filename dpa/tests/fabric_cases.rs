@@ -16,10 +16,12 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+mod common;
 
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::soft::{SoftCq, SoftFabric, SoftMr, SoftPd, SoftQp};
@@ -48,7 +50,7 @@ impl Drop for Pod {
 }
 
 fn spawn_pod(role: &str, control: &Path, peer: &str) -> Pod {
-    Pod(Command::new(std::env::current_exe().unwrap())
+    Pod(common::this_test_binary()
         .args([
             "--exact",
             "pod_entry",

@@ -3,9 +3,11 @@
 //! the parent created by path, and plays its part.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
+
+mod common;
 
 use dpumesh_dpa::{
     Buffer, BufferPool, Case, Descriptor, Destination, OwnerId, PoolLayout, Ring, RingError,
@@ -31,7 +33,7 @@ impl Drop for Peer {
 }
 
 fn spawn_peer(role: &str, paths: &[&Path]) -> Peer {
-    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    let mut cmd = common::this_test_binary();
     cmd.args([
         "--exact",
         "peer_entry",

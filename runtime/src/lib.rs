@@ -42,5 +42,5 @@ pub use health::{FilterHealth, HealthPolicy, HealthState};
 pub use imports::NodeServices;
 pub use instance::{FilterInstance, Startup};
 pub use local::LocalChains;
-pub use runtime::{Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
+pub use runtime::{AddressSpace, Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
 pub use worker::{Generation, PoolError, RequestDone, ResponseDone, Ticket, WorkerPool};

@@ -33,6 +33,40 @@ pub struct RuntimeConfig {
     pub clock: SharedClock,
     /// Capacity of the node-wide shared state.
     pub state_limits: StateLimits,
+    /// How linear memories take address space.
+    pub address_space: AddressSpace,
+}
+
+/// How filter memories are laid out in the process's address space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AddressSpace {
+    /// A pool of instance slots reserved up front, each memory in a large reservation
+    /// with guard pages, so guest loads need no bounds checks (terabytes of virtual
+    /// address space for the default pool; fine with 47–48-bit user address spaces).
+    #[default]
+    Reserved,
+    /// Memories allocated on demand with small reservations and explicit bounds
+    /// checks: for kernels with small address spaces (39-bit VA Arm kernels) and for
+    /// user-mode emulators (qemu-aarch64), which track every reserved page.
+    /// `DPUMESH_WASM_ADDRESS_SPACE=compact` selects it.
+    Compact,
+}
+
+impl AddressSpace {
+    /// `DPUMESH_WASM_ADDRESS_SPACE` (`reserved` or `compact`), else `Reserved`.
+    pub fn from_env() -> Self {
+        match std::env::var("DPUMESH_WASM_ADDRESS_SPACE").as_deref() {
+            Ok("compact") => Self::Compact,
+            Ok("reserved") | Err(_) => Self::Reserved,
+            Ok(other) => {
+                tracing::warn!(
+                    value = other,
+                    "DPUMESH_WASM_ADDRESS_SPACE is reserved or compact; using reserved"
+                );
+                Self::Reserved
+            }
+        }
+    }
 }
 
 impl Default for RuntimeConfig {
@@ -44,6 +78,7 @@ impl Default for RuntimeConfig {
             epoch_tick: Duration::from_millis(1),
             clock: SystemClock::shared(),
             state_limits: StateLimits::default(),
+            address_space: AddressSpace::from_env(),
         }
     }
 }
@@ -160,11 +195,8 @@ impl Runtime {
     }
 }
 
-fn engine_config(config: &RuntimeConfig) -> Config {
-    let mut wasm = Config::new();
-    wasm.wasm_component_model(true)
-        .epoch_interruption(true)
-        .cranelift_opt_level(wasmtime::OptLevel::Speed);
+/// The instance pool of [`AddressSpace::Reserved`].
+fn pool_config(config: &RuntimeConfig) -> PoolingAllocationConfig {
     let instances = config.max_instances.max(1);
     let mut pool = PoolingAllocationConfig::default();
     // Interpreted guests (Python, JavaScript) are components of many core modules with
@@ -187,7 +219,27 @@ fn engine_config(config: &RuntimeConfig) -> Config {
         .table_keep_resident(256 << 10)
         .pagemap_scan(wasmtime::Enabled::Auto)
         .decommit_batch_size(16);
-    wasm.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    pool
+}
+
+fn engine_config(config: &RuntimeConfig) -> Config {
+    let mut wasm = Config::new();
+    wasm.wasm_component_model(true)
+        .epoch_interruption(true)
+        .cranelift_opt_level(wasmtime::OptLevel::Speed);
+    match config.address_space {
+        AddressSpace::Reserved => {
+            wasm.allocation_strategy(InstanceAllocationStrategy::Pooling(pool_config(config)));
+        }
+        AddressSpace::Compact => {
+            // No up-front reservation: a memory takes what it uses plus room to grow,
+            // and guest loads are bounds-checked.
+            wasm.allocation_strategy(InstanceAllocationStrategy::OnDemand)
+                .memory_reservation(0)
+                .memory_guard_size(64 << 10)
+                .memory_reservation_for_growth(1 << 20);
+        }
+    }
     // `perf` names guest functions only if the engine tells it where they are:
     // DPUMESH_WASM_PROFILER=perfmap (/tmp/perf-<pid>.map) or jitdump (`perf inject`).
     match std::env::var("DPUMESH_WASM_PROFILER").as_deref() {

@@ -3,6 +3,7 @@
 //! and the batched call's input reads back as it was written.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use dpumesh_runtime::{ChainRunner, Decision, FilterChain, FilterSettings, RequestHead};
 use dpumesh_test_artifacts as artifacts;
@@ -31,6 +32,7 @@ fn guard_config() -> String {
 /// Status (200 for continue) and the `x-guard` header after the chain.
 fn run(runner: &mut ChainRunner, head: RequestHead) -> (u16, Option<String>) {
     let outcome = runner.on_request(head);
+    assert!(outcome.faults.is_empty(), "{:?}", outcome.faults);
     let status = match &outcome.decision {
         Decision::Continue => 200,
         Decision::Deny { reply, .. } => reply.status,
@@ -43,13 +45,15 @@ fn a_component_built_for_0_1_0_runs_as_the_same_filter_built_for_0_1_1() {
     let rt = runtime();
     let old = rt
         .load_filter(
-            FilterSettings::new("guard-0.1.0", guard_config()),
+            // A generous deadline: this test is about the interface, and emulated
+            // runs (aarch64 under qemu) take a guest's first calls past 5 ms.
+            FilterSettings::new("guard-0.1.0", guard_config()).deadline(Duration::from_secs(1)),
             &std::fs::read(FIXTURE).unwrap(),
         )
         .expect("a 0.1.0 component still loads");
     let new = rt
         .load_filter(
-            FilterSettings::new("guard-0.1.1", guard_config()),
+            FilterSettings::new("guard-0.1.1", guard_config()).deadline(Duration::from_secs(1)),
             &artifacts::read(artifacts::SAMPLE_GUARD),
         )
         .unwrap();

@@ -102,6 +102,31 @@ fn a_memory_bomb_is_stopped_at_its_cap() {
 }
 
 #[test]
+fn a_compact_address_space_runs_filters_and_holds_the_memory_cap() {
+    // What kernels with small address spaces and emulators use: no instance pool,
+    // bounds-checked memories. Same filters, same caps.
+    let rt = dpumesh_runtime::Runtime::new(dpumesh_runtime::RuntimeConfig {
+        cache_dir: Some(crate::support::cache_dir()),
+        address_space: dpumesh_runtime::AddressSpace::Compact,
+        ..dpumesh_runtime::RuntimeConfig::default()
+    })
+    .unwrap();
+    let mut runner = ChainRunner::new(chain(&rt, vec![marker()]));
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.decision, Decision::Continue);
+    assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
+    let bomb = settings("bomb", json!({"request": [{"alloc_mib": 64}]}))
+        .memory_cap(8 << 20)
+        .deadline(Duration::from_secs(5));
+    let mut runner = ChainRunner::new(chain(&rt, vec![bomb, marker()]));
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(
+        fault_of(&outcome.decision).kind,
+        FaultKind::MemoryCap(8 << 20)
+    );
+}
+
+#[test]
 fn a_trapping_instance_is_replaced_and_the_next_request_succeeds() {
     let rt = runtime();
     let trapper = settings(

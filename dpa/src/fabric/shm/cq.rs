@@ -74,7 +74,10 @@ impl CqInner {
         })
     }
 
-    /// Queues a completion.
+    /// Queues a completion of this process's own work (a send, a write, a read, a
+    /// flush). It rings no bell: such work is posted by the thread that owns the
+    /// queue pair and polls this queue (a shard), which looks at `local` before it
+    /// sleeps. Completions a peer causes come through the shared rings and ring.
     pub(super) fn push(&self, wc: WorkCompletion) {
         let mut local = self.local.lock();
         if local.len() >= self.depth {

@@ -418,7 +418,13 @@ impl QpInner {
         if !self.execute(&wr) {
             posted.held.push_back(wr);
             self.held.store(posted.held.len(), Ordering::Release);
-            self.rnr_word(self.my_side).store(1, Ordering::SeqCst);
+            self.rnr_word(self.my_side).store(1, Ordering::Relaxed);
+            // Store (flag) then load (the peer's receive tail) against the peer's
+            // store (tail) then load (flag): each side needs a full fence between the
+            // two (`post_recv` has its own), or on a weakly ordered CPU (Arm, whose
+            // load-acquire may pass an earlier store) both may miss each other and
+            // the held send waits for an unrelated wake-up.
+            std::sync::atomic::fence(Ordering::SeqCst);
             // A receive posted between our look and raising the flag was missed:
             // look again.
             if !self.peer_receives.is_empty() {
