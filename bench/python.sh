@@ -29,17 +29,7 @@ echo "==> building dpumesh, the hotel sample and the Python package (release)"
 cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-test-artifacts
 ./scripts/install-python.sh >/dev/null
 
-work="$(mktemp -d)"
-pids=()
-up_pid=""
-cleanup() {
-    [ -n "$up_pid" ] && kill -INT "$up_pid" 2>/dev/null || true
-    for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-    nginx -c "$work/nginx.conf" -s stop 2>/dev/null || true
-    wait 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
+. bench/common.sh
 TOKEN="$(python3 bench/token.py "$SECRET")"
 app_dir="$PWD/samples/hotel-py"
 
@@ -86,23 +76,6 @@ up_pid=$!
 for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up.log" && break; sleep 0.2; done
 grep -q "Ctrl-C stops" "$work/up.log" || { cat "$work/up.log"; echo "the mesh did not start"; exit 1; }
 
-check() { # url: 200 (peers may still be starting: up to 10 s)
-    local code=000
-    for _ in $(seq 1 50); do
-        code=$(curl -s -o /dev/null -w '%{http_code}' -H "authorization: Bearer $TOKEN" "$1" || true)
-        [ "$code" = 200 ] && return 0
-        sleep 0.2
-    done
-    echo "$1 answered $code"; exit 1
-}
-cpu() { # utime+stime in seconds of the given pids
-    local t=0
-    for p in "$@"; do
-        [ -r "/proc/$p/stat" ] || continue
-        t=$(awk -v t="$t" '{ print t + $14 + $15 }' "/proc/$p/stat")
-    done
-    echo "scale=4; $t / $(getconf CLK_TCK)" | bc
-}
 tree() { # a pid and its children
     echo "$1"; pgrep -P "$1" || true
 }

@@ -5,6 +5,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Installs the Debian packages given after the purpose that are missing (as root),
+# or says what is missing for that purpose.
+debian_packages() {
+    local purpose=$1 missing="" p
+    shift
+    for p in "$@"; do
+        dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+    done
+    [ -z "$missing" ] && return 0
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
+    else
+        echo "warning: $purpose need: apt-get install$missing" >&2
+    fi
+}
+
 if ! command -v rustup >/dev/null 2>&1; then
     echo "error: rustup is required (https://rustup.rs); install it, then rerun $0" >&2
     exit 1
@@ -47,35 +64,13 @@ fi
 # C: clang for wasm32-wasi with wasi-libc (bindings and componentizing are in-process).
 # The data path's `verbs` feature: libibverbs/librdmacm headers and libclang for
 # rdma-sys' bindgen (compiled and tested for the no-device case in CI).
-c_packages="clang lld wasi-libc libclang-rt-14-dev-wasm32 libibverbs-dev librdmacm-dev libclang-dev pkg-config"
-c_missing=""
-for p in $c_packages; do
-    dpkg -s "$p" >/dev/null 2>&1 || c_missing="$c_missing $p"
-done
-if [ -n "$c_missing" ]; then
-    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $c_missing >/dev/null
-    else
-        echo "warning: C filters and the verbs backend need: apt-get install$c_missing" >&2
-    fi
-fi
+debian_packages "C filters and the verbs backend" \
+    clang lld wasi-libc libclang-rt-14-dev-wasm32 libibverbs-dev librdmacm-dev libclang-dev pkg-config
 
 # The DPU side for BlueField-3's Arm cores: the aarch64 target, Debian's cross linker
 # and qemu user emulation to run its tests (scripts/test-arm64.sh; .cargo/config.toml
 # names the linker and the runner).
 rustup target list --toolchain "$channel" --installed | grep -qx aarch64-unknown-linux-gnu \
     || rustup target add --toolchain "$channel" aarch64-unknown-linux-gnu
-arm_packages="gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static"
-arm_missing=""
-for p in $arm_packages; do
-    dpkg -s "$p" >/dev/null 2>&1 || arm_missing="$arm_missing $p"
-done
-if [ -n "$arm_missing" ]; then
-    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        apt-get update -qq >/dev/null
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $arm_missing >/dev/null
-    else
-        echo "warning: the Arm64 build and its emulated tests need: apt-get install$arm_missing" >&2
-    fi
-fi
+debian_packages "the Arm64 build and its emulated tests" \
+    gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static

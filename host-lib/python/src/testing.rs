@@ -52,10 +52,17 @@ fn reply(f: &Py<PyAny>, request: &HttpRequest) -> Reply {
         });
         match answer {
             Ok(None) => Reply::Never,
-            Ok(Some((status, body, latency))) => Reply::After(
-                Duration::from_secs_f64(latency.max(0.0) / 1e3),
-                HttpResponse::new(status, body),
-            ),
+            // Negative (or NaN) is no delay; an infinite latency is the test
+            // service's mistake: said as a failed call, not a panic in the loop.
+            Ok(Some((status, body, latency))) => {
+                match Duration::try_from_secs_f64(latency.max(0.0) / 1e3) {
+                    Ok(after) => Reply::After(after, HttpResponse::new(status, body)),
+                    Err(_) => Reply::Fail(
+                        Duration::ZERO,
+                        format!("the test service answered with latency {latency} ms"),
+                    ),
+                }
+            }
             Err(e) => Reply::Fail(Duration::ZERO, error_text(py, &e)),
         }
     })

@@ -9,7 +9,16 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-from .graph import EgressStep, InternalStep, Order, Pipe, StepRef, step_ids, validate
+from .graph import (
+    EgressStep,
+    InternalStep,
+    Order,
+    Pipe,
+    StepRef,
+    check_inputs,
+    step_ids,
+    validate,
+)
 
 __all__ = ["ExecutionContext", "get_context"]
 
@@ -117,15 +126,7 @@ class ExecutionContext:
             if node.id in self._taken:
                 raise ValueError(f"step id {node.id!r} is used twice in this request")
             if node.inputs:
-                visible = self._visible()
-                for i in node.inputs:
-                    if i not in visible:
-                        why = (
-                            "runs at the same time (same parallel block) or later"
-                            if i in self._taken
-                            else "is not a step scheduled before it"
-                        )
-                        raise ValueError(f"step {node.id!r} takes input {i!r}, which {why}")
+                check_inputs(node, self._visible(), self._taken)
             self._taken.add(node.id)
             frame.ids.append(node.id)
         self.used = True

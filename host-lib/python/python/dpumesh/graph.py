@@ -213,30 +213,29 @@ def _nodes(steps: Any, what: str) -> list:
     return out
 
 
-class Order:
+class _Block:
+    _kind = ""
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: Iterable) -> None:
+        self.steps = _nodes(steps, type(self).__name__.lower())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__.lower()}({self.steps!r})"
+
+
+class Order(_Block):
     """Steps run one after another; the first failure stops the sequence."""
 
     _kind = "order"
-    __slots__ = ("steps",)
-
-    def __init__(self, steps: Iterable) -> None:
-        self.steps = _nodes(steps, "order")
-
-    def __repr__(self) -> str:
-        return f"order({self.steps!r})"
+    __slots__ = ()
 
 
-class Pipe:
+class Pipe(_Block):
     """Steps run at the same time; the block fails, naming them, when any failed."""
 
     _kind = "pipe"
-    __slots__ = ("steps",)
-
-    def __init__(self, steps: Iterable) -> None:
-        self.steps = _nodes(steps, "pipe")
-
-    def __repr__(self) -> str:
-        return f"pipe({self.steps!r})"
+    __slots__ = ()
 
 
 def order(steps: Iterable) -> Order:
@@ -279,12 +278,18 @@ def _check(node: Any, done: set, scheduled: set) -> None:
             after.extend(step_ids(s))
         done.update(after)
     else:
-        for i in node.inputs:
-            if i not in done:
-                why = (
-                    "runs at the same time (same parallel block) or later"
-                    if i in scheduled
-                    else "is not a step scheduled before it"
-                )
-                raise ValueError(f"step {node.id!r} takes input {i!r}, which {why}")
+        check_inputs(node, done, scheduled)
         done.add(node.id)
+
+
+def check_inputs(step: Any, done: set, scheduled: set) -> None:
+    """Each of ``step``'s inputs is a step in ``done`` (finished before it starts);
+    ``scheduled`` (every id so far) tells "later or at the same time" from "unknown"."""
+    for i in step.inputs:
+        if i not in done:
+            why = (
+                "runs at the same time (same parallel block) or later"
+                if i in scheduled
+                else "is not a step scheduled before it"
+            )
+            raise ValueError(f"step {step.id!r} takes input {i!r}, which {why}")
