@@ -43,6 +43,7 @@ mod scaffold;
 mod secrets;
 mod up;
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -50,6 +51,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use dpumesh_config::Transport;
+use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_runtime::{
     Decision, FilterChain, FilterSettings, Generation, RequestHead, Runtime, RuntimeConfig,
     WorkerPool,
@@ -103,23 +106,46 @@ enum Command {
         #[arg(long, default_value = "samples/hotel/mesh.yaml")]
         config: PathBuf,
     },
-    /// Run one worker node of a mesh (started by `dpumesh up`).
+    /// Run one worker node of a mesh (what `dpumesh up` starts, and the DPU proxy's
+    /// container runs). Every flag has an environment variable, so a Kubernetes
+    /// manifest can set them from the Downward API (`--name $(NODE_NAME)` works too).
     Node {
         /// The mesh file.
-        #[arg(long)]
+        #[arg(long, env = "DPUMESH_MESH")]
         mesh: PathBuf,
         /// The node's name in it.
-        #[arg(long)]
+        #[arg(long, env = "DPUMESH_NODE_NAME")]
         name: String,
         /// Where the node's control socket goes.
-        #[arg(long)]
+        #[arg(long, env = "DPUMESH_RUN_DIR", default_value = "/run/dpumesh")]
         run_dir: PathBuf,
+        /// Where pods register instead (`unix:PATH` or `tcp:HOST:PORT`).
+        #[arg(long, env = "DPUMESH_NODE_CONTROL")]
+        control: Option<Endpoint>,
+        /// The fabric address to bind instead of the entry's (e.g. `0.0.0.0:7101`).
+        #[arg(long, env = "DPUMESH_FABRIC_LISTEN")]
+        fabric_listen: Option<SocketAddr>,
+        /// The admin API's address instead of the entry's.
+        #[arg(long, env = "DPUMESH_ADMIN")]
+        admin: Option<SocketAddr>,
+        /// The fabric backend instead of the mesh file's `transport` (`tcp` or `shm`).
+        #[arg(long, env = "DPUMESH_TRANSPORT", value_parser = parse_transport)]
+        transport: Option<Transport>,
     },
-    /// Run a mesh's ingress (started by `dpumesh up`).
+    /// Run a mesh's ingress (what `dpumesh up` starts, and the ingress container runs).
     Ingress {
         /// The mesh file.
-        #[arg(long)]
+        #[arg(long, env = "DPUMESH_MESH")]
         mesh: PathBuf,
+        /// The address to listen on instead of `ingress.listen`.
+        #[arg(long, env = "DPUMESH_INGRESS_LISTEN")]
+        listen: Option<SocketAddr>,
+        /// The admin API's address instead of `ingress.admin`.
+        #[arg(long, env = "DPUMESH_ADMIN")]
+        admin: Option<SocketAddr>,
+        /// The fabric backend instead of the mesh file's `transport` (`tcp` or `shm`).
+        #[arg(long, env = "DPUMESH_TRANSPORT", value_parser = parse_transport)]
+        transport: Option<Transport>,
     },
     /// Issue the mesh's certificates (the CA on first use, then every node, the
     /// ingress and every service) into its certificate folder; running parts load
@@ -231,18 +257,21 @@ const DEMO_CONFIG: &str = r#"{"rules": [
 ], "default": "allow"}"#;
 
 fn main() -> Result<ExitCode> {
-    let cli = Cli::parse();
+    let cli = Cli::try_parse().unwrap_or_else(|e| {
+        let _ = e.print();
+        if let Some(var) = from_environment(&e) {
+            say_err!("note: the value came from the environment variable {var}");
+        }
+        std::process::exit(e.exit_code());
+    });
     if let Command::Proxy { config, no_watch } = &cli.command {
         return proxy(config, *no_watch).map(|()| ExitCode::SUCCESS);
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_ansi(dpumesh_proxy::logging::colour())
-        .with_writer(std::io::stderr)
-        .init();
+    // Tools say little (warn); the roles an orchestrator runs log JSON off a terminal.
+    dpumesh_proxy::logging::init(&dpumesh_config::proxy::LogConfig {
+        level: "warn".to_owned(),
+        format: dpumesh_config::proxy::LogFormat::Auto,
+    });
     match cli.command {
         Command::Demo {
             filter,
@@ -287,8 +316,33 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             mesh,
             name,
             run_dir,
-        } => roles::node(&mesh, &name, &run_dir).map(|()| ExitCode::SUCCESS),
-        Command::Ingress { mesh } => roles::ingress(&mesh).map(|()| ExitCode::SUCCESS),
+            control,
+            fabric_listen,
+            admin,
+            transport,
+        } => {
+            let options = dpumesh_proxy::node::NodeOptions {
+                run_dir,
+                control,
+                fabric_listen,
+                admin,
+                transport,
+            };
+            roles::node(&mesh, &name, &options).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Ingress {
+            mesh,
+            listen,
+            admin,
+            transport,
+        } => {
+            let options = roles::IngressOptions {
+                listen,
+                admin,
+                transport,
+            };
+            roles::ingress(&mesh, &options).map(|()| ExitCode::SUCCESS)
+        }
         Command::Certs {
             config,
             rotate,
@@ -296,6 +350,41 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             system_namespace,
         } => roles::certs(&config, rotate, secrets.as_deref(), &system_namespace)
             .map(|()| ExitCode::SUCCESS),
+    }
+}
+
+/// The environment variable a refused value came from, if it did: clap names the flag
+/// only, and a container's settings are environment variables.
+fn from_environment(error: &clap::Error) -> Option<String> {
+    use clap::CommandFactory;
+    use clap::error::{ContextKind, ContextValue};
+    let Some(ContextValue::String(arg)) = error.get(ContextKind::InvalidArg) else {
+        return None;
+    };
+    let long = arg.strip_prefix("--")?.split(' ').next()?;
+    let command = Cli::command();
+    let in_argv =
+        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    if in_argv {
+        return None;
+    }
+    let sub = std::env::args().nth(1)?;
+    let sub = command.find_subcommand(&sub)?;
+    let var = sub
+        .get_arguments()
+        .find(|a| a.get_long() == Some(long))?
+        .get_env()?
+        .to_string_lossy()
+        .into_owned();
+    std::env::var_os(&var).map(|_| var)
+}
+
+/// `--transport`: the mesh file's names for the fabric backends.
+fn parse_transport(s: &str) -> Result<Transport, String> {
+    match s {
+        "tcp" => Ok(Transport::Tcp),
+        "shm" => Ok(Transport::Shm),
+        other => Err(format!("{other:?} is not a fabric backend: tcp or shm")),
     }
 }
 

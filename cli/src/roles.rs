@@ -1,14 +1,15 @@
 //! `dpumesh node` and `dpumesh ingress`: one role per process (what `dpumesh up`
 //! starts and supervises, and what an orchestrator runs).
 
+use std::net::SocketAddr;
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use dpumesh_config::MeshFile;
 use dpumesh_config::Transport;
 use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::fabric::soft::SoftFabric;
-use dpumesh_proxy::node::Node;
+use dpumesh_proxy::node::{Node, NodeOptions};
 
 use crate::up::READY;
 
@@ -28,18 +29,22 @@ pub(crate) fn wait_for_signal() -> Result<()> {
 }
 
 /// `dpumesh node`: one worker node.
-pub fn node(mesh: &Path, name: &str, run_dir: &Path) -> Result<()> {
+pub fn node(mesh: &Path, name: &str, options: &NodeOptions) -> Result<()> {
     let mesh = MeshFile::read(mesh)?;
     // Said before the policy's components load (seconds on a cold cache).
     tracing::info!(node = name, policy = %mesh.config.policy.display(), "starting");
-    std::fs::create_dir_all(run_dir)?;
+    if options.control.is_none() {
+        std::fs::create_dir_all(&options.run_dir).with_context(|| {
+            format!("cannot create the run folder {}", options.run_dir.display())
+        })?;
+    }
     // What a killed predecessor (or any dead process of ours) left in /dev/shm.
     dpumesh_dpa::shm::sweep_orphans();
-    let node = Node::start(&mesh, name, run_dir)?;
+    let node = Node::start_with(&mesh, name, options)?;
     say!(
         "{READY} node {name} fabric {} control {} admin {}",
         node.fabric_addr(),
-        node.control_socket().display(),
+        node.control(),
         node.admin_addr().map_or("-".to_owned(), |a| a.to_string())
     );
     wait_for_signal()?;
@@ -80,13 +85,24 @@ pub fn certs(
     Ok(())
 }
 
+/// Where the ingress binds and what fabric it uses, where the orchestrator says
+/// otherwise than the mesh file.
+#[derive(Debug, Default)]
+pub struct IngressOptions {
+    pub listen: Option<SocketAddr>,
+    pub admin: Option<SocketAddr>,
+    pub transport: Option<Transport>,
+}
+
 /// `dpumesh ingress`.
-pub fn ingress(mesh: &Path) -> Result<()> {
+pub fn ingress(mesh: &Path, options: &IngressOptions) -> Result<()> {
     let mesh = MeshFile::read(mesh)?;
     dpumesh_dpa::shm::sweep_orphans();
-    let settings = ingress_settings(&mesh);
+    let mut settings = ingress_settings(&mesh);
+    settings.listen = options.listen.unwrap_or(settings.listen);
+    settings.admin = options.admin.or(settings.admin);
     let tls = dpumesh_proxy::trust::load(&mesh, &dpumesh_proxy::trust::ingress_id(&mesh)?)?;
-    let ingress = match mesh.config.transport {
+    let ingress = match options.transport.unwrap_or(mesh.config.transport) {
         Transport::Shm => {
             dpumesh_ingress::Ingress::start(ShmFabric::new().with_tls(tls), settings)?
         }
@@ -99,7 +115,6 @@ pub fn ingress(mesh: &Path) -> Result<()> {
     drop(ingress);
     Ok(())
 }
-
 fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
     let i = &mesh.config.ingress;
     dpumesh_ingress::Settings {

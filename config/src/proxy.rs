@@ -39,7 +39,8 @@ pub struct LogConfig {
     /// A `tracing` filter: `info`, `dpumesh=debug,warn`, ... (`DPUMESH_LOG` overrides).
     #[serde(default = "default_level")]
     pub level: String,
-    /// `text` or `json`.
+    /// `auto` (JSON when stderr is not a terminal), `text` or `json`
+    /// (`DPUMESH_LOG_FORMAT` overrides).
     #[serde(default)]
     pub format: LogFormat,
 }
@@ -52,7 +53,7 @@ impl Default for LogConfig {
     fn default() -> Self {
         Self {
             level: default_level(),
-            format: LogFormat::Text,
+            format: LogFormat::Auto,
         }
     }
 }
@@ -61,8 +62,11 @@ impl Default for LogConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
-    /// Human-readable, one line per event.
+    /// Text on a terminal, JSON lines anywhere else: what a log collector reads
+    /// (a container's stderr, a file, a pipe) gets one object per line.
     #[default]
+    Auto,
+    /// Human-readable, one line per event.
     Text,
     /// One JSON object per line.
     Json,

@@ -25,15 +25,44 @@ pub struct Node {
     dpu: Arc<Dpu>,
     policy: Arc<Policy>,
     admin: Option<SocketAddr>,
-    socket: PathBuf,
     _io: tokio::runtime::Runtime,
+}
+
+/// Where a node binds and what it runs on, where an orchestrator says otherwise than
+/// the mesh file's entry (the `dpumesh node` flags and their environment variables).
+/// On Kubernetes the mesh file is one ConfigMap for every node while each DPU binds
+/// its own addresses.
+#[derive(Debug, Clone, Default)]
+pub struct NodeOptions {
+    /// Where the control socket goes when `control` is not given.
+    pub run_dir: PathBuf,
+    /// Where the node's pods register (default: `RUN_DIR/NAME.sock`); a TCP address
+    /// when the host's pods reach the DPU over the network.
+    pub control: Option<Endpoint>,
+    /// The fabric address to bind (default: the entry's `fabric`, which is what peers
+    /// and the ingress dial; `0.0.0.0:PORT` binds every interface).
+    pub fabric_listen: Option<SocketAddr>,
+    /// The admin API's address (default: the entry's `admin`).
+    pub admin: Option<SocketAddr>,
+    /// The fabric backend (default: the mesh file's `transport`).
+    pub transport: Option<Transport>,
+}
+
+impl NodeOptions {
+    /// The mesh file's settings, with the control socket in `run_dir`.
+    pub fn in_run_dir(run_dir: &Path) -> Self {
+        Self {
+            run_dir: run_dir.to_owned(),
+            ..Self::default()
+        }
+    }
 }
 
 impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
             .field("fabric", &self.dataplane.addr())
-            .field("socket", &self.socket)
+            .field("control", self.dpu.control_endpoint())
             .finish_non_exhaustive()
     }
 }
@@ -94,6 +123,11 @@ pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
 impl Node {
     /// Starts node `name` of `mesh`; its control socket goes in `run_dir`.
     pub fn start(mesh: &MeshFile, name: &str, run_dir: &Path) -> anyhow::Result<Self> {
+        Self::start_with(mesh, name, &NodeOptions::in_run_dir(run_dir))
+    }
+
+    /// Starts node `name` of `mesh` with `options` over its entry's settings.
+    pub fn start_with(mesh: &MeshFile, name: &str, options: &NodeOptions) -> anyhow::Result<Self> {
         let entry =
             mesh.config.nodes.get(name).ok_or_else(|| {
                 anyhow::anyhow!("node {name:?} is not in {}", mesh.file.display())
@@ -125,9 +159,17 @@ impl Node {
                 config.remote_services.insert(service, addr);
             }
         }
-        let socket = control_socket(run_dir, name);
-        let _ = std::fs::remove_file(&socket);
-        let dpu = Arc::new(Dpu::start(config, &Endpoint::Unix(socket.clone()))?);
+        let control = match &options.control {
+            Some(endpoint) => endpoint.clone(),
+            None => {
+                let socket = control_socket(&options.run_dir, name);
+                // A socket a killed predecessor left behind.
+                let _ = std::fs::remove_file(&socket);
+                Endpoint::Unix(socket)
+            }
+        };
+        let dpu = Arc::new(Dpu::start(config, &control)?);
+        let listen = options.fabric_listen.unwrap_or(entry.fabric);
         let topology = Topology {
             node: name.to_owned(),
             peers: mesh
@@ -143,10 +185,10 @@ impl Node {
             require_identity: mesh.config.identity.mtls == dpumesh_config::Mtls::Mutual,
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
-        let dataplane = match mesh.config.transport {
+        let dataplane = match options.transport.unwrap_or(mesh.config.transport) {
             Transport::Shm => start_dataplane(
                 ShmFabric::new().with_tls(tls),
-                entry.fabric,
+                listen,
                 dpu.clone(),
                 &policy,
                 topology,
@@ -154,7 +196,7 @@ impl Node {
             )?,
             Transport::Tcp => start_dataplane(
                 SoftFabric::new().with_tls(tls),
-                entry.fabric,
+                listen,
                 dpu.clone(),
                 &policy,
                 topology,
@@ -166,7 +208,7 @@ impl Node {
             .thread_name("dpumesh-admin")
             .enable_all()
             .build()?;
-        let admin = match entry.admin {
+        let admin = match options.admin.or(entry.admin) {
             Some(addr) => {
                 let listener = io
                     .block_on(tokio::net::TcpListener::bind(addr))
@@ -187,7 +229,6 @@ impl Node {
             dpu,
             policy,
             admin,
-            socket,
             _io: io,
         })
     }
@@ -203,8 +244,8 @@ impl Node {
     }
 
     /// Where pods register.
-    pub fn control_socket(&self) -> &Path {
-        &self.socket
+    pub fn control(&self) -> &Endpoint {
+        self.dpu.control_endpoint()
     }
 
     /// The node's DPU side.

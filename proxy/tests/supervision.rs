@@ -10,7 +10,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use dpumesh_config::MeshFile;
-use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::{HostPort, Incoming, WakeMode};
 use dpumesh_head::wire::{self, ResponseHead};
@@ -75,12 +74,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     let mesh = write_files(dir.path());
     let node = Node::start(&mesh, "n1", dir.path()).unwrap();
     let admin = node.admin_addr().unwrap();
-    let mut pod = HostPort::connect(
-        &Endpoint::Unix(node.control_socket().to_owned()),
-        "slow-0",
-        "slow",
-    )
-    .unwrap();
+    let mut pod = HostPort::connect(node.control(), "slow-0", "slow").unwrap();
     let ingress = Ingress::start(
         ShmFabric::new(),
         Settings {

@@ -100,6 +100,10 @@ impl Up {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from("."));
+        // `up` labels and interleaves its children's lines for a person to read: they
+        // log text (their stderr is a pipe, where they would choose JSON), unless the
+        // person asked otherwise.
+        let log_format = std::env::var("DPUMESH_LOG_FORMAT").unwrap_or_else(|_| "text".to_owned());
         // A node with a network namespace runs (with its pods) inside it.
         let in_netns = |name: String, node: &str, program: &Path| -> Spec {
             match mesh.config.nodes.get(node).and_then(|e| e.netns.as_deref()) {
@@ -108,6 +112,7 @@ impl Up {
                     .args([program]),
                 None => Spec::new(name, program),
             }
+            .env("DPUMESH_LOG_FORMAT", &log_format)
         };
         for (name, entry) in &mesh.config.nodes {
             let spec = in_netns(format!("node {name}"), name, &me)
@@ -153,7 +158,8 @@ impl Up {
         }
         let spec = Spec::new("ingress", &me)
             .args(["ingress", "--mesh"])
-            .args([file]);
+            .args([file])
+            .env("DPUMESH_LOG_FORMAT", &log_format);
         let mut ingress = Process::start(spec, policy)?;
         up.ingress = match ingress.wait_ready(START_TIMEOUT) {
             Ok(line) => line.rsplit(' ').next().unwrap_or_default().to_owned(),
