@@ -118,8 +118,15 @@ pub struct Policy {
 }
 
 /// A hash of the config file's text (two saves within one timestamp tick must still
-/// differ), and size and modification time of every file it names.
-type Fingerprint = (u64, Vec<(PathBuf, Option<(SystemTime, u64)>)>);
+/// differ), and size, modification time and file identity (device, inode) of every
+/// file it names, symbolic links followed. The identity catches a replaced file
+/// that kept size and time: Kubernetes updates a ConfigMap volume by pointing its
+/// `..data` link at a new folder, and a copy that preserved times would look the same
+/// by size and time alone.
+type Fingerprint = (u64, Vec<(PathBuf, Option<Stamp>)>);
+
+/// Modification time, size, device, inode.
+type Stamp = (SystemTime, u64, u64, u64);
 
 /// `last`, when given, is the previous fingerprint of the same file: if the text did
 /// not change, the files it names are stamped again without parsing it.
@@ -133,9 +140,10 @@ fn fingerprint(file: &Path, last: Option<&Fingerprint>) -> Fingerprint {
     text.hash(&mut hasher);
     let hash = hasher.finish();
     let stamp = |f: PathBuf| {
+        use std::os::unix::fs::MetadataExt as _;
         let meta = std::fs::metadata(&f)
             .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len())));
+            .and_then(|m| Some((m.modified().ok()?, m.len(), m.dev(), m.ino())));
         (f, meta)
     };
     if let Some(last) = last.filter(|l| l.0 == hash) {
