@@ -131,6 +131,10 @@ enum Command {
         /// The fabric backend instead of the mesh file's `transport` (`tcp` or `shm`).
         #[arg(long, env = "DPUMESH_TRANSPORT", value_parser = parse_transport)]
         transport: Option<Transport>,
+        /// The certificate folder instead of the mesh file's `identity.certs` (where
+        /// the role's Secret is mounted).
+        #[arg(long, env = "DPUMESH_CERTS")]
+        certs: Option<PathBuf>,
     },
     /// Run a mesh's ingress (what `dpumesh up` starts, and the ingress container runs).
     Ingress {
@@ -146,6 +150,10 @@ enum Command {
         /// The fabric backend instead of the mesh file's `transport` (`tcp` or `shm`).
         #[arg(long, env = "DPUMESH_TRANSPORT", value_parser = parse_transport)]
         transport: Option<Transport>,
+        /// The certificate folder instead of the mesh file's `identity.certs` (where
+        /// the role's Secret is mounted).
+        #[arg(long, env = "DPUMESH_CERTS")]
+        certs: Option<PathBuf>,
     },
     /// Issue the mesh's certificates (the CA on first use, then every node, the
     /// ingress and every service) into its certificate folder; running parts load
@@ -320,6 +328,7 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             fabric_listen,
             admin,
             transport,
+            certs,
         } => {
             let options = dpumesh_proxy::node::NodeOptions {
                 run_dir,
@@ -328,18 +337,20 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
                 admin,
                 transport,
             };
-            roles::node(&mesh, &name, &options).map(|()| ExitCode::SUCCESS)
+            roles::node(&mesh, &name, certs, &options).map(|()| ExitCode::SUCCESS)
         }
         Command::Ingress {
             mesh,
             listen,
             admin,
             transport,
+            certs,
         } => {
             let options = roles::IngressOptions {
                 listen,
                 admin,
                 transport,
+                certs,
             };
             roles::ingress(&mesh, &options).map(|()| ExitCode::SUCCESS)
         }

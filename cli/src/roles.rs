@@ -2,7 +2,7 @@
 //! starts and supervises, and what an orchestrator runs).
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use dpumesh_config::MeshFile;
@@ -29,8 +29,16 @@ pub(crate) fn wait_for_signal() -> Result<()> {
 }
 
 /// `dpumesh node`: one worker node.
-pub fn node(mesh: &Path, name: &str, options: &NodeOptions) -> Result<()> {
-    let mesh = MeshFile::read(mesh)?;
+pub fn node(
+    mesh: &Path,
+    name: &str,
+    certs: Option<PathBuf>,
+    options: &NodeOptions,
+) -> Result<()> {
+    let mut mesh = MeshFile::read(mesh)?;
+    if certs.is_some() {
+        mesh.config.identity.certs = certs;
+    }
     // Said before the policy's components load (seconds on a cold cache).
     tracing::info!(node = name, policy = %mesh.config.policy.display(), "starting");
     if options.control.is_none() {
@@ -92,11 +100,15 @@ pub struct IngressOptions {
     pub listen: Option<SocketAddr>,
     pub admin: Option<SocketAddr>,
     pub transport: Option<Transport>,
+    pub certs: Option<PathBuf>,
 }
 
 /// `dpumesh ingress`.
 pub fn ingress(mesh: &Path, options: &IngressOptions) -> Result<()> {
-    let mesh = MeshFile::read(mesh)?;
+    let mut mesh = MeshFile::read(mesh)?;
+    if options.certs.is_some() {
+        mesh.config.identity.certs = options.certs.clone();
+    }
     dpumesh_dpa::shm::sweep_orphans();
     let mut settings = ingress_settings(&mesh);
     settings.listen = options.listen.unwrap_or(settings.listen);

@@ -16,6 +16,9 @@ fn a_node_runs_from_its_environment_and_logs_json_lines_off_a_terminal() {
     let (mesh, _) = mesh_files(dir.path(), |m| m);
     let out = certs(&mesh, &[]);
     assert!(out.status.success(), "{out:?}");
+    // The certificates where the node's Secret is mounted, not where the file says.
+    let secret = dir.path().join("secret");
+    std::fs::rename(dir.path().join(".dpumesh/certs"), &secret).unwrap();
     let (fabric, admin) = (free_port(), free_port());
     let mut node = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
         .arg("node")
@@ -25,6 +28,7 @@ fn a_node_runs_from_its_environment_and_logs_json_lines_off_a_terminal() {
         .env("DPUMESH_FABRIC_LISTEN", format!("0.0.0.0:{fabric}"))
         .env("DPUMESH_ADMIN", format!("127.0.0.1:{admin}"))
         .env("DPUMESH_TRANSPORT", "tcp")
+        .env("DPUMESH_CERTS", &secret)
         .env("DPUMESH_LOG", "info")
         .env_remove("DPUMESH_LOG_FORMAT")
         .stdin(Stdio::null())
