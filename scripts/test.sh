@@ -27,3 +27,6 @@ echo "==> the DPU side for Arm64 (aarch64 cross-build, tests under qemu)"
 ./scripts/test-arm64.sh
 echo "==> pytest (the Python host library: the seed's examples, errors, WSGI)"
 python3 -m pytest -q host-lib/python/tests
+echo "==> deploy/ (Helm chart rendered by Helm, DPF manifests against the DPF CRDs, kustomize, Kubernetes schemas)"
+./scripts/install-deploy-tools.sh >/dev/null
+python3 -m pytest -q deploy/tests

@@ -1,5 +1,6 @@
 //! `hotel CODE`: runs one hotel service (frontend, user or reservation) as a mesh pod. `dpumesh up` starts it with
-//! `DPUMESH_CONTROL` (the node's control socket), `DPUMESH_SERVICE` and `DPUMESH_POD`.
+//! `DPUMESH_CONTROL` (the node's control socket, or `tcp:HOST:PORT`), `DPUMESH_SERVICE`
+//! and `DPUMESH_POD`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,12 +37,16 @@ fn main() -> Result<()> {
         bail!("unknown service {code:?} (frontend, user, reservation)");
     };
     let service = std::env::var("DPUMESH_SERVICE").unwrap_or(code);
-    let control = std::env::var("DPUMESH_CONTROL").context(
-        "DPUMESH_CONTROL (the node's control socket) is not set: start it with `dpumesh up`",
-    )?;
+    // A socket path (`dpumesh up`) or `tcp:HOST:PORT` (a host pod reaching its DPU).
+    let control: Endpoint = std::env::var("DPUMESH_CONTROL")
+        .context(
+            "DPUMESH_CONTROL (the node's control endpoint) is not set: start it with `dpumesh up`",
+        )?
+        .parse()
+        .map_err(|e| anyhow::anyhow!("DPUMESH_CONTROL: {e}"))?;
     let pod = std::env::var("DPUMESH_POD")
         .unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
-    let transport = DataPathTransport::connect(&Endpoint::Unix(control.into()), &pod, &service)
+    let transport = DataPathTransport::connect(&control, &pod, &service)
         .with_context(|| format!("cannot register {pod} with its node"))?;
     let mut service_loop = EventLoop::new(transport, handler, LoopConfig::default())?;
     let stop = Arc::new(AtomicBool::new(false));
