@@ -29,12 +29,7 @@ pub(crate) fn wait_for_signal() -> Result<()> {
 }
 
 /// `dpumesh node`: one worker node.
-pub fn node(
-    mesh: &Path,
-    name: &str,
-    certs: Option<PathBuf>,
-    options: &NodeOptions,
-) -> Result<()> {
+pub fn node(mesh: &Path, name: &str, certs: Option<PathBuf>, options: &NodeOptions) -> Result<()> {
     let mut mesh = MeshFile::read(mesh)?;
     if certs.is_some() {
         mesh.config.identity.certs = certs;

@@ -144,3 +144,91 @@ fn wait_exit(child: &mut std::process::Child, within: Duration) -> std::process:
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The mesh and policy `deploy/` ships (read by the ingress and every DPU proxy), as a
+/// node loads them: components from the image's folder, here this build's.
+fn run_shipped(name: &str, files: &[(&str, String)]) {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    for (file, text) in files {
+        let mut text = text
+            .replace("/var/cache/dpumesh", &format!("{d}/cache"))
+            .replace("/etc/dpumesh/certs", &format!("{d}/certs"));
+        for (filter, path) in [
+            ("trace", dpumesh_test_artifacts::FILTER_TRACE),
+            ("jwt", dpumesh_test_artifacts::FILTER_JWT),
+            ("rbac", dpumesh_test_artifacts::FILTER_RBAC),
+            ("ratelimit", dpumesh_test_artifacts::FILTER_RATELIMIT),
+            (
+                "circuit-breaker",
+                dpumesh_test_artifacts::FILTER_CIRCUIT_BREAKER,
+            ),
+        ] {
+            text = text.replace(&format!("/usr/share/dpumesh/filters/{filter}.wasm"), path);
+        }
+        assert!(!text.contains("/usr/share/dpumesh"), "{name}: {text}");
+        std::fs::write(dir.path().join(file), text).unwrap();
+    }
+    let mesh = dir.path().join("mesh.yaml");
+    let out = certs(&mesh, &[]);
+    assert!(out.status.success(), "{name}: {out:?}");
+    let admin = free_port();
+    let mut node = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["node", "--name", "dpu-worker-1", "--mesh"])
+        .arg(&mesh)
+        .env("DPUMESH_RUN_DIR", dir.path().join("run"))
+        .env(
+            "DPUMESH_FABRIC_LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        )
+        .env("DPUMESH_ADMIN", format!("127.0.0.1:{admin}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    BufReader::new(node.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let admin = format!("127.0.0.1:{admin}").parse().unwrap();
+    let filters = (!ready.is_empty()).then(|| admin_get(admin, "/filters"));
+    let _ = node.kill();
+    let _ = node.wait();
+    assert!(ready.contains("node dpu-worker-1"), "{name}: {ready}");
+    let (status, filters) = filters.unwrap();
+    assert_eq!(status, 200, "{name}: {filters}");
+    assert!(
+        filters.contains("\"api\""),
+        "{name}: the api chain: {filters}"
+    );
+}
+
+#[test]
+fn the_mesh_and_policy_deploy_ships_load_in_a_node() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let k8s = root.join("deploy/k8s/mesh");
+    let read = |f: &str| std::fs::read_to_string(k8s.join(f)).unwrap();
+    run_shipped(
+        "deploy/k8s/mesh (= the DPF configuration's)",
+        &[
+            ("mesh.yaml", read("mesh.yaml")),
+            ("policy.yaml", read("policy.yaml")),
+            ("jwks.json", read("jwks.json")),
+        ],
+    );
+    // The chart's defaults.
+    let values: serde_norway::Value = serde_norway::from_str(
+        &std::fs::read_to_string(root.join("deploy/helm/dpumesh-node/values.yaml")).unwrap(),
+    )
+    .unwrap();
+    let mesh = &values["mesh"];
+    let text = |v: &serde_norway::Value| v.as_str().unwrap().to_owned();
+    let mut files = vec![
+        ("mesh.yaml", text(&mesh["file"])),
+        ("policy.yaml", text(&mesh["policy"])),
+    ];
+    for (name, body) in mesh["files"].as_mapping().unwrap() {
+        files.push((name.as_str().unwrap(), text(body)));
+    }
+    run_shipped("the chart's values.yaml", &files);
+}
