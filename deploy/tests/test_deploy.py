@@ -387,8 +387,13 @@ def test_the_ingress_and_the_dpus_read_the_same_mesh():
     for o in docs(kustomize(K8S)):
         if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("hotel-"):
             service = o["metadata"]["name"].removeprefix("hotel-")
-            dpu = o["spec"]["template"]["spec"]["nodeSelector"]["dpumesh.io/dpu"]
+            pod = o["spec"]["template"]["spec"]
+            dpu = pod["nodeSelector"]["dpumesh.io/dpu"]
             assert placed[service]["nodes"] == [dpu], service
+            # ... and registers with that DPU's proxy.
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            host = yaml.safe_load(mesh["file"])["nodes"][dpu]["fabric"].split(":")[0]
+            assert env["DPUMESH_CONTROL"] == f"tcp:{host}:7120", service
 
 
 def test_a_broken_host_manifest_is_refused(tmp_path):
