@@ -113,13 +113,11 @@ def test_the_daemonset_is_what_a_dpu_proxy_needs(helm):
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["DPUMESH_CERTS"]["value"] == "/etc/dpumesh/certs/$(NODE_NAME)"
     assert env["DPUMESH_LOG_FORMAT"]["value"] == "json"
-    # RDMA device and hugepages, requested and limited alike.
+    # The software data path asks for no RDMA device and no hugepages.
     for side in ("requests", "limits"):
         res = proxy["resources"][side]
-        assert res["rdma/rdma_shared_device_a"] == "1"
-        assert res["hugepages-2Mi"] == "1Gi"
-        assert "cpu" in res and "memory" in res
-    assert "IPC_LOCK" in proxy["securityContext"]["capabilities"]["add"]
+        assert set(res) == {"cpu", "memory"}, res
+    assert "add" not in proxy["securityContext"]["capabilities"]
     # Probes on the admin port.
     admin = next(p for p in proxy["ports"] if p["name"] == "admin")
     assert admin["containerPort"] == 9101
@@ -140,19 +138,28 @@ def test_the_daemonset_is_what_a_dpu_proxy_needs(helm):
     assert volumes["certs-dpu-worker-0"]["secret"]["secretName"] == (
         "dpumesh-node-dpu-worker-0"
     )
-    assert "shm" not in volumes, "the DOCA data path shares no host folder"
+    # The software data path shares memory with the pods on this kernel.
+    assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
+    assert volumes["run"]["hostPath"]["path"] == "/run/dpumesh"
     config_map = the(objects, "ConfigMap")
     assert set(config_map["data"]) == {"mesh.yaml", "policy.yaml", "jwks.json"}
     mesh = yaml.safe_load(config_map["data"]["mesh.yaml"])
     assert set(mesh["nodes"]) == {"dpu-worker-0", "dpu-worker-1"}
 
 
-def test_the_software_data_path_shares_the_hosts_memory_folders(helm):
-    objects = docs(render(helm, "--set", "dataPath.backend=software").stdout)
-    pod = the(objects, "DaemonSet")["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
-    assert volumes["run"]["hostPath"]["path"] == "/run/dpumesh"
+def test_rdma_and_hugepages_are_requested_and_limited_alike_when_asked(helm):
+    objects = docs(
+        render(helm, "--set", "rdma.enabled=true,hugepages.amount=1Gi").stdout
+    )
+    (proxy,) = the(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    for side in ("requests", "limits"):
+        res = proxy["resources"][side]
+        assert res["rdma/rdma_shared_device_a"] == "1"
+        assert res["hugepages-2Mi"] == "1Gi"
+    # Registering memory with the RDMA device pins it.
+    assert proxy["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    assert mounts["hugepages"] == "/dev/hugepages"
 
 
 def test_an_existing_configmap_replaces_the_charts_own(helm):
@@ -169,7 +176,7 @@ def test_an_existing_configmap_replaces_the_charts_own(helm):
         ("transport=rdma", "/transport"),
         ("ports.admin=0", "/ports/admin"),
         ("ports.fabric=70000", "/ports/fabric"),
-        ("dataPath.backend=gpu", "/dataPath/backend"),
+        ("dataPath.backend=doca", "/dataPath/backend"),
         ("hugepages.size=4Mi", "/hugepages/size"),
         ("hugepages.amount=lots", "/hugepages/amount"),
         ("resources.limits.cpu=many", "/resources/limits/cpu"),
@@ -327,6 +334,10 @@ def test_the_values_dpf_passes_render_the_chart_to_valid_objects(helm, tmp_path)
         pod = the(docs(out.stdout), "DaemonSet")["spec"]["template"]["spec"]
         image = pod["containers"][0]["image"]
         assert image == "registry.example.com/dpumesh/node:0.1.0", image
+        # On DPUs: the RDMA device and hugepages.
+        limits = pod["containers"][0]["resources"]["limits"]
+        assert limits["rdma/rdma_shared_device_a"] == "1", f"{name}: {limits}"
+        assert limits["hugepages-2Mi"] == "1Gi", f"{name}: {limits}"
 
 
 # --- the host cluster --------------------------------------------------------
