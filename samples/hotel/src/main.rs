@@ -18,15 +18,25 @@ use dpumesh_host::{EventLoop, LoopConfig};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
+    // As the mesh's own processes log: JSON lines off a terminal (a container's log),
+    // text with colours on one; DPUMESH_LOG_FORMAT (auto, text, json) overrides.
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let json = match std::env::var("DPUMESH_LOG_FORMAT").as_deref() {
+        Ok("json") => true,
+        Ok("text") => false,
+        _ => !terminal,
+    };
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
-        // Colours only on a terminal: `dpumesh up` and log files get plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if json {
+        logs.with_ansi(false).json().init();
+    } else {
+        logs.with_ansi(terminal).init();
+    }
     // The code to run (argument) and the service name to register under (the
     // environment, so one program can serve under several names).
     let code = match std::env::args().nth(1) {
