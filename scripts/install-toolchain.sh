@@ -32,8 +32,11 @@ rustup component list --toolchain "$channel" --installed | grep -q '^rustfmt' \
     || rustup component add --toolchain "$channel" rustfmt
 rustup component list --toolchain "$channel" --installed | grep -q '^clippy' \
     || rustup component add --toolchain "$channel" clippy
-rustup target list --toolchain "$channel" --installed | grep -qx wasm32-wasip2 \
-    || rustup target add --toolchain "$channel" wasm32-wasip2
+for target in wasm32-wasip2 wasm32-wasip1; do
+    # wasip1: proxy-wasm plugins are core modules for WASI preview 1, as Envoy's are.
+    rustup target list --toolchain "$channel" --installed | grep -qx "$target" \
+        || rustup target add --toolchain "$channel" "$target"
+done
 
 # Guest toolchains for `dpumesh filter build` in other languages.
 # Python: componentize-py from PyPI.

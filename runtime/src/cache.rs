@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
-use wasmtime::Engine;
 use wasmtime::component::Component;
+use wasmtime::{Engine, Module};
 
 /// The content hash of a component, hex.
 pub(crate) fn content_hash(bytes: &[u8]) -> String {
@@ -24,6 +24,41 @@ pub(crate) struct CompileCache {
     dir: Option<PathBuf>,
     engine_hash: String,
     memory: Mutex<HashMap<String, Component>>,
+    /// Core modules (proxy-wasm plugins), by the same content hash.
+    modules: Mutex<HashMap<String, Module>>,
+}
+
+/// What the cache keeps: a component or a core module, both serialized the same way.
+#[allow(unsafe_code)]
+trait Artifact: Clone + Sized {
+    /// # Safety
+    /// `path` must hold an artifact this engine's configuration serialized.
+    unsafe fn deserialize_file(engine: &Engine, path: &Path) -> wasmtime::Result<Self>;
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>>;
+}
+
+#[allow(unsafe_code)]
+impl Artifact for Component {
+    unsafe fn deserialize_file(engine: &Engine, path: &Path) -> wasmtime::Result<Self> {
+        // SAFETY: passed on from the caller.
+        unsafe { Component::deserialize_file(engine, path) }
+    }
+
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
+        Component::serialize(self)
+    }
+}
+
+#[allow(unsafe_code)]
+impl Artifact for Module {
+    unsafe fn deserialize_file(engine: &Engine, path: &Path) -> wasmtime::Result<Self> {
+        // SAFETY: passed on from the caller.
+        unsafe { Module::deserialize_file(engine, path) }
+    }
+
+    fn serialize(&self) -> wasmtime::Result<Vec<u8>> {
+        Module::serialize(self)
+    }
 }
 
 /// Why a component could not be compiled (the cache itself never fails a load: a bad
@@ -42,6 +77,7 @@ impl CompileCache {
             dir,
             engine_hash: format!("{:016x}", hasher.finish()),
             memory: Mutex::new(HashMap::new()),
+            modules: Mutex::new(HashMap::new()),
         }
     }
 
@@ -59,28 +95,48 @@ impl CompileCache {
         hash: &str,
         bytes: &[u8],
     ) -> Result<Component, CompileError> {
-        if let Some(component) = self.lock().get(hash) {
-            return Ok(component.clone());
-        }
-        let path = self.artifact_path(hash);
-        if let Some(component) = path.as_deref().and_then(|p| load_artifact(engine, p)) {
-            self.lock().insert(hash.to_owned(), component.clone());
-            return Ok(component);
-        }
-        if !wasmparser_is_component(bytes) {
-            return Err(CompileError::NotAComponent(describe_non_component(bytes)));
-        }
-        let component =
-            Component::new(engine, bytes).map_err(|e| CompileError::Compile(format!("{e:#}")))?;
-        if let Some(path) = path {
-            store_artifact(&component, &path);
-        }
-        self.lock().insert(hash.to_owned(), component.clone());
-        Ok(component)
+        self.get_or(&self.memory, hash, engine, || {
+            if !wasmparser_is_component(bytes) {
+                return Err(CompileError::NotAComponent(describe_non_component(bytes)));
+            }
+            Component::new(engine, bytes).map_err(|e| CompileError::Compile(format!("{e:#}")))
+        })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Component>> {
-        self.memory.lock().unwrap_or_else(|p| p.into_inner())
+    /// The compiled core module (a proxy-wasm plugin) for `bytes`.
+    pub(crate) fn get_or_compile_module(
+        &self,
+        engine: &Engine,
+        hash: &str,
+        bytes: &[u8],
+    ) -> Result<Module, CompileError> {
+        self.get_or(&self.modules, hash, engine, || {
+            Module::new(engine, bytes).map_err(|e| CompileError::Compile(format!("{e:#}")))
+        })
+    }
+
+    fn get_or<T: Artifact>(
+        &self,
+        memory: &Mutex<HashMap<String, T>>,
+        hash: &str,
+        engine: &Engine,
+        compile: impl FnOnce() -> Result<T, CompileError>,
+    ) -> Result<T, CompileError> {
+        let lock = || memory.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(artifact) = lock().get(hash) {
+            return Ok(artifact.clone());
+        }
+        let path = self.artifact_path(hash);
+        if let Some(artifact) = path.as_deref().and_then(|p| load_artifact::<T>(engine, p)) {
+            lock().insert(hash.to_owned(), artifact.clone());
+            return Ok(artifact);
+        }
+        let artifact = compile()?;
+        if let Some(path) = path {
+            store_artifact(&artifact, &path);
+        }
+        lock().insert(hash.to_owned(), artifact.clone());
+        Ok(artifact)
     }
 }
 
@@ -99,7 +155,7 @@ fn describe_non_component(bytes: &[u8]) -> String {
     }
 }
 
-fn load_artifact(engine: &Engine, path: &Path) -> Option<Component> {
+fn load_artifact<T: Artifact>(engine: &Engine, path: &Path) -> Option<T> {
     if !path.is_file() {
         return None;
     }
@@ -108,9 +164,9 @@ fn load_artifact(engine: &Engine, path: &Path) -> Option<Component> {
     // hash; wasmtime additionally checks the header and refuses artifacts from another
     // engine configuration.
     #[allow(unsafe_code)]
-    let loaded = unsafe { Component::deserialize_file(engine, path) };
+    let loaded = unsafe { T::deserialize_file(engine, path) };
     match loaded {
-        Ok(component) => Some(component),
+        Ok(artifact) => Some(artifact),
         Err(e) => {
             tracing::warn!(path = %path.display(), error = %e, "discarding unusable cached artifact");
             let _ = std::fs::remove_file(path);
@@ -119,9 +175,9 @@ fn load_artifact(engine: &Engine, path: &Path) -> Option<Component> {
     }
 }
 
-fn store_artifact(component: &Component, path: &Path) {
+fn store_artifact<T: Artifact>(artifact: &T, path: &Path) {
     let result = (|| -> std::io::Result<()> {
-        let bytes = component
+        let bytes = artifact
             .serialize()
             .map_err(|e| std::io::Error::other(e.to_string()))?;
         if let Some(dir) = path.parent() {

@@ -63,6 +63,11 @@ pub struct FilterSettings {
     /// proxy's shard: for filters slow by nature (interpreted guests), so they do not
     /// hold up everything else the shard serves. Never the default.
     pub offload: bool,
+    /// For a proxy-wasm plugin: its VM configuration (`proxy_on_vm_start`); the
+    /// plugin configuration is `config`.
+    pub vm_config: String,
+    /// For a proxy-wasm plugin: its root id (`plugin_root_id`), empty by default.
+    pub root_id: String,
 }
 
 impl FilterSettings {
@@ -78,6 +83,8 @@ impl FilterSettings {
             namespace: None,
             health: HealthPolicy::default(),
             offload: false,
+            vm_config: String::new(),
+            root_id: String::new(),
         }
     }
 
@@ -135,13 +142,21 @@ pub(crate) struct Exports {
     pub(crate) interest: Option<ComponentExportIndex>,
 }
 
+/// What a filter is: a component of our world, or a proxy-wasm plugin.
+pub(crate) enum FilterKind {
+    Component {
+        pre: InstancePre<StoreState>,
+        exports: Exports,
+    },
+    ProxyWasm(Arc<crate::proxywasm::plugin::Plugin>),
+}
+
 /// A compiled, checked and validated filter version, ready to instantiate on any
 /// worker. Shared by `Arc`.
 pub struct LoadedFilter {
     pub(crate) settings: FilterSettings,
     pub(crate) runtime: Runtime,
-    pub(crate) pre: InstancePre<StoreState>,
-    pub(crate) exports: Exports,
+    pub(crate) kind: FilterKind,
     pub(crate) tag: Arc<FilterTag>,
     pub(crate) health: FilterHealth,
     pub(crate) live: AtomicUsize,
@@ -186,9 +201,26 @@ impl LoadedFilter {
         self.live.load(Ordering::Relaxed)
     }
 
-    /// Whether the component exports `on-response`.
+    /// Whether the component exports `on-response`; a proxy-wasm plugin always has
+    /// one (each request's context is finished there).
     pub fn has_response_phase(&self) -> bool {
-        self.exports.on_response.is_some()
+        match &self.kind {
+            FilterKind::Component { exports, .. } => exports.on_response.is_some(),
+            FilterKind::ProxyWasm(_) => true,
+        }
+    }
+
+    /// Whether this is a proxy-wasm plugin (a core module) rather than a component.
+    pub fn is_proxy_wasm(&self) -> bool {
+        matches!(self.kind, FilterKind::ProxyWasm(_))
+    }
+
+    /// The proxy-wasm ABI version a plugin declares (`None` for a component).
+    pub fn proxy_wasm_abi(&self) -> Option<&'static str> {
+        match &self.kind {
+            FilterKind::ProxyWasm(plugin) => Some(plugin.abi.as_str()),
+            FilterKind::Component { .. } => None,
+        }
     }
 
     /// Whether requests reach it through the batched call (`handle-request`, WIT
@@ -227,6 +259,23 @@ impl Runtime {
             });
         }
         let hash = content_hash(bytes);
+        if crate::proxywasm::is_core_module(bytes) {
+            let module = self
+                .inner
+                .cache
+                .get_or_compile_module(&self.inner.engine, &hash, bytes)
+                .map_err(|e| compile_error(&name, e))?;
+            let config = crate::proxywasm::PluginConfig {
+                plugin: settings.config.clone().into_bytes(),
+                vm: settings.vm_config.clone().into_bytes(),
+                name: name.clone(),
+                root_id: settings.root_id.clone(),
+                node_metadata: Default::default(),
+            };
+            let plugin =
+                crate::proxywasm::plugin::prepare(&name, &module, &self.inner.pw_linker, config)?;
+            return self.publish(settings, FilterKind::ProxyWasm(Arc::new(plugin)), hash);
+        }
         let component = self
             .inner
             .cache
@@ -300,15 +349,24 @@ impl Runtime {
                     filter: name.clone(),
                     detail: format!("{e:#}"),
                 })?;
+        self.publish(settings, FilterKind::Component { pre, exports }, hash)
+    }
+
+    /// The loaded filter of `kind`, validated by configuring one instance.
+    fn publish(
+        &self,
+        settings: FilterSettings,
+        kind: FilterKind,
+        hash: String,
+    ) -> Result<Arc<LoadedFilter>, LoadError> {
         let settings_health = settings.health;
         let tag = Arc::new(FilterTag {
-            name: Arc::from(name.as_str()),
+            name: Arc::from(settings.name.as_str()),
         });
         let loaded = Arc::new(LoadedFilter {
             settings,
             runtime: self.clone(),
-            pre,
-            exports,
+            kind,
             tag,
             health: FilterHealth::new(self.inner.config.clock.clone(), settings_health),
             live: AtomicUsize::new(0),

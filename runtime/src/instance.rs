@@ -12,10 +12,13 @@ use wasmtime::component::{Resource, TypedFunc};
 use wasmtime::{Store, Trap, UpdateDeadline};
 
 use crate::bindings::{HeaderEdit, Interest, Outcome, RequestLine, ResponseInfo, Verdict};
-use crate::budget::Check;
+use crate::budget::{Check, CpuBudget};
 use crate::error::{FaultKind, LoadError};
-use crate::filter::LoadedFilter;
+use crate::filter::{FilterKind, LoadedFilter};
 use crate::imports::{HeadHandle, StoreState};
+use crate::limits::MemoryLimiter;
+use crate::proxywasm::instance::PwInstance;
+use crate::stderr::StderrTail;
 
 /// The request line goes in by `Arc`: a chain builds it once per request and every
 /// filter's call lowers it from there (no copy of the path and authority per filter).
@@ -64,11 +67,85 @@ const STDERR_QUOTE: usize = 400;
 /// A configured instance of a [`LoadedFilter`].
 pub struct FilterInstance {
     filter: Arc<LoadedFilter>,
+    inner: Inner,
+    startup: Startup,
+}
+
+/// A component's instance or a proxy-wasm plugin's.
+enum Inner {
+    Component(Box<ComponentCalls>),
+    ProxyWasm(Box<PwInstance>),
+}
+
+/// A component instance and its typed exports.
+struct ComponentCalls {
     store: Store<StoreState>,
     on_request: OnRequest,
     on_response: Option<OnResponse>,
     batched: Option<Batched>,
-    startup: Startup,
+}
+
+/// What every kind of instance's `Store` data has: a memory cap, a CPU budget and the
+/// guest's stderr tail, which is what classifying a fault needs.
+pub(crate) trait CallData: Send + 'static {
+    fn limiter(&mut self) -> &mut MemoryLimiter;
+    fn budget(&mut self) -> &mut CpuBudget;
+    fn stderr(&self) -> &StderrTail;
+}
+
+impl CallData for StoreState {
+    fn limiter(&mut self) -> &mut MemoryLimiter {
+        &mut self.limiter
+    }
+    fn budget(&mut self) -> &mut CpuBudget {
+        &mut self.budget
+    }
+    fn stderr(&self) -> &StderrTail {
+        &self.stderr
+    }
+}
+
+/// Most ticks between two looks at a running call: half of what parks the ticker.
+/// The ticker parks after [`crate::epoch::PARK_AFTER`] ticks without a *new* call, so
+/// one long call (a deadline past that, an endless loop) must say it is still running,
+/// or the epoch stops advancing under it and its deadline never comes (an endless loop
+/// under a 200 ms deadline ran for two minutes, advanced only by the parked ticker's
+/// once-a-second sweep).
+const MAX_TICKS_BETWEEN_CHECKS: u64 = crate::epoch::PARK_AFTER as u64 / 2;
+
+/// A store with the memory cap and the CPU-time deadline wired in, armed for a call
+/// of `deadline` (the epoch ticker is woken by the caller).
+pub(crate) fn new_store<T: CallData>(
+    engine: &wasmtime::Engine,
+    epoch: Arc<crate::epoch::Epoch>,
+    data: T,
+    deadline: Duration,
+) -> Store<T> {
+    let mut store = Store::new(engine, data);
+    store.limiter(|state| state.limiter());
+    // The epoch deadline only triggers a look at the thread's CPU time
+    // (`budget`): a call that was preempted goes on.
+    store.epoch_deadline_callback(move |mut store| {
+        let cpu = crate::budget::thread_cpu_time();
+        Ok(match store.data_mut().budget().check(cpu) {
+            Check::Continue(ticks) => {
+                // Still running: keep the ticker from parking under this call.
+                epoch.call_begins();
+                UpdateDeadline::Continue(ticks.min(MAX_TICKS_BETWEEN_CHECKS))
+            }
+            Check::Exhausted => UpdateDeadline::Interrupt,
+        })
+    });
+    arm_store(&mut store, deadline);
+    store
+}
+
+/// Readies `store` for a call of at most `deadline` of CPU time.
+fn arm_store<T: CallData>(store: &mut Store<T>, deadline: Duration) {
+    let data = store.data_mut();
+    data.limiter().hit = false;
+    let first = data.budget().arm(deadline);
+    store.set_epoch_deadline(first.min(MAX_TICKS_BETWEEN_CHECKS));
 }
 
 /// How long an instance took to start: instantiation from the pool, then `configure`.
@@ -97,6 +174,34 @@ impl FilterInstance {
         let settings = &filter.settings;
         let name = || settings.name.clone();
         let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
+        runtime.epoch.call_begins();
+        let (pre, exports) = match &filter.kind {
+            FilterKind::Component { pre, exports } => (pre, exports),
+            FilterKind::ProxyWasm(plugin) => {
+                let started = Instant::now();
+                let state = crate::proxywasm::new_state(filter, plugin);
+                let store = new_store(
+                    &runtime.engine,
+                    runtime.epoch.clone(),
+                    state,
+                    settings.configure_deadline,
+                );
+                let instance = PwInstance::new(plugin, store, settings.configure_deadline)?;
+                filter
+                    .live
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let _ = filter.batched.set(false);
+                return Ok(Self {
+                    filter: filter.clone(),
+                    inner: Inner::ProxyWasm(Box::new(instance)),
+                    // Instantiation and the root's start are one step here.
+                    startup: Startup {
+                        instantiate: Duration::ZERO,
+                        configure: started.elapsed(),
+                    },
+                });
+            }
+        };
         let state = StoreState::new(
             filter.tag.clone(),
             namespace,
@@ -104,23 +209,15 @@ impl FilterInstance {
             settings.memory_cap,
             runtime.config.epoch_tick,
         );
-        let mut store = Store::new(&runtime.engine, state);
-        store.limiter(|state| &mut state.limiter);
-        // The epoch deadline only triggers a look at the thread's CPU time
-        // (`budget`): a call that was preempted goes on.
-        store.epoch_deadline_callback(|mut store| {
-            let cpu = crate::budget::thread_cpu_time();
-            Ok(match store.data_mut().budget.check(cpu) {
-                Check::Continue(ticks) => UpdateDeadline::Continue(ticks),
-                Check::Exhausted => UpdateDeadline::Interrupt,
-            })
-        });
-        runtime.epoch.call_begins();
-        let first = store.data_mut().budget.arm(settings.configure_deadline);
-        store.set_epoch_deadline(first);
+        let mut store = new_store(
+            &runtime.engine,
+            runtime.epoch.clone(),
+            state,
+            settings.configure_deadline,
+        );
 
         let started = Instant::now();
-        let instance = match filter.pre.instantiate(&mut store) {
+        let instance = match pre.instantiate(&mut store) {
             Ok(instance) => instance,
             Err(e) if store.data().limiter.hit => {
                 return Err(LoadError::Settings {
@@ -148,10 +245,10 @@ impl FilterInstance {
         let on_request = instance
             .get_typed_func::<(Arc<RequestLine>, Resource<HeadHandle>), (Verdict,)>(
                 &mut store,
-                &filter.exports.on_request,
+                &exports.on_request,
             )
             .map_err(export_type("on-request"))?;
-        let on_response = match &filter.exports.on_response {
+        let on_response = match &exports.on_response {
             Some(index) => Some(
                 instance
                     .get_typed_func::<(Resource<HeadHandle>, ResponseInfo), ()>(&mut store, index)
@@ -160,7 +257,7 @@ impl FilterInstance {
             None => None,
         };
         let instantiated = Instant::now();
-        if let Some(index) = &filter.exports.configure {
+        if let Some(index) = &exports.configure {
             let configure = instance
                 .get_typed_func::<(&str,), (Result<(), String>,)>(&mut store, index)
                 .map_err(export_type("configure"))?;
@@ -181,7 +278,7 @@ impl FilterInstance {
                 }
             }
         }
-        let batched = match &filter.exports.handle_request {
+        let batched = match &exports.handle_request {
             None => {
                 let _ = filter.batched.set(false);
                 None
@@ -192,7 +289,7 @@ impl FilterInstance {
                         &mut store, index,
                     )
                     .map_err(export_type("handle-request"))?;
-                let interest = match &filter.exports.interest {
+                let interest = match &exports.interest {
                     None => Interest {
                         headers: Vec::new(),
                         metadata: Vec::new(),
@@ -231,10 +328,12 @@ impl FilterInstance {
         Ok(Self {
             startup,
             filter: filter.clone(),
-            store,
-            on_request,
-            on_response,
-            batched,
+            inner: Inner::Component(Box::new(ComponentCalls {
+                store,
+                on_request,
+                on_response,
+                batched,
+            })),
         })
     }
 
@@ -248,15 +347,6 @@ impl FilterInstance {
         self.startup
     }
 
-    /// Readies the store for a call. The epoch ticker was woken by the caller, once
-    /// per chain run ([`crate::chain::ChainRunner`]), not per filter.
-    fn arm(&mut self) {
-        let data = self.store.data_mut();
-        data.limiter.hit = false;
-        let first = data.budget.arm(self.filter.settings.deadline);
-        self.store.set_epoch_deadline(first);
-    }
-
     /// Runs the request phase (`handle-request` for a batched component, `on-request`
     /// otherwise) with `head` lent to the instance; the head comes back with the
     /// filter's edits, whatever happened.
@@ -265,9 +355,18 @@ impl FilterInstance {
         call: &CallInput,
         head: RequestHead,
     ) -> (RequestHead, Result<Verdict, FaultKind>) {
-        self.arm();
+        // The epoch ticker was woken by the caller, once per chain run
+        // ([`crate::chain::ChainRunner`]), not per filter.
         let deadline = self.filter.settings.deadline;
-        let result = match &self.batched {
+        let this = match &mut self.inner {
+            Inner::Component(c) => c,
+            Inner::ProxyWasm(pw) => {
+                arm_store(&mut pw.store, deadline);
+                return pw.on_request(head, deadline);
+            }
+        };
+        arm_store(&mut this.store, deadline);
+        let result = match &this.batched {
             Some(batched) => {
                 // The chain builds the shared part when it knows of a batched filter;
                 // an instance declaring what its filter's first one did not (a filter
@@ -293,22 +392,22 @@ impl FilterInstance {
                     &batched.interest.metadata,
                 );
                 let handle = batched.handle;
-                self.store.data_mut().head = Some(head);
-                match handle.call(&mut self.store, (Resource::new_borrow(0), input)) {
-                    Ok((outcome,)) => apply(self.store.data_mut(), outcome),
-                    Err(e) => Err(classify(&mut self.store, e, deadline)),
+                this.store.data_mut().head = Some(head);
+                match handle.call(&mut this.store, (Resource::new_borrow(0), input)) {
+                    Ok((outcome,)) => apply(this.store.data_mut(), outcome),
+                    Err(e) => Err(classify(&mut this.store, e, deadline)),
                 }
             }
             None => {
                 let line = call.line(&head);
-                self.store.data_mut().head = Some(head);
-                self.on_request
-                    .call(&mut self.store, (line, Resource::new_borrow(0)))
+                this.store.data_mut().head = Some(head);
+                this.on_request
+                    .call(&mut this.store, (line, Resource::new_borrow(0)))
                     .map(|(verdict,)| verdict)
-                    .map_err(|e| classify(&mut self.store, e, deadline))
+                    .map_err(|e| classify(&mut this.store, e, deadline))
             }
         };
-        (self.take_head(), result)
+        (take_head(&mut this.store), result)
     }
 
     /// Runs `on-response` (a no-op for filters without a response phase).
@@ -317,22 +416,29 @@ impl FilterInstance {
         head: RequestHead,
         info: ResponseInfo,
     ) -> (RequestHead, Result<(), FaultKind>) {
-        let Some(on_response) = self.on_response else {
+        let deadline = self.filter.settings.deadline;
+        let this = match &mut self.inner {
+            Inner::Component(c) => c,
+            Inner::ProxyWasm(pw) => {
+                arm_store(&mut pw.store, deadline);
+                return pw.on_response(head, &info, deadline);
+            }
+        };
+        let Some(on_response) = this.on_response else {
             return (head, Ok(()));
         };
-        self.arm();
-        self.store.data_mut().head = Some(head);
-        let result = on_response.call(&mut self.store, (Resource::new_borrow(0), info));
-        let head = self.take_head();
-        let result =
-            result.map_err(|e| classify(&mut self.store, e, self.filter.settings.deadline));
+        arm_store(&mut this.store, deadline);
+        this.store.data_mut().head = Some(head);
+        let result = on_response.call(&mut this.store, (Resource::new_borrow(0), info));
+        let head = take_head(&mut this.store);
+        let result = result.map_err(|e| classify(&mut this.store, e, deadline));
         (head, result)
     }
+}
 
-    fn take_head(&mut self) -> RequestHead {
-        // The head was lent just before the call and nothing else takes it.
-        self.store.data_mut().head.take().unwrap_or_default()
-    }
+fn take_head(store: &mut Store<StoreState>) -> RequestHead {
+    // The head was lent just before the call and nothing else takes it.
+    store.data_mut().head.take().unwrap_or_default()
 }
 
 impl Drop for FilterInstance {
@@ -392,14 +498,14 @@ fn checked_interest(filter: &str, mut interest: Interest) -> Result<Interest, Lo
 
 /// Turns a call error into a fault: memory cap, deadline, or a trap with the guest's
 /// last stderr output (a Rust panic message, say).
-fn classify(
-    store: &mut Store<StoreState>,
+pub(crate) fn classify<T: CallData>(
+    store: &mut Store<T>,
     error: wasmtime::Error,
     deadline: Duration,
 ) -> FaultKind {
     let data = store.data_mut();
-    if data.limiter.hit {
-        return FaultKind::MemoryCap(data.limiter.cap());
+    if data.limiter().hit {
+        return FaultKind::MemoryCap(data.limiter().cap());
     }
     if let Some(Trap::Interrupt) = error.downcast_ref::<Trap>() {
         return FaultKind::Deadline(deadline);
@@ -408,7 +514,7 @@ fn classify(
         Some(trap) => trap.to_string(),
         None => format!("{error:#}"),
     };
-    let stderr = data.stderr.take();
+    let stderr = data.stderr().take();
     if !stderr.is_empty() {
         let start = stderr
             .char_indices()

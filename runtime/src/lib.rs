@@ -29,6 +29,7 @@ pub mod input;
 mod instance;
 mod limits;
 mod local;
+pub mod proxywasm;
 mod runtime;
 mod stderr;
 mod worker;

@@ -103,6 +103,8 @@ pub struct RuntimeError(String);
 pub(crate) struct RuntimeInner {
     pub(crate) engine: Engine,
     pub(crate) linker: Linker<StoreState>,
+    /// The proxy-wasm ABI's functions, for plugins (core modules).
+    pub(crate) pw_linker: wasmtime::Linker<crate::proxywasm::state::PwState>,
     pub(crate) services: NodeServices,
     pub(crate) cache: CompileCache,
     pub(crate) config: RuntimeConfig,
@@ -147,6 +149,8 @@ impl Runtime {
             |state| state,
         )
         .map_err(|e| RuntimeError(format!("linking the filter world: {e:#}")))?;
+        let pw_linker = crate::proxywasm::linker(&engine)
+            .map_err(|e| RuntimeError(format!("linking the proxy-wasm ABI: {e:#}")))?;
         let services = NodeServices {
             clock: config.clock.clone(),
             state: SharedState::new(config.clock.clone(), config.state_limits),
@@ -160,6 +164,7 @@ impl Runtime {
             inner: Arc::new(RuntimeInner {
                 engine,
                 linker,
+                pw_linker,
                 services,
                 cache,
                 config,

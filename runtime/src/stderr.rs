@@ -20,7 +20,7 @@ pub(crate) struct StderrTail {
 }
 
 impl StderrTail {
-    fn push(&self, bytes: &[u8]) {
+    pub(crate) fn push(&self, bytes: &[u8]) {
         // The lock is per instance and only taken when the guest writes to stderr,
         // which well-behaved filters never do on the request path.
         let mut buf = self.buf.lock().unwrap_or_else(|p| p.into_inner());

@@ -156,3 +156,36 @@ fn an_endless_loop_is_stopped_within_twice_its_cpu_budget_even_under_burners() {
         );
     }
 }
+
+#[test]
+fn an_endless_loop_under_a_deadline_longer_than_the_tickers_idle_time_is_stopped() {
+    // The epoch ticker parks after 100 ticks (100 ms) without a new call; a single
+    // call running longer must keep it awake (it did not: a loop under a 200 ms budget
+    // ran for two minutes).
+    const LONG: Duration = Duration::from_millis(400);
+    let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
+    let rt = runtime();
+    let spin = settings(
+        "spinner",
+        json!({"request": [{"spin_if_header": "x-spin"}]}),
+    )
+    .deadline(LONG);
+    let mut runner = ChainRunner::new(chain(&rt, vec![spin]));
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+    // Let the ticker park first, as on an idle proxy.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut head = get("/");
+    head.set_header("x-spin", "1").unwrap();
+    let start = thread_cpu();
+    let outcome = runner.on_request(head);
+    let used = thread_cpu() - start;
+    match &outcome.decision {
+        Decision::Deny {
+            cause: DenyCause::Fault(f),
+            ..
+        } => assert_eq!(f.kind, FaultKind::Deadline(LONG)),
+        other => panic!("expected a deadline fault, got {other:?}"),
+    }
+    assert!(used >= LONG, "stopped before its budget: {used:?}");
+    assert!(used < 4 * LONG, "the loop used {used:?} of CPU");
+}

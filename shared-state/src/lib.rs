@@ -98,10 +98,17 @@ impl Slot {
 
 type Key = (u32, Box<str>);
 
+/// A byte value and its version (never 0).
+pub type Versioned = (Arc<[u8]>, u32);
+
 /// The node-wide store. Cheap to share: wrap it in an [`Arc`].
 #[derive(Debug)]
 pub struct SharedState {
     entries: DashMap<Key, Slot>,
+    /// Byte values with a version (proxy-wasm's shared data), beside the typed ones.
+    bytes: DashMap<Key, Versioned>,
+    /// The next version handed out; never 0 (0 means "no version" to proxy-wasm).
+    next_cas: AtomicU32,
     live: AtomicUsize,
     namespaces: DashMap<Box<str>, u32>,
     next_namespace: AtomicU32,
@@ -114,6 +121,8 @@ impl SharedState {
     pub fn new(clock: SharedClock, limits: StateLimits) -> Arc<Self> {
         Arc::new(Self {
             entries: DashMap::new(),
+            bytes: DashMap::new(),
+            next_cas: AtomicU32::new(1),
             live: AtomicUsize::new(0),
             namespaces: DashMap::new(),
             next_namespace: AtomicU32::new(0),
@@ -312,6 +321,41 @@ impl Namespace {
                 Ok((current, Err(current_value)))
             }
         })
+    }
+
+    /// The bytes at `key` and their version, if set (proxy-wasm's
+    /// `get_shared_data`). Byte values live beside the typed ones: the same key may
+    /// hold one of each.
+    pub fn get_bytes(&self, key: &str) -> Result<Option<Versioned>, StateError> {
+        let key = self.key(key)?;
+        Ok(self.state.bytes.get(&key).map(|e| e.value().clone()))
+    }
+
+    /// Sets the bytes at `key` if `cas` is 0 or the current version (a missing key
+    /// takes any `cas`); each write gets a new non-zero version. `Ok(false)` on a
+    /// version mismatch. Byte values do not expire.
+    pub fn set_bytes(&self, key: &str, value: &[u8], cas: u32) -> Result<bool, StateError> {
+        let key = self.key(key)?;
+        let state = &*self.state;
+        let version = || loop {
+            let v = state.next_cas.fetch_add(1, Ordering::Relaxed);
+            if v != 0 {
+                return v;
+            }
+        };
+        match state.bytes.entry(key) {
+            MapEntry::Occupied(mut occupied) => {
+                if cas != 0 && occupied.get().1 != cas {
+                    return Ok(false);
+                }
+                occupied.insert((Arc::from(value), version()));
+            }
+            MapEntry::Vacant(vacant) => {
+                state.reserve()?;
+                vacant.insert((Arc::from(value), version()));
+            }
+        }
+        Ok(true)
     }
 
     /// Removes `key`; returns whether a live entry was there.

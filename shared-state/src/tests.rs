@@ -213,3 +213,37 @@ proptest! {
         prop_assert!(admitted <= spec.capacity + (elapsed / 1000) * spec.refill_tokens);
     }
 }
+
+#[test]
+fn byte_values_compare_and_swap_by_version() {
+    let (_clock, state) = store(10);
+    let ns = state.namespace("pw");
+    assert_eq!(ns.get_bytes("k").unwrap(), None);
+    // A missing key takes any version; versions are never 0.
+    assert!(ns.set_bytes("k", b"one", 77).unwrap());
+    let (value, v1) = ns.get_bytes("k").unwrap().unwrap();
+    assert_eq!((&*value, v1 != 0), (&b"one"[..], true));
+    // The current version wins, a stale one is refused and changes nothing.
+    assert!(ns.set_bytes("k", b"two", v1).unwrap());
+    let (_, v2) = ns.get_bytes("k").unwrap().unwrap();
+    assert_ne!(v1, v2);
+    assert!(!ns.set_bytes("k", b"three", v1).unwrap());
+    assert_eq!(&*ns.get_bytes("k").unwrap().unwrap().0, b"two");
+    // 0 writes unconditionally.
+    assert!(ns.set_bytes("k", b"four", 0).unwrap());
+    assert_eq!(&*ns.get_bytes("k").unwrap().unwrap().0, b"four");
+    // Namespaces do not meet; keys are checked.
+    assert_eq!(state.namespace("other").get_bytes("k").unwrap(), None);
+    assert_eq!(ns.set_bytes("", b"x", 0), Err(StateError::InvalidKey));
+}
+
+#[test]
+fn byte_values_count_against_the_capacity() {
+    let (_clock, state) = store(2);
+    let ns = state.namespace("pw");
+    assert!(ns.set_bytes("a", b"1", 0).unwrap());
+    assert!(ns.set_bytes("b", b"2", 0).unwrap());
+    assert_eq!(ns.set_bytes("c", b"3", 0), Err(StateError::Full));
+    // Overwriting is not a new entry.
+    assert!(ns.set_bytes("a", b"11", 0).unwrap());
+}

@@ -67,13 +67,27 @@ fn main() {
         );
     }
     let target_dir = workspace.join("target").join("wasm-artifacts");
+    build(&workspace, &target_dir, "wasm32-wasip2", GUESTS);
+    // proxy-wasm plugins are core modules for WASI preview 1, as Envoy's are.
+    build(&workspace, &target_dir, "wasm32-wasip1", PROXY_WASM_GUESTS);
+}
+
+/// Core-module guests (`wasm32-wasip1`): proxy-wasm plugins.
+const PROXY_WASM_GUESTS: &[(&str, &str, &str)] = &[(
+    "dpumesh-proxy-wasm-test",
+    "dpumesh_proxy_wasm_test",
+    "PROXY_WASM_TEST_WASM",
+)];
+
+/// Builds `guests` for `target` in one cargo run and exports their paths.
+fn build(workspace: &Path, target_dir: &Path, target: &str, guests: &[(&str, &str, &str)]) {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut cmd = Command::new(cargo);
-    cmd.current_dir(&workspace)
-        .args(["build", "--release", "--target", "wasm32-wasip2"])
+    cmd.current_dir(workspace)
+        .args(["build", "--release", "--target", target])
         .arg("--target-dir")
-        .arg(&target_dir);
-    for (package, _, _) in GUESTS {
+        .arg(target_dir);
+    for (package, _, _) in guests {
         cmd.args(["-p", package]);
     }
     // Settings of the outer build must not leak into the guest build.
@@ -100,11 +114,11 @@ fn main() {
         .expect("run cargo to build the guest components");
     assert!(
         status.success(),
-        "building guest components failed; is the wasm32-wasip2 target installed? (rustup target add wasm32-wasip2)"
+        "building guests for {target} failed; is the target installed? (rustup target add {target})"
     );
-    for (_, stem, var) in GUESTS {
+    for (_, stem, var) in guests {
         let path = target_dir
-            .join("wasm32-wasip2")
+            .join(target)
             .join("release")
             .join(format!("{stem}.wasm"));
         assert!(exists(&path), "expected {}", path.display());

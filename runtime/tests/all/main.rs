@@ -4,5 +4,6 @@ mod chain;
 mod compat;
 mod errors;
 mod faults;
+mod proxy_wasm;
 mod support;
 mod workers;

@@ -40,3 +40,7 @@ pub const BUILTIN_FILTERS: &[(&str, &str)] = &[
 pub fn read(path: &str) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
 }
+
+/// The configurable proxy-wasm test plugin (`tests/programs/proxy-wasm-test`), a core
+/// module built with the proxy-wasm crate for `wasm32-wasip1`.
+pub const PROXY_WASM_TEST: &str = env!("PROXY_WASM_TEST_WASM");

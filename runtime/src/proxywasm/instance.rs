@@ -1,0 +1,317 @@
+//! One instance of a proxy-wasm plugin: its root context (created, `proxy_on_vm_start`
+//! and `proxy_on_configure` at instantiation), and an HTTP context per request
+//! (`proxy_on_context_create`, `proxy_on_request_headers`; then in the response phase
+//! `proxy_on_response_headers`, `proxy_on_log`, `proxy_on_done`, `proxy_on_delete`, in
+//! Envoy's order).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dpumesh_head::RequestHead;
+use wasmtime::{Store, TypedFunc};
+
+use super::abi::{Action, BufferType};
+use super::host::config_buffer;
+use super::plugin::Plugin;
+use super::state::{CallState, LocalResponse, PwState};
+use crate::bindings::{LocalReply, ResponseInfo, Verdict};
+use crate::error::{FaultKind, LoadError};
+use crate::instance::classify;
+
+/// The root context's id (Envoy: 1 in a single-plugin VM, so requests start at 2, as
+/// the SDK's examples log).
+const ROOT: u32 = 1;
+/// Most request contexts open at once in one instance: a request whose response phase
+/// never comes (the proxy dropped it) is finished when this many newer ones are open.
+const MAX_OPEN: usize = 4096;
+/// Where a request's context is noted for its response phase (per filter; the value
+/// names the instance, so a replaced instance does not finish another's contexts).
+const CONTEXT_METADATA: &str = "dpumesh.proxy-wasm.context.";
+
+/// Typed exports: the required ones, and the optional ones as `Option`.
+struct Calls {
+    context_create: TypedFunc<(i32, i32), ()>,
+    request_headers: TypedFunc<(i32, i32, i32), i32>,
+    response_headers: Option<TypedFunc<(i32, i32, i32), i32>>,
+    log: Option<TypedFunc<i32, ()>>,
+    done: Option<TypedFunc<i32, i32>>,
+    delete: Option<TypedFunc<i32, ()>>,
+}
+
+/// A configured instance.
+pub(crate) struct PwInstance {
+    pub(crate) store: Store<PwState>,
+    calls: Calls,
+    name: String,
+    nonce: u64,
+    next_context: u32,
+    open: VecDeque<u32>,
+}
+
+fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
+    store: &mut Store<PwState>,
+    instance: &wasmtime::Instance,
+    name: &'static str,
+    filter: &str,
+) -> Result<Option<TypedFunc<P, R>>, LoadError> {
+    match instance.get_func(&mut *store, name) {
+        None => Ok(None),
+        Some(f) => f
+            .typed(&*store)
+            .map(Some)
+            .map_err(|e| LoadError::ExportType {
+                filter: filter.to_owned(),
+                export: name,
+                detail: format!("{e:#}"),
+            }),
+    }
+}
+
+impl PwInstance {
+    /// Instantiates `plugin` into `store` and runs the root's start: `_initialize`,
+    /// the root context, `proxy_on_vm_start`, `proxy_on_configure`. A `false` from
+    /// either refuses the load with what the plugin logged.
+    pub(crate) fn new(
+        plugin: &Arc<Plugin>,
+        mut store: Store<PwState>,
+        deadline: Duration,
+    ) -> Result<Self, LoadError> {
+        let name = plugin.config.name.clone();
+        let fault = |store: &mut Store<PwState>, e| LoadError::ConfigureFault {
+            filter: name.clone(),
+            fault: classify(store, e, deadline),
+        };
+        let instance = plugin
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| LoadError::Instantiate {
+                filter: name.clone(),
+                detail: format!("{e:#}"),
+            })?;
+        for start in ["_initialize", "_start"] {
+            if let Some(f) = typed::<(), ()>(&mut store, &instance, start, &name)? {
+                f.call(&mut store, ()).map_err(|e| fault(&mut store, e))?;
+                break;
+            }
+        }
+        let missing = |export: &'static str| LoadError::MissingExport {
+            filter: name.clone(),
+            export,
+        };
+        let calls = Calls {
+            context_create: typed(&mut store, &instance, "proxy_on_context_create", &name)?
+                .ok_or_else(|| missing("proxy_on_context_create"))?,
+            request_headers: typed(&mut store, &instance, "proxy_on_request_headers", &name)?
+                .ok_or_else(|| missing("proxy_on_request_headers"))?,
+            response_headers: typed(&mut store, &instance, "proxy_on_response_headers", &name)?,
+            log: typed(&mut store, &instance, "proxy_on_log", &name)?,
+            done: typed(&mut store, &instance, "proxy_on_done", &name)?,
+            delete: typed(&mut store, &instance, "proxy_on_delete", &name)?,
+        };
+        let vm_start = typed::<(i32, i32), i32>(&mut store, &instance, "proxy_on_vm_start", &name)?;
+        let configure =
+            typed::<(i32, i32), i32>(&mut store, &instance, "proxy_on_configure", &name)?;
+        calls
+            .context_create
+            .call(&mut store, (ROOT as i32, 0))
+            .map_err(|e| fault(&mut store, e))?;
+        store.data_mut().contexts.insert(ROOT);
+        store.data_mut().effective = ROOT;
+        let config = plugin.config.clone();
+        for (call, kind, bytes, what) in [
+            (
+                vm_start,
+                BufferType::VmConfiguration,
+                &config.vm,
+                "proxy_on_vm_start",
+            ),
+            (
+                configure,
+                BufferType::PluginConfiguration,
+                &config.plugin,
+                "proxy_on_configure",
+            ),
+        ] {
+            let Some(call) = call else { continue };
+            store.data_mut().call.buffer = config_buffer(kind, bytes);
+            let result = call.call(&mut store, (ROOT as i32, bytes.len() as i32));
+            store.data_mut().call.buffer = None;
+            match result {
+                Ok(0) => {
+                    let said = store.data().stderr.take();
+                    return Err(LoadError::Configure {
+                        filter: name.clone(),
+                        message: if said.is_empty() {
+                            format!("{what} returned false")
+                        } else {
+                            format!("{what} returned false: {said}")
+                        },
+                    });
+                }
+                Ok(_) => {}
+                Err(e) => return Err(fault(&mut store, e)),
+            }
+        }
+        static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(Self {
+            store,
+            calls,
+            name,
+            nonce: NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            next_context: ROOT + 1,
+            open: VecDeque::new(),
+        })
+    }
+
+    fn metadata_key(&self) -> String {
+        format!("{CONTEXT_METADATA}{}", self.name)
+    }
+
+    /// The request phase: a new HTTP context and `proxy_on_request_headers` over the
+    /// lent head. A local response denies; `Pause` without one is a fault (parking a
+    /// request for a callout is not built); `proxy_close_stream` denies with 503.
+    pub(crate) fn on_request(
+        &mut self,
+        head: RequestHead,
+        deadline: Duration,
+    ) -> (RequestHead, Result<Verdict, FaultKind>) {
+        let context = self.next_context;
+        self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT + 1);
+        let eos = i32::from(!has_body(&head));
+        let headers = 4 + head.headers().len() as i32;
+        self.store.data_mut().call = CallState {
+            head: Some(head),
+            ..CallState::default()
+        };
+        let result = self.start_context(context).and_then(|()| {
+            self.calls
+                .request_headers
+                .call(&mut self.store, (context as i32, headers, eos))
+        });
+        let call = std::mem::take(&mut self.store.data_mut().call);
+        let mut head = call.head.unwrap_or_default();
+        let action = match result {
+            Ok(action) => Action::from_i32(action),
+            Err(e) => return (head, Err(classify(&mut self.store, e, deadline))),
+        };
+        head.set_metadata(&self.metadata_key(), &format!("{}:{context}", self.nonce));
+        if let Some(reply) = call.local_response {
+            return (head, local_reply(reply));
+        }
+        if call.closed {
+            return (
+                head,
+                Ok(Verdict::Deny(LocalReply {
+                    status: 503,
+                    headers: Vec::new(),
+                    body: "stream closed by a filter\n".to_owned(),
+                })),
+            );
+        }
+        match action {
+            Action::Continue => (head, Ok(Verdict::Continue)),
+            Action::Pause => (
+                head,
+                Err(FaultKind::BadReply(
+                    "the plugin paused the request (Action::Pause) without a local response; parking requests for callouts is not supported yet".to_owned(),
+                )),
+            ),
+        }
+    }
+
+    /// The response phase of the request whose context the head names:
+    /// `proxy_on_response_headers`, then the context is finished.
+    pub(crate) fn on_response(
+        &mut self,
+        head: RequestHead,
+        info: &ResponseInfo,
+        deadline: Duration,
+    ) -> (RequestHead, Result<(), FaultKind>) {
+        let context = head.metadata(&self.metadata_key()).and_then(|v| {
+            let (nonce, context) = v.split_once(':')?;
+            (nonce.parse::<u64>().ok()? == self.nonce).then(|| context.parse::<u32>().ok())?
+        });
+        let Some(context) = context.filter(|c| self.store.data().contexts.contains(c)) else {
+            return (head, Ok(()));
+        };
+        self.store.data_mut().call = CallState {
+            head: Some(head),
+            response: Some((info.status, Vec::new())),
+            ..CallState::default()
+        };
+        let mut result = Ok(());
+        if let Some(call) = &self.calls.response_headers {
+            // A response cannot be held: Pause here goes on, as a header-only proxy must.
+            result = call
+                .call(&mut self.store, (context as i32, 1, 1))
+                .map(|_| ());
+        }
+        let finished = self.finish(context);
+        let call = std::mem::take(&mut self.store.data_mut().call);
+        let head = call.head.unwrap_or_default();
+        let result = result.and(finished);
+        (
+            head,
+            result.map_err(|e| classify(&mut self.store, e, deadline)),
+        )
+    }
+
+    fn start_context(&mut self, context: u32) -> wasmtime::Result<()> {
+        if self.open.len() >= MAX_OPEN
+            && let Some(oldest) = self.open.pop_front()
+        {
+            self.finish(oldest)?;
+        }
+        self.calls
+            .context_create
+            .call(&mut self.store, (context as i32, ROOT as i32))?;
+        let data = self.store.data_mut();
+        data.contexts.insert(context);
+        data.effective = context;
+        self.open.push_back(context);
+        Ok(())
+    }
+
+    /// `proxy_on_log`, `proxy_on_done` (its answer ignored, as Envoy does for
+    /// streams), `proxy_on_delete`.
+    fn finish(&mut self, context: u32) -> wasmtime::Result<()> {
+        self.open.retain(|c| *c != context);
+        if !self.store.data_mut().contexts.remove(&context) {
+            return Ok(());
+        }
+        let id = context as i32;
+        if let Some(log) = &self.calls.log {
+            log.call(&mut self.store, id)?;
+        }
+        if let Some(done) = &self.calls.done {
+            done.call(&mut self.store, id)?;
+        }
+        if let Some(delete) = &self.calls.delete {
+            delete.call(&mut self.store, id)?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a request has a body to come (which the plugin never sees).
+fn has_body(head: &RequestHead) -> bool {
+    head.header("transfer-encoding").is_some()
+        || head
+            .header("content-length")
+            .is_some_and(|v| v.trim() != "0")
+}
+
+/// A plugin's local response as the chain's deny. The body and header values are
+/// bytes in the ABI and text here: bytes that are not UTF-8 are replaced.
+fn local_reply(reply: LocalResponse) -> Result<Verdict, FaultKind> {
+    Ok(Verdict::Deny(LocalReply {
+        status: reply.status,
+        headers: reply
+            .headers
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+            .collect(),
+        body: String::from_utf8_lossy(&reply.body).into_owned(),
+    }))
+}

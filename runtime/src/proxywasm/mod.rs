@@ -1,0 +1,82 @@
+//! proxy-wasm ABI 0.2.x: existing Envoy / Istio Wasm plugins (core modules exporting
+//! `proxy_abi_version_0_2_1` or `_0_2_0`) run as filters beside components, with the
+//! same cache, limits, failure policies, health and reloads.
+//!
+//! ```text
+//! Runtime::load_filter ── core module? ──▶ plugin::prepare (ABI marker, exports, imports)
+//!                                          ▼
+//! FilterInstance ──▶ PwInstance: root context, vm_start, configure (at instantiation)
+//!    on_request:  context_create(ctx, root), on_request_headers(ctx, n, eos)
+//!    on_response: on_response_headers, on_log, on_done, on_delete
+//! ```
+//!
+//! The proxy is header-only: body and trailer callbacks are never called. Not built
+//! yet: parking a paused request for `proxy_http_call` (a call fails with
+//! InternalFailure), response header edits, ticks and queue notifications.
+
+pub mod abi;
+pub(crate) mod host;
+pub(crate) mod instance;
+pub(crate) mod plugin;
+pub mod properties;
+pub(crate) mod state;
+
+pub use plugin::is_core_module;
+pub use state::PluginConfig;
+
+use std::sync::Arc;
+
+use crate::filter::LoadedFilter;
+use state::PwState;
+
+/// The `env` and WASI functions every plugin links against.
+pub(crate) fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<wasmtime::Linker<PwState>> {
+    let mut linker = wasmtime::Linker::new(engine);
+    host::define(&mut linker)?;
+    wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |state: &mut PwState| &mut state.wasi)?;
+    Ok(linker)
+}
+
+/// The store data of a new instance of `filter`.
+pub(crate) fn new_state(filter: &Arc<LoadedFilter>, plugin: &Arc<plugin::Plugin>) -> PwState {
+    let runtime = &filter.runtime.inner;
+    let settings = &filter.settings;
+    let stderr = crate::stderr::StderrTail::default();
+    // No files, no network, no environment or arguments: a plugin sees the head.
+    let wasi = wasmtime_wasi::WasiCtx::builder()
+        .stderr(stderr.clone())
+        .stdout(stderr.clone())
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false)
+        .build_p1();
+    let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
+    PwState {
+        limiter: crate::limits::MemoryLimiter::new(settings.memory_cap),
+        budget: crate::budget::CpuBudget::new(runtime.config.epoch_tick),
+        stderr,
+        wasi,
+        services: runtime.services.clone(),
+        shared: runtime.services.state.namespace(namespace),
+        config: plugin.config.clone(),
+        call: Default::default(),
+        metrics: Vec::new(),
+        metric_ids: Default::default(),
+        queues: Vec::new(),
+        tick_ms: 0,
+        contexts: Default::default(),
+        effective: 0,
+    }
+}
+
+impl crate::instance::CallData for PwState {
+    fn limiter(&mut self) -> &mut crate::limits::MemoryLimiter {
+        &mut self.limiter
+    }
+    fn budget(&mut self) -> &mut crate::budget::CpuBudget {
+        &mut self.budget
+    }
+    fn stderr(&self) -> &crate::stderr::StderrTail {
+        &self.stderr
+    }
+}

@@ -1,0 +1,198 @@
+use std::rc::Rc;
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType, LogLevel, MetricType};
+
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Config {
+    /// A request header to set on every request.
+    add_header: Option<(String, String)>,
+    /// Requests whose path starts with this get a local reply.
+    deny_prefix: Option<String>,
+    deny_status: u32,
+    /// Copies these properties (dotted paths) into `x-prop-<last segment>` headers.
+    properties: Vec<String>,
+    /// Counts requests in shared data under this key (compare-and-swap) and says the
+    /// count in `x-count`.
+    shared_counter: Option<String>,
+    /// A counter metric incremented per request.
+    metric: Option<String>,
+    /// Sets property `my.flag` to this for the filters after it.
+    set_property: Option<String>,
+    /// Paths that misbehave: panic, spin forever, pause, pass a bad pointer.
+    panic_prefix: Option<String>,
+    spin_prefix: Option<String>,
+    pause_prefix: Option<String>,
+    bad_pointer_prefix: Option<String>,
+    /// Refuse the configuration (`on_configure` returns false).
+    refuse: bool,
+}
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> {
+        Box::new(Root { config: Rc::new(Config::default()), metric: None })
+    });
+}}
+
+struct Root {
+    config: Rc<Config>,
+    metric: Option<u32>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_vm_start(&mut self, _size: usize) -> bool {
+        proxy_wasm::hostcalls::log(LogLevel::Info, "vm started").is_ok()
+    }
+
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let bytes = self.get_plugin_configuration().unwrap_or_default();
+        let config: Config = if bytes.is_empty() {
+            Config::default()
+        } else {
+            match serde_json::from_slice(&bytes) {
+                Ok(c) => c,
+                Err(e) => {
+                    proxy_wasm::hostcalls::log(LogLevel::Error, &format!("bad configuration: {e}"))
+                        .ok();
+                    return false;
+                }
+            }
+        };
+        if config.refuse {
+            proxy_wasm::hostcalls::log(LogLevel::Error, "configuration refused on purpose").ok();
+            return false;
+        }
+        if let Some(name) = &config.metric {
+            self.metric = proxy_wasm::hostcalls::define_metric(MetricType::Counter, name).ok();
+        }
+        self.config = Rc::new(config);
+        true
+    }
+
+    fn create_http_context(&self, id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Request {
+            id,
+            config: self.config.clone(),
+            metric: self.metric,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct Request {
+    id: u32,
+    config: Rc<Config>,
+    metric: Option<u32>,
+}
+
+impl Context for Request {}
+
+fn starts(path: &str, prefix: &Option<String>) -> bool {
+    prefix.as_deref().is_some_and(|p| path.starts_with(p))
+}
+
+/// A hand-made host call with a pointer far outside memory: what a hostile or broken
+/// module does, which the host must turn into a fault.
+#[allow(unsafe_code, clashing_extern_declarations)]
+fn bad_pointer() {
+    unsafe extern "C" {
+        fn proxy_log(level: u32, ptr: *const u8, len: usize) -> u32;
+    }
+    // SAFETY: none; the host checks the range and traps the call.
+    unsafe { proxy_log(2, 0x7fff_fff0 as *const u8, 4096) };
+}
+
+fn spin() -> ! {
+    let mut n: u64 = 0;
+    loop {
+        n = std::hint::black_box(n.wrapping_add(1));
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        let path = self.get_http_request_header(":path").unwrap_or_default();
+        let c = self.config.clone();
+        if starts(&path, &c.panic_prefix) {
+            panic!("asked to panic on {path}");
+        }
+        if starts(&path, &c.spin_prefix) {
+            spin();
+        }
+        if starts(&path, &c.bad_pointer_prefix) {
+            bad_pointer();
+        }
+        if starts(&path, &c.pause_prefix) {
+            return Action::Pause;
+        }
+        if let Some(id) = self.metric {
+            proxy_wasm::hostcalls::increment_metric(id, 1).ok();
+        }
+        if let Some((name, value)) = &c.add_header {
+            self.set_http_request_header(name, Some(value));
+        }
+        for path in &c.properties {
+            let segments: Vec<&str> = path.split('.').collect();
+            let value = self.get_property(segments.clone());
+            let shown = match value {
+                None => "-".to_owned(),
+                Some(bytes) if bytes.len() == 8 && path.ends_with("port") => {
+                    i64::from_le_bytes(bytes.try_into().unwrap()).to_string()
+                }
+                Some(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            };
+            let last = segments.last().copied().unwrap_or("none");
+            self.set_http_request_header(&format!("x-prop-{last}"), Some(&shown));
+        }
+        if let Some(key) = &c.shared_counter {
+            // Compare-and-swap until it sticks: concurrent workers race here.
+            let count = loop {
+                let (value, cas) = self.get_shared_data(key);
+                let n = value
+                    .and_then(|v| String::from_utf8(v).ok())
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .unwrap_or(0)
+                    + 1;
+                if self
+                    .set_shared_data(key, Some(n.to_string().as_bytes()), cas)
+                    .is_ok()
+                {
+                    break n;
+                }
+            };
+            self.set_http_request_header("x-count", Some(&count.to_string()));
+        }
+        if let Some(value) = &c.set_property {
+            self.set_property(vec!["my", "flag"], Some(value.as_bytes()));
+        }
+        if starts(&path, &c.deny_prefix) {
+            self.send_http_response(
+                c.deny_status,
+                vec![
+                    ("x-denied-by", "proxy-wasm"),
+                    ("x-context", &self.id.to_string()),
+                ],
+                Some(format!("denied {path}\n").as_bytes()),
+            );
+            return Action::Pause;
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        let status = self.get_http_response_header(":status").unwrap_or_default();
+        proxy_wasm::hostcalls::log(LogLevel::Info, &format!("#{} status {status}", self.id)).ok();
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        proxy_wasm::hostcalls::log(LogLevel::Info, &format!("#{} completed", self.id)).ok();
+    }
+}
