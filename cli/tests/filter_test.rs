@@ -320,3 +320,31 @@ fn a_wrong_api_key_implementation_fails_the_shared_suite_with_diffs() {
     );
     assert!(out.ends_with("3 passed, 5 failed\n"), "{out}");
 }
+
+#[test]
+fn a_proxy_wasm_plugin_passes_a_suite_through_the_cli_like_a_component() {
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        artifacts::PROXY_WASM_TEST,
+        "tests/programs/proxy-wasm-test/suite.yaml",
+    ]);
+    let out = stdout(&output);
+    assert!(
+        output.status.success(),
+        "{out}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        out.lines().last().unwrap().ends_with("3 passed, 0 failed"),
+        "{out}"
+    );
+    // And fails it when it does something else: the component-only test filter.
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        artifacts::TEST_FILTER,
+        "tests/programs/proxy-wasm-test/suite.yaml",
+    ]);
+    assert!(!output.status.success(), "{}", stdout(&output));
+}

@@ -129,6 +129,12 @@ pub struct FilterConfig {
     /// (Python, JavaScript), so the requests they do not concern are not held up.
     #[serde(default)]
     pub offload: bool,
+    /// For a proxy-wasm plugin (a core module): its VM configuration, read in
+    /// `proxy_on_vm_start` (a string is passed as is, anything else as JSON).
+    pub vm_config: Option<serde_json::Value>,
+    /// For a proxy-wasm plugin: its root id (`plugin_root_id`), which root context of
+    /// a multi-plugin module runs.
+    pub root_id: Option<String>,
 }
 
 /// A service: where routed requests go, and the chain they pass.

@@ -439,8 +439,22 @@ fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built,
     let mut loaded: Vec<(&String, Arc<LoadedFilter>)> = Vec::new();
     for (name, f) in &c.filters {
         let key = format!("filters.{name}");
+        let bytes = read(&f.component, &format!("{key}.component"))?;
+        // A proxy-wasm plugin's configuration is bytes, Envoy's StringValue: a string
+        // goes as is (a component gets JSON, quotes and all).
+        let plugin = dpumesh_runtime::proxywasm::is_core_module(&bytes);
+        let as_config = |value: &serde_json::Value| match value {
+            serde_json::Value::String(s) if plugin => s.clone(),
+            other => other.to_string(),
+        };
+        if !plugin && (f.vm_config.is_some() || f.root_id.is_some()) {
+            return Err(config.error(
+                &key,
+                "vm_config and root_id are for proxy-wasm plugins; this component is not one",
+            ));
+        }
         let filter_config = match (&f.config, &f.config_file) {
-            (Some(value), _) => value.to_string(),
+            (Some(value), _) => as_config(value),
             (None, Some(file)) => {
                 let text = String::from_utf8(read(file, &format!("{key}.config_file"))?)
                     .map_err(|_| config.error(format!("{key}.config_file"), "not UTF-8"))?;
@@ -470,7 +484,12 @@ fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built,
             settings = settings.namespace(ns.clone());
         }
         settings = settings.offload(f.offload);
-        let bytes = read(&f.component, &format!("{key}.component"))?;
+        if let Some(vm) = &f.vm_config {
+            settings.vm_config = as_config(vm);
+        }
+        if let Some(root_id) = &f.root_id {
+            settings.root_id = root_id.clone();
+        }
         let filter = runtime
             .load_filter(settings, &bytes)
             .map_err(|e| config.error(&key, e.to_string()))?;

@@ -259,6 +259,29 @@ impl ChainRunner {
         }
     }
 
+    /// Runs the proxy-wasm ticks that are due; returns when the next one is (`None`
+    /// when no instance of this chain asked for ticks). The owner calls it between
+    /// requests: a worker when its wait times out, a shard in its housekeeping.
+    pub fn tick(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        for index in 0..self.slots.len() {
+            let Some(instance) = self.slots[index].instance.as_mut() else {
+                continue;
+            };
+            let (due, result) = instance.tick(now);
+            if let Err(kind) = result {
+                // The instance is replaced; its successor's root starts its own ticks.
+                self.fault(index, Phase::Tick, kind);
+                continue;
+            }
+            next = match (next, due) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        next
+    }
+
     /// Runs the request phase.
     pub fn on_request(&mut self, mut head: RequestHead) -> ChainOutcome {
         let mut faults = Vec::new();

@@ -163,6 +163,8 @@ pub enum Phase {
     Request,
     /// `on-response`.
     Response,
+    /// A proxy-wasm plugin's `proxy_on_tick`.
+    Tick,
 }
 
 impl fmt::Display for Phase {
@@ -171,6 +173,7 @@ impl fmt::Display for Phase {
             Self::Configure => "configure",
             Self::Request => "on-request",
             Self::Response => "on-response",
+            Self::Tick => "proxy_on_tick",
         })
     }
 }

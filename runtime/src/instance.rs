@@ -337,6 +337,20 @@ impl FilterInstance {
         })
     }
 
+    /// Runs a proxy-wasm plugin's `proxy_on_tick` if due; returns when the next is
+    /// due (`None` for components and plugins without a tick period). A tick that
+    /// faults leaves the instance to be replaced, like a faulted request call.
+    pub(crate) fn tick(&mut self, now: Instant) -> (Option<Instant>, Result<(), FaultKind>) {
+        let deadline = self.filter.settings.deadline;
+        match &mut self.inner {
+            Inner::ProxyWasm(pw) if pw.ticks() => {
+                arm_store(&mut pw.store, deadline);
+                pw.tick(now, deadline)
+            }
+            _ => (None, Ok(())),
+        }
+    }
+
     /// The filter this is an instance of.
     pub fn filter(&self) -> &Arc<LoadedFilter> {
         &self.filter

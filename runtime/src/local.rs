@@ -129,6 +129,21 @@ impl LocalChains {
         result
     }
 
+    /// Runs the proxy-wasm ticks that are due on the current generation's instances
+    /// (instances of retired generations stop ticking); returns when the next is due.
+    pub fn tick(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        for runner in &mut self.current.runners {
+            let due = runner.tick(now);
+            runner.repair();
+            next = match (next, due) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        next
+    }
+
     /// Switches to `generation` now if it is newer (its instances are built here, not
     /// during the next request).
     pub fn switch(&mut self, generation: &Arc<Generation>) {

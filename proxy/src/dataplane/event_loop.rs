@@ -64,11 +64,18 @@ impl<F: Fabric> Reactor<F> {
             if !self.accepted.is_empty() {
                 self.accept();
             }
-            if last_tick.elapsed() >= self.tick_period() {
+            // proxy-wasm ticks run here, between requests: looked for at housekeeping
+            // (a plugin that asked for a period is found then), then run when due (the
+            // wait below is bounded by the next one). Nothing per pass otherwise.
+            let housekeeping = last_tick.elapsed() >= self.tick_period();
+            if housekeeping {
                 last_tick = Instant::now();
                 self.forget_departed_pods();
                 self.publish_occupancy();
                 self.follow_generation();
+            }
+            if housekeeping || self.plugin_tick.is_some_and(|due| Instant::now() >= due) {
+                self.plugin_tick = self.chains.tick(Instant::now());
             }
             // One wake-up per pod, one send per link, for everything this pass did.
             self.port.wake_pods();
@@ -129,6 +136,9 @@ impl<F: Fabric> Reactor<F> {
             .map(|t| t.saturating_duration_since(Instant::now()))
             .unwrap_or(Duration::MAX)
             .min(self.tick_period());
+        if let Some(due) = self.plugin_tick {
+            timeout = timeout.min(due.saturating_duration_since(Instant::now()));
+        }
         if self.port.holding() || !self.deferred.is_empty() {
             // Pods do not say when they make room in their rings: look again soon.
             timeout = timeout.min(Duration::from_micros(200));

@@ -193,6 +193,7 @@ impl Dataplane {
             peer_links: HashMap::new(),
             port,
             chains,
+            plugin_tick: None,
             generation,
             waits,
             dpu,
@@ -307,6 +308,8 @@ struct Reactor<F: Fabric> {
     port: DpuShard,
     /// The chains this reactor runs inline, per generation.
     chains: LocalChains,
+    /// When a proxy-wasm plugin's next tick is due (its housekeeping runs them).
+    plugin_tick: Option<Instant>,
     /// The generation it runs new requests on (readiness reads it).
     generation: Arc<AtomicU64>,
     /// Its one wait set: the shard's bell (pods, the accept loop, offloaded chains,

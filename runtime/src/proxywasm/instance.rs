@@ -37,6 +37,7 @@ struct Calls {
     log: Option<TypedFunc<i32, ()>>,
     done: Option<TypedFunc<i32, i32>>,
     delete: Option<TypedFunc<i32, ()>>,
+    tick: Option<TypedFunc<i32, ()>>,
 }
 
 /// A configured instance.
@@ -47,6 +48,8 @@ pub(crate) struct PwInstance {
     nonce: u64,
     next_context: u32,
     open: VecDeque<u32>,
+    /// When `proxy_on_tick` is next due (set once the plugin asks for a period).
+    next_tick: Option<std::time::Instant>,
 }
 
 fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
@@ -108,6 +111,7 @@ impl PwInstance {
             log: typed(&mut store, &instance, "proxy_on_log", &name)?,
             done: typed(&mut store, &instance, "proxy_on_done", &name)?,
             delete: typed(&mut store, &instance, "proxy_on_delete", &name)?,
+            tick: typed(&mut store, &instance, "proxy_on_tick", &name)?,
         };
         let vm_start = typed::<(i32, i32), i32>(&mut store, &instance, "proxy_on_vm_start", &name)?;
         let configure =
@@ -161,6 +165,7 @@ impl PwInstance {
             nonce: NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             next_context: ROOT + 1,
             open: VecDeque::new(),
+            next_tick: None,
         })
     }
 
@@ -255,6 +260,38 @@ impl PwInstance {
             head,
             result.map_err(|e| classify(&mut self.store, e, deadline)),
         )
+    }
+
+    /// Runs `proxy_on_tick` on the root if its period has come (the store armed by the
+    /// caller); returns when the next one is due (`None`: the plugin asked for none).
+    /// Ticks are driven by the thread that owns the instance, between requests.
+    pub(crate) fn tick(
+        &mut self,
+        now: std::time::Instant,
+        deadline: Duration,
+    ) -> (Option<std::time::Instant>, Result<(), FaultKind>) {
+        let period = self.store.data().tick_ms;
+        let Some(tick) = self.calls.tick.as_ref().filter(|_| period > 0) else {
+            self.next_tick = None;
+            return (None, Ok(()));
+        };
+        let period = Duration::from_millis(u64::from(period));
+        let due = *self.next_tick.get_or_insert(now + period);
+        if now < due {
+            return (Some(due), Ok(()));
+        }
+        let result = tick
+            .call(&mut self.store, ROOT as i32)
+            .map_err(|e| classify(&mut self.store, e, deadline));
+        // The plugin may have changed (or stopped) its period in the call.
+        let period = self.store.data().tick_ms;
+        self.next_tick = (period > 0).then(|| now + Duration::from_millis(u64::from(period)));
+        (self.next_tick, result)
+    }
+
+    /// Whether a tick may be due at all (cheap: no guest call).
+    pub(crate) fn ticks(&self) -> bool {
+        self.calls.tick.is_some() && self.store.data().tick_ms > 0
     }
 
     fn start_context(&mut self, context: u32) -> wasmtime::Result<()> {

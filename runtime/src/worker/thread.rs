@@ -40,8 +40,27 @@ impl Worker {
         if let Some(ready) = self.ready.take() {
             let _ = ready.send(());
         }
-        while let Ok(job) = self.jobs.recv() {
+        // proxy-wasm ticks: due ones run between jobs, and an idle worker waits no
+        // longer than the next one (no timer thread, no wake-up when nothing ticks).
+        let mut next_tick = self.chains.tick(std::time::Instant::now());
+        loop {
+            let job = match next_tick {
+                None => self.jobs.recv().map_err(|_| ()),
+                Some(due) => match self.jobs.recv_deadline(due) {
+                    Ok(job) => Ok(job),
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                        next_tick = self.chains.tick(std::time::Instant::now());
+                        continue;
+                    }
+                    Err(crossbeam_channel::RecvTimeoutError::Disconnected) => Err(()),
+                },
+            };
+            let Ok(job) = job else { break };
             self.job(job);
+            let now = std::time::Instant::now();
+            if next_tick.is_none_or(|due| now >= due) {
+                next_tick = self.chains.tick(now);
+            }
         }
     }
 

@@ -279,3 +279,67 @@ fn modules_that_are_not_proxy_wasm_0_2_are_refused_by_name() {
     let e = load(b"\0asm\x01\0\0\0\xff\xff".to_vec());
     assert!(e.contains("compile"), "{e}");
 }
+
+#[test]
+fn ticks_run_at_the_plugins_period_between_requests_on_the_owning_thread() {
+    let rt = runtime();
+    let filter = plugin(&rt, "pw-ticks", json!({"tick_ms": 20}));
+    let ticks = || {
+        rt.services()
+            .state
+            .namespace("pw-test")
+            .get_bytes("ticks")
+            .unwrap()
+            .map_or(0, |(v, _)| {
+                std::str::from_utf8(&v).unwrap().parse::<u64>().unwrap()
+            })
+    };
+    let mut runner = runner(vec![filter]);
+    let start = std::time::Instant::now();
+    let first = runner.tick(start).expect("the plugin asked for ticks");
+    // The first is due one period after the instance started ticking.
+    assert!(first > start && first <= start + Duration::from_millis(20));
+    assert_eq!(ticks(), 0);
+    // Driven as a worker drives them: wait until due, tick, repeat.
+    let mut due = first;
+    for _ in 0..5 {
+        std::thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
+        due = runner.tick(std::time::Instant::now()).unwrap();
+    }
+    assert_eq!(ticks(), 5);
+    // A tick not yet due runs nothing.
+    runner.tick(std::time::Instant::now());
+    assert_eq!(ticks(), 5);
+    // Requests are served between ticks.
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+}
+
+#[test]
+fn an_idle_pool_worker_runs_its_plugins_ticks() {
+    let rt = runtime();
+    let filter = plugin(&rt, "pw-ticks", json!({"tick_ms": 10}));
+    let chain = Arc::new(FilterChain::new("ticking", vec![filter]));
+    let generation = dpumesh_runtime::Generation::new(1, vec![chain]);
+    let pool = dpumesh_runtime::WorkerPool::start(generation, 1).expect("pool starts");
+    let ticks = || {
+        rt.services()
+            .state
+            .namespace("pw-test")
+            .get_bytes("ticks")
+            .unwrap()
+            .map_or(0, |(v, _)| {
+                std::str::from_utf8(&v).unwrap().parse::<u64>().unwrap()
+            })
+    };
+    // No request at all: the worker's wait is bounded by the next tick.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while ticks() < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {} ticks",
+            ticks()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(pool);
+}

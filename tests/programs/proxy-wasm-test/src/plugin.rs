@@ -27,6 +27,9 @@ struct Config {
     bad_pointer_prefix: Option<String>,
     /// Refuse the configuration (`on_configure` returns false).
     refuse: bool,
+    /// Asks for `proxy_on_tick` every this many ms; each tick counts in shared data
+    /// under `ticks`.
+    tick_ms: u32,
 }
 
 proxy_wasm::main! {{
@@ -69,8 +72,28 @@ impl RootContext for Root {
         if let Some(name) = &config.metric {
             self.metric = proxy_wasm::hostcalls::define_metric(MetricType::Counter, name).ok();
         }
+        if config.tick_ms > 0 {
+            self.set_tick_period(std::time::Duration::from_millis(u64::from(config.tick_ms)));
+        }
         self.config = Rc::new(config);
         true
+    }
+
+    fn on_tick(&mut self) {
+        loop {
+            let (value, cas) = self.get_shared_data("ticks");
+            let n = value
+                .and_then(|v| String::from_utf8(v).ok())
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0)
+                + 1;
+            if self
+                .set_shared_data("ticks", Some(n.to_string().as_bytes()), cas)
+                .is_ok()
+            {
+                break;
+            }
+        }
     }
 
     fn create_http_context(&self, id: u32) -> Option<Box<dyn HttpContext>> {
