@@ -199,6 +199,11 @@ fn filters(policy: &Policy) -> serde_json::Value {
                     };
                     serde_json::json!({
                         "name": f.name(),
+                        // `component`, or the proxy-wasm ABI a plugin declares.
+                        "kind": f.proxy_wasm_abi().map_or_else(
+                            || "component".to_owned(),
+                            |abi| format!("proxy-wasm {abi}")
+                        ),
                         "version": f.version_hash(),
                         "generation": generation,
                         "state": state,

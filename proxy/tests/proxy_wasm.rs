@@ -27,6 +27,7 @@ fn request(addr: SocketAddr, path: &str) -> String {
 fn write_config(dir: &std::path::Path, plugin: &str, extra: &str) {
     let text = format!(
         r#"listener: 127.0.0.1:0
+admin: 127.0.0.1:0
 workers: 1
 cache_dir: cache
 filters:
@@ -65,6 +66,21 @@ fn a_plugin_in_the_policy_file_runs_with_a_component_and_reloads() {
     let proxy = Proxy::start(&dir.path().join("proxy.yaml"), Options { watch: None })
         .expect("the proxy starts with a plugin in its chain");
     let addr = proxy.listener_addr().unwrap();
+    // The admin API says which filter is which kind.
+    let admin = proxy.admin_addr().unwrap();
+    let mut stream = TcpStream::connect(admin).unwrap();
+    write!(
+        stream,
+        "GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut filters = String::new();
+    stream.read_to_string(&mut filters).unwrap();
+    assert!(
+        filters.contains(r#""kind":"proxy-wasm 0.2.1""#),
+        "{filters}"
+    );
+    assert!(filters.contains(r#""kind":"component""#), "{filters}");
     let raw = request(addr, "/items");
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
     assert!(
