@@ -519,6 +519,19 @@ fn demo(path: &Path, config: &str, workers: usize, requests: usize) -> Result<()
                 reply.status,
                 reply.body.trim()
             ),
+            Decision::Pause { park, callouts } => {
+                let upstream = callouts.first().map_or("-", |c| c.upstream.as_str());
+                println!(
+                    "  {label:<40} -> paused for an HTTP call to {upstream} (the demo makes no calls)"
+                );
+                let info = dpumesh_runtime::ResponseInfo {
+                    status: 502,
+                    latency_ns: 0,
+                    upstream: None,
+                    failure: dpumesh_runtime::FailureKind::LocalReply,
+                };
+                pool.abandon_with(done.ticket.clone(), *park, info, |_| {})?;
+            }
         }
     }
 

@@ -150,6 +150,15 @@ pub struct ServiceConfig {
     pub retries: Option<RetryConfig>,
 }
 
+/// An upstream outside the mesh that filters' HTTP calls (proxy-wasm
+/// `dispatch_http_call`) may name; mesh services are named by their service name.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamConfig {
+    /// `host:port` (a name is resolved when a call connects), spoken to in HTTP/1.1.
+    pub address: String,
+}
+
 /// Retrying a request whose try failed: a try that timed out, could not be delivered
 /// (pod gone, ring full) or was answered with 502, 503 or 504. Only idempotent methods
 /// (GET, HEAD, OPTIONS, PUT, DELETE, TRACE) whose body is still at hand are retried,
@@ -214,6 +223,9 @@ pub struct ProxyConfig {
     /// Routes, in order.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// Upstreams outside the mesh that filters' HTTP calls may name.
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
 }
 
 /// A parsed and checked config, with the file it came from.
@@ -328,6 +340,26 @@ impl LoadedConfig {
                 return Err(self.error(format!("routes[{i}].path_prefix"), "must start with /"));
             }
         }
+        for (name, upstream) in &c.upstreams {
+            if c.services.contains_key(name) {
+                return Err(self.error(
+                    format!("upstreams.{name}"),
+                    "a service has this name: a call naming it would be ambiguous",
+                ));
+            }
+            let port = upstream
+                .address
+                .rsplit_once(':')
+                .filter(|(host, _)| !host.is_empty())
+                .and_then(|(_, port)| port.parse::<u16>().ok())
+                .filter(|port| *port > 0);
+            if port.is_none() {
+                return Err(self.error(
+                    format!("upstreams.{name}.address"),
+                    format!("{:?} is not host:port", upstream.address),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -356,6 +388,37 @@ impl LoadedConfig {
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    #[test]
+    fn upstreams_are_host_and_port_and_not_services() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |text: &str| {
+            let file = dir.path().join("p.yaml");
+            std::fs::write(&file, text).unwrap();
+            super::LoadedConfig::read(&file)
+        };
+        let base = "filters: {}\nchains: {api: []}\nservices: {items: {chain: api}}\n";
+        let ok = write(&format!(
+            "{base}upstreams: {{httpbin: {{address: \"httpbin.org:80\"}}}}\n"
+        ))
+        .unwrap();
+        assert_eq!(ok.config.upstreams["httpbin"].address, "httpbin.org:80");
+        let e = write(&format!(
+            "{base}upstreams: {{items: {{address: \"a:1\"}}}}\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("ambiguous"), "{e}");
+        let e = write(&format!(
+            "{base}upstreams: {{x: {{address: \"nohost\"}}}}\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("not host:port"), "{e}");
+        let e = write(&format!(
+            "{base}upstreams: {{x: {{address: \"a:1\", tls: true}}}}\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("tls"), "{e}");
+    }
 
     use super::*;
     use crate::error::locate;

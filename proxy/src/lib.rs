@@ -14,6 +14,7 @@
 #![deny(unsafe_code)]
 
 pub mod admin;
+mod callout;
 pub mod dataplane;
 pub mod listener;
 pub mod logging;

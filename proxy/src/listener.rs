@@ -162,6 +162,24 @@ async fn handle(
             };
             (response, info)
         }
+        Decision::Pause { park, callouts } => {
+            // This loopback listener is a test bench for policies: it makes no calls.
+            // The request is given up (its response phase runs) and answered 502.
+            let info = ResponseInfo {
+                status: 502,
+                latency_ns: started.elapsed().as_nanos() as u64,
+                upstream: None,
+                failure: FailureKind::LocalReply,
+            };
+            let _ = policy.pool().abandon_with(done.ticket, *park, info, |_| {});
+            let upstream = callouts.first().map_or("", |c| c.upstream.as_str());
+            return text(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "dpumesh: a filter paused the request for an HTTP call (upstream {upstream:?}); the loopback listener makes no calls: run the policy in a node\n"
+                ),
+            );
+        }
     };
     let mut response = response;
     if let Ok(v) = HeaderValue::from_str(&generation.to_string()) {

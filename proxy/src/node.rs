@@ -68,7 +68,7 @@ impl std::fmt::Debug for Node {
 }
 
 /// The data plane on fabric `fabric`, listening at `listen`.
-fn start_dataplane<F: Fabric>(
+fn start_dataplane<F: Fabric + Clone>(
     fabric: F,
     listen: SocketAddr,
     dpu: Arc<Dpu>,

@@ -207,6 +207,7 @@ impl Policy {
         runtime
             .keys()
             .replace_all(std::mem::take(&mut built.key_sets));
+        runtime.services().callouts.set(callout_targets(&config));
         let pool = WorkerPool::start(built.generation.clone(), workers)
             .map_err(|e| ReloadError::Start(format!("starting workers: {e}")))?;
         metrics::gauge!("dpumesh_generation").set(1.0);
@@ -313,6 +314,10 @@ impl Policy {
         self.runtime
             .keys()
             .replace_all(std::mem::take(&mut built.key_sets));
+        self.runtime
+            .services()
+            .callouts
+            .set(callout_targets(&config));
         self.pool
             .publish(built.generation.clone())
             .map_err(|e| ReloadError::Start(e.to_string()))?;
@@ -373,6 +378,17 @@ impl Policy {
             })?;
         Ok(())
     }
+}
+
+/// What filters' HTTP calls may name: the mesh's services and the configured
+/// upstreams.
+fn callout_targets(config: &LoadedConfig) -> std::collections::BTreeSet<String> {
+    let c = &config.config;
+    c.services
+        .keys()
+        .chain(c.upstreams.keys())
+        .cloned()
+        .collect()
 }
 
 /// The runtime's failure policy for the config's.

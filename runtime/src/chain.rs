@@ -83,6 +83,16 @@ pub enum DenyCause {
 pub enum Decision {
     /// Forward the request.
     Continue,
+    /// A filter paused the request for HTTP calls: the runner keeps it (head and
+    /// place in the chain) under `park`; the owner performs `callouts` and hands each
+    /// answer to [`ChainRunner::resume`], which goes on with the chain or pauses again.
+    /// The outcome's head is empty meanwhile.
+    Pause {
+        /// The parked request, within its runner.
+        park: u32,
+        /// The calls to make now (empty: it waits for calls made before).
+        callouts: Vec<crate::callout::Callout>,
+    },
     /// Answer with `reply`.
     Deny {
         /// The filter that denied.
@@ -98,7 +108,7 @@ impl Decision {
     /// The reply of a denial.
     pub fn reply(&self) -> Option<&LocalReply> {
         match self {
-            Self::Continue => None,
+            Self::Continue | Self::Pause { .. } => None,
             Self::Deny { reply, .. } => Some(reply),
         }
     }
@@ -120,6 +130,9 @@ pub struct ChainOutcome {
 struct Slot {
     filter: Arc<LoadedFilter>,
     instance: Option<FilterInstance>,
+    /// How many times the instance was discarded (a parked request resumes only on
+    /// the instance that paused it).
+    replaced: u64,
     invocations: metrics::Counter,
     skipped: metrics::Counter,
     duration: metrics::Histogram,
@@ -129,7 +142,27 @@ struct Slot {
 enum Step {
     Continue,
     Deny(LocalReply),
+    Pause(Vec<crate::callout::Callout>),
     Fault(FilterFault),
+}
+
+/// A request waiting in filter `index` for its HTTP calls.
+struct Parked {
+    head: RequestHead,
+    index: usize,
+    /// The instance it waits in (its slot's `replaced` count then).
+    instance: u64,
+    faults: Vec<FilterFault>,
+}
+
+/// Most requests one runner keeps parked; a pause past it is a fault of the filter
+/// (fail-open or fail-closed as configured) rather than unbounded memory.
+const MAX_PARKED: usize = 8192;
+
+/// After a filter answered: on to the next, or the chain's outcome.
+enum Next {
+    Go(RequestHead),
+    Stop(ChainOutcome),
 }
 
 /// Runs one chain on one worker: owns an instance of each filter, reused across
@@ -142,6 +175,9 @@ pub struct ChainRunner {
     epochs: Vec<Arc<Epoch>>,
     /// Whether a filter takes the batched call (the shared input is built then).
     batched: bool,
+    /// Requests paused by a filter, by park id.
+    parked: std::collections::HashMap<u32, Parked>,
+    last_park: u32,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -199,6 +235,7 @@ impl ChainRunner {
             .iter()
             .map(|filter| Slot {
                 instance: instantiate(filter),
+                replaced: 0,
                 invocations: metrics::counter!(
                     "dpumesh_filter_invocations_total",
                     "chain" => chain.name.clone(),
@@ -230,6 +267,8 @@ impl ChainRunner {
             slots,
             epochs,
             batched,
+            parked: std::collections::HashMap::new(),
+            last_park: 0,
         }
     }
 
@@ -283,9 +322,77 @@ impl ChainRunner {
     }
 
     /// Runs the request phase.
-    pub fn on_request(&mut self, mut head: RequestHead) -> ChainOutcome {
-        let mut faults = Vec::new();
+    pub fn on_request(&mut self, head: RequestHead) -> ChainOutcome {
         self.wake_epochs();
+        self.run(head, 0, Vec::new())
+    }
+
+    /// Requests parked in this runner.
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Hands parked request `park` the answer to its HTTP call `token`: the filter
+    /// that paused it decides (go on, answer, or wait more), and the chain goes on
+    /// from there. `None` when no such request is parked (it was abandoned).
+    pub fn resume(
+        &mut self,
+        park: u32,
+        token: u32,
+        reply: &crate::callout::CalloutReply,
+    ) -> Option<ChainOutcome> {
+        let parked = self.parked.remove(&park)?;
+        self.wake_epochs();
+        let Parked {
+            head,
+            index,
+            instance,
+            mut faults,
+        } = parked;
+        let slot = &mut self.slots[index];
+        let policy = slot.filter.settings.failure_policy;
+        let (head, step) = match slot.instance.as_mut() {
+            Some(live) if slot.replaced == instance => {
+                let (head, result) = live.on_callout(head, token, reply);
+                let step = self.sort(index, Phase::Request, result);
+                (head, step)
+            }
+            _ => {
+                // The instance faulted (for another request) while this one waited:
+                // its context, and what the plugin meant to do, are gone.
+                let fault = FilterFault {
+                    filter: slot.filter.name().to_owned(),
+                    phase: Phase::Request,
+                    kind: FaultKind::Unavailable(
+                        "the instance the request was paused in was replaced after a fault"
+                            .to_owned(),
+                    ),
+                };
+                (head, Step::Fault(fault))
+            }
+        };
+        match self.after(index, policy, step, head, &mut faults, Some(park)) {
+            Next::Go(head) => Some(self.run(head, index + 1, faults)),
+            Next::Stop(outcome) => Some(outcome),
+        }
+    }
+
+    /// Gives up on parked request `park` (its exchange timed out or its caller went
+    /// away): returns its head and how many filters ran, for the response phase
+    /// (which ends the paused filter's context too).
+    pub fn abandon(&mut self, park: u32) -> Option<(RequestHead, usize)> {
+        self.parked
+            .remove(&park)
+            .map(|parked| (parked.head, parked.index + 1))
+    }
+
+    /// Runs filters `from..` on `head`.
+    fn run(
+        &mut self,
+        mut head: RequestHead,
+        from: usize,
+        mut faults: Vec<FilterFault>,
+    ) -> ChainOutcome {
         let shared = match (self.batched, self.slots.first()) {
             (true, Some(slot)) => {
                 let clock = &slot.filter.runtime.inner.services.clock;
@@ -304,7 +411,7 @@ impl ChainRunner {
         // One clock read per filter: a filter's time runs from the end of the one
         // before it (the chain's own bookkeeping between two calls is included).
         let mut mark = Instant::now();
-        for index in 0..self.slots.len() {
+        for index in from..self.slots.len() {
             let policy = self.slots[index].filter.settings.failure_policy;
             let health = self.slots[index].filter.health.state();
             let step = if let HealthState::Degraded { retry_in_ms } = health {
@@ -324,36 +431,87 @@ impl ChainRunner {
                     (step, _) => step,
                 }
             };
-            let (reply, cause) = match step {
-                Step::Continue => continue,
-                Step::Deny(reply) => (reply, DenyCause::Policy),
-                Step::Fault(fault) => {
-                    faults.push(fault.clone());
-                    // An unsendable reply is a bug in the filter: always denied.
-                    let open = policy == FailurePolicy::FailOpen
-                        && !matches!(fault.kind, FaultKind::BadReply(_));
-                    if open {
-                        continue;
-                    }
-                    (fault_reply(&fault), DenyCause::Fault(fault))
-                }
-            };
-            return ChainOutcome {
-                head,
-                decision: Decision::Deny {
-                    filter: self.slots[index].filter.tag.name.clone(),
-                    reply,
-                    cause,
-                },
-                ran: index + 1,
-                faults,
-            };
+            match self.after(index, policy, step, head, &mut faults, None) {
+                Next::Go(returned) => head = returned,
+                Next::Stop(outcome) => return outcome,
+            }
         }
         ChainOutcome {
             head,
             decision: Decision::Continue,
             ran: self.slots.len(),
             faults,
+        }
+    }
+
+    /// What follows filter `index`'s answer: the next filter, a denial, or a parked
+    /// request (under `park` when it was parked before, a new id otherwise).
+    fn after(
+        &mut self,
+        index: usize,
+        policy: FailurePolicy,
+        step: Step,
+        head: RequestHead,
+        faults: &mut Vec<FilterFault>,
+        park: Option<u32>,
+    ) -> Next {
+        let (reply, cause) = match step {
+            Step::Continue => return Next::Go(head),
+            Step::Pause(callouts) => {
+                if park.is_none() && self.parked.len() >= MAX_PARKED {
+                    let kind = FaultKind::Unavailable(format!(
+                        "{MAX_PARKED} requests are paused in this worker already"
+                    ));
+                    let fault = self.fault(index, Phase::Request, kind);
+                    return self.after(index, policy, Step::Fault(fault), head, faults, None);
+                }
+                let park = park.unwrap_or_else(|| self.next_park());
+                self.parked.insert(
+                    park,
+                    Parked {
+                        head,
+                        index,
+                        instance: self.slots[index].replaced,
+                        faults: faults.clone(),
+                    },
+                );
+                return Next::Stop(ChainOutcome {
+                    head: RequestHead::default(),
+                    decision: Decision::Pause { park, callouts },
+                    ran: index + 1,
+                    faults: std::mem::take(faults),
+                });
+            }
+            Step::Deny(reply) => (reply, DenyCause::Policy),
+            Step::Fault(fault) => {
+                faults.push(fault.clone());
+                // An unsendable reply is a bug in the filter: always denied.
+                let open = policy == FailurePolicy::FailOpen
+                    && !matches!(fault.kind, FaultKind::BadReply(_));
+                if open {
+                    return Next::Go(head);
+                }
+                (fault_reply(&fault), DenyCause::Fault(fault))
+            }
+        };
+        Next::Stop(ChainOutcome {
+            head,
+            decision: Decision::Deny {
+                filter: self.slots[index].filter.tag.name.clone(),
+                reply,
+                cause,
+            },
+            ran: index + 1,
+            faults: std::mem::take(faults),
+        })
+    }
+
+    fn next_park(&mut self) -> u32 {
+        loop {
+            self.last_park = self.last_park.wrapping_add(1);
+            if !self.parked.contains_key(&self.last_park) {
+                return self.last_park;
+            }
         }
     }
 
@@ -366,23 +524,35 @@ impl ChainRunner {
         head: RequestHead,
     ) -> (RequestHead, Step) {
         let (head, result) = self.call(index, line, mark, head);
-        let step = match result {
-            Ok(bindings::Verdict::Continue) => {
+        (head, self.sort(index, Phase::Request, result))
+    }
+
+    /// A filter's answer as a step: replies checked, faults recorded.
+    fn sort(
+        &mut self,
+        index: usize,
+        phase: Phase,
+        result: Result<crate::instance::Answer, FaultKind>,
+    ) -> Step {
+        use crate::instance::Answer;
+        match result {
+            Ok(Answer::Continue) => {
                 self.slots[index].filter.health.record_success();
                 Step::Continue
             }
-            Ok(bindings::Verdict::Deny(reply)) => match checked_reply(reply) {
+            Ok(Answer::Pause(callouts)) => {
+                self.slots[index].filter.health.record_success();
+                Step::Pause(callouts)
+            }
+            Ok(Answer::Deny(reply)) => match checked_reply(reply) {
                 Ok(reply) => {
                     self.slots[index].filter.health.record_success();
                     Step::Deny(reply)
                 }
-                Err(detail) => {
-                    Step::Fault(self.fault(index, Phase::Request, FaultKind::BadReply(detail)))
-                }
+                Err(detail) => Step::Fault(self.fault(index, phase, FaultKind::BadReply(detail))),
             },
-            Err(kind) => Step::Fault(self.fault(index, Phase::Request, kind)),
-        };
-        (head, step)
+            Err(kind) => Step::Fault(self.fault(index, phase, kind)),
+        }
     }
 
     /// The fault of a filter skipped because it is degraded: counted, not logged per
@@ -434,7 +604,7 @@ impl ChainRunner {
         line: &CallInput,
         mark: &mut Instant,
         head: RequestHead,
-    ) -> (RequestHead, Result<bindings::Verdict, FaultKind>) {
+    ) -> (RequestHead, Result<crate::instance::Answer, FaultKind>) {
         let slot = &mut self.slots[index];
         slot.invocations.increment(1);
         if slot.instance.is_none() {
@@ -458,6 +628,7 @@ impl ChainRunner {
     fn fault(&mut self, index: usize, phase: Phase, kind: FaultKind) -> FilterFault {
         let slot = &mut self.slots[index];
         slot.instance = None;
+        slot.replaced += 1;
         if let Some(backoff_ms) = slot.filter.health.record_fault() {
             tracing::warn!(
                 chain = %self.chain.name,

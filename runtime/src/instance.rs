@@ -64,6 +64,27 @@ struct Batched {
 /// Most stderr quoted in a fault report.
 const STDERR_QUOTE: usize = 400;
 
+/// A filter's answer to a request callback.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// Go on to the next filter.
+    Continue,
+    /// Answer with this reply.
+    Deny(crate::bindings::LocalReply),
+    /// The request waits (a proxy-wasm plugin paused it) for these HTTP calls, or for
+    /// those made before.
+    Pause(Vec<crate::callout::Callout>),
+}
+
+impl From<Verdict> for Answer {
+    fn from(verdict: Verdict) -> Self {
+        match verdict {
+            Verdict::Continue => Self::Continue,
+            Verdict::Deny(reply) => Self::Deny(reply),
+        }
+    }
+}
+
 /// A configured instance of a [`LoadedFilter`].
 pub struct FilterInstance {
     filter: Arc<LoadedFilter>,
@@ -368,7 +389,7 @@ impl FilterInstance {
         &mut self,
         call: &CallInput,
         head: RequestHead,
-    ) -> (RequestHead, Result<Verdict, FaultKind>) {
+    ) -> (RequestHead, Result<Answer, FaultKind>) {
         // The epoch ticker was woken by the caller, once per chain run
         // ([`crate::chain::ChainRunner`]), not per filter.
         let deadline = self.filter.settings.deadline;
@@ -421,7 +442,30 @@ impl FilterInstance {
                     .map_err(|e| classify(&mut this.store, e, deadline))
             }
         };
-        (take_head(&mut this.store), result)
+        (take_head(&mut this.store), result.map(Answer::from))
+    }
+
+    /// Hands a paused request the answer to one of its HTTP calls (only a proxy-wasm
+    /// plugin pauses; a component never has calls under way).
+    pub(crate) fn on_callout(
+        &mut self,
+        head: RequestHead,
+        token: u32,
+        reply: &crate::callout::CalloutReply,
+    ) -> (RequestHead, Result<Answer, FaultKind>) {
+        let deadline = self.filter.settings.deadline;
+        match &mut self.inner {
+            Inner::ProxyWasm(pw) => {
+                arm_store(&mut pw.store, deadline);
+                pw.on_callout(head, token, reply, deadline)
+            }
+            Inner::Component(_) => (
+                head,
+                Err(FaultKind::Unavailable(
+                    "a component has no HTTP calls under way".to_owned(),
+                )),
+            ),
+        }
     }
 
     /// Runs `on-response` (a no-op for filters without a response phase).

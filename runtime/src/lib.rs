@@ -19,6 +19,7 @@
 mod bindings;
 mod budget;
 mod cache;
+pub mod callout;
 mod chain;
 mod epoch;
 mod error;
@@ -35,6 +36,7 @@ mod stderr;
 mod worker;
 
 pub use bindings::{FailureKind, ResponseInfo};
+pub use callout::{Callout, CalloutReply, CalloutTargets};
 pub use chain::{ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, LocalReply};
 pub use dpumesh_head::{HeaderError, Peer, RequestHead};
 pub use error::{FaultKind, FilterFault, LoadError, Phase};

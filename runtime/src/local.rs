@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use dpumesh_head::RequestHead;
 
 use crate::bindings::ResponseInfo;
+use crate::callout::CalloutReply;
 use crate::chain::ChainRunner;
 use crate::worker::{Generation, RequestDone, ResponseDone, Ticket};
 
@@ -127,6 +128,49 @@ impl LocalChains {
         runner.repair();
         self.sweep();
         result
+    }
+
+    /// Hands a request parked in the chain `ticket` names (its request phase paused
+    /// under `park`) the answer to its HTTP call `token`; the chain goes on from the
+    /// filter that paused it. `None` when the request is not parked here (abandoned,
+    /// or its instances were rebuilt after a panic).
+    pub fn resume(
+        &mut self,
+        ticket: &Ticket,
+        park: u32,
+        token: u32,
+        reply: &CalloutReply,
+    ) -> Option<RequestDone> {
+        let worker = self.id;
+        let runners = self.runners(&ticket.generation);
+        let runner = &mut runners.runners[ticket.chain];
+        let outcome = runner.resume(park, token, reply)?;
+        runner.repair();
+        Some(RequestDone {
+            ticket: Ticket {
+                worker,
+                generation: ticket.generation.clone(),
+                chain: ticket.chain,
+                ran: outcome.ran,
+            },
+            outcome,
+        })
+    }
+
+    /// Gives up on a parked request (its exchange timed out, its caller left) and runs
+    /// its response phase with `info` (which ends the paused filter's context too).
+    /// `None` when it is not parked here.
+    pub fn abandon(
+        &mut self,
+        ticket: &Ticket,
+        park: u32,
+        info: &ResponseInfo,
+    ) -> Option<ResponseDone> {
+        let runners = self.runners(&ticket.generation);
+        let (head, ran) = runners.runners[ticket.chain].abandon(park)?;
+        let mut ticket = ticket.clone();
+        ticket.ran = ran;
+        Some(self.on_response(&ticket, head, info))
     }
 
     /// Runs the proxy-wasm ticks that are due on the current generation's instances

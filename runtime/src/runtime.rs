@@ -155,6 +155,7 @@ impl Runtime {
             clock: config.clock.clone(),
             state: SharedState::new(config.clock.clone(), config.state_limits),
             keys: KeyStore::new(),
+            callouts: Arc::default(),
         };
         let cache = CompileCache::new(&engine, config.cache_dir.clone());
         let (epoch, ticker) =

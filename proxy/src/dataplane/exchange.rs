@@ -54,6 +54,8 @@ pub(super) struct Exchange {
     pub service: String,
     /// Where its response phase runs.
     pub ticket: Option<Ticket>,
+    /// Parked in its chain runner (under this id) while a filter's HTTP calls run.
+    pub park: Option<u32>,
     pub started: Instant,
     pub deadline: Instant,
     pub stage: Stage,
@@ -232,6 +234,7 @@ impl ExchangeTable {
                 head: None,
                 service: o.service,
                 ticket: None,
+                park: None,
                 started: now,
                 deadline,
                 stage: Stage::Filtering,

@@ -205,14 +205,25 @@ impl<F: Fabric> Reactor<F> {
                     self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
                     let exchange = self.table.get(xid).expect("due");
                     let waited = now.saturating_duration_since(exchange.started);
-                    let e = ProxyError::new(
-                        ErrorKind::Timeout,
-                        format!(
-                            "service {:?} did not answer within {} ms",
-                            exchange.service,
-                            waited.as_millis()
-                        ),
-                    );
+                    let e = if exchange.park.is_some() {
+                        ProxyError::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "the request to service {:?} waited {} ms in a filter for its HTTP calls, past its timeout",
+                                exchange.service,
+                                waited.as_millis()
+                            ),
+                        )
+                    } else {
+                        ProxyError::new(
+                            ErrorKind::Timeout,
+                            format!(
+                                "service {:?} did not answer within {} ms",
+                                exchange.service,
+                                waited.as_millis()
+                            ),
+                        )
+                    };
                     self.fail(xid, e);
                 }
             }

@@ -58,6 +58,12 @@ impl<F: Fabric> Reactor<F> {
             n += 1;
             match item {
                 Inbox::Decided { xid, done } => self.decided(xid, done),
+                Inbox::Callout {
+                    xid,
+                    park,
+                    token,
+                    reply,
+                } => self.callout_done(xid, park, token, *reply),
                 #[cfg(feature = "fault-injection")]
                 Inbox::Panic => panic!("injected data plane panic"),
             }
@@ -269,12 +275,19 @@ impl<F: Fabric> Reactor<F> {
                 upstream: None,
                 failure: FailureKind::Timeout,
             };
+            if let Decision::Pause { park, .. } = done.outcome.decision {
+                // Paused again (or first) after its exchange ended: given up there.
+                self.abandon_parked(done.ticket, park, info);
+                return;
+            }
             self.run_response_phase(done.ticket, done.outcome.head, info);
             return;
         };
         exchange.ticket = Some(done.ticket);
+        exchange.park = None;
         let outcome = done.outcome;
         match outcome.decision {
+            Decision::Pause { park, callouts } => self.park(xid, park, callouts),
             Decision::Deny { filter, reply, .. } => {
                 metrics::counter!(
                     "dpumesh_denials_total",

@@ -46,14 +46,16 @@ use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
 use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_head::{DEPENDENCY_FAILED_HEADER, DEPENDENCY_FAILED_METADATA};
 use dpumesh_runtime::{
-    Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead, ResponseInfo,
-    Ticket,
+    CalloutReply, Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead,
+    ResponseInfo, Ticket,
 };
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use http::{HeaderMap, HeaderName, HeaderValue};
 
+use crate::callout::{Callouts, Target};
 use crate::policy::Policy;
 
+mod callouts;
 mod dispatch;
 mod event_loop;
 mod exchange;
@@ -126,7 +128,7 @@ impl Dataplane {
     /// reactor runs every request's chain inline, polls as `polling` says after its
     /// last work, then sleeps on one epoll set (the shard's bell and its completion
     /// queue).
-    pub fn start<F: Fabric>(
+    pub fn start<F: Fabric + Clone>(
         fabric: F,
         listen: SocketAddr,
         dpu: Arc<Dpu>,
@@ -134,6 +136,7 @@ impl Dataplane {
         topology: Topology,
         polling: Polling,
     ) -> anyhow::Result<Self> {
+        let fabric_for_callouts = fabric.clone();
         let pd = fabric.alloc_pd()?;
         // Every link's receives and sends complete here.
         let cq = fabric.create_cq(1 << 16)?;
@@ -207,6 +210,12 @@ impl Dataplane {
             node_turns: HashMap::new(),
             inbox,
             inbox_tx,
+            callouts: None,
+            start_callouts: {
+                let fabric = fabric_for_callouts;
+                Box::new(move || Callouts::start(fabric.clone()))
+            },
+            self_addr: reachable(addr),
             bell: bell.clone(),
             stats: stats.clone(),
             stop: stop.clone(),
@@ -276,9 +285,31 @@ enum Inbox {
         xid: u32,
         done: Result<Box<RequestDone>, PoolError>,
     },
+    /// A filter's HTTP call came back for the request parked under `park`.
+    Callout {
+        xid: u32,
+        park: u32,
+        token: u32,
+        reply: Box<CalloutReply>,
+    },
     /// Panic (tests of supervision).
     #[cfg(feature = "fault-injection")]
     Panic,
+}
+
+/// An address this node reaches itself at, for a listener bound to `addr` (the
+/// unspecified address is reached on loopback).
+fn reachable(addr: SocketAddr) -> SocketAddr {
+    if addr.ip().is_unspecified() {
+        let ip: std::net::IpAddr = if addr.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        };
+        SocketAddr::new(ip, addr.port())
+    } else {
+        addr
+    }
 }
 
 struct LinkState<F: Fabric> {
@@ -328,6 +359,11 @@ struct Reactor<F: Fabric> {
     node_turns: HashMap<String, usize>,
     inbox: Receiver<Inbox>,
     inbox_tx: Sender<Inbox>,
+    /// The thread making filters' HTTP calls (started by the first call).
+    callouts: Option<Callouts>,
+    start_callouts: Box<dyn Fn() -> std::io::Result<Callouts> + Send>,
+    /// Where this node's own proxy is reached (mesh calls to services it runs).
+    self_addr: SocketAddr,
     bell: Bell,
     stats: Arc<DataplaneStats>,
     stop: Arc<AtomicBool>,

@@ -163,14 +163,22 @@ impl<F: Fabric> Reactor<F> {
         .increment(1);
         metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => exchange.service.clone())
             .record(latency.as_secs_f64());
-        let (Some(ticket), Some(head)) = (exchange.ticket.take(), exchange.head.take()) else {
-            return;
-        };
         let info = ResponseInfo {
             status,
             latency_ns: latency.as_nanos() as u64,
             upstream,
             failure,
+        };
+        if let Some(park) = exchange.park.take()
+            && let Some(ticket) = exchange.ticket.take()
+        {
+            // Answered while a filter waited for its HTTP calls (timed out, its link
+            // lost): the parked request is given up where it waits.
+            self.abandon_parked(ticket, park, info);
+            return;
+        }
+        let (Some(ticket), Some(head)) = (exchange.ticket.take(), exchange.head.take()) else {
+            return;
         };
         self.run_response_phase(ticket, head, info);
     }

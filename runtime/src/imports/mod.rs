@@ -37,6 +37,8 @@ pub struct NodeServices {
     pub state: Arc<SharedState>,
     /// Key sets for signature verification.
     pub keys: Arc<KeyStore>,
+    /// The upstream names a filter's HTTP calls may use.
+    pub callouts: Arc<crate::callout::CalloutTargets>,
 }
 
 /// Per-instance identity used to tag logs and metrics.

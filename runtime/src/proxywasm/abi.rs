@@ -15,6 +15,7 @@ pub enum Status {
     Empty = 7,
     CasMismatch = 8,
     InternalFailure = 10,
+    Unimplemented = 12,
 }
 
 impl Status {

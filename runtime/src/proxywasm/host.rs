@@ -56,6 +56,7 @@ fn pairs(call: &CallState, map: MapType) -> Vec<(String, Vec<u8>)> {
                 all
             })
             .unwrap_or_default(),
+        MapType::HttpCallResponseHeaders => call.call_response.clone().unwrap_or_default(),
         _ => Vec::new(),
     }
 }
@@ -110,7 +111,7 @@ pub(crate) fn define(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
     stream(linker)?;
     properties_and_shared(linker)?;
     metrics(linker)?;
-    callouts(linker)?;
+    super::calls::define(linker)?;
     Ok(())
 }
 
@@ -381,8 +382,12 @@ fn stream(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
     linker.func_wrap(
         "env",
         "proxy_continue_stream",
-        |_caller: Caller<'_, PwState>, _stream: i32| -> Ret {
-            // Nothing is ever paused yet: a Pause is refused when it is returned.
+        |mut caller: Caller<'_, PwState>, stream: i32| -> Ret {
+            // 0: the request (resumes it if paused); a response is never held, so
+            // continuing it changes nothing.
+            if stream == 0 {
+                caller.data_mut().call.resumed = true;
+            }
             ok()
         },
     )?;
@@ -690,93 +695,6 @@ fn metrics(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
             };
             state::write_u64(&mut caller, ret, value)?;
             ok()
-        },
-    )?;
-    Ok(())
-}
-
-fn callouts(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
-    // HTTP and gRPC callouts need a paused request, which this proxy does not park
-    // yet: they fail with InternalFailure (which the SDK hands the plugin as an
-    // error), never silently.
-    linker.func_wrap(
-        "env",
-        "proxy_http_call",
-        |_c: Caller<'_, PwState>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32|
-         -> Ret {
-            tracing::warn!(target: "dpumesh::filter", "proxy_http_call is not supported yet");
-            Ok(Status::InternalFailure.code())
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_call",
-        |_c: Caller<'_, PwState>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32|
-         -> Ret { Ok(Status::InternalFailure.code()) },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_stream",
-        |_c: Caller<'_, PwState>,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32,
-         _: i32|
-         -> Ret { Ok(Status::InternalFailure.code()) },
-    )?;
-    for name in ["proxy_grpc_cancel", "proxy_grpc_close"] {
-        linker.func_wrap("env", name, |_c: Caller<'_, PwState>, _token: i32| -> Ret {
-            Ok(Status::NotFound.code())
-        })?;
-    }
-    linker.func_wrap(
-        "env",
-        "proxy_grpc_send",
-        |_c: Caller<'_, PwState>, _: i32, _: i32, _: i32, _: i32| -> Ret {
-            Ok(Status::NotFound.code())
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_get_status",
-        |mut caller: Caller<'_, PwState>, ret_code: i32, ret_ptr: i32, ret_len: i32| -> Ret {
-            state::write_u32(&mut caller, ret_code, 0)?;
-            state::give(&mut caller, &[], ret_ptr, ret_len)?;
-            ok()
-        },
-    )?;
-    linker.func_wrap(
-        "env",
-        "proxy_call_foreign_function",
-        |_c: Caller<'_, PwState>, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32| -> Ret {
-            Ok(Status::NotFound.code())
         },
     )?;
     Ok(())

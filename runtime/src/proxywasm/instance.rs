@@ -15,9 +15,10 @@ use super::abi::{Action, BufferType};
 use super::host::config_buffer;
 use super::plugin::Plugin;
 use super::state::{CallState, LocalResponse, PwState};
-use crate::bindings::{LocalReply, ResponseInfo, Verdict};
+use crate::bindings::{LocalReply, ResponseInfo};
+use crate::callout::CalloutReply;
 use crate::error::{FaultKind, LoadError};
-use crate::instance::classify;
+use crate::instance::{Answer, classify};
 
 /// The root context's id (Envoy: 1 in a single-plugin VM, so requests start at 2, as
 /// the SDK's examples log).
@@ -38,6 +39,7 @@ struct Calls {
     done: Option<TypedFunc<i32, i32>>,
     delete: Option<TypedFunc<i32, ()>>,
     tick: Option<TypedFunc<i32, ()>>,
+    call_response: Option<TypedFunc<(i32, i32, i32, i32, i32), ()>>,
 }
 
 /// A configured instance.
@@ -112,6 +114,7 @@ impl PwInstance {
             done: typed(&mut store, &instance, "proxy_on_done", &name)?,
             delete: typed(&mut store, &instance, "proxy_on_delete", &name)?,
             tick: typed(&mut store, &instance, "proxy_on_tick", &name)?,
+            call_response: typed(&mut store, &instance, "proxy_on_http_call_response", &name)?,
         };
         let vm_start = typed::<(i32, i32), i32>(&mut store, &instance, "proxy_on_vm_start", &name)?;
         let configure =
@@ -174,13 +177,14 @@ impl PwInstance {
     }
 
     /// The request phase: a new HTTP context and `proxy_on_request_headers` over the
-    /// lent head. A local response denies; `Pause` without one is a fault (parking a
-    /// request for a callout is not built); `proxy_close_stream` denies with 503.
+    /// lent head. A local response denies; `proxy_close_stream` denies with 503;
+    /// `Pause` parks the request (with the HTTP calls it made) until
+    /// [`Self::on_callout`] resumes or ends it.
     pub(crate) fn on_request(
         &mut self,
         head: RequestHead,
         deadline: Duration,
-    ) -> (RequestHead, Result<Verdict, FaultKind>) {
+    ) -> (RequestHead, Result<Answer, FaultKind>) {
         let context = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT + 1);
         let eos = i32::from(!has_body(&head));
@@ -194,34 +198,115 @@ impl PwInstance {
                 .request_headers
                 .call(&mut self.store, (context as i32, headers, eos))
         });
-        let call = std::mem::take(&mut self.store.data_mut().call);
-        let mut head = call.head.unwrap_or_default();
+        let mut call = std::mem::take(&mut self.store.data_mut().call);
+        let mut head = call.head.take().unwrap_or_default();
         let action = match result {
             Ok(action) => Action::from_i32(action),
             Err(e) => return (head, Err(classify(&mut self.store, e, deadline))),
         };
         head.set_metadata(&self.metadata_key(), &format!("{}:{context}", self.nonce));
-        if let Some(reply) = call.local_response {
-            return (head, local_reply(reply));
-        }
-        if call.closed {
+        let answer = self.answer(context, action == Action::Pause, call);
+        (head, Ok(answer))
+    }
+
+    /// Hands the answer to HTTP call `token` to the context that made it
+    /// (`proxy_on_http_call_response`, the head of its paused request lent), and says
+    /// what became of the request: resumed, answered locally, or still paused (with
+    /// any new calls).
+    pub(crate) fn on_callout(
+        &mut self,
+        head: RequestHead,
+        token: u32,
+        reply: &CalloutReply,
+        deadline: Duration,
+    ) -> (RequestHead, Result<Answer, FaultKind>) {
+        let Some(context) = self.store.data_mut().pending.remove(&token) else {
             return (
                 head,
-                Ok(Verdict::Deny(LocalReply {
-                    status: 503,
-                    headers: Vec::new(),
-                    body: "stream closed by a filter\n".to_owned(),
-                })),
+                Err(FaultKind::Unavailable(format!(
+                    "no HTTP call with token {token} is under way in this instance"
+                ))),
+            );
+        };
+        if !self.store.data().contexts.contains(&context) {
+            return (
+                head,
+                Err(FaultKind::Unavailable(
+                    "the paused request's context was ended".to_owned(),
+                )),
             );
         }
-        match action {
-            Action::Continue => (head, Ok(Verdict::Continue)),
-            Action::Pause => (
+        let Some(call_response) = self.calls.call_response.clone() else {
+            return (
                 head,
                 Err(FaultKind::BadReply(
-                    "the plugin paused the request (Action::Pause) without a local response; parking requests for callouts is not supported yet".to_owned(),
+                    "the plugin made an HTTP call but exports no proxy_on_http_call_response"
+                        .to_owned(),
                 )),
-            ),
+            );
+        };
+        if let CalloutReply::Failed { reason } = reply {
+            tracing::debug!(filter = self.name, token, reason, "HTTP call failed");
+        }
+        let pairs = reply.header_pairs();
+        let body = reply.body();
+        let (n_headers, body_len) = (pairs.len() as i32, body.len() as i32);
+        let data = self.store.data_mut();
+        data.call = CallState {
+            head: Some(head),
+            buffer: Some((BufferType::HttpCallResponseBody, std::sync::Arc::from(body))),
+            call_response: Some(pairs),
+            ..CallState::default()
+        };
+        data.effective = context;
+        let result = call_response.call(
+            &mut self.store,
+            (ROOT as i32, token as i32, n_headers, body_len, 0),
+        );
+        let mut call = std::mem::take(&mut self.store.data_mut().call);
+        let head = call.head.take().unwrap_or_default();
+        if let Err(e) = result {
+            return (head, Err(classify(&mut self.store, e, deadline)));
+        }
+        let resumed = call.resumed;
+        let answer = self.answer(context, !resumed, call);
+        (head, Ok(answer))
+    }
+
+    /// What a callback of request `context` decided: a local response or a closed
+    /// stream deny; otherwise the request waits if `paused`, or goes on. Calls made by
+    /// a request that does not wait are not made: their answer would have no request
+    /// to go to (said in the log).
+    fn answer(&mut self, context: u32, paused: bool, call: CallState) -> Answer {
+        let reply = if let Some(reply) = call.local_response {
+            Some(local_reply(reply))
+        } else if call.closed {
+            Some(LocalReply {
+                status: 503,
+                headers: Vec::new(),
+                body: "stream closed by a filter\n".to_owned(),
+            })
+        } else {
+            None
+        };
+        if paused && reply.is_none() && !call.resumed {
+            return Answer::Pause(call.callouts);
+        }
+        if !call.callouts.is_empty() {
+            let pending = &mut self.store.data_mut().pending;
+            for callout in &call.callouts {
+                pending.remove(&callout.token);
+            }
+            tracing::warn!(
+                filter = self.name,
+                context,
+                calls = call.callouts.len(),
+                "HTTP calls made by a request that did not pause were not made (only a paused request receives answers)"
+            );
+        }
+        match reply {
+            Some(reply) => Answer::Deny(reply),
+            None => Answer::Continue,
         }
     }
 
@@ -314,7 +399,10 @@ impl PwInstance {
     /// streams), `proxy_on_delete`.
     fn finish(&mut self, context: u32) -> wasmtime::Result<()> {
         self.open.retain(|c| *c != context);
-        if !self.store.data_mut().contexts.remove(&context) {
+        let data = self.store.data_mut();
+        // Answers still to come for this request have nowhere to go.
+        data.pending.retain(|_, c| *c != context);
+        if !data.contexts.remove(&context) {
             return Ok(());
         }
         let id = context as i32;
@@ -341,8 +429,8 @@ fn has_body(head: &RequestHead) -> bool {
 
 /// A plugin's local response as the chain's deny. The body and header values are
 /// bytes in the ABI and text here: bytes that are not UTF-8 are replaced.
-fn local_reply(reply: LocalResponse) -> Result<Verdict, FaultKind> {
-    Ok(Verdict::Deny(LocalReply {
+fn local_reply(reply: LocalResponse) -> LocalReply {
+    LocalReply {
         status: reply.status,
         headers: reply
             .headers
@@ -350,5 +438,5 @@ fn local_reply(reply: LocalResponse) -> Result<Verdict, FaultKind> {
             .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
             .collect(),
         body: String::from_utf8_lossy(&reply.body).into_owned(),
-    }))
+    }
 }

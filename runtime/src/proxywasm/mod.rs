@@ -15,6 +15,7 @@
 //! InternalFailure), response header edits, ticks and queue notifications.
 
 pub mod abi;
+pub(crate) mod calls;
 pub(crate) mod host;
 pub(crate) mod instance;
 pub(crate) mod plugin;
@@ -66,6 +67,8 @@ pub(crate) fn new_state(filter: &Arc<LoadedFilter>, plugin: &Arc<plugin::Plugin>
         tick_ms: 0,
         contexts: Default::default(),
         effective: 0,
+        last_token: 0,
+        pending: Default::default(),
     }
 }
 

@@ -61,6 +61,13 @@ pub(crate) struct CallState {
     pub(crate) local_response: Option<LocalResponse>,
     /// Set by `proxy_close_stream`.
     pub(crate) closed: bool,
+    /// Set by `proxy_continue_stream` on the request (resumes a paused request).
+    pub(crate) resumed: bool,
+    /// The answer to an HTTP call, in `proxy_on_http_call_response` (its headers; the
+    /// body is the readable buffer).
+    pub(crate) call_response: Option<Vec<(String, Vec<u8>)>>,
+    /// HTTP calls made in this callback, for the chain's owner to perform.
+    pub(crate) callouts: Vec<crate::callout::Callout>,
 }
 
 /// One metric a module defined.
@@ -89,6 +96,10 @@ pub(crate) struct PwState {
     pub(crate) contexts: std::collections::BTreeSet<u32>,
     /// The context later host calls act on (`proxy_set_effective_context`).
     pub(crate) effective: u32,
+    /// The last HTTP call token handed out.
+    pub(crate) last_token: u32,
+    /// HTTP calls under way: token → the context that made it.
+    pub(crate) pending: HashMap<u32, u32>,
 }
 
 /// The guest's linear memory.

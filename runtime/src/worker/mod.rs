@@ -125,6 +125,19 @@ enum Job {
         info: ResponseInfo,
         reply: Reply<ResponseDone>,
     },
+    Resume {
+        ticket: Ticket,
+        park: u32,
+        token: u32,
+        answer: crate::callout::CalloutReply,
+        reply: Reply<Option<RequestDone>>,
+    },
+    Abandon {
+        ticket: Ticket,
+        park: u32,
+        info: ResponseInfo,
+        reply: Reply<Option<ResponseDone>>,
+    },
     Switch(Arc<Generation>),
     /// Panic while holding a request's reply (tests of supervision).
     #[cfg(feature = "fault-injection")]
@@ -352,6 +365,54 @@ impl WorkerPool {
             })
             .map_err(|_| PoolError::Stopped)?;
         Ok(())
+    }
+
+    /// Hands a request the worker of `ticket` parked (under `park`) the answer to its
+    /// HTTP call `token` there, and calls `done` there with what the chain then decided
+    /// (`None`: not parked there any more). Exactly once, as for
+    /// [`WorkerPool::request_with`].
+    pub fn resume_with(
+        &self,
+        ticket: Ticket,
+        park: u32,
+        token: u32,
+        answer: crate::callout::CalloutReply,
+        done: impl FnOnce(Result<Option<RequestDone>, PoolError>) + Send + 'static,
+    ) -> Result<(), PoolError> {
+        let job = Job::Resume {
+            reply: Reply::callback(done),
+            ticket: ticket.clone(),
+            park,
+            token,
+            answer,
+        };
+        self.to_worker(&ticket, job)
+    }
+
+    /// Gives up on a request the worker of `ticket` parked and runs its response phase
+    /// with `info` there; `done` as for [`WorkerPool::resume_with`].
+    pub fn abandon_with(
+        &self,
+        ticket: Ticket,
+        park: u32,
+        info: ResponseInfo,
+        done: impl FnOnce(Result<Option<ResponseDone>, PoolError>) + Send + 'static,
+    ) -> Result<(), PoolError> {
+        let job = Job::Abandon {
+            reply: Reply::callback(done),
+            ticket: ticket.clone(),
+            park,
+            info,
+        };
+        self.to_worker(&ticket, job)
+    }
+
+    fn to_worker(&self, ticket: &Ticket, job: Job) -> Result<(), PoolError> {
+        if ticket.chain >= ticket.generation.chains.len() {
+            return Err(PoolError::UnknownChain(ticket.chain));
+        }
+        let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
+        sender.send(job).map_err(|_| PoolError::Stopped)
     }
 
     /// Runs the response phase where `ticket` says, and waits. Not for async contexts:

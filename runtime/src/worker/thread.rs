@@ -92,6 +92,25 @@ impl Worker {
                 let result = self.chains.on_response(&ticket, head, &info);
                 reply.send(Ok(result));
             }
+            Job::Resume {
+                ticket,
+                park,
+                token,
+                answer,
+                reply,
+            } => {
+                let done = self.chains.resume(&ticket, park, token, &answer);
+                reply.send(Ok(done));
+            }
+            Job::Abandon {
+                ticket,
+                park,
+                info,
+                reply,
+            } => {
+                let done = self.chains.abandon(&ticket, park, &info);
+                reply.send(Ok(done));
+            }
             Job::Switch(generation) => {
                 self.chains.switch(&generation);
                 self.published();

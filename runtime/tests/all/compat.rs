@@ -36,6 +36,7 @@ fn run(runner: &mut ChainRunner, head: RequestHead) -> (u16, Option<String>) {
     let status = match &outcome.decision {
         Decision::Continue => 200,
         Decision::Deny { reply, .. } => reply.status,
+        Decision::Pause { .. } => panic!("a component never pauses"),
     };
     (status, outcome.head.header("x-guard"))
 }

@@ -5,5 +5,6 @@ mod compat;
 mod errors;
 mod faults;
 mod proxy_wasm;
+mod proxy_wasm_calls;
 mod support;
 mod workers;

@@ -204,7 +204,6 @@ fn hostile_plugins_fault_under_the_failure_policy_and_the_next_request_is_served
         json!({
             "panic_prefix": "/panic",
             "spin_prefix": "/spin",
-            "pause_prefix": "/pause",
             "bad_pointer_prefix": "/pointer",
             "add_header": ["x-ok", "1"],
         }),
@@ -213,7 +212,6 @@ fn hostile_plugins_fault_under_the_failure_policy_and_the_next_request_is_served
     for (path, said) in [
         ("/panic", "asked to panic on /panic"),
         ("/spin", "deadline"),
-        ("/pause", "paused the request"),
         ("/pointer", "outside the module's memory"),
     ] {
         let outcome = runner.on_request(get(path));

@@ -8,8 +8,8 @@ use std::time::Duration;
 use dpumesh_clock::{ManualClock, SharedClock};
 use dpumesh_keys::KeySet;
 use dpumesh_runtime::{
-    ChainOutcome, ChainRunner, Decision, DenyCause, FailureKind, FilterChain, FilterSettings,
-    RequestHead, ResponseInfo, Runtime, RuntimeConfig,
+    CalloutReply, ChainOutcome, ChainRunner, Decision, DenyCause, FailureKind, FilterChain,
+    FilterSettings, RequestHead, ResponseInfo, Runtime, RuntimeConfig,
 };
 
 use crate::suite::{Case, Expect, RequestSpec, Suite, Verdict};
@@ -232,6 +232,61 @@ fn run_case(
     for _ in 0..case.repeat.max(1) {
         let mut outcome = runner.on_request(head.clone());
         runner.repair();
+        // A paused request gets the case's answers to its calls, in the order made.
+        let mut answers = case.calls.iter();
+        let mut queue = std::collections::VecDeque::new();
+        while let Decision::Pause { park, callouts } = &outcome.decision {
+            let park = *park;
+            queue.extend(callouts.iter().cloned());
+            let give_up = |runner: &mut ChainRunner, failure: String| {
+                runner.abandon(park);
+                report(vec![failure])
+            };
+            let Some(callout) = queue.pop_front() else {
+                let failure = "the request stayed paused with no HTTP call to wait for".to_owned();
+                return give_up(runner, failure);
+            };
+            let path = callout.header(":path").unwrap_or("").to_owned();
+            let Some(spec) = answers.next() else {
+                let failure = format!(
+                    "the filter called upstream {:?} (path {path:?}) and the case gives no answer (`calls:`)",
+                    callout.upstream
+                );
+                return give_up(runner, failure);
+            };
+            if let Some(want) = spec.upstream.as_ref().filter(|w| **w != callout.upstream) {
+                let failure = format!(
+                    "call: expected upstream {want:?}, got {:?}",
+                    callout.upstream
+                );
+                return give_up(runner, failure);
+            }
+            if let Some(want) = spec.path.as_ref().filter(|w| **w != path) {
+                return give_up(
+                    runner,
+                    format!("call: expected path {want:?}, got {path:?}"),
+                );
+            }
+            let reply = match &spec.fail {
+                Some(reason) => CalloutReply::Failed {
+                    reason: reason.clone(),
+                },
+                None => CalloutReply::Response {
+                    status: spec.status,
+                    headers: spec
+                        .headers
+                        .iter()
+                        .map(|(k, v)| (k.to_ascii_lowercase(), v.clone().into_bytes()))
+                        .collect(),
+                    body: spec.body.clone().into_bytes(),
+                },
+            };
+            let Some(resumed) = runner.resume(park, callout.token, &reply) else {
+                return report(vec!["the paused request was lost".to_owned()]);
+            };
+            runner.repair();
+            outcome = resumed;
+        }
         // Each request gets its response phase, as in the proxy: the upstream's answer
         // when it was forwarded, the local reply when a filter denied it.
         if let Some(info) = &info {
@@ -268,10 +323,14 @@ fn check(expect: &Expect, outcome: &ChainOutcome) -> Vec<String> {
     let got_verdict = match &outcome.decision {
         Decision::Continue => Verdict::Continue,
         Decision::Deny { .. } => Verdict::Deny,
+        Decision::Pause { .. } => {
+            failures.push("the request is still paused".to_owned());
+            return failures;
+        }
     };
     if got_verdict != expect.verdict {
         let detail = match &outcome.decision {
-            Decision::Continue => String::new(),
+            Decision::Continue | Decision::Pause { .. } => String::new(),
             Decision::Deny { reply, cause, .. } => match cause {
                 DenyCause::Policy => format!(" ({} {:?})", reply.status, reply.body.trim()),
                 DenyCause::Fault(fault) => format!(" (fault: {fault})"),

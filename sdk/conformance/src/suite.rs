@@ -107,6 +107,38 @@ pub struct Case {
     /// A simulated response to run `on-response` with, after the request phase.
     #[serde(default)]
     pub response: Option<ResponseSpec>,
+    /// Answers to the HTTP calls a filter makes while the request is paused
+    /// (proxy-wasm `dispatch_http_call`), in the order the calls are made.
+    #[serde(default)]
+    pub calls: Vec<CallSpec>,
+}
+
+/// A simulated answer to one HTTP call a filter makes.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallSpec {
+    /// The upstream the call must name (any when absent).
+    #[serde(default)]
+    pub upstream: Option<String>,
+    /// The call's `:path` must be this (any when absent).
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Response status (default 200).
+    #[serde(default = "ok_status")]
+    pub status: u16,
+    /// Response headers.
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Response body.
+    #[serde(default)]
+    pub body: String,
+    /// The call fails instead (timeout, refused): the reason given.
+    #[serde(default)]
+    pub fail: Option<String>,
+}
+
+fn ok_status() -> u16 {
+    200
 }
 
 fn one() -> u32 {

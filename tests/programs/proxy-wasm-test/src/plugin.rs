@@ -30,6 +30,22 @@ struct Config {
     /// Asks for `proxy_on_tick` every this many ms; each tick counts in shared data
     /// under `ticks`.
     tick_ms: u32,
+    /// Requests whose path starts with `prefix` wait for an HTTP call to `upstream`
+    /// at `path` (the request's path appended): a 200 lets them through with the
+    /// answer's body in `x-auth` (and its `x-user` header in `x-user`), a failed call
+    /// gets a 503, any other status a 403 saying it.
+    auth: Option<Auth>,
+}
+
+#[derive(Debug, Default, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Auth {
+    prefix: String,
+    upstream: String,
+    path: String,
+    timeout_ms: u64,
+    /// Makes this many calls at once and waits for all of them.
+    calls: u32,
 }
 
 proxy_wasm::main! {{
@@ -101,6 +117,7 @@ impl RootContext for Root {
             id,
             config: self.config.clone(),
             metric: self.metric,
+            waiting: 0,
         }))
     }
 
@@ -113,9 +130,72 @@ struct Request {
     id: u32,
     config: Rc<Config>,
     metric: Option<u32>,
+    /// HTTP calls still to answer.
+    waiting: u32,
 }
 
-impl Context for Request {}
+impl Context for Request {
+    fn on_http_call_response(&mut self, _token: u32, _headers: usize, size: usize, _t: usize) {
+        self.waiting = self.waiting.saturating_sub(1);
+        let status = self.get_http_call_response_header(":status");
+        let body = self
+            .get_http_call_response_body(0, size)
+            .unwrap_or_default();
+        match status.as_deref() {
+            None => {
+                self.send_http_response(
+                    503,
+                    vec![("x-auth-failed", "no answer")],
+                    Some(b"auth unavailable\n"),
+                );
+            }
+            Some("200") => {
+                let body = String::from_utf8_lossy(&body).into_owned();
+                self.set_http_request_header("x-auth", Some(body.trim()));
+                if let Some(user) = self.get_http_call_response_header("x-user") {
+                    self.set_http_request_header("x-user", Some(&user));
+                }
+                if self.waiting == 0 {
+                    self.resume_http_request();
+                }
+            }
+            Some(other) => {
+                let message = format!("auth said {other}\n");
+                self.send_http_response(403, vec![], Some(message.as_bytes()));
+            }
+        }
+    }
+}
+
+impl Request {
+    /// Starts the auth calls for `path`; whether the request must wait for them.
+    fn call_auth(&mut self, auth: &Auth, path: &str) -> bool {
+        let target = format!("{}{path}", auth.path);
+        for _ in 0..auth.calls.max(1) {
+            let dispatched = self.dispatch_http_call(
+                &auth.upstream,
+                vec![
+                    (":method", "GET"),
+                    (":path", &target),
+                    (":authority", "auth.local"),
+                    ("x-asked-by", "proxy-wasm-test"),
+                ],
+                None,
+                vec![],
+                std::time::Duration::from_millis(auth.timeout_ms.max(1)),
+            );
+            match dispatched {
+                Ok(_) => self.waiting += 1,
+                Err(e) => {
+                    let message = format!("cannot call {}: {e:?}\n", auth.upstream);
+                    self.send_http_response(500, vec![], Some(message.as_bytes()));
+                    return true;
+                }
+            }
+        }
+        true
+    }
+}
 
 fn starts(path: &str, prefix: &Option<String>) -> bool {
     prefix.as_deref().is_some_and(|p| path.starts_with(p))
@@ -153,6 +233,11 @@ impl HttpContext for Request {
             bad_pointer();
         }
         if starts(&path, &c.pause_prefix) {
+            return Action::Pause;
+        }
+        if let Some(auth) = c.auth.as_ref().filter(|a| path.starts_with(&a.prefix))
+            && self.call_auth(auth, &path)
+        {
             return Action::Pause;
         }
         if let Some(id) = self.metric {
