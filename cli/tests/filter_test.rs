@@ -336,7 +336,27 @@ fn a_proxy_wasm_plugin_passes_a_suite_through_the_cli_like_a_component() {
         String::from_utf8_lossy(&output.stderr)
     );
     assert!(
-        out.lines().last().unwrap().ends_with("3 passed, 0 failed"),
+        out.lines().last().unwrap().ends_with("6 passed, 0 failed"),
+        "{out}"
+    );
+    // A case that does not answer the plugin's call fails, saying which call.
+    let dir = tempfile::tempdir().unwrap();
+    let suite =
+        std::fs::read_to_string(workspace().join("tests/programs/proxy-wasm-test/suite.yaml"))
+            .unwrap()
+            .replace("    calls:\n      - {upstream: auth, status: 401}\n", "");
+    let file = dir.path().join("suite.yaml");
+    std::fs::write(&file, suite).unwrap();
+    let output = dpumesh(&[
+        "filter",
+        "test",
+        artifacts::PROXY_WASM_TEST,
+        file.to_str().unwrap(),
+    ]);
+    let out = stdout(&output);
+    assert!(!output.status.success(), "{out}");
+    assert!(
+        out.contains(r#"the filter called upstream "auth" (path "/check/secure/b") and the case gives no answer"#),
         "{out}"
     );
     // And fails it when it does something else: the component-only test filter.

@@ -1,0 +1,161 @@
+//! A proxy-wasm plugin that pauses requests for HTTP calls, in the hotel mesh under
+//! `dpumesh up`: calls to a mesh service on the same node and on the other node (over
+//! the fabric), to a configured upstream outside the mesh, an answer that denies, and
+//! a call that never answers (its timeout) — while other requests keep flowing.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+mod common;
+use common::mesh::*;
+
+/// An upstream outside the mesh: answers each request `200 ok` with `x-user:
+/// ext-user` and keeps what it was asked; `silent` never answers.
+fn upstream(silent: bool) -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let kept = asked.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let kept = kept.clone();
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let end = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+                    kept.lock()
+                        .unwrap()
+                        .push(String::from_utf8_lossy(&got[..end]).to_lowercase());
+                    got.drain(..end);
+                    if silent {
+                        std::thread::sleep(Duration::from_secs(30));
+                        return;
+                    }
+                    let reply =
+                        b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\nx-user: ext-user\r\n\r\nok\n";
+                    if s.write_all(reply).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (address, asked)
+}
+
+fn plugin(name: &str, via: &str, upstream: &str, path: &str, timeout_ms: u64) -> String {
+    format!(
+        "  {name}:\n    component: {}\n    deadline: 100ms\n    config: {{auth: {{prefix: '/ping?via={via}', upstream: {upstream}, path: '{path}', timeout_ms: {timeout_ms}}}}}\n",
+        dpumesh_test_artifacts::PROXY_WASM_TEST
+    )
+}
+
+#[test]
+fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
+    let (ext, asked) = upstream(false);
+    let (slow, _) = upstream(true);
+    let mesh = Mesh::up_edited(
+        |m| m,
+        |policy| {
+            let filters = [
+                plugin("pw-user", "user", "user", "/user?id=", 3000),
+                plugin(
+                    "pw-peer",
+                    "peer",
+                    "reservation",
+                    "/reservations?user=",
+                    3000,
+                ),
+                plugin("pw-deny", "deny", "frontend", "/nothing", 3000),
+                plugin("pw-ext", "ext", "ext", "/check", 3000),
+                plugin("pw-slow", "slow", "slow", "/check", 300),
+            ]
+            .concat();
+            policy
+                .replacen("filters:\n", &format!("filters:\n{filters}"), 1)
+                .replacen(
+                    "chains:\n",
+                    "chains:\n  calls: [pw-user, pw-peer, pw-deny, pw-ext, pw-slow]\n",
+                    1,
+                )
+                .replacen(
+                    "routes:\n",
+                    "routes:\n  - {path_prefix: /ping, service: frontend, chain: calls}\n",
+                    1,
+                )
+                + &format!(
+                    "upstreams:\n  ext: {{address: \"{ext}\"}}\n  slow: {{address: \"{slow}\"}}\n"
+                )
+        },
+    );
+    let client = mesh.client();
+    let node1 = mesh.admins()[0];
+
+    // A call to a service on this node (user), and one to a service on the other
+    // node (reservation, over the fabric): both answer 200, the request goes on.
+    for via in ["user", "peer"] {
+        let (status, _, body) = client.get(&format!("/ping?via={via}"), None);
+        assert_eq!(
+            (status, body.as_slice()),
+            (200, &b"pong\n"[..]),
+            "via {via}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // The called service's own policy answers (the frontend wants a token): the
+    // plugin denies on it.
+    let (status, _, body) = client.get("/ping?via=deny", None);
+    assert_eq!(
+        (status, String::from_utf8_lossy(&body).as_ref()),
+        (403, "auth said 401\n")
+    );
+    // A configured upstream outside the mesh, asked as the plugin said.
+    let (status, _, _) = client.get("/ping?via=ext", None);
+    assert_eq!(status, 200);
+    {
+        let asked = asked.lock().unwrap();
+        let first = asked.first().expect("the upstream was called");
+        assert!(
+            first.starts_with("get /check/ping?via=ext http/1.1"),
+            "{first}"
+        );
+        assert!(first.contains("host: auth.local"), "{first}");
+        assert!(first.contains("x-asked-by: proxy-wasm-test"), "{first}");
+    }
+    // No answer within the call's 300 ms: the plugin is told, and answers 503.
+    let (status, headers, _) = client.get("/ping?via=slow", None);
+    assert_eq!(status, 503);
+    assert_eq!(header(&headers, "x-auth-failed"), Some("no answer"));
+
+    // Many at once, mixed with requests that make no call: the shard parks each and
+    // serves the rest meanwhile; every one is answered.
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let client = Client(mesh.ingress);
+            std::thread::spawn(move || {
+                let path = match i % 4 {
+                    0 => "/ping?via=user",
+                    1 => "/ping?via=peer",
+                    2 => "/ping?via=ext",
+                    _ => "/ping",
+                };
+                client.status(path, None)
+            })
+        })
+        .collect();
+    for handle in handles {
+        assert_eq!(handle.join().unwrap(), 200);
+    }
+    let calls = metric_sum(node1, "dpumesh_filter_callouts_total");
+    assert!(calls >= 17.0, "calls made: {calls}");
+}
