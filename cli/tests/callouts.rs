@@ -54,8 +54,19 @@ fn upstream(silent: bool) -> (String, Arc<Mutex<Vec<String>>>) {
 }
 
 fn plugin(name: &str, via: &str, upstream: &str, path: &str, timeout_ms: u64) -> String {
+    plugin_with(name, via, upstream, path, timeout_ms, "")
+}
+
+fn plugin_with(
+    name: &str,
+    via: &str,
+    upstream: &str,
+    path: &str,
+    timeout_ms: u64,
+    extra: &str,
+) -> String {
     format!(
-        "  {name}:\n    component: {}\n    deadline: 100ms\n    config: {{auth: {{prefix: '/ping?via={via}', upstream: {upstream}, path: '{path}', timeout_ms: {timeout_ms}}}}}\n",
+        "  {name}:\n    component: {}\n    deadline: 100ms\n    config: {{auth: {{prefix: '/ping?via={via}', upstream: {upstream}, path: '{path}', timeout_ms: {timeout_ms}}}{extra}}}\n",
         dpumesh_test_artifacts::PROXY_WASM_TEST
     )
 }
@@ -68,7 +79,15 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
         |m| m,
         |policy| {
             let filters = [
-                plugin("pw-user", "user", "user", "/user?id=", 3000),
+                // This one also edits every response's headers on the way out.
+                plugin_with(
+                    "pw-user",
+                    "user",
+                    "user",
+                    "/user?id=",
+                    3000,
+                    ", response_header: [powered-by, proxy-wasm]",
+                ),
                 plugin(
                     "pw-peer",
                     "peer",
@@ -104,21 +123,25 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
     // A call to a service on this node (user), and one to a service on the other
     // node (reservation, over the fabric): both answer 200, the request goes on.
     for via in ["user", "peer"] {
-        let (status, _, body) = client.get(&format!("/ping?via={via}"), None);
+        let (status, headers, body) = client.get(&format!("/ping?via={via}"), None);
         assert_eq!(
             (status, body.as_slice()),
             (200, &b"pong\n"[..]),
             "via {via}: {}",
             String::from_utf8_lossy(&body)
         );
+        // The plugin's response header edit reached the client.
+        assert_eq!(header(&headers, "powered-by"), Some("proxy-wasm (200)"));
     }
     // The called service's own policy answers (the frontend wants a token): the
     // plugin denies on it.
-    let (status, _, body) = client.get("/ping?via=deny", None);
+    let (status, headers, body) = client.get("/ping?via=deny", None);
     assert_eq!(
         (status, String::from_utf8_lossy(&body).as_ref()),
         (403, "auth said 401\n")
     );
+    // A local reply passes the response phase too.
+    assert_eq!(header(&headers, "powered-by"), Some("proxy-wasm (403)"));
     // A configured upstream outside the mesh, asked as the plugin said.
     let (status, _, _) = client.get("/ping?via=ext", None);
     assert_eq!(status, 200);

@@ -21,15 +21,24 @@ use crate::instance::{CallInput, FilterInstance};
 pub struct FilterChain {
     name: String,
     filters: Vec<Arc<LoadedFilter>>,
+    edits_responses: bool,
 }
 
 impl FilterChain {
     /// A chain named `name` running `filters` in order.
     pub fn new(name: impl Into<String>, filters: Vec<Arc<LoadedFilter>>) -> Self {
+        let edits_responses = filters.iter().any(|f| f.is_proxy_wasm());
         Self {
             name: name.into(),
             filters,
+            edits_responses,
         }
+    }
+
+    /// Whether a filter of the chain may edit response headers (a proxy-wasm plugin):
+    /// the proxy hands the response's headers to the response phase only then.
+    pub fn edits_responses(&self) -> bool {
+        self.edits_responses
     }
 
     /// The chain's name.
@@ -47,6 +56,16 @@ impl FilterChain {
     pub fn offload(&self) -> bool {
         self.filters.iter().any(|f| f.settings().offload)
     }
+}
+
+/// A response's header fields as the response phase may edit them (a proxy-wasm
+/// plugin's `on_http_response_headers`; components only read [`ResponseInfo`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseHeaders {
+    /// The fields, in order (names lower-case), without `:status`.
+    pub fields: Vec<(String, Vec<u8>)>,
+    /// Whether a filter changed them.
+    pub edited: bool,
 }
 
 /// A reply the proxy sends instead of forwarding a request.
@@ -572,9 +591,21 @@ impl ChainRunner {
     /// Degraded filters are skipped.
     pub fn on_response(
         &mut self,
+        head: RequestHead,
+        info: &ResponseInfo,
+        ran: usize,
+    ) -> (RequestHead, Vec<FilterFault>) {
+        self.on_response_editing(head, info, ran, None)
+    }
+
+    /// [`Self::on_response`] with the response's headers, which proxy-wasm plugins
+    /// may edit (`headers.edited` says whether one did).
+    pub fn on_response_editing(
+        &mut self,
         mut head: RequestHead,
         info: &ResponseInfo,
         ran: usize,
+        mut headers: Option<&mut ResponseHeaders>,
     ) -> (RequestHead, Vec<FilterFault>) {
         let mut faults = Vec::new();
         if ran > 0 {
@@ -587,7 +618,8 @@ impl ChainRunner {
             let Some(instance) = self.slots[index].instance.as_mut() else {
                 continue;
             };
-            let (returned, result) = instance.on_response(head, info.clone());
+            let (returned, result) =
+                instance.on_response(head, info.clone(), headers.as_deref_mut());
             head = returned;
             if let Err(kind) = result {
                 faults.push(self.fault(index, Phase::Response, kind));

@@ -473,13 +473,14 @@ impl FilterInstance {
         &mut self,
         head: RequestHead,
         info: ResponseInfo,
+        headers: Option<&mut crate::chain::ResponseHeaders>,
     ) -> (RequestHead, Result<(), FaultKind>) {
         let deadline = self.filter.settings.deadline;
         let this = match &mut self.inner {
             Inner::Component(c) => c,
             Inner::ProxyWasm(pw) => {
                 arm_store(&mut pw.store, deadline);
-                return pw.on_response(head, &info, deadline);
+                return pw.on_response(head, &info, headers, deadline);
             }
         };
         let Some(on_response) = this.on_response else {

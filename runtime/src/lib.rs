@@ -37,7 +37,9 @@ mod worker;
 
 pub use bindings::{FailureKind, ResponseInfo};
 pub use callout::{Callout, CalloutReply, CalloutTargets};
-pub use chain::{ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, LocalReply};
+pub use chain::{
+    ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, LocalReply, ResponseHeaders,
+};
 pub use dpumesh_head::{HeaderError, Peer, RequestHead};
 pub use error::{FaultKind, FilterFault, LoadError, Phase};
 pub use filter::{FailurePolicy, FilterSettings, LoadedFilter, WIT_VERSION};

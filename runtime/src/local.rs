@@ -121,10 +121,21 @@ impl LocalChains {
         head: RequestHead,
         info: &ResponseInfo,
     ) -> ResponseDone {
+        self.on_response_editing(ticket, head, info, None)
+    }
+
+    /// [`Self::on_response`] with the response's headers for plugins to edit.
+    pub fn on_response_editing(
+        &mut self,
+        ticket: &Ticket,
+        head: RequestHead,
+        info: &ResponseInfo,
+        headers: Option<&mut crate::chain::ResponseHeaders>,
+    ) -> ResponseDone {
         let runners = self.runners(&ticket.generation);
         runners.open = runners.open.saturating_sub(1);
         let runner = &mut runners.runners[ticket.chain];
-        let result = runner.on_response(head, info, ticket.ran);
+        let result = runner.on_response_editing(head, info, ticket.ran, headers);
         runner.repair();
         self.sweep();
         result

@@ -80,7 +80,11 @@ impl<F: Fabric> Reactor<F> {
         let Some(mut exchange) = self.table.close(xid) else {
             return;
         };
-        self.response_phase(&mut exchange, head.status, failure, upstream);
+        // A local reply passes the response phase like any response (plugins may
+        // edit its headers, as Envoy's encoder filters see local replies).
+        let mut edit = self.edits_response(&exchange).then(|| head.clone());
+        self.response_phase(&mut exchange, head.status, failure, upstream, edit.as_mut());
+        let head = edit.as_ref().unwrap_or(head);
         if let Stage::Peer { qp, reply_slot } = exchange.stage
             && let Origin::Pod { d } = exchange.origin
         {
@@ -265,7 +269,7 @@ impl<F: Fabric> Reactor<F> {
         // when it comes. Their response phase still runs (the breaker must not count
         // them in flight for ever), as requests whose client went away.
         for mut exchange in loss.dropped {
-            self.response_phase(&mut exchange, 499, FailureKind::LocalReply, None);
+            self.response_phase(&mut exchange, 499, FailureKind::LocalReply, None, None);
         }
         for xid in loss.failed {
             let e = ProxyError::new(

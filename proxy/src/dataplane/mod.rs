@@ -47,7 +47,7 @@ use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_head::{DEPENDENCY_FAILED_HEADER, DEPENDENCY_FAILED_METADATA};
 use dpumesh_runtime::{
     CalloutReply, Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead,
-    ResponseInfo, Ticket,
+    ResponseHeaders, ResponseInfo, Ticket,
 };
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use http::{HeaderMap, HeaderName, HeaderValue};

@@ -37,7 +37,23 @@ impl<F: Fabric> Reactor<F> {
         if d.status >= 500 {
             mark_dependency_failure(&mut exchange, &header);
         }
-        self.response_phase(&mut exchange, d.status, FailureKind::None, Some(upstream));
+        // A response going back over a link can carry a plugin's header edits (one
+        // going to a pod of this node keeps its head in the pod's buffer: not edited).
+        let mut edit = (matches!(exchange.origin, Origin::Link { .. })
+            && self.edits_response(&exchange))
+        .then(|| wire::decode_response(&header).ok())
+        .flatten();
+        self.response_phase(
+            &mut exchange,
+            d.status,
+            FailureKind::None,
+            Some(upstream),
+            edit.as_mut(),
+        );
+        let header = match edit.map(|h| wire::encode_response(&h)) {
+            Some(Ok(edited)) => edited,
+            _ => header,
+        };
         match exchange.origin {
             Origin::Pod { d: request } => {
                 // Case 3: the DMA manager delivers B's reply to A (body B → A), under
@@ -153,6 +169,7 @@ impl<F: Fabric> Reactor<F> {
         status: u16,
         failure: FailureKind,
         upstream: Option<String>,
+        edit: Option<&mut ResponseHead>,
     ) {
         let latency = exchange.started.elapsed();
         metrics::counter!(
@@ -180,7 +197,45 @@ impl<F: Fabric> Reactor<F> {
         let (Some(ticket), Some(head)) = (exchange.ticket.take(), exchange.head.take()) else {
             return;
         };
-        self.run_response_phase(ticket, head, info);
+        match edit {
+            // Plugins may edit the response before it leaves: the phase runs here,
+            // before the response is sent (inline chains only: an offloaded chain's
+            // response phase runs on the pool, after).
+            Some(response) if ticket.worker == SHARD_RUNNER => {
+                let mut headers = ResponseHeaders {
+                    fields: response
+                        .headers
+                        .iter()
+                        .map(|(n, v)| (n.as_str().to_owned(), v.as_bytes().to_vec()))
+                        .collect(),
+                    edited: false,
+                };
+                self.chains
+                    .on_response_editing(&ticket, head, &info, Some(&mut headers));
+                if headers.edited {
+                    let mut edited = HeaderMap::with_capacity(headers.fields.len());
+                    for (name, value) in headers.fields {
+                        // Checked by the runtime when the plugin made the edit.
+                        if let (Ok(n), Ok(v)) = (
+                            HeaderName::from_bytes(name.as_bytes()),
+                            HeaderValue::from_bytes(&value),
+                        ) {
+                            edited.append(n, v);
+                        }
+                    }
+                    response.headers = edited;
+                }
+            }
+            _ => self.run_response_phase(ticket, head, info),
+        }
+    }
+
+    /// Whether the response to `exchange` should be handed to its response phase for
+    /// editing: its chain has a plugin that may edit it and runs inline.
+    pub(super) fn edits_response(&self, exchange: &Exchange) -> bool {
+        exchange.ticket.as_ref().is_some_and(|t| {
+            t.worker == SHARD_RUNNER && t.generation.chains()[t.chain].edits_responses()
+        }) && exchange.park.is_none()
     }
 
     /// A peer proxy answered a call one of our pods made.
@@ -210,7 +265,21 @@ impl<F: Fabric> Reactor<F> {
         if status >= 500 {
             mark_dependency_failure(&mut exchange, &r.head);
         }
-        self.response_phase(&mut exchange, status, FailureKind::None, upstream);
+        let mut edit = self
+            .edits_response(&exchange)
+            .then(|| wire::decode_response(&r.head).ok())
+            .flatten();
+        self.response_phase(
+            &mut exchange,
+            status,
+            FailureKind::None,
+            upstream,
+            edit.as_mut(),
+        );
+        let mut r = r;
+        if let Some(Ok(edited)) = edit.map(|h| wire::encode_response(&h)) {
+            r.head = edited;
+        }
         let body = match r.body {
             ResponseBody::None => {
                 self.release_rx(d.src_pod, reply_slot);

@@ -72,15 +72,13 @@ fn edit(call: &mut CallState, map: MapType, edit: Edit) -> wasmtime::Result<()> 
     let name = match &edit {
         Edit::Replace(n, _) | Edit::Add(n, _) | Edit::Remove(n) => n.to_ascii_lowercase(),
     };
-    match map {
-        MapType::RequestHeaders => {}
-        MapType::ResponseHeaders => wasmtime::bail!(
-            "response header edits are not supported by this proxy yet (edit of {name:?})"
-        ),
-        other => wasmtime::bail!("header map {other:?} cannot be edited here"),
-    }
     if name.starts_with(':') {
         wasmtime::bail!("pseudo-header {name} is read-only on this proxy");
+    }
+    match map {
+        MapType::RequestHeaders => {}
+        MapType::ResponseHeaders => return edit_response(call, name, edit),
+        other => wasmtime::bail!("header map {other:?} cannot be edited here"),
     }
     let head = call
         .head
@@ -92,6 +90,31 @@ fn edit(call: &mut CallState, map: MapType, edit: Edit) -> wasmtime::Result<()> 
         Edit::Remove(_) => head.remove_header(&name),
     };
     result.map_err(|e| wasmtime::format_err!("header edit of {name:?} refused: {e}"))
+}
+
+/// An edit of the response's headers (in `proxy_on_response_headers`), checked as
+/// HTTP; the proxy applies the edited map to the response it sends.
+fn edit_response(call: &mut CallState, name: String, edit: Edit) -> wasmtime::Result<()> {
+    let Some((_, headers)) = call.response.as_mut() else {
+        wasmtime::bail!("no response in this callback (edit of {name:?})");
+    };
+    http::HeaderName::from_bytes(name.as_bytes())
+        .map_err(|_| wasmtime::format_err!("response header name {name:?} is not valid HTTP"))?;
+    if let Edit::Replace(_, v) | Edit::Add(_, v) = &edit {
+        http::HeaderValue::from_str(v).map_err(|_| {
+            wasmtime::format_err!("the value of response header {name:?} is not valid HTTP")
+        })?;
+    }
+    match edit {
+        Edit::Replace(_, v) => {
+            headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&name));
+            headers.push((name, v.into_bytes()));
+        }
+        Edit::Add(_, v) => headers.push((name, v.into_bytes())),
+        Edit::Remove(_) => headers.retain(|(k, _)| !k.eq_ignore_ascii_case(&name)),
+    }
+    call.response_edited = true;
+    Ok(())
 }
 
 fn map_type(value: i32) -> wasmtime::Result<MapType> {

@@ -316,6 +316,7 @@ impl PwInstance {
         &mut self,
         head: RequestHead,
         info: &ResponseInfo,
+        mut headers: Option<&mut crate::chain::ResponseHeaders>,
         deadline: Duration,
     ) -> (RequestHead, Result<(), FaultKind>) {
         let context = head.metadata(&self.metadata_key()).and_then(|v| {
@@ -327,7 +328,13 @@ impl PwInstance {
         };
         self.store.data_mut().call = CallState {
             head: Some(head),
-            response: Some((info.status, Vec::new())),
+            response: Some((
+                info.status,
+                headers
+                    .as_ref()
+                    .map(|h| h.fields.clone())
+                    .unwrap_or_default(),
+            )),
             ..CallState::default()
         };
         let mut result = Ok(());
@@ -339,6 +346,12 @@ impl PwInstance {
         }
         let finished = self.finish(context);
         let call = std::mem::take(&mut self.store.data_mut().call);
+        if call.response_edited
+            && let (Some(headers), Some((_, fields))) = (headers.as_mut(), call.response)
+        {
+            headers.fields = fields;
+            headers.edited = true;
+        }
         let head = call.head.unwrap_or_default();
         let result = result.and(finished);
         (

@@ -61,6 +61,8 @@ pub(crate) struct CallState {
     pub(crate) local_response: Option<LocalResponse>,
     /// Set by `proxy_close_stream`.
     pub(crate) closed: bool,
+    /// Whether a filter edited the response's headers in this callback.
+    pub(crate) response_edited: bool,
     /// Set by `proxy_continue_stream` on the request (resumes a paused request).
     pub(crate) resumed: bool,
     /// The answer to an HTTP call, in `proxy_on_http_call_response` (its headers; the

@@ -341,3 +341,44 @@ fn an_idle_pool_worker_runs_its_plugins_ticks() {
     }
     drop(pool);
 }
+
+#[test]
+fn a_plugin_edits_the_response_headers_it_is_given() {
+    let rt = runtime();
+    let filter = plugin(
+        &rt,
+        "pw",
+        json!({"response_header": ["powered-by", "proxy-wasm"], "remove_response_header": "server"}),
+    );
+    let chain = FilterChain::new("pw-chain", vec![filter]);
+    assert!(chain.edits_responses());
+    let mut runner = ChainRunner::new(Arc::new(chain));
+    let outcome = runner.on_request(get("/"));
+    let mut headers = dpumesh_runtime::ResponseHeaders {
+        fields: vec![
+            ("server".into(), b"hotel".to_vec()),
+            ("content-type".into(), b"text/plain".to_vec()),
+        ],
+        edited: false,
+    };
+    let (_, faults) = runner.on_response_editing(
+        outcome.head,
+        &response(201),
+        outcome.ran,
+        Some(&mut headers),
+    );
+    assert!(faults.is_empty(), "{faults:?}");
+    assert!(headers.edited);
+    assert_eq!(
+        headers.fields,
+        vec![
+            ("content-type".to_owned(), b"text/plain".to_vec()),
+            ("powered-by".to_owned(), b"proxy-wasm (201)".to_vec()),
+        ]
+    );
+    // Without headers to edit (a response phase that cannot change the response),
+    // the plugin's edit is a no-op for the proxy, not a fault.
+    let outcome = runner.on_request(get("/"));
+    let (_, faults) = runner.on_response(outcome.head, &response(200), outcome.ran);
+    assert!(faults.is_empty(), "{faults:?}");
+}

@@ -35,6 +35,9 @@ struct Config {
     /// answer's body in `x-auth` (and its `x-user` header in `x-user`), a failed call
     /// gets a 503, any other status a 403 saying it.
     auth: Option<Auth>,
+    /// A response header to set, and one to remove, in `on_http_response_headers`.
+    response_header: Option<(String, String)>,
+    remove_response_header: Option<String>,
 }
 
 #[derive(Debug, Default, Clone, serde::Deserialize)]
@@ -297,6 +300,12 @@ impl HttpContext for Request {
     fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
         let status = self.get_http_response_header(":status").unwrap_or_default();
         proxy_wasm::hostcalls::log(LogLevel::Info, &format!("#{} status {status}", self.id)).ok();
+        if let Some((name, value)) = &self.config.response_header {
+            self.set_http_response_header(name, Some(&format!("{value} ({status})")));
+        }
+        if let Some(name) = &self.config.remove_response_header {
+            self.set_http_response_header(name, None);
+        }
         Action::Continue
     }
 
