@@ -4,7 +4,7 @@
 //! `proxy_on_response_headers`, `proxy_on_log`, `proxy_on_done`, `proxy_on_delete`, in
 //! Envoy's order).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,7 +49,11 @@ pub(crate) struct PwInstance {
     name: String,
     nonce: u64,
     next_context: u32,
-    open: VecDeque<u32>,
+    /// Open request contexts, oldest first (by the order they were opened), and
+    /// each context's place in that order: finishing one costs O(log n), not a scan.
+    open: BTreeMap<u64, u32>,
+    opened: HashMap<u32, u64>,
+    next_seq: u64,
     /// When `proxy_on_tick` is next due (set once the plugin asks for a period).
     next_tick: Option<std::time::Instant>,
 }
@@ -167,7 +171,9 @@ impl PwInstance {
             name,
             nonce: NONCE.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             next_context: ROOT + 1,
-            open: VecDeque::new(),
+            open: BTreeMap::new(),
+            opened: HashMap::new(),
+            next_seq: 0,
             next_tick: None,
         })
     }
@@ -394,7 +400,7 @@ impl PwInstance {
 
     fn start_context(&mut self, context: u32) -> wasmtime::Result<()> {
         if self.open.len() >= MAX_OPEN
-            && let Some(oldest) = self.open.pop_front()
+            && let Some((_, oldest)) = self.open.pop_first()
         {
             self.finish(oldest)?;
         }
@@ -404,17 +410,23 @@ impl PwInstance {
         let data = self.store.data_mut();
         data.contexts.insert(context);
         data.effective = context;
-        self.open.push_back(context);
+        self.next_seq += 1;
+        self.open.insert(self.next_seq, context);
+        self.opened.insert(context, self.next_seq);
         Ok(())
     }
 
     /// `proxy_on_log`, `proxy_on_done` (its answer ignored, as Envoy does for
     /// streams), `proxy_on_delete`.
     fn finish(&mut self, context: u32) -> wasmtime::Result<()> {
-        self.open.retain(|c| *c != context);
+        if let Some(seq) = self.opened.remove(&context) {
+            self.open.remove(&seq);
+        }
         let data = self.store.data_mut();
         // Answers still to come for this request have nowhere to go.
-        data.pending.retain(|_, c| *c != context);
+        if !data.pending.is_empty() {
+            data.pending.retain(|_, c| *c != context);
+        }
         if !data.contexts.remove(&context) {
             return Ok(());
         }

@@ -38,6 +38,24 @@ struct Config {
     /// A response header to set, and one to remove, in `on_http_response_headers`.
     response_header: Option<(String, String)>,
     remove_response_header: Option<String>,
+    /// No logs in the response phase (benches measure the ABI, not logging).
+    quiet: bool,
+}
+
+impl Config {
+    /// Whether any option looks at the request's path.
+    fn reads_path(&self) -> bool {
+        [
+            &self.deny_prefix,
+            &self.panic_prefix,
+            &self.spin_prefix,
+            &self.pause_prefix,
+            &self.bad_pointer_prefix,
+        ]
+        .iter()
+        .any(|p| p.is_some())
+            || self.auth.is_some()
+    }
 }
 
 #[derive(Debug, Default, Clone, serde::Deserialize)]
@@ -224,8 +242,12 @@ fn spin() -> ! {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _n: usize, _eos: bool) -> Action {
-        let path = self.get_http_request_header(":path").unwrap_or_default();
         let c = self.config.clone();
+        let path = if c.reads_path() {
+            self.get_http_request_header(":path").unwrap_or_default()
+        } else {
+            String::new()
+        };
         if starts(&path, &c.panic_prefix) {
             panic!("asked to panic on {path}");
         }
@@ -298,8 +320,14 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _n: usize, _eos: bool) -> Action {
+        if self.config.quiet && self.config.response_header.is_none() {
+            return Action::Continue;
+        }
         let status = self.get_http_response_header(":status").unwrap_or_default();
-        proxy_wasm::hostcalls::log(LogLevel::Info, &format!("#{} status {status}", self.id)).ok();
+        if !self.config.quiet {
+            proxy_wasm::hostcalls::log(LogLevel::Info, &format!("#{} status {status}", self.id))
+                .ok();
+        }
         if let Some((name, value)) = &self.config.response_header {
             self.set_http_response_header(name, Some(&format!("{value} ({status})")));
         }
@@ -310,6 +338,9 @@ impl HttpContext for Request {
     }
 
     fn on_log(&mut self) {
+        if self.config.quiet {
+            return;
+        }
         proxy_wasm::hostcalls::log(LogLevel::Info, &format!("#{} completed", self.id)).ok();
     }
 }
