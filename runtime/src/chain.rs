@@ -14,6 +14,7 @@ use crate::error::{FaultKind, FilterFault, Phase};
 use crate::filter::{FailurePolicy, LoadedFilter};
 use crate::health::HealthState;
 use crate::instance::{CallInput, FilterInstance};
+use crate::proxywasm::queues::WakeSlot;
 
 /// An ordered list of loaded filters: the definition of a chain, shared by every
 /// worker.
@@ -197,6 +198,8 @@ pub struct ChainRunner {
     /// Requests paused by a filter, by park id.
     parked: std::collections::HashMap<u32, Parked>,
     last_park: u32,
+    /// How its instances' shared-queue notifications wake the owning thread.
+    wake: Arc<WakeSlot>,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -249,11 +252,18 @@ impl ChainRunner {
     /// A runner with one fresh instance per filter. An instance that cannot be created
     /// now is retried before the next request that needs it.
     pub fn new(chain: Arc<FilterChain>) -> Self {
+        Self::with_wake(chain, Arc::default())
+    }
+
+    /// [`Self::new`] whose instances wake their owning thread through `wake` when a
+    /// shared queue they registered gets an item (the owner then runs
+    /// [`Self::tick`]).
+    pub fn with_wake(chain: Arc<FilterChain>, wake: Arc<WakeSlot>) -> Self {
         let slots = chain
             .filters
             .iter()
             .map(|filter| Slot {
-                instance: instantiate(filter),
+                instance: instantiate(filter, &wake),
                 replaced: 0,
                 invocations: metrics::counter!(
                     "dpumesh_filter_invocations_total",
@@ -288,6 +298,7 @@ impl ChainRunner {
             batched,
             parked: std::collections::HashMap::new(),
             last_park: 0,
+            wake,
         }
     }
 
@@ -312,7 +323,7 @@ impl ChainRunner {
     pub fn repair(&mut self) {
         for slot in &mut self.slots {
             if slot.instance.is_none() {
-                slot.instance = instantiate(&slot.filter);
+                slot.instance = instantiate(&slot.filter, &self.wake);
             }
         }
     }
@@ -640,7 +651,7 @@ impl ChainRunner {
         let slot = &mut self.slots[index];
         slot.invocations.increment(1);
         if slot.instance.is_none() {
-            match FilterInstance::new(&slot.filter) {
+            match FilterInstance::new(&slot.filter, &self.wake) {
                 Ok(instance) => slot.instance = Some(instance),
                 Err(e) => return (head, Err(FaultKind::Unavailable(e.to_string()))),
             }
@@ -692,8 +703,8 @@ impl ChainRunner {
     }
 }
 
-fn instantiate(filter: &Arc<LoadedFilter>) -> Option<FilterInstance> {
-    match FilterInstance::new(filter) {
+fn instantiate(filter: &Arc<LoadedFilter>, wake: &Arc<WakeSlot>) -> Option<FilterInstance> {
+    match FilterInstance::new(filter, wake) {
         Ok(instance) => Some(instance),
         Err(e) => {
             tracing::error!(filter = filter.name(), error = %e, "cannot create filter instance");

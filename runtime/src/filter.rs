@@ -234,7 +234,7 @@ impl LoadedFilter {
 
     /// A new instance, configured. Used by workers; also how a load is validated.
     pub fn instantiate(self: &Arc<Self>) -> Result<FilterInstance, LoadError> {
-        FilterInstance::new(self)
+        FilterInstance::new(self, &Arc::default())
     }
 }
 

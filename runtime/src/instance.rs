@@ -190,7 +190,12 @@ impl std::fmt::Debug for FilterInstance {
 }
 
 impl FilterInstance {
-    pub(crate) fn new(filter: &Arc<LoadedFilter>) -> Result<Self, LoadError> {
+    /// An instance of `filter`; a plugin's shared-queue notifications wake its owner
+    /// through `wake`.
+    pub(crate) fn new(
+        filter: &Arc<LoadedFilter>,
+        wake: &Arc<crate::proxywasm::queues::WakeSlot>,
+    ) -> Result<Self, LoadError> {
         let runtime = &filter.runtime.inner;
         let settings = &filter.settings;
         let name = || settings.name.clone();
@@ -200,7 +205,7 @@ impl FilterInstance {
             FilterKind::Component { pre, exports } => (pre, exports),
             FilterKind::ProxyWasm(plugin) => {
                 let started = Instant::now();
-                let state = crate::proxywasm::new_state(filter, plugin);
+                let state = crate::proxywasm::new_state(filter, plugin, wake);
                 let store = new_store(
                     &runtime.engine,
                     runtime.epoch.clone(),

@@ -16,6 +16,7 @@ use dpumesh_head::RequestHead;
 use crate::bindings::ResponseInfo;
 use crate::callout::CalloutReply;
 use crate::chain::ChainRunner;
+use crate::proxywasm::queues::WakeSlot;
 use crate::worker::{Generation, RequestDone, ResponseDone, Ticket};
 
 /// Retired generations kept for responses still to come.
@@ -35,12 +36,12 @@ struct Runners {
 }
 
 impl Runners {
-    fn new(generation: Arc<Generation>) -> Self {
+    fn new(generation: Arc<Generation>, wake: &Arc<WakeSlot>) -> Self {
         let runners = generation
             .chains()
             .iter()
             .cloned()
-            .map(ChainRunner::new)
+            .map(|chain| ChainRunner::with_wake(chain, wake.clone()))
             .collect();
         Self {
             generation,
@@ -58,6 +59,8 @@ pub struct LocalChains {
     current: Runners,
     /// Older generations with responses still to come, newest first.
     retired: Vec<Runners>,
+    /// How plugins' shared-queue notifications wake the owning thread.
+    wake: Arc<WakeSlot>,
 }
 
 impl std::fmt::Debug for LocalChains {
@@ -73,11 +76,20 @@ impl std::fmt::Debug for LocalChains {
 impl LocalChains {
     /// Runner `id`'s chains of `generation`, every instance created now.
     pub fn new(id: usize, generation: Arc<Generation>) -> Self {
+        let wake = Arc::default();
         Self {
             id,
-            current: Runners::new(generation),
+            current: Runners::new(generation, &wake),
             retired: Vec::new(),
+            wake,
         }
+    }
+
+    /// How to wake the owning thread when a plugin's shared queue gets an item: it
+    /// then calls [`Self::tick`], which tells the plugins. Set by the owning thread
+    /// when it starts (instances created before keep following it).
+    pub fn set_waker(&self, waker: crate::proxywasm::queues::Waker) {
+        self.wake.set(waker);
     }
 
     /// The generation new requests run on.
@@ -210,7 +222,7 @@ impl LocalChains {
     pub fn rebuild(&mut self) {
         let generation = self.current.generation.clone();
         self.retired.clear();
-        self.current = Runners::new(generation);
+        self.current = Runners::new(generation, &self.wake);
     }
 
     /// The runners of `generation`: the current ones, a retired set, or new ones (after
@@ -218,7 +230,10 @@ impl LocalChains {
     fn runners(&mut self, generation: &Arc<Generation>) -> &mut Runners {
         let number = generation.number();
         if number > self.current.generation.number() {
-            let mut old = std::mem::replace(&mut self.current, Runners::new(generation.clone()));
+            let mut old = std::mem::replace(
+                &mut self.current,
+                Runners::new(generation.clone(), &self.wake),
+            );
             // The retirement TTL counts from here; the current set is not timed per job.
             old.last_used = Instant::now();
             self.retired.insert(0, old);
@@ -236,7 +251,8 @@ impl LocalChains {
             None => {
                 // A request routed before a publish reached a runner that had already
                 // dropped (or never had) its generation: build it again.
-                self.retired.push(Runners::new(generation.clone()));
+                self.retired
+                    .push(Runners::new(generation.clone(), &self.wake));
                 self.retired.len() - 1
             }
         };

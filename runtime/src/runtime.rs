@@ -156,6 +156,7 @@ impl Runtime {
             state: SharedState::new(config.clock.clone(), config.state_limits),
             keys: KeyStore::new(),
             callouts: Arc::default(),
+            queues: Arc::default(),
         };
         let cache = CompileCache::new(&engine, config.cache_dir.clone());
         let (epoch, ticker) =

@@ -74,7 +74,11 @@ impl<F: Fabric> Reactor<F> {
                 self.publish_occupancy();
                 self.follow_generation();
             }
-            if housekeeping || self.plugin_tick.is_some_and(|due| Instant::now() >= due) {
+            let queue_news = self.queue_ready.swap(false, Ordering::AcqRel);
+            if housekeeping
+                || queue_news
+                || self.plugin_tick.is_some_and(|due| Instant::now() >= due)
+            {
                 self.plugin_tick = self.chains.tick(Instant::now());
             }
             // One wake-up per pod, one send per link, for everything this pass did.

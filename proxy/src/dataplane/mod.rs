@@ -158,6 +158,15 @@ impl Dataplane {
             waits.add(fd, 1)?;
         }
         let chains = LocalChains::new(SHARD_RUNNER, policy.snapshot().generation.clone());
+        // A plugin's shared queue got an item: the shard tells it at its next turn.
+        let queue_ready = Arc::new(AtomicBool::new(false));
+        chains.set_waker({
+            let (flag, bell) = (queue_ready.clone(), bell.clone());
+            Arc::new(move || {
+                flag.store(true, Ordering::Release);
+                bell.ring();
+            })
+        });
         let generation = policy.add_runner();
         let supervisor = Supervisor::new();
         supervisor.spawn(
@@ -197,6 +206,7 @@ impl Dataplane {
             port,
             chains,
             plugin_tick: None,
+            queue_ready,
             generation,
             waits,
             dpu,
@@ -341,6 +351,8 @@ struct Reactor<F: Fabric> {
     chains: LocalChains,
     /// When a proxy-wasm plugin's next tick is due (its housekeeping runs them).
     plugin_tick: Option<Instant>,
+    /// A plugin's shared queue has news for it (set by the queue, with the bell).
+    queue_ready: Arc<AtomicBool>,
     /// The generation it runs new requests on (readiness reads it).
     generation: Arc<AtomicU64>,
     /// Its one wait set: the shard's bell (pods, the accept loop, offloaded chains,

@@ -39,6 +39,8 @@ pub struct NodeServices {
     pub keys: Arc<KeyStore>,
     /// The upstream names a filter's HTTP calls may use.
     pub callouts: Arc<crate::callout::CalloutTargets>,
+    /// proxy-wasm plugins' shared queues.
+    pub queues: Arc<crate::proxywasm::queues::SharedQueues>,
 }
 
 /// Per-instance identity used to tag logs and metrics.

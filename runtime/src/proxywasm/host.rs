@@ -14,9 +14,6 @@ use super::state::{self, CallState, LocalResponse, Metric, PwState};
 
 /// Most metrics, shared queues one instance may define.
 const MAX_METRICS: usize = 1024;
-const MAX_QUEUES: usize = 64;
-/// Most items a shared queue holds; an enqueue past it drops the oldest.
-const MAX_QUEUE_ITEMS: usize = 4096;
 
 type Ret = wasmtime::Result<i32>;
 
@@ -529,27 +526,37 @@ fn properties_and_shared(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
         "proxy_register_shared_queue",
         |mut caller: Caller<'_, PwState>, np: i32, nl: i32, ret: i32| -> Ret {
             let name = state::read_str(&mut caller, np, nl, "a queue name")?;
-            let queues = &mut caller.data_mut().queues;
-            let id = match queues.iter().position(|(n, _)| *n == name) {
-                Some(i) => i,
-                None if queues.len() < MAX_QUEUES => {
-                    queues.push((name, Default::default()));
-                    queues.len() - 1
-                }
-                None => wasmtime::bail!("more than {MAX_QUEUES} shared queues"),
+            let data = caller.data();
+            let Some(id) = data
+                .services
+                .queues
+                .register(&data.vm_id, &name, &data.queue_owner)
+            else {
+                wasmtime::bail!(
+                    "the node has {} shared queues already",
+                    super::queues::MAX_QUEUES
+                );
             };
-            state::write_u32(&mut caller, ret, id as u32 + 1)?;
+            state::write_u32(&mut caller, ret, id)?;
             ok()
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_resolve_shared_queue",
-        |mut caller: Caller<'_, PwState>, _vp: i32, _vl: i32, np: i32, nl: i32, ret: i32| -> Ret {
+        |mut caller: Caller<'_, PwState>, vp: i32, vl: i32, np: i32, nl: i32, ret: i32| -> Ret {
+            let vm = state::read_str(&mut caller, vp, vl, "a VM id")?;
             let name = state::read_str(&mut caller, np, nl, "a queue name")?;
-            match caller.data().queues.iter().position(|(n, _)| *n == name) {
-                Some(i) => {
-                    state::write_u32(&mut caller, ret, i as u32 + 1)?;
+            let data = caller.data();
+            // An empty VM id is the caller's own.
+            let vm = if vm.is_empty() {
+                data.vm_id.as_str()
+            } else {
+                vm.as_str()
+            };
+            match data.services.queues.resolve(vm, &name) {
+                Some(id) => {
+                    state::write_u32(&mut caller, ret, id)?;
                     ok()
                 }
                 None => Ok(Status::NotFound.code()),
@@ -561,34 +568,20 @@ fn properties_and_shared(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
         "proxy_enqueue_shared_queue",
         |mut caller: Caller<'_, PwState>, id: i32, vp: i32, vl: i32| -> Ret {
             let value = state::read(&mut caller, vp, vl)?;
-            let queues = &mut caller.data_mut().queues;
-            let Some((_, queue)) = (id as u32 as usize)
-                .checked_sub(1)
-                .and_then(|i| queues.get_mut(i))
-            else {
-                return Ok(Status::NotFound.code());
-            };
-            if queue.len() >= MAX_QUEUE_ITEMS {
-                queue.pop_front();
+            match caller.data().services.queues.enqueue(id as u32, value) {
+                Ok(()) => ok(),
+                Err(_) => Ok(Status::NotFound.code()),
             }
-            queue.push_back(value);
-            ok()
         },
     )?;
     linker.func_wrap(
         "env",
         "proxy_dequeue_shared_queue",
         |mut caller: Caller<'_, PwState>, id: i32, ret_ptr: i32, ret_len: i32| -> Ret {
-            let queues = &mut caller.data_mut().queues;
-            let Some((_, queue)) = (id as u32 as usize)
-                .checked_sub(1)
-                .and_then(|i| queues.get_mut(i))
-            else {
-                return Ok(Status::NotFound.code());
-            };
-            match queue.pop_front() {
-                None => Ok(Status::Empty.code()),
-                Some(value) => {
+            match caller.data().services.queues.dequeue(id as u32) {
+                Err(_) => Ok(Status::NotFound.code()),
+                Ok(None) => Ok(Status::Empty.code()),
+                Ok(Some(value)) => {
                     state::give(&mut caller, &value, ret_ptr, ret_len)?;
                     ok()
                 }

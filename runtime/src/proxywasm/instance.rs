@@ -40,6 +40,7 @@ struct Calls {
     delete: Option<TypedFunc<i32, ()>>,
     tick: Option<TypedFunc<i32, ()>>,
     call_response: Option<TypedFunc<(i32, i32, i32, i32, i32), ()>>,
+    queue_ready: Option<TypedFunc<(i32, i32), ()>>,
 }
 
 /// A configured instance.
@@ -119,6 +120,7 @@ impl PwInstance {
             delete: typed(&mut store, &instance, "proxy_on_delete", &name)?,
             tick: typed(&mut store, &instance, "proxy_on_tick", &name)?,
             call_response: typed(&mut store, &instance, "proxy_on_http_call_response", &name)?,
+            queue_ready: typed(&mut store, &instance, "proxy_on_queue_ready", &name)?,
         };
         let vm_start = typed::<(i32, i32), i32>(&mut store, &instance, "proxy_on_vm_start", &name)?;
         let configure =
@@ -366,14 +368,28 @@ impl PwInstance {
         )
     }
 
-    /// Runs `proxy_on_tick` on the root if its period has come (the store armed by the
-    /// caller); returns when the next one is due (`None`: the plugin asked for none).
-    /// Ticks are driven by the thread that owns the instance, between requests.
+    /// Tells the root about its shared queues that got items
+    /// (`proxy_on_queue_ready`), then runs `proxy_on_tick` if its period has come (the
+    /// store armed by the caller); returns when the next tick is due (`None`: the
+    /// plugin asked for none). Both are driven by the thread that owns the instance,
+    /// between requests.
     pub(crate) fn tick(
         &mut self,
         now: std::time::Instant,
         deadline: Duration,
     ) -> (Option<std::time::Instant>, Result<(), FaultKind>) {
+        let owner = self.store.data().queue_owner.clone();
+        if owner.pending() {
+            let ready = owner.take();
+            if let Some(call) = self.calls.queue_ready.as_ref() {
+                for id in ready {
+                    self.store.data_mut().effective = ROOT;
+                    if let Err(e) = call.call(&mut self.store, (ROOT as i32, id as i32)) {
+                        return (None, Err(classify(&mut self.store, e, deadline)));
+                    }
+                }
+            }
+        }
         let period = self.store.data().tick_ms;
         let Some(tick) = self.calls.tick.as_ref().filter(|_| period > 0) else {
             self.next_tick = None;
@@ -384,6 +400,7 @@ impl PwInstance {
         if now < due {
             return (Some(due), Ok(()));
         }
+        self.store.data_mut().effective = ROOT;
         let result = tick
             .call(&mut self.store, ROOT as i32)
             .map_err(|e| classify(&mut self.store, e, deadline));
@@ -393,9 +410,10 @@ impl PwInstance {
         (self.next_tick, result)
     }
 
-    /// Whether a tick may be due at all (cheap: no guest call).
+    /// Whether a tick or a queue notification may be due (cheap: no guest call).
     pub(crate) fn ticks(&self) -> bool {
-        self.calls.tick.is_some() && self.store.data().tick_ms > 0
+        let data = self.store.data();
+        (self.calls.tick.is_some() && data.tick_ms > 0) || data.queue_owner.pending()
     }
 
     fn start_context(&mut self, context: u32) -> wasmtime::Result<()> {

@@ -20,6 +20,7 @@ pub(crate) mod host;
 pub(crate) mod instance;
 pub(crate) mod plugin;
 pub mod properties;
+pub mod queues;
 pub(crate) mod state;
 
 pub use plugin::is_core_module;
@@ -39,7 +40,11 @@ pub(crate) fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<wasmtime::Li
 }
 
 /// The store data of a new instance of `filter`.
-pub(crate) fn new_state(filter: &Arc<LoadedFilter>, plugin: &Arc<plugin::Plugin>) -> PwState {
+pub(crate) fn new_state(
+    filter: &Arc<LoadedFilter>,
+    plugin: &Arc<plugin::Plugin>,
+    wake: &Arc<queues::WakeSlot>,
+) -> PwState {
     let runtime = &filter.runtime.inner;
     let settings = &filter.settings;
     let stderr = crate::stderr::StderrTail::default();
@@ -63,7 +68,8 @@ pub(crate) fn new_state(filter: &Arc<LoadedFilter>, plugin: &Arc<plugin::Plugin>
         call: Default::default(),
         metrics: Vec::new(),
         metric_ids: Default::default(),
-        queues: Vec::new(),
+        vm_id: namespace.to_owned(),
+        queue_owner: queues::QueueOwner::new(wake.clone()),
         tick_ms: 0,
         contexts: Default::default(),
         effective: 0,

@@ -3,7 +3,7 @@
 //! own allocator (one allocation of exactly the returned length: the SDK frees it
 //! with that size).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use dpumesh_head::RequestHead;
@@ -91,7 +91,10 @@ pub(crate) struct PwState {
     pub(crate) call: CallState,
     pub(crate) metrics: Vec<Metric>,
     pub(crate) metric_ids: HashMap<(i32, String), u32>,
-    pub(crate) queues: Vec<(String, VecDeque<Vec<u8>>)>,
+    /// The VM id its shared queues are registered under (the filter's namespace).
+    pub(crate) vm_id: String,
+    /// This instance's side of the node's shared queues.
+    pub(crate) queue_owner: Arc<super::queues::QueueOwner>,
     /// The root's tick period (`proxy_set_tick_period_milliseconds`); 0 = none.
     pub(crate) tick_ms: u32,
     /// The contexts alive in the guest: the root and the requests under way.

@@ -139,6 +139,8 @@ enum Job {
         reply: Reply<Option<ResponseDone>>,
     },
     Switch(Arc<Generation>),
+    /// A plugin's shared queue has news for it.
+    Wake,
     /// Panic while holding a request's reply (tests of supervision).
     #[cfg(feature = "fault-injection")]
     Panic(Reply<RequestDone>),
@@ -146,7 +148,7 @@ enum Job {
 
 /// A fixed set of worker threads running filter chains.
 pub struct WorkerPool {
-    senders: Vec<Sender<Job>>,
+    senders: Vec<Arc<Sender<Job>>>,
     current: ArcSwap<Generation>,
     /// The generation each worker runs new requests on.
     on: Arc<[AtomicU64]>,
@@ -178,7 +180,17 @@ impl WorkerPool {
         let (ready_tx, ready_rx) = crossbeam_channel::bounded::<()>(workers);
         for id in 0..workers {
             let (tx, rx) = crossbeam_channel::unbounded();
+            let tx = Arc::new(tx);
+            // A plugin's shared queue got an item: the worker tells it between jobs.
+            // (Weak: the pool's drop still closes the channel.)
+            let weak = Arc::downgrade(&tx);
+            let waker: crate::proxywasm::queues::Waker = Arc::new(move || {
+                if let Some(tx) = weak.upgrade() {
+                    let _ = tx.send(Job::Wake);
+                }
+            });
             let worker = Worker::new(id, generation.clone(), on.clone(), rx, ready_tx.clone());
+            worker.set_waker(waker);
             let thread = supervisor.spawn(
                 format!("dpumesh-worker-{id}"),
                 RestartPolicy::default(),

@@ -35,6 +35,11 @@ impl Worker {
         }
     }
 
+    /// How plugins' shared-queue notifications reach this worker.
+    pub(super) fn set_waker(&self, waker: crate::proxywasm::queues::Waker) {
+        self.chains.set_waker(waker);
+    }
+
     /// Takes jobs until the pool closes the channel.
     pub(super) fn run(&mut self) {
         if let Some(ready) = self.ready.take() {
@@ -56,6 +61,10 @@ impl Worker {
                 },
             };
             let Ok(job) = job else { break };
+            if matches!(job, Job::Wake) {
+                next_tick = self.chains.tick(std::time::Instant::now());
+                continue;
+            }
             self.job(job);
             let now = std::time::Instant::now();
             if next_tick.is_none_or(|due| now >= due) {
@@ -110,6 +119,9 @@ impl Worker {
             } => {
                 let done = self.chains.abandon(&ticket, park, &info);
                 reply.send(Ok(done));
+            }
+            Job::Wake => {
+                self.chains.tick(std::time::Instant::now());
             }
             Job::Switch(generation) => {
                 self.chains.switch(&generation);

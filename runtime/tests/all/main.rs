@@ -6,5 +6,6 @@ mod errors;
 mod faults;
 mod proxy_wasm;
 mod proxy_wasm_calls;
+mod proxy_wasm_queues;
 mod support;
 mod workers;

@@ -40,6 +40,11 @@ struct Config {
     remove_response_header: Option<String>,
     /// No logs in the response phase (benches measure the ABI, not logging).
     quiet: bool,
+    /// Registers this shared queue: what arrives is counted in shared data
+    /// (`queue-items`, and the last item in `queue-last`) when the host says it is
+    /// ready; a request with `x-enqueue: V` enqueues V, and every request says the
+    /// count in `x-queue-items`.
+    queue: Option<String>,
 }
 
 impl Config {
@@ -112,24 +117,23 @@ impl RootContext for Root {
         if config.tick_ms > 0 {
             self.set_tick_period(std::time::Duration::from_millis(u64::from(config.tick_ms)));
         }
+        if let Some(name) = &config.queue
+            && proxy_wasm::hostcalls::register_shared_queue(name).is_err()
+        {
+            return false;
+        }
         self.config = Rc::new(config);
         true
     }
 
     fn on_tick(&mut self) {
-        loop {
-            let (value, cas) = self.get_shared_data("ticks");
-            let n = value
-                .and_then(|v| String::from_utf8(v).ok())
-                .and_then(|s| s.parse::<u64>().ok())
-                .unwrap_or(0)
-                + 1;
-            if self
-                .set_shared_data("ticks", Some(n.to_string().as_bytes()), cas)
-                .is_ok()
-            {
-                break;
-            }
+        add_shared("ticks", 1);
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        while let Ok(Some(item)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {
+            add_shared("queue-items", 1);
+            self.set_shared_data("queue-last", Some(&item), None).ok();
         }
     }
 
@@ -218,6 +222,24 @@ impl Request {
     }
 }
 
+/// Adds `n` to the number in shared data under `key` (compare-and-swap until it
+/// sticks); the new value.
+fn add_shared(key: &str, n: u64) -> u64 {
+    loop {
+        let (value, cas) = proxy_wasm::hostcalls::get_shared_data(key).unwrap_or((None, None));
+        let next = value
+            .and_then(|v| String::from_utf8(v).ok())
+            .and_then(|s| s.parse::<u64>().ok())
+            .unwrap_or(0)
+            + n;
+        if proxy_wasm::hostcalls::set_shared_data(key, Some(next.to_string().as_bytes()), cas)
+            .is_ok()
+        {
+            return next;
+        }
+    }
+}
+
 fn starts(path: &str, prefix: &Option<String>) -> bool {
     prefix.as_deref().is_some_and(|p| path.starts_with(p))
 }
@@ -301,6 +323,16 @@ impl HttpContext for Request {
                 }
             };
             self.set_http_request_header("x-count", Some(&count.to_string()));
+        }
+        if let Some(name) = &c.queue {
+            if let Some(item) = self.get_http_request_header("x-enqueue")
+                && let Ok(Some(id)) = proxy_wasm::hostcalls::resolve_shared_queue("", name)
+            {
+                proxy_wasm::hostcalls::enqueue_shared_queue(id, Some(item.as_bytes())).ok();
+            }
+            let (count, _) = self.get_shared_data("queue-items");
+            let count = count.map_or("0".to_owned(), |v| String::from_utf8_lossy(&v).into_owned());
+            self.set_http_request_header("x-queue-items", Some(&count));
         }
         if let Some(value) = &c.set_property {
             self.set_property(vec!["my", "flag"], Some(value.as_bytes()));
