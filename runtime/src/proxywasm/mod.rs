@@ -7,12 +7,15 @@
 //!                                          ▼
 //! FilterInstance ──▶ PwInstance: root context, vm_start, configure (at instantiation)
 //!    on_request:  context_create(ctx, root), on_request_headers(ctx, n, eos)
-//!    on_response: on_response_headers, on_log, on_done, on_delete
+//!    on_callout:  on_http_call_response(root, token, ...) on a paused request
+//!    on_response: on_response_headers (edits applied), on_log, on_done, on_delete
+//!    tick:        on_queue_ready, on_tick (between requests, on the owning thread)
 //! ```
 //!
-//! The proxy is header-only: body and trailer callbacks are never called. Not built
-//! yet: parking a paused request for `proxy_http_call` (a call fails with
-//! InternalFailure), response header edits, ticks and queue notifications.
+//! The proxy is header-only: body and trailer callbacks are never called. A request a
+//! plugin pauses for its HTTP calls is parked in its [`crate::ChainRunner`] (the owner
+//! performs the calls and hands the answers back); shared queues are the node's
+//! ([`queues`]). docs/proxy-wasm.md says what is built and what differs from Envoy.
 
 pub mod abi;
 pub(crate) mod calls;
