@@ -30,6 +30,9 @@ const MAX_OPEN: usize = 4096;
 /// names the instance, so a replaced instance does not finish another's contexts).
 const CONTEXT_METADATA: &str = "dpumesh.proxy-wasm.context.";
 
+/// `proxy_on_http_call_response(root, token, headers, body size, trailers)`.
+type CallResponse = TypedFunc<(i32, i32, i32, i32, i32), ()>;
+
 /// Typed exports: the required ones, and the optional ones as `Option`.
 struct Calls {
     context_create: TypedFunc<(i32, i32), ()>,
@@ -39,7 +42,7 @@ struct Calls {
     done: Option<TypedFunc<i32, i32>>,
     delete: Option<TypedFunc<i32, ()>>,
     tick: Option<TypedFunc<i32, ()>>,
-    call_response: Option<TypedFunc<(i32, i32, i32, i32, i32), ()>>,
+    call_response: Option<CallResponse>,
     queue_ready: Option<TypedFunc<(i32, i32), ()>>,
 }
 
