@@ -180,22 +180,27 @@ fn mesh_head(service: &str, callout: &Callout) -> Result<RequestHead, String> {
     let mut head = RequestHead::new(method, callout.header(":path").unwrap_or("/"));
     head.authority = service.to_owned();
     for (name, value) in &callout.headers {
-        if name.starts_with(':') {
+        // The body's framing is the proxy's to say (from the body it carries).
+        let framing = ["content-length", "transfer-encoding"]
+            .iter()
+            .any(|f| name.eq_ignore_ascii_case(f));
+        if name.starts_with(':') || framing {
             continue;
         }
         let value = std::str::from_utf8(value)
             .map_err(|_| format!("the value of header {name:?} is not UTF-8"))?;
-        head.append_header(name, value)
+        // As a client's request arrives at the ingress: what HTTP can carry.
+        head.append_received(name, value)
             .map_err(|e| format!("header {name:?}: {e}"))?;
     }
     if let Some(authority) = callout.header(":authority")
         && authority != service
     {
-        head.set_header("x-forwarded-host", authority)
+        head.append_received("x-forwarded-host", authority)
             .map_err(|e| format!(":authority: {e}"))?;
     }
     if !callout.body.is_empty() {
-        head.set_header("content-length", &callout.body.len().to_string())
+        head.append_received("content-length", &callout.body.len().to_string())
             .map_err(|e| e.to_string())?;
     }
     Ok(head)

@@ -703,6 +703,35 @@ impl ChainRunner {
     }
 }
 
+impl ChainRunner {
+    /// Drops every instance without ending it (after a panic left them in an unknown
+    /// state: no guest code runs on them again).
+    pub fn discard(&mut self) {
+        for slot in &mut self.slots {
+            slot.instance = None;
+        }
+    }
+}
+
+impl Drop for ChainRunner {
+    /// A runner's healthy instances are ended as Envoy ends a VM's plugin (a plugin's
+    /// root gets `proxy_on_done` and `proxy_on_delete`), under each filter's deadline.
+    fn drop(&mut self) {
+        if self
+            .slots
+            .iter()
+            .any(|s| s.instance.is_some() && s.filter.is_proxy_wasm())
+        {
+            self.wake_epochs();
+            for slot in &mut self.slots {
+                if let Some(instance) = slot.instance.as_mut() {
+                    instance.retire();
+                }
+            }
+        }
+    }
+}
+
 fn instantiate(filter: &Arc<LoadedFilter>, wake: &Arc<WakeSlot>) -> Option<FilterInstance> {
     match FilterInstance::new(filter, wake) {
         Ok(instance) => Some(instance),

@@ -377,6 +377,16 @@ impl FilterInstance {
         }
     }
 
+    /// Ends a healthy instance that is no longer needed (a proxy-wasm plugin's root
+    /// gets `proxy_on_done` and `proxy_on_delete`; a component has nothing to end).
+    pub(crate) fn retire(&mut self) {
+        let deadline = self.filter.settings.deadline;
+        if let Inner::ProxyWasm(pw) = &mut self.inner {
+            arm_store(&mut pw.store, deadline);
+            pw.retire(deadline);
+        }
+    }
+
     /// The filter this is an instance of.
     pub fn filter(&self) -> &Arc<LoadedFilter> {
         &self.filter

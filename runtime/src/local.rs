@@ -221,6 +221,14 @@ impl LocalChains {
     /// left them in an unknown state).
     pub fn rebuild(&mut self) {
         let generation = self.current.generation.clone();
+        for runner in self
+            .retired
+            .iter_mut()
+            .chain(std::iter::once(&mut self.current))
+            .flat_map(|r| r.runners.iter_mut())
+        {
+            runner.discard();
+        }
         self.retired.clear();
         self.current = Runners::new(generation, &self.wake);
     }

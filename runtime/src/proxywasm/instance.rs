@@ -413,6 +413,27 @@ impl PwInstance {
         (self.next_tick, result)
     }
 
+    /// The instance is retired (its generation replaced, its runner dropped): the
+    /// root's `proxy_on_done` (a `false` is not waited for: nothing will drive the
+    /// instance any more) and `proxy_on_delete`. Faults are only logged.
+    pub(crate) fn retire(&mut self, deadline: Duration) {
+        self.store.data_mut().effective = ROOT;
+        let mut result = Ok(());
+        if let Some(done) = &self.calls.done {
+            result = done.call(&mut self.store, ROOT as i32).map(|_| ());
+        }
+        if let (Ok(()), Some(delete)) = (&result, &self.calls.delete) {
+            result = delete.call(&mut self.store, ROOT as i32);
+        }
+        if let Err(e) = result {
+            let fault = classify(&mut self.store, e, deadline);
+            tracing::warn!(
+                filter = self.name,
+                "the plugin's root faulted while retiring: {fault}"
+            );
+        }
+    }
+
     /// Whether a tick or a queue notification may be due (cheap: no guest call).
     pub(crate) fn ticks(&self) -> bool {
         let data = self.store.data();

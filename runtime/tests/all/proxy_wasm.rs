@@ -382,3 +382,50 @@ fn a_plugin_edits_the_response_headers_it_is_given() {
     let (_, faults) = runner.on_response(outcome.head, &response(200), outcome.ran);
     assert!(faults.is_empty(), "{faults:?}");
 }
+
+fn shared_count(rt: &Runtime, key: &str) -> u64 {
+    rt.services()
+        .state
+        .namespace("pw-test")
+        .get_bytes(key)
+        .unwrap()
+        .map_or(0, |(v, _)| {
+            std::str::from_utf8(&v).unwrap().parse::<u64>().unwrap()
+        })
+}
+
+#[test]
+fn an_endless_on_tick_is_a_fault_and_the_instance_is_replaced() {
+    let rt = runtime();
+    let filter = plugin(&rt, "pw-spin", json!({"tick_ms": 10, "spin_tick": true}));
+    let mut runner = runner(vec![filter]);
+    let due = runner
+        .tick(std::time::Instant::now())
+        .expect("ticks asked for");
+    std::thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
+    let started = std::time::Instant::now();
+    // The endless tick is stopped at the filter's 200 ms CPU deadline.
+    runner.tick(std::time::Instant::now());
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(runner.instances(), 0, "the faulted instance is gone");
+    runner.repair();
+    assert_eq!(runner.instances(), 1);
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+}
+
+#[test]
+fn a_retired_runner_ends_its_plugins_roots_and_a_faulted_instance_is_not_reentered() {
+    let rt = runtime();
+    let filter = plugin(&rt, "pw", json!({"panic_prefix": "/panic"}));
+    let runner1 = runner(vec![filter.clone()]);
+    assert_eq!(shared_count(&rt, "root-done"), 0);
+    drop(runner1);
+    assert_eq!(shared_count(&rt, "root-done"), 1);
+
+    let mut runner2 = runner(vec![filter]);
+    let outcome = runner2.on_request(get("/panic"));
+    assert!(outcome.decision.reply().is_some());
+    // The trapped instance was dropped without running guest code again.
+    drop(runner2);
+    assert_eq!(shared_count(&rt, "root-done"), 1);
+}

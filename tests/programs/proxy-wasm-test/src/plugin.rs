@@ -40,6 +40,8 @@ struct Config {
     remove_response_header: Option<String>,
     /// No logs in the response phase (benches measure the ABI, not logging).
     quiet: bool,
+    /// `on_tick` never returns.
+    spin_tick: bool,
     /// Registers this shared queue: what arrives is counted in shared data
     /// (`queue-items`, and the last item in `queue-last`) when the host says it is
     /// ready; a request with `x-enqueue: V` enqueues V, and every request says the
@@ -86,7 +88,13 @@ struct Root {
     metric: Option<u32>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    /// The root is done when its instance is retired: counted in `root-done`.
+    fn on_done(&mut self) -> bool {
+        add_shared("root-done", 1);
+        true
+    }
+}
 
 impl RootContext for Root {
     fn on_vm_start(&mut self, _size: usize) -> bool {
@@ -127,6 +135,9 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        if self.config.spin_tick {
+            spin();
+        }
         add_shared("ticks", 1);
     }
 
