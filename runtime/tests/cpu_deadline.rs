@@ -75,8 +75,10 @@ fn worker(rt: &dpumesh_runtime::Runtime, iterations: u64) -> ChainRunner {
 fn preempted_calls_under_two_burning_threads_never_fault() {
     let _alone = ALONE.lock().unwrap_or_else(|e| e.into_inner());
     let rt = runtime();
-    // Size the work so that each call needs about 1.5 ms of CPU (a third of its
-    // budget): preempted for a few ms, such a call passes a 5 ms wall clock.
+    // Size the work so that each call needs about 1 ms of CPU (a fifth of its budget:
+    // a core shared with a burner's hyperthread makes the same work cost more CPU
+    // time, and a third once measured past the budget in the whole suite); preempted
+    // for a few ms, such a call passes a 5 ms wall clock.
     let probe = 1_000_000;
     let mut runner = worker(&rt, probe);
     runner.on_request(get("/"));
@@ -85,7 +87,7 @@ fn preempted_calls_under_two_burning_threads_never_fault() {
         runner.on_request(get("/"));
     }
     let per_call = (thread_cpu() - start) / 10;
-    let iterations = (probe as f64 * 1.5e-3 / per_call.as_secs_f64()) as u64;
+    let iterations = (probe as f64 * 1.0e-3 / per_call.as_secs_f64()) as u64;
     let mut runner = worker(&rt, iterations.max(1000));
 
     let _burn = burners(2);
@@ -102,12 +104,16 @@ fn preempted_calls_under_two_burning_threads_never_fault() {
         }
         if !outcome.faults.is_empty() || outcome.decision != Decision::Continue {
             faults += 1;
-            first_fault.get_or_insert(format!("{:?} {:?}", outcome.faults, outcome.decision));
+            first_fault.get_or_insert(format!(
+                "after {took:?}: {:?} {:?}",
+                outcome.faults, outcome.decision
+            ));
+            continue;
         }
         assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
     }
     eprintln!(
-        "{requests} requests of ~1.5 ms CPU under two burners: {past_wall_deadline} took longer \
+        "{requests} requests of ~1 ms CPU under two burners: {past_wall_deadline} took longer \
          than the 5 ms deadline in wall time (slowest {slowest:?}), {faults} faulted"
     );
     assert_eq!(faults, 0, "no spurious deadline fault: {first_fault:?}");

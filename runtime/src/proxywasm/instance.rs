@@ -217,7 +217,7 @@ impl PwInstance {
         };
         head.set_metadata(&self.metadata_key(), &format!("{}:{context}", self.nonce));
         let answer = self.answer(context, action == Action::Pause, call);
-        (head, Ok(answer))
+        (head, answer)
     }
 
     /// Hands the answer to HTTP call `token` to the context that made it
@@ -281,14 +281,15 @@ impl PwInstance {
         }
         let resumed = call.resumed;
         let answer = self.answer(context, !resumed, call);
-        (head, Ok(answer))
+        (head, answer)
     }
 
     /// What a callback of request `context` decided: a local response or a closed
-    /// stream deny; otherwise the request waits if `paused`, or goes on. Calls made by
+    /// stream deny; otherwise the request waits if `paused` (a fault when no call of
+    /// its is under way: nothing could resume it), or goes on. Calls made by
     /// a request that does not wait are not made: their answer would have no request
     /// to go to (said in the log).
-    fn answer(&mut self, context: u32, paused: bool, call: CallState) -> Answer {
+    fn answer(&mut self, context: u32, paused: bool, call: CallState) -> Result<Answer, FaultKind> {
         let reply = if let Some(reply) = call.local_response {
             Some(local_reply(reply))
         } else if call.closed {
@@ -301,7 +302,17 @@ impl PwInstance {
             None
         };
         if paused && reply.is_none() && !call.resumed {
-            return Answer::Pause(call.callouts);
+            let waiting = !call.callouts.is_empty()
+                || self.store.data().pending.values().any(|c| *c == context);
+            if !waiting {
+                // Only an answer resumes a request here: this one would wait for its
+                // route's timeout. Denied even fail-open (a plugin holding a request to
+                // look at its body must not be skipped).
+                return Err(FaultKind::BadReply(
+                    "the plugin paused the request with no HTTP call under way: nothing can resume it here (the proxy is header-only and calls no body callbacks, so a plugin waiting for the body cannot run)".to_owned(),
+                ));
+            }
+            return Ok(Answer::Pause(call.callouts));
         }
         if !call.callouts.is_empty() {
             let pending = &mut self.store.data_mut().pending;
@@ -315,10 +326,10 @@ impl PwInstance {
                 "HTTP calls made by a request that did not pause were not made (only a paused request receives answers)"
             );
         }
-        match reply {
+        Ok(match reply {
             Some(reply) => Answer::Deny(reply),
             None => Answer::Continue,
-        }
+        })
     }
 
     /// The response phase of the request whose context the head names:
