@@ -143,8 +143,9 @@ impl RootContext for Root {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         while let Ok(Some(item)) = proxy_wasm::hostcalls::dequeue_shared_queue(queue_id) {
-            add_shared("queue-items", 1);
+            // The item first, then the count others wait for.
             self.set_shared_data("queue-last", Some(&item), None).ok();
+            add_shared("queue-items", 1);
         }
     }
 
