@@ -489,10 +489,15 @@ impl ChainRunner {
             Step::Continue => return Next::Go(head),
             Step::Pause(callouts) => {
                 if park.is_none() && self.parked.len() >= MAX_PARKED {
-                    let kind = FaultKind::Unavailable(format!(
-                        "{MAX_PARKED} requests are paused in this worker already"
-                    ));
-                    let fault = self.fault(index, Phase::Request, kind);
+                    // The instance is fine (and holds the other parked requests): only
+                    // this request is refused; its context ends in its response phase.
+                    let fault = FilterFault {
+                        filter: self.slots[index].filter.name().to_owned(),
+                        phase: Phase::Request,
+                        kind: FaultKind::Unavailable(format!(
+                            "{MAX_PARKED} requests are paused in this worker already"
+                        )),
+                    };
                     return self.after(index, policy, Step::Fault(fault), head, faults, None);
                 }
                 let park = park.unwrap_or_else(|| self.next_park());

@@ -114,7 +114,9 @@ impl<F: Fabric> Reactor<F> {
             .resume_with(ticket, park, token, reply, move |done| {
                 let done = match done {
                     Ok(Some(done)) => Ok(Box::new(done)),
-                    Ok(None) => Err(PoolError::WorkerLost),
+                    // Not parked there any more: an earlier answer resumed it (its
+                    // decision is on its way) or it was given up. Nothing to do.
+                    Ok(None) => return,
                     Err(e) => Err(e),
                 };
                 let _ = inbox.send(Inbox::Decided { xid, done });
