@@ -169,6 +169,7 @@ impl PwInstance {
                 Err(e) => return Err(fault(&mut store, e)),
             }
         }
+        drop_root_calls(&mut store, &name, "proxy_on_configure");
         static NONCE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Self {
             store,
@@ -398,7 +399,9 @@ impl PwInstance {
             if let Some(call) = self.calls.queue_ready.as_ref() {
                 for id in ready {
                     self.store.data_mut().effective = ROOT;
-                    if let Err(e) = call.call(&mut self.store, (ROOT as i32, id as i32)) {
+                    let result = call.call(&mut self.store, (ROOT as i32, id as i32));
+                    drop_root_calls(&mut self.store, &self.name, "proxy_on_queue_ready");
+                    if let Err(e) = result {
                         return (None, Err(classify(&mut self.store, e, deadline)));
                     }
                 }
@@ -418,6 +421,7 @@ impl PwInstance {
         let result = tick
             .call(&mut self.store, ROOT as i32)
             .map_err(|e| classify(&mut self.store, e, deadline));
+        drop_root_calls(&mut self.store, &self.name, "proxy_on_tick");
         // The plugin may have changed (or stopped) its period in the call.
         let period = self.store.data().tick_ms;
         self.next_tick = (period > 0).then(|| now + Duration::from_millis(u64::from(period)));
@@ -495,6 +499,27 @@ impl PwInstance {
         }
         Ok(())
     }
+}
+
+/// HTTP calls made outside a request (from the root: configure, ticks, queue
+/// notifications) are not made: only a paused request receives answers here. Their
+/// tokens are released (else 1024 such calls would refuse every later one) and the
+/// log says so.
+fn drop_root_calls(store: &mut Store<PwState>, filter: &str, callback: &str) {
+    let data = store.data_mut();
+    let calls = std::mem::take(&mut data.call.callouts);
+    if calls.is_empty() {
+        return;
+    }
+    for call in &calls {
+        data.pending.remove(&call.token);
+    }
+    tracing::warn!(
+        filter,
+        callback,
+        calls = calls.len(),
+        "HTTP calls made from the plugin's root context were not made (only a paused request receives answers on this proxy)"
+    );
 }
 
 /// Whether a request has a body to come (which the plugin never sees).

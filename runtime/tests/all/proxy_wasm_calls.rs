@@ -291,3 +291,42 @@ fn a_pool_worker_parks_and_resumes_where_the_request_ran() {
         .expect("parked on that worker");
     assert!(faults.is_empty(), "{faults:?}");
 }
+
+#[test]
+fn calls_from_the_root_context_are_not_made_and_do_not_use_up_the_tokens() {
+    let rt = runtime();
+    let config = json!({
+        "tick_ms": 1,
+        "tick_call": "auth",
+        "auth": {"prefix": "/api", "upstream": "auth", "path": "/check", "timeout_ms": 700},
+    });
+    let filter = rt
+        .load_filter(
+            dpumesh_runtime::FilterSettings::new("pw-tick-calls", config.to_string())
+                .namespace("pw-calls")
+                .deadline(Duration::from_millis(500)),
+            &artifacts::read(artifacts::PROXY_WASM_TEST),
+        )
+        .unwrap();
+    let mut runner = runner(vec![filter]);
+    let count = |key: &str| {
+        rt.services()
+            .state
+            .namespace("pw-calls")
+            .get_bytes(key)
+            .unwrap()
+            .map_or(0, |(v, _)| {
+                std::str::from_utf8(&v).unwrap().parse::<u64>().unwrap()
+            })
+    };
+    // More ticks, each making a call, than an instance may have calls under way.
+    let mut due = runner.tick(std::time::Instant::now()).unwrap();
+    while count("ticks") < 1100 {
+        std::thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
+        due = runner.tick(std::time::Instant::now()).unwrap();
+    }
+    assert_eq!(count("tick-call-refused"), 0, "each tick's call was taken");
+    // A request's call still gets a token: the root's were released.
+    let (_, calls) = paused(&runner.on_request(get("/api/x")));
+    assert_eq!(calls.len(), 1);
+}

@@ -42,6 +42,8 @@ struct Config {
     quiet: bool,
     /// `on_tick` never returns.
     spin_tick: bool,
+    /// Each tick dispatches an HTTP call to this upstream (from the root context).
+    tick_call: Option<String>,
     /// Registers this shared queue: what arrives is counted in shared data
     /// (`queue-items`, and the last item in `queue-last`) when the host says it is
     /// ready; a request with `x-enqueue: V` enqueues V, and every request says the
@@ -137,6 +139,19 @@ impl RootContext for Root {
     fn on_tick(&mut self) {
         if self.config.spin_tick {
             spin();
+        }
+        if let Some(upstream) = &self.config.tick_call {
+            let headers = vec![(":method", "GET"), (":path", "/tick"), (":authority", "x")];
+            let made = self.dispatch_http_call(
+                upstream,
+                headers,
+                None,
+                vec![],
+                std::time::Duration::from_secs(1),
+            );
+            if made.is_err() {
+                add_shared("tick-call-refused", 1);
+            }
         }
         add_shared("ticks", 1);
     }
