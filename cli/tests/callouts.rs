@@ -1,7 +1,8 @@
 //! A proxy-wasm plugin that pauses requests for HTTP calls, in the hotel mesh under
 //! `dpumesh up`: calls to a mesh service on the same node and on the other node (over
 //! the fabric), to a configured upstream outside the mesh, an answer that denies, and
-//! a call that never answers (its timeout) — while other requests keep flowing.
+//! a call that never answers (its timeout) — while other requests keep flowing; and a
+//! shared queue whose registrant is woken in the node.
 
 use std::io::{Read, Write};
 use std::net::TcpListener;
@@ -98,13 +99,15 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
                 plugin("pw-deny", "deny", "frontend", "/nothing", 3000),
                 plugin("pw-ext", "ext", "ext", "/check", 3000),
                 plugin("pw-slow", "slow", "slow", "/check", 300),
+                // And a shared queue whose news wake the thread that registered it.
+                plugin_with("pw-queue", "none", "user", "/", 3000, ", queue: jobs"),
             ]
             .concat();
             policy
                 .replacen("filters:\n", &format!("filters:\n{filters}"), 1)
                 .replacen(
                     "chains:\n",
-                    "chains:\n  calls: [pw-user, pw-peer, pw-deny, pw-ext, pw-slow]\n",
+                    "chains:\n  calls: [pw-user, pw-peer, pw-deny, pw-ext, pw-slow, pw-queue]\n",
                     1,
                 )
                 .replacen(
@@ -181,4 +184,22 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
     }
     let calls = metric_sum(node1, "dpumesh_filter_callouts_total");
     assert!(calls >= 17.0, "calls made: {calls}");
+
+    // A request enqueues an item; the instance that registered the queue (the
+    // shard's or a pool worker's) is woken and counts it, which later responses say.
+    let enqueue =
+        b"GET /ping HTTP/1.1\r\nhost: hotel\r\nx-enqueue: job-1\r\nconnection: close\r\n\r\n";
+    assert_eq!(client.raw(enqueue).0, 200);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, headers, _) = client.get("/ping", None);
+        if header(&headers, "x-queue-items") == Some("1") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the queue's registrant was never told: {headers:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

@@ -46,8 +46,8 @@ struct Config {
     tick_call: Option<String>,
     /// Registers this shared queue: what arrives is counted in shared data
     /// (`queue-items`, and the last item in `queue-last`) when the host says it is
-    /// ready; a request with `x-enqueue: V` enqueues V, and every request says the
-    /// count in `x-queue-items`.
+    /// ready; a request with `x-enqueue: V` enqueues V, and every request and response
+    /// says the count in `x-queue-items`.
     queue: Option<String>,
 }
 
@@ -392,6 +392,11 @@ impl HttpContext for Request {
         }
         if let Some(name) = &self.config.remove_response_header {
             self.set_http_response_header(name, None);
+        }
+        if self.config.queue.is_some() {
+            let (count, _) = self.get_shared_data("queue-items");
+            let count = count.map_or("0".to_owned(), |v| String::from_utf8_lossy(&v).into_owned());
+            self.set_http_response_header("x-queue-items", Some(&count));
         }
         Action::Continue
     }
