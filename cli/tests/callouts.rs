@@ -76,6 +76,7 @@ fn plugin_with(
 fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
     let (ext, asked) = upstream(false);
     let (slow, _) = upstream(true);
+    let (ticked, tick_asked) = upstream(false);
     let mesh = Mesh::up_edited(
         |m| m,
         |policy| {
@@ -101,13 +102,23 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
                 plugin("pw-slow", "slow", "slow", "/check", 300),
                 // And a shared queue whose news wake the thread that registered it.
                 plugin_with("pw-queue", "none", "user", "/", 3000, ", queue: jobs"),
+                // And ticks whose root context calls an upstream; the answers go back
+                // to the root.
+                plugin_with(
+                    "pw-tick",
+                    "none",
+                    "user",
+                    "/",
+                    3000,
+                    ", tick_ms: 100, tick_call: ticked",
+                ),
             ]
             .concat();
             policy
                 .replacen("filters:\n", &format!("filters:\n{filters}"), 1)
                 .replacen(
                     "chains:\n",
-                    "chains:\n  calls: [pw-user, pw-peer, pw-deny, pw-ext, pw-slow, pw-queue]\n",
+                    "chains:\n  calls: [pw-user, pw-peer, pw-deny, pw-ext, pw-slow, pw-queue, pw-tick]\n",
                     1,
                 )
                 .replacen(
@@ -116,7 +127,7 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
                     1,
                 )
                 + &format!(
-                    "upstreams:\n  ext: {{address: \"{ext}\"}}\n  slow: {{address: \"{slow}\"}}\n"
+                    "upstreams:\n  ext: {{address: \"{ext}\"}}\n  slow: {{address: \"{slow}\"}}\n  ticked: {{address: \"{ticked}\"}}\n"
                 )
         },
     );
@@ -202,4 +213,22 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+
+    // The plugin's ticks call an upstream from the root context: the node makes the
+    // calls, and the answers reach the root (which later responses say).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, headers, _) = client.get("/ping", None);
+        if header(&headers, "x-root-answer") == Some("200 ok") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no tick's call was answered to the root: {headers:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let asked = tick_asked.lock().unwrap();
+    let first = asked.first().expect("the tick's upstream was called");
+    assert!(first.starts_with("get /tick http/1.1"), "{first}");
 }

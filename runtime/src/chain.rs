@@ -351,6 +351,48 @@ impl ChainRunner {
         next
     }
 
+    /// The HTTP calls its plugins' root contexts made (from ticks, queue notifications
+    /// or earlier answers) since the last look, for an owner that makes them (its
+    /// [`WakeSlot`] says so): each with the filter and instance that made it.
+    pub fn take_root_calls(&mut self) -> Vec<(usize, u64, crate::callout::Callout)> {
+        let mut calls = Vec::new();
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(instance) = slot.instance.as_mut() {
+                for call in instance.take_root_calls() {
+                    calls.push((index, slot.replaced, call));
+                }
+            }
+        }
+        calls
+    }
+
+    /// Hands filter `index`'s root the answer to its call `token`, if the instance
+    /// that made it (`instance`, from [`Self::take_root_calls`]) is still there.
+    pub fn root_callout(
+        &mut self,
+        index: usize,
+        instance: u64,
+        token: u32,
+        reply: &crate::callout::CalloutReply,
+    ) {
+        let live = self
+            .slots
+            .get(index)
+            .is_some_and(|s| s.replaced == instance && s.instance.is_some());
+        if !live {
+            return;
+        }
+        self.wake_epochs();
+        let result = match self.slots[index].instance.as_mut() {
+            Some(live) => live.on_root_callout(token, reply),
+            None => Ok(()),
+        };
+        if let Err(kind) = result {
+            // A root callback's fault replaces the instance, as a tick's does.
+            self.fault(index, Phase::Tick, kind);
+        }
+    }
+
     /// Runs the request phase.
     pub fn on_request(&mut self, head: RequestHead) -> ChainOutcome {
         self.wake_epochs();

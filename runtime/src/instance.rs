@@ -387,6 +387,31 @@ impl FilterInstance {
         }
     }
 
+    /// The HTTP calls a plugin's root context made since the last look (for an owner
+    /// that makes them).
+    pub(crate) fn take_root_calls(&mut self) -> Vec<crate::callout::Callout> {
+        match &mut self.inner {
+            Inner::ProxyWasm(pw) => pw.take_root_calls(),
+            Inner::Component(_) => Vec::new(),
+        }
+    }
+
+    /// Hands a plugin's root the answer to its call `token`.
+    pub(crate) fn on_root_callout(
+        &mut self,
+        token: u32,
+        reply: &crate::callout::CalloutReply,
+    ) -> Result<(), FaultKind> {
+        let deadline = self.filter.settings.deadline;
+        match &mut self.inner {
+            Inner::ProxyWasm(pw) => {
+                arm_store(&mut pw.store, deadline);
+                pw.on_root_callout(token, reply, deadline)
+            }
+            Inner::Component(_) => Ok(()),
+        }
+    }
+
     /// The filter this is an instance of.
     pub fn filter(&self) -> &Arc<LoadedFilter> {
         &self.filter

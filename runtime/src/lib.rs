@@ -46,6 +46,6 @@ pub use filter::{FailurePolicy, FilterSettings, LoadedFilter, WIT_VERSION};
 pub use health::{FilterHealth, HealthPolicy, HealthState};
 pub use imports::NodeServices;
 pub use instance::{FilterInstance, Startup};
-pub use local::LocalChains;
+pub use local::{LocalChains, RootCall};
 pub use runtime::{AddressSpace, Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
 pub use worker::{Generation, PoolError, RequestDone, ResponseDone, Ticket, WorkerPool};

@@ -52,6 +52,20 @@ impl Runners {
     }
 }
 
+/// Where the answer to a plugin root's HTTP call goes: the generation, chain, filter
+/// and instance that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RootCall {
+    /// The generation's number.
+    pub generation: u64,
+    /// The chain's index in it.
+    pub chain: usize,
+    /// The filter's index in the chain.
+    pub filter: usize,
+    /// Which instance of that filter (replaced ones do not get answers).
+    pub instance: u64,
+}
+
 /// The chains one thread runs, per generation, with their instances.
 pub struct LocalChains {
     /// Goes in tickets: which runner of several ran the request phase.
@@ -194,6 +208,44 @@ impl LocalChains {
         let mut ticket = ticket.clone();
         ticket.ran = ran;
         Some(self.on_response(&ticket, head, info))
+    }
+
+    /// Says this thread makes its plugins' root-context HTTP calls: it takes them with
+    /// [`Self::take_root_calls`] after each [`Self::tick`] and hands the answers to
+    /// [`Self::root_callout`]. (Otherwise those calls are not made.)
+    pub fn perform_root_calls(&self) {
+        self.wake.set_performs_calls();
+    }
+
+    /// The HTTP calls the current generation's plugins' root contexts made since the
+    /// last look, each with where its answer goes.
+    pub fn take_root_calls(&mut self) -> Vec<(RootCall, crate::callout::Callout)> {
+        let generation = self.current.generation.number();
+        let mut calls = Vec::new();
+        for (chain, runner) in self.current.runners.iter_mut().enumerate() {
+            for (filter, instance, call) in runner.take_root_calls() {
+                let to = RootCall {
+                    generation,
+                    chain,
+                    filter,
+                    instance,
+                };
+                calls.push((to, call));
+            }
+        }
+        calls
+    }
+
+    /// Hands the answer to root call `token` to the instance that made it (if its
+    /// generation still runs).
+    pub fn root_callout(&mut self, to: &RootCall, token: u32, reply: &CalloutReply) {
+        if to.generation != self.current.generation.number() {
+            return;
+        }
+        if let Some(runner) = self.current.runners.get_mut(to.chain) {
+            runner.root_callout(to.filter, to.instance, token, reply);
+            runner.repair();
+        }
     }
 
     /// Runs the proxy-wasm ticks that are due on the current generation's instances

@@ -16,6 +16,25 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
+    /// Makes the calls the plugins' root contexts made (ticks, queue notifications,
+    /// answers to earlier calls); their answers go back to the instance that made them.
+    pub(super) fn root_calls(&mut self) {
+        for (to, callout) in self.chains.take_root_calls() {
+            let token = callout.token;
+            let inbox = self.inbox_tx.clone();
+            let bell = self.bell.clone();
+            let back = move |reply: CalloutReply| {
+                let _ = inbox.send(Inbox::RootCallout {
+                    to,
+                    token,
+                    reply: Box::new(reply),
+                });
+                bell.ring();
+            };
+            self.submit_call(callout, Box::new(back));
+        }
+    }
+
     /// Hands one call to the callout thread; its answer comes back through the inbox.
     fn call_out(&mut self, xid: u32, park: u32, callout: dpumesh_runtime::Callout) {
         let token = callout.token;
@@ -30,6 +49,13 @@ impl<F: Fabric> Reactor<F> {
             });
             bell.ring();
         };
+        self.submit_call(callout, Box::new(back));
+    }
+
+    /// Resolves a call's upstream and hands it to the callout thread (started by the
+    /// first call); `back` gets the answer, through the inbox (never re-entering the
+    /// chain that made the call).
+    fn submit_call(&mut self, callout: dpumesh_runtime::Callout, back: crate::callout::Done) {
         let target = match self.callout_target(&callout.upstream) {
             Ok(target) => target,
             Err(reason) => {
@@ -52,7 +78,7 @@ impl<F: Fabric> Reactor<F> {
         metrics::counter!("dpumesh_filter_callouts_total", "upstream" => callout.upstream.clone())
             .increment(1);
         if let Some(callouts) = &self.callouts {
-            callouts.submit(target, callout, Box::new(back));
+            callouts.submit(target, callout, back);
         }
     }
 

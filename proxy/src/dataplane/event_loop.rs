@@ -80,6 +80,7 @@ impl<F: Fabric> Reactor<F> {
                 || self.plugin_tick.is_some_and(|due| Instant::now() >= due)
             {
                 self.plugin_tick = self.chains.tick(Instant::now());
+                self.root_calls();
             }
             // One wake-up per pod, one send per link, for everything this pass did.
             self.port.wake_pods();

@@ -64,6 +64,10 @@ impl<F: Fabric> Reactor<F> {
                     token,
                     reply,
                 } => self.callout_done(xid, park, token, *reply),
+                Inbox::RootCallout { to, token, reply } => {
+                    self.chains.root_callout(&to, token, &reply);
+                    self.root_calls();
+                }
                 #[cfg(feature = "fault-injection")]
                 Inbox::Panic => panic!("injected data plane panic"),
             }

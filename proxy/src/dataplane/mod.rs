@@ -47,7 +47,7 @@ use dpumesh_head::wire::{self, ResponseHead};
 use dpumesh_head::{DEPENDENCY_FAILED_HEADER, DEPENDENCY_FAILED_METADATA};
 use dpumesh_runtime::{
     CalloutReply, Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead,
-    ResponseHeaders, ResponseInfo, Ticket,
+    ResponseHeaders, ResponseInfo, RootCall, Ticket,
 };
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use http::{HeaderMap, HeaderName, HeaderValue};
@@ -160,6 +160,8 @@ impl Dataplane {
         let chains = LocalChains::new(SHARD_RUNNER, policy.snapshot().generation.clone());
         // A plugin's shared queue got an item: the shard tells it at its next turn.
         let queue_ready = Arc::new(AtomicBool::new(false));
+        // The shard makes its plugins' root-context calls (from on_tick and the like).
+        chains.perform_root_calls();
         chains.set_waker({
             let (flag, bell) = (queue_ready.clone(), bell.clone());
             Arc::new(move || {
@@ -294,6 +296,12 @@ enum Inbox {
     Decided {
         xid: u32,
         done: Result<Box<RequestDone>, PoolError>,
+    },
+    /// A plugin root's HTTP call came back.
+    RootCallout {
+        to: RootCall,
+        token: u32,
+        reply: Box<CalloutReply>,
     },
     /// A filter's HTTP call came back for the request parked under `park`.
     Callout {

@@ -60,6 +60,8 @@ pub(crate) struct PwInstance {
     next_seq: u64,
     /// When `proxy_on_tick` is next due (set once the plugin asks for a period).
     next_tick: Option<std::time::Instant>,
+    /// HTTP calls the root context made, for an owner that makes them.
+    root_calls: Vec<crate::callout::Callout>,
 }
 
 fn typed<P: wasmtime::WasmParams, R: wasmtime::WasmResults>(
@@ -181,6 +183,7 @@ impl PwInstance {
             opened: HashMap::new(),
             next_seq: 0,
             next_tick: None,
+            root_calls: Vec::new(),
         })
     }
 
@@ -396,11 +399,11 @@ impl PwInstance {
         let owner = self.store.data().queue_owner.clone();
         if owner.pending() {
             let ready = owner.take();
-            if let Some(call) = self.calls.queue_ready.as_ref() {
+            if let Some(call) = self.calls.queue_ready.clone() {
                 for id in ready {
                     self.store.data_mut().effective = ROOT;
                     let result = call.call(&mut self.store, (ROOT as i32, id as i32));
-                    drop_root_calls(&mut self.store, &self.name, "proxy_on_queue_ready");
+                    self.root_calls_made("proxy_on_queue_ready");
                     if let Err(e) = result {
                         return (None, Err(classify(&mut self.store, e, deadline)));
                     }
@@ -421,7 +424,7 @@ impl PwInstance {
         let result = tick
             .call(&mut self.store, ROOT as i32)
             .map_err(|e| classify(&mut self.store, e, deadline));
-        drop_root_calls(&mut self.store, &self.name, "proxy_on_tick");
+        self.root_calls_made("proxy_on_tick");
         // The plugin may have changed (or stopped) its period in the call.
         let period = self.store.data().tick_ms;
         self.next_tick = (period > 0).then(|| now + Duration::from_millis(u64::from(period)));
@@ -447,6 +450,57 @@ impl PwInstance {
                 "the plugin's root faulted while retiring: {fault}"
             );
         }
+    }
+
+    /// Keeps the calls the root just made for the owner to make, if it makes them;
+    /// else they are not made (and say so).
+    fn root_calls_made(&mut self, callback: &str) {
+        if self.store.data().queue_owner.slot().performs_calls() {
+            let made = std::mem::take(&mut self.store.data_mut().call.callouts);
+            self.root_calls.extend(made);
+        } else {
+            drop_root_calls(&mut self.store, &self.name, callback);
+        }
+    }
+
+    /// The calls the root made since the last look.
+    pub(crate) fn take_root_calls(&mut self) -> Vec<crate::callout::Callout> {
+        std::mem::take(&mut self.root_calls)
+    }
+
+    /// Hands the root the answer to its call `token` (`proxy_on_http_call_response`
+    /// with the root's context id); calls it makes there are kept as its others.
+    pub(crate) fn on_root_callout(
+        &mut self,
+        token: u32,
+        reply: &CalloutReply,
+        deadline: Duration,
+    ) -> Result<(), FaultKind> {
+        let data = self.store.data_mut();
+        if data.pending.get(&token) != Some(&ROOT) {
+            return Ok(());
+        }
+        data.pending.remove(&token);
+        let Some(call_response) = self.calls.call_response.clone() else {
+            return Ok(());
+        };
+        let pairs = reply.header_pairs();
+        let body = reply.body();
+        let (n_headers, body_len) = (pairs.len() as i32, body.len() as i32);
+        let data = self.store.data_mut();
+        data.call = CallState {
+            buffer: Some((BufferType::HttpCallResponseBody, std::sync::Arc::from(body))),
+            call_response: Some(pairs),
+            ..CallState::default()
+        };
+        data.effective = ROOT;
+        let result = call_response.call(
+            &mut self.store,
+            (ROOT as i32, token as i32, n_headers, body_len, 0),
+        );
+        self.root_calls_made("proxy_on_http_call_response");
+        self.store.data_mut().call = CallState::default();
+        result.map_err(|e| classify(&mut self.store, e, deadline))
     }
 
     /// Whether a tick or a queue notification may be due (cheap: no guest call).

@@ -22,8 +22,12 @@ pub type Waker = Arc<dyn Fn() + Send + Sync>;
 /// [`crate::ChainRunner`]) find their thread's waker: set by that thread when it
 /// starts, which may be after the instances were created (a pool's are created before
 /// its threads run). Without one, notifications wait for the owner's next tick pass.
+///
+/// It also says whether that thread makes its instances' root-context HTTP calls
+/// (calls from `on_tick` and the like): a node's shard does; a pool worker does not,
+/// and its instances' root calls are not made.
 #[derive(Default)]
-pub struct WakeSlot(arc_swap::ArcSwapOption<Waker>);
+pub struct WakeSlot(arc_swap::ArcSwapOption<Waker>, AtomicBool);
 
 impl std::fmt::Debug for WakeSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -37,6 +41,15 @@ impl WakeSlot {
     /// Sets the waker.
     pub fn set(&self, waker: Waker) {
         self.0.store(Some(Arc::new(waker)));
+    }
+
+    /// The owning thread makes its instances' root-context HTTP calls.
+    pub fn set_performs_calls(&self) {
+        self.1.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn performs_calls(&self) -> bool {
+        self.1.load(Ordering::Acquire)
     }
 
     fn wake(&self) {
@@ -70,6 +83,11 @@ impl QueueOwner {
         if !self.any.swap(true, Ordering::AcqRel) {
             self.wake.wake();
         }
+    }
+
+    /// The owner's slot.
+    pub(crate) fn slot(&self) -> &WakeSlot {
+        &self.wake
     }
 
     /// Whether a notification waits (cheap: no lock).

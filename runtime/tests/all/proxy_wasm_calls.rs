@@ -330,3 +330,67 @@ fn calls_from_the_root_context_are_not_made_and_do_not_use_up_the_tokens() {
     let (_, calls) = paused(&runner.on_request(get("/api/x")));
     assert_eq!(calls.len(), 1);
 }
+
+#[test]
+fn calls_from_the_root_context_are_handed_to_an_owner_that_makes_them_and_answered_to_the_root() {
+    let rt = runtime();
+    let config = json!({"tick_ms": 1, "tick_call": "auth"});
+    let filter = rt
+        .load_filter(
+            dpumesh_runtime::FilterSettings::new("pw-root-calls", config.to_string())
+                .namespace("pw-root-calls")
+                .deadline(Duration::from_millis(500)),
+            &artifacts::read(artifacts::PROXY_WASM_TEST),
+        )
+        .unwrap();
+    let shared = |key: &str| {
+        rt.services()
+            .state
+            .namespace("pw-root-calls")
+            .get_bytes(key)
+            .unwrap()
+            .map(|(v, _)| String::from_utf8(v.to_vec()).unwrap())
+    };
+    // A shard's slot: it makes its instances' root calls.
+    let slot = Arc::new(dpumesh_runtime::proxywasm::queues::WakeSlot::default());
+    slot.set_performs_calls();
+    let mut runner = ChainRunner::with_wake(Arc::new(FilterChain::new("root", vec![filter])), slot);
+    let mut due = runner.tick(std::time::Instant::now()).unwrap();
+    while shared("ticks").as_deref() != Some("2") {
+        std::thread::sleep(due.saturating_duration_since(std::time::Instant::now()));
+        due = runner.tick(std::time::Instant::now()).unwrap();
+    }
+    // Each tick's call, as the plugin made it, with the filter and instance it came from.
+    let calls = runner.take_root_calls();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert!(runner.take_root_calls().is_empty(), "taken once");
+    let (index, instance, first) = &calls[0];
+    assert_eq!((*index, first.upstream.as_str()), (0, "auth"));
+    assert_eq!(first.header(":path"), Some("/tick"));
+    assert_eq!(shared("tick-call-refused"), None);
+
+    // The answer reaches the root's on_http_call_response.
+    runner.root_callout(*index, *instance, first.token, &answer(200, "fine", &[]));
+    assert_eq!(shared("root-answer-last").as_deref(), Some("200 fine"));
+    assert_eq!(shared("root-answers").as_deref(), Some("1"));
+    // A second answer for the same call, or one for an instance that is not there, is
+    // dropped.
+    runner.root_callout(*index, *instance, first.token, &answer(500, "again", &[]));
+    runner.root_callout(
+        *index,
+        instance + 1,
+        calls[1].2.token,
+        &answer(500, "x", &[]),
+    );
+    assert_eq!(shared("root-answers").as_deref(), Some("1"));
+    // A failed call: the root is told with no status.
+    let failed = CalloutReply::Failed {
+        reason: "refused".into(),
+    };
+    runner.root_callout(*index, *instance, calls[1].2.token, &failed);
+    assert_eq!(shared("root-answer-last").as_deref(), Some("none"));
+    assert_eq!(shared("root-answers").as_deref(), Some("2"));
+    // The root's answered calls released their tokens: a request still gets one.
+    let outcome = runner.on_request(get("/"));
+    assert!(outcome.faults.is_empty(), "{:?}", outcome.faults);
+}

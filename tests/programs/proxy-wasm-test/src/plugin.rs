@@ -42,7 +42,9 @@ struct Config {
     quiet: bool,
     /// `on_tick` never returns.
     spin_tick: bool,
-    /// Each tick dispatches an HTTP call to this upstream (from the root context).
+    /// Each tick dispatches an HTTP call to this upstream (from the root context); the
+    /// last answer (`STATUS BODY`) is stored in `root-answer-last` and every response
+    /// says it in `x-root-answer`.
     tick_call: Option<String>,
     /// Registers this shared queue: what arrives is counted in shared data
     /// (`queue-items`, and the last item in `queue-last`) when the host says it is
@@ -95,6 +97,22 @@ impl Context for Root {
     fn on_done(&mut self) -> bool {
         add_shared("root-done", 1);
         true
+    }
+
+    /// A tick's call came back: its status (or `none`) stored, then counted in
+    /// `root-answers`.
+    fn on_http_call_response(&mut self, _token: u32, _headers: usize, size: usize, _t: usize) {
+        let status = self
+            .get_http_call_response_header(":status")
+            .unwrap_or_else(|| "none".to_string());
+        let body = self
+            .get_http_call_response_body(0, size)
+            .unwrap_or_default();
+        let last = format!("{status} {}", String::from_utf8_lossy(&body).trim());
+        let last = last.trim_end();
+        self.set_shared_data("root-answer-last", Some(last.as_bytes()), None)
+            .ok();
+        add_shared("root-answers", 1);
     }
 }
 
@@ -397,6 +415,13 @@ impl HttpContext for Request {
             let (count, _) = self.get_shared_data("queue-items");
             let count = count.map_or("0".to_owned(), |v| String::from_utf8_lossy(&v).into_owned());
             self.set_http_response_header("x-queue-items", Some(&count));
+        }
+        if self.config.tick_call.is_some() {
+            let (last, _) = self.get_shared_data("root-answer-last");
+            let last = last.map_or("none".to_owned(), |v| {
+                String::from_utf8_lossy(&v).into_owned()
+            });
+            self.set_http_response_header("x-root-answer", Some(&last));
         }
         Action::Continue
     }
