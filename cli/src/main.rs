@@ -41,6 +41,7 @@ mod progress;
 mod roles;
 mod scaffold;
 mod secrets;
+mod store;
 mod up;
 
 use std::net::SocketAddr;
@@ -185,6 +186,15 @@ enum Command {
         #[command(subcommand)]
         command: BenchCommand,
     },
+    /// A node's BlueCache object store: put, get, ls, stat, rm.
+    Store {
+        /// The node's control channel (`unix:PATH` or `tcp:HOST:PORT`; a pod has it
+        /// in `DPUMESH_CONTROL`).
+        #[arg(long, env = "DPUMESH_CONTROL")]
+        control: Endpoint,
+        #[command(subcommand)]
+        command: store::StoreCommand,
+    },
     /// Load a filter component and validate its configuration.
     Check {
         /// The filter component (`.wasm`).
@@ -288,6 +298,7 @@ fn main() -> Result<ExitCode> {
             requests,
         } => demo(&filter, &config, workers, requests).map(|()| ExitCode::SUCCESS),
         Command::Check { filter, config } => check(&filter, &config).map(|()| ExitCode::SUCCESS),
+        Command::Store { control, command } => store::run(&control, command),
         Command::Bench { command } => match command {
             BenchCommand::Dpa { quick, json, only } => {
                 bench::dpa::run(quick, json, only.as_deref()).map(|()| ExitCode::SUCCESS)

@@ -14,6 +14,7 @@ pub mod error;
 pub mod mesh_file;
 pub mod proxy;
 pub mod routes;
+pub mod store;
 pub mod units;
 
 pub use error::ConfigError;
@@ -23,4 +24,5 @@ pub use mesh_file::{
 };
 pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};
+pub use store::{StoreBackend, StoreConfig};
 pub use units::{ByteSize, Span};

@@ -273,6 +273,9 @@ pub struct MeshConfig {
     pub nodes: BTreeMap<String, NodeEntry>,
     /// Services by name.
     pub services: BTreeMap<String, ServiceEntry>,
+    /// Each node's BlueCache object store (none when absent).
+    #[serde(default)]
+    pub store: Option<crate::store::StoreConfig>,
 }
 
 /// A checked mesh file.
@@ -328,6 +331,16 @@ impl MeshFile {
                 ));
             }
             _ => {}
+        }
+        if let Some(store) = &config.store {
+            if let Err((key, message)) = store.check() {
+                return Err(error(key, message));
+            }
+            // Relative to the mesh file, like every other path in it.
+            if let Some(d) = &store.dir {
+                let resolved = dir.join(d);
+                config.store.as_mut().expect("checked above").dir = Some(resolved);
+            }
         }
         for (name, service) in &config.services {
             if service.nodes.is_empty() {

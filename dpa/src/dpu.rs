@@ -15,7 +15,7 @@ use crossbeam_channel::Sender;
 use parking_lot::Mutex;
 
 use crate::bell::{BELL_LEN, Bell, BellError};
-use crate::control::transport::{ControlServer, Endpoint, Handler, Peer};
+use crate::control::transport::{ControlServer, Endpoint, Handler, Peer, StoreReply};
 use crate::control::{ErrorCode, PodExports, RegionExport, RegionKind, Request, Response, Role};
 use crate::descriptor::{Buffer, Descriptor};
 use crate::dma::manager::{Command, DmaManager, DmaStats, PodPort};
@@ -71,6 +71,8 @@ pub struct DpuConfig {
     /// The mesh's registration key: a pod registers only with its service's token
     /// (`None`: anyone who reaches the control socket registers as anything).
     pub registration: Option<dpumesh_identity::registration::RegistrationKey>,
+    /// The BlueCache agent store messages go to (`None`: they are refused).
+    pub store: Option<Arc<dyn crate::control::transport::StoreService>>,
 }
 
 impl DpuConfig {
@@ -84,6 +86,7 @@ impl DpuConfig {
             max_pods: 64,
             remote_services: std::collections::BTreeMap::new(),
             registration: None,
+            store: None,
         }
     }
 }
@@ -316,7 +319,20 @@ impl Handler for ControlHandler {
         self.answer(peer, request)
     }
 
+    fn handle_store(&self, peer: &Peer, message: Vec<u8>, reply: StoreReply) {
+        match &self.0.config.store {
+            Some(store) => store.handle(peer.id, message, reply),
+            None => reply.refuse(
+                ErrorCode::BadRequest,
+                "this node runs no BlueCache store (no `store:` in the mesh file)",
+            ),
+        }
+    }
+
     fn disconnected(&self, peer: &Peer) {
+        if let Some(store) = &self.0.config.store {
+            store.disconnected(peer.id);
+        }
         let ids: Vec<u32> = self
             .0
             .pods
@@ -411,6 +427,11 @@ impl ControlHandler {
         }
         let response = match request {
             Request::Hello { .. } => Response::Ok,
+            // Served by `handle_store`, which the transport calls for them.
+            Request::Store(_) => Response::Error {
+                code: ErrorCode::Internal,
+                message: "a store message took the wrong path".to_owned(),
+            },
             Request::Ping => Response::Pong,
             Request::Resolve { service } => Response::Resolved {
                 pods: self.pods_of(&service),

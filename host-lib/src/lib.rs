@@ -21,6 +21,8 @@
 //! The loop runs on a [`Transport`]: [`memory::InMemoryTransport`] (virtual clock) for
 //! tests and examples; [`datapath::DataPathTransport`] (descriptors through the node's
 //! DMA manager and DPU proxy) in the mesh.
+//!
+//! [`store`] is the BlueCache client: objects on the DPU, moved by DMA.
 
 #![warn(missing_docs)]
 
@@ -33,6 +35,7 @@ pub mod memory;
 mod pool;
 pub mod result;
 mod run;
+pub mod store;
 pub mod transport;
 
 pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};

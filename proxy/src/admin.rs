@@ -44,6 +44,7 @@ pub async fn serve(
     policy: Arc<Policy>,
     threads: Vec<Arc<Supervisor>>,
     checks: Vec<Check>,
+    store: Option<Arc<dpumesh_store::Agent>>,
 ) {
     let threads = Arc::new(threads);
     let checks = Arc::new(checks);
@@ -51,11 +52,25 @@ pub async fn serve(
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (policy, threads, checks) = (policy.clone(), threads.clone(), checks.clone());
+        let (policy, threads, checks, store) = (
+            policy.clone(),
+            threads.clone(),
+            checks.clone(),
+            store.clone(),
+        );
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (policy, threads, checks) = (policy.clone(), threads.clone(), checks.clone());
-                async move { Ok::<_, Infallible>(handle(&policy, &threads, &checks, req).await) }
+                let (policy, threads, checks, store) = (
+                    policy.clone(),
+                    threads.clone(),
+                    checks.clone(),
+                    store.clone(),
+                );
+                async move {
+                    Ok::<_, Infallible>(
+                        handle(&policy, &threads, &checks, store.as_deref(), req).await,
+                    )
+                }
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
@@ -97,10 +112,12 @@ async fn handle(
     policy: &Arc<Policy>,
     threads: &[Arc<Supervisor>],
     checks: &[Check],
+    store: Option<&dpumesh_store::Agent>,
     req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
     let json = "application/json";
     match (req.method(), req.uri().path()) {
+        (_, "/store") => store_endpoint(store, &req),
         (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".to_owned()),
         (&Method::GET, "/readyz") => match readiness(policy, threads, checks) {
             Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".to_owned()),
@@ -112,6 +129,12 @@ async fn handle(
         },
         (&Method::GET, "/metrics") => {
             refresh_gauges(policy);
+            if let Some(store) = store {
+                let stats = store.stats();
+                metrics::gauge!("dpumesh_store_objects").set(stats.objects as f64);
+                metrics::gauge!("dpumesh_store_stored_bytes").set(stats.bytes as f64);
+                metrics::gauge!("dpumesh_store_free_slots").set(stats.free_slots as f64);
+            }
             reply(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",
@@ -153,7 +176,9 @@ async fn handle(
         (_, path) => reply(
             StatusCode::NOT_FOUND,
             "text/plain",
-            format!("no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload\n"),
+            format!(
+                "no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload /store\n"
+            ),
         ),
     }
 }
@@ -222,4 +247,115 @@ fn filters(policy: &Policy) -> serde_json::Value {
         "last_reload_error": policy.last_error(),
         "chains": chains,
     })
+}
+
+/// `GET /store`: the BlueCache agent's counts. `DELETE /store?key=K` or
+/// `?prefix=P`: purges (the answer says how many objects went).
+fn store_endpoint(
+    store: Option<&dpumesh_store::Agent>,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    let json = "application/json";
+    let Some(store) = store else {
+        return reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "this node runs no BlueCache store (no `store:` in the mesh file)\n".to_owned(),
+        );
+    };
+    match *req.method() {
+        Method::GET => {
+            let s = store.stats();
+            reply(
+                StatusCode::OK,
+                json,
+                serde_json::json!({
+                    "objects": s.objects,
+                    "bytes": s.bytes,
+                    "capacity": s.capacity,
+                    "slots": s.slots,
+                    "free_slots": s.free_slots,
+                    "pushed_bytes": s.pushed_bytes,
+                    "pulled_bytes": s.pulled_bytes,
+                    "evictions": s.evictions,
+                    "cancelled": s.cancelled,
+                    "backend": s.backend,
+                    "engine": s.engine,
+                })
+                .to_string(),
+            )
+        }
+        Method::DELETE => {
+            let query: Vec<(String, String)> = req
+                .uri()
+                .query()
+                .map(|q| {
+                    q.split('&')
+                        .filter(|p| !p.is_empty())
+                        .map(|p| {
+                            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+                            (unescape(k), unescape(v))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let removed = match query.as_slice() {
+                [(k, key)] if k == "key" => store.purge_key(key),
+                [(k, prefix)] if k == "prefix" => store.purge_prefix(prefix),
+                _ => {
+                    return reply(
+                        StatusCode::BAD_REQUEST,
+                        "text/plain",
+                        "say what to purge: DELETE /store?key=KEY or /store?prefix=PREFIX\n"
+                            .to_owned(),
+                    );
+                }
+            };
+            reply(
+                StatusCode::OK,
+                json,
+                serde_json::json!({ "removed": removed }).to_string(),
+            )
+        }
+        _ => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "method not allowed (GET or DELETE)\n".to_owned(),
+        ),
+    }
+}
+
+/// A query value's `%XX` escapes and `+` decoded (an invalid escape is kept as
+/// written).
+fn unescape(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if bytes.get(i + 1).and_then(|b| hex(*b)).is_some()
+                && bytes.get(i + 2).and_then(|b| hex(*b)).is_some() =>
+            {
+                let hi = hex(bytes[i + 1]).expect("checked");
+                let lo = hex(bytes[i + 2]).expect("checked");
+                out.push((hi * 16 + lo) as u8);
+                i += 2;
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod unescape_tests {
+    #[test]
+    fn query_values_are_decoded() {
+        assert_eq!(super::unescape("cache%2FGET+x"), "cache/GET x");
+        assert_eq!(super::unescape("100%"), "100%");
+        assert_eq!(super::unescape("%zz%4"), "%zz%4");
+    }
 }

@@ -82,6 +82,7 @@ impl Proxy {
                     policy.clone(),
                     Vec::new(),
                     Vec::new(),
+                    None,
                 ));
                 Some(local)
             }

@@ -23,6 +23,8 @@ pub struct Node {
     // Field order is drop order: the data plane stops before the DPU side it uses.
     dataplane: Dataplane,
     dpu: Arc<Dpu>,
+    /// The node's BlueCache agent (when the mesh file has a `store` section).
+    store: Option<Arc<dpumesh_store::Agent>>,
     policy: Arc<Policy>,
     admin: Option<SocketAddr>,
     _io: tokio::runtime::Runtime,
@@ -65,6 +67,46 @@ impl std::fmt::Debug for Node {
             .field("control", self.dpu.control_endpoint())
             .finish_non_exhaustive()
     }
+}
+
+/// Node `name`'s BlueCache agent: its objects in `DIR/NAME` (default
+/// `RUN_DIR/bluecache/NAME`), the software DMA engine (DOCA DMA is the `doca`
+/// feature's engine, not wired to the agent yet).
+fn start_store(
+    settings: &dpumesh_config::StoreConfig,
+    name: &str,
+    run_dir: &Path,
+) -> anyhow::Result<dpumesh_store::Agent> {
+    let backend: Box<dyn dpumesh_store::Backend> = match settings.backend {
+        dpumesh_config::StoreBackend::Memory => Box::new(dpumesh_store::MemoryBackend::new()),
+        dpumesh_config::StoreBackend::Posix => {
+            let dir = settings
+                .dir
+                .clone()
+                .unwrap_or_else(|| run_dir.join("bluecache"))
+                .join(name);
+            Box::new(dpumesh_store::PosixBackend::open(
+                &dir,
+                dpumesh_store::PosixOptions {
+                    fsync: settings.fsync(),
+                },
+            )?)
+        }
+    };
+    let agent = dpumesh_store::Agent::start(
+        dpumesh_store::AgentConfig {
+            capacity: settings.capacity(),
+            queue_depth: settings.queue_depth(),
+            slot_size: settings.slot_size(),
+            io_threads: settings.io_threads(),
+            pipelined: settings.pipelined(),
+            verify_reads: settings.verify_reads(),
+        },
+        backend,
+        Box::new(dpumesh_dpa::dma::SoftwareDma),
+    )?;
+    tracing::info!(stats = ?agent.stats(), "BlueCache store started");
+    Ok(agent)
 }
 
 /// The data plane on fabric `fabric`, listening at `listen`.
@@ -159,6 +201,13 @@ impl Node {
                 config.remote_services.insert(service, addr);
             }
         }
+        let store = match &mesh.config.store {
+            Some(settings) => Some(Arc::new(start_store(settings, name, &options.run_dir)?)),
+            None => None,
+        };
+        config.store = store
+            .clone()
+            .map(|a| a as Arc<dyn dpumesh_dpa::control::transport::StoreService>);
         let control = match &options.control {
             Some(endpoint) => endpoint.clone(),
             None => {
@@ -219,6 +268,7 @@ impl Node {
                     policy.clone(),
                     vec![dataplane.supervisor().clone()],
                     vec![pods_registered(expected_pods(mesh, name), dpu.clone())],
+                    store.clone(),
                 ));
                 Some(local)
             }
@@ -227,6 +277,7 @@ impl Node {
         Ok(Self {
             dataplane,
             dpu,
+            store,
             policy,
             admin,
             _io: io,
@@ -251,6 +302,11 @@ impl Node {
     /// The node's DPU side.
     pub fn dpu(&self) -> &Arc<Dpu> {
         &self.dpu
+    }
+
+    /// The node's BlueCache agent, if it runs one.
+    pub fn store(&self) -> Option<&Arc<dpumesh_store::Agent>> {
+        self.store.as_ref()
     }
 
     /// The filter runtime.

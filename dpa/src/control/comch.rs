@@ -327,7 +327,16 @@ pub struct ComchServer {
     inbox: Inbox,
     peers: Vec<(*mut sys::doca_comch_connection, Option<Peer>)>,
     next_peer: u64,
+    /// Store answers given later, on other threads: (connection, request id, answer),
+    /// sent by the progress loop (the only thread that touches Comch).
+    deferred: (
+        crossbeam_channel::Sender<Deferred>,
+        crossbeam_channel::Receiver<Deferred>,
+    ),
 }
+
+/// A store answer for a connection (its address), to a request id.
+type Deferred = (usize, u32, Response);
 
 impl std::fmt::Debug for ComchServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -358,6 +367,7 @@ impl ComchServer {
             inbox: Inbox::default(),
             peers: Vec::new(),
             next_peer: 1,
+            deferred: crossbeam_channel::unbounded(),
         };
         // SAFETY: handles created here are freed by Drop on every path.
         unsafe {
@@ -455,8 +465,19 @@ impl ComchServer {
                     self.handler.disconnected(&peer);
                 }
             }
+            while let Ok((connection, id, response)) = self.deferred.1.try_recv() {
+                // Still connected (a departed peer's late answer is dropped).
+                if let Some((c, _)) = self.peers.iter().find(|(c, _)| *c as usize == connection) {
+                    let c = *c;
+                    self.send(c, &encode(&Frame::Response(id, response)))?;
+                }
+            }
             while let Some((bytes, connection)) = self.inbox.messages.pop_front() {
                 let reply = match decode(&bytes) {
+                    Ok(Frame::Request(id, Request::Store(message))) => {
+                        self.store(connection, id, message);
+                        None
+                    }
                     Ok(Frame::Request(id, request)) => Some((id, self.answer(connection, request))),
                     Ok(Frame::Response(..)) => None,
                     Err(ControlError::Version { theirs, .. }) => {
@@ -474,6 +495,20 @@ impl ComchServer {
             }
         }
         Ok(())
+    }
+
+    /// A store message: the agent answers when its transfers are done, through the
+    /// deferred queue this loop drains.
+    fn store(&mut self, connection: *mut sys::doca_comch_connection, id: u32, message: Vec<u8>) {
+        let tx = self.deferred.0.clone();
+        let at = connection as usize;
+        let reply = super::transport::StoreReply::new(move |response| {
+            let _ = tx.send((at, id, response));
+        });
+        match self.peers.iter().find(|(c, _)| *c == connection) {
+            Some((_, Some(peer))) => self.handler.handle_store(peer, message, reply),
+            _ => reply.refuse(ErrorCode::BadRequest, "say Hello first"),
+        }
     }
 
     fn answer(

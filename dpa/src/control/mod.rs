@@ -30,8 +30,8 @@ use serde::{Deserialize, Serialize};
 /// `DPMC`, little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
 /// The protocol version this build speaks.
-/// 3: registrations carry a token.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 3: registrations carry a token. 4: BlueCache store messages.
+pub const PROTOCOL_VERSION: u16 = 4;
 /// Largest body accepted.
 pub const MAX_BODY: u32 = 64 << 10;
 const HEADER: usize = 16;
@@ -73,6 +73,9 @@ pub enum Request {
     /// Where `service` runs as seen from this node: its pods here (case 3), else the
     /// fabric address of a node that runs it (case 1).
     Locate { service: String },
+    /// A BlueCache store message (`dpumesh-store`'s `DTRF` protocol, with its own
+    /// magic and version): metadata of transfers whose bytes move by DMA.
+    Store(Vec<u8>),
 }
 
 /// What the DPU answers.
@@ -109,6 +112,8 @@ pub enum Response {
         /// A node elsewhere that runs it (`ip:port` of its proxy), when none here.
         remote: Option<String>,
     },
+    /// The BlueCache agent's answer to [`Request::Store`].
+    Store(Vec<u8>),
 }
 
 /// Classes of control errors.

@@ -142,8 +142,50 @@ pub trait Handler: Send + Sync + 'static {
         (self.handle(peer, request), Vec::new())
     }
 
+    /// A BlueCache store message: answered through `reply`, at once or when its
+    /// transfers are done. The connection goes on being read meanwhile, so a peer
+    /// that goes away mid-transfer is told to [`Handler::disconnected`] at once.
+    fn handle_store(&self, _peer: &Peer, _message: Vec<u8>, reply: StoreReply) {
+        reply.refuse(ErrorCode::BadRequest, "this node runs no BlueCache store");
+    }
+
     /// `peer` went away (closed, crashed, or the server is stopping).
     fn disconnected(&self, _peer: &Peer) {}
+}
+
+/// What serves store messages on a node (the BlueCache agent, `dpumesh-store`).
+pub trait StoreService: Send + Sync + std::fmt::Debug + 'static {
+    /// One message from connection `peer`; the answer goes to `reply`.
+    fn handle(&self, peer: u64, message: Vec<u8>, reply: StoreReply);
+
+    /// Connection `peer` closed: its transfers stop, its buffers are forgotten.
+    fn disconnected(&self, peer: u64);
+}
+
+/// Where the answer to a store message goes: the connection that sent it.
+pub struct StoreReply(Box<dyn FnOnce(Response) + Send>);
+
+impl std::fmt::Debug for StoreReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreReply")
+    }
+}
+
+impl StoreReply {
+    /// A reply that hands the response to `send` (a transport's writer).
+    pub fn new(send: impl FnOnce(Response) + Send + 'static) -> Self {
+        Self(Box::new(send))
+    }
+
+    /// Sends the agent's answer (dropped if the peer went away meanwhile).
+    pub fn send(self, message: Vec<u8>) {
+        (self.0)(Response::Store(message));
+    }
+
+    /// Refuses the message at the control channel's level.
+    pub fn refuse(self, code: ErrorCode, message: &str) {
+        (self.0)(error(code, message));
+    }
 }
 
 /// A running control-channel server. Dropping it tells every peer `Teardown`, closes
@@ -385,6 +427,14 @@ fn serve(
                 }
             }
             (None, _) => error(ErrorCode::BadRequest, "say Hello first"),
+            (Some(p), Request::Store(message)) => {
+                let conns = conns.clone();
+                let reply = StoreReply::new(move |response| {
+                    let _ = reply(&conns, id, rid, response);
+                });
+                handler.handle_store(p, message, reply);
+                continue;
+            }
             (Some(p), request) => {
                 let (response, fds) = handler.handle_with_fds(p, request);
                 if reply_with_fds(&conns, id, rid, response, &fds).is_err() {
@@ -628,6 +678,16 @@ impl ControlClient {
             }
             Frame::Response(_, response) => Ok(response),
             Frame::Request(..) => Err(ControlError::Body("the DPU sent a request".to_owned())),
+        }
+    }
+
+    /// Sends a BlueCache store message and waits for the agent's answer.
+    pub fn store(&mut self, message: Vec<u8>) -> Result<Vec<u8>, ControlError> {
+        match self.request(Request::Store(message))? {
+            Response::Store(answer) => Ok(answer),
+            other => Err(ControlError::Body(format!(
+                "a store message answered with {other:?}"
+            ))),
         }
     }
 

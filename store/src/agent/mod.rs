@@ -301,6 +301,16 @@ impl Agent {
         }
     }
 
+    /// Removes the object `key`; how many went (0 or 1).
+    pub fn purge_key(&self, key: &str) -> usize {
+        let mut catalog = self.inner.catalog.lock();
+        if !catalog.remove(key) {
+            return 0;
+        }
+        let _ = self.inner.backend.remove(key);
+        1
+    }
+
     /// Removes every object whose key starts with `prefix`; how many.
     pub fn purge_prefix(&self, prefix: &str) -> usize {
         let mut catalog = self.inner.catalog.lock();
@@ -459,6 +469,26 @@ fn run_job(inner: &Inner, job: Job) {
         job.id,
         Response::Batch { results },
     )));
+}
+
+impl dpumesh_dpa::control::transport::StoreService for Agent {
+    fn handle(
+        &self,
+        peer: u64,
+        message: Vec<u8>,
+        reply: dpumesh_dpa::control::transport::StoreReply,
+    ) {
+        Agent::handle(
+            self,
+            peer,
+            &message,
+            Box::new(move |answer| reply.send(answer)),
+        );
+    }
+
+    fn disconnected(&self, peer: u64) {
+        Agent::disconnected(self, peer);
+    }
 }
 
 #[cfg(test)]
