@@ -32,7 +32,7 @@ pub struct StoreConfig {
     pub capacity: Option<ByteSize>,
     /// Staging slots: chunks in flight across all transfers (default 16).
     pub queue_depth: Option<u32>,
-    /// Bytes per staging slot: one DMA per chunk of this size (default 1MiB).
+    /// Bytes per staging slot: one DMA per chunk of this size (default 256KiB).
     pub slot_size: Option<ByteSize>,
     /// Batches served at once (default 2).
     pub io_threads: Option<u32>,
@@ -53,7 +53,7 @@ impl StoreConfig {
         self.queue_depth.unwrap_or(16) as usize
     }
     pub fn slot_size(&self) -> usize {
-        self.slot_size.map_or(1 << 20, |b| b.0)
+        self.slot_size.map_or(256 << 10, |b| b.0)
     }
     pub fn io_threads(&self) -> usize {
         self.io_threads.unwrap_or(2) as usize

@@ -410,7 +410,7 @@ fn a_restarted_agent_finds_its_objects_and_drops_a_corrupted_one_on_read() {
     // A bit flips on disk.
     let path = PosixBackend::open(dir.path(), PosixOptions::default())
         .unwrap()
-        .path("rot");
+        .object_path("rot");
     let mut bytes = std::fs::read(&path).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 1;

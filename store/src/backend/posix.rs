@@ -57,7 +57,8 @@ impl PosixBackend {
         })
     }
 
-    pub(crate) fn path(&self, key: &str) -> PathBuf {
+    /// The file that holds `key`'s object (when it exists).
+    pub fn object_path(&self, key: &str) -> PathBuf {
         self.objects
             .join(hex::encode(sha2::Sha256::digest(key.as_bytes())))
     }
@@ -137,13 +138,13 @@ impl Backend for PosixBackend {
         Ok(Box::new(Writer {
             file: Some(file),
             tmp,
-            target: self.path(key),
+            target: self.object_path(key),
             options: self.options,
         }))
     }
 
     fn open(&self, key: &str) -> Result<Option<Box<dyn ObjectReader>>, StorageError> {
-        let path = self.path(key);
+        let path = self.object_path(key);
         let mut file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -158,7 +159,7 @@ impl Backend for PosixBackend {
     }
 
     fn remove(&self, key: &str) -> Result<(), StorageError> {
-        let path = self.path(key);
+        let path = self.object_path(key);
         match std::fs::remove_file(&path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -179,7 +180,7 @@ impl Backend for PosixBackend {
                 .map_err(|e| StorageError::io(path.display(), e))
                 .and_then(|mut f| read_header(&mut f, &path));
             match header {
-                Ok(meta) if self.path(&meta.key) == path => found.push(meta),
+                Ok(meta) if self.object_path(&meta.key) == path => found.push(meta),
                 Ok(meta) => {
                     tracing::warn!(file = %path.display(), key = meta.key, "removing an object stored under another key's name");
                     let _ = std::fs::remove_file(&path);

@@ -97,8 +97,8 @@ fn a_restart_removes_interrupted_writes_and_damaged_objects() {
     w.append(&staging, 0, 7).unwrap();
     std::mem::forget(w);
     // A file cut short (a disk that lost its tail) and one that is not ours.
-    let good = backend.path("whole");
-    let cut = backend.path("cut");
+    let good = backend.object_path("whole");
+    let cut = backend.object_path("cut");
     std::fs::copy(&good, &cut).unwrap();
     let len = std::fs::metadata(&cut).unwrap().len();
     OpenOptions::new()
@@ -107,7 +107,7 @@ fn a_restart_removes_interrupted_writes_and_damaged_objects() {
         .unwrap()
         .set_len(len - 3)
         .unwrap();
-    std::fs::write(backend.path("junk"), b"junk").unwrap();
+    std::fs::write(backend.object_path("junk"), b"junk").unwrap();
 
     let again = PosixBackend::open(dir.path(), PosixOptions::default()).unwrap();
     let found = again.recover().unwrap();
