@@ -134,10 +134,25 @@ struct Job {
     reply: Reply,
 }
 
+/// What the transfer workers do.
+enum Work {
+    /// A client's batch.
+    Batch(Job),
+    /// Bytes the node itself stores (the HTTP cache's bodies).
+    Local {
+        key: String,
+        bytes: Vec<u8>,
+        done: LocalDone,
+    },
+}
+
+/// Told how a local put went.
+pub type LocalDone = Box<dyn FnOnce(Result<crate::ObjectMeta, String>) + Send>;
+
 /// The running agent.
 pub struct Agent {
     inner: Arc<Inner>,
-    jobs: Option<Sender<Job>>,
+    jobs: Option<Sender<Work>>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -206,7 +221,7 @@ impl Agent {
             next_buffer: AtomicU32::new(1),
             stats: Counters::default(),
         });
-        let (tx, rx) = crossbeam_channel::unbounded::<Job>();
+        let (tx, rx) = crossbeam_channel::unbounded::<Work>();
         let mut workers = Vec::new();
         for i in 0..config.io_threads {
             let (inner, rx) = (inner.clone(), rx.clone());
@@ -214,8 +229,13 @@ impl Agent {
                 std::thread::Builder::new()
                     .name(format!("bluecache-io-{i}"))
                     .spawn(move || {
-                        while let Ok(job) = rx.recv() {
-                            run_job(&inner, job);
+                        while let Ok(work) = rx.recv() {
+                            match work {
+                                Work::Batch(job) => run_job(&inner, job),
+                                Work::Local { key, bytes, done } => {
+                                    done(transfer::put_local(&inner, &key, &bytes));
+                                }
+                            }
                         }
                     })?,
             );
@@ -362,14 +382,33 @@ impl Agent {
             reply,
         };
         if let Some(jobs) = &self.jobs
-            && let Err(e) = jobs.send(job)
+            && let Err(e) = jobs.send(Work::Batch(job))
+            && let Work::Batch(job) = e.0
         {
-            let job = e.0;
             (job.reply)(protocol::encode(&Message::Response(
                 id,
                 error(Status::Cancelled, "the agent is stopping"),
             )));
         }
+    }
+
+    /// Stores `bytes` the node holds itself as `key`, on a transfer worker (storage
+    /// I/O never runs on the caller's thread); `done` is told how it went.
+    pub fn put_bytes(&self, key: String, bytes: Vec<u8>, done: LocalDone) {
+        let work = Work::Local { key, bytes, done };
+        if let Some(jobs) = &self.jobs
+            && let Err(e) = jobs.send(work)
+            && let Work::Local { done, .. } = e.0
+        {
+            done(Err("the agent is stopping".into()));
+        }
+    }
+
+    /// Reads object `key` whole (checked against its CRC when `verify_reads`);
+    /// `Ok(None)` when there is none. Storage I/O on the caller's thread: for small
+    /// objects (the HTTP cache's bodies, mostly in the page cache).
+    pub fn get_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+        transfer::get_local(&self.inner, key)
     }
 
     fn register(&self, state: &PeerState, path: &str, len: u64) -> Response {

@@ -424,3 +424,37 @@ fn a_restarted_agent_finds_its_objects_and_drops_a_corrupted_one_on_read() {
     assert_eq!(err.status, Status::Corrupt, "{err:?}");
     assert_eq!(client.get("rot").unwrap_err().status, Status::NotFound);
 }
+
+#[test]
+fn the_node_stores_and_reads_its_own_bytes_through_the_same_catalog() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = small_agent(
+        Box::new(PosixBackend::open(dir.path(), PosixOptions::default()).unwrap()),
+        10_000,
+    );
+    let put = |key: &str, bytes: Vec<u8>| {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        agent.put_bytes(
+            key.into(),
+            bytes,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.recv().unwrap()
+    };
+    let meta = put("http/a", data(6000, 1)).unwrap();
+    assert_eq!((meta.size, meta.crc32), (6000, crc32fast::hash(&data(6000, 1))));
+    assert!(agent.get_bytes("http/a").unwrap().unwrap() == data(6000, 1));
+    assert_eq!(agent.get_bytes("http/none").unwrap(), None);
+    // The capacity counts them: the next evicts the first.
+    put("http/b", data(6000, 2)).unwrap();
+    assert_eq!(agent.get_bytes("http/a").unwrap(), None);
+    assert!(put("", vec![1]).unwrap_err().contains("empty key"));
+    assert!(put("big", data(10_001, 3)).unwrap_err().contains("capacity"));
+    // A client sees them like its own.
+    let client = Client::new(&agent, 1, 8000);
+    assert!(client.get("http/b").unwrap() == data(6000, 2));
+    assert_eq!(agent.purge_key("http/b"), 1);
+    assert_eq!(agent.get_bytes("http/b").unwrap(), None);
+}

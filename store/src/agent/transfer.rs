@@ -16,7 +16,7 @@ use dpumesh_dpa::SharedRegion;
 
 use super::progress::DmaJob;
 use super::{Inner, PeerState};
-use crate::backend::{ObjectMeta, StorageError};
+use crate::backend::{ObjectMeta, ObjectWriter, StorageError};
 use crate::protocol::{Segment, SegmentResult, Status, check_key};
 
 /// Chunks in flight for one transfer, and the slots they hold. Dropping it waits for
@@ -206,10 +206,15 @@ pub(super) fn push(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
         size: seg.len,
         crc32: hasher.finalize(),
     };
+    commit(inner, writer, &meta)
+}
+
+/// Publishes a written object and records it (evicting what no longer fits).
+fn commit(inner: &Inner, writer: Box<dyn ObjectWriter>, meta: &ObjectMeta) -> SegmentResult {
     // Under the catalog's lock, so that the order of commits is the catalog's order
     // (two pushes of one key: the last renamed is the one recorded).
     let mut catalog = inner.catalog.lock();
-    if let Err(e) = writer.commit(&meta) {
+    if let Err(e) = writer.commit(meta) {
         return storage(&e);
     }
     let evicted = match catalog.admit(meta.clone()) {
@@ -226,10 +231,57 @@ pub(super) fn push(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
         .stats
         .evictions
         .fetch_add(evicted.len() as u64, Ordering::Relaxed);
-    inner.stats.pushed.fetch_add(seg.len, Ordering::Relaxed);
+    inner.stats.pushed.fetch_add(meta.size, Ordering::Relaxed);
     metrics::counter!("dpumesh_store_evictions_total").increment(evicted.len() as u64);
-    metrics::counter!("dpumesh_store_bytes_total", "direction" => "push").increment(seg.len);
+    metrics::counter!("dpumesh_store_bytes_total", "direction" => "push").increment(meta.size);
     SegmentResult::ok(meta.size, meta.crc32)
+}
+
+/// Bytes the node holds → storage (no DMA: they are in DPU memory already).
+pub(super) fn put_local(inner: &Inner, key: &str, bytes: &[u8]) -> Result<ObjectMeta, String> {
+    check_key(key)?;
+    inner
+        .catalog
+        .lock()
+        .check_size(bytes.len() as u64)
+        .map_err(|e| e.to_string())?;
+    let mut writer = inner.backend.create(key).map_err(|e| e.to_string())?;
+    writer.append_bytes(bytes).map_err(|e| e.to_string())?;
+    let meta = ObjectMeta {
+        key: key.to_owned(),
+        size: bytes.len() as u64,
+        crc32: crc32fast::hash(bytes),
+    };
+    let result = commit(inner, writer, &meta);
+    if result.status != Status::Ok {
+        return Err(result.message);
+    }
+    Ok(meta)
+}
+
+/// Storage → bytes the node holds.
+pub(super) fn get_local(inner: &Inner, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
+    if inner.catalog.lock().touch(key).is_none() {
+        return Ok(None);
+    }
+    let Some(mut reader) = inner.backend.open(key)? else {
+        inner.catalog.lock().remove(key);
+        return Ok(None);
+    };
+    let meta = reader.meta().clone();
+    let mut bytes = vec![0u8; meta.size as usize];
+    reader.read_bytes(&mut bytes)?;
+    if inner.verify_reads && crc32fast::hash(&bytes) != meta.crc32 {
+        inner.catalog.lock().remove(key);
+        let _ = inner.backend.remove(key);
+        return Err(StorageError::Damaged {
+            what: key.to_owned(),
+            why: "its bytes do not match their CRC (dropped)".into(),
+        });
+    }
+    inner.stats.pulled.fetch_add(meta.size, Ordering::Relaxed);
+    metrics::counter!("dpumesh_store_bytes_total", "direction" => "pull").increment(meta.size);
+    Ok(Some(bytes))
 }
 
 /// Storage → host buffer.

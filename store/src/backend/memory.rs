@@ -74,6 +74,11 @@ impl ObjectWriter for Writer {
             .map_err(|e| StorageError::io("the staging buffer", std::io::Error::other(e)))
     }
 
+    fn append_bytes(&mut self, bytes: &[u8]) -> Result<(), StorageError> {
+        self.bytes.extend_from_slice(bytes);
+        Ok(())
+    }
+
     fn commit(self: Box<Self>, meta: &ObjectMeta) -> Result<(), StorageError> {
         let Writer {
             key,
@@ -93,6 +98,19 @@ struct Reader {
 impl ObjectReader for Reader {
     fn meta(&self) -> &ObjectMeta {
         &self.stored.0
+    }
+
+    fn read_bytes(&mut self, out: &mut [u8]) -> Result<(), StorageError> {
+        let end = self.at + out.len();
+        let Some(chunk) = self.stored.1.get(self.at..end) else {
+            return Err(StorageError::Damaged {
+                what: self.stored.0.key.clone(),
+                why: format!("read past its end ({end} of {} bytes)", self.stored.1.len()),
+            });
+        };
+        out.copy_from_slice(chunk);
+        self.at = end;
+        Ok(())
     }
 
     fn read_next(

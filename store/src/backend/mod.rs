@@ -77,6 +77,9 @@ pub trait ObjectWriter: Send {
         len: usize,
     ) -> Result<(), StorageError>;
 
+    /// Appends bytes the node holds itself (the HTTP cache's bodies).
+    fn append_bytes(&mut self, bytes: &[u8]) -> Result<(), StorageError>;
+
     /// Publishes the object whole under its key, replacing any older version.
     fn commit(self: Box<Self>, meta: &ObjectMeta) -> Result<(), StorageError>;
 }
@@ -84,6 +87,9 @@ pub trait ObjectWriter: Send {
 /// An object being read, front to back.
 pub trait ObjectReader: Send {
     fn meta(&self) -> &ObjectMeta;
+
+    /// Reads its next `out.len()` bytes into `out`.
+    fn read_bytes(&mut self, out: &mut [u8]) -> Result<(), StorageError>;
 
     /// Reads its next `len` bytes into `region` at `offset` (the staging buffer).
     fn read_next(

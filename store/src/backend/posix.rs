@@ -228,6 +228,13 @@ impl ObjectWriter for Writer {
         Ok(())
     }
 
+    fn append_bytes(&mut self, bytes: &[u8]) -> Result<(), StorageError> {
+        use std::io::Write;
+        let mut file = self.file.as_ref().expect("open until commit");
+        file.write_all(bytes)
+            .map_err(|e| StorageError::io(self.tmp.display(), e))
+    }
+
     fn commit(mut self: Box<Self>, meta: &ObjectMeta) -> Result<(), StorageError> {
         let file = self.file.take().expect("open until commit");
         let io = |e| StorageError::io(self.tmp.display(), e);
@@ -266,6 +273,16 @@ struct Reader {
 impl ObjectReader for Reader {
     fn meta(&self) -> &ObjectMeta {
         &self.meta
+    }
+
+    fn read_bytes(&mut self, out: &mut [u8]) -> Result<(), StorageError> {
+        self.file.read_exact(out).map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => StorageError::Damaged {
+                what: self.path.display().to_string(),
+                why: "shorter than its header says".into(),
+            },
+            _ => StorageError::io(self.path.display(), e),
+        })
     }
 
     fn read_next(
