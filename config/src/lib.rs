@@ -22,7 +22,7 @@ pub use mesh_file::{
     EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,
     PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
 };
-pub use proxy::{FailurePolicy, LoadedConfig, ProxyConfig};
+pub use proxy::{CacheConfig, FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};
 pub use store::{StoreBackend, StoreConfig};
 pub use units::{ByteSize, Span};

@@ -188,6 +188,30 @@ pub struct RouteConfig {
     pub timeout: Option<Span>,
     /// Retries overriding the service's.
     pub retries: Option<RetryConfig>,
+    /// Cache its cacheable responses on the node (RFC 9111, shared cache) and answer
+    /// from there; the node needs a `store` section in the mesh file.
+    pub cache: Option<CacheConfig>,
+}
+
+/// A route's response cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CacheConfig {
+    /// The largest body stored (default and at most 48KiB: a hit travels back in
+    /// one fabric frame).
+    pub max_object: Option<ByteSize>,
+    /// Freshness for a response that states none, if its status is cacheable by
+    /// default (e.g. `10s`; default: such responses are not stored).
+    pub default_ttl: Option<Span>,
+}
+
+impl CacheConfig {
+    /// The most `max_object` may be.
+    pub const MAX_OBJECT: usize = 48 << 10;
+
+    pub fn max_object(&self) -> usize {
+        self.max_object.map_or(Self::MAX_OBJECT, |b| b.0)
+    }
 }
 
 fn root() -> String {
@@ -338,6 +362,17 @@ impl LoadedConfig {
             }
             if !route.path_prefix.starts_with('/') {
                 return Err(self.error(format!("routes[{i}].path_prefix"), "must start with /"));
+            }
+            if let Some(cache) = &route.cache
+                && cache.max_object() > CacheConfig::MAX_OBJECT
+            {
+                return Err(self.error(
+                    format!("routes[{i}].cache.max_object"),
+                    format!(
+                        "at most {} bytes (48KiB): a cached answer travels in one frame",
+                        CacheConfig::MAX_OBJECT
+                    ),
+                ));
             }
         }
         for (name, upstream) in &c.upstreams {

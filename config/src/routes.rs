@@ -1,7 +1,7 @@
 //! Routing: host and path prefix → service and chain. First match wins, in config
 //! order.
 
-use crate::proxy::{ProxyConfig, RetryConfig, ServiceConfig};
+use crate::proxy::{CacheConfig, ProxyConfig, RetryConfig, ServiceConfig};
 use crate::units::Span;
 
 /// Timeout and retries of a route (or of a service, for mesh calls).
@@ -13,6 +13,8 @@ pub struct RoutePolicy {
     pub retries: u32,
     /// Time one try may take (`None`: the whole timeout).
     pub per_try_timeout: Option<std::time::Duration>,
+    /// The route's response cache (routes only; never a service's).
+    pub cache: Option<CacheConfig>,
 }
 
 impl RoutePolicy {
@@ -25,6 +27,7 @@ impl RoutePolicy {
                 Some(r) => r.per_try_timeout.map(|s| s.0),
                 None => fallback.per_try_timeout,
             },
+            cache: None,
         }
     }
 
@@ -116,7 +119,10 @@ impl RouteTable {
                     path_prefix: r.path_prefix.clone(),
                     service: r.service.clone(),
                     chain: chain_index(chain_name)?,
-                    policy: RoutePolicy::new(r.timeout, r.retries, service),
+                    policy: RoutePolicy {
+                        cache: r.cache,
+                        ..RoutePolicy::new(r.timeout, r.retries, service)
+                    },
                 })
             })
             .collect();

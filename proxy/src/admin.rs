@@ -45,6 +45,7 @@ pub async fn serve(
     threads: Vec<Arc<Supervisor>>,
     checks: Vec<Check>,
     store: Option<Arc<dpumesh_store::Agent>>,
+    cache: Option<Arc<crate::http_cache::HttpCache>>,
 ) {
     let threads = Arc::new(threads);
     let checks = Arc::new(checks);
@@ -52,24 +53,28 @@ pub async fn serve(
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (policy, threads, checks, store) = (
+        let (policy, threads, checks, store, cache) = (
             policy.clone(),
             threads.clone(),
             checks.clone(),
             store.clone(),
+            cache.clone(),
         );
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (policy, threads, checks, store) = (
+                let (policy, threads, checks, store, cache) = (
                     policy.clone(),
                     threads.clone(),
                     checks.clone(),
                     store.clone(),
+                    cache.clone(),
                 );
                 async move {
-                    Ok::<_, Infallible>(
-                        handle(&policy, &threads, &checks, store.as_deref(), req).await,
-                    )
+                    let parts = Parts {
+                        store: store.as_deref(),
+                        cache: cache.as_deref(),
+                    };
+                    Ok::<_, Infallible>(handle(&policy, &threads, &checks, parts, req).await)
                 }
             });
             let _ = hyper::server::conn::http1::Builder::new()
@@ -77,6 +82,13 @@ pub async fn serve(
                 .await;
         });
     }
+}
+
+/// The node's optional parts the admin API shows.
+#[derive(Clone, Copy)]
+struct Parts<'a> {
+    store: Option<&'a dpumesh_store::Agent>,
+    cache: Option<&'a crate::http_cache::HttpCache>,
 }
 
 fn reply(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
@@ -112,12 +124,14 @@ async fn handle(
     policy: &Arc<Policy>,
     threads: &[Arc<Supervisor>],
     checks: &[Check],
-    store: Option<&dpumesh_store::Agent>,
+    parts: Parts<'_>,
     req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
     let json = "application/json";
+    let store = parts.store;
     match (req.method(), req.uri().path()) {
         (_, "/store") => store_endpoint(store, &req),
+        (_, "/cache") => cache_endpoint(parts.cache, &req),
         (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".to_owned()),
         (&Method::GET, "/readyz") => match readiness(policy, threads, checks) {
             Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".to_owned()),
@@ -134,6 +148,11 @@ async fn handle(
                 metrics::gauge!("dpumesh_store_objects").set(stats.objects as f64);
                 metrics::gauge!("dpumesh_store_stored_bytes").set(stats.bytes as f64);
                 metrics::gauge!("dpumesh_store_free_slots").set(stats.free_slots as f64);
+            }
+            if let Some(cache) = parts.cache {
+                let (entries, bytes) = cache.size();
+                metrics::gauge!("dpumesh_cache_entries").set(entries as f64);
+                metrics::gauge!("dpumesh_cache_bytes").set(bytes as f64);
             }
             reply(
                 StatusCode::OK,
@@ -177,7 +196,7 @@ async fn handle(
             StatusCode::NOT_FOUND,
             "text/plain",
             format!(
-                "no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload /store\n"
+                "no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload /store /cache\n"
             ),
         ),
     }
@@ -286,19 +305,7 @@ fn store_endpoint(
             )
         }
         Method::DELETE => {
-            let query: Vec<(String, String)> = req
-                .uri()
-                .query()
-                .map(|q| {
-                    q.split('&')
-                        .filter(|p| !p.is_empty())
-                        .map(|p| {
-                            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-                            (unescape(k), unescape(v))
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
+            let query = query(req);
             let removed = match query.as_slice() {
                 [(k, key)] if k == "key" => store.purge_key(key),
                 [(k, prefix)] if k == "prefix" => store.purge_prefix(prefix),
@@ -348,6 +355,85 @@ fn unescape(text: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+fn query(req: &Request<Incoming>) -> Vec<(String, String)> {
+    req.uri()
+        .query()
+        .map(|q| {
+            q.split('&')
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    let (k, v) = p.split_once('=').unwrap_or((p, ""));
+                    (unescape(k), unescape(v))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// `GET /cache`: the HTTP cache's counts. `DELETE /cache?key=HOST/PATH?QUERY` or
+/// `?prefix=HOST/PATH`: purges stored responses (keys are the host, lower-case with
+/// its port if it had one, then the path and query).
+fn cache_endpoint(
+    cache: Option<&crate::http_cache::HttpCache>,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let json = "application/json";
+    let Some(cache) = cache else {
+        return reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            "this node runs no HTTP cache (no `store:` in the mesh file)\n".to_owned(),
+        );
+    };
+    match *req.method() {
+        Method::GET => {
+            let s = &cache.stats;
+            let (entries, bytes) = cache.size();
+            reply(
+                StatusCode::OK,
+                json,
+                serde_json::json!({
+                    "entries": entries,
+                    "bytes": bytes,
+                    "hits": s.hits.load(Relaxed),
+                    "misses": s.misses.load(Relaxed),
+                    "revalidated": s.revalidated.load(Relaxed),
+                    "stored": s.stored.load(Relaxed),
+                    "not_stored": s.not_stored.load(Relaxed),
+                    "hit_bytes": s.hit_bytes.load(Relaxed),
+                    "evictions": cache.store_agent().stats().evictions,
+                })
+                .to_string(),
+            )
+        }
+        Method::DELETE => {
+            let removed = match query(req).as_slice() {
+                [(k, key)] if k == "key" => cache.invalidate(key),
+                [(k, prefix)] if k == "prefix" => cache.purge_prefix(prefix),
+                _ => {
+                    return reply(
+                        StatusCode::BAD_REQUEST,
+                        "text/plain",
+                        "say what to purge: DELETE /cache?key=HOST/PATH or /cache?prefix=HOST/PATH\n"
+                            .to_owned(),
+                    );
+                }
+            };
+            reply(
+                StatusCode::OK,
+                json,
+                serde_json::json!({ "removed": removed }).to_string(),
+            )
+        }
+        _ => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "method not allowed (GET or DELETE)\n".to_owned(),
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@
 pub mod admin;
 mod callout;
 pub mod dataplane;
+pub mod http_cache;
 pub mod listener;
 pub mod logging;
 pub mod node;
@@ -82,6 +83,7 @@ impl Proxy {
                     policy.clone(),
                     Vec::new(),
                     Vec::new(),
+                    None,
                     None,
                 ));
                 Some(local)

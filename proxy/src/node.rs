@@ -208,6 +208,23 @@ impl Node {
         config.store = store
             .clone()
             .map(|a| a as Arc<dyn dpumesh_dpa::control::transport::StoreService>);
+        // Routes with `cache` keep their responses in the store.
+        let cache = store
+            .as_ref()
+            .map(|s| Arc::new(crate::http_cache::HttpCache::new(s.clone())));
+        if cache.is_none()
+            && policy
+                .snapshot()
+                .config
+                .config
+                .routes
+                .iter()
+                .any(|r| r.cache.is_some())
+        {
+            tracing::warn!(
+                "routes ask for a response cache but the mesh file has no `store` section: they are not cached"
+            );
+        }
         let control = match &options.control {
             Some(endpoint) => endpoint.clone(),
             None => {
@@ -232,6 +249,7 @@ impl Node {
             timeout: mesh.config.ingress.request_timeout(),
             workload_prefix: crate::trust::workload_prefix(mesh),
             require_identity: mesh.config.identity.mtls == dpumesh_config::Mtls::Mutual,
+            cache: cache.clone(),
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
         let dataplane = match options.transport.unwrap_or(mesh.config.transport) {
@@ -269,6 +287,7 @@ impl Node {
                     vec![dataplane.supervisor().clone()],
                     vec![pods_registered(expected_pods(mesh, name), dpu.clone())],
                     store.clone(),
+                    cache.clone(),
                 ));
                 Some(local)
             }

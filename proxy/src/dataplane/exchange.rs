@@ -71,6 +71,8 @@ pub(super) struct Exchange {
     pub idempotent: bool,
     /// The request came with a body (a pod's body is handed on by the first try).
     pub had_body: bool,
+    /// What the response cache does with its answer.
+    pub cache: Option<Box<super::cache::Pending>>,
 }
 
 /// What the table needs to open an exchange.
@@ -244,6 +246,7 @@ impl ExchangeTable {
                 try_deadline: None,
                 idempotent,
                 had_body,
+                cache: None,
             },
         );
         xid

@@ -136,15 +136,16 @@ impl<F: Fabric> Reactor<F> {
 
     /// A reply from the proxy over link `qp` to the sender's exchange `xid`.
     pub(super) fn send_local(&mut self, qp: u32, xid: u32, head: &ResponseHead, mut body: Vec<u8>) {
-        // Local replies travel inline in one frame: a filter's oversized reply body is
-        // cut rather than lost.
-        body.truncate(MAX_LOCAL_BODY);
+        // Local replies (a filter's, a cached response) travel inline in one frame: an
+        // oversized body is cut rather than lost.
+        let head = wire::encode_response(head).unwrap_or_default();
+        let room = dpumesh_dpa::frame::MAX_FRAME.saturating_sub(head.len() + 512);
+        body.truncate(MAX_LOCAL_BODY.min(room));
         let body = if body.is_empty() {
             ResponseBody::None
         } else {
             ResponseBody::Inline(body)
         };
-        let head = wire::encode_response(head).unwrap_or_default();
         self.send_link(qp, Message::Response(Response { xid, body, head }));
     }
 

@@ -324,6 +324,9 @@ impl<F: Fabric> Reactor<F> {
             }
             Decision::Continue => {
                 exchange.head = Some(outcome.head);
+                if self.cache_request(xid) {
+                    return;
+                }
                 self.dispatch(xid);
             }
         }

@@ -55,6 +55,7 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 use crate::callout::{Callouts, Target};
 use crate::policy::Policy;
 
+mod cache;
 mod callouts;
 mod dispatch;
 mod event_loop;
@@ -84,6 +85,8 @@ pub struct Topology {
     /// Links must prove a node's identity for their claims to be believed (mutual
     /// TLS is on); otherwise every link is believed.
     pub require_identity: bool,
+    /// The node's HTTP response cache (routes with `cache` use it).
+    pub cache: Option<Arc<crate::http_cache::HttpCache>>,
 }
 
 /// Counters, readable from any thread.
@@ -429,7 +432,7 @@ const SHARD_RUNNER: usize = usize::MAX;
 const ACCEPT_LOOK: Duration = Duration::from_millis(250);
 
 /// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
-const MAX_LOCAL_BODY: usize = 16 << 10;
+const MAX_LOCAL_BODY: usize = dpumesh_config::CacheConfig::MAX_OBJECT;
 
 /// How a request the proxy ended counts for the response phase (the circuit breaker
 /// counts only upstream failures): read from the error's kind, in this one place.

@@ -34,6 +34,22 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let upstream = pod_upstream(&exchange.service, d.src_pod);
+        if let Some(pending) = exchange.cache.take()
+            && let Some((head, body)) = self.cache_response(*pending, &d, &header)
+        {
+            // The origin confirmed a stored response: the cache answers.
+            self.hand_back(&d);
+            let mut edit = self.edits_response(&exchange).then(|| head.clone());
+            self.response_phase(
+                &mut exchange,
+                head.status,
+                FailureKind::None,
+                Some(upstream),
+                edit.as_mut(),
+            );
+            self.reply_origin(&exchange.origin, edit.as_ref().unwrap_or(&head), body);
+            return;
+        }
         if d.status >= 500 {
             mark_dependency_failure(&mut exchange, &header);
         }

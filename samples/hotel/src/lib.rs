@@ -8,6 +8,13 @@
 //! - frontend `GET /ping`: a fixed 200 (the benchmark's tiny service).
 //! - frontend `POST /echo`: the body reversed, with `x-crc32` and `x-len` of what arrived.
 //! - frontend `GET /flaky?fail=1`: 500 while asked to fail (circuit breaker tests).
+//! - frontend `GET /catalog?mode=M`: a cacheable page (the DPU's response cache
+//!   tests; `public`: the mesh's requests carry credentials): `fresh` (max-age=60,
+//!   an ETag), `nostore`, `private`, `revalidate`
+//!   (max-age=0 with an ETag and Last-Modified: every use asks the service, which
+//!   answers 304 while it still holds), `vary` (varies on `accept-language`). Each
+//!   answer says in `x-served` how many `/catalog` requests this process served;
+//!   `GET /catalog-count` tells that count alone.
 //! - user `GET /user?id=ID`, reservation `GET /reservations?user=ID`.
 
 use dpumesh_host::{ExecutionContext, HttpResponse, Inputs};
@@ -61,6 +68,11 @@ pub fn frontend(ctx: &mut ExecutionContext) {
                 })
             });
         }
+        "/catalog" => catalog(ctx),
+        "/catalog-count" => {
+            let n = CATALOG_SERVED.load(std::sync::atomic::Ordering::Relaxed);
+            ctx.respond(move |_| Ok::<_, String>(HttpResponse::ok(format!("{n}\n"))));
+        }
         "/hotels" => {
             let user = param(&url, "user").unwrap_or_else(|| "0".into());
             ctx.parallel(|ctx| {
@@ -88,6 +100,49 @@ pub fn frontend(ctx: &mut ExecutionContext) {
             });
         }
     }
+}
+
+/// `/catalog` requests this process answered.
+static CATALOG_SERVED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A page whose caching the query chooses (see the module doc).
+fn catalog(ctx: &mut ExecutionContext) {
+    let request = ctx.request();
+    let mode = param(&request.url, "mode").unwrap_or_else(|| "fresh".into());
+    let language = request
+        .header_str("accept-language")
+        .unwrap_or("en")
+        .to_owned();
+    let if_none_match = request.header_str("if-none-match").map(str::to_owned);
+    let n = CATALOG_SERVED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    ctx.respond(move |_| {
+        const ETAG: &str = "\"catalog-v1\"";
+        const MODIFIED: &str = "Sun, 01 Nov 2026 10:00:00 GMT";
+        if mode == "revalidate" && if_none_match.as_deref() == Some(ETAG) {
+            return Ok::<_, String>(
+                HttpResponse::new(304, "")
+                    .header("etag", ETAG)
+                    .header("cache-control", "public, max-age=0")
+                    .header("x-served", &n.to_string()),
+            );
+        }
+        let body = format!("catalog ({mode}, {language}) served as #{n}\n");
+        let response = HttpResponse::ok(body).header("x-served", &n.to_string());
+        Ok(match mode.as_str() {
+            "nostore" => response.header("cache-control", "no-store"),
+            "private" => response.header("cache-control", "private, max-age=60"),
+            "revalidate" => response
+                .header("cache-control", "public, max-age=0")
+                .header("etag", ETAG)
+                .header("last-modified", MODIFIED),
+            "vary" => response
+                .header("cache-control", "public, max-age=60")
+                .header("vary", "accept-language"),
+            _ => response
+                .header("cache-control", "public, max-age=60")
+                .header("etag", ETAG),
+        })
+    });
 }
 
 /// The user service.

@@ -444,14 +444,21 @@ fn the_node_stores_and_reads_its_own_bytes_through_the_same_catalog() {
         rx.recv().unwrap()
     };
     let meta = put("http/a", data(6000, 1)).unwrap();
-    assert_eq!((meta.size, meta.crc32), (6000, crc32fast::hash(&data(6000, 1))));
+    assert_eq!(
+        (meta.size, meta.crc32),
+        (6000, crc32fast::hash(&data(6000, 1)))
+    );
     assert!(agent.get_bytes("http/a").unwrap().unwrap() == data(6000, 1));
     assert_eq!(agent.get_bytes("http/none").unwrap(), None);
     // The capacity counts them: the next evicts the first.
     put("http/b", data(6000, 2)).unwrap();
     assert_eq!(agent.get_bytes("http/a").unwrap(), None);
     assert!(put("", vec![1]).unwrap_err().contains("empty key"));
-    assert!(put("big", data(10_001, 3)).unwrap_err().contains("capacity"));
+    assert!(
+        put("big", data(10_001, 3))
+            .unwrap_err()
+            .contains("capacity")
+    );
     // A client sees them like its own.
     let client = Client::new(&agent, 1, 8000);
     assert!(client.get("http/b").unwrap() == data(6000, 2));

@@ -19,6 +19,7 @@ fn policy(retries: u32, per_try_ms: Option<u32>) -> RoutePolicy {
         timeout: Some(1000 * MS),
         retries,
         per_try_timeout: per_try_ms.map(|ms| ms * MS),
+        cache: None,
     }
 }
 
