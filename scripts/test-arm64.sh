@@ -3,7 +3,9 @@
 # cross linker) and its tests run under qemu-aarch64 user emulation (.cargo/config.toml
 # names both): the data path (rings, pools, doorbells, DMA cases 1/2/3 through real pod
 # processes, both fabrics, RPC), the filter runtime (chains, limits, deadlines, reload,
-# Cranelift's aarch64 code) and every built-in filter's conformance suite.
+# Cranelift's aarch64 code), every built-in filter's conformance suite, the BlueCache
+# agent (protocol, backends, pipelined transfers, cancellation) and the HTTP cache's
+# policy.
 # `./scripts/test.sh` runs this; alone: `./scripts/test-arm64.sh`.
 #
 # Left out under emulation, with the reason: the proxy, ingress and CLI end-to-end
@@ -21,7 +23,7 @@ target=aarch64-unknown-linux-gnu
 # One cargo invocation: the three packages share one feature resolution, so wasmtime
 # and Cranelift are compiled for aarch64 once (separate invocations built them twice,
 # ~4 minutes of CI).
-echo "==> aarch64 under qemu: the data path, the filter runtime, the built-in filters' suites"
+echo "==> aarch64 under qemu: the data path, the filter runtime, the built-in filters' suites, the BlueCache agent, the HTTP cache policy"
 cargo test --locked --target "$target" \
-    -p dpumesh-dpa -p dpumesh-runtime -p dpumesh-conformance \
+    -p dpumesh-dpa -p dpumesh-runtime -p dpumesh-conformance -p dpumesh-store -p dpumesh-cache \
     --lib --test cases --test fabric_cases --test multiprocess --test all --test suites
