@@ -56,7 +56,11 @@ fn until_cached(mesh: &Mesh, path: &str, token: &str, extra: &str) -> Reply {
     }
     let (_, cache) = admin_get(mesh.admins()[0], "/cache");
     let (_, store) = admin_get(mesh.admins()[0], "/metrics");
-    let store: String = store.lines().filter(|l| l.contains("cache")).collect::<Vec<_>>().join("\n");
+    let store: String = store
+        .lines()
+        .filter(|l| l.contains("cache"))
+        .collect::<Vec<_>>()
+        .join("\n");
     panic!("{path} was never answered from the cache: {cache} {store}");
 }
 
