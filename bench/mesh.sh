@@ -95,69 +95,7 @@ HAP
 haproxy -f "$work/haproxy.cfg" -db >/dev/null 2>&1 &
 pids+=($!)
 
-# The mesh on its own ports, from a mesh file in the run's temporary folder (the
-# sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain]
-    sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
-        -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
-        -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
-        -e "s#^policy: policy.yaml#policy: $PWD/samples/hotel/policy.yaml\ntransport: $1#" \
-        samples/hotel/mesh.yaml > "$work/mesh-$1.yaml"
-    grep -q "^transport: $1" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
-    if [ "${2:-}" = plain ]; then echo "identity: {mtls: off}" >> "$work/mesh-$1.yaml"; fi
-}
-start_mesh() { # transport [plain]
-    mesh_file "$1" "${2:-}"
-    ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
-    up_pid=$!
-    for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up-$1.log" && break; sleep 0.2; done
-    grep -q "Ctrl-C stops" "$work/up-$1.log" || { cat "$work/up-$1.log"; echo "the mesh did not start"; exit 1; }
-}
-stop_mesh() {
-    kill -INT "$up_pid" 2>/dev/null || true
-    wait "$up_pid" 2>/dev/null || true
-    up_pid=""
-}
-
-check_policy() { # url: the policy is on
-    local code
-    code=$(curl -s -o /dev/null -w '%{http_code}' "$1" || true)
-    [ "$code" = 401 ] || { echo "$1 without a token answered $code"; exit 1; }
-}
-
-switches() { # voluntary + involuntary context switches of every thread of the pids
-    local t=0 v
-    for p in "$@"; do
-        for s in /proc/"$p"/task/*/status; do
-            v=$(awk '/^voluntary_ctxt_switches|^nonvoluntary_ctxt_switches/ { s += $2 } END { print s + 0 }' "$s" 2>/dev/null || echo 0)
-            t=$((t + v))
-        done
-    done
-    echo "$t"
-}
-service_pids() { # the frontend pod (the flaky service runs the same program)
-    for p in $(pgrep -P "$up_pid" -f "hotel frontend"); do
-        tr '\0' '\n' < "/proc/$p/environ" | grep -qx 'DPUMESH_SERVICE=frontend' && echo "$p"
-    done
-}
-haproxy_pids() { pgrep -x haproxy; pgrep -x nginx; }
-mesh_pids() { pgrep -P "$up_pid" -f "dpumesh (node|ingress)"; }
-all_mesh_pids() { pgrep -P "$up_pid"; }
-none() { :; }
-
-run() { # name url pids [second pids] [pids whose context switches count]
-    local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
-    local before after before2 after2 s1 s2 out rps p50 p99 reqs non2xx
-    before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw))
-    out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "$url")
-    after=$(cpu $($who)); after2=$(cpu $($also)); s2=$(switches $($sw))
-    rps=$(awk '/Requests\/sec/ { print $2 }' <<<"$out")
-    reqs=$(awk '/requests in/ { print $1 }' <<<"$out")
-    p50=$(awk '$1 == "50%" { print $2 }' <<<"$out")
-    p99=$(awk '$1 == "99%" { print $2 }' <<<"$out")
-    non2xx=$(awk '/Non-2xx/ { print $5 }' <<<"$out")
-    echo "$name|$rps|$p50|$p99|$(echo "scale=2; ($after - $before) * 1000000 / $reqs" | bc)|${non2xx:-0}|$(echo "scale=2; ($after2 - $before2) * 1000000 / $reqs" | bc)|$(echo "scale=2; ($s2 - $s1) / $reqs" | bc)"
-}
+. bench/mesh-lib.sh
 
 oncpu_ns() { # nanoseconds on CPU of every thread of a pid (schedstat: finer than ticks)
     cat /proc/"$1"/task/*/schedstat 2>/dev/null | awk '{ s += $1 } END { print s + 0 }'

@@ -29,7 +29,11 @@ impl Drop for Node {
 
 /// The mesh files (with `store` as given) in `dir`, certificates issued.
 fn mesh(dir: &Path, store: &str) -> PathBuf {
-    let (mesh, _) = mesh_files(dir, |m| format!("{m}\nstore:\n{store}"));
+    // The sample's own `store` section (at the file's end) replaced by this one.
+    let (mesh, _) = mesh_files(dir, |m| {
+        let sample = m.find("\nstore:\n").map_or(m.as_str(), |at| &m[..at]);
+        format!("{sample}\nstore:\n{store}")
+    });
     let out = certs(&mesh, &[]);
     assert!(out.status.success(), "{out:?}");
     mesh
@@ -294,4 +298,62 @@ fn a_node_killed_mid_write_keeps_what_was_committed_and_serves_no_torn_object() 
         "committed before the crash"
     );
     assert!(!store(&node, &["get", "torn"], b"").status.success());
+}
+
+#[test]
+fn python_clients_put_and_get_objects_too() {
+    let probe = Command::new("python3")
+        .args(["-c", "import dpumesh.store"])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        probe.status.success(),
+        "the dpumesh Python package must be installed for python3: run ./scripts/install-python.sh\n{}",
+        String::from_utf8_lossy(&probe.stderr)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = mesh(dir.path(), "  dir: store\n  slot_size: 64KiB\n");
+    let node = start(dir.path(), &mesh);
+    let script = r#"
+import sys
+from dpumesh.store import StoreClient
+s = StoreClient(sys.argv[1], "pytest")
+data = bytes(range(256)) * 4096
+crc = s.put("py/one", data)
+assert s.get("py/one") == data
+assert s.get("py/none") is None
+assert s.stat(["py/one", "py/none"]) == {"py/one": (len(data), crc), "py/none": None}
+buf = s.register(3 * 1024)
+assert len(buf) == 3 * 1024
+buf.write(0, b"a" * 1024 + b"b" * 1024 + b"c" * 1024)
+t = s.put_batch([("py/a", buf, 0, 1024), ("py/b", buf, 1024, 1024), ("py/c", buf, 2048, 1024)])
+assert [r["status"] for r in t.wait()] == ["Ok"] * 3
+assert t.done()
+out = s.register(2048)
+t = s.get_batch([("py/c", out, 0, 1024), ("py/missing", out, 1024, 1024)])
+r = t.wait()
+assert (r[0]["status"], r[1]["status"]) == ("Ok", "NotFound"), r
+assert out.read(0, 1024) == b"c" * 1024
+assert [k for k, _, _ in s.list("py/")] == ["py/a", "py/b", "py/c", "py/one"]
+assert s.delete(["py/a", "py/zz"]) == [True, False]
+try:
+    t.wait()
+    raise AssertionError("a transfer waited for twice")
+except ValueError:
+    pass
+print("ok")
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, &node.control])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "ok",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // What Python stored, the CLI sees.
+    let listed = ok(&store(&node, &["ls", "py/"], b""));
+    assert_eq!(listed.lines().count(), 3, "{listed}");
 }

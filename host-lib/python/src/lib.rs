@@ -7,6 +7,7 @@ mod graph;
 mod handler;
 mod result;
 mod serve;
+mod store;
 mod testing;
 
 use pyo3::prelude::*;
@@ -15,6 +16,9 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<result::PyStepResult>()?;
     m.add_class::<testing::TestMesh>()?;
+    m.add_class::<store::PyStoreClient>()?;
+    m.add_class::<store::PyStoreBuffer>()?;
+    m.add_class::<store::PyTransfer>()?;
     m.add_function(wrap_pyfunction!(serve::serve, m)?)?;
     m.add_function(wrap_pyfunction!(testing::bench_rust, m)?)?;
     Ok(())
