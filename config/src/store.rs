@@ -43,6 +43,9 @@ pub struct StoreConfig {
     /// Sync data and directory before a PUSH counts as stored: survives power loss,
     /// at a cost (default false: a process crash still loses nothing committed).
     pub fsync: Option<bool>,
+    /// DPU memory for small objects the node reads itself (the HTTP cache's bodies,
+    /// each ≤ 64KiB), in front of storage (default 64MiB; 0: none).
+    pub memory: Option<ByteSize>,
 }
 
 impl StoreConfig {
@@ -66,6 +69,9 @@ impl StoreConfig {
     }
     pub fn fsync(&self) -> bool {
         self.fsync.unwrap_or(false)
+    }
+    pub fn memory(&self) -> u64 {
+        self.memory.map_or(64 << 20, |b| b.0 as u64)
     }
 
     /// Checks the bounds; a message naming the key.

@@ -298,6 +298,7 @@ fn store_endpoint(
                     "pulled_bytes": s.pulled_bytes,
                     "evictions": s.evictions,
                     "cancelled": s.cancelled,
+                    "memory_bytes": s.memory_bytes,
                     "backend": s.backend,
                     "engine": s.engine,
                 })

@@ -101,6 +101,7 @@ fn start_store(
             io_threads: settings.io_threads(),
             pipelined: settings.pipelined(),
             verify_reads: settings.verify_reads(),
+            memory: settings.memory(),
         },
         backend,
         Box::new(dpumesh_dpa::dma::SoftwareDma),

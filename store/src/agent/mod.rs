@@ -8,6 +8,7 @@
 //! ([`Agent::disconnected`]) cancels its transfers at their next chunk (their slots
 //! come back, their partial objects are removed).
 
+mod hot;
 mod progress;
 mod slots;
 mod transfer;
@@ -47,6 +48,9 @@ pub struct AgentConfig {
     pub pipelined: bool,
     /// Check each pulled object's CRC against the one stored with it.
     pub verify_reads: bool,
+    /// DPU memory for small objects the node reads itself (each ≤ 64 KiB), in front
+    /// of storage.
+    pub memory: u64,
 }
 
 impl Default for AgentConfig {
@@ -60,6 +64,7 @@ impl Default for AgentConfig {
             io_threads: 2,
             pipelined: true,
             verify_reads: true,
+            memory: 64 << 20,
         }
     }
 }
@@ -101,6 +106,8 @@ pub struct AgentStats {
     pub pulled_bytes: u64,
     pub evictions: u64,
     pub cancelled: u64,
+    /// Bytes of small objects held in memory in front of storage.
+    pub memory_bytes: u64,
     pub backend: &'static str,
     pub engine: &'static str,
 }
@@ -121,6 +128,7 @@ pub(crate) struct Inner {
     /// Chunks in flight per transfer.
     window: usize,
     verify_reads: bool,
+    hot: hot::Hot,
     peers: Mutex<HashMap<u64, Arc<PeerState>>>,
     next_buffer: AtomicU32,
     stats: Counters,
@@ -217,6 +225,7 @@ impl Agent {
             progress: Progress::start(engine)?,
             window,
             verify_reads: config.verify_reads,
+            hot: hot::Hot::new(config.memory),
             peers: Mutex::new(HashMap::new()),
             next_buffer: AtomicU32::new(1),
             stats: Counters::default(),
@@ -233,7 +242,7 @@ impl Agent {
                             match work {
                                 Work::Batch(job) => run_job(&inner, job),
                                 Work::Local { key, bytes, done } => {
-                                    done(transfer::put_local(&inner, &key, &bytes));
+                                    done(transfer::put_local(&inner, &key, bytes));
                                 }
                             }
                         }
@@ -329,6 +338,7 @@ impl Agent {
         if !catalog.remove(key) {
             return 0;
         }
+        self.inner.hot.remove(key);
         let _ = self.inner.backend.remove(key);
         1
     }
@@ -339,6 +349,7 @@ impl Agent {
         let keys = catalog.keys_with_prefix(prefix);
         for key in &keys {
             catalog.remove(key);
+            self.inner.hot.remove(key);
             let _ = self.inner.backend.remove(key);
         }
         keys.len()
@@ -357,6 +368,7 @@ impl Agent {
             pulled_bytes: s.pulled.load(Ordering::Relaxed),
             evictions: s.evictions.load(Ordering::Relaxed),
             cancelled: s.cancelled.load(Ordering::Relaxed),
+            memory_bytes: self.inner.hot.bytes(),
             backend: self.inner.backend.name(),
             engine: self.inner.progress.engine(),
         }
@@ -457,6 +469,7 @@ impl Agent {
             return SegmentResult::failed(Status::NotFound, format!("no object {key:?}"));
         };
         catalog.remove(key);
+        self.inner.hot.remove(key);
         match self.inner.backend.remove(key) {
             Ok(()) => SegmentResult::ok(meta.size, meta.crc32),
             Err(e) => SegmentResult::failed(Status::Storage, e.to_string()),

@@ -97,6 +97,7 @@ fn small_agent(backend: Box<dyn Backend>, capacity: u64) -> Agent {
             io_threads: 2,
             pipelined: true,
             verify_reads: true,
+            memory: 1 << 20,
         },
         backend,
         Box::new(SoftwareDma),
@@ -464,4 +465,43 @@ fn the_node_stores_and_reads_its_own_bytes_through_the_same_catalog() {
     assert!(client.get("http/b").unwrap() == data(6000, 2));
     assert_eq!(agent.purge_key("http/b"), 1);
     assert_eq!(agent.get_bytes("http/b").unwrap(), None);
+}
+
+#[test]
+fn the_memory_copy_never_outlives_the_stored_object() {
+    let agent = small_agent(Box::new(MemoryBackend::new()), 10_000);
+    let put = |key: &str, bytes: Vec<u8>| {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        agent.put_bytes(
+            key.into(),
+            bytes,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.recv().unwrap().unwrap()
+    };
+    put("k", b"first".to_vec());
+    assert_eq!(agent.get_bytes("k").unwrap().unwrap(), b"first");
+    assert_eq!(agent.stats().memory_bytes, 5);
+    // A client replaces it: the node reads the new version.
+    let client = Client::new(&agent, 1, 100);
+    assert_eq!(client.put("k", b"second").status, Status::Ok);
+    assert_eq!(agent.get_bytes("k").unwrap().unwrap(), b"second");
+    // Evicted by a larger object: gone from memory too.
+    put("big", data(9_996, 1));
+    assert_eq!(agent.get_bytes("k").unwrap(), None);
+    // Deleted by a client.
+    put("d", b"x".to_vec());
+    let Response::Batch { results } = ask(
+        &agent,
+        1,
+        Request::Delete {
+            keys: vec!["d".into()],
+        },
+    ) else {
+        panic!()
+    };
+    assert_eq!(results[0].status, Status::Ok);
+    assert_eq!(agent.get_bytes("d").unwrap(), None);
 }

@@ -221,7 +221,9 @@ fn commit(inner: &Inner, writer: Box<dyn ObjectWriter>, meta: &ObjectMeta) -> Se
         Ok(evicted) => evicted,
         Err(e) => return SegmentResult::failed(Status::TooLarge, e.to_string()),
     };
+    inner.hot.remove(&meta.key);
     for key in &evicted {
+        inner.hot.remove(key);
         if let Err(e) = inner.backend.remove(key) {
             tracing::warn!(key, error = %e, "an evicted object could not be removed");
         }
@@ -238,7 +240,7 @@ fn commit(inner: &Inner, writer: Box<dyn ObjectWriter>, meta: &ObjectMeta) -> Se
 }
 
 /// Bytes the node holds → storage (no DMA: they are in DPU memory already).
-pub(super) fn put_local(inner: &Inner, key: &str, bytes: &[u8]) -> Result<ObjectMeta, String> {
+pub(super) fn put_local(inner: &Inner, key: &str, bytes: Vec<u8>) -> Result<ObjectMeta, String> {
     check_key(key)?;
     inner
         .catalog
@@ -246,23 +248,33 @@ pub(super) fn put_local(inner: &Inner, key: &str, bytes: &[u8]) -> Result<Object
         .check_size(bytes.len() as u64)
         .map_err(|e| e.to_string())?;
     let mut writer = inner.backend.create(key).map_err(|e| e.to_string())?;
-    writer.append_bytes(bytes).map_err(|e| e.to_string())?;
+    writer.append_bytes(&bytes).map_err(|e| e.to_string())?;
     let meta = ObjectMeta {
         key: key.to_owned(),
         size: bytes.len() as u64,
-        crc32: crc32fast::hash(bytes),
+        crc32: crc32fast::hash(&bytes),
     };
     let result = commit(inner, writer, &meta);
     if result.status != Status::Ok {
         return Err(result.message);
     }
+    // Read back soon, by the node itself: kept in memory too.
+    inner.hot.put(key, Arc::new(bytes));
     Ok(meta)
 }
 
 /// Storage → bytes the node holds.
 pub(super) fn get_local(inner: &Inner, key: &str) -> Result<Option<Vec<u8>>, StorageError> {
     if inner.catalog.lock().touch(key).is_none() {
+        inner.hot.remove(key);
         return Ok(None);
+    }
+    if let Some(bytes) = inner.hot.get(key) {
+        inner
+            .stats
+            .pulled
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        return Ok(Some(bytes.to_vec()));
     }
     let Some(mut reader) = inner.backend.open(key)? else {
         inner.catalog.lock().remove(key);
@@ -281,6 +293,9 @@ pub(super) fn get_local(inner: &Inner, key: &str) -> Result<Option<Vec<u8>>, Sto
     }
     inner.stats.pulled.fetch_add(meta.size, Ordering::Relaxed);
     metrics::counter!("dpumesh_store_bytes_total", "direction" => "pull").increment(meta.size);
+    if bytes.len() <= super::hot::MAX_OBJECT {
+        inner.hot.put(key, Arc::new(bytes.clone()));
+    }
     Ok(Some(bytes))
 }
 
@@ -298,6 +313,7 @@ pub(super) fn pull(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
         Ok(Some(r)) => r,
         Ok(None) => {
             inner.catalog.lock().remove(&seg.key);
+            inner.hot.remove(&seg.key);
             return not_found();
         }
         Err(e) => return storage(&e),
@@ -361,6 +377,7 @@ pub(super) fn pull(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
             );
             let mut catalog = inner.catalog.lock();
             catalog.remove(&seg.key);
+            inner.hot.remove(&seg.key);
             let _ = inner.backend.remove(&seg.key);
             return SegmentResult::failed(
                 Status::Corrupt,
