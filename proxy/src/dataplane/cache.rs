@@ -36,6 +36,10 @@ pub(super) enum Pending {
     Invalidate { primary: String },
 }
 
+/// What a hit adds to the stored head (`age`, `x-cache`), and the frame's own bytes,
+/// with room to spare (the local reply path keeps 512 bytes itself).
+const HIT_OVERHEAD: usize = 1024;
+
 fn rule(config: &dpumesh_config::CacheConfig) -> Rule {
     Rule {
         max_object: config.max_object() as u64,
@@ -237,6 +241,13 @@ impl<F: Fabric> Reactor<F> {
         } else {
             u64::from(d.body.len)
         };
+        // A hit travels in one frame with its head (and `age`, `x-cache`): a response
+        // that would not fit is not stored, rather than served cut.
+        if header.len() + body_len as usize + HIT_OVERHEAD > dpumesh_dpa::frame::MAX_FRAME {
+            cache.stats.not_stored.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("dpumesh_cache_not_stored_total", "why" => "frame").increment(1);
+            return;
+        }
         let lifetime =
             match policy::storable(rule, "GET", request, d.status, &response.headers, body_len) {
                 Ok(lifetime) => lifetime,
