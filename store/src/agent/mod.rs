@@ -483,8 +483,13 @@ impl Drop for Agent {
             state.cancelled.store(true, Ordering::Release);
         }
         self.jobs = None;
+        let me = std::thread::current().id();
         for w in self.workers.drain(..) {
-            let _ = w.join();
+            // The last handle may go on a worker itself (a local put's callback held
+            // it): that worker ends on its own once this returns.
+            if w.thread().id() != me {
+                let _ = w.join();
+            }
         }
     }
 }

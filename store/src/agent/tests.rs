@@ -505,3 +505,25 @@ fn the_memory_copy_never_outlives_the_stored_object() {
     assert_eq!(results[0].status, Status::Ok);
     assert_eq!(agent.get_bytes("d").unwrap(), None);
 }
+
+#[test]
+fn the_agent_may_be_dropped_by_its_own_worker() {
+    let agent = Arc::new(small_agent(Box::new(MemoryBackend::new()), 1 << 20));
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let (done_tx, done_rx) = crossbeam_channel::bounded(1);
+    let held = agent.clone();
+    agent.put_bytes(
+        "k".into(),
+        b"v".to_vec(),
+        Box::new(move |r| {
+            // Wait until the test let go, so that this drop is the last.
+            let _ = rx.recv();
+            drop(held);
+            let _ = done_tx.send(r.is_ok());
+        }),
+    );
+    drop(agent);
+    tx.send(()).unwrap();
+    // The worker drops the agent (without joining itself) and goes on.
+    assert_eq!(done_rx.recv_timeout(Duration::from_secs(5)), Ok(true));
+}
