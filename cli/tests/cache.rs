@@ -4,9 +4,6 @@
 //! with a 304 from the service, a client's conditional request answered 304 from the
 //! cache, the chain before the cache, and purges through the admin API.
 
-use std::io::{Read, Write};
-use std::net::SocketAddr;
-
 mod common;
 use common::mesh::*;
 use common::token;
@@ -29,19 +26,6 @@ fn served(mesh: &Mesh, token: &str) -> u64 {
 
 fn hit(headers: &[(String, String)]) -> bool {
     header(headers, "x-cache") == Some("HIT")
-}
-
-fn admin_delete(admin: SocketAddr, path: &str) -> String {
-    let mut s = std::net::TcpStream::connect(admin).unwrap();
-    write!(
-        s,
-        "DELETE {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
-    text.split_once("\r\n\r\n").unwrap().1.to_owned()
 }
 
 /// Waits until the response to `path` is cached (stored by the node's store workers
@@ -153,16 +137,16 @@ fn the_node_answers_cacheable_responses_without_the_service() {
     assert!(metric_sum(node1, "dpumesh_cache_hits_total") >= 20.0);
 
     // Purge by prefix through the admin API: the next request is a miss.
-    let removed = admin_delete(node1, "/cache?prefix=hotel/catalog%3Fmode%3Dfresh");
-    assert_eq!(removed, "{\"removed\":1}");
+    let (status, removed) = admin_delete(node1, "/cache?prefix=hotel/catalog%3Fmode%3Dfresh");
+    assert_eq!((status, removed.as_str()), (200, "{\"removed\":1}"));
     let before = served(&mesh, &alice);
     let (_, headers, _) = get(&mesh, "/catalog?mode=fresh", &alice, "");
     assert!(!hit(&headers));
     assert_eq!(served(&mesh, &alice), before + 1);
     // And by key.
     until_cached(&mesh, "/catalog?mode=fresh", &alice, "");
-    let removed = admin_delete(node1, "/cache?key=hotel/catalog%3Fmode%3Dfresh");
-    assert_eq!(removed, "{\"removed\":1}");
+    let (status, removed) = admin_delete(node1, "/cache?key=hotel/catalog%3Fmode%3Dfresh");
+    assert_eq!((status, removed.as_str()), (200, "{\"removed\":1}"));
     let (_, headers, _) = get(&mesh, "/catalog?mode=fresh", &alice, "");
     assert!(!hit(&headers));
 }

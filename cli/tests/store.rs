@@ -186,24 +186,6 @@ fn operators_put_get_list_and_remove_objects_on_a_node() {
     assert_eq!(ok(&store(&node, &["ls"], b"")).lines().count(), 1);
 }
 
-fn admin_delete(admin: SocketAddr, path: &str) -> (u16, String) {
-    use std::io::Read;
-    let mut s = std::net::TcpStream::connect(admin).unwrap();
-    write!(
-        s,
-        "DELETE {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    let status = text[9..12].parse().unwrap();
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_owned();
-    (status, body)
-}
-
 fn crc32(bytes: &[u8]) -> u32 {
     let mut h = crc32fast::Hasher::new();
     h.update(bytes);

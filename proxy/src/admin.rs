@@ -274,7 +274,6 @@ fn store_endpoint(
     store: Option<&dpumesh_store::Agent>,
     req: &Request<Incoming>,
 ) -> Response<Full<Bytes>> {
-    let json = "application/json";
     let Some(store) = store else {
         return reply(
             StatusCode::NOT_FOUND,
@@ -282,40 +281,60 @@ fn store_endpoint(
             "this node runs no BlueCache store (no `store:` in the mesh file)\n".to_owned(),
         );
     };
-    match *req.method() {
-        Method::GET => {
+    counts_and_purge(
+        req,
+        "/store?key=KEY or /store?prefix=PREFIX",
+        || {
             let s = store.stats();
-            reply(
-                StatusCode::OK,
-                json,
-                serde_json::json!({
-                    "objects": s.objects,
-                    "bytes": s.bytes,
-                    "capacity": s.capacity,
-                    "slots": s.slots,
-                    "free_slots": s.free_slots,
-                    "pushed_bytes": s.pushed_bytes,
-                    "pulled_bytes": s.pulled_bytes,
-                    "evictions": s.evictions,
-                    "cancelled": s.cancelled,
-                    "memory_bytes": s.memory_bytes,
-                    "backend": s.backend,
-                    "engine": s.engine,
-                })
-                .to_string(),
-            )
-        }
+            serde_json::json!({
+                "objects": s.objects,
+                "bytes": s.bytes,
+                "capacity": s.capacity,
+                "slots": s.slots,
+                "free_slots": s.free_slots,
+                "pushed_bytes": s.pushed_bytes,
+                "pulled_bytes": s.pulled_bytes,
+                "evictions": s.evictions,
+                "cancelled": s.cancelled,
+                "memory_bytes": s.memory_bytes,
+                "backend": s.backend,
+                "engine": s.engine,
+            })
+        },
+        |purge| match purge {
+            Purge::Key(key) => store.purge_key(key),
+            Purge::Prefix(prefix) => store.purge_prefix(prefix),
+        },
+    )
+}
+
+/// What `DELETE ?key=` or `?prefix=` names.
+enum Purge<'a> {
+    Key(&'a str),
+    Prefix(&'a str),
+}
+
+/// `GET`: `counts` as JSON; `DELETE` with one `key` or `prefix` query parameter:
+/// `purge`, answered with how many went (`usage` says how to ask otherwise).
+fn counts_and_purge(
+    req: &Request<Incoming>,
+    usage: &str,
+    counts: impl FnOnce() -> serde_json::Value,
+    purge: impl FnOnce(Purge<'_>) -> usize,
+) -> Response<Full<Bytes>> {
+    let json = "application/json";
+    match *req.method() {
+        Method::GET => reply(StatusCode::OK, json, counts().to_string()),
         Method::DELETE => {
             let query = query(req);
             let removed = match query.as_slice() {
-                [(k, key)] if k == "key" => store.purge_key(key),
-                [(k, prefix)] if k == "prefix" => store.purge_prefix(prefix),
+                [(k, key)] if k == "key" => purge(Purge::Key(key)),
+                [(k, prefix)] if k == "prefix" => purge(Purge::Prefix(prefix)),
                 _ => {
                     return reply(
                         StatusCode::BAD_REQUEST,
                         "text/plain",
-                        "say what to purge: DELETE /store?key=KEY or /store?prefix=PREFIX\n"
-                            .to_owned(),
+                        format!("say what to purge: DELETE {usage}\n"),
                     );
                 }
             };
@@ -331,31 +350,6 @@ fn store_endpoint(
             "method not allowed (GET or DELETE)\n".to_owned(),
         ),
     }
-}
-
-/// A query value's `%XX` escapes and `+` decoded (an invalid escape is kept as
-/// written).
-fn unescape(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let hex = |b: u8| (b as char).to_digit(16);
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => out.push(b' '),
-            b'%' if bytes.get(i + 1).and_then(|b| hex(*b)).is_some()
-                && bytes.get(i + 2).and_then(|b| hex(*b)).is_some() =>
-            {
-                let hi = hex(bytes[i + 1]).expect("checked");
-                let lo = hex(bytes[i + 2]).expect("checked");
-                out.push((hi * 16 + lo) as u8);
-                i += 2;
-            }
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn query(req: &Request<Incoming>) -> Vec<(String, String)> {
@@ -381,7 +375,6 @@ fn cache_endpoint(
     req: &Request<Incoming>,
 ) -> Response<Full<Bytes>> {
     use std::sync::atomic::Ordering::Relaxed;
-    let json = "application/json";
     let Some(cache) = cache else {
         return reply(
             StatusCode::NOT_FOUND,
@@ -389,52 +382,54 @@ fn cache_endpoint(
             "this node runs no HTTP cache (no `store:` in the mesh file)\n".to_owned(),
         );
     };
-    match *req.method() {
-        Method::GET => {
+    counts_and_purge(
+        req,
+        "/cache?key=HOST/PATH or /cache?prefix=HOST/PATH",
+        || {
             let s = &cache.stats;
             let (entries, bytes) = cache.size();
-            reply(
-                StatusCode::OK,
-                json,
-                serde_json::json!({
-                    "entries": entries,
-                    "bytes": bytes,
-                    "hits": s.hits.load(Relaxed),
-                    "misses": s.misses.load(Relaxed),
-                    "revalidated": s.revalidated.load(Relaxed),
-                    "stored": s.stored.load(Relaxed),
-                    "not_stored": s.not_stored.load(Relaxed),
-                    "hit_bytes": s.hit_bytes.load(Relaxed),
-                    "evictions": cache.store_agent().stats().evictions,
-                })
-                .to_string(),
-            )
+            serde_json::json!({
+                "entries": entries,
+                "bytes": bytes,
+                "hits": s.hits.load(Relaxed),
+                "misses": s.misses.load(Relaxed),
+                "revalidated": s.revalidated.load(Relaxed),
+                "stored": s.stored.load(Relaxed),
+                "not_stored": s.not_stored.load(Relaxed),
+                "hit_bytes": s.hit_bytes.load(Relaxed),
+                "evictions": cache.store_agent().stats().evictions,
+            })
+        },
+        |purge| match purge {
+            Purge::Key(key) => cache.invalidate(key),
+            Purge::Prefix(prefix) => cache.purge_prefix(prefix),
+        },
+    )
+}
+
+/// A query value's `%XX` escapes and `+` decoded (an invalid escape is kept as
+/// written).
+fn unescape(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let hex = |b: u8| (b as char).to_digit(16);
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if bytes.get(i + 1).and_then(|b| hex(*b)).is_some()
+                && bytes.get(i + 2).and_then(|b| hex(*b)).is_some() =>
+            {
+                let hi = hex(bytes[i + 1]).expect("checked");
+                let lo = hex(bytes[i + 2]).expect("checked");
+                out.push((hi * 16 + lo) as u8);
+                i += 2;
+            }
+            b => out.push(b),
         }
-        Method::DELETE => {
-            let removed = match query(req).as_slice() {
-                [(k, key)] if k == "key" => cache.invalidate(key),
-                [(k, prefix)] if k == "prefix" => cache.purge_prefix(prefix),
-                _ => {
-                    return reply(
-                        StatusCode::BAD_REQUEST,
-                        "text/plain",
-                        "say what to purge: DELETE /cache?key=HOST/PATH or /cache?prefix=HOST/PATH\n"
-                            .to_owned(),
-                    );
-                }
-            };
-            reply(
-                StatusCode::OK,
-                json,
-                serde_json::json!({ "removed": removed }).to_string(),
-            )
-        }
-        _ => reply(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "text/plain",
-            "method not allowed (GET or DELETE)\n".to_owned(),
-        ),
+        i += 1;
     }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]

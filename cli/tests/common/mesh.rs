@@ -338,9 +338,18 @@ pub fn pids_of(parent: &str, pattern: &str) -> Vec<u32> {
 
 /// GET `path` on an admin API: status and body.
 pub fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
+    admin_call(admin, "GET", path)
+}
+
+/// `DELETE path` on an admin API: its status and body.
+pub fn admin_delete(admin: SocketAddr, path: &str) -> (u16, String) {
+    admin_call(admin, "DELETE", path)
+}
+
+fn admin_call(admin: SocketAddr, method: &str, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(admin).unwrap();
     s.write_all(
-        format!("GET {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
+        format!("{method} {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
     )
     .unwrap();
     let (status, _, body) = read_response(&mut s).unwrap();

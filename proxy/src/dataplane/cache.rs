@@ -51,15 +51,18 @@ impl<F: Fabric> Reactor<F> {
     /// Answers an allowed request from the cache if it can (`true`: answered), or
     /// notes what its response means for the cache.
     pub(super) fn cache_request(&mut self, xid: u32) -> bool {
-        let Some(cache) = self.topology.cache.clone() else {
-            return false;
-        };
         let Some(exchange) = self.table.get_mut(xid) else {
             return false;
         };
-        let (Some(config), Some(head)) = (exchange.policy.cache, exchange.head.as_mut()) else {
+        // Routes without `cache` stop here, before anything is cloned or allocated.
+        let (Some(config), Some(head), Some(cache)) = (
+            exchange.policy.cache,
+            exchange.head.as_mut(),
+            self.topology.cache.as_ref(),
+        ) else {
             return false;
         };
+        let cache = cache.clone();
         let primary = primary_key(&head.authority, &head.path, head.query.as_deref());
         let head_only = match head.method.as_str() {
             "GET" => false,
@@ -71,9 +74,7 @@ impl<F: Fabric> Reactor<F> {
             }
         };
         let now = SystemTime::now();
-        let request = head.headers().clone();
-        let rule = rule(&config);
-        let entry = match cache.lookup(&primary, &request, now) {
+        let entry = match cache.lookup(&primary, head.headers(), now) {
             Lookup::Fresh(entry) => {
                 let body = if head_only {
                     Some(Vec::new())
@@ -81,7 +82,25 @@ impl<F: Fabric> Reactor<F> {
                     cache.body(&primary, &entry)
                 };
                 if let Some(body) = body {
-                    self.answer_from_cache(xid, &entry, &request, body, now);
+                    let reply = cached_head(&entry, head.headers(), now);
+                    let body = if reply.status == 304 {
+                        Vec::new()
+                    } else {
+                        body
+                    };
+                    cache.stats.hits.fetch_add(1, Ordering::Relaxed);
+                    cache
+                        .stats
+                        .hit_bytes
+                        .fetch_add(body.len() as u64, Ordering::Relaxed);
+                    metrics::counter!("dpumesh_cache_hits_total").increment(1);
+                    self.finish_with(
+                        xid,
+                        &reply,
+                        body,
+                        FailureKind::None,
+                        Some("cache".to_owned()),
+                    );
                     return true;
                 }
                 // The store lost its body: a miss.
@@ -93,6 +112,9 @@ impl<F: Fabric> Reactor<F> {
         cache.stats.misses.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("dpumesh_cache_misses_total", "stale" => entry.is_some().to_string())
             .increment(1);
+        // The client's own headers, kept for what is stored and for its conditions.
+        let request = head.headers().clone();
+        let rule = rule(&config);
         let pending = match entry {
             Some(entry) => {
                 // The origin is asked whether the stored response still holds; the
@@ -133,32 +155,6 @@ impl<F: Fabric> Reactor<F> {
             exchange.cache = Some(Box::new(pending));
         }
         false
-    }
-
-    fn answer_from_cache(
-        &mut self,
-        xid: u32,
-        entry: &Entry,
-        request: &HeaderMap,
-        body: Vec<u8>,
-        now: SystemTime,
-    ) {
-        let cache = self.topology.cache.clone().expect("caching");
-        let head = cached_head(entry, request, now);
-        let body = if head.status == 304 { Vec::new() } else { body };
-        cache.stats.hits.fetch_add(1, Ordering::Relaxed);
-        cache
-            .stats
-            .hit_bytes
-            .fetch_add(body.len() as u64, Ordering::Relaxed);
-        metrics::counter!("dpumesh_cache_hits_total").increment(1);
-        self.finish_with(
-            xid,
-            &head,
-            body,
-            FailureKind::None,
-            Some("cache".to_owned()),
-        );
     }
 
     /// What the cache makes of a pod's answer: a reply of its own to send instead

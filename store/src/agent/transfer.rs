@@ -49,6 +49,24 @@ impl<'a> Window<'a> {
         }
     }
 
+    /// The next chunk of a `total`-byte transfer to start, as (slot, offset, length):
+    /// while fewer than the window are in flight and chunks remain, and a slot is had.
+    fn next_chunk(
+        &self,
+        peer: &PeerState,
+        next: &mut u64,
+        total: u64,
+    ) -> Option<(u32, u64, usize)> {
+        let size = self.inner.slots.size as u64;
+        let at = *next * size;
+        if self.flight.len() >= self.inner.window || at >= total {
+            return None;
+        }
+        let slot = self.slot(peer)?;
+        *next += 1;
+        Some((slot, at, (total - at).min(size) as usize))
+    }
+
     fn post(
         &mut self,
         slot: u32,
@@ -163,23 +181,17 @@ pub(super) fn push(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
         Ok(w) => w,
         Err(e) => return storage(&e),
     };
-    let slot_size = inner.slots.size;
-    let chunks = seg.len.div_ceil(slot_size as u64);
     let mut hasher = crc32fast::Hasher::new();
     let mut window = Window::new(inner);
     let mut next = 0u64;
     loop {
-        while window.flight.len() < inner.window && next < chunks {
-            let Some(slot) = window.slot(peer) else { break };
-            let at = next * slot_size as u64;
-            let len = (seg.len - at).min(slot_size as u64) as usize;
+        while let Some((slot, at, len)) = window.next_chunk(peer, &mut next, seg.len) {
             window.post(
                 slot,
                 len,
                 (&host, seg.offset + at),
                 (&inner.staging, inner.slots.offset(slot)),
             );
-            next += 1;
         }
         if peer.cancelled.load(Ordering::Acquire) {
             // The writer's drop removes the temporary; the window's drop frees slots.
@@ -329,16 +341,11 @@ pub(super) fn pull(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
             ),
         );
     }
-    let slot_size = inner.slots.size;
-    let chunks = meta.size.div_ceil(slot_size as u64);
     let mut hasher = crc32fast::Hasher::new();
     let mut window = Window::new(inner);
     let mut next = 0u64;
     loop {
-        while window.flight.len() < inner.window && next < chunks {
-            let Some(slot) = window.slot(peer) else { break };
-            let at = next * slot_size as u64;
-            let len = (meta.size - at).min(slot_size as u64) as usize;
+        while let Some((slot, at, len)) = window.next_chunk(peer, &mut next, meta.size) {
             let offset = inner.slots.offset(slot);
             // The storage read runs here while earlier chunks' DMA runs in the loop.
             if let Err(e) = reader.read_next(&inner.staging, offset, len) {
@@ -354,7 +361,6 @@ pub(super) fn pull(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
                 (&inner.staging, offset),
                 (&host, seg.offset + at),
             );
-            next += 1;
         }
         if peer.cancelled.load(Ordering::Acquire) {
             return cancelled();
