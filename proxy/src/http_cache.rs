@@ -104,7 +104,7 @@ impl HttpCache {
                     }
                 }
                 Err(why) => {
-                    tracing::warn!(primary, why, "a response could not be cached");
+                    tracing::warn!(primary, error = %why, "a response could not be cached");
                     cache.stats.not_stored.fetch_add(1, Ordering::Relaxed);
                 }
             }),

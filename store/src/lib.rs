@@ -20,5 +20,5 @@ pub mod backend;
 pub mod catalog;
 pub mod protocol;
 
-pub use agent::{Agent, AgentConfig, AgentError, AgentStats, Reply};
+pub use agent::{Agent, AgentConfig, AgentError, AgentStats, PutError, Reply};
 pub use backend::{Backend, MemoryBackend, ObjectMeta, PosixBackend, PosixOptions, StorageError};

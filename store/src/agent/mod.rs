@@ -155,7 +155,23 @@ enum Work {
 }
 
 /// Told how a local put went.
-pub type LocalDone = Box<dyn FnOnce(Result<crate::ObjectMeta, String>) + Send>;
+pub type LocalDone = Box<dyn FnOnce(Result<crate::ObjectMeta, PutError>) + Send>;
+
+/// Why the node's own put failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PutError {
+    #[error("bad key: {0}")]
+    BadKey(String),
+    #[error(transparent)]
+    TooLarge(#[from] crate::catalog::TooLarge),
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// The commit was refused (its status and why).
+    #[error("{status:?}: {message}")]
+    Refused { status: Status, message: String },
+    #[error("the agent is stopping")]
+    Stopping,
+}
 
 /// The running agent.
 pub struct Agent {
@@ -412,7 +428,7 @@ impl Agent {
             && let Err(e) = jobs.send(work)
             && let Work::Local { done, .. } = e.0
         {
-            done(Err("the agent is stopping".into()));
+            done(Err(PutError::Stopping));
         }
     }
 

@@ -15,7 +15,7 @@ use crossbeam_channel::{Receiver, Sender};
 use dpumesh_dpa::SharedRegion;
 
 use super::progress::DmaJob;
-use super::{Inner, PeerState};
+use super::{Inner, PeerState, PutError};
 use crate::backend::{ObjectMeta, ObjectWriter, StorageError};
 use crate::protocol::{Segment, SegmentResult, Status, check_key};
 
@@ -252,15 +252,11 @@ fn commit(inner: &Inner, writer: Box<dyn ObjectWriter>, meta: &ObjectMeta) -> Se
 }
 
 /// Bytes the node holds → storage (no DMA: they are in DPU memory already).
-pub(super) fn put_local(inner: &Inner, key: &str, bytes: Vec<u8>) -> Result<ObjectMeta, String> {
-    check_key(key)?;
-    inner
-        .catalog
-        .lock()
-        .check_size(bytes.len() as u64)
-        .map_err(|e| e.to_string())?;
-    let mut writer = inner.backend.create(key).map_err(|e| e.to_string())?;
-    writer.append_bytes(&bytes).map_err(|e| e.to_string())?;
+pub(super) fn put_local(inner: &Inner, key: &str, bytes: Vec<u8>) -> Result<ObjectMeta, PutError> {
+    check_key(key).map_err(PutError::BadKey)?;
+    inner.catalog.lock().check_size(bytes.len() as u64)?;
+    let mut writer = inner.backend.create(key)?;
+    writer.append_bytes(&bytes)?;
     let meta = ObjectMeta {
         key: key.to_owned(),
         size: bytes.len() as u64,
@@ -268,7 +264,10 @@ pub(super) fn put_local(inner: &Inner, key: &str, bytes: Vec<u8>) -> Result<Obje
     };
     let result = commit(inner, writer, &meta);
     if result.status != Status::Ok {
-        return Err(result.message);
+        return Err(PutError::Refused {
+            status: result.status,
+            message: result.message,
+        });
     }
     // Read back soon, by the node itself: kept in memory too.
     inner.hot.put(key, Arc::new(bytes));
