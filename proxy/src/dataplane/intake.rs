@@ -324,7 +324,8 @@ impl<F: Fabric> Reactor<F> {
             }
             Decision::Continue => {
                 exchange.head = Some(outcome.head);
-                if self.cache_request(xid) {
+                // Only a route with `cache` pays for the cache's look.
+                if exchange.policy.cache.is_some() && self.cache_request(xid) {
                     return;
                 }
                 self.dispatch(xid);
