@@ -88,6 +88,19 @@ impl<'a> Client<'a> {
     }
 }
 
+/// The node's own put, waited for.
+fn put_local(agent: &Agent, key: &str, bytes: Vec<u8>) -> Result<crate::ObjectMeta, PutError> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    agent.put_bytes(
+        key.into(),
+        bytes,
+        Box::new(move |r| {
+            let _ = tx.send(r);
+        }),
+    );
+    rx.recv().unwrap()
+}
+
 fn small_agent(backend: Box<dyn Backend>, capacity: u64) -> Agent {
     Agent::start(
         AgentConfig {
@@ -433,17 +446,7 @@ fn the_node_stores_and_reads_its_own_bytes_through_the_same_catalog() {
         Box::new(PosixBackend::open(dir.path(), PosixOptions::default()).unwrap()),
         10_000,
     );
-    let put = |key: &str, bytes: Vec<u8>| {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        agent.put_bytes(
-            key.into(),
-            bytes,
-            Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-        );
-        rx.recv().unwrap()
-    };
+    let put = |key: &str, bytes: Vec<u8>| put_local(&agent, key, bytes);
     let meta = put("http/a", data(6000, 1)).unwrap();
     assert_eq!(
         (meta.size, meta.crc32),
@@ -472,17 +475,7 @@ fn the_node_stores_and_reads_its_own_bytes_through_the_same_catalog() {
 #[test]
 fn the_memory_copy_never_outlives_the_stored_object() {
     let agent = small_agent(Box::new(MemoryBackend::new()), 10_000);
-    let put = |key: &str, bytes: Vec<u8>| {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        agent.put_bytes(
-            key.into(),
-            bytes,
-            Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-        );
-        rx.recv().unwrap().unwrap()
-    };
+    let put = |key: &str, bytes: Vec<u8>| put_local(&agent, key, bytes).unwrap();
     put("k", b"first".to_vec());
     assert_eq!(agent.get_bytes("k").unwrap().unwrap(), b"first");
     assert_eq!(agent.stats().memory_bytes, 5);
