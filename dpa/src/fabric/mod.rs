@@ -20,6 +20,8 @@
 //!   requests are flushed ([`WcStatus::WrFlush`]).
 //! - Memory named in a posted request must stay untouched until its completion.
 //!
+//! Unreliable datagram queue pairs (probes) are in [`ud`].
+//!
 //! Addresses are virtual addresses in the owner's process ([`MemoryRegion::addr`] plus
 //! an offset), as verbs uses them; a peer learns them with the rkey.
 
@@ -28,6 +30,7 @@ pub mod admission;
 pub(crate) mod conformance;
 pub mod shm;
 pub mod soft;
+pub mod ud;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 

@@ -31,6 +31,9 @@ use super::{
 };
 use crate::shm::SharedRegion;
 
+mod ud;
+pub use ud::{VerbsAh, VerbsUdQp};
+
 fn last_os_error(call: &'static str) -> FabricError {
     FabricError::Device {
         call,

@@ -44,6 +44,8 @@ mod mr;
 mod qp;
 mod recv;
 mod send;
+mod ud;
+pub use ud::{SoftAh, SoftUdQp};
 #[cfg(test)]
 mod tests;
 
