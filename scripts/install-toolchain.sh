@@ -67,6 +67,8 @@ fi
 # C: clang for wasm32-wasi with wasi-libc (bindings and componentizing are in-process).
 # The data path's `verbs` feature: libibverbs/librdmacm headers and libclang for
 # rdma-sys' bindgen (compiled and tested for the no-device case in CI).
+# R-Pingmesh's gRPC APIs: protoc compiles pingmesh/proto for tonic/prost at build time.
+debian_packages "the Pingmesh gRPC build" protobuf-compiler
 debian_packages "C filters and the verbs backend" \
     clang lld wasi-libc libclang-rt-14-dev-wasm32 libibverbs-dev librdmacm-dev libclang-dev pkg-config
 

@@ -1,0 +1,340 @@
+//! The controller (seed 002 §3.1): the RNIC registry, pinglists, target lookups —
+//! [`Controller`] is the logic with time injected, [`ControllerService`] its gRPC
+//! face.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dpumesh_clock::SharedClock;
+use tonic::{Request, Response, Status};
+
+use crate::convert;
+use crate::pinglist::{self, ListKind, PinglistPolicy, Target};
+use crate::proto;
+use crate::registry::{RnicStore, StoreError};
+
+/// Why a controller call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("invalid request: {0}")]
+    Invalid(#[from] convert::FieldError),
+    #[error("no RNIC {0} is registered (or its registration expired)")]
+    NotFound(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<ControllerError> for Status {
+    fn from(e: ControllerError) -> Self {
+        match &e {
+            ControllerError::Invalid(_) => Status::invalid_argument(e.to_string()),
+            ControllerError::NotFound(_) => Status::not_found(e.to_string()),
+            ControllerError::Store(_) => Status::internal(e.to_string()),
+        }
+    }
+}
+
+/// A pinglist as the controller hands it out.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pinglist {
+    pub targets: Vec<Target>,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub generation: u64,
+}
+
+/// The controller's logic.
+pub struct Controller {
+    store: Arc<dyn RnicStore>,
+    clock: SharedClock,
+    policy: PinglistPolicy,
+    /// Registrations older than this expire.
+    ttl: Duration,
+}
+
+impl std::fmt::Debug for Controller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Controller")
+            .field("policy", &self.policy)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Controller {
+    pub fn new(
+        store: Arc<dyn RnicStore>,
+        clock: SharedClock,
+        policy: PinglistPolicy,
+        ttl: Duration,
+    ) -> Self {
+        Self {
+            store,
+            clock,
+            policy,
+            ttl,
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.clock.wall_ns() / 1_000_000
+    }
+
+    /// Drops what expired, so no list names a host that stopped re-registering.
+    fn expire(&self) -> Result<(), StoreError> {
+        let cutoff = self.now_ms().saturating_sub(self.ttl.as_millis() as u64);
+        let gone = self.store.expire(cutoff)?;
+        if gone > 0 {
+            tracing::info!(gone, "RNIC registrations expired");
+        }
+        Ok(())
+    }
+
+    /// Registers (or refreshes) an agent's RNICs; how many.
+    pub fn register(&self, req: &proto::AgentRegistrationRequest) -> Result<u32, ControllerError> {
+        let now = self.now_ms();
+        let mut rnics = Vec::with_capacity(req.rnics.len());
+        for (i, info) in req.rnics.iter().enumerate() {
+            let r = convert::rnic_from(info, &format!("rnics[{i}]"), now)?;
+            if !req.agent_id.is_empty() && r.agent_id != req.agent_id {
+                return Err(convert::FieldError {
+                    field: format!("rnics[{i}].agent_id"),
+                    detail: format!(
+                        "{:?} is not the registering agent {:?}",
+                        r.agent_id, req.agent_id
+                    ),
+                }
+                .into());
+            }
+            rnics.push(r);
+        }
+        for r in &rnics {
+            self.store.upsert(r)?;
+        }
+        metrics::counter!("pingmesh_controller_registrations_total").increment(1);
+        Ok(rnics.len() as u32)
+    }
+
+    /// The pinglist of the RNIC `gid`.
+    pub fn pinglist(&self, gid: &str, kind: ListKind) -> Result<Pinglist, ControllerError> {
+        let gid = convert::gid("gid", gid)?;
+        self.expire()?;
+        let prober = self
+            .store
+            .get(&gid)?
+            .ok_or_else(|| ControllerError::NotFound(gid.to_string()))?;
+        let generation = self.policy.generation(self.now_ms());
+        let targets = match kind {
+            ListKind::TorMesh => {
+                pinglist::tor_mesh(&prober, &self.store.by_tor(&prober.tor_id)?, generation)
+            }
+            ListKind::InterTor => {
+                pinglist::inter_tor(&prober, &self.store.all()?, &self.policy, generation)
+            }
+        };
+        Ok(Pinglist {
+            targets,
+            interval: self.policy.interval,
+            timeout: self.policy.timeout,
+            generation,
+        })
+    }
+
+    /// The RNIC with this GID or IP.
+    pub fn target(
+        &self,
+        req: &proto::TargetRnicInfoRequest,
+    ) -> Result<proto::RnicInfo, ControllerError> {
+        self.expire()?;
+        let found = if !req.gid.is_empty() {
+            self.store.get(&convert::gid("gid", &req.gid)?)?
+        } else if !req.ip.is_empty() {
+            self.store.by_ip(convert::ip("ip", &req.ip)?)?
+        } else {
+            return Err(convert::FieldError {
+                field: "gid".into(),
+                detail: "give a gid or an ip".into(),
+            }
+            .into());
+        };
+        let name = if req.gid.is_empty() {
+            &req.ip
+        } else {
+            &req.gid
+        };
+        found
+            .map(|r| convert::rnic_to(&r))
+            .ok_or_else(|| ControllerError::NotFound(name.clone()))
+    }
+
+    /// How long registrations live.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+}
+
+/// The controller's gRPC service.
+#[derive(Debug, Clone)]
+pub struct ControllerService {
+    controller: Arc<Controller>,
+}
+
+impl ControllerService {
+    pub fn new(controller: Arc<Controller>) -> Self {
+        Self { controller }
+    }
+
+    /// The tonic server for it.
+    pub fn server(self) -> proto::controller_service_server::ControllerServiceServer<Self> {
+        proto::controller_service_server::ControllerServiceServer::new(self)
+    }
+}
+
+#[tonic::async_trait]
+impl proto::controller_service_server::ControllerService for ControllerService {
+    async fn register_agent(
+        &self,
+        request: Request<proto::AgentRegistrationRequest>,
+    ) -> Result<Response<proto::AgentRegistrationResponse>, Status> {
+        let registered = self.controller.register(request.get_ref())?;
+        Ok(Response::new(proto::AgentRegistrationResponse {
+            registered,
+            ttl_ms: self.controller.ttl().as_millis() as u32,
+        }))
+    }
+
+    async fn get_pinglist(
+        &self,
+        request: Request<proto::PinglistRequest>,
+    ) -> Result<Response<proto::PinglistResponse>, Status> {
+        let req = request.get_ref();
+        let kind = match proto::PinglistKind::try_from(req.kind) {
+            Ok(proto::PinglistKind::TorMesh) => ListKind::TorMesh,
+            Ok(proto::PinglistKind::InterTor) => ListKind::InterTor,
+            _ => {
+                return Err(Status::invalid_argument(format!(
+                    "kind: {} is not a pinglist kind (TOR_MESH or INTER_TOR)",
+                    req.kind
+                )));
+            }
+        };
+        let list = self.controller.pinglist(&req.gid, kind)?;
+        Ok(Response::new(proto::PinglistResponse {
+            targets: list.targets.iter().map(convert::target_to).collect(),
+            interval_ms: list.interval.as_millis() as u32,
+            timeout_ms: list.timeout.as_millis() as u32,
+            generation: list.generation,
+        }))
+    }
+
+    async fn get_target_rnic_info(
+        &self,
+        request: Request<proto::TargetRnicInfoRequest>,
+    ) -> Result<Response<proto::TargetRnicInfoResponse>, Status> {
+        let rnic = self.controller.target(request.get_ref())?;
+        Ok(Response::new(proto::TargetRnicInfoResponse {
+            rnic: Some(rnic),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::contract::rnic;
+    use crate::registry::memory::MemoryStore;
+    use dpumesh_clock::ManualClock;
+
+    fn registration(n: u8, tor: &str) -> proto::AgentRegistrationRequest {
+        let r = rnic(n, tor, 0);
+        proto::AgentRegistrationRequest {
+            agent_id: r.agent_id.clone(),
+            rnics: vec![convert::rnic_to(&r)],
+        }
+    }
+
+    fn controller() -> (Controller, Arc<ManualClock>) {
+        let clock = ManualClock::at_unix_secs(1_700_000_000);
+        let c = Controller::new(
+            Arc::new(MemoryStore::new()),
+            clock.clone(),
+            PinglistPolicy::default(),
+            Duration::from_secs(30),
+        );
+        (c, clock)
+    }
+
+    #[test]
+    fn registered_rnics_get_their_tor_mesh_and_inter_tor_lists() {
+        let (c, _) = controller();
+        for (n, tor) in [(1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "b")] {
+            assert_eq!(c.register(&registration(n, tor)).unwrap(), 1);
+        }
+        let me = rnic(1, "a", 0).gid.to_string();
+        let mesh = c.pinglist(&me, ListKind::TorMesh).unwrap();
+        assert_eq!(mesh.targets.len(), 2);
+        assert_eq!(mesh.interval, PinglistPolicy::default().interval);
+        let inter = c.pinglist(&me, ListKind::InterTor).unwrap();
+        assert!(inter.targets.iter().all(|t| t.rnic.tor_id == "b"));
+        assert!(!inter.targets.is_empty());
+    }
+
+    #[test]
+    fn a_host_that_stops_registering_leaves_the_lists() {
+        let (c, clock) = controller();
+        c.register(&registration(1, "a")).unwrap();
+        c.register(&registration(2, "a")).unwrap();
+        clock.advance_secs(20);
+        c.register(&registration(1, "a")).unwrap();
+        clock.advance_secs(20);
+        let me = rnic(1, "a", 0).gid.to_string();
+        assert!(
+            c.pinglist(&me, ListKind::TorMesh)
+                .unwrap()
+                .targets
+                .is_empty()
+        );
+        let gone = proto::TargetRnicInfoRequest {
+            gid: rnic(2, "a", 0).gid.to_string(),
+            ip: String::new(),
+        };
+        assert!(matches!(c.target(&gone), Err(ControllerError::NotFound(_))));
+    }
+
+    #[test]
+    fn targets_are_found_by_gid_or_ip() {
+        let (c, _) = controller();
+        c.register(&registration(3, "a")).unwrap();
+        let by_ip = c
+            .target(&proto::TargetRnicInfoRequest {
+                gid: String::new(),
+                ip: "10.0.0.3".into(),
+            })
+            .unwrap();
+        assert_eq!(by_ip.qpn, 103);
+        let err = c
+            .target(&proto::TargetRnicInfoRequest::default())
+            .unwrap_err();
+        assert!(err.to_string().contains("give a gid or an ip"), "{err}");
+    }
+
+    #[test]
+    fn bad_requests_are_refused_with_the_field() {
+        let (c, _) = controller();
+        let mut r = registration(1, "a");
+        r.rnics[0].qpn = 0;
+        let err = Status::from(c.register(&r).unwrap_err());
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(err.message().contains("rnics[0].qpn"), "{}", err.message());
+        let mut r = registration(1, "a");
+        r.agent_id = "someone-else".into();
+        assert!(
+            c.register(&r)
+                .unwrap_err()
+                .to_string()
+                .contains("registering agent")
+        );
+        let err = Status::from(c.pinglist("10.0.0.99", ListKind::TorMesh).unwrap_err());
+        assert_eq!(err.code(), tonic::Code::NotFound);
+    }
+}
