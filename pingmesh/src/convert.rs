@@ -167,7 +167,8 @@ mod tests {
 
     #[test]
     fn each_bad_field_is_named() {
-        let cases: Vec<(fn(&mut proto::RnicInfo), &str)> = vec![
+        type Break = fn(&mut proto::RnicInfo);
+        let cases: Vec<(Break, &str)> = vec![
             (|i| i.qpn = 0, "rnics[0].qpn"),
             (|i| i.qpn = 1 << 24, "rnics[0].qpn"),
             (|i| i.agent_id.clear(), "rnics[0].agent_id"),

@@ -7,8 +7,12 @@
 //! - [`registry`]: the RNIC registry ([`registry::RnicStore`], SQLite and memory);
 //! - [`pinglist`]: ToR-mesh and inter-ToR lists, rotated;
 //! - [`controller`]: the controller's gRPC service;
+//! - [`agent`]: what every node runs: registration, prober and responder, uploads;
+//! - [`analyzer`]: non-network filtering, anomalous RNICs, voting, SLAs, impact;
 //! - [`proto`]: the gRPC messages and services (`proto/pingmesh.proto`).
 
+pub mod agent;
+pub mod analyzer;
 pub mod controller;
 mod convert;
 pub mod ecmp;

@@ -52,6 +52,9 @@ pub trait RnicStore: Send + Sync {
     /// Removes the entries last updated before `cutoff_ms`; how many.
     fn expire(&self, cutoff_ms: u64) -> Result<usize, StoreError>;
     fn len(&self) -> Result<usize, StoreError>;
+    fn is_empty(&self) -> Result<bool, StoreError> {
+        Ok(self.len()? == 0)
+    }
 }
 
 #[cfg(test)]

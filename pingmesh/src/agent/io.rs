@@ -1,0 +1,273 @@
+//! The agent's probing thread: one UD queue pair, prober and responder on it, its
+//! buffers in one registered region. Everything it does is driven by the queue
+//! pair's completions and the prober's schedule; it sleeps in the queue pair's wait
+//! until the next probe is due.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dpumesh_dpa::fabric::ud::{
+    AddressVector, DatagramFabric, GRH_LEN, UdCompletion, UdQueuePair, UdSendWr, now_ns,
+};
+use dpumesh_dpa::fabric::{Access, MemoryRegion, RecvWr, WcOpcode, WcStatus};
+use dpumesh_dpa::shm::SharedRegion;
+
+use super::Shared;
+use super::prober::{Outgoing, Prober, Reply, Responder};
+use crate::probe::{Kind, Message, PROBE_LEN};
+
+/// Receive buffers posted (each a GRH and one probe message, rounded up).
+pub(super) const RECV_SLOTS: usize = 256;
+const RECV_SLOT: usize = 128;
+/// Messages in flight on the send queue.
+pub(super) const SEND_SLOTS: usize = 256;
+const SEND_SLOT: usize = 64;
+/// Region: receive slots, then send slots.
+pub(super) const REGION_LEN: usize = RECV_SLOTS * RECV_SLOT + SEND_SLOTS * SEND_SLOT;
+/// Longest sleep between looks at the stop flag and new targets.
+const MAX_SLEEP: Duration = Duration::from_millis(20);
+/// Address handles kept (targets × tuples, and the probers answered).
+const MAX_AHS: usize = 8192;
+
+#[derive(Debug, Clone, Copy)]
+enum SendUse {
+    Probe(u64),
+    Ack1(u64),
+    Ack2,
+}
+
+pub(super) struct Io<F: DatagramFabric> {
+    pub fabric: F,
+    pub pd: F::Pd,
+    pub qp: F::UdQp,
+    pub mr: F::Mr,
+    pub _region: Arc<SharedRegion>,
+    pub region_view: Arc<SharedRegion>,
+    pub shared: Arc<Shared>,
+    pub prober: Prober,
+    pub responder: Responder,
+    ahs: HashMap<AddressVector, F::Ah>,
+    sends: Vec<Option<SendUse>>,
+    free_sends: Vec<usize>,
+}
+
+/// Sets up the queue pair's buffers: every receive slot posted.
+pub(super) fn setup<F: DatagramFabric>(
+    fabric: F,
+    pd: F::Pd,
+    qp: F::UdQp,
+    region: Arc<SharedRegion>,
+    shared: Arc<Shared>,
+    prober: Prober,
+) -> Result<Io<F>, dpumesh_dpa::fabric::FabricError> {
+    let mr = fabric.register(&pd, &region, 0, REGION_LEN as u64, Access::LOCAL_WRITE)?;
+    for slot in 0..RECV_SLOTS {
+        qp.post_recv(RecvWr {
+            wr_id: slot as u64,
+            sge: mr.sge((slot * RECV_SLOT) as u64, RECV_SLOT as u32),
+        })?;
+    }
+    Ok(Io {
+        fabric,
+        pd,
+        qp,
+        mr,
+        region_view: region.clone(),
+        _region: region,
+        shared,
+        prober,
+        responder: Responder::default(),
+        ahs: HashMap::new(),
+        sends: vec![None; SEND_SLOTS],
+        free_sends: (0..SEND_SLOTS).rev().collect(),
+    })
+}
+
+impl<F: DatagramFabric> Io<F> {
+    fn post(&mut self, to: AddressVector, qpn: u32, qkey: u32, m: &Message, used: SendUse) -> bool {
+        let Some(slot) = self.free_sends.pop() else {
+            return false;
+        };
+        if !self.ahs.contains_key(&to) {
+            if self.ahs.len() >= MAX_AHS {
+                self.ahs.clear();
+            }
+            match self.fabric.create_ah(&self.pd, to) {
+                Ok(ah) => {
+                    self.ahs.insert(to, ah);
+                }
+                Err(e) => {
+                    tracing::warn!(to = %to.socket_addr(), error = %e, "no address handle");
+                    self.free_sends.push(slot);
+                    return false;
+                }
+            }
+        }
+        let offset = (RECV_SLOTS * RECV_SLOT + slot * SEND_SLOT) as u64;
+        if self.region_view.write(offset, &m.encode()).is_err() {
+            self.free_sends.push(slot);
+            return false;
+        }
+        let wr = UdSendWr {
+            wr_id: slot as u64,
+            sge: self.mr.sge(offset, PROBE_LEN as u32),
+            ah: &self.ahs[&to],
+            remote_qpn: qpn,
+            remote_qkey: qkey,
+            imm: None,
+            // Always: the completion's time is T2 (probes) or T4 (ACK1s).
+            signaled: true,
+        };
+        match self.qp.post_send(wr) {
+            Ok(()) => {
+                self.sends[slot] = Some(used);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "UD post_send failed");
+                self.free_sends.push(slot);
+                false
+            }
+        }
+    }
+
+    fn reply(&mut self, r: Reply, used: SendUse) {
+        self.post(r.to, r.qpn, r.qkey, &r.message, used);
+    }
+
+    fn on_completion(&mut self, wc: &UdCompletion, t6: u64) {
+        match wc.opcode {
+            WcOpcode::Recv => self.on_receive(wc, t6),
+            _ => self.on_send(wc),
+        }
+    }
+
+    fn on_send(&mut self, wc: &UdCompletion) {
+        let slot = wc.wr_id as usize;
+        let Some(used) = self.sends.get_mut(slot).and_then(Option::take) else {
+            return;
+        };
+        self.free_sends.push(slot);
+        let ok = wc.status == WcStatus::Success;
+        match used {
+            SendUse::Probe(seq) => self.prober.sent(seq, ok, wc.timestamp_ns, wc.udp_src_port),
+            SendUse::Ack1(id) => {
+                if let Some(ack2) = self.responder.ack1_sent(id, ok, wc.timestamp_ns) {
+                    self.reply(ack2, SendUse::Ack2);
+                }
+            }
+            SendUse::Ack2 => {}
+        }
+    }
+
+    fn on_receive(&mut self, wc: &UdCompletion, t6: u64) {
+        let slot = wc.wr_id as usize;
+        let offset = (slot * RECV_SLOT) as u64;
+        let message = if wc.status == WcStatus::Success {
+            let len = (wc.byte_len as usize)
+                .saturating_sub(GRH_LEN)
+                .min(RECV_SLOT - GRH_LEN);
+            let mut buf = [0u8; RECV_SLOT];
+            match self
+                .region_view
+                .read(offset + GRH_LEN as u64, &mut buf[..len])
+            {
+                Ok(()) => Some(Message::decode(&buf[..len])),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
+        // The slot goes back before anything else: receives must stay posted.
+        if let Err(e) = self.qp.post_recv(RecvWr {
+            wr_id: slot as u64,
+            sge: self.mr.sge(offset, RECV_SLOT as u32),
+        }) {
+            tracing::error!(error = %e, "cannot repost a UD receive");
+        }
+        match message {
+            Some(Ok(m)) => match m.kind {
+                Kind::Probe => {
+                    let Some(from) = wc.src else { return };
+                    let my_qpn = self.qp.qp_num();
+                    let qkey = self.qp.qkey();
+                    if let Some(ack1) =
+                        self.responder
+                            .probe(&m, from, wc.src_qp, qkey, my_qpn, wc.timestamp_ns)
+                    {
+                        let id = ack1.id;
+                        self.reply(ack1, SendUse::Ack1(id));
+                    }
+                }
+                Kind::Ack1 | Kind::Ack2 => self.prober.ack(&m, wc.timestamp_ns, t6),
+            },
+            Some(Err(e)) => {
+                self.shared.stats.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %e, "not a probe message");
+            }
+            None => {}
+        }
+    }
+
+    fn send_due(&mut self, now: u64) {
+        let mut out: Vec<Outgoing> = Vec::new();
+        let room = self.free_sends.len().saturating_sub(SEND_SLOTS / 4);
+        self.prober.due(now, self.shared.wall_ms(), room, &mut out);
+        for o in out {
+            let seq = o.seq;
+            if !self.post(o.to, o.qpn, o.qkey, &o.message, SendUse::Probe(seq)) {
+                self.prober.sent(seq, false, now, 0);
+            }
+        }
+    }
+
+    /// Runs until the agent stops.
+    pub fn run(mut self) {
+        let mut wcs = Vec::with_capacity(64);
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            if let Some((targets, interval, timeout)) = self.shared.targets.lock().take() {
+                self.prober
+                    .set_targets(targets, interval, timeout, now_ns());
+            }
+            let now = now_ns();
+            self.send_due(now);
+            self.prober.expire(now);
+            let results = self.prober.take_results();
+            if !results.is_empty() {
+                self.shared
+                    .stats
+                    .probes
+                    .fetch_add(results.len() as u64, Ordering::Relaxed);
+                self.shared.push_results(results);
+            }
+            let sleep = self
+                .prober
+                .next_due()
+                .map_or(MAX_SLEEP, |d| {
+                    Duration::from_nanos(d.saturating_sub(now_ns()))
+                })
+                .min(MAX_SLEEP);
+            if let Err(e) = self.qp.wait(sleep) {
+                tracing::error!(error = %e, "UD wait failed");
+                std::thread::sleep(MAX_SLEEP);
+            }
+            loop {
+                wcs.clear();
+                let n = self.qp.poll(&mut wcs, 64);
+                let t6 = now_ns();
+                for wc in &wcs {
+                    self.on_completion(wc, t6);
+                }
+                if n < 64 {
+                    break;
+                }
+            }
+            self.shared
+                .stats
+                .wrong_qpn
+                .store(self.responder.wrong_qpn, Ordering::Relaxed);
+        }
+    }
+}
