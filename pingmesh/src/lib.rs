@@ -9,6 +9,7 @@
 //! - [`controller`]: the controller's gRPC service;
 //! - [`agent`]: what every node runs: registration, prober and responder, uploads;
 //! - [`analyzer`]: non-network filtering, anomalous RNICs, voting, SLAs, impact;
+//! - [`server`]: controller and analyzer in one process (the embedded default);
 //! - [`proto`]: the gRPC messages and services (`proto/pingmesh.proto`).
 
 pub mod agent;
@@ -19,6 +20,7 @@ pub mod ecmp;
 pub mod pinglist;
 pub mod probe;
 pub mod registry;
+pub mod server;
 
 /// The gRPC API, generated from `proto/pingmesh.proto`.
 #[allow(clippy::all, rust_2018_idioms, missing_docs)]
