@@ -137,6 +137,13 @@ enum Command {
         #[arg(long, env = "DPUMESH_CERTS")]
         certs: Option<PathBuf>,
     },
+    /// R-Pingmesh: `server` runs the controller and analyzer of a mesh (what `dpumesh
+    /// up` starts when the mesh file has a `pingmesh` section); `agent` runs an agent
+    /// alone (every node runs one itself; this is for hosts outside the mesh and tests).
+    Pingmesh {
+        #[command(subcommand)]
+        command: PingmeshCommand,
+    },
     /// Run a mesh's ingress (what `dpumesh up` starts, and the ingress container runs).
     Ingress {
         /// The mesh file.
@@ -365,6 +372,20 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             };
             roles::ingress(&mesh, &options).map(|()| ExitCode::SUCCESS)
         }
+        Command::Pingmesh {
+            command: PingmeshCommand::Server { mesh, listen, http },
+        } => roles::pingmesh(&mesh, listen, http).map(|()| ExitCode::SUCCESS),
+        Command::Pingmesh {
+            command:
+                PingmeshCommand::Agent {
+                    controller,
+                    name,
+                    tor,
+                    rnic,
+                    upload_every,
+                },
+        } => roles::pingmesh_agent(&controller, &name, &tor, rnic, upload_every)
+            .map(|()| ExitCode::SUCCESS),
         Command::Certs {
             config,
             rotate,
@@ -373,6 +394,41 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
         } => roles::certs(&config, rotate, secrets.as_deref(), &system_namespace)
             .map(|()| ExitCode::SUCCESS),
     }
+}
+
+#[derive(Debug, Subcommand)]
+enum PingmeshCommand {
+    /// The controller and analyzer: gRPC for the agents, the JSON API and the
+    /// dashboard over HTTP.
+    Server {
+        /// The mesh file (its `pingmesh` section).
+        #[arg(long, env = "DPUMESH_MESH")]
+        mesh: PathBuf,
+        /// The gRPC address instead of `pingmesh.listen`.
+        #[arg(long, env = "DPUMESH_PINGMESH_LISTEN")]
+        listen: Option<SocketAddr>,
+        /// The HTTP address instead of `pingmesh.http`.
+        #[arg(long, env = "DPUMESH_PINGMESH_HTTP")]
+        http: Option<SocketAddr>,
+    },
+    /// One agent: registers its RNIC, probes its pinglists, answers probes, uploads.
+    Agent {
+        /// The controller (and analyzer): `http://HOST:PORT`.
+        #[arg(long, env = "DPUMESH_PINGMESH_CONTROLLER")]
+        controller: String,
+        /// The agent's (node's) name.
+        #[arg(long)]
+        name: String,
+        /// The ToR its RNIC hangs off.
+        #[arg(long)]
+        tor: String,
+        /// The address its UD queue pair binds (the IP is the RNIC's GID).
+        #[arg(long)]
+        rnic: SocketAddr,
+        /// Upload results this often (milliseconds).
+        #[arg(long, default_value_t = 1000)]
+        upload_every: u64,
+    },
 }
 
 /// The environment variable a refused value came from, if it did: clap names the flag

@@ -55,6 +55,88 @@ pub fn node(mesh: &Path, name: &str, certs: Option<PathBuf>, options: &NodeOptio
     Ok(())
 }
 
+/// `dpumesh pingmesh`: the controller and the analyzer.
+pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr>) -> Result<()> {
+    let mesh = MeshFile::read(mesh)?;
+    let Some(pm) = &mesh.config.pingmesh else {
+        anyhow::bail!("{}: no `pingmesh` section", mesh.file.display());
+    };
+    let registry = pm.registry.clone();
+    if let Some(dir) = registry.as_deref().and_then(Path::parent) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let server = dpumesh_pingmesh::server::Server::start(dpumesh_pingmesh::server::ServerConfig {
+        grpc: listen.unwrap_or(pm.listen),
+        http: http.unwrap_or(pm.http),
+        registry,
+        pinglist: dpumesh_pingmesh::pinglist::PinglistPolicy {
+            interval: pm.interval(),
+            timeout: pm.timeout(),
+            inter_tor_targets: pm.inter_tor_targets(),
+            ecmp_paths: pm.ecmp_paths(),
+            coverage: pm.coverage(),
+            rotate_every: pm.rotate_every(),
+        },
+        ttl: pm.ttl(),
+        analyzer: dpumesh_pingmesh::analyzer::AnalyzerPolicy {
+            window: pm.window(),
+            silence: pm.silence(),
+            slow_rtt: pm.slow_rtt(),
+            ..Default::default()
+        },
+        nodes: mesh
+            .config
+            .nodes
+            .iter()
+            .filter_map(|(n, e)| e.admin.map(|a| (n.clone(), format!("http://{a}"))))
+            .collect(),
+        clock: dpumesh_clock::SystemClock::shared(),
+    })?;
+    say!(
+        "{READY} pingmesh grpc {} http {}",
+        server.grpc_addr,
+        server.http_addr
+    );
+    wait_for_signal()?;
+    drop(server);
+    Ok(())
+}
+
+/// `dpumesh pingmesh agent`: one agent on the software fabric.
+pub fn pingmesh_agent(
+    controller: &str,
+    name: &str,
+    tor: &str,
+    rnic: SocketAddr,
+    upload_every_ms: u64,
+) -> Result<()> {
+    let agent = dpumesh_pingmesh::agent::Agent::start(
+        SoftFabric::new(),
+        dpumesh_pingmesh::agent::AgentConfig {
+            agent_id: name.to_owned(),
+            tor_id: tor.to_owned(),
+            bind: rnic,
+            agent_ip: rnic.ip().to_string(),
+            controller: controller.to_owned(),
+            analyzer: controller.to_owned(),
+            refresh_every: std::time::Duration::from_secs(2),
+            upload_every: std::time::Duration::from_millis(upload_every_ms.max(10)),
+            connections: None,
+            clock: dpumesh_clock::SystemClock::shared(),
+        },
+    )?;
+    say!(
+        "{READY} pingmesh agent {name} gid {} qpn {} port {}",
+        agent.rnic().gid,
+        agent.rnic().qpn,
+        agent.rnic().udp_port
+    );
+    wait_for_signal()?;
+    drop(agent);
+    Ok(())
+}
+
 /// `dpumesh certs`.
 pub fn certs(
     file: &Path,

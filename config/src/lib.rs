@@ -12,6 +12,7 @@
 
 pub mod error;
 pub mod mesh_file;
+pub mod pingmesh;
 pub mod proxy;
 pub mod routes;
 pub mod store;
@@ -22,6 +23,7 @@ pub use mesh_file::{
     EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,
     PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
 };
+pub use pingmesh::PingmeshConfig;
 pub use proxy::{CacheConfig, FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};
 pub use store::{StoreBackend, StoreConfig};

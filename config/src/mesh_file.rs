@@ -141,6 +141,24 @@ pub struct NodeEntry {
     /// on one machine, each with its own address, so the fabric between nodes crosses
     /// a real network boundary.
     pub netns: Option<String>,
+    /// The ToR switch the node's RNIC hangs off (Pingmesh's topology; default
+    /// `tor-0`).
+    pub tor: Option<String>,
+    /// The address Pingmesh's UD queue pair binds: its IP is the RNIC's GID (default:
+    /// the fabric address's IP, any port).
+    pub rnic: Option<SocketAddr>,
+}
+
+impl NodeEntry {
+    pub fn tor(&self) -> &str {
+        self.tor.as_deref().unwrap_or("tor-0")
+    }
+
+    /// Where the node's Pingmesh agent binds.
+    pub fn rnic(&self) -> SocketAddr {
+        self.rnic
+            .unwrap_or_else(|| SocketAddr::new(self.fabric.ip(), 0))
+    }
 }
 
 /// A service: where it runs and how to start it.
@@ -253,7 +271,7 @@ impl IdentityConfig {
 }
 
 /// The whole file.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MeshConfig {
     /// The policy file (relative to this file).
@@ -276,6 +294,10 @@ pub struct MeshConfig {
     /// Each node's BlueCache object store (none when absent).
     #[serde(default)]
     pub store: Option<crate::store::StoreConfig>,
+    /// R-Pingmesh: an agent in every node, the controller and analyzer (none when
+    /// absent).
+    #[serde(default)]
+    pub pingmesh: Option<crate::pingmesh::PingmeshConfig>,
 }
 
 /// A checked mesh file.
@@ -340,6 +362,36 @@ impl MeshFile {
             if let Some(d) = &store.dir {
                 let resolved = dir.join(d);
                 config.store.as_mut().expect("checked above").dir = Some(resolved);
+            }
+        }
+        if let Some(pm) = &config.pingmesh {
+            if let Err((key, message)) = pm.check() {
+                return Err(error(key, message));
+            }
+            let registry = dir.join(
+                pm.registry
+                    .as_deref()
+                    .unwrap_or(Path::new(".dpumesh/pingmesh.db")),
+            );
+            config.pingmesh.as_mut().expect("checked above").registry = Some(registry);
+            let mut seen: BTreeMap<std::net::IpAddr, &str> = BTreeMap::new();
+            for (name, node) in &config.nodes {
+                let ip = node.rnic().ip();
+                if ip.is_unspecified() {
+                    return Err(error(
+                        &format!("nodes.{name}.rnic"),
+                        "Pingmesh needs the RNIC's own IP address (its GID), not 0.0.0.0".into(),
+                    ));
+                }
+                if let Some(other) = seen.insert(ip, name) {
+                    return Err(error(
+                        &format!("nodes.{name}.rnic"),
+                        format!(
+                            "{ip} is node {other}'s RNIC too: a GID names one RNIC (give each node \
+                             its own `rnic` address, e.g. 127.0.0.11 and 127.0.0.12 on one machine)"
+                        ),
+                    ));
+                }
             }
         }
         for (name, service) in &config.services {

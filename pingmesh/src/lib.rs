@@ -9,12 +9,14 @@
 //! - [`controller`]: the controller's gRPC service;
 //! - [`agent`]: what every node runs: registration, prober and responder, uploads;
 //! - [`analyzer`]: non-network filtering, anomalous RNICs, voting, SLAs, impact;
+//! - [`dashboard`]: the web dashboard (mesh, heatmap, problems);
 //! - [`server`]: controller and analyzer in one process (the embedded default);
 //! - [`proto`]: the gRPC messages and services (`proto/pingmesh.proto`).
 
 pub mod agent;
 pub mod analyzer;
 pub mod controller;
+pub mod dashboard;
 mod convert;
 pub mod ecmp;
 pub mod pinglist;

@@ -1,6 +1,6 @@
 //! The controller and the analyzer in one process (the embedded default `dpumesh up`
-//! runs): both gRPC services on one port, the analyzer's JSON API (and the
-//! dashboard) on another, the registry in SQLite.
+//! runs): both gRPC services on one port, the analyzer's JSON API and the dashboard
+//! on another, the registry in SQLite.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -31,6 +31,9 @@ pub struct ServerConfig {
     /// Registrations not renewed for this long expire.
     pub ttl: Duration,
     pub analyzer: AnalyzerPolicy,
+    /// The mesh's nodes and their admin APIs (`http://HOST:PORT`), for the
+    /// dashboard's mesh overview.
+    pub nodes: Vec<(String, String)>,
     pub clock: SharedClock,
 }
 
@@ -107,6 +110,7 @@ impl Server {
             AnalyzerService::new(analyzer.clone()).server(),
         );
         let for_http = analyzer.clone();
+        let overview = Arc::new(crate::dashboard::overview::Overview::new(config.nodes.clone()));
         let thread = std::thread::Builder::new()
             .name("pingmesh-server".into())
             .spawn(move || {
@@ -130,7 +134,7 @@ impl Server {
                         r = grpc => if let Err(e) = r {
                             tracing::error!(error = %e, "pingmesh gRPC server failed");
                         },
-                        () = crate::analyzer::service::serve_http(http, for_http) => {}
+                        () = crate::dashboard::serve(http, for_http, overview) => {}
                     }
                 });
             })

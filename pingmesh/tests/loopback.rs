@@ -32,6 +32,7 @@ fn server(dir: &std::path::Path) -> Server {
             silence: Duration::from_millis(1500),
             ..AnalyzerPolicy::default()
         },
+        nodes: Vec::new(),
         clock: Arc::new(SystemClock::new()),
     })
     .unwrap()

@@ -27,6 +27,8 @@ pub struct Node {
     store: Option<Arc<dpumesh_store::Agent>>,
     policy: Arc<Policy>,
     admin: Option<SocketAddr>,
+    /// The node's Pingmesh agent (when the mesh file has a `pingmesh` section).
+    pingmesh: Option<dpumesh_pingmesh::agent::Agent>,
     _io: tokio::runtime::Runtime,
 }
 
@@ -111,6 +113,64 @@ fn start_store(
 }
 
 /// The data plane on fabric `fabric`, listening at `listen`.
+/// The node's Pingmesh agent: its RNIC is a UD queue pair of the software fabric at
+/// the entry's `rnic` address (hardware: the verbs backend's, under `verbs`).
+///
+/// Service tracing follows the node's links to the peers that serve what it
+/// forwards (the data plane's connection table is static per mesh file: one link per
+/// peer). On hardware the links' queue pair numbers give the probes their entropy;
+/// here the two node names do, so each link has its own 5-tuple.
+fn start_pingmesh(
+    settings: &dpumesh_config::PingmeshConfig,
+    mesh: &MeshFile,
+    name: &str,
+) -> anyhow::Result<dpumesh_pingmesh::agent::Agent> {
+    use dpumesh_pingmesh::agent::{Agent, AgentConfig, Connection};
+    let entry = &mesh.config.nodes[name];
+    let placement = mesh.placement();
+    let mine: std::collections::BTreeSet<&str> = placement
+        .iter()
+        .filter(|(_, nodes)| nodes.iter().any(|n| n == name))
+        .map(|(s, _)| s.as_str())
+        .collect();
+    let mut connections = Vec::new();
+    for (peer, peer_entry) in mesh.config.nodes.iter().filter(|(n, _)| n.as_str() != name) {
+        let services: Vec<String> = placement
+            .iter()
+            .filter(|(s, nodes)| !mine.contains(s.as_str()) && nodes.first() == Some(peer))
+            .map(|(s, _)| s.clone())
+            .collect();
+        if services.is_empty() {
+            continue;
+        }
+        let hash = |s: &str| s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+        connections.push(Connection {
+            peer_ip: peer_entry.rnic().ip(),
+            local_qpn: hash(name) & 0xFF_FFFF,
+            remote_qpn: hash(peer) & 0xFF_FFFF,
+            services,
+        });
+    }
+    let agent = Agent::start(
+        SoftFabric::new(),
+        AgentConfig {
+            agent_id: name.to_owned(),
+            tor_id: entry.tor().to_owned(),
+            bind: entry.rnic(),
+            agent_ip: entry.fabric.ip().to_string(),
+            controller: settings.controller_url(),
+            analyzer: settings.controller_url(),
+            refresh_every: Duration::from_secs(2),
+            upload_every: settings.upload_every(),
+            connections: (!connections.is_empty())
+                .then(|| std::sync::Arc::new(move || connections.clone()) as dpumesh_pingmesh::agent::Connections),
+            clock: dpumesh_clock::SystemClock::shared(),
+        },
+    )?;
+    tracing::info!(rnic = ?agent.rnic(), "Pingmesh agent started");
+    Ok(agent)
+}
+
 fn start_dataplane<F: Fabric + Clone>(
     fabric: F,
     listen: SocketAddr,
@@ -271,6 +331,13 @@ impl Node {
                 polling(&mesh.config.polling),
             )?,
         };
+        // Monitoring must not take the data plane down: a node whose agent cannot
+        // start serves without it, and says so.
+        let pingmesh = mesh.config.pingmesh.as_ref().and_then(|settings| {
+            start_pingmesh(settings, mesh, name)
+                .inspect_err(|e| tracing::error!(error = %e, "Pingmesh agent not started"))
+                .ok()
+        });
         let io = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("dpumesh-admin")
@@ -300,6 +367,7 @@ impl Node {
             store,
             policy,
             admin,
+            pingmesh,
             _io: io,
         })
     }
@@ -337,5 +405,10 @@ impl Node {
     /// The data plane.
     pub fn dataplane(&self) -> &Dataplane {
         &self.dataplane
+    }
+
+    /// The node's Pingmesh agent, if it runs one.
+    pub fn pingmesh(&self) -> Option<&dpumesh_pingmesh::agent::Agent> {
+        self.pingmesh.as_ref()
     }
 }

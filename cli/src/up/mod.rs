@@ -52,6 +52,8 @@ pub struct Up {
     pub ingress_admin: Option<std::net::SocketAddr>,
     /// How the mesh proves who is who, for the banner.
     pub identity: String,
+    /// The Pingmesh dashboard and JSON API, when `dpumesh up` runs the analyzer.
+    pub pingmesh: Option<String>,
     /// Nodes that did not come up at the start.
     down: std::collections::BTreeSet<String>,
     // Dropped last: the nodes' control sockets live here.
@@ -90,6 +92,7 @@ impl Up {
                     "OFF: fabric links are not authenticated (identity.mtls: off)".to_owned()
                 }
             },
+            pingmesh: None,
             down: Default::default(),
             run_dir,
         };
@@ -114,6 +117,26 @@ impl Up {
             }
             .env("DPUMESH_LOG_FORMAT", &log_format)
         };
+        // The controller first: agents register as their nodes start (they retry if
+        // it is late, or restarted).
+        if let Some(pm) = mesh.config.pingmesh.as_ref().filter(|p| p.controller.is_none()) {
+            let spec = Spec::new("pingmesh", &me)
+                .args(["pingmesh", "server", "--mesh"])
+                .args([file])
+                .env("DPUMESH_LOG_FORMAT", &log_format);
+            let mut server = Process::start(spec, policy)?;
+            match server.wait_ready(START_TIMEOUT) {
+                Ok(line) => {
+                    let http = line.rsplit(' ').next().unwrap_or_default().to_owned();
+                    up.pingmesh = Some(format!("http://{http}/"));
+                }
+                Err(e) => {
+                    say_err!("dpumesh up: {e:#}");
+                    up.pingmesh = Some(format!("http://{}/", pm.http));
+                }
+            }
+            up.processes.push(server);
+        }
         for (name, entry) in &mesh.config.nodes {
             let spec = in_netns(format!("node {name}"), name, &me)
                 .args(["node", "--mesh"])
@@ -290,6 +313,9 @@ pub fn up(file: &Path) -> Result<()> {
         say!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
     }
     say!("  identity  {}", up.identity);
+    if let Some(url) = &up.pingmesh {
+        say!("  pingmesh  {url}  (dashboard; JSON: /v1/report /v1/problems /v1/heatmap /v1/sla)");
+    }
     for (node, url) in &up.admins {
         say!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
     }

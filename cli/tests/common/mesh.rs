@@ -63,6 +63,16 @@ pub fn mesh_files_with(
             format!("127.0.0.1:{}", free_port()),
         ),
         (
+            "127.0.0.1:9470".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        (
+            "127.0.0.1:9471".to_owned(),
+            format!("127.0.0.1:{}", free_port()),
+        ),
+        // UDP: any free port (agents register the one they got).
+        (":4791}".to_owned(), ":0}".to_owned()),
+        (
             "request_timeout: 10s".to_owned(),
             "request_timeout: 5s".to_owned(),
         ),

@@ -1,12 +1,11 @@
 //! The analyzer's faces: gRPC for the agents' uploads, HTTP JSON for operators and
-//! the dashboard.
+//! the dashboard (served by [`crate::dashboard`]).
 
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use http_body_util::Full;
-use hyper::body::{Bytes, Incoming};
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::body::Bytes;
+use hyper::{Method, Response, StatusCode};
 use tonic::Status;
 
 use super::Analyzer;
@@ -81,24 +80,5 @@ pub fn answer(analyzer: &Analyzer, method: &Method, path: &str) -> Response<Full
     match body {
         Ok(v) => json(StatusCode::OK, v.to_string()),
         Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
-    }
-}
-
-/// Serves the HTTP JSON API on `listener` until the task is dropped.
-pub async fn serve_http(listener: tokio::net::TcpListener, analyzer: Arc<Analyzer>) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let analyzer = analyzer.clone();
-        tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let analyzer = analyzer.clone();
-                async move { Ok::<_, Infallible>(answer(&analyzer, req.method(), req.uri().path())) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
-        });
     }
 }

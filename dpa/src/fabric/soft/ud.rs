@@ -408,9 +408,18 @@ impl DatagramFabric for SoftFabric {
         })?;
         sock.set_nonblocking(true)?;
         let local = sock.local_addr()?;
+        // As a NIC's, a UD queue pair's number differs from one run of its owner to
+        // the next (peers tell a restarted responder by it); 24 bits, never 0 or 1
+        // (QP0 and QP1 are special in verbs).
+        let mut raw = [0u8; 4];
+        getrandom::fill(&mut raw).map_err(|e| FabricError::Device {
+            call: "create_ud_qp",
+            detail: format!("no randomness for the queue pair number: {e}"),
+        })?;
+        let num = (u32::from_le_bytes(raw) & 0xFF_FFFF).max(2);
         Ok(SoftUdQp {
             inner: Arc::new(UdInner {
-                num: self.next_qp.fetch_add(1, Ordering::Relaxed),
+                num,
                 qkey,
                 local: AddressVector::to(local),
                 pd: pd.inner.clone(),

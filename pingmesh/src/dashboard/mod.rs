@@ -1,0 +1,85 @@
+//! The web dashboard, served beside the analyzer's JSON API: plain HTML, JS and CSS
+//! embedded in the binary. It shows the mesh (nodes, pods, chains and their filter
+//! generations, request rate, denials by filter, per-filter latency — gathered from
+//! each node's admin API by [`overview`]), a node × node heatmap of network RTT and
+//! drop rate, and the detected problems with their impact class; it polls every
+//! two seconds.
+
+pub mod overview;
+mod prometheus;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+
+use crate::analyzer::Analyzer;
+use crate::analyzer::service::answer;
+use overview::Overview;
+
+const INDEX: &str = include_str!("index.html");
+const SCRIPT: &str = include_str!("dashboard.js");
+const STYLE: &str = include_str!("dashboard.css");
+
+fn asset(content_type: &str, body: &'static str) -> Response<Full<Bytes>> {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", content_type)
+        .header("cache-control", "no-cache")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .expect("static headers")
+}
+
+/// Answers one request: the dashboard's files, `/v1/mesh`, and the analyzer's API.
+pub async fn route(
+    analyzer: &Analyzer,
+    overview: &Overview,
+    method: &Method,
+    path: &str,
+) -> Response<Full<Bytes>> {
+    match (method, path) {
+        (&Method::GET, "/" | "/index.html") => asset("text/html; charset=utf-8", INDEX),
+        (&Method::GET, "/dashboard.js") => asset("text/javascript; charset=utf-8", SCRIPT),
+        (&Method::GET, "/dashboard.css") => asset("text/css; charset=utf-8", STYLE),
+        (&Method::GET, "/v1/mesh") => {
+            let body = serde_json::to_string(&overview.collect().await)
+                .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }).to_string());
+            Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "application/json")
+                .header("cache-control", "no-store")
+                .body(Full::new(Bytes::from(body)))
+                .expect("static headers")
+        }
+        _ => answer(analyzer, method, path),
+    }
+}
+
+/// Serves the dashboard and the JSON API on `listener` until the task is dropped.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    analyzer: Arc<Analyzer>,
+    overview: Arc<Overview>,
+) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let (analyzer, overview) = (analyzer.clone(), overview.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let (analyzer, overview) = (analyzer.clone(), overview.clone());
+                async move {
+                    Ok::<_, Infallible>(
+                        route(&analyzer, &overview, req.method(), req.uri().path()).await,
+                    )
+                }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
