@@ -43,6 +43,7 @@ pub use device::parse_hello;
 mod mr;
 mod qp;
 mod recv;
+mod rxstamp;
 mod send;
 mod ud;
 pub use ud::{SoftAh, SoftUdQp};

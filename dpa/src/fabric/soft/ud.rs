@@ -3,7 +3,8 @@
 //! A queue pair binds one UDP socket (its port stands for RoCEv2's 4791) and
 //! receives there; a datagram carries a small header in place of the BTH/DETH
 //! (destination and source queue pair, Q_Key, immediate data, the flow label and the
-//! sender's port for answers). Sends with a flow label leave from a UDP socket of
+//! sender's port for answers). Receives are stamped with the kernel's arrival time
+//! (`rxstamp`), as a NIC stamps its CQEs. Sends with a flow label leave from a UDP socket of
 //! their own per label, so different labels are different 5-tuples to the network,
 //! as a NIC derives the UDP source port from the label. Progress is driven by
 //! `poll`/`wait`, like the rest of this fabric.
@@ -185,7 +186,7 @@ impl UdInner {
     fn progress(&self) {
         let mut buf = [0u8; UD_HEADER + UD_MTU + 1];
         for _ in 0..RECV_BATCH {
-            let (n, from) = match self.sock.recv_from(&mut buf) {
+            let got = match super::rxstamp::recv(&self.sock, &mut buf) {
                 Ok(got) => got,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -193,7 +194,18 @@ impl UdInner {
                 // sees none of them.
                 Err(_) => continue,
             };
-            let timestamp_ns = now_ns();
+            let (n, from) = (got.len, got.from);
+            // The kernel's arrival time in this process's clock: now, less how long
+            // the datagram waited in the socket (a NIC stamps its CQE on arrival too).
+            let now = now_ns();
+            let timestamp_ns = got
+                .at
+                .and_then(|at| std::time::SystemTime::now().duration_since(at).ok())
+                .map_or(now, |waited| now.saturating_sub(waited.as_nanos() as u64));
+            if got.truncated {
+                self.rejected.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
             let Some(h) = UdHeader::decode(&buf[..n]) else {
                 self.rejected.fetch_add(1, Ordering::Relaxed);
                 continue;
@@ -407,6 +419,7 @@ impl DatagramFabric for SoftFabric {
             detail: format!("cannot bind UDP {bind}: {e}"),
         })?;
         sock.set_nonblocking(true)?;
+        super::rxstamp::enable(&sock)?;
         let local = sock.local_addr()?;
         // As a NIC's, a UD queue pair's number differs from one run of its owner to
         // the next (peers tell a restarted responder by it); 24 bits, never 0 or 1
