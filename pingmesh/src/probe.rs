@@ -126,20 +126,24 @@ pub struct Delays {
 }
 
 impl Timestamps {
-    /// The three delays; `None` if the prober's own timestamps are out of order (a
-    /// clock that went backwards, or a completion matched to the wrong probe).
+    /// The three delays; `None` if the prober's clock ran backwards (T6 before T1).
+    ///
+    /// Completion times from two sources may cross by a little (a send stamped just
+    /// before its system call, an answer stamped by the kernel on arrival): a
+    /// difference that comes out negative counts as zero, it does not void the probe.
     pub fn delays(&self) -> Option<Delays> {
-        let d = |a: u64, b: u64| i64::try_from(b.checked_sub(a)?).ok();
-        let responder = d(self.t3, self.t4)?;
-        let between_completions = d(self.t2, self.t5)?;
-        let prober_total = d(self.t1, self.t6)?;
-        d(self.t1, self.t2)?;
-        d(self.t5, self.t6)?;
+        let d = |a: u64, b: u64| i64::try_from(b.saturating_sub(a)).unwrap_or(i64::MAX);
+        if self.t6 < self.t1 {
+            return None;
+        }
+        let responder = d(self.t3, self.t4);
+        let between_completions = d(self.t2, self.t5);
+        let prober_total = d(self.t1, self.t6);
         Some(Delays {
             // The responder's delay is measured on another clock: if it claims more
             // than the whole round trip the network part is at least zero.
             network_rtt_ns: (between_completions - responder).max(0),
-            prober_delay_ns: prober_total - between_completions,
+            prober_delay_ns: (prober_total - between_completions).max(0),
             responder_delay_ns: responder,
         })
     }
@@ -168,16 +172,32 @@ mod tests {
     }
 
     #[test]
-    fn timestamps_out_of_order_give_no_delays() {
+    fn a_prober_clock_that_ran_backwards_gives_no_delays() {
         let t = Timestamps {
             t1: 10,
-            t2: 5,
+            t2: 12,
             t3: 0,
             t4: 0,
             t5: 20,
-            t6: 30,
+            t6: 5,
         };
         assert_eq!(t.delays(), None);
+    }
+
+    #[test]
+    fn an_answer_stamped_before_its_probes_send_completion_is_zero_network_time() {
+        // The kernel stamped the ACK on arrival before the prober's stamp of its
+        // own send: an answer all the same.
+        let t = Timestamps {
+            t1: 0,
+            t2: 100,
+            t3: 0,
+            t4: 10,
+            t5: 90,
+            t6: 150,
+        };
+        let d = t.delays().unwrap();
+        assert_eq!((d.network_rtt_ns, d.prober_delay_ns), (0, 150));
     }
 
     #[test]

@@ -12,8 +12,9 @@
 //! - A receive buffer starts with [`GRH_LEN`] bytes of Global Routing Header (the
 //!   sender's and receiver's GIDs, the flow label), then the payload; the completion's
 //!   `byte_len` counts both.
-//! - Completions carry the time they were produced ([`UdCompletion::timestamp_ns`],
-//!   [`now_ns`]'s clock): the prober's T2/T5 and the responder's T3.
+//! - Completions carry a time ([`UdCompletion::timestamp_ns`], [`now_ns`]'s clock):
+//!   when a send went on the wire and when a receive arrived — the prober's T2/T5 and
+//!   the responder's T3/T4.
 //!
 //! The flow label is the probe's entropy: RoCEv2 NICs derive the UDP source port
 //! from it, so different labels between the same two GIDs take different ECMP paths;

@@ -315,6 +315,9 @@ impl UdQueuePair for SoftUdQp {
             inner.failed_send(wr.wr_id, WcStatus::LocalProtection);
             return Ok(());
         }
+        // Stamped as the datagram goes: a loopback or veth peer may receive (and
+        // answer) it before the system call returns.
+        let sent_at = now_ns();
         match inner.send_from(av.flow_label, av.hop_limit, &frame, av.socket_addr()) {
             Ok(port) => {
                 if wr.signaled {
@@ -327,7 +330,7 @@ impl UdQueuePair for SoftUdQp {
                         src_qp: 0,
                         src: None,
                         udp_src_port: port,
-                        timestamp_ns: now_ns(),
+                        timestamp_ns: sent_at,
                     });
                 }
             }
