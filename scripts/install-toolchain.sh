@@ -69,6 +69,8 @@ fi
 # rdma-sys' bindgen (compiled and tested for the no-device case in CI).
 # R-Pingmesh's gRPC APIs: protoc compiles pingmesh/proto for tonic/prost at build time.
 debian_packages "the Pingmesh gRPC build" protobuf-compiler
+# The Pingmesh dashboard's test loads it in headless Chromium.
+debian_packages "the dashboard's browser test" chromium
 debian_packages "C filters and the verbs backend" \
     clang lld wasi-libc libclang-rt-14-dev-wasm32 libibverbs-dev librdmacm-dev libclang-dev pkg-config
 

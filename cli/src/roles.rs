@@ -63,8 +63,7 @@ pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr
     };
     let registry = pm.registry.clone();
     if let Some(dir) = registry.as_deref().and_then(Path::parent) {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     let server = dpumesh_pingmesh::server::Server::start(dpumesh_pingmesh::server::ServerConfig {
         grpc: listen.unwrap_or(pm.listen),

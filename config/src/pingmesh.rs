@@ -123,7 +123,10 @@ impl PingmeshConfig {
         if let Some(c) = &self.controller
             && !(c.starts_with("http://") || c.starts_with("https://"))
         {
-            return Err(("pingmesh.controller", format!("{c:?} is not an http:// URL")));
+            return Err((
+                "pingmesh.controller",
+                format!("{c:?} is not an http:// URL"),
+            ));
         }
         Ok(())
     }

@@ -16,8 +16,8 @@
 pub mod agent;
 pub mod analyzer;
 pub mod controller;
-pub mod dashboard;
 mod convert;
+pub mod dashboard;
 pub mod ecmp;
 pub mod pinglist;
 pub mod probe;

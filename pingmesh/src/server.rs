@@ -110,7 +110,9 @@ impl Server {
             AnalyzerService::new(analyzer.clone()).server(),
         );
         let for_http = analyzer.clone();
-        let overview = Arc::new(crate::dashboard::overview::Overview::new(config.nodes.clone()));
+        let overview = Arc::new(crate::dashboard::overview::Overview::new(
+            config.nodes.clone(),
+        ));
         let thread = std::thread::Builder::new()
             .name("pingmesh-server".into())
             .spawn(move || {

@@ -143,7 +143,11 @@ fn start_pingmesh(
         if services.is_empty() {
             continue;
         }
-        let hash = |s: &str| s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+        let hash = |s: &str| {
+            s.bytes().fold(0x811c_9dc5u32, |h, b| {
+                (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+            })
+        };
         connections.push(Connection {
             peer_ip: peer_entry.rnic().ip(),
             local_qpn: hash(name) & 0xFF_FFFF,
@@ -162,8 +166,10 @@ fn start_pingmesh(
             analyzer: settings.controller_url(),
             refresh_every: Duration::from_secs(2),
             upload_every: settings.upload_every(),
-            connections: (!connections.is_empty())
-                .then(|| std::sync::Arc::new(move || connections.clone()) as dpumesh_pingmesh::agent::Connections),
+            connections: (!connections.is_empty()).then(|| {
+                std::sync::Arc::new(move || connections.clone())
+                    as dpumesh_pingmesh::agent::Connections
+            }),
             clock: dpumesh_clock::SystemClock::shared(),
         },
     )?;

@@ -119,7 +119,12 @@ impl Up {
         };
         // The controller first: agents register as their nodes start (they retry if
         // it is late, or restarted).
-        if let Some(pm) = mesh.config.pingmesh.as_ref().filter(|p| p.controller.is_none()) {
+        if let Some(pm) = mesh
+            .config
+            .pingmesh
+            .as_ref()
+            .filter(|p| p.controller.is_none())
+        {
             let spec = Spec::new("pingmesh", &me)
                 .args(["pingmesh", "server", "--mesh"])
                 .args([file])

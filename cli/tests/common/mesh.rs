@@ -91,6 +91,8 @@ pub struct Mesh {
     pub admins: Vec<SocketAddr>,
     /// The ingress's admin API.
     pub ingress_admin: Option<SocketAddr>,
+    /// The Pingmesh dashboard and JSON API (`dpumesh up` runs the analyzer).
+    pub pingmesh: Option<SocketAddr>,
     /// What `dpumesh up` said on stderr so far (it is passed through too).
     pub log: std::sync::Arc<std::sync::Mutex<String>>,
     pub _dir: tempfile::TempDir,
@@ -143,6 +145,7 @@ impl Mesh {
             ingress,
             admins: Vec::new(),
             ingress_admin: None,
+            pingmesh: None,
             log,
             _dir: dir,
         };
@@ -163,6 +166,11 @@ impl Mesh {
         mesh.ingress_admin = banner
             .lines()
             .filter_map(|l| l.trim().strip_prefix("ingress admin http://"))
+            .find_map(|l| l.split('/').next()?.parse().ok());
+        mesh.pingmesh = banner
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("pingmesh"))
+            .filter_map(|l| l.trim().strip_prefix("http://"))
             .find_map(|l| l.split('/').next()?.parse().ok());
         mesh
     }

@@ -100,7 +100,9 @@ impl Overview {
                 "dpumesh_pods" => view.pods = s.value,
                 "dpumesh_mesh_responses_total" => view.requests_total += s.value,
                 "dpumesh_denials_total" => *view.denials.entry(filter).or_default() += s.value,
-                "dpumesh_filter_duration_seconds_sum" => sums.entry(filter).or_default().0 += s.value,
+                "dpumesh_filter_duration_seconds_sum" => {
+                    sums.entry(filter).or_default().0 += s.value
+                }
                 "dpumesh_filter_duration_seconds_count" => {
                     sums.entry(filter).or_default().1 += s.value
                 }
@@ -120,7 +122,12 @@ impl Overview {
             view.denial_rate = view
                 .denials
                 .iter()
-                .map(|(f, v)| (f.clone(), ((v - p.denials.get(f).unwrap_or(&0.0)) / secs).max(0.0)))
+                .map(|(f, v)| {
+                    (
+                        f.clone(),
+                        ((v - p.denials.get(f).unwrap_or(&0.0)) / secs).max(0.0),
+                    )
+                })
                 .collect();
         }
         previous.insert(
