@@ -2,8 +2,13 @@
 //! [`Controller`] is the logic with time injected, [`ControllerService`] its gRPC
 //! face.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+use dpumesh_dpa::fabric::ud::Gid;
+use parking_lot::Mutex;
 
 use dpumesh_clock::SharedClock;
 use tonic::{Request, Response, Status};
@@ -43,6 +48,43 @@ pub struct Pinglist {
     pub generation: u64,
 }
 
+/// The registry as pinglists read it: grouped by ToR, indexed by GID. Rebuilt from
+/// the store only when an RNIC appears, changes or expires — a refresh that only
+/// renews a registration leaves it as it is — so pinglists do not read the database.
+#[derive(Debug, Default)]
+struct Topology {
+    by_tor: BTreeMap<String, Vec<crate::registry::Rnic>>,
+    by_gid: HashMap<Gid, (String, usize)>,
+}
+
+impl Topology {
+    fn build(all: Vec<crate::registry::Rnic>) -> Self {
+        let mut t = Topology::default();
+        for r in all {
+            t.by_tor.entry(r.tor_id.clone()).or_default().push(r);
+        }
+        for (tor, rnics) in &t.by_tor {
+            for (i, r) in rnics.iter().enumerate() {
+                t.by_gid.insert(r.gid, (tor.clone(), i));
+            }
+        }
+        t
+    }
+
+    fn get(&self, gid: &Gid) -> Option<&crate::registry::Rnic> {
+        let (tor, i) = self.by_gid.get(gid)?;
+        self.by_tor.get(tor)?.get(*i)
+    }
+
+    /// Whether `r` is already known exactly so (its timestamp aside).
+    fn knows(&self, r: &crate::registry::Rnic) -> bool {
+        self.get(&r.gid).is_some_and(|k| {
+            (k.qpn, k.qkey, k.udp_port, k.rnic_ip, &k.agent_id, &k.agent_ip, &k.tor_id)
+                == (r.qpn, r.qkey, r.udp_port, r.rnic_ip, &r.agent_id, &r.agent_ip, &r.tor_id)
+        })
+    }
+}
+
 /// The controller's logic.
 pub struct Controller {
     store: Arc<dyn RnicStore>,
@@ -50,6 +92,11 @@ pub struct Controller {
     policy: PinglistPolicy,
     /// Registrations older than this expire.
     ttl: Duration,
+    topology: Mutex<Arc<Topology>>,
+    /// The store changed in a way the topology does not show yet.
+    stale: AtomicBool,
+    /// When expired registrations were last removed (Unix ms).
+    expired_at: AtomicU64,
 }
 
 impl std::fmt::Debug for Controller {
@@ -73,18 +120,44 @@ impl Controller {
             clock,
             policy,
             ttl,
+            topology: Mutex::new(Arc::new(Topology::default())),
+            stale: AtomicBool::new(true),
+            expired_at: AtomicU64::new(0),
         }
+    }
+
+    /// The topology, rebuilt first if the store changed.
+    fn topology(&self) -> Result<Arc<Topology>, StoreError> {
+        let mut t = self.topology.lock();
+        if self.stale.swap(false, Ordering::AcqRel) {
+            *t = Arc::new(Topology::build(self.store.all()?));
+        }
+        Ok(t.clone())
     }
 
     fn now_ms(&self) -> u64 {
         self.clock.wall_ns() / 1_000_000
     }
 
-    /// Drops what expired, so no list names a host that stopped re-registering.
+    /// Drops what expired, so no list names a host that stopped re-registering:
+    /// at most once per twentieth of the TTL (a list may name a host up to that much
+    /// past its expiry), not on every request.
     fn expire(&self) -> Result<(), StoreError> {
-        let cutoff = self.now_ms().saturating_sub(self.ttl.as_millis() as u64);
+        let now = self.now_ms();
+        let every = (self.ttl.as_millis() as u64 / 20).max(1);
+        let last = self.expired_at.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < every
+            || self
+                .expired_at
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+        {
+            return Ok(());
+        }
+        let cutoff = now.saturating_sub(self.ttl.as_millis() as u64);
         let gone = self.store.expire(cutoff)?;
         if gone > 0 {
+            self.stale.store(true, Ordering::Release);
             tracing::info!(gone, "RNIC registrations expired");
         }
         Ok(())
@@ -108,8 +181,12 @@ impl Controller {
             }
             rnics.push(r);
         }
+        let known = self.topology.lock().clone();
         for r in &rnics {
             self.store.upsert(r)?;
+            if !known.knows(r) {
+                self.stale.store(true, Ordering::Release);
+            }
         }
         metrics::counter!("pingmesh_controller_registrations_total").increment(1);
         Ok(rnics.len() as u32)
@@ -119,18 +196,26 @@ impl Controller {
     pub fn pinglist(&self, gid: &str, kind: ListKind) -> Result<Pinglist, ControllerError> {
         let gid = convert::gid("gid", gid)?;
         self.expire()?;
-        let prober = self
-            .store
-            .get(&gid)?
+        let topology = self.topology()?;
+        let prober = topology
+            .get(&gid)
             .ok_or_else(|| ControllerError::NotFound(gid.to_string()))?;
         let generation = self.policy.generation(self.now_ms());
         let targets = match kind {
-            ListKind::TorMesh => {
-                pinglist::tor_mesh(&prober, &self.store.by_tor(&prober.tor_id)?, generation)
-            }
-            ListKind::InterTor => {
-                pinglist::inter_tor(&prober, &self.store.all()?, &self.policy, generation)
-            }
+            ListKind::TorMesh => pinglist::tor_mesh(
+                prober,
+                topology
+                    .by_tor
+                    .get(&prober.tor_id)
+                    .map_or(&[][..], Vec::as_slice),
+                generation,
+            ),
+            ListKind::InterTor => pinglist::inter_tor_grouped(
+                prober,
+                topology.by_tor.values().map(Vec::as_slice),
+                &self.policy,
+                generation,
+            ),
         };
         Ok(Pinglist {
             targets,
@@ -147,7 +232,7 @@ impl Controller {
     ) -> Result<proto::RnicInfo, ControllerError> {
         self.expire()?;
         let found = if !req.gid.is_empty() {
-            self.store.get(&convert::gid("gid", &req.gid)?)?
+            self.topology()?.get(&convert::gid("gid", &req.gid)?).cloned()
         } else if !req.ip.is_empty() {
             self.store.by_ip(convert::ip("ip", &req.ip)?)?
         } else {

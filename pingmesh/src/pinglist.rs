@@ -114,22 +114,53 @@ pub fn inter_tor(
     policy: &PinglistPolicy,
     generation: u64,
 ) -> Vec<Target> {
-    let mut by_tor: BTreeMap<&str, Vec<&Rnic>> = BTreeMap::new();
-    for r in all.iter().filter(|r| r.tor_id != prober.tor_id) {
-        by_tor.entry(&r.tor_id).or_default().push(r);
+    let mut by_tor: BTreeMap<&str, Vec<Rnic>> = BTreeMap::new();
+    for r in all {
+        by_tor.entry(&r.tor_id).or_default().push(r.clone());
     }
+    inter_tor_grouped(prober, by_tor.values().map(Vec::as_slice), policy, generation)
+}
+
+/// [`inter_tor`] over RNICs already grouped by ToR (the controller keeps them so).
+pub fn inter_tor_grouped<'a>(
+    prober: &Rnic,
+    tors: impl Iterator<Item = &'a [Rnic]>,
+    policy: &PinglistPolicy,
+    generation: u64,
+) -> Vec<Target> {
     let tuples = ecmp::tuples_needed(policy.ecmp_paths, policy.coverage);
+    let me = gid_word(&prober.gid);
     let mut out = Vec::new();
-    for rnics in by_tor.values_mut() {
+    let mut keyed: Vec<(u64, usize)> = Vec::new();
+    for rnics in tors {
+        if rnics.first().is_none_or(|r| r.tor_id == prober.tor_id) {
+            continue;
+        }
         // A different order per prober and generation: the sample spreads over the
-        // ToR's hosts and moves with the rotation.
-        let key = |r: &&Rnic| mix(gid_word(&prober.gid) ^ mix(gid_word(&r.gid) ^ generation));
-        rnics.sort_by_key(key);
-        for r in rnics.iter().take(policy.inter_tor_targets) {
-            for i in 0..tuples {
+        // ToR's hosts and moves with the rotation. Only the first few are needed,
+        // so they are selected, not sorted.
+        keyed.clear();
+        keyed.extend(
+            rnics
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (mix(me ^ mix(gid_word(&r.gid) ^ generation)), i)),
+        );
+        let k = policy.inter_tor_targets.min(keyed.len());
+        if k == 0 {
+            continue;
+        }
+        if k < keyed.len() {
+            keyed.select_nth_unstable(k - 1);
+        }
+        let picked = &mut keyed[..k];
+        picked.sort_unstable();
+        for &(_, i) in picked.iter() {
+            let r = &rnics[i];
+            for t in 0..tuples {
                 out.push(Target {
-                    rnic: (*r).clone(),
-                    flow_label: flow_label(&prober.gid, &r.gid, generation, i),
+                    rnic: r.clone(),
+                    flow_label: flow_label(&prober.gid, &r.gid, generation, t),
                     kind: ListKind::InterTor,
                 });
             }
