@@ -122,6 +122,7 @@ pub fn pingmesh_agent(
             refresh_every: std::time::Duration::from_secs(2),
             upload_every: std::time::Duration::from_millis(upload_every_ms.max(10)),
             connections: None,
+            probe: true,
             clock: dpumesh_clock::SystemClock::shared(),
         },
     )?;

@@ -24,7 +24,9 @@ const TORS: u32 = 100;
 const PER_TOR: u32 = 100;
 
 fn info(tor: u32, host: u32) -> proto::RnicInfo {
-    let ip: IpAddr = format!("10.{}.{}.{}", tor / 250, tor % 250, host + 1).parse().unwrap();
+    let ip: IpAddr = format!("10.{}.{}.{}", tor / 250, tor % 250, host + 1)
+        .parse()
+        .unwrap();
     proto::RnicInfo {
         gid: Gid::from_ip(ip).to_string(),
         qpn: 1000 + host,
@@ -49,7 +51,11 @@ fn register(c: &Controller, i: &proto::RnicInfo) {
 /// Resident memory of this process, bytes.
 fn rss() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split(' ').nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    let pages: u64 = statm
+        .split(' ')
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
     pages * 4096
 }
 

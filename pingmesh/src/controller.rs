@@ -79,8 +79,23 @@ impl Topology {
     /// Whether `r` is already known exactly so (its timestamp aside).
     fn knows(&self, r: &crate::registry::Rnic) -> bool {
         self.get(&r.gid).is_some_and(|k| {
-            (k.qpn, k.qkey, k.udp_port, k.rnic_ip, &k.agent_id, &k.agent_ip, &k.tor_id)
-                == (r.qpn, r.qkey, r.udp_port, r.rnic_ip, &r.agent_id, &r.agent_ip, &r.tor_id)
+            (
+                k.qpn,
+                k.qkey,
+                k.udp_port,
+                k.rnic_ip,
+                &k.agent_id,
+                &k.agent_ip,
+                &k.tor_id,
+            ) == (
+                r.qpn,
+                r.qkey,
+                r.udp_port,
+                r.rnic_ip,
+                &r.agent_id,
+                &r.agent_ip,
+                &r.tor_id,
+            )
         })
     }
 }
@@ -232,7 +247,9 @@ impl Controller {
     ) -> Result<proto::RnicInfo, ControllerError> {
         self.expire()?;
         let found = if !req.gid.is_empty() {
-            self.topology()?.get(&convert::gid("gid", &req.gid)?).cloned()
+            self.topology()?
+                .get(&convert::gid("gid", &req.gid)?)
+                .cloned()
         } else if !req.ip.is_empty() {
             self.store.by_ip(convert::ip("ip", &req.ip)?)?
         } else {

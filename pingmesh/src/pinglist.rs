@@ -118,7 +118,12 @@ pub fn inter_tor(
     for r in all {
         by_tor.entry(&r.tor_id).or_default().push(r.clone());
     }
-    inter_tor_grouped(prober, by_tor.values().map(Vec::as_slice), policy, generation)
+    inter_tor_grouped(
+        prober,
+        by_tor.values().map(Vec::as_slice),
+        policy,
+        generation,
+    )
 }
 
 /// [`inter_tor`] over RNICs already grouped by ToR (the controller keeps them so).

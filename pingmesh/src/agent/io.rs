@@ -26,8 +26,14 @@ pub(super) const SEND_SLOTS: usize = 256;
 const SEND_SLOT: usize = 64;
 /// Region: receive slots, then send slots.
 pub(super) const REGION_LEN: usize = RECV_SLOTS * RECV_SLOT + SEND_SLOTS * SEND_SLOT;
-/// Longest sleep between looks at the stop flag and new targets.
-const MAX_SLEEP: Duration = Duration::from_millis(20);
+/// The probing thread's period: it wakes once per period, reads everything that
+/// arrived, answers, and sends the probes due within the next period, so a busy
+/// agent costs one wake-up per period instead of one per datagram (measured: 3.4 %
+/// of a core for 500 probes/s when it woke per datagram). Arrival times come from
+/// the kernel's timestamps, so the network RTT does not grow with it; the host
+/// delays (T6 − T5 on the prober, T4 − T3 on the responder) do, by up to a period,
+/// and are reported as what they are.
+const PERIOD: Duration = Duration::from_millis(10);
 /// Address handles kept (targets × tuples, and the probers answered).
 const MAX_AHS: usize = 8192;
 
@@ -214,7 +220,13 @@ impl<F: DatagramFabric> Io<F> {
     fn send_due(&mut self, now: u64) {
         let mut out: Vec<Outgoing> = Vec::new();
         let room = self.free_sends.len().saturating_sub(SEND_SLOTS / 4);
-        self.prober.due(now, self.shared.wall_ms(), room, &mut out);
+        self.prober.due(
+            now,
+            PERIOD.as_nanos() as u64,
+            self.shared.wall_ms(),
+            room,
+            &mut out,
+        );
         for o in out {
             let seq = o.seq;
             if !self.post(o.to, o.qpn, o.qkey, &o.message, SendUse::Probe(seq)) {
@@ -242,17 +254,9 @@ impl<F: DatagramFabric> Io<F> {
                     .fetch_add(results.len() as u64, Ordering::Relaxed);
                 self.shared.push_results(results);
             }
-            let sleep = self
-                .prober
-                .next_due()
-                .map_or(MAX_SLEEP, |d| {
-                    Duration::from_nanos(d.saturating_sub(now_ns()))
-                })
-                .min(MAX_SLEEP);
-            if let Err(e) = self.qp.wait(sleep) {
-                tracing::error!(error = %e, "UD wait failed");
-                std::thread::sleep(MAX_SLEEP);
-            }
+            std::thread::sleep(PERIOD);
+            // Until nothing is left: answering a probe completes a send, which
+            // sends the second ACK in the same pass.
             loop {
                 wcs.clear();
                 let n = self.qp.poll(&mut wcs, 64);
@@ -260,7 +264,7 @@ impl<F: DatagramFabric> Io<F> {
                 for wc in &wcs {
                     self.on_completion(wc, t6);
                 }
-                if n < 64 {
+                if n == 0 {
                     break;
                 }
             }

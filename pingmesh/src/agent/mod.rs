@@ -66,6 +66,9 @@ pub struct AgentConfig {
     pub upload_every: Duration,
     /// The node's live connections, if it traces services.
     pub connections: Option<Connections>,
+    /// Whether it probes (false: it only answers — a target that is never a
+    /// prober, e.g. to measure the responder's cost alone).
+    pub probe: bool,
     pub clock: SharedClock,
 }
 
@@ -313,7 +316,10 @@ impl Control {
                     }
                 }
             }
-            if registered_at.is_some() && due(refreshed_at, self.config.refresh_every) {
+            if self.config.probe
+                && registered_at.is_some()
+                && due(refreshed_at, self.config.refresh_every)
+            {
                 refreshed_at = Some(Instant::now());
                 if let Some((targets, interval, timeout)) =
                     self.fetch_targets(&mut controller).await

@@ -107,13 +107,20 @@ impl Prober {
         self.due.iter().copied().min()
     }
 
-    /// The probes due at `now` (T1 = `now`), at most `max`.
-    pub fn due(&mut self, now: u64, wall_ms: u64, max: usize, out: &mut Vec<Outgoing>) {
+    /// The probes due by `now + horizon` (sent now: T1 = `now`), at most `max`.
+    pub fn due(
+        &mut self,
+        now: u64,
+        horizon: u64,
+        wall_ms: u64,
+        max: usize,
+        out: &mut Vec<Outgoing>,
+    ) {
         for i in 0..self.targets.len() {
             if out.len() >= max {
                 break;
             }
-            if self.due[i] > now {
+            if self.due[i] > now.saturating_add(horizon) {
                 continue;
             }
             // Keep the cadence; after a stall, do not send the missed ones in a burst.
@@ -430,7 +437,7 @@ mod tests {
     fn an_answered_probe_yields_the_three_delays() {
         let mut p = prober_with(1);
         let mut out = Vec::new();
-        p.due(1_000, 0, 16, &mut out);
+        p.due(1_000, 0, 0, 16, &mut out);
         assert_eq!(out.len(), 1);
         let seq = out[0].seq;
         assert_eq!(out[0].message.target_qpn, 102);
@@ -451,7 +458,7 @@ mod tests {
     fn silence_is_a_timeout_and_ack1_alone_is_an_answer() {
         let mut p = prober_with(2);
         let mut out = Vec::new();
-        p.due(1_000_000_000, 0, 16, &mut out);
+        p.due(1_000_000_000, 0, 0, 16, &mut out);
         let (a, b) = (out[0].seq, out[1].seq);
         p.sent(a, true, 1_000_000_100, 1);
         p.sent(b, true, 1_000_000_100, 1);
@@ -471,7 +478,7 @@ mod tests {
     fn answers_to_another_session_are_ignored() {
         let mut p = prober_with(1);
         let mut out = Vec::new();
-        p.due(0, 0, 16, &mut out);
+        p.due(0, 0, 0, 16, &mut out);
         let mut stale = ack(Kind::Ack1, out[0].seq, 0);
         stale.session = 1;
         p.ack(&stale, 1, 2);
@@ -487,22 +494,25 @@ mod tests {
         let mut p = prober_with(1);
         p.set_targets(p.targets().to_vec(), 100_000_000, 500_000_000, 0);
         let mut out = Vec::new();
-        p.due(0, 0, 16, &mut out);
-        p.due(50_000_000, 0, 16, &mut out);
+        p.due(0, 0, 0, 16, &mut out);
+        p.due(50_000_000, 0, 0, 16, &mut out);
         assert_eq!(out.len(), 1, "not due before the interval");
-        p.due(100_000_000, 0, 16, &mut out);
+        p.due(100_000_000, 0, 0, 16, &mut out);
         assert_eq!(out.len(), 2);
         // A 1 s stall: one probe, not ten.
-        p.due(1_100_000_000, 0, 16, &mut out);
-        p.due(1_100_000_001, 0, 16, &mut out);
+        p.due(1_100_000_000, 0, 0, 16, &mut out);
+        p.due(1_100_000_001, 0, 0, 16, &mut out);
         assert_eq!(out.len(), 3);
+        // Due within the horizon: sent in this pass.
+        p.due(1_190_000_000, 20_000_000, 0, 16, &mut out);
+        assert_eq!(out.len(), 4);
     }
 
     #[test]
     fn a_failed_send_is_reported_as_such_at_once() {
         let mut p = prober_with(1);
         let mut out = Vec::new();
-        p.due(0, 0, 16, &mut out);
+        p.due(0, 0, 0, 16, &mut out);
         p.sent(out[0].seq, false, 1, 0);
         assert_eq!(
             p.take_results()[0].status,
