@@ -220,5 +220,29 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         services: mesh.service_addrs(),
         admin: i.admin,
         path: i.path,
+        eject: eject_settings(mesh),
     }
+}
+
+/// What the ingress needs to route around the nodes Pingmesh judges unreachable, if
+/// any service asks for it.
+fn eject_settings(mesh: &MeshFile) -> Option<dpumesh_ingress::eject::EjectSettings> {
+    let pm = mesh.config.pingmesh.as_ref()?;
+    let services: std::collections::BTreeSet<String> = mesh
+        .config
+        .services
+        .iter()
+        .filter(|(_, s)| s.eject_unreachable)
+        .map(|(n, _)| n.clone())
+        .collect();
+    (!services.is_empty()).then(|| dpumesh_ingress::eject::EjectSettings {
+        analyzer: pm.http,
+        nodes: mesh
+            .config
+            .nodes
+            .iter()
+            .map(|(n, e)| (n.clone(), e.fabric))
+            .collect(),
+        services,
+    })
 }

@@ -700,3 +700,88 @@ fn faults_in_a_two_tor_topology_are_told_apart_and_localized() {
     assert_eq!(r2["unreachable"], serde_json::json!(["b3"]));
     run("kill", &["-CONT", &b3.to_string()]).unwrap();
 }
+
+/// A service on two nodes that opted in to `eject_unreachable`: when one node's host
+/// stops (its fabric link still stands, so the ingress's own health sees nothing),
+/// the analyzer judges it unreachable and the ingress routes every request to the
+/// other node; when it comes back, it is routed to again.
+#[test]
+fn the_ingress_routes_around_a_node_the_analyzer_judges_unreachable() {
+    let mesh = Mesh::up_with(|m| {
+        m.replace(
+            "frontend: {nodes: [node1],",
+            "frontend: {nodes: [node1, node2], eject_unreachable: true,",
+        ) + "  silence: 1500ms\n  upload_every: 250ms\n  interval: 50ms\n"
+    });
+    let pm = mesh.pingmesh.unwrap();
+    let token = common::token("alice", &["user"]);
+    wait_for(
+        pm,
+        "/v1/report",
+        Duration::from_secs(60),
+        "both directions probed",
+        |r| {
+            r["heatmap"]["cells"][0][1]["probes"].as_u64() > Some(5)
+                && r["heatmap"]["cells"][1][0]["probes"].as_u64() > Some(5)
+        },
+    );
+    for _ in 0..4 {
+        assert_eq!(mesh.get("/ping", Some(&token)).0, 200);
+    }
+    let dir = mesh._dir.path().display().to_string();
+    let pgrep = Command::new("pgrep")
+        .args(["-f", &format!("node --mesh {dir}/mesh.yaml --name node2")])
+        .output()
+        .unwrap();
+    let node2 = String::from_utf8_lossy(&pgrep.stdout).trim().to_owned();
+    assert!(
+        !node2.is_empty() && !node2.contains('\n'),
+        "node2's pid: {node2:?}"
+    );
+    run("kill", &["-STOP", &node2]).unwrap();
+    let resume = scopeguard(node2.clone());
+    wait_for(
+        pm,
+        "/v1/unreachable",
+        Duration::from_secs(15),
+        "node2 unreachable",
+        |u| u == &serde_json::json!(["node2"]),
+    );
+    // The ingress asks every second.
+    std::thread::sleep(Duration::from_millis(2_500));
+    let started = Instant::now();
+    for i in 0..20 {
+        let (status, _, body) = mesh.get("/ping", Some(&token));
+        assert_eq!(
+            status,
+            200,
+            "request {i}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "no request waited for the stopped node: {:?}",
+        started.elapsed()
+    );
+    drop(resume);
+    wait_for(
+        pm,
+        "/v1/unreachable",
+        Duration::from_secs(15),
+        "node2 back",
+        |u| u == &serde_json::json!([]),
+    );
+}
+
+/// Sends SIGCONT to the stopped process when dropped (a failed test must not leave
+/// it stopped).
+fn scopeguard(pid: String) -> impl Drop {
+    struct Resume(String);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            let _ = Command::new("kill").args(["-CONT", &self.0]).status();
+        }
+    }
+    Resume(pid)
+}

@@ -174,6 +174,11 @@ pub struct ServiceEntry {
     /// beside the `dpumesh` binary first, then on `PATH`.
     #[serde(default)]
     pub command: Vec<String>,
+    /// Route around the nodes the Pingmesh analyzer judges unreachable (a stopped
+    /// host, a NIC that drops) until it says they are back (default false; needs the
+    /// `pingmesh` section).
+    #[serde(default)]
+    pub eject_unreachable: bool,
 }
 
 /// How the ingress and the nodes' proxies reach each other.
@@ -395,6 +400,13 @@ impl MeshFile {
             }
         }
         for (name, service) in &config.services {
+            if service.eject_unreachable && config.pingmesh.is_none() {
+                return Err(error(
+                    &format!("services.{name}.eject_unreachable"),
+                    "needs the `pingmesh` section (its analyzer says which nodes are unreachable)"
+                        .into(),
+                ));
+            }
             if service.nodes.is_empty() {
                 return Err(error(
                     &format!("services.{name}.nodes"),

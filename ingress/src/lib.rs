@@ -16,6 +16,7 @@
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
 pub mod admin;
+pub mod eject;
 pub mod framing;
 pub mod health;
 pub mod path;
@@ -76,6 +77,9 @@ pub struct Settings {
     pub admin: Option<SocketAddr>,
     /// How request paths are normalized.
     pub path: dpumesh_config::PathConfig,
+    /// Services that route around the nodes the Pingmesh analyzer judges
+    /// unreachable, and where to ask it.
+    pub eject: Option<eject::EjectSettings>,
 }
 
 /// Metadata key carrying the path as the client sent it, when normalization changed it.
@@ -87,6 +91,8 @@ struct Routing {
     config: ProxyConfig,
     routes: RouteTable,
     rr: AtomicUsize,
+    /// Nodes the Pingmesh analyzer judges unreachable (opted-in services avoid them).
+    ejected: Option<Arc<eject::Ejected>>,
     /// The ingress is stopping: new requests are refused (503), those in flight
     /// finish within the drain grace.
     draining: std::sync::atomic::AtomicBool,
@@ -103,6 +109,7 @@ pub struct Ingress {
     addr: SocketAddr,
     health: Arc<health::Health>,
     admin: Option<admin::Admin>,
+    _eject: Option<eject::Poller>,
     stops: Vec<tokio::sync::oneshot::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -163,11 +170,19 @@ impl Ingress {
             Some(at) => Some(admin::Admin::start(at, health.clone(), fabric.clone())?),
             None => None,
         };
+        let (ejected, eject_poller) = match settings.eject.clone() {
+            Some(e) => {
+                let (ejected, poller) = eject::start(e)?;
+                (Some(ejected), Some(poller))
+            }
+            None => (None, None),
+        };
         let routing = Arc::new(Routing {
             settings,
             config: loaded.config,
             routes,
             rr: AtomicUsize::new(0),
+            ejected,
             draining: std::sync::atomic::AtomicBool::new(false),
         });
         let mut stops = Vec::new();
@@ -223,6 +238,7 @@ impl Ingress {
             addr,
             health,
             admin,
+            _eject: eject_poller,
             stops,
             threads: handles,
         })
@@ -389,8 +405,9 @@ fn normalize_path(
 
 impl Routing {
     /// The service for a request and the node to send it to: round robin over the
-    /// nodes running it, passing over those `reachable` says not to try now (when
-    /// none is, the turn's node: its failure is answered at once).
+    /// nodes running it, passing over those `reachable` says not to try now and, for
+    /// services that opted in, those Pingmesh judges unreachable (when none is left,
+    /// the turn's node: its failure is answered at once).
     fn route(
         &self,
         head: &RequestHead,
@@ -410,9 +427,10 @@ impl Routing {
             return None;
         }
         let n = self.rr.fetch_add(1, Ordering::Relaxed);
+        let avoid = |a: SocketAddr| self.ejected.as_ref().is_some_and(|e| e.avoids(&service, a));
         let node = (0..nodes.len())
             .map(|i| nodes[(n + i) % nodes.len()])
-            .find(|&a| reachable(a))
+            .find(|&a| reachable(a) && !avoid(a))
             .unwrap_or(nodes[n % nodes.len()]);
         Some((service, node))
     }

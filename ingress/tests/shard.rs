@@ -172,6 +172,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
             services: BTreeMap::from([("svc".to_owned(), vec![node])]),
             admin: None,
             path: Default::default(),
+            eject: None,
         },
     )
     .unwrap();

@@ -91,6 +91,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
             services: BTreeMap::from([("slow".to_owned(), vec![node.fabric_addr()])]),
             admin: None,
             path: Default::default(),
+            eject: None,
         },
     )
     .unwrap();

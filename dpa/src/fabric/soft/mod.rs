@@ -46,7 +46,7 @@ mod recv;
 mod rxstamp;
 mod send;
 mod ud;
-pub use ud::{SoftAh, SoftUdQp};
+pub use ud::{SoftAh, SoftUdQp, check_ud_header};
 #[cfg(test)]
 mod tests;
 

@@ -70,6 +70,16 @@ impl UdHeader {
     }
 }
 
+/// For the fuzzer: whether `bytes` decode as a UD datagram's header, and if they do,
+/// whether it encodes back to what decodes the same. Never panics.
+#[doc(hidden)]
+pub fn check_ud_header(bytes: &[u8]) -> bool {
+    match UdHeader::decode(bytes) {
+        Some(h) => UdHeader::decode(&h.encode()) == Some(h),
+        None => true,
+    }
+}
+
 /// A UDP socket and the IP TTL last set on it.
 #[derive(Debug)]
 struct SendSocket {
