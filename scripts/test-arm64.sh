@@ -4,8 +4,9 @@
 # names both): the data path (rings, pools, doorbells, DMA cases 1/2/3 through real pod
 # processes, both fabrics, RPC), the filter runtime (chains, limits, deadlines, reload,
 # Cranelift's aarch64 code), every built-in filter's conformance suite, the BlueCache
-# agent (protocol, backends, pipelined transfers, cancellation) and the HTTP cache's
-# policy.
+# agent (protocol, backends, pipelined transfers, cancellation), the HTTP cache's
+# policy, and the Pingmesh agent's logic (prober, responder, probe messages; the UD
+# queue pairs are in the data path's tests).
 # `./scripts/test.sh` runs this; alone: `./scripts/test-arm64.sh`.
 #
 # Left out under emulation, with the reason: the proxy, ingress and CLI end-to-end
@@ -23,7 +24,7 @@ target=aarch64-unknown-linux-gnu
 # One cargo invocation: the three packages share one feature resolution, so wasmtime
 # and Cranelift are compiled for aarch64 once (separate invocations built them twice,
 # ~4 minutes of CI).
-echo "==> aarch64 under qemu: the data path, the filter runtime, the built-in filters' suites, the BlueCache agent, the HTTP cache policy"
+echo "==> aarch64 under qemu: the data path, the filter runtime, the built-in filters' suites, the BlueCache agent, the HTTP cache policy, Pingmesh"
 cargo test --locked --target "$target" \
-    -p dpumesh-dpa -p dpumesh-runtime -p dpumesh-conformance -p dpumesh-store -p dpumesh-cache \
+    -p dpumesh-dpa -p dpumesh-runtime -p dpumesh-conformance -p dpumesh-store -p dpumesh-cache -p dpumesh-pingmesh \
     --lib --test cases --test fabric_cases --test multiprocess --test all --test suites
