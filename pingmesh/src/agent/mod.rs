@@ -280,8 +280,10 @@ impl Control {
         };
         let mut controller = controller;
         let mut analyzer = analyzer;
-        let mut ttl = Duration::from_secs(30);
-        let mut registered_at: Option<Instant> = None;
+        let mut registered = false;
+        let mut next_register = Instant::now();
+        // Said once per outage, not on every retry.
+        let (mut register_failing, mut upload_failing) = (false, false);
         let mut refreshed_at: Option<Instant> = None;
         let mut uploaded_at = Instant::now();
         let mut current: Option<Vec<ProbeTarget>> = None;
@@ -290,7 +292,7 @@ impl Control {
         while !self.stopped() {
             let due =
                 |at: Option<Instant>, every: Duration| at.is_none_or(|t| t.elapsed() >= every);
-            if due(registered_at, ttl / 3) {
+            if Instant::now() >= next_register {
                 match controller
                     .register_agent(proto::AgentRegistrationRequest {
                         agent_id: self.config.agent_id.clone(),
@@ -299,27 +301,31 @@ impl Control {
                     .await
                 {
                     Ok(r) => {
-                        ttl = Duration::from_millis(u64::from(r.get_ref().ttl_ms).max(300));
+                        let ttl = Duration::from_millis(u64::from(r.get_ref().ttl_ms).max(300));
                         // A first registration refreshes the lists at once.
-                        if registered_at.is_none() {
+                        if !registered {
                             refreshed_at = None;
                         }
-                        registered_at = Some(Instant::now());
+                        if register_failing {
+                            tracing::info!("pingmesh agent: registered again");
+                        }
+                        (registered, register_failing) = (true, false);
+                        next_register = Instant::now() + ttl / 3;
                     }
                     Err(e) => {
                         self.shared
                             .stats
                             .register_errors
                             .fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %e, "pingmesh agent: registration failed; retrying");
-                        registered_at = Some(Instant::now() - ttl / 3 + Duration::from_millis(500));
+                        if !register_failing {
+                            tracing::warn!(error = %e, "pingmesh agent: registration failed; retrying every 500 ms");
+                            register_failing = true;
+                        }
+                        next_register = Instant::now() + Duration::from_millis(500);
                     }
                 }
             }
-            if self.config.probe
-                && registered_at.is_some()
-                && due(refreshed_at, self.config.refresh_every)
-            {
+            if self.config.probe && registered && due(refreshed_at, self.config.refresh_every) {
                 refreshed_at = Some(Instant::now());
                 if let Some((targets, interval, timeout)) =
                     self.fetch_targets(&mut controller).await
@@ -347,13 +353,17 @@ impl Control {
                                 .stats
                                 .uploaded
                                 .fetch_add(u64::from(r.get_ref().accepted), Ordering::Relaxed);
+                            upload_failing = false;
                         }
                         Err(e) => {
                             self.shared
                                 .stats
                                 .upload_errors
                                 .fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(error = %e, "pingmesh agent: upload failed; kept for the next one");
+                            if !upload_failing {
+                                tracing::warn!(error = %e, "pingmesh agent: upload failed; results kept for the next one");
+                                upload_failing = true;
+                            }
                             pending = batch.results;
                             if pending.len() > MAX_BACKLOG {
                                 let extra = pending.len() - MAX_BACKLOG;

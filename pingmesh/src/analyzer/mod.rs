@@ -214,7 +214,14 @@ pub struct Analyzer {
     state: Mutex<State>,
     /// Most records kept, whatever the window.
     max_records: usize,
+    /// The last report and when (Unix ms): the dashboard, the JSON API and every
+    /// ingress ask often; one analysis serves them until an upload comes or it is
+    /// `REPORT_FRESH` old (silences depend on time alone).
+    last: Mutex<Option<(u64, Report)>>,
 }
+
+/// How long a report is reused when no upload came.
+const REPORT_FRESH_MS: u64 = 500;
 
 impl std::fmt::Debug for Analyzer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -238,6 +245,7 @@ impl Analyzer {
             registry,
             state: Mutex::new(State::default()),
             max_records: 2_000_000,
+            last: Mutex::new(None),
         }
     }
 
@@ -285,6 +293,7 @@ impl Analyzer {
         st.agents.insert(req.agent_id.clone(), (now, qpn));
         st.records.extend(records);
         self.prune(&mut st, now);
+        *self.last.lock() = None;
         Ok(n)
     }
 
@@ -302,6 +311,17 @@ impl Analyzer {
     /// What the window says now.
     pub fn report(&self) -> Report {
         let now = now_ms(&self.clock);
+        if let Some((at, report)) = &*self.last.lock()
+            && now.saturating_sub(*at) < REPORT_FRESH_MS
+        {
+            return report.clone();
+        }
+        let report = self.analyze(now);
+        *self.last.lock() = Some((now, report.clone()));
+        report
+    }
+
+    fn analyze(&self, now: u64) -> Report {
         let (records, agents) = {
             let mut st = self.state.lock();
             self.prune(&mut st, now);
