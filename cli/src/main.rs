@@ -383,8 +383,9 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
                     tor,
                     rnic,
                     upload_every,
+                    trace_every,
                 },
-        } => roles::pingmesh_agent(&controller, &name, &tor, rnic, upload_every)
+        } => roles::pingmesh_agent(&controller, &name, &tor, rnic, upload_every, trace_every)
             .map(|()| ExitCode::SUCCESS),
         Command::Certs {
             config,
@@ -428,6 +429,9 @@ enum PingmeshCommand {
         /// Upload results this often (milliseconds).
         #[arg(long, default_value_t = 1000)]
         upload_every: u64,
+        /// Trace the paths to the targets this often (milliseconds; 0: never).
+        #[arg(long, default_value_t = 30_000)]
+        trace_every: u64,
     },
 }
 

@@ -109,6 +109,7 @@ pub fn pingmesh_agent(
     tor: &str,
     rnic: SocketAddr,
     upload_every_ms: u64,
+    trace_every_ms: u64,
 ) -> Result<()> {
     let agent = dpumesh_pingmesh::agent::Agent::start(
         SoftFabric::new(),
@@ -122,6 +123,8 @@ pub fn pingmesh_agent(
             refresh_every: std::time::Duration::from_secs(2),
             upload_every: std::time::Duration::from_millis(upload_every_ms.max(10)),
             connections: None,
+            trace_every: (trace_every_ms > 0)
+                .then(|| std::time::Duration::from_millis(trace_every_ms)),
             probe: true,
             clock: dpumesh_clock::SystemClock::shared(),
         },

@@ -47,6 +47,8 @@ pub struct PingmeshConfig {
     pub slow_rtt: Option<Span>,
     /// Agents upload this often (default 1s).
     pub upload_every: Option<Span>,
+    /// Agents trace the paths to their targets this often (default 30s).
+    pub trace_every: Option<Span>,
 }
 
 impl PingmeshConfig {
@@ -83,6 +85,9 @@ impl PingmeshConfig {
     pub fn upload_every(&self) -> Duration {
         self.upload_every.map_or(Duration::from_secs(1), |s| s.0)
     }
+    pub fn trace_every(&self) -> Duration {
+        self.trace_every.map_or(Duration::from_secs(30), |s| s.0)
+    }
     /// The URL agents dial.
     pub fn controller_url(&self) -> String {
         self.controller
@@ -98,6 +103,12 @@ impl PingmeshConfig {
         }
         if !(ms(1)..=Duration::from_secs(60)).contains(&self.timeout()) {
             return Err(("pingmesh.timeout", "must be 1ms to 60s".into()));
+        }
+        if self.trace_every() < ms(500) {
+            return Err((
+                "pingmesh.trace_every",
+                "at least 500ms (a round listens 400ms)".into(),
+            ));
         }
         if !(1..=256).contains(&self.ecmp_paths()) {
             return Err(("pingmesh.ecmp_paths", "must be 1 to 256".into()));

@@ -46,6 +46,7 @@ pub mod reconnect;
 pub mod ring;
 pub mod rpc;
 pub mod shm;
+pub mod traceroute;
 
 pub use descriptor::{
     BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,

@@ -37,6 +37,7 @@ fn agent(controller: &str, name: &str, tor: &str, bind: &str, probe: bool) -> Ag
             refresh_every: Duration::from_secs(2),
             upload_every: Duration::from_secs(1),
             connections: None,
+            trace_every: None,
             probe,
             clock: Arc::new(SystemClock::new()),
         },

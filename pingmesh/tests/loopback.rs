@@ -51,6 +51,7 @@ fn agent(server: &Server, n: u8, tor: &str) -> Agent {
             refresh_every: Duration::from_millis(500),
             upload_every: Duration::from_millis(200),
             connections: None,
+            trace_every: None,
             probe: true,
             clock: Arc::new(SystemClock::new()),
         },

@@ -170,6 +170,7 @@ fn start_pingmesh(
                 std::sync::Arc::new(move || connections.clone())
                     as dpumesh_pingmesh::agent::Connections
             }),
+            trace_every: Some(settings.trace_every()),
             probe: true,
             clock: dpumesh_clock::SystemClock::shared(),
         },

@@ -8,6 +8,7 @@
 
 mod io;
 pub mod prober;
+pub mod tracer;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -66,6 +67,8 @@ pub struct AgentConfig {
     pub upload_every: Duration,
     /// The node's live connections, if it traces services.
     pub connections: Option<Connections>,
+    /// Trace the paths to its targets this often (None: no path tracing).
+    pub trace_every: Option<Duration>,
     /// Whether it probes (false: it only answers — a target that is never a
     /// prober, e.g. to measure the responder's cost alone).
     pub probe: bool,
@@ -108,6 +111,10 @@ pub(crate) struct Shared {
     /// New targets for the prober (targets, interval ns, timeout ns).
     targets: Mutex<Option<(Vec<ProbeTarget>, u64, u64)>>,
     results: Mutex<Vec<proto::ProbeResult>>,
+    /// The RNICs the tracer traces (the targets' GIDs, once each).
+    trace_targets: Mutex<Vec<Gid>>,
+    /// Traced paths waiting for the next upload.
+    paths: Mutex<Vec<proto::PathInfo>>,
     pub(crate) stats: Stats,
     clock: SharedClock,
 }
@@ -115,6 +122,16 @@ pub(crate) struct Shared {
 impl Shared {
     fn wall_ms(&self) -> u64 {
         self.clock.wall_ns() / 1_000_000
+    }
+
+    fn push_paths(&self, mut more: Vec<proto::PathInfo>) {
+        let mut p = self.paths.lock();
+        p.append(&mut more);
+        // Only the latest trace of a pair matters; a long outage keeps the newest.
+        if p.len() > 1024 {
+            let extra = p.len() - 1024;
+            p.drain(..extra);
+        }
     }
 
     fn push_results(&self, mut more: Vec<proto::ProbeResult>) {
@@ -175,6 +192,8 @@ impl Agent {
             stop: AtomicBool::new(false),
             targets: Mutex::new(None),
             results: Mutex::new(Vec::new()),
+            trace_targets: Mutex::new(Vec::new()),
+            paths: Mutex::new(Vec::new()),
             stats: Stats::default(),
             clock: config.clock.clone(),
         });
@@ -183,6 +202,16 @@ impl Agent {
             .name("pingmesh-probe".into())
             .spawn(move || io.run())
             .map_err(|e| AgentError::Setup(format!("probe thread: {e}")))?;
+        let mut threads = vec![probe];
+        if let (Some(every), true) = (config.trace_every, config.probe) {
+            let (shared, gid) = (shared.clone(), local.gid);
+            threads.push(
+                std::thread::Builder::new()
+                    .name("pingmesh-trace".into())
+                    .spawn(move || tracer::run(shared, gid, every))
+                    .map_err(|e| AgentError::Setup(format!("trace thread: {e}")))?,
+            );
+        }
         let control = Control {
             config,
             shared: shared.clone(),
@@ -195,7 +224,10 @@ impl Agent {
             .map_err(|e| AgentError::Setup(format!("control thread: {e}")))?;
         Ok(Self {
             shared,
-            threads: vec![probe, control],
+            threads: {
+                threads.push(control);
+                threads
+            },
             rnic,
         })
     }
@@ -332,6 +364,11 @@ impl Control {
                 {
                     // Only a changed list resets the prober's schedule.
                     if current.as_ref() != Some(&targets) {
+                        let mut gids: Vec<Gid> =
+                            targets.iter().map(|t| t.target.rnic.gid).collect();
+                        gids.sort();
+                        gids.dedup();
+                        *self.shared.trace_targets.lock() = gids;
                         current = Some(targets.clone());
                         *self.shared.targets.lock() = Some((targets, interval, timeout));
                     }
@@ -340,11 +377,12 @@ impl Control {
             if uploaded_at.elapsed() >= self.config.upload_every {
                 uploaded_at = Instant::now();
                 pending.append(&mut self.shared.results.lock());
-                if !pending.is_empty() {
+                let paths = std::mem::take(&mut *self.shared.paths.lock());
+                if !pending.is_empty() || !paths.is_empty() {
                     let batch = proto::UploadDataRequest {
                         agent_id: self.config.agent_id.clone(),
                         results: std::mem::take(&mut pending),
-                        paths: Vec::new(),
+                        paths,
                         flows: Vec::new(),
                     };
                     match analyzer.upload_data(batch.clone()).await {

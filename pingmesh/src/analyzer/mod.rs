@@ -13,6 +13,7 @@
 //!
 //! Time is injected: the window and silences are judged on the given clock.
 
+pub mod paths;
 mod record;
 pub mod service;
 pub mod stats;
@@ -82,6 +83,9 @@ pub enum Element {
     Switch { tor: String },
     /// The link (or fabric) between two ToRs, names in order.
     InterTor { a: String, b: String },
+    /// A link a traced path crossed (a router's name or address at each end, in
+    /// order).
+    Link { a: String, b: String },
 }
 
 impl std::fmt::Display for Element {
@@ -89,7 +93,7 @@ impl std::fmt::Display for Element {
         match self {
             Element::HostLink { node, tor } => write!(f, "link {node}–{tor}"),
             Element::Switch { tor } => write!(f, "switch {tor}"),
-            Element::InterTor { a, b } => write!(f, "link {a}–{b}"),
+            Element::InterTor { a, b } | Element::Link { a, b } => write!(f, "link {a}–{b}"),
         }
     }
 }
@@ -182,6 +186,8 @@ pub struct Report {
     /// Delays of the hosts themselves (not the network), per node: median prober
     /// and responder delay in microseconds.
     pub host_delays: BTreeMap<String, HostDelay>,
+    /// The latest traced path of each pair.
+    pub paths: Vec<paths::PathView>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -204,6 +210,7 @@ pub struct AgentSeen {
 struct State {
     records: VecDeque<Record>,
     agents: BTreeMap<String, (u64, u32)>,
+    paths: HashMap<(Gid, Gid), paths::Traced>,
 }
 
 /// The analyzer.
@@ -273,6 +280,12 @@ impl Analyzer {
                 &format!("results[{i}]"),
             )?);
         }
+        let traced = req
+            .paths
+            .iter()
+            .enumerate()
+            .map(|(i, p)| paths::from_proto(p, now, &format!("paths[{i}]")))
+            .collect::<Result<Vec<_>, _>>()?;
         for r in &records {
             let status = match r.outcome {
                 Outcome::Ok => "ok",
@@ -292,6 +305,7 @@ impl Analyzer {
         );
         st.agents.insert(req.agent_id.clone(), (now, qpn));
         st.records.extend(records);
+        st.paths.extend(traced);
         self.prune(&mut st, now);
         *self.last.lock() = None;
         Ok(n)
@@ -299,6 +313,7 @@ impl Analyzer {
 
     fn prune(&self, st: &mut State, now: u64) {
         let cutoff = now.saturating_sub(self.policy.window.as_millis() as u64);
+        st.paths.retain(|_, t| t.at_ms >= cutoff);
         while st
             .records
             .front()
@@ -322,19 +337,20 @@ impl Analyzer {
     }
 
     fn analyze(&self, now: u64) -> Report {
-        let (records, agents) = {
+        let (records, agents, traced) = {
             let mut st = self.state.lock();
             self.prune(&mut st, now);
             (
                 st.records.iter().cloned().collect::<Vec<_>>(),
                 st.agents.clone(),
+                st.paths.clone(),
             )
         };
         let registry: Vec<Rnic> = self.registry.all().unwrap_or_else(|e| {
             tracing::warn!(error = %e, "analyzer: registry unreadable; no topology");
             Vec::new()
         });
-        Analysis::new(&self.policy, now, &records, &agents, &registry).report()
+        Analysis::new(&self.policy, now, &records, &agents, &registry, &traced).report()
     }
 }
 
@@ -347,6 +363,9 @@ struct Analysis<'a> {
     by_gid: HashMap<Gid, &'a Rnic>,
     /// Agents silent for longer than the policy allows.
     silent: BTreeSet<&'a str>,
+    /// Each pair's traced path, as elements (complete traces only).
+    traced: HashMap<(Gid, Gid), Vec<Element>>,
+    views: Vec<paths::PathView>,
 }
 
 /// Why a timeout is not the network's.
@@ -364,6 +383,7 @@ impl<'a> Analysis<'a> {
         records: &'a [Record],
         agents: &'a BTreeMap<String, (u64, u32)>,
         registry: &'a [Rnic],
+        traced: &HashMap<(Gid, Gid), paths::Traced>,
     ) -> Self {
         let silence = policy.silence.as_millis() as u64;
         let silent = agents
@@ -371,13 +391,42 @@ impl<'a> Analysis<'a> {
             .filter(|(_, (last, _))| now.saturating_sub(*last) >= silence)
             .map(|(a, _)| a.as_str())
             .collect();
+        let by_gid: HashMap<Gid, &Rnic> = registry.iter().map(|r| (r.gid, r)).collect();
+        let tors: BTreeSet<&str> = registry.iter().map(|r| r.tor_id.as_str()).collect();
+        let is_tor = |n: &str| tors.contains(n);
+        let mut elements = HashMap::new();
+        let mut views = Vec::new();
+        for ((s, d), t) in traced {
+            let (Some(src), Some(dst)) = (by_gid.get(s), by_gid.get(d)) else {
+                continue;
+            };
+            let names = paths::names(src, dst, t);
+            if let Some(n) = &names {
+                elements.insert((*s, *d), paths::elements(src, dst, n, &is_tor));
+            }
+            views.push(paths::PathView {
+                src: src.agent_id.clone(),
+                dst: dst.agent_id.clone(),
+                hops: t
+                    .hops
+                    .iter()
+                    .map(|h| h.map_or_else(|| "*".to_owned(), |ip| ip.to_string()))
+                    .collect(),
+                names: names.unwrap_or_default(),
+                reached: t.reached,
+                age_ms: now.saturating_sub(t.at_ms),
+            });
+        }
+        views.sort_by(|a, b| (&a.src, &a.dst).cmp(&(&b.src, &b.dst)));
         Self {
             policy,
             now,
             records,
             agents,
-            by_gid: registry.iter().map(|r| (r.gid, r)).collect(),
+            by_gid,
             silent,
+            traced: elements,
+            views,
         }
     }
 
@@ -421,8 +470,12 @@ impl<'a> Analysis<'a> {
             || (r.outcome == Outcome::Ok && r.rtt_ns > self.policy.slow_rtt.as_nanos() as i64)
     }
 
-    /// The elements a probe crossed, from the registry's topology.
+    /// The elements a probe crossed: its pair's traced path when there is a complete
+    /// one, else the registry's topology.
     fn path(&self, r: &Record) -> Option<Vec<Element>> {
+        if let Some(p) = self.traced.get(&(r.src, r.dst)) {
+            return Some(p.clone());
+        }
         let (s, d) = (self.by_gid.get(&r.src)?, self.by_gid.get(&r.dst)?);
         let mut p = vec![
             Element::HostLink {
@@ -489,6 +542,7 @@ impl<'a> Analysis<'a> {
                 })
                 .collect(),
             host_delays: self.host_delays(),
+            paths: self.views.clone(),
         }
     }
 

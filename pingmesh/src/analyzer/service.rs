@@ -56,7 +56,7 @@ fn error(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
 
 /// Answers one request of the HTTP JSON API:
 /// `GET /v1/report` (everything), `/v1/problems`, `/v1/heatmap`, `/v1/sla`,
-/// `/v1/unreachable`, `/v1/agents`.
+/// `/v1/unreachable`, `/v1/agents`, `/v1/paths`.
 pub fn answer(analyzer: &Analyzer, method: &Method, path: &str) -> Response<Full<Bytes>> {
     if method != Method::GET {
         return error(StatusCode::METHOD_NOT_ALLOWED, "only GET");
@@ -71,6 +71,7 @@ pub fn answer(analyzer: &Analyzer, method: &Method, path: &str) -> Response<Full
             "services": report.services,
         })),
         "/v1/unreachable" => serde_json::to_value(&report.unreachable),
+        "/v1/paths" => serde_json::to_value(&report.paths),
         "/v1/agents" => Ok(serde_json::json!({
             "agents": report.agents,
             "host_delays": report.host_delays,

@@ -379,3 +379,90 @@ fn the_json_api_answers_each_endpoint() {
         405
     );
 }
+
+/// Traces through a spine (one address, as a router ID would be): probes are voted
+/// along the traced hops, so a slow spine is blamed, not the registry's inter-ToR link.
+#[test]
+fn traced_paths_replace_the_topology_in_the_vote() {
+    let (a, clock, _) = setup();
+    let trace = |src: usize, dst: usize| {
+        let (s, d) = (NODES[src], NODES[dst]);
+        let hops = if s.1 == d.1 {
+            vec![format!("10.0.{}.254", if s.1 == "tor-a" { 1 } else { 2 })]
+        } else {
+            vec![
+                format!("10.0.{}.254", if s.1 == "tor-a" { 1 } else { 2 }),
+                "10.9.0.1".to_owned(),
+                "10.0.0.9".to_owned(),
+            ]
+        };
+        proto::PathInfo {
+            tuple: Some(proto::FiveTuple {
+                src_gid: gid(s.2).to_string(),
+                dst_gid: gid(d.2).to_string(),
+                ..Default::default()
+            }),
+            hops: hops
+                .into_iter()
+                .enumerate()
+                .map(|(i, ip)| proto::Hop {
+                    ttl: i as u32 + 1,
+                    ip,
+                    rtt_ns: 0,
+                })
+                .collect(),
+            reached: true,
+            traced_at_ms: 0,
+        }
+    };
+    for (i, (node, ..)) in NODES.iter().enumerate() {
+        a.upload(&proto::UploadDataRequest {
+            agent_id: node.to_string(),
+            paths: (0..NODES.len())
+                .filter(|j| *j != i)
+                .map(|j| trace(i, j))
+                .collect(),
+            ..Default::default()
+        })
+        .unwrap();
+    }
+    rounds(
+        &a,
+        &clock,
+        20,
+        &|s, d, _| {
+            Some(if s.as_bytes()[0] != d.as_bytes()[0] {
+                3_000
+            } else {
+                80
+            })
+        },
+        &[],
+    );
+    let r = a.report();
+    let blamed: Vec<_> = problems_of(&r, ProblemKind::FaultyElement);
+    assert!(!blamed.is_empty(), "{:?}", kinds(&r));
+    assert!(
+        blamed
+            .iter()
+            .all(|p| p.element.contains("10.9.0.1")
+                && !matches!(p.at, Some(Element::InterTor { .. }))),
+        "the spine, from the traces: {:?}",
+        kinds(&r)
+    );
+    let view = r
+        .paths
+        .iter()
+        .find(|p| p.src == "a1" && p.dst == "b1")
+        .unwrap();
+    assert_eq!(view.names, ["tor-a", "10.9.0.1", "tor-b"]);
+    assert_eq!(view.hops, ["10.0.1.254", "10.9.0.1", "10.0.0.9"]);
+}
+
+fn problems_of(r: &Report, kind: ProblemKind) -> Vec<Problem> {
+    r.problems
+        .iter()
+        .filter(|p| p.kind == kind)
+        .cloned()
+        .collect()
+}
