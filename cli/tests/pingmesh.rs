@@ -88,6 +88,17 @@ fn under_dpumesh_up_the_nodes_probe_each_other_and_the_dashboard_shows_it() {
         "{r:#}"
     );
 
+    // For a real TSDB: the analyzer's counters and gauges in Prometheus' format.
+    let (status, metrics) = common::http_get(pm, "/metrics");
+    assert_eq!(status, 200);
+    for name in [
+        "pingmesh_probes_total{status=\"ok\"}",
+        "pingmesh_pair_rtt_p50_seconds{src=\"node1\",dst=\"node2\"}",
+        "pingmesh_problems{kind=\"anomalous_rnic\"} 0",
+    ] {
+        assert!(metrics.contains(name), "{name} in: {metrics}");
+    }
+
     let overview = report(pm, "/v1/mesh");
     let nodes = overview["nodes"].as_array().unwrap();
     assert_eq!(nodes.len(), 2);

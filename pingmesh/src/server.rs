@@ -73,6 +73,7 @@ impl std::fmt::Debug for Server {
 impl Server {
     /// Opens the registry, binds both ports and serves on a thread of its own.
     pub fn start(config: ServerConfig) -> Result<Self, ServerError> {
+        crate::dashboard::prometheus();
         let registry: Arc<dyn RnicStore> = match &config.registry {
             Some(path) => Arc::new(SqliteStore::open(path)?),
             None => Arc::new(MemoryStore::new()),

@@ -332,6 +332,7 @@ impl Analyzer {
             return report.clone();
         }
         let report = self.analyze(now);
+        export(&report);
         *self.last.lock() = Some((now, report.clone()));
         report
     }
@@ -351,6 +352,38 @@ impl Analyzer {
             Vec::new()
         });
         Analysis::new(&self.policy, now, &records, &agents, &registry, &traced).report()
+    }
+}
+
+/// The analysis as gauges, for a real TSDB: the cluster's SLA, problems by kind,
+/// unreachable nodes, and every probed pair's median RTT and drop rate.
+fn export(r: &Report) {
+    metrics::gauge!("pingmesh_cluster_rtt_p50_seconds").set(r.cluster.rtt_p50_us / 1e6);
+    metrics::gauge!("pingmesh_cluster_rtt_p99_seconds").set(r.cluster.rtt_p99_us / 1e6);
+    metrics::gauge!("pingmesh_cluster_drop_rate").set(r.cluster.drop_rate);
+    metrics::gauge!("pingmesh_unreachable_nodes").set(r.unreachable.len() as f64);
+    for kind in [
+        ProblemKind::AnomalousRnic,
+        ProblemKind::FaultyElement,
+        ProblemKind::HostDown,
+        ProblemKind::QpnChanged,
+        ProblemKind::ProberHost,
+    ] {
+        let n = r.problems.iter().filter(|p| p.kind == kind).count();
+        let name = serde_json::to_value(kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        metrics::gauge!("pingmesh_problems", "kind" => name).set(n as f64);
+    }
+    for (i, src) in r.heatmap.nodes.iter().enumerate() {
+        for (j, dst) in r.heatmap.nodes.iter().enumerate() {
+            if let Some(c) = &r.heatmap.cells[i][j] {
+                let labels = [("src", src.clone()), ("dst", dst.clone())];
+                metrics::gauge!("pingmesh_pair_rtt_p50_seconds", &labels).set(c.rtt_p50_us / 1e6);
+                metrics::gauge!("pingmesh_pair_drop_rate", &labels).set(c.drop_rate);
+            }
+        }
     }
 }
 

@@ -19,6 +19,21 @@ use crate::analyzer::Analyzer;
 use crate::analyzer::service::answer;
 use overview::Overview;
 
+/// The Prometheus recorder of this process (installed on first use unless another
+/// one is): what `/metrics` renders for a real TSDB to scrape.
+pub fn prometheus() -> &'static metrics_exporter_prometheus::PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        // Another recorder may already be installed (an embedding program); then
+        // /metrics shows only what this handle records.
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
 const INDEX: &str = include_str!("index.html");
 const SCRIPT: &str = include_str!("dashboard.js");
 const STYLE: &str = include_str!("dashboard.css");
@@ -32,7 +47,8 @@ fn asset(content_type: &str, body: &'static str) -> Response<Full<Bytes>> {
         .expect("static headers")
 }
 
-/// Answers one request: the dashboard's files, `/v1/mesh`, and the analyzer's API.
+/// Answers one request: the dashboard's files, `/v1/mesh`, `/metrics` (Prometheus),
+/// and the analyzer's API.
 pub async fn route(
     analyzer: &Analyzer,
     overview: &Overview,
@@ -43,6 +59,15 @@ pub async fn route(
         (&Method::GET, "/" | "/index.html") => asset("text/html; charset=utf-8", INDEX),
         (&Method::GET, "/dashboard.js") => asset("text/javascript; charset=utf-8", SCRIPT),
         (&Method::GET, "/dashboard.css") => asset("text/css; charset=utf-8", STYLE),
+        (&Method::GET, "/metrics") => {
+            // The gauges are the latest analysis's.
+            let _ = analyzer.report();
+            Response::builder()
+                .status(StatusCode::OK)
+                .header("content-type", "text/plain; version=0.0.4")
+                .body(Full::new(Bytes::from(prometheus().render())))
+                .expect("static headers")
+        }
         (&Method::GET, "/v1/mesh") => {
             let body = serde_json::to_string(&overview.collect().await)
                 .unwrap_or_else(|e| serde_json::json!({ "error": e.to_string() }).to_string());
