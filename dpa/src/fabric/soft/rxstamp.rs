@@ -126,7 +126,12 @@ mod tests {
     #[test]
     fn a_datagram_comes_with_its_sender_and_the_kernels_time() {
         let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
-        enable(&rx).unwrap();
+        if let Err(e) = enable(&rx) {
+            // qemu's user-mode emulation (the Arm64 test run) has no SO_TIMESTAMPNS.
+            assert_eq!(e.raw_os_error(), Some(libc::ENOPROTOOPT), "{e}");
+            eprintln!("SKIPPED: no SO_TIMESTAMPNS here ({e})");
+            return;
+        }
         let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
         let before = SystemTime::now();
         tx.send_to(b"hello", rx.local_addr().unwrap()).unwrap();

@@ -432,7 +432,15 @@ impl DatagramFabric for SoftFabric {
             detail: format!("cannot bind UDP {bind}: {e}"),
         })?;
         sock.set_nonblocking(true)?;
-        super::rxstamp::enable(&sock)?;
+        // Without the kernel's arrival times (qemu's user-mode emulation has no
+        // SO_TIMESTAMPNS), receives are stamped when read: the owner's wake-up then
+        // counts as network time, and the log says so once.
+        if let Err(e) = super::rxstamp::enable(&sock) {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(error = %e, "no kernel receive timestamps: UD receives are stamped when read");
+            });
+        }
         let local = sock.local_addr()?;
         // As a NIC's, a UD queue pair's number differs from one run of its owner to
         // the next (peers tell a restarted responder by it); 24 bits, never 0 or 1
