@@ -272,6 +272,19 @@ impl Topology {
         Ok(())
     }
 
+    /// Namespace `what` with its loopback up and `sysctls` set (every trace draws an
+    /// ICMP error per hop: no rate limit in the test).
+    fn namespace(&mut self, what: &str, sysctls: &[&str]) -> Result<(), String> {
+        let ns = self.ns(what);
+        ip(&["netns", "add", &ns])?;
+        self.namespaces.push(ns.clone());
+        ip(&["-n", &ns, "link", "set", "dev", "lo", "up"])?;
+        for s in sysctls {
+            run("ip", &["netns", "exec", &ns, "sysctl", "-qw", s])?;
+        }
+        Ok(())
+    }
+
     fn create() -> Result<Self, String> {
         let pid = std::process::id();
         let mut t = Self {
@@ -289,20 +302,9 @@ impl Topology {
         ip(&["addr", "add", &format!("{}/24", t.mgmt()), "dev", &mg])?;
         ip(&["link", "set", "dev", &mg, "up"])?;
         for name in ["torA", "torB"] {
-            let ns = t.ns(name);
-            ip(&["netns", "add", &ns])?;
-            t.namespaces.push(ns.clone());
-            ip(&["-n", &ns, "link", "set", "dev", "lo", "up"])?;
-            run(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &ns,
-                    "sysctl",
-                    "-qw",
-                    "net.ipv4.ip_forward=1",
-                ],
+            t.namespace(
+                name,
+                &["net.ipv4.ip_forward=1", "net.ipv4.icmp_ratelimit=0"],
             )?;
         }
         // The inter-ToR link: xab (in torA) — xba (in torB).
@@ -347,20 +349,7 @@ impl Topology {
         for (i, (host, tor, n)) in HOSTS.iter().enumerate() {
             let ns = t.ns(host);
             let tor_ns = if *tor == 1 { ta.clone() } else { tb.clone() };
-            ip(&["netns", "add", &ns])?;
-            t.namespaces.push(ns.clone());
-            ip(&["-n", &ns, "link", "set", "dev", "lo", "up"])?;
-            run(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &ns,
-                    "sysctl",
-                    "-qw",
-                    "net.ipv4.icmp_ratelimit=0",
-                ],
-            )?;
+            t.namespace(host, &["net.ipv4.icmp_ratelimit=0"])?;
             // Data: eth0 (host) — HOST (a port of its ToR).
             t.wire(host, &ns, "eth0", &tor_ns, host)?;
             let addr = t.host_ip(*tor, *n);

@@ -29,7 +29,6 @@ pub struct Outgoing {
 
 #[derive(Debug)]
 struct Pending {
-    target: usize,
     /// The target as it was when sent (the list may change meanwhile).
     rnic_gid: Gid,
     agent: String,
@@ -102,11 +101,6 @@ impl Prober {
         &self.targets
     }
 
-    /// When the next probe is due (None: no targets).
-    pub fn next_due(&self) -> Option<u64> {
-        self.due.iter().copied().min()
-    }
-
     /// The probes due by `now + horizon` (sent now: T1 = `now`), at most `max`.
     pub fn due(
         &mut self,
@@ -132,7 +126,6 @@ impl Prober {
             self.pending.insert(
                 seq,
                 Pending {
-                    target: i,
                     rnic_gid: r.gid,
                     agent: r.agent_id.clone(),
                     qpn: r.qpn,
@@ -237,7 +230,6 @@ impl Prober {
     }
 
     fn result(&self, p: Pending) -> proto::ProbeResult {
-        let _ = p.target;
         let kind = if !p.services.is_empty() {
             proto::ProbeKind::Service
         } else {

@@ -88,6 +88,17 @@ fn result(
     r
 }
 
+/// A fate: `us` µs between the two ToRs, 80 µs within one.
+fn cross_tor(us: i64) -> impl Fn(&str, &str, usize) -> Option<i64> {
+    move |s, d, _| {
+        Some(if s.as_bytes()[0] != d.as_bytes()[0] {
+            us
+        } else {
+            80
+        })
+    }
+}
+
 /// `rounds` rounds: each (uploading) node probes every other node once per round.
 fn rounds(a: &Analyzer, clock: &ManualClock, rounds: usize, fate: Fate<'_>, skip_upload: &[&str]) {
     for round in 0..rounds {
@@ -178,19 +189,7 @@ fn loss_on_one_hosts_link_makes_its_rnic_anomalous_and_its_link_blamed() {
 #[test]
 fn delay_on_the_inter_tor_link_is_localized_to_it() {
     let (a, clock, _) = setup();
-    rounds(
-        &a,
-        &clock,
-        20,
-        &|s, d, _| {
-            Some(if s.as_bytes()[0] != d.as_bytes()[0] {
-                2_080
-            } else {
-                80
-            })
-        },
-        &[],
-    );
+    rounds(&a, &clock, 20, &cross_tor(2_080), &[]);
     let r = a.report();
     assert_eq!(
         kinds(&r),
@@ -262,19 +261,7 @@ fn services_crossing_a_faulty_element_get_an_impact_class() {
         })
         .unwrap();
     }
-    rounds(
-        &a,
-        &clock,
-        20,
-        &|s, d, _| {
-            Some(if s.as_bytes()[0] != d.as_bytes()[0] {
-                3_000
-            } else {
-                80
-            })
-        },
-        &[],
-    );
+    rounds(&a, &clock, 20, &cross_tor(3_000), &[]);
     let r = a.report();
     let link = r
         .problems
@@ -426,19 +413,7 @@ fn traced_paths_replace_the_topology_in_the_vote() {
         })
         .unwrap();
     }
-    rounds(
-        &a,
-        &clock,
-        20,
-        &|s, d, _| {
-            Some(if s.as_bytes()[0] != d.as_bytes()[0] {
-                3_000
-            } else {
-                80
-            })
-        },
-        &[],
-    );
+    rounds(&a, &clock, 20, &cross_tor(3_000), &[]);
     let r = a.report();
     let blamed: Vec<_> = problems_of(&r, ProblemKind::FaultyElement);
     assert!(!blamed.is_empty(), "{:?}", kinds(&r));
