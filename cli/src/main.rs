@@ -376,17 +376,8 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             command: PingmeshCommand::Server { mesh, listen, http },
         } => roles::pingmesh(&mesh, listen, http).map(|()| ExitCode::SUCCESS),
         Command::Pingmesh {
-            command:
-                PingmeshCommand::Agent {
-                    controller,
-                    name,
-                    tor,
-                    rnic,
-                    upload_every,
-                    trace_every,
-                },
-        } => roles::pingmesh_agent(&controller, &name, &tor, rnic, upload_every, trace_every)
-            .map(|()| ExitCode::SUCCESS),
+            command: PingmeshCommand::Agent(args),
+        } => roles::pingmesh_agent(&args).map(|()| ExitCode::SUCCESS),
         Command::Certs {
             config,
             rotate,
@@ -413,26 +404,7 @@ enum PingmeshCommand {
         http: Option<SocketAddr>,
     },
     /// One agent: registers its RNIC, probes its pinglists, answers probes, uploads.
-    Agent {
-        /// The controller (and analyzer): `http://HOST:PORT`.
-        #[arg(long, env = "DPUMESH_PINGMESH_CONTROLLER")]
-        controller: String,
-        /// The agent's (node's) name.
-        #[arg(long)]
-        name: String,
-        /// The ToR its RNIC hangs off.
-        #[arg(long)]
-        tor: String,
-        /// The address its UD queue pair binds (the IP is the RNIC's GID).
-        #[arg(long)]
-        rnic: SocketAddr,
-        /// Upload results this often (milliseconds).
-        #[arg(long, default_value_t = 1000)]
-        upload_every: u64,
-        /// Trace the paths to the targets this often (milliseconds; 0: never).
-        #[arg(long, default_value_t = 30_000)]
-        trace_every: u64,
-    },
+    Agent(roles::AgentArgs),
 }
 
 /// The environment variable a refused value came from, if it did: clap names the flag

@@ -90,6 +90,11 @@ pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr
             .iter()
             .filter_map(|(n, e)| e.admin.map(|a| (n.clone(), format!("http://{a}"))))
             .collect(),
+        tls: if pm.tls() {
+            dpumesh_proxy::trust::load(&mesh, &dpumesh_proxy::trust::pingmesh_id(&mesh)?)?
+        } else {
+            None
+        },
         clock: dpumesh_clock::SystemClock::shared(),
     })?;
     say!(
@@ -102,15 +107,69 @@ pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr
     Ok(())
 }
 
+/// `dpumesh pingmesh agent`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct AgentArgs {
+    /// The controller (and analyzer): `http://HOST:PORT`, or `https://HOST:PORT`
+    /// for mutual TLS with `--certs`.
+    #[arg(long, env = "DPUMESH_PINGMESH_CONTROLLER")]
+    pub controller: String,
+    /// The agent's (node's) name.
+    #[arg(long)]
+    pub name: String,
+    /// The ToR its RNIC hangs off.
+    #[arg(long)]
+    pub tor: String,
+    /// The address its UD queue pair binds (the IP is the RNIC's GID).
+    #[arg(long)]
+    pub rnic: SocketAddr,
+    /// Upload results this often (milliseconds).
+    #[arg(long, default_value_t = 1000)]
+    pub upload_every: u64,
+    /// Trace the paths to the targets this often (milliseconds; 0: never).
+    #[arg(long, default_value_t = 30_000)]
+    pub trace_every: u64,
+    /// The mesh's certificate folder: the agent proves node NAME's identity
+    /// (`node-NAME.pem`) to an https:// controller.
+    #[arg(long)]
+    pub certs: Option<PathBuf>,
+    /// The trust domain of the certificates.
+    #[arg(long, default_value = "dpumesh.local")]
+    pub trust_domain: String,
+}
+
 /// `dpumesh pingmesh agent`: one agent on the software fabric.
-pub fn pingmesh_agent(
-    controller: &str,
-    name: &str,
-    tor: &str,
-    rnic: SocketAddr,
-    upload_every_ms: u64,
-    trace_every_ms: u64,
-) -> Result<()> {
+pub fn pingmesh_agent(args: &AgentArgs) -> Result<()> {
+    let AgentArgs {
+        controller,
+        name,
+        tor,
+        rnic,
+        upload_every: upload_every_ms,
+        trace_every: trace_every_ms,
+        certs,
+        trust_domain,
+    } = args;
+    let (rnic, upload_every_ms, trace_every_ms) = (*rnic, *upload_every_ms, *trace_every_ms);
+    let tls = match certs {
+        Some(dir) => {
+            let id = dpumesh_identity::SpiffeId::node(trust_domain, name)
+                .with_context(|| format!("node {name:?} cannot have a SPIFFE ID"))?;
+            Some(
+                dpumesh_identity::MeshTls::load(
+                    dpumesh_identity::TlsFiles::in_dir(dir, &id),
+                    trust_domain,
+                )
+                .with_context(|| format!("no usable certificate for {id} in {}", dir.display()))?,
+            )
+        }
+        None => None,
+    };
+    if controller.starts_with("https://") && tls.is_none() {
+        anyhow::bail!(
+            "{controller}: an https:// controller needs --certs (the node's certificates)"
+        );
+    }
     let agent = dpumesh_pingmesh::agent::Agent::start(
         SoftFabric::new(),
         dpumesh_pingmesh::agent::AgentConfig {
@@ -120,6 +179,7 @@ pub fn pingmesh_agent(
             agent_ip: rnic.ip().to_string(),
             controller: controller.to_owned(),
             analyzer: controller.to_owned(),
+            tls,
             refresh_every: std::time::Duration::from_secs(2),
             upload_every: std::time::Duration::from_millis(upload_every_ms.max(10)),
             connections: None,

@@ -369,6 +369,19 @@ impl MeshFile {
                 config.store.as_mut().expect("checked above").dir = Some(resolved);
             }
         }
+        if let Some(pm) = config.pingmesh.as_mut() {
+            let mtls = config.identity.mtls == Mtls::Mutual;
+            match pm.tls {
+                Some(true) if !mtls => {
+                    return Err(error(
+                        "pingmesh.tls",
+                        "needs the mesh's certificates (identity.mtls is off)".into(),
+                    ));
+                }
+                None => pm.tls = Some(mtls),
+                Some(_) => {}
+            }
+        }
         if let Some(pm) = &config.pingmesh {
             if let Err((key, message)) = pm.check() {
                 return Err(error(key, message));
@@ -534,5 +547,32 @@ mod tests {
         assert_eq!(e.path, "polling.max");
         let e = load(&format!("{BASE}polling: {{mode: spin}}\n")).unwrap_err();
         assert!(e.message.contains("unknown variant `spin`"), "{e}");
+    }
+
+    #[test]
+    fn pingmesh_runs_tls_as_the_mesh_does() {
+        const NODES: &str = "policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nservices: {}\nnodes:\n  n1: {fabric: 127.0.0.1:7101, rnic: 127.0.0.11:4791}\n  n2: {fabric: 127.0.0.1:7102, rnic: 127.0.0.12:4791}\n";
+        let pm = |extra: &str| {
+            format!("{NODES}pingmesh: {{listen: 127.0.0.1:9470, http: 127.0.0.1:9471{extra}}}\n")
+        };
+        let m = load(&pm("")).unwrap();
+        let p = m.config.pingmesh.as_ref().unwrap();
+        assert!(p.tls());
+        assert_eq!(p.controller_url(), "https://127.0.0.1:9470");
+        let m = load(&format!("{}identity: {{mtls: off}}\n", pm(""))).unwrap();
+        assert_eq!(
+            m.config.pingmesh.unwrap().controller_url(),
+            "http://127.0.0.1:9470"
+        );
+        let m = load(&pm(", tls: false")).unwrap();
+        assert!(!m.config.pingmesh.unwrap().tls());
+        let e = load(&format!("{}identity: {{mtls: off}}\n", pm(", tls: true"))).unwrap_err();
+        assert_eq!(e.path, "pingmesh.tls");
+        let e = load(&pm(", controller: \"http://10.0.0.1:9470\"")).unwrap_err();
+        assert_eq!(e.path, "pingmesh.controller");
+        assert!(e.message.contains("https://"), "{e}");
+        // One GID, one RNIC.
+        let e = load(&pm("").replace("127.0.0.12:4791", "127.0.0.11:4792")).unwrap_err();
+        assert_eq!(e.path, "nodes.n2.rnic");
     }
 }

@@ -19,9 +19,13 @@ pub struct PingmeshConfig {
     pub listen: SocketAddr,
     /// The analyzer's JSON API and the dashboard.
     pub http: SocketAddr,
-    /// `http://HOST:PORT` of a controller/analyzer run elsewhere (then `dpumesh up`
-    /// runs none and agents dial this).
+    /// `http://HOST:PORT` (`https://` with `tls`) of a controller/analyzer run
+    /// elsewhere (then `dpumesh up` runs none and agents dial this).
     pub controller: Option<String>,
+    /// Mutual TLS on the gRPC APIs with the mesh CA's certificates: agents prove
+    /// their node's identity, the server the Pingmesh identity (default: on when
+    /// `identity.mtls` is; resolved when the file is read).
+    pub tls: Option<bool>,
     /// The registry's SQLite file, relative to the mesh file (default
     /// `.dpumesh/pingmesh.db`).
     pub registry: Option<PathBuf>,
@@ -88,11 +92,17 @@ impl PingmeshConfig {
     pub fn trace_every(&self) -> Duration {
         self.trace_every.map_or(Duration::from_secs(30), |s| s.0)
     }
+    /// Whether the gRPC APIs run over mutual TLS.
+    pub fn tls(&self) -> bool {
+        self.tls.unwrap_or(false)
+    }
+
     /// The URL agents dial.
     pub fn controller_url(&self) -> String {
+        let scheme = if self.tls() { "https" } else { "http" };
         self.controller
             .clone()
-            .unwrap_or_else(|| format!("http://{}", self.listen))
+            .unwrap_or_else(|| format!("{scheme}://{}", self.listen))
     }
 
     /// Checks the bounds; the key and a message.
@@ -131,13 +141,17 @@ impl PingmeshConfig {
                 "must be at least twice upload_every (or every agent looks down)".into(),
             ));
         }
-        if let Some(c) = &self.controller
-            && !(c.starts_with("http://") || c.starts_with("https://"))
-        {
-            return Err((
-                "pingmesh.controller",
-                format!("{c:?} is not an http:// URL"),
-            ));
+        if let Some(c) = &self.controller {
+            let want = if self.tls() { "https://" } else { "http://" };
+            if !c.starts_with(want) {
+                return Err((
+                    "pingmesh.controller",
+                    format!(
+                        "{c:?} is not an {want} URL (the gRPC APIs run {} TLS)",
+                        if self.tls() { "over" } else { "without" }
+                    ),
+                ));
+            }
         }
         Ok(())
     }

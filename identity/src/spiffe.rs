@@ -2,6 +2,7 @@
 //!
 //! - a node's proxy: `spiffe://<trust-domain>/dpumesh/node/<name>`
 //! - the ingress: `spiffe://<trust-domain>/dpumesh/ingress`
+//! - the Pingmesh controller and analyzer: `spiffe://<trust-domain>/dpumesh/pingmesh`
 //! - a workload (a service's pods): `spiffe://<trust-domain>/ns/<namespace>/sa/<account>`,
 //!   Istio's form, so RBAC principals read the same in both meshes.
 
@@ -14,7 +15,13 @@ use crate::IdentityError;
 pub enum Role {
     Node(String),
     Ingress,
-    Workload { namespace: String, account: String },
+    /// The Pingmesh controller and analyzer (`dpumesh pingmesh server`): serves the
+    /// agents' gRPC calls, opens no fabric link.
+    Pingmesh,
+    Workload {
+        namespace: String,
+        account: String,
+    },
 }
 
 /// A parsed SPIFFE ID.
@@ -51,6 +58,10 @@ impl SpiffeId {
         Self::checked(trust_domain, Role::Ingress)
     }
 
+    pub fn pingmesh(trust_domain: &str) -> Result<Self, IdentityError> {
+        Self::checked(trust_domain, Role::Pingmesh)
+    }
+
     pub fn workload(
         trust_domain: &str,
         namespace: &str,
@@ -69,7 +80,7 @@ impl SpiffeId {
         check_segment("trust domain", trust_domain)?;
         match &role {
             Role::Node(name) => check_segment("node name", name)?,
-            Role::Ingress => {}
+            Role::Ingress | Role::Pingmesh => {}
             Role::Workload { namespace, account } => {
                 check_segment("namespace", namespace)?;
                 check_segment("service account", account)?;
@@ -81,7 +92,7 @@ impl SpiffeId {
         })
     }
 
-    /// Parses `spiffe://...`; only the three forms above are mesh identities.
+    /// Parses `spiffe://...`; only the four forms above are mesh identities.
     pub fn parse(uri: &str) -> Result<Self, IdentityError> {
         let bad = |why: &str| IdentityError::BadId(format!("{uri:?}: {why}"));
         let rest = uri
@@ -92,11 +103,16 @@ impl SpiffeId {
         let role = match parts.as_slice() {
             ["dpumesh", "node", name] => Role::Node((*name).to_owned()),
             ["dpumesh", "ingress"] => Role::Ingress,
+            ["dpumesh", "pingmesh"] => Role::Pingmesh,
             ["ns", ns, "sa", sa] => Role::Workload {
                 namespace: (*ns).to_owned(),
                 account: (*sa).to_owned(),
             },
-            _ => return Err(bad("not a node, ingress or workload identity of the mesh")),
+            _ => {
+                return Err(bad(
+                    "not a node, ingress, pingmesh or workload identity of the mesh",
+                ));
+            }
         };
         Self::checked(domain, role).map_err(|e| bad(&e.to_string()))
     }
@@ -123,6 +139,7 @@ impl SpiffeId {
         match &self.role {
             Role::Node(name) => format!("node-{name}"),
             Role::Ingress => "ingress".to_owned(),
+            Role::Pingmesh => "pingmesh".to_owned(),
             Role::Workload { namespace, account } => format!("workload-{namespace}-{account}"),
         }
     }
@@ -133,6 +150,7 @@ impl fmt::Display for SpiffeId {
         match &self.role {
             Role::Node(name) => write!(f, "spiffe://{}/dpumesh/node/{name}", self.trust_domain),
             Role::Ingress => write!(f, "spiffe://{}/dpumesh/ingress", self.trust_domain),
+            Role::Pingmesh => write!(f, "spiffe://{}/dpumesh/pingmesh", self.trust_domain),
             Role::Workload { namespace, account } => {
                 write!(
                     f,
@@ -149,10 +167,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_three_forms_print_and_parse_back() {
+    fn the_four_forms_print_and_parse_back() {
         for id in [
             SpiffeId::node("mesh.local", "node1").unwrap(),
             SpiffeId::ingress("mesh.local").unwrap(),
+            SpiffeId::pingmesh("mesh.local").unwrap(),
             SpiffeId::workload("mesh.local", "default", "frontend").unwrap(),
         ] {
             assert_eq!(SpiffeId::parse(&id.to_string()).unwrap(), id);
@@ -173,6 +192,7 @@ mod tests {
             ("spiffe://TD/dpumesh/ingress", "lowercase"),
             ("spiffe://td/ns//sa/b", "lowercase"),
             ("spiffe://td/dpumesh/node/..", "lowercase"),
+            ("spiffe://td/dpumesh/pingmesh/x", "not a node"),
         ] {
             let e = SpiffeId::parse(uri).unwrap_err().to_string();
             assert!(e.contains(why), "{uri}: {e}");
@@ -189,6 +209,8 @@ mod tests {
                 .is_mesh_component()
         );
         assert!(!SpiffeId::ingress("td").unwrap().is_node());
+        // The Pingmesh server has a certificate but opens no fabric link.
+        assert!(!SpiffeId::pingmesh("td").unwrap().is_mesh_component());
     }
 
     proptest::proptest! {

@@ -108,7 +108,7 @@ fn a_workload_certificate_cannot_open_a_link() {
     let pod = MeshTls::load(TlsFiles::in_dir(dir.path(), &w), "td").unwrap();
     let (server_saw, client_saw) = pair(&node, &pod);
     let e = server_saw.unwrap_err().to_string();
-    assert!(e.contains("only nodes and the ingress"), "{e}");
+    assert!(e.contains("only they open fabric links"), "{e}");
     let e = client_saw.unwrap_err().to_string();
     assert!(e.contains("refused this side's certificate"), "{e}");
 }

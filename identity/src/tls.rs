@@ -281,7 +281,15 @@ pub enum Peers {
     /// Any identity of the trust domain, workloads too (the control channel, where
     /// pods call their node).
     TrustDomain,
+    /// Nodes only (the Pingmesh server, whose callers are the nodes' agents).
+    Nodes,
+    /// The Pingmesh controller and analyzer only (what its agents dial).
+    Pingmesh,
 }
+
+/// The name a client asks for: servers are told apart by their SPIFFE IDs, which
+/// the caller checks, not by DNS names.
+pub const SERVER_NAME: &str = "dpumesh.mesh";
 
 /// The byte a server sends (encrypted) once it accepted the client's certificate.
 const ACCEPTED: u8 = 0xA5;
@@ -354,10 +362,18 @@ impl MeshTls {
                 self.trust_domain
             )));
         }
-        if peers == Peers::MeshComponents && !id.is_mesh_component() {
-            return Err(IdentityError::Refused(format!(
-                "{id} is a workload: only nodes and the ingress open fabric links"
-            )));
+        let refused = |why: &str| Err(IdentityError::Refused(format!("{id} {why}")));
+        match peers {
+            Peers::MeshComponents if !id.is_mesh_component() => {
+                return refused("is not a node or the ingress: only they open fabric links");
+            }
+            Peers::Nodes if !id.is_node() => {
+                return refused("is not a node: only nodes' agents call Pingmesh");
+            }
+            Peers::Pingmesh if id.role != crate::Role::Pingmesh => {
+                return refused("is not the Pingmesh controller");
+            }
+            _ => {}
         }
         Ok(id)
     }
@@ -370,6 +386,36 @@ impl MeshTls {
         };
         counter.fetch_add(1, Ordering::Relaxed);
         r
+    }
+
+    /// The accepting side's TLS for an asynchronous handshake (tokio-rustls),
+    /// offering `alpn` (`h2` for gRPC). Call [`Self::verify_peer`] once the handshake
+    /// is done: the configuration checks the chain, not the SPIFFE ID.
+    pub fn server_config(&self, alpn: &[&[u8]]) -> Arc<ServerConfig> {
+        self.refresh();
+        let mut config = (*self.current.load().server).clone();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(config)
+    }
+
+    /// The connecting side's TLS for an asynchronous handshake, offering `alpn`;
+    /// dial with [`SERVER_NAME`] and call [`Self::verify_peer`] after the handshake.
+    pub fn client_config(&self, alpn: &[&[u8]]) -> Arc<ClientConfig> {
+        self.refresh();
+        let mut config = (*self.current.load().client).clone();
+        config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+        Arc::new(config)
+    }
+
+    /// Who the peer of a finished asynchronous handshake is, when the mesh CA vouches
+    /// for it as one of `peers` (counted in the handshake statistics).
+    pub fn verify_peer(
+        &self,
+        certs: Option<&[CertificateDer<'_>]>,
+        peers: Peers,
+    ) -> Result<SpiffeId, IdentityError> {
+        let r = self.check_peer(certs, peers);
+        self.counted(r)
     }
 
     /// The connecting side's handshake on a blocking socket (with timeouts set):
@@ -391,7 +437,7 @@ impl MeshTls {
         self.refresh();
         let config = self.current.load().client.clone();
         let r = (|| {
-            let name = ServerName::try_from("dpumesh.mesh").expect("a valid name");
+            let name = ServerName::try_from(SERVER_NAME).expect("a valid name");
             let mut conn = ClientConnection::new(config, name).map_err(refused)?;
             handshake(&mut conn, sock)?;
             let id = self.check_peer(conn.peer_certificates(), peers)?;

@@ -34,6 +34,7 @@ fn agent(controller: &str, name: &str, tor: &str, bind: &str, probe: bool) -> Ag
             agent_ip: "127.0.0.1".into(),
             controller: controller.into(),
             analyzer: controller.into(),
+            tls: None,
             refresh_every: Duration::from_secs(2),
             upload_every: Duration::from_secs(1),
             connections: None,
@@ -74,6 +75,7 @@ fn server(inter_tor_targets: usize, ecmp_paths: u32) -> Server {
             ..AnalyzerPolicy::default()
         },
         nodes: Vec::new(),
+        tls: None,
         clock: Arc::new(SystemClock::new()),
     })
     .unwrap()

@@ -25,6 +25,14 @@ pub enum ControllerError {
     Invalid(#[from] convert::FieldError),
     #[error("no RNIC {0} is registered (or its registration expired)")]
     NotFound(String),
+    #[error(
+        "RNIC {gid} is agent {owner:?}'s (registered {age_ms} ms ago): another agent may take it once that expires"
+    )]
+    Taken {
+        gid: String,
+        owner: String,
+        age_ms: u64,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -34,6 +42,7 @@ impl From<ControllerError> for Status {
         match &e {
             ControllerError::Invalid(_) => Status::invalid_argument(e.to_string()),
             ControllerError::NotFound(_) => Status::not_found(e.to_string()),
+            ControllerError::Taken { .. } => Status::already_exists(e.to_string()),
             ControllerError::Store(_) => Status::internal(e.to_string()),
         }
     }
@@ -194,6 +203,18 @@ impl Controller {
                 }
                 .into());
             }
+            // A GID names one RNIC: a live registration is its agent's alone (with
+            // TLS the agent's name is proven, so no node takes another's GID).
+            if let Some(old) = self.store.get(&r.gid)?
+                && old.agent_id != r.agent_id
+                && now.saturating_sub(old.last_updated_ms) < self.ttl.as_millis() as u64
+            {
+                return Err(ControllerError::Taken {
+                    gid: r.gid.to_string(),
+                    owner: old.agent_id,
+                    age_ms: now.saturating_sub(old.last_updated_ms),
+                });
+            }
             rnics.push(r);
         }
         let known = self.topology.lock().clone();
@@ -298,6 +319,7 @@ impl proto::controller_service_server::ControllerService for ControllerService {
         &self,
         request: Request<proto::AgentRegistrationRequest>,
     ) -> Result<Response<proto::AgentRegistrationResponse>, Status> {
+        crate::tls::authorize(&request, &request.get_ref().agent_id)?;
         let registered = self.controller.register(request.get_ref())?;
         Ok(Response::new(proto::AgentRegistrationResponse {
             registered,
@@ -438,5 +460,21 @@ mod tests {
         );
         let err = Status::from(c.pinglist("10.0.0.99", ListKind::TorMesh).unwrap_err());
         assert_eq!(err.code(), tonic::Code::NotFound);
+    }
+    #[test]
+    fn a_live_gid_is_its_agents_until_it_expires() {
+        let (c, clock) = controller();
+        c.register(&registration(1, "a")).unwrap();
+        let mut thief = registration(1, "a");
+        thief.agent_id = "other".into();
+        thief.rnics[0].agent_id = "other".into();
+        let err = Status::from(c.register(&thief).unwrap_err());
+        assert_eq!(err.code(), tonic::Code::AlreadyExists);
+        assert!(err.message().contains("\"node-1\"'s"), "{}", err.message());
+        // Its owner refreshes it freely; once it lapses another agent may take it.
+        clock.advance_secs(10);
+        c.register(&registration(1, "a")).unwrap();
+        clock.advance_secs(31);
+        assert_eq!(c.register(&thief).unwrap(), 1);
     }
 }

@@ -23,6 +23,7 @@ pub mod pinglist;
 pub mod probe;
 pub mod registry;
 pub mod server;
+pub mod tls;
 
 /// The gRPC API, generated from `proto/pingmesh.proto`.
 #[allow(clippy::all, rust_2018_idioms, missing_docs)]

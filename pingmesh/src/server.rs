@@ -34,6 +34,8 @@ pub struct ServerConfig {
     /// The mesh's nodes and their admin APIs (`http://HOST:PORT`), for the
     /// dashboard's mesh overview.
     pub nodes: Vec<(String, String)>,
+    /// Mutual TLS on the gRPC port with the Pingmesh identity (None: plain).
+    pub tls: Option<Arc<dpumesh_identity::MeshTls>>,
     pub clock: SharedClock,
 }
 
@@ -57,6 +59,7 @@ pub struct Server {
     pub http_addr: SocketAddr,
     analyzer: Arc<Analyzer>,
     controller: Arc<Controller>,
+    tls: bool,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -110,6 +113,7 @@ impl Server {
             ControllerService::new(controller.clone()).server(),
             AnalyzerService::new(analyzer.clone()).server(),
         );
+        let tls = config.tls.clone();
         let for_http = analyzer.clone();
         let overview = Arc::new(crate::dashboard::overview::Overview::new(
             config.nodes.clone(),
@@ -126,13 +130,22 @@ impl Server {
                         Ok(l) => l,
                         Err(e) => return tracing::error!(error = %e, "pingmesh HTTP listener"),
                     };
-                    let incoming = tokio_stream_listener(grpc);
-                    let grpc = tonic::transport::Server::builder()
+                    let router = tonic::transport::Server::builder()
                         .add_service(services.0)
-                        .add_service(services.1)
-                        .serve_with_incoming_shutdown(incoming, async {
-                            let _ = stopped.await;
-                        });
+                        .add_service(services.1);
+                    let stopped = async {
+                        let _ = stopped.await;
+                    };
+                    let grpc: std::pin::Pin<Box<dyn Future<Output = _> + Send>> = match tls {
+                        Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
+                            crate::tls::incoming(grpc, tls),
+                            stopped,
+                        )),
+                        None => Box::pin(router.serve_with_incoming_shutdown(
+                            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                            stopped,
+                        )),
+                    };
                     tokio::select! {
                         r = grpc => if let Err(e) = r {
                             tracing::error!(error = %e, "pingmesh gRPC server failed");
@@ -147,6 +160,7 @@ impl Server {
             http_addr,
             analyzer,
             controller,
+            tls: config.tls.is_some(),
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -160,17 +174,11 @@ impl Server {
         &self.controller
     }
 
-    /// `http://` URL of the gRPC port (what agents are given).
+    /// URL of the gRPC port (what agents are given): `https://` with TLS.
     pub fn grpc_url(&self) -> String {
-        format!("http://{}", self.grpc_addr)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://{}", self.grpc_addr)
     }
-}
-
-/// The accepted connections of `listener` as the stream tonic serves.
-fn tokio_stream_listener(
-    listener: tokio::net::TcpListener,
-) -> impl tokio_stream::Stream<Item = Result<tokio::net::TcpStream, std::io::Error>> {
-    tokio_stream::wrappers::TcpListenerStream::new(listener)
 }
 
 impl Drop for Server {

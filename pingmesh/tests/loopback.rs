@@ -33,6 +33,7 @@ fn server(dir: &std::path::Path) -> Server {
             ..AnalyzerPolicy::default()
         },
         nodes: Vec::new(),
+        tls: None,
         clock: Arc::new(SystemClock::new()),
     })
     .unwrap()
@@ -48,6 +49,7 @@ fn agent(server: &Server, n: u8, tor: &str) -> Agent {
             agent_ip: "127.0.0.1".into(),
             controller: server.grpc_url(),
             analyzer: server.grpc_url(),
+            tls: None,
             refresh_every: Duration::from_millis(500),
             upload_every: Duration::from_millis(200),
             connections: None,

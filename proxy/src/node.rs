@@ -124,6 +124,7 @@ fn start_pingmesh(
     settings: &dpumesh_config::PingmeshConfig,
     mesh: &MeshFile,
     name: &str,
+    tls: Option<std::sync::Arc<dpumesh_identity::MeshTls>>,
 ) -> anyhow::Result<dpumesh_pingmesh::agent::Agent> {
     use dpumesh_pingmesh::agent::{Agent, AgentConfig, Connection};
     let entry = &mesh.config.nodes[name];
@@ -164,6 +165,7 @@ fn start_pingmesh(
             agent_ip: entry.fabric.ip().to_string(),
             controller: settings.controller_url(),
             analyzer: settings.controller_url(),
+            tls,
             refresh_every: Duration::from_secs(2),
             upload_every: settings.upload_every(),
             connections: (!connections.is_empty()).then(|| {
@@ -321,6 +323,10 @@ impl Node {
             cache: cache.clone(),
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
+        // The agent proves the node's identity to the Pingmesh server (`pingmesh.tls`).
+        let agent_tls = tls
+            .clone()
+            .filter(|_| mesh.config.pingmesh.as_ref().is_some_and(|p| p.tls()));
         let dataplane = match options.transport.unwrap_or(mesh.config.transport) {
             Transport::Shm => start_dataplane(
                 ShmFabric::new().with_tls(tls),
@@ -342,7 +348,7 @@ impl Node {
         // Monitoring must not take the data plane down: a node whose agent cannot
         // start serves without it, and says so.
         let pingmesh = mesh.config.pingmesh.as_ref().and_then(|settings| {
-            start_pingmesh(settings, mesh, name)
+            start_pingmesh(settings, mesh, name, agent_tls)
                 .inspect_err(|e| tracing::error!(error = %e, "Pingmesh agent not started"))
                 .ok()
         });

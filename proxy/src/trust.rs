@@ -27,6 +27,12 @@ pub fn ingress_id(mesh: &MeshFile) -> Result<SpiffeId> {
         .context("the ingress cannot have a SPIFFE ID")
 }
 
+/// The Pingmesh controller and analyzer's identity.
+pub fn pingmesh_id(mesh: &MeshFile) -> Result<SpiffeId> {
+    SpiffeId::pingmesh(mesh.config.identity.trust_domain())
+        .context("the Pingmesh server cannot have a SPIFFE ID")
+}
+
 /// What a service's name is appended to for its pods' identity (the source that
 /// RBAC principals and rate-limit descriptors see): `spiffe://<td>/ns/<ns>/sa/`.
 pub fn workload_prefix(mesh: &MeshFile) -> String {
@@ -34,7 +40,8 @@ pub fn workload_prefix(mesh: &MeshFile) -> String {
     SpiffeId::workload_prefix(identity.trust_domain(), identity.namespace())
 }
 
-/// Every identity of the mesh file: its nodes, its ingress and its services.
+/// Every identity of the mesh file: its nodes, its ingress, its services and its
+/// Pingmesh server.
 pub fn all_ids(mesh: &MeshFile) -> Result<Vec<SpiffeId>> {
     let td = mesh.config.identity.trust_domain();
     let ns = mesh.config.identity.namespace();
@@ -46,6 +53,9 @@ pub fn all_ids(mesh: &MeshFile) -> Result<Vec<SpiffeId>> {
         if let Ok(id) = SpiffeId::workload(td, ns, service) {
             ids.push(id);
         }
+    }
+    if mesh.config.pingmesh.as_ref().is_some_and(|p| p.tls()) {
+        ids.push(pingmesh_id(mesh)?);
     }
     Ok(ids)
 }

@@ -58,9 +58,12 @@ pub struct AgentConfig {
     pub bind: SocketAddr,
     /// The management address the controller records.
     pub agent_ip: String,
-    /// `http://HOST:PORT` of the controller and the analyzer.
+    /// `http://HOST:PORT` of the controller and the analyzer (`https://`: mutual
+    /// TLS with `tls`).
     pub controller: String,
     pub analyzer: String,
+    /// The node's certificates, for `https://` controllers.
+    pub tls: Option<Arc<dpumesh_identity::MeshTls>>,
     /// Re-fetch pinglists (and connections) this often.
     pub refresh_every: Duration,
     /// Upload results this often.
@@ -293,13 +296,19 @@ impl Control {
     }
 
     async fn serve(self) {
-        let channel = |url: &str| {
-            tonic::transport::Endpoint::from_shared(url.to_owned()).map(|e| {
-                e.connect_timeout(Duration::from_secs(2))
-                    .timeout(Duration::from_secs(5))
-                    .connect_lazy()
-            })
-        };
+        let channel =
+            |url: &str| {
+                let endpoint = tonic::transport::Endpoint::from_shared(url.to_owned())
+                    .map_err(|e| format!("{url}: {e}"))?
+                    .connect_timeout(Duration::from_secs(2))
+                    .timeout(Duration::from_secs(5));
+                match (url.starts_with("https://"), &self.config.tls) {
+                    (false, _) => Ok(endpoint.connect_lazy()),
+                    (true, Some(tls)) => Ok(endpoint
+                        .connect_with_connector_lazy(crate::tls::Connector::new(tls.clone()))),
+                    (true, None) => Err(format!("{url}: https needs the node's certificates")),
+                }
+            };
         let (controller, analyzer) = match (
             channel(&self.config.controller),
             channel(&self.config.analyzer),

@@ -4,6 +4,12 @@
 //! unreachable from the target. The hops go to the analyzer with the results, where
 //! they replace the registry's topology as the probes' paths.
 //!
+//! A target answered at TTL `t` last round is sent TTLs 1..=`t` only (all of them
+//! again once a round does not reach it): hosts rate-limit their port-unreachable
+//! errors per peer (Linux: one a second after a burst of six), so the five extra
+//! datagrams past the target would spend the tokens its real answer needs, and a
+//! trace would read `…, *` with the target "reached" one hop too far.
+//!
 //! The trace leaves from a UDP port of its own, not the probe's: on a fabric with
 //! ECMP a trace may take another of the equal-cost paths than the probes it stands for
 //! (the seed names this limit of traceroute; Paris-traceroute's fixed 5-tuple over the
@@ -91,6 +97,19 @@ pub fn paths(
         .collect()
 }
 
+/// The TTLs a round sends to a target last reached at `reached` (None: not reached
+/// last round, or never traced).
+pub fn ttls(reached: Option<u8>) -> std::ops::RangeInclusive<u8> {
+    1..=reached.map_or(MAX_HOPS, |t| t.clamp(1, MAX_HOPS))
+}
+
+/// The TTL at which a trace reached its target (its hops and one more).
+fn reached_at(path: &proto::PathInfo) -> Option<u8> {
+    path.reached
+        .then(|| u8::try_from(path.hops.len() + 1).ok())
+        .flatten()
+}
+
 /// The tracing thread: a round every `every` until the agent stops.
 pub(super) fn run(shared: Arc<Shared>, local: Gid, every: Duration) {
     let IpAddr::V4(ip) = local.ip() else {
@@ -107,6 +126,7 @@ pub(super) fn run(shared: Arc<Shared>, local: Gid, every: Duration) {
     let src_port = sock.local_addr().map_or(0, |a| a.port());
     let mut next = Instant::now() + Duration::from_millis(500);
     let mut reports = Vec::new();
+    let mut reach: BTreeMap<Gid, u8> = BTreeMap::new();
     while !shared.stop.load(Ordering::Relaxed) {
         std::thread::sleep(Duration::from_millis(50));
         if Instant::now() < next {
@@ -129,7 +149,7 @@ pub(super) fn run(shared: Arc<Shared>, local: Gid, every: Duration) {
         reports.clear();
         let started = Instant::now();
         for t in &targets {
-            for ttl in 1..=MAX_HOPS {
+            for ttl in ttls(reach.get(t).copied()) {
                 let to = SocketAddr::new(t.ip(), BASE_PORT + u16::from(ttl));
                 if let Err(e) = sock.send(to, ttl, b"dpumesh-trace") {
                     tracing::debug!(error = %e, %to, "path tracing: send failed");
@@ -151,6 +171,12 @@ pub(super) fn run(shared: Arc<Shared>, local: Gid, every: Duration) {
             started,
             shared.wall_ms(),
         );
+        reach.clear();
+        for (t, p) in targets.iter().zip(&traced) {
+            if let Some(at) = reached_at(p) {
+                reach.insert(*t, at);
+            }
+        }
         shared.push_paths(traced);
     }
 }
@@ -212,6 +238,9 @@ mod tests {
         assert!(p.reached);
         let ips: Vec<&str> = p.hops.iter().map(|h| h.ip.as_str()).collect();
         assert_eq!(ips, ["10.0.1.254", "10.0.0.2"]);
+        // The next round sends no datagram past the target (whose port-unreachable
+        // errors are rate-limited).
+        assert_eq!(ttls(reached_at(&p)), 1..=3);
         assert_eq!(p.tuple.unwrap().src_port, 5000);
     }
 
@@ -229,6 +258,7 @@ mod tests {
         let local = Gid::from_ip("10.0.1.1".parse().unwrap());
         let p = paths(local, 1, &[target], &reports, t0, 0).pop().unwrap();
         assert!(!p.reached);
+        assert_eq!(ttls(reached_at(&p)), 1..=MAX_HOPS);
         assert_eq!(p.hops.len(), MAX_HOPS as usize);
         assert_eq!(p.hops[0].ip, "");
         assert_eq!(p.hops[1].ip, "10.0.0.2");

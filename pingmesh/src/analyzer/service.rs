@@ -33,6 +33,7 @@ impl proto::analyzer_service_server::AnalyzerService for AnalyzerService {
         &self,
         request: tonic::Request<proto::UploadDataRequest>,
     ) -> Result<tonic::Response<proto::UploadDataResponse>, Status> {
+        crate::tls::authorize(&request, &request.get_ref().agent_id)?;
         let accepted = self
             .analyzer
             .upload(request.get_ref())
