@@ -186,6 +186,7 @@ pub fn pingmesh_agent(args: &AgentArgs) -> Result<()> {
             trace_every: (trace_every_ms > 0)
                 .then(|| std::time::Duration::from_millis(trace_every_ms)),
             probe: true,
+            two_acks: false,
             clock: dpumesh_clock::SystemClock::shared(),
         },
     )?;

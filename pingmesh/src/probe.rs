@@ -11,6 +11,11 @@
 //! - responder delay = T4 − T3.
 //!
 //! The responder's clock never meets the prober's: each side only subtracts its own.
+//!
+//! Where the fabric stamps a send when it is posted (the software fabric), the
+//! responder knows T4 as it posts ACK1 and puts T4 − T3 into it
+//! ([`Message::delay_in_ack1`]): no ACK2, one datagram less per probe. A NIC stamps
+//! the CQE when the message left, so with verbs the second ACK stays.
 
 /// Bytes of every probe message.
 pub const PROBE_LEN: usize = 40;
@@ -36,8 +41,10 @@ pub struct Message {
     pub session: u64,
     /// The probe's number in its session.
     pub seq: u64,
-    /// ACK2: T4 − T3 in nanoseconds.
+    /// ACK2 (or ACK1 with `delay_in_ack1`): T4 − T3 in nanoseconds.
     pub responder_delay_ns: u64,
+    /// An ACK1 that carries the responder's delay itself: no ACK2 follows.
+    pub delay_in_ack1: bool,
     /// The queue pair number the prober meant to reach (a responder that restarted
     /// with another one tells the prober so: a non-network failure).
     pub target_qpn: u32,
@@ -66,6 +73,9 @@ impl Message {
             Kind::Ack1 => 2,
             Kind::Ack2 => 3,
         };
+        // Flags: an agent of before ignores byte 6 and waits for an ACK2 that does
+        // not come; its probe then ends as answered by ACK1 alone.
+        b[6] = u8::from(self.kind == Kind::Ack1 && self.delay_in_ack1);
         b[8..16].copy_from_slice(&self.session.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
         b[24..32].copy_from_slice(&self.responder_delay_ns.to_le_bytes());
@@ -100,6 +110,7 @@ impl Message {
             session: u64_at(8),
             seq: u64_at(16),
             responder_delay_ns: u64_at(24),
+            delay_in_ack1: kind == Kind::Ack1 && b[6] & 1 != 0,
             target_qpn: u32::from_le_bytes([b[32], b[33], b[34], b[35]]),
         })
     }
@@ -220,6 +231,7 @@ mod tests {
             session: 7,
             seq: 9,
             responder_delay_ns: 11,
+            delay_in_ack1: false,
             target_qpn: 13,
         }
         .encode();
@@ -237,9 +249,11 @@ mod tests {
 
     proptest! {
         #[test]
-        fn messages_round_trip(kind in 0u8..3, session: u64, seq: u64, delay: u64, qpn: u32) {
+        fn messages_round_trip(kind in 0u8..3, session: u64, seq: u64, delay: u64, qpn: u32, single: bool) {
             let kind = [Kind::Probe, Kind::Ack1, Kind::Ack2][kind as usize];
-            let m = Message { kind, session, seq, responder_delay_ns: delay, target_qpn: qpn };
+            // Only an ACK1 carries the flag.
+            let delay_in_ack1 = single && kind == Kind::Ack1;
+            let m = Message { kind, session, seq, responder_delay_ns: delay, delay_in_ack1, target_qpn: qpn };
             prop_assert_eq!(Message::decode(&m.encode()), Ok(m));
         }
 

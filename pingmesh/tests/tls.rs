@@ -68,6 +68,7 @@ fn agent(url: String, n: u8, tls: Option<Arc<MeshTls>>) -> Agent {
             connections: None,
             trace_every: None,
             probe: true,
+            two_acks: false,
             clock: Arc::new(SystemClock::new()),
         },
     )

@@ -174,6 +174,7 @@ fn start_pingmesh(
             }),
             trace_every: Some(settings.trace_every()),
             probe: true,
+            two_acks: false,
             clock: dpumesh_clock::SystemClock::shared(),
         },
     )?;

@@ -202,6 +202,13 @@ pub trait UdQueuePair: Send + Sync {
     fn wait(&self, timeout: Duration) -> Result<bool, FabricError>;
     /// What it dropped.
     fn counters(&self) -> UdCounters;
+    /// Whether a send's completion time is the time it was posted (software: the
+    /// datagram is stamped as it goes, in the posting call), so a caller knows it
+    /// before posting. A NIC stamps the CQE when the message left, known only from
+    /// the completion: that is why R-Pingmesh's responder sends a second ACK.
+    fn stamps_sends_when_posted(&self) -> bool {
+        false
+    }
 }
 
 /// A fabric with unreliable datagram queue pairs.

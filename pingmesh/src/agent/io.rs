@@ -40,8 +40,10 @@ const MAX_AHS: usize = 8192;
 #[derive(Debug, Clone, Copy)]
 enum SendUse {
     Probe(u64),
+    /// An ACK1 whose completion gives T4 for the ACK2 that follows.
     Ack1(u64),
-    Ack2,
+    /// The last ACK of a probe (ACK2, or an ACK1 that carries the delay).
+    LastAck,
 }
 
 pub(super) struct Io<F: DatagramFabric> {
@@ -57,6 +59,8 @@ pub(super) struct Io<F: DatagramFabric> {
     ahs: HashMap<AddressVector, F::Ah>,
     sends: Vec<Option<SendUse>>,
     free_sends: Vec<usize>,
+    /// ACK1 carries the responder's delay (sends are stamped when posted).
+    one_ack: bool,
 }
 
 /// Sets up the queue pair's buffers: every receive slot posted.
@@ -67,6 +71,7 @@ pub(super) fn setup<F: DatagramFabric>(
     region: Arc<SharedRegion>,
     shared: Arc<Shared>,
     prober: Prober,
+    one_ack: bool,
 ) -> Result<Io<F>, dpumesh_dpa::fabric::FabricError> {
     let mr = fabric.register(&pd, &region, 0, REGION_LEN as u64, Access::LOCAL_WRITE)?;
     for slot in 0..RECV_SLOTS {
@@ -88,6 +93,7 @@ pub(super) fn setup<F: DatagramFabric>(
         ahs: HashMap::new(),
         sends: vec![None; SEND_SLOTS],
         free_sends: (0..SEND_SLOTS).rev().collect(),
+        one_ack,
     })
 }
 
@@ -161,10 +167,10 @@ impl<F: DatagramFabric> Io<F> {
             SendUse::Probe(seq) => self.prober.sent(seq, ok, wc.timestamp_ns, wc.udp_src_port),
             SendUse::Ack1(id) => {
                 if let Some(ack2) = self.responder.ack1_sent(id, ok, wc.timestamp_ns) {
-                    self.reply(ack2, SendUse::Ack2);
+                    self.reply(ack2, SendUse::LastAck);
                 }
             }
-            SendUse::Ack2 => {}
+            SendUse::LastAck => {}
         }
     }
 
@@ -199,12 +205,20 @@ impl<F: DatagramFabric> Io<F> {
                     let Some(from) = wc.src else { return };
                     let my_qpn = self.qp.qp_num();
                     let qkey = self.qp.qkey();
+                    // T4 as ACK1 is posted, where the fabric stamps sends so (its
+                    // own stamp, inside the posting call, is the same clock a few
+                    // hundred ns later): then one ACK carries the delay.
+                    let t4 = self.one_ack.then(now_ns);
                     if let Some(ack1) =
                         self.responder
-                            .probe(&m, from, wc.src_qp, qkey, my_qpn, wc.timestamp_ns)
+                            .probe(&m, from, wc.src_qp, qkey, my_qpn, wc.timestamp_ns, t4)
                     {
-                        let id = ack1.id;
-                        self.reply(ack1, SendUse::Ack1(id));
+                        let used = if ack1.message.delay_in_ack1 {
+                            SendUse::LastAck
+                        } else {
+                            SendUse::Ack1(ack1.id)
+                        };
+                        self.reply(ack1, used);
                     }
                 }
                 Kind::Ack1 | Kind::Ack2 => self.prober.ack(&m, wc.timestamp_ns, t6),

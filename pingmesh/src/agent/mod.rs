@@ -75,6 +75,10 @@ pub struct AgentConfig {
     /// Whether it probes (false: it only answers — a target that is never a
     /// prober, e.g. to measure the responder's cost alone).
     pub probe: bool,
+    /// Answer with the paper's two ACKs even where the fabric stamps sends as they
+    /// are posted and one ACK would carry the delay (what a NIC's fabric always
+    /// does; to compare the two).
+    pub two_acks: bool,
     pub clock: SharedClock,
 }
 
@@ -200,7 +204,8 @@ impl Agent {
             stats: Stats::default(),
             clock: config.clock.clone(),
         });
-        let io = io::setup(fabric, pd, qp, region, shared.clone(), prober)?;
+        let one_ack = qp.stamps_sends_when_posted() && !config.two_acks;
+        let io = io::setup(fabric, pd, qp, region, shared.clone(), prober, one_ack)?;
         let probe = std::thread::Builder::new()
             .name("pingmesh-probe".into())
             .spawn(move || io.run())

@@ -157,6 +157,7 @@ impl Prober {
                     session: self.session,
                     seq,
                     responder_delay_ns: 0,
+                    delay_in_ack1: false,
                     target_qpn: r.qpn,
                 },
             });
@@ -183,7 +184,12 @@ impl Prober {
         }
         if let Some(p) = self.pending.get_mut(&m.seq) {
             match m.kind {
-                Kind::Ack1 => p.ack1 = Some((t5, t6)),
+                Kind::Ack1 => {
+                    p.ack1 = Some((t5, t6));
+                    if m.delay_in_ack1 {
+                        p.responder_delay = Some(m.responder_delay_ns);
+                    }
+                }
                 Kind::Ack2 => p.responder_delay = Some(m.responder_delay_ns),
                 Kind::Probe => {}
             }
@@ -290,7 +296,8 @@ impl Prober {
 }
 
 /// The responder: answers probes with ACK1 at once and ACK2 once ACK1's send
-/// completion gives T4.
+/// completion gives T4 — or, where sends are stamped when posted, with one ACK1 that
+/// carries T4 − T3.
 #[derive(Debug, Default)]
 pub struct Responder {
     /// ACK1s in flight: T3 and where ACK2 goes.
@@ -324,6 +331,9 @@ impl Responder {
     /// A probe's receive completed at `t3` from `from` (queue pair `src_qp`). The
     /// ACK1 to post; `None` if the probe was for another queue pair of ours (a
     /// restarted agent: the prober learns it from the silence and the registry).
+    /// `t4`: ACK1's send time when the fabric stamps sends as they are posted (then
+    /// ACK1 carries the delay and no ACK2 follows).
+    #[allow(clippy::too_many_arguments)]
     pub fn probe(
         &mut self,
         m: &Message,
@@ -332,6 +342,7 @@ impl Responder {
         qkey: u32,
         my_qpn: u32,
         t3: u64,
+        t4: Option<u64>,
     ) -> Option<Reply> {
         if m.target_qpn != my_qpn {
             self.wrong_qpn += 1;
@@ -339,6 +350,22 @@ impl Responder {
         }
         self.next_id += 1;
         let id = self.next_id;
+        if let Some(t4) = t4 {
+            return Some(Reply {
+                id,
+                to: from,
+                qpn: src_qp,
+                qkey,
+                message: Message {
+                    kind: Kind::Ack1,
+                    session: m.session,
+                    seq: m.seq,
+                    responder_delay_ns: t4.saturating_sub(t3),
+                    delay_in_ack1: true,
+                    target_qpn: src_qp,
+                },
+            });
+        }
         self.ack1.insert(
             id,
             Ack1Sent {
@@ -366,6 +393,7 @@ impl Responder {
                 session: m.session,
                 seq: m.seq,
                 responder_delay_ns: 0,
+                delay_in_ack1: false,
                 target_qpn: src_qp,
             },
         })
@@ -388,6 +416,7 @@ impl Responder {
                 session: a.session,
                 seq: a.seq,
                 responder_delay_ns: t4.saturating_sub(a.t3),
+                delay_in_ack1: false,
                 target_qpn: a.qpn,
             },
         })
@@ -421,6 +450,7 @@ mod tests {
             session: 77,
             seq,
             responder_delay_ns: delay,
+            delay_in_ack1: false,
             target_qpn: 5,
         }
     }
@@ -521,9 +551,10 @@ mod tests {
             session: 3,
             seq: 4,
             responder_delay_ns: 0,
+            delay_in_ack1: false,
             target_qpn: 9,
         };
-        let a1 = r.probe(&probe, from, 5, 1, 9, 1_000).unwrap();
+        let a1 = r.probe(&probe, from, 5, 1, 9, 1_000, None).unwrap();
         assert_eq!((a1.message.kind, a1.qpn, a1.to), (Kind::Ack1, 5, from));
         let a2 = r.ack1_sent(a1.id, true, 1_250).unwrap();
         assert_eq!(a2.message.kind, Kind::Ack2);
@@ -531,7 +562,32 @@ mod tests {
         assert_eq!((a2.message.session, a2.message.seq), (3, 4));
         assert!(r.ack1_sent(a1.id, true, 2_000).is_none(), "once");
         // A probe for the queue pair we had before a restart is not answered.
-        assert!(r.probe(&probe, from, 5, 1, 10, 0).is_none());
+        assert!(r.probe(&probe, from, 5, 1, 10, 0, None).is_none());
         assert_eq!(r.wrong_qpn, 1);
+    }
+
+    #[test]
+    fn where_sends_are_stamped_when_posted_one_ack_carries_the_delay() {
+        let mut r = Responder::default();
+        let from = AddressVector::to("10.0.0.1:4791".parse().unwrap());
+        let probe = ack(Kind::Probe, 4, 0);
+        let a1 = r.probe(&probe, from, 5, 1, 5, 1_000, Some(1_180)).unwrap();
+        assert_eq!(a1.message.kind, Kind::Ack1);
+        assert!(a1.message.delay_in_ack1);
+        assert_eq!(a1.message.responder_delay_ns, 180);
+        assert!(r.ack1_sent(a1.id, true, 1_200).is_none(), "no ACK2");
+        // The prober finishes the probe on that one ACK.
+        let mut p = prober_with(1);
+        let mut out = Vec::new();
+        p.due(1_000, 0, 0, 16, &mut out);
+        let seq = out[0].seq;
+        p.sent(seq, true, 1_200, 40_000);
+        let mut single = ack(Kind::Ack1, seq, 180);
+        single.delay_in_ack1 = true;
+        p.ack(&single, 3_200, 3_500);
+        let done = p.take_results().pop().expect("finished on ACK1");
+        // (3200 − 1200) − 180 = 1820.
+        assert_eq!(done.network_rtt_ns, 1_820);
+        assert_eq!(done.responder_delay_ns, 180);
     }
 }

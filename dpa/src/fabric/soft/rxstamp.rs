@@ -8,7 +8,7 @@
 #![allow(unsafe_code)]
 
 use std::io;
-use std::mem::{MaybeUninit, size_of};
+use std::mem::size_of;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -34,60 +34,148 @@ pub(super) fn enable(sock: &UdpSocket) -> io::Result<()> {
 }
 
 /// A datagram read without blocking: its length, sender, whether it was cut to fit
-/// `buf`, and when the kernel received it.
+/// its buffer, and when the kernel received it.
 #[derive(Debug)]
 pub(super) struct Received {
+    /// Which datagram of the batch ([`Batch::data`]).
+    pub index: usize,
     pub len: usize,
     pub from: SocketAddr,
     pub truncated: bool,
     pub at: Option<SystemTime>,
 }
 
-/// Reads one datagram from `sock` into `buf` (`WouldBlock` when there is none).
-pub(super) fn recv(sock: &UdpSocket, buf: &mut [u8]) -> io::Result<Received> {
-    let mut name = MaybeUninit::<libc::sockaddr_storage>::zeroed();
+/// Datagrams read by one system call (`recvmmsg`).
+pub(super) const BATCH: usize = 16;
+
+/// Buffers for [`recv_many`], kept by the queue pair across calls (no allocation
+/// or zeroing per read).
+pub(super) struct Batch {
+    slot: usize,
+    data: Vec<u8>,
+    names: Vec<libc::sockaddr_storage>,
     // u64s: control messages must be aligned for cmsghdr.
-    let mut control = [0u64; 16];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
+    controls: Vec<[u64; 16]>,
+    iovecs: Vec<libc::iovec>,
+    headers: Vec<libc::mmsghdr>,
+}
+
+// SAFETY: the raw pointers in `iovecs` and `headers` point into this struct's own
+// heap buffers, are rebuilt before each use, and are only dereferenced by the kernel
+// during `recv_many`, which takes the batch by `&mut`.
+unsafe impl Send for Batch {}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch").field("slot", &self.slot).finish()
+    }
+}
+
+impl Batch {
+    /// Room for [`BATCH`] datagrams of up to `slot` bytes each.
+    pub(super) fn new(slot: usize) -> Self {
+        Self {
+            slot,
+            data: vec![0; slot * BATCH],
+            // SAFETY: all-zero is a valid sockaddr_storage, iovec and mmsghdr.
+            names: vec![unsafe { std::mem::zeroed() }; BATCH],
+            controls: vec![[0; 16]; BATCH],
+            iovecs: vec![unsafe { std::mem::zeroed() }; BATCH],
+            headers: vec![unsafe { std::mem::zeroed() }; BATCH],
+        }
+    }
+
+    /// The bytes of datagram `i` of the last read (`len` from its [`Received`]).
+    pub(super) fn data(&self, i: usize, len: usize) -> &[u8] {
+        let start = i * self.slot;
+        &self.data[start..start + len.min(self.slot)]
+    }
+}
+
+/// Reads up to [`BATCH`] datagrams from `sock` without blocking, in one system call;
+/// `out` gets what each was (datagram `i`'s bytes are `batch.data(i, len)`).
+/// `WouldBlock` when none is there.
+pub(super) fn recv_many(
+    sock: &UdpSocket,
+    batch: &mut Batch,
+    out: &mut Vec<Received>,
+) -> io::Result<usize> {
+    out.clear();
+    let slot = batch.slot;
+    for i in 0..BATCH {
+        batch.iovecs[i] = libc::iovec {
+            // SAFETY: `i * slot` is within `data` (BATCH slots).
+            iov_base: unsafe { batch.data.as_mut_ptr().add(i * slot) }.cast(),
+            iov_len: slot,
+        };
+        // SAFETY: all-zero is a valid msghdr; its pointers are set below to this
+        // batch's buffers, which outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_name = (&mut batch.names[i] as *mut libc::sockaddr_storage).cast();
+        msg.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        msg.msg_iov = &mut batch.iovecs[i];
+        msg.msg_iovlen = 1;
+        msg.msg_control = batch.controls[i].as_mut_ptr().cast();
+        msg.msg_controllen = size_of::<[u64; 16]>() as _;
+        batch.headers[i] = libc::mmsghdr {
+            msg_hdr: msg,
+            msg_len: 0,
+        };
+    }
+    // SAFETY: `headers` holds BATCH msghdrs whose buffers live across the call.
+    let n = unsafe {
+        libc::recvmmsg(
+            sock.as_raw_fd(),
+            batch.headers.as_mut_ptr(),
+            BATCH as libc::c_uint,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
     };
-    // SAFETY: all-zero is a valid msghdr; its pointers are set below to live locals.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_name = name.as_mut_ptr().cast();
-    msg.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = size_of::<[u64; 16]>() as _;
-    // SAFETY: msg points at buffers that live across the call, with their sizes.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_DONTWAIT) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
+    for i in 0..n as usize {
+        let h = &batch.headers[i];
+        // SAFETY: the kernel filled this message's control buffer and name.
+        let at = unsafe { timestamp(&h.msg_hdr) };
+        // SAFETY: as above: a sockaddr of the socket's family.
+        let Some(from) = (unsafe { sockaddr(&batch.names[i]) }) else {
+            // A datagram from no address cannot be answered: skipped, as a NIC
+            // drops what it cannot parse.
+            continue;
+        };
+        out.push(Received {
+            index: i,
+            len: h.msg_len as usize,
+            from,
+            truncated: h.msg_hdr.msg_flags & libc::MSG_TRUNC != 0,
+            at,
+        });
+    }
+    Ok(n as usize)
+}
+
+/// The `SCM_TIMESTAMPNS` of a message the kernel filled.
+///
+/// # Safety
+/// `msg` is a msghdr a receive call filled (its control length says how much).
+unsafe fn timestamp(msg: &libc::msghdr) -> Option<SystemTime> {
     let mut at = None;
-    // SAFETY: the kernel filled msg_control up to msg_controllen; the CMSG macros
-    // walk it within those bounds.
+    // SAFETY: the caller's contract; the CMSG macros walk the control buffer within
+    // the length the kernel set.
     unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_TIMESTAMPNS
             {
                 let ts = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::timespec>());
                 at = Some(UNIX_EPOCH + Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32));
             }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
         }
     }
-    // SAFETY: the kernel wrote a sockaddr of the socket's family into `name`.
-    let from = unsafe { sockaddr(name.as_ptr()) }
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "datagram from no address"))?;
-    Ok(Received {
-        len: n as usize,
-        from,
-        truncated: msg.msg_flags & libc::MSG_TRUNC != 0,
-        at,
-    })
+    at
 }
 
 /// The address in a sockaddr_storage the kernel filled.
@@ -135,17 +223,26 @@ mod tests {
         let tx = UdpSocket::bind("127.0.0.1:0").unwrap();
         let before = SystemTime::now();
         tx.send_to(b"hello", rx.local_addr().unwrap()).unwrap();
+        tx.send_to(b"hi", rx.local_addr().unwrap()).unwrap();
         std::thread::sleep(Duration::from_millis(50));
-        let mut buf = [0u8; 3];
-        let got = recv(&rx, &mut buf).unwrap();
-        assert_eq!(got.from, tx.local_addr().unwrap());
-        assert!(got.truncated, "5 bytes into 3");
-        let at = got.at.expect("a timestamp");
+        let mut batch = Batch::new(3);
+        let mut got = Vec::new();
+        assert_eq!(
+            recv_many(&rx, &mut batch, &mut got).unwrap(),
+            2,
+            "one call, both"
+        );
+        assert_eq!(got[0].from, tx.local_addr().unwrap());
+        assert!(got[0].truncated, "5 bytes into 3");
+        assert_eq!(batch.data(0, got[0].len), b"hel");
+        assert!(!got[1].truncated);
+        assert_eq!(batch.data(got[1].index, got[1].len), b"hi");
+        let at = got[0].at.expect("a timestamp");
         assert!(at >= before - Duration::from_millis(5));
         // Stamped on arrival, not when read 50 ms later.
         assert!(SystemTime::now().duration_since(at).unwrap() >= Duration::from_millis(40));
         assert_eq!(
-            recv(&rx, &mut buf).unwrap_err().kind(),
+            recv_many(&rx, &mut batch, &mut got).unwrap_err().kind(),
             io::ErrorKind::WouldBlock
         );
     }

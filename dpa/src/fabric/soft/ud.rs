@@ -98,9 +98,20 @@ struct UdInner {
     main_ttl: Mutex<u8>,
     entropy: Mutex<HashMap<u32, SendSocket>>,
     recvs: Mutex<VecDeque<RecvWr>>,
+    /// The receive buffers of `progress` (one reader at a time).
+    reader: Mutex<Reader>,
+    /// The frame a send is built in.
+    send_buf: Mutex<Vec<u8>>,
     completions: Mutex<VecDeque<UdCompletion>>,
     no_receive: AtomicU64,
     rejected: AtomicU64,
+}
+
+/// What `progress` reads into, kept across passes.
+#[derive(Debug)]
+struct Reader {
+    batch: super::rxstamp::Batch,
+    got: Vec<super::rxstamp::Received>,
 }
 
 /// A UD queue pair of the software fabric.
@@ -192,89 +203,104 @@ impl UdInner {
         send(s, ttl, frame, to)
     }
 
-    /// Reads what arrived into posted receives.
+    /// Reads what arrived into posted receives: up to [`RECV_BATCH`] datagrams,
+    /// [`rxstamp::BATCH`] per system call.
     fn progress(&self) {
-        let mut buf = [0u8; UD_HEADER + UD_MTU + 1];
-        for _ in 0..RECV_BATCH {
-            let got = match super::rxstamp::recv(&self.sock, &mut buf) {
-                Ok(got) => got,
+        let mut reader = self.reader.lock();
+        let Reader { batch, got } = &mut *reader;
+        let mut read = 0;
+        while read < RECV_BATCH {
+            match super::rxstamp::recv_many(&self.sock, batch, got) {
+                Ok(n) => read += n.max(1),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                // ICMP errors reported on the socket (e.g. port unreachable): a NIC
-                // sees none of them.
-                Err(_) => continue,
-            };
-            let (n, from) = (got.len, got.from);
-            // The kernel's arrival time in this process's clock: now, less how long
-            // the datagram waited in the socket (a NIC stamps its CQE on arrival too).
-            let now = now_ns();
-            let timestamp_ns = got
-                .at
-                .and_then(|at| std::time::SystemTime::now().duration_since(at).ok())
-                .map_or(now, |waited| now.saturating_sub(waited.as_nanos() as u64));
-            if got.truncated {
-                self.rejected.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            let Some(h) = UdHeader::decode(&buf[..n]) else {
-                self.rejected.fetch_add(1, Ordering::Relaxed);
-                continue;
-            };
-            let payload = &buf[UD_HEADER..n];
-            if h.dst_qpn != self.num || h.qkey != self.qkey || payload.len() > UD_MTU {
-                self.rejected.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            let Some(wr) = self.recvs.lock().pop_front() else {
-                self.no_receive.fetch_add(1, Ordering::Relaxed);
-                continue;
-            };
-            let total = GRH_LEN + payload.len();
-            let src_gid = Gid::from_ip(from.ip());
-            let mut wc = UdCompletion {
-                wr_id: wr.wr_id,
-                status: WcStatus::Success,
-                opcode: WcOpcode::Recv,
-                byte_len: total as u32,
-                imm: (h.flags & F_UD_IMM != 0).then_some(h.imm),
-                src_qp: h.src_qpn,
-                src: Some(AddressVector {
-                    gid: src_gid,
-                    flow_label: h.flow_label,
-                    hop_limit: 64,
-                    udp_port: h.src_port,
-                }),
-                udp_src_port: from.port(),
-                timestamp_ns,
-            };
-            let entry = self.pd.by_lkey.read().get(&wr.sge.lkey).cloned();
-            let place = entry.and_then(|e| {
-                if !e.access.contains(Access::LOCAL_WRITE) {
-                    return None;
-                }
-                e.locate(wr.sge.addr, u64::from(wr.sge.len))
-                    .map(|off| (e.region.clone(), off))
-            });
-            match place {
-                None => wc.status = WcStatus::LocalProtection,
-                Some(_) if total > wr.sge.len as usize => wc.status = WcStatus::LocalLength,
-                Some((region, off)) => {
-                    let grh = encode_grh(
-                        src_gid,
-                        self.local.gid,
-                        h.flow_label,
-                        payload.len() as u16,
-                        64,
-                    );
-                    if region.write(off, &grh).is_err()
-                        || region.write(off + GRH_LEN as u64, payload).is_err()
-                    {
-                        wc.status = WcStatus::LocalProtection;
-                    }
+                // Interrupted, or an ICMP error reported on the socket (e.g. port
+                // unreachable): a NIC sees none of them.
+                Err(_) => {
+                    read += 1;
+                    continue;
                 }
             }
-            self.complete(wc);
+            for r in got.iter() {
+                self.deliver(r, batch.data(r.index, r.len));
+            }
+            if got.len() < super::rxstamp::BATCH {
+                return;
+            }
         }
+    }
+
+    /// One datagram into a posted receive, with its completion.
+    fn deliver(&self, got: &super::rxstamp::Received, data: &[u8]) {
+        let from = got.from;
+        // The kernel's arrival time in this process's clock: now, less how long the
+        // datagram waited in the socket (a NIC stamps its CQE on arrival too).
+        let now = now_ns();
+        let timestamp_ns = got
+            .at
+            .and_then(|at| std::time::SystemTime::now().duration_since(at).ok())
+            .map_or(now, |waited| now.saturating_sub(waited.as_nanos() as u64));
+        if got.truncated {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let Some(h) = UdHeader::decode(data) else {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let payload = &data[UD_HEADER..];
+        if h.dst_qpn != self.num || h.qkey != self.qkey || payload.len() > UD_MTU {
+            self.rejected.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let Some(wr) = self.recvs.lock().pop_front() else {
+            self.no_receive.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let total = GRH_LEN + payload.len();
+        let src_gid = Gid::from_ip(from.ip());
+        let mut wc = UdCompletion {
+            wr_id: wr.wr_id,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Recv,
+            byte_len: total as u32,
+            imm: (h.flags & F_UD_IMM != 0).then_some(h.imm),
+            src_qp: h.src_qpn,
+            src: Some(AddressVector {
+                gid: src_gid,
+                flow_label: h.flow_label,
+                hop_limit: 64,
+                udp_port: h.src_port,
+            }),
+            udp_src_port: from.port(),
+            timestamp_ns,
+        };
+        let entry = self.pd.by_lkey.read().get(&wr.sge.lkey).cloned();
+        let place = entry.and_then(|e| {
+            if !e.access.contains(Access::LOCAL_WRITE) {
+                return None;
+            }
+            e.locate(wr.sge.addr, u64::from(wr.sge.len))
+                .map(|off| (e.region.clone(), off))
+        });
+        match place {
+            None => wc.status = WcStatus::LocalProtection,
+            Some(_) if total > wr.sge.len as usize => wc.status = WcStatus::LocalLength,
+            Some((region, off)) => {
+                let grh = encode_grh(
+                    src_gid,
+                    self.local.gid,
+                    h.flow_label,
+                    payload.len() as u16,
+                    64,
+                );
+                if region.write(off, &grh).is_err()
+                    || region.write(off + GRH_LEN as u64, payload).is_err()
+                {
+                    wc.status = WcStatus::LocalProtection;
+                }
+            }
+        }
+        self.complete(wc);
     }
 }
 
@@ -283,6 +309,10 @@ impl UdQueuePair for SoftUdQp {
 
     fn qp_num(&self) -> u32 {
         self.inner.num
+    }
+
+    fn stamps_sends_when_posted(&self) -> bool {
+        true
     }
 
     fn qkey(&self) -> u32 {
@@ -318,7 +348,9 @@ impl UdQueuePair for SoftUdQp {
             imm: wr.imm.unwrap_or(0),
             flow_label: av.flow_label & 0xF_FFFF,
         };
-        let mut frame = Vec::with_capacity(UD_HEADER + len);
+        // The queue pair's own send buffer: no allocation per datagram.
+        let mut frame = inner.send_buf.lock();
+        frame.clear();
         frame.extend_from_slice(&header.encode());
         frame.resize(UD_HEADER + len, 0);
         if region.read(off, &mut frame[UD_HEADER..]).is_err() {
@@ -462,6 +494,12 @@ impl DatagramFabric for SoftFabric {
                 main_ttl: Mutex::new(64),
                 entropy: Mutex::new(HashMap::new()),
                 recvs: Mutex::new(VecDeque::new()),
+                send_buf: Mutex::new(Vec::with_capacity(UD_HEADER + UD_MTU)),
+                reader: Mutex::new(Reader {
+                    // One byte more than the largest datagram tells a cut one.
+                    batch: super::rxstamp::Batch::new(UD_HEADER + UD_MTU + 1),
+                    got: Vec::with_capacity(super::rxstamp::BATCH),
+                }),
                 completions: Mutex::new(VecDeque::new()),
                 no_receive: AtomicU64::new(0),
                 rejected: AtomicU64::new(0),
