@@ -1,13 +1,17 @@
 //! What an agent costs (issue 20's goal: ≤ 1 % of a core per node at 10 probes/s per
 //! target with 50 targets).
 //!
-//! Two measurements from /proc over 20 s each, the measured agent in a child process
-//! (this program again): (1) the prober — its pinglist is 50 responder-only agents
-//! (one 5-tuple each, every 100 ms: 500 probes/s), its CPU is sending, ACKs and
-//! uploads; (2) the responder — one agent alone with the server in this process,
-//! probed along many 5-tuples; its CPU over its idle CPU, per answer. A node that
-//! probes 50 targets and answers 50 probers costs the first plus 500 answers/s plus
-//! its idle share (the idle figure includes the server's, so it is an upper bound).
+//! Two measurements from /proc over 20 s each, the measured agent alone in a child
+//! process (this program again), the server and the other agents in this one:
+//! (1) the prober — its pinglist is 50 responder-only agents (one 5-tuple each, every
+//! 100 ms: 500 probes/s); its CPU is sending, reading the ACKs, uploading, and its
+//! idle work (registration, pinglists); (2) the responder — a responder-only agent
+//! probed by one prober here along many 5-tuples (thousands of probes a second); its
+//! CPU per answer, its idle work included. A node that probes 50 targets and answers
+//! 50 probers costs the first plus 500 answers a second at the second's price.
+//!
+//! Both ACK schemes in one run: the paper's two ACKs (the baseline: what a NIC's
+//! fabric needs) and one ACK carrying the responder's delay.
 //!
 //! `cargo bench -p dpumesh-pingmesh --bench agent`
 
@@ -24,6 +28,7 @@ use dpumesh_pingmesh::server::{Server, ServerConfig};
 const TARGETS: usize = 50;
 const ROLE: &str = "DPUMESH_BENCH_AGENT_CONTROLLER";
 const TWO_ACKS: &str = "DPUMESH_BENCH_AGENT_TWO_ACKS";
+const PART: &str = "DPUMESH_BENCH_AGENT_PART";
 
 fn agent(
     controller: &str,
@@ -90,27 +95,42 @@ fn server(inter_tor_targets: usize, ecmp_paths: u32) -> Server {
     .unwrap()
 }
 
-/// Runs the measured prober in a child process for 20 s against `server`; its CPU
-/// share, this process's CPU share meanwhile, and the probes completed per second.
-fn measure(server: &Server, two_acks: bool) -> (f64, f64, f64) {
+/// The measured agent's part.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Prober,
+    Responder,
+}
+
+/// Runs the measured agent in a child process for 20 s against `server`; its CPU
+/// share and the probes completed per second (as the analyzer counted them).
+fn measure(server: &Server, part: Part, two_acks: bool) -> (f64, f64) {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .env(ROLE, server.grpc_url())
         .env(TWO_ACKS, if two_acks { "1" } else { "0" })
+        .env(
+            PART,
+            if part == Part::Prober {
+                "prober"
+            } else {
+                "responder"
+            },
+        )
         .spawn()
         .unwrap();
     let pid = child.id().to_string();
     std::thread::sleep(Duration::from_secs(6));
     let probes0 = server.analyzer().report().probes;
-    let (p0, s0, t0) = (cpu(&pid), cpu("self"), Instant::now());
+    let (p0, t0) = (cpu(&pid), Instant::now());
     std::thread::sleep(Duration::from_secs(20));
     let secs = t0.elapsed().as_secs_f64();
-    let (p1, s1) = (cpu(&pid), cpu("self"));
+    let p1 = cpu(&pid);
     // The last second's results are uploaded a second later.
     std::thread::sleep(Duration::from_millis(1500));
     let probes = server.analyzer().report().probes - probes0;
     let _ = child.kill();
     let _ = child.wait();
-    ((p1 - p0) / secs, (s1 - s0) / secs, probes as f64 / secs)
+    ((p1 - p0) / secs, probes as f64 / secs)
 }
 
 /// What one way of answering costs.
@@ -119,7 +139,6 @@ struct Figures {
     prober: f64,
     per_answer: f64,
     answers: f64,
-    idle: f64,
     node: f64,
 }
 
@@ -140,70 +159,74 @@ fn run(two_acks: bool) -> Figures {
         })
         .collect();
     std::thread::sleep(Duration::from_secs(3));
-    let (prober, _, rate) = measure(&wide, two_acks);
+    let (prober, rate) = measure(&wide, Part::Prober, two_acks);
     drop(responders);
     drop(wide);
 
-    // The responder: one agent answering one prober's many 5-tuples (formula (1) for
-    // 64 paths at coverage 0.5), alone in this process with the server.
+    // The responder: probed by one prober here along many 5-tuples (formula (1) for
+    // 64 paths at coverage 0.5).
     let narrow = server(1, 64);
-    let one = agent(
+    let prober_here = agent(
         &narrow.grpc_url(),
-        "r",
-        "tor-r",
+        "p",
+        "tor-p",
         "127.0.4.1:0",
-        false,
+        true,
         two_acks,
     );
-    std::thread::sleep(Duration::from_secs(3));
-    let (c0, t0) = (cpu("self"), Instant::now());
-    std::thread::sleep(Duration::from_secs(10));
-    let idle = (cpu("self") - c0) / t0.elapsed().as_secs_f64();
-    let (_, busy, answers) = measure(&narrow, two_acks);
-    drop(one);
-    let per_answer = (busy - idle).max(0.0) / answers.max(1.0);
+    let (responder, answers) = measure(&narrow, Part::Responder, two_acks);
+    drop(prober_here);
+    let per_answer = responder / answers.max(1.0);
     Figures {
         rate,
         prober,
         per_answer,
         answers,
-        idle,
-        node: prober + 500.0 * per_answer + idle,
+        node: prober + 500.0 * per_answer,
     }
 }
 
 fn main() {
     if let Ok(controller) = std::env::var(ROLE) {
         let two_acks = std::env::var(TWO_ACKS).is_ok_and(|v| v == "1");
-        let _a = agent(
-            &controller,
-            "measured",
-            "tor-m",
-            "127.0.2.1:0",
-            true,
-            two_acks,
-        );
+        let prober = std::env::var(PART).is_ok_and(|v| v == "prober");
+        let _a = if prober {
+            agent(
+                &controller,
+                "measured",
+                "tor-m",
+                "127.0.2.1:0",
+                true,
+                two_acks,
+            )
+        } else {
+            agent(
+                &controller,
+                "measured",
+                "tor-m",
+                "127.0.2.2:0",
+                false,
+                two_acks,
+            )
+        };
         std::thread::sleep(Duration::from_secs(3600));
         return;
     }
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    // Both ways in one run: the paper's two ACKs (what a NIC's fabric needs) as the
-    // baseline, then one ACK carrying the delay (the software fabric's default).
     for (name, two_acks) in [("two ACKs (baseline)", true), ("one ACK", false)] {
         let f = run(two_acks);
         println!("agent overhead, {name}, {TARGETS} targets at 100 ms (500 probes/s):");
         println!("  probes completed      {:.0}/s", f.rate);
         println!(
-            "  prober process        {:.3} % of a core (sending, ACKs, uploads)",
+            "  prober process        {:.3} % of a core (sending, ACKs, uploads, idle work)",
             f.prober * 100.0
         );
         println!(
-            "  answering             {:.2} µs CPU per answer ({:.0} answers/s measured; idle agent + server {:.3} %)",
+            "  responder process     {:.2} µs CPU per answer ({:.0} answers/s measured)",
             f.per_answer * 1e6,
             f.answers,
-            f.idle * 100.0
         );
         println!(
             "  a node that probes 50 targets and answers 50 probers (500/s each way): {:.3} % of a core (goal ≤ 1 %)",
