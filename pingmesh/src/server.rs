@@ -25,7 +25,8 @@ pub struct ServerConfig {
     pub grpc: SocketAddr,
     /// HTTP: the analyzer's JSON API and the dashboard.
     pub http: SocketAddr,
-    /// The registry's SQLite file (None: in memory).
+    /// The registry's SQLite file, which keeps the analyzer's window too (None:
+    /// both in memory).
     pub registry: Option<PathBuf>,
     pub pinglist: PinglistPolicy,
     /// Registrations not renewed for this long expire.
@@ -44,6 +45,8 @@ pub struct ServerConfig {
 pub enum ServerError {
     #[error("pingmesh registry: {0}")]
     Registry(#[from] crate::registry::StoreError),
+    #[error("pingmesh: {0}")]
+    Results(#[from] crate::analyzer::log::LogError),
     #[error("pingmesh server: cannot listen on {addr}: {source}")]
     Listen {
         addr: SocketAddr,
@@ -87,11 +90,16 @@ impl Server {
             config.pinglist.clone(),
             config.ttl,
         ));
-        let analyzer = Arc::new(Analyzer::new(
-            config.analyzer.clone(),
-            config.clock.clone(),
-            registry,
-        ));
+        let mut analyzer = Analyzer::new(config.analyzer.clone(), config.clock.clone(), registry);
+        if let Some(path) = &config.registry {
+            let (with_log, resumed) =
+                analyzer.with_log(crate::analyzer::log::ResultLog::open(path)?)?;
+            if resumed > 0 {
+                tracing::info!(resumed, "analyzer window taken up from disk");
+            }
+            analyzer = with_log;
+        }
+        let analyzer = Arc::new(analyzer);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("pingmesh-server")

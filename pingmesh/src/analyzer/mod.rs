@@ -13,6 +13,7 @@
 //!
 //! Time is injected: the window and silences are judged on the given clock.
 
+pub mod log;
 pub mod paths;
 mod record;
 pub mod service;
@@ -225,6 +226,8 @@ pub struct Analyzer {
     /// ingress ask often; one analysis serves them until an upload comes or it is
     /// `REPORT_FRESH` old (silences depend on time alone).
     last: Mutex<Option<(u64, Report)>>,
+    /// The window on disk, if kept there, and when it was last pruned (Unix ms).
+    log: Option<(log::ResultLog, std::sync::atomic::AtomicU64)>,
 }
 
 /// How long a report is reused when no upload came.
@@ -253,7 +256,32 @@ impl Analyzer {
             state: Mutex::new(State::default()),
             max_records: 2_000_000,
             last: Mutex::new(None),
+            log: None,
         }
+    }
+
+    /// Keeps the window's results in `log` too, and takes up the window it holds (a
+    /// restarted analyzer judges what it judged before; an agent that uploaded in the
+    /// window counts as heard from when it last did). Returns how many results were
+    /// taken up.
+    pub fn with_log(mut self, log: log::ResultLog) -> Result<(Self, usize), log::LogError> {
+        let now = now_ms(&self.clock);
+        let cutoff = now.saturating_sub(self.policy.window.as_millis() as u64);
+        log.prune(cutoff)?;
+        let (records, damaged) = log.load(cutoff)?;
+        if damaged > 0 {
+            tracing::warn!(damaged, "skipped analyzer results that do not read back");
+        }
+        let n = records.len();
+        {
+            let st = self.state.get_mut();
+            for r in &records {
+                st.agents.insert(r.prober.clone(), (r.at_ms, r.src_qpn));
+            }
+            st.records.extend(records);
+        }
+        self.log = Some((log, std::sync::atomic::AtomicU64::new(now)));
+        Ok((self, n))
     }
 
     pub fn policy(&self) -> &AnalyzerPolicy {
@@ -298,6 +326,13 @@ impl Analyzer {
             }
         }
         let n = records.len() as u32;
+        if let Some((log, _)) = &self.log
+            && let Err(e) = log.append(&records)
+        {
+            // The analysis goes on from memory; only a restart would miss these.
+            metrics::counter!("pingmesh_analyzer_log_errors_total").increment(1);
+            tracing::warn!(error = %e, "analyzer results not written to disk");
+        }
         let mut st = self.state.lock();
         let qpn = records.first().map_or_else(
             || st.agents.get(&req.agent_id).map_or(0, |a| a.1),
@@ -313,6 +348,16 @@ impl Analyzer {
 
     fn prune(&self, st: &mut State, now: u64) {
         let cutoff = now.saturating_sub(self.policy.window.as_millis() as u64);
+        // On disk once a second at most: a delete per upload would cost more than
+        // the rows it removes.
+        if let Some((log, pruned)) = &self.log
+            && now.saturating_sub(pruned.load(std::sync::atomic::Ordering::Relaxed)) >= 1_000
+        {
+            pruned.store(now, std::sync::atomic::Ordering::Relaxed);
+            if let Err(e) = log.prune(cutoff) {
+                tracing::warn!(error = %e, "old analyzer results not removed from disk");
+            }
+        }
         st.paths.retain(|_, t| t.at_ms >= cutoff);
         while st
             .records

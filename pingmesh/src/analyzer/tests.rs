@@ -317,6 +317,42 @@ fn the_window_forgets_old_results() {
 }
 
 #[test]
+fn a_restarted_analyzer_takes_up_its_window_from_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pm.db");
+    let (a, clock, store) = setup();
+    let (a, resumed) = a.with_log(log::ResultLog::open(&path).unwrap()).unwrap();
+    assert_eq!(resumed, 0);
+    rounds(&a, &clock, 20, &cross_tor(2_080), &[]);
+    let before = a.report();
+    drop(a);
+    // The same moment, a new process: the same judgement, every agent heard from.
+    let fresh = Analyzer::new(AnalyzerPolicy::default(), clock.clone(), store.clone());
+    let (b, resumed) = fresh
+        .with_log(log::ResultLog::open(&path).unwrap())
+        .unwrap();
+    assert_eq!(resumed, before.probes);
+    let after = b.report();
+    assert_eq!(kinds(&after), kinds(&before));
+    assert_eq!(after.heatmap.cells[0][3], before.heatmap.cells[0][3]);
+    assert!(after.agents.iter().all(|a| !a.silent), "{:?}", after.agents);
+    // Past the window, nothing is taken up, and the file forgets it too.
+    clock.advance_secs(31);
+    let late = Analyzer::new(AnalyzerPolicy::default(), clock.clone(), store);
+    let (_, resumed) = late.with_log(log::ResultLog::open(&path).unwrap()).unwrap();
+    assert_eq!(resumed, 0);
+    assert_eq!(
+        log::ResultLog::open(&path)
+            .unwrap()
+            .load(0)
+            .unwrap()
+            .0
+            .len(),
+        0
+    );
+}
+
+#[test]
 fn a_malformed_upload_is_refused_naming_the_field() {
     let (a, _, _) = setup();
     let mut bad = result(0, 1, Some(80), &[], None);
