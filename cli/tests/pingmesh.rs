@@ -189,12 +189,13 @@ fn direction(
         }
     });
     std::thread::spawn(move || {
+        // A sleep overshoots by the timer slack (50 µs by default) and the
+        // scheduler's delay, which would count as network RTT: no slack, and the
+        // last 50 µs spun.
+        let _ = rustix::thread::set_current_timer_slack(std::num::NonZeroU64::new(1));
         // One delay per direction, so first in is first due: FIFO keeps order.
         for (due, packet) in rx {
-            // A sleep overshoots by the timer slack and the scheduler's delay (a
-            // few hundred µs on a loaded 2-core machine, which would be counted as
-            // network RTT): sleep to just before the packet is due, then spin.
-            const SPIN: Duration = Duration::from_micros(200);
+            const SPIN: Duration = Duration::from_micros(50);
             if let Some(wait) = due.checked_duration_since(Instant::now())
                 && wait > SPIN
             {
