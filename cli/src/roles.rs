@@ -90,6 +90,18 @@ pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr
             .iter()
             .filter_map(|(n, e)| e.admin.map(|a| (n.clone(), format!("http://{a}"))))
             .collect(),
+        known: mesh
+            .config
+            .nodes
+            .iter()
+            .map(|(n, e)| {
+                let rnic = dpumesh_pingmesh::controller::KnownRnic {
+                    ip: e.rnic().ip(),
+                    tor: e.tor().to_owned(),
+                };
+                (n.clone(), rnic)
+            })
+            .collect(),
         tls: if pm.tls() {
             dpumesh_proxy::trust::load(&mesh, &dpumesh_proxy::trust::pingmesh_id(&mesh)?)?
         } else {
@@ -165,6 +177,11 @@ pub fn pingmesh_agent(args: &AgentArgs) -> Result<()> {
         }
         None => None,
     };
+    if !controller.starts_with("https://") && tls.is_some() {
+        anyhow::bail!(
+            "{controller}: --certs is for an https:// controller (this one would be plaintext)"
+        );
+    }
     if controller.starts_with("https://") && tls.is_none() {
         anyhow::bail!(
             "{controller}: an https:// controller needs --certs (the node's certificates)"

@@ -90,6 +90,7 @@ fn server(inter_tor_targets: usize, ecmp_paths: u32) -> Server {
         },
         nodes: Vec::new(),
         tls: None,
+        known: Default::default(),
         clock: Arc::new(SystemClock::new()),
     })
     .unwrap()

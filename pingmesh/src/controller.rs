@@ -296,15 +296,74 @@ impl Controller {
     }
 }
 
+/// The RNIC a node of the mesh file has, and its ToR.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KnownRnic {
+    pub ip: std::net::IpAddr,
+    pub tor: String,
+}
+
 /// The controller's gRPC service.
 #[derive(Debug, Clone)]
 pub struct ControllerService {
     controller: Arc<Controller>,
+    /// With TLS, the RNIC each node may register (from the mesh file); empty: any.
+    known: Arc<std::collections::BTreeMap<String, KnownRnic>>,
+    /// Served over TLS only: a request without a proven caller is refused.
+    tls: bool,
 }
 
 impl ControllerService {
     pub fn new(controller: Arc<Controller>) -> Self {
-        Self { controller }
+        Self {
+            controller,
+            known: Arc::default(),
+            tls: false,
+        }
+    }
+
+    /// Served over mutual TLS only.
+    pub fn with_tls(mut self, tls: bool) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// Lets a caller whose certificate names node `n` register `known[n]` only (its
+    /// address as the GID, its ToR): a node cannot put RNICs into the registry that
+    /// are not its own. Applies to TLS callers (the only proven ones).
+    pub fn with_known(mut self, known: std::collections::BTreeMap<String, KnownRnic>) -> Self {
+        self.known = Arc::new(known);
+        self
+    }
+
+    fn check_known(
+        &self,
+        request: &Request<proto::AgentRegistrationRequest>,
+    ) -> Result<(), Status> {
+        let Some(caller) = request.extensions().get::<crate::tls::Caller>() else {
+            return Ok(());
+        };
+        if self.known.is_empty() {
+            return Ok(());
+        }
+        let node = caller.node();
+        let Some(known) = self.known.get(node) else {
+            return Err(Status::permission_denied(format!(
+                "node {node:?} is not in the mesh file"
+            )));
+        };
+        for (i, r) in request.get_ref().rnics.iter().enumerate() {
+            let ip = convert::gid(&format!("rnics[{i}].gid"), &r.gid)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?
+                .ip();
+            if ip != known.ip || r.tor_id != known.tor {
+                return Err(Status::permission_denied(format!(
+                    "rnics[{i}]: node {node:?} has RNIC {} under {:?}, not {ip} under {:?}",
+                    known.ip, known.tor, r.tor_id
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// The tonic server for it.
@@ -319,7 +378,8 @@ impl proto::controller_service_server::ControllerService for ControllerService {
         &self,
         request: Request<proto::AgentRegistrationRequest>,
     ) -> Result<Response<proto::AgentRegistrationResponse>, Status> {
-        crate::tls::authorize(&request, &request.get_ref().agent_id)?;
+        crate::tls::authorize(&request, &request.get_ref().agent_id, self.tls)?;
+        self.check_known(&request)?;
         let registered = self.controller.register(request.get_ref())?;
         Ok(Response::new(proto::AgentRegistrationResponse {
             registered,

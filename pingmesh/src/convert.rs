@@ -64,6 +64,13 @@ pub fn rnic_from(info: &proto::RnicInfo, at: &str, now_ms: u64) -> Result<Rnic, 
     } else {
         ip(&field("rnic_ip"), &info.rnic_ip)?
     };
+    // RoCEv2: the GID is the port's IP address.
+    if rnic_ip != gid.ip() {
+        return Err(bad(
+            field("rnic_ip"),
+            format!("{rnic_ip} is not the GID's address {}", gid.ip()),
+        ));
+    }
     Ok(Rnic {
         gid,
         qpn: info.qpn,

@@ -14,8 +14,10 @@
 //!
 //! Where the fabric stamps a send when it is posted (the software fabric), the
 //! responder knows T4 as it posts ACK1 and puts T4 − T3 into it
-//! ([`Message::delay_in_ack1`]): no ACK2, one datagram less per probe. A NIC stamps
-//! the CQE when the message left, so with verbs the second ACK stays.
+//! ([`Message::delay_in_ack1`]): no ACK2, one datagram less per probe — for probers
+//! that say they take it (the same flag on the PROBE), so an agent of before still
+//! gets both. A NIC stamps the CQE when the message left, so with verbs the second
+//! ACK stays.
 
 /// Bytes of every probe message.
 pub const PROBE_LEN: usize = 40;
@@ -43,7 +45,9 @@ pub struct Message {
     pub seq: u64,
     /// ACK2 (or ACK1 with `delay_in_ack1`): T4 − T3 in nanoseconds.
     pub responder_delay_ns: u64,
-    /// An ACK1 that carries the responder's delay itself: no ACK2 follows.
+    /// A PROBE: its prober takes an ACK1 that carries the delay (an agent of before
+    /// does not say so and gets both ACKs). An ACK1: it carries the responder's
+    /// delay itself, no ACK2 follows.
     pub delay_in_ack1: bool,
     /// The queue pair number the prober meant to reach (a responder that restarted
     /// with another one tells the prober so: a non-network failure).
@@ -73,9 +77,10 @@ impl Message {
             Kind::Ack1 => 2,
             Kind::Ack2 => 3,
         };
-        // Flags: an agent of before ignores byte 6 and waits for an ACK2 that does
-        // not come; its probe then ends as answered by ACK1 alone.
-        b[6] = u8::from(self.kind == Kind::Ack1 && self.delay_in_ack1);
+        // Flags (byte 6, zero from an agent of before): a probe says its prober
+        // takes one ACK; an ACK1 says it carries the delay. A responder answers with
+        // one ACK only a probe that said so.
+        b[6] = u8::from(self.kind != Kind::Ack2 && self.delay_in_ack1);
         b[8..16].copy_from_slice(&self.session.to_le_bytes());
         b[16..24].copy_from_slice(&self.seq.to_le_bytes());
         b[24..32].copy_from_slice(&self.responder_delay_ns.to_le_bytes());
@@ -110,7 +115,7 @@ impl Message {
             session: u64_at(8),
             seq: u64_at(16),
             responder_delay_ns: u64_at(24),
-            delay_in_ack1: kind == Kind::Ack1 && b[6] & 1 != 0,
+            delay_in_ack1: kind != Kind::Ack2 && b[6] & 1 != 0,
             target_qpn: u32::from_le_bytes([b[32], b[33], b[34], b[35]]),
         })
     }
@@ -251,8 +256,8 @@ mod tests {
         #[test]
         fn messages_round_trip(kind in 0u8..3, session: u64, seq: u64, delay: u64, qpn: u32, single: bool) {
             let kind = [Kind::Probe, Kind::Ack1, Kind::Ack2][kind as usize];
-            // Only an ACK1 carries the flag.
-            let delay_in_ack1 = single && kind == Kind::Ack1;
+            // An ACK2 carries no flag.
+            let delay_in_ack1 = single && kind != Kind::Ack2;
             let m = Message { kind, session, seq, responder_delay_ns: delay, delay_in_ack1, target_qpn: qpn };
             prop_assert_eq!(Message::decode(&m.encode()), Ok(m));
         }

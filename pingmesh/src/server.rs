@@ -37,6 +37,8 @@ pub struct ServerConfig {
     pub nodes: Vec<(String, String)>,
     /// Mutual TLS on the gRPC port with the Pingmesh identity (None: plain).
     pub tls: Option<Arc<dpumesh_identity::MeshTls>>,
+    /// With TLS, the RNIC each node may register (the mesh file's); empty: any.
+    pub known: std::collections::BTreeMap<String, crate::controller::KnownRnic>,
     pub clock: SharedClock,
 }
 
@@ -118,8 +120,13 @@ impl Server {
         let http_addr = http.local_addr().map_err(ServerError::Runtime)?;
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let services = (
-            ControllerService::new(controller.clone()).server(),
-            AnalyzerService::new(analyzer.clone()).server(),
+            ControllerService::new(controller.clone())
+                .with_known(config.known.clone())
+                .with_tls(config.tls.is_some())
+                .server(),
+            AnalyzerService::new(analyzer.clone())
+                .with_tls(config.tls.is_some())
+                .server(),
         );
         let tls = config.tls.clone();
         let for_http = analyzer.clone();

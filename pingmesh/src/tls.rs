@@ -25,6 +25,9 @@ use tonic::transport::server::Connected;
 /// A handshake that takes longer is dropped (a silent client holds a task, not the
 /// accept loop, and not for long).
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Handshakes under way at once; more connections wait in the listen backlog (one
+/// client opening sockets by the thousand takes these, not the descriptors).
+const MAX_HANDSHAKES: usize = 64;
 
 /// Who called, as the server's handshake proved it (a request extension).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,9 +47,14 @@ impl Caller {
     }
 }
 
-/// Whether the caller of `request` (if it came over TLS) may act as agent
-/// `agent_id`; the refusal names both.
-pub fn authorize<T>(request: &tonic::Request<T>, agent_id: &str) -> Result<(), tonic::Status> {
+/// Whether the caller of `request` may act as agent `agent_id`; the refusal names
+/// both. `tls`: the server runs TLS, so a request without a proven caller is refused
+/// too (it cannot come from the TLS listener; closed, should another way in appear).
+pub fn authorize<T>(
+    request: &tonic::Request<T>,
+    agent_id: &str,
+    tls: bool,
+) -> Result<(), tonic::Status> {
     match request.extensions().get::<Caller>() {
         Some(caller) if caller.node() != agent_id => {
             Err(tonic::Status::permission_denied(format!(
@@ -55,6 +63,9 @@ pub fn authorize<T>(request: &tonic::Request<T>, agent_id: &str) -> Result<(), t
                 caller.node()
             )))
         }
+        None if tls => Err(tonic::Status::unauthenticated(
+            "no proven identity: this server takes mutual TLS only",
+        )),
         _ => Ok(()),
     }
 }
@@ -132,8 +143,12 @@ pub fn incoming(
     tls: Arc<MeshTls>,
 ) -> impl tokio_stream::Stream<Item = Result<TlsConn, io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<TlsConn, io::Error>>(16);
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     tokio::spawn(async move {
         loop {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
             let (tcp, addr) = match listener.accept().await {
                 Ok(a) => a,
                 Err(e) => {
@@ -148,7 +163,9 @@ pub fn incoming(
             }
             let (tls, tx) = (tls.clone(), tx.clone());
             tokio::spawn(async move {
-                match accept(&tls, tcp, addr).await {
+                let accepted = accept(&tls, tcp, addr).await;
+                drop(permit);
+                match accepted {
                     Ok(conn) => {
                         let _ = tx.send(Ok(conn)).await;
                     }

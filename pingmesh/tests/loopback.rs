@@ -34,6 +34,7 @@ fn server(dir: &std::path::Path) -> Server {
         },
         nodes: Vec::new(),
         tls: None,
+        known: Default::default(),
         clock: Arc::new(SystemClock::new()),
     })
     .unwrap()

@@ -9,11 +9,14 @@ use std::time::{Duration, Instant};
 
 use dpumesh_clock::SystemClock;
 use dpumesh_dpa::fabric::soft::SoftFabric;
+use dpumesh_dpa::fabric::ud::Gid;
 use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
 use dpumesh_pingmesh::agent::{Agent, AgentConfig};
 use dpumesh_pingmesh::analyzer::AnalyzerPolicy;
+use dpumesh_pingmesh::controller::KnownRnic;
 use dpumesh_pingmesh::pinglist::PinglistPolicy;
 use dpumesh_pingmesh::proto;
+use dpumesh_pingmesh::proto::analyzer_service_client::AnalyzerServiceClient;
 use dpumesh_pingmesh::proto::controller_service_client::ControllerServiceClient;
 use dpumesh_pingmesh::server::{Server, ServerConfig};
 
@@ -33,6 +36,21 @@ fn tls(dir: &Path, id: SpiffeId) -> Arc<MeshTls> {
     MeshTls::load(TlsFiles::in_dir(dir, &id), TD).unwrap()
 }
 
+/// The mesh file's RNICs: node-n has 127.0.0.n under tor-a.
+fn known() -> std::collections::BTreeMap<String, KnownRnic> {
+    (1..=4)
+        .map(|n| {
+            (
+                format!("node-{n}"),
+                KnownRnic {
+                    ip: format!("127.0.0.{n}").parse().unwrap(),
+                    tor: "tor-a".into(),
+                },
+            )
+        })
+        .collect()
+}
+
 fn server(dir: &Path, identity: SpiffeId) -> Server {
     Server::start(ServerConfig {
         grpc: "127.0.0.1:0".parse().unwrap(),
@@ -47,6 +65,7 @@ fn server(dir: &Path, identity: SpiffeId) -> Server {
         analyzer: AnalyzerPolicy::default(),
         nodes: Vec::new(),
         tls: Some(tls(dir, identity)),
+        known: known(),
         clock: Arc::new(SystemClock::new()),
     })
     .unwrap()
@@ -134,38 +153,41 @@ fn agents_with_their_nodes_certificates_probe_and_upload_over_tls() {
 }
 
 #[test]
-fn a_node_registers_as_itself_only() {
+fn a_node_registers_and_uploads_as_itself_only() {
     let dir = tempfile::tempdir().unwrap();
     issue(dir.path());
     let server = server(dir.path(), SpiffeId::pingmesh(TD).unwrap());
     let node1 = tls(dir.path(), SpiffeId::node(TD, "node-1").unwrap());
+    let ingress = tls(dir.path(), SpiffeId::ingress(TD).unwrap());
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
     rt.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(server.grpc_url())
-            .unwrap()
-            .connect_with_connector(dpumesh_pingmesh::tls::Connector::new(node1))
-            .await
-            .unwrap();
-        let mut client = ControllerServiceClient::new(channel);
-        let rnic = |agent: &str| proto::RnicInfo {
-            gid: dpumesh_dpa::fabric::ud::Gid::from_ip("127.0.0.9".parse().unwrap()).to_string(),
+        let channel = |tls: Arc<MeshTls>| {
+            tonic::transport::Endpoint::from_shared(server.grpc_url())
+                .unwrap()
+                .connect_with_connector_lazy(dpumesh_pingmesh::tls::Connector::new(tls))
+        };
+        let mut client = ControllerServiceClient::new(channel(node1.clone()));
+        let rnic = |agent: &str, ip: &str| proto::RnicInfo {
+            gid: Gid::from_ip(ip.parse().unwrap()).to_string(),
             qpn: 7,
             qkey: 0x1111_1111,
             agent_id: agent.into(),
             agent_ip: "127.0.0.1".into(),
-            rnic_ip: "127.0.0.9".into(),
+            rnic_ip: ip.into(),
             tor_id: "tor-a".into(),
             udp_port: 4791,
             ..Default::default()
         };
+        let register = |agent: &str, ip: &str| proto::AgentRegistrationRequest {
+            agent_id: agent.into(),
+            rnics: vec![rnic(agent, ip)],
+        };
+        // Another node's name.
         let err = client
-            .register_agent(proto::AgentRegistrationRequest {
-                agent_id: "node-2".into(),
-                rnics: vec![rnic("node-2")],
-            })
+            .register_agent(register("node-2", "127.0.0.2"))
             .await
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::PermissionDenied);
@@ -174,14 +196,42 @@ fn a_node_registers_as_itself_only() {
             "{}",
             err.message()
         );
+        // Its own name, another node's RNIC.
+        let err = client
+            .register_agent(register("node-1", "127.0.0.2"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::PermissionDenied);
+        assert!(
+            err.message().contains("has RNIC 127.0.0.1"),
+            "{}",
+            err.message()
+        );
         let ok = client
-            .register_agent(proto::AgentRegistrationRequest {
-                agent_id: "node-1".into(),
-                rnics: vec![rnic("node-1")],
-            })
+            .register_agent(register("node-1", "127.0.0.1"))
             .await
             .unwrap();
         assert_eq!(ok.get_ref().registered, 1);
+
+        // Uploads under another agent's name are refused too.
+        let mut analyzer = AnalyzerServiceClient::new(channel(node1));
+        let err = analyzer
+            .upload_data(proto::UploadDataRequest {
+                agent_id: "node-2".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::PermissionDenied);
+
+        // The ingress's certificate is of the mesh, but not a node's: refused in the
+        // handshake, before any service sees a request.
+        let err = ControllerServiceClient::new(channel(ingress.clone()))
+            .register_agent(register("node-1", "127.0.0.1"))
+            .await
+            .unwrap_err();
+        assert_ne!(err.code(), tonic::Code::PermissionDenied, "{err}");
+        assert_ne!(err.code(), tonic::Code::Ok);
     });
 }
 

@@ -102,20 +102,9 @@ impl<F: DatagramFabric> Io<F> {
         let Some(slot) = self.free_sends.pop() else {
             return false;
         };
-        if !self.ahs.contains_key(&to) {
-            if self.ahs.len() >= MAX_AHS {
-                self.ahs.clear();
-            }
-            match self.fabric.create_ah(&self.pd, to) {
-                Ok(ah) => {
-                    self.ahs.insert(to, ah);
-                }
-                Err(e) => {
-                    tracing::warn!(to = %to.socket_addr(), error = %e, "no address handle");
-                    self.free_sends.push(slot);
-                    return false;
-                }
-            }
+        if !self.ensure_ah(to) {
+            self.free_sends.push(slot);
+            return false;
         }
         let offset = (RECV_SLOTS * RECV_SLOT + slot * SEND_SLOT) as u64;
         if self.region_view.write(offset, &m.encode()).is_err() {
@@ -140,6 +129,26 @@ impl<F: DatagramFabric> Io<F> {
             Err(e) => {
                 tracing::warn!(error = %e, "UD post_send failed");
                 self.free_sends.push(slot);
+                false
+            }
+        }
+    }
+
+    /// Makes sure an address handle for `to` exists; false if none can be made.
+    fn ensure_ah(&mut self, to: AddressVector) -> bool {
+        if self.ahs.contains_key(&to) {
+            return true;
+        }
+        if self.ahs.len() >= MAX_AHS {
+            self.ahs.clear();
+        }
+        match self.fabric.create_ah(&self.pd, to) {
+            Ok(ah) => {
+                self.ahs.insert(to, ah);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(to = %to.socket_addr(), error = %e, "no address handle");
                 false
             }
         }
@@ -208,7 +217,8 @@ impl<F: DatagramFabric> Io<F> {
                     // T4 as ACK1 is posted, where the fabric stamps sends so (its
                     // own stamp, inside the posting call, is the same clock a few
                     // hundred ns later): then one ACK carries the delay.
-                    let t4 = self.one_ack.then(now_ns);
+                    // The address handle first, so T4 is read just before posting.
+                    let t4 = (self.one_ack && self.ensure_ah(from)).then(now_ns);
                     if let Some(ack1) =
                         self.responder
                             .probe(&m, from, wc.src_qp, qkey, my_qpn, wc.timestamp_ns, t4)

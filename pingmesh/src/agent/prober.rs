@@ -157,7 +157,8 @@ impl Prober {
                     session: self.session,
                     seq,
                     responder_delay_ns: 0,
-                    delay_in_ack1: false,
+                    // This prober finishes a probe on an ACK1 with the delay.
+                    delay_in_ack1: true,
                     target_qpn: r.qpn,
                 },
             });
@@ -331,8 +332,8 @@ impl Responder {
     /// A probe's receive completed at `t3` from `from` (queue pair `src_qp`). The
     /// ACK1 to post; `None` if the probe was for another queue pair of ours (a
     /// restarted agent: the prober learns it from the silence and the registry).
-    /// `t4`: ACK1's send time when the fabric stamps sends as they are posted (then
-    /// ACK1 carries the delay and no ACK2 follows).
+    /// `t4`: ACK1's send time when the fabric stamps sends as they are posted (then,
+    /// for a prober that takes it, ACK1 carries the delay and no ACK2 follows).
     #[allow(clippy::too_many_arguments)]
     pub fn probe(
         &mut self,
@@ -350,7 +351,7 @@ impl Responder {
         }
         self.next_id += 1;
         let id = self.next_id;
-        if let Some(t4) = t4 {
+        if let Some(t4) = t4.filter(|_| m.delay_in_ack1) {
             return Some(Reply {
                 id,
                 to: from,
@@ -570,7 +571,13 @@ mod tests {
     fn where_sends_are_stamped_when_posted_one_ack_carries_the_delay() {
         let mut r = Responder::default();
         let from = AddressVector::to("10.0.0.1:4791".parse().unwrap());
-        let probe = ack(Kind::Probe, 4, 0);
+        let mut probe = ack(Kind::Probe, 4, 0);
+        // A prober of before does not say it takes one ACK: it gets both.
+        let old = r.probe(&probe, from, 5, 1, 5, 1_000, Some(1_180)).unwrap();
+        assert!(!old.message.delay_in_ack1);
+        let ack2 = r.ack1_sent(old.id, true, 1_200).expect("an ACK2 for it");
+        assert_eq!(ack2.message.responder_delay_ns, 200);
+        probe.delay_in_ack1 = true;
         let a1 = r.probe(&probe, from, 5, 1, 5, 1_000, Some(1_180)).unwrap();
         assert_eq!(a1.message.kind, Kind::Ack1);
         assert!(a1.message.delay_in_ack1);

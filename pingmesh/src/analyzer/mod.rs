@@ -280,6 +280,10 @@ impl Analyzer {
             }
             st.records.extend(records);
         }
+        // The same bounds as uploads meet (`max_records`).
+        let mut st = std::mem::take(self.state.get_mut());
+        self.prune(&mut st, now);
+        *self.state.get_mut() = st;
         self.log = Some((log, std::sync::atomic::AtomicU64::new(now)));
         Ok((self, n))
     }
@@ -314,6 +318,31 @@ impl Analyzer {
             .enumerate()
             .map(|(i, p)| paths::from_proto(p, now, &format!("paths[{i}]")))
             .collect::<Result<Vec<_>, _>>()?;
+        // An agent speaks for its own RNICs only: results or traces from a GID the
+        // registry gives to another agent are refused (with TLS the agent's name is
+        // proven, and the controller lets a node register its own RNIC only).
+        let mut seen: Vec<Gid> = Vec::new();
+        for src in records
+            .iter()
+            .map(|r| r.src)
+            .chain(traced.iter().map(|((src, _), _)| *src))
+        {
+            if seen.contains(&src) {
+                continue;
+            }
+            seen.push(src);
+            if let Ok(Some(owner)) = self.registry.get(&src)
+                && owner.agent_id != req.agent_id
+            {
+                return Err(FieldError {
+                    field: "results[].tuple.src_gid".into(),
+                    detail: format!(
+                        "{src} is agent {:?}'s RNIC, not {:?}'s",
+                        owner.agent_id, req.agent_id
+                    ),
+                });
+            }
+        }
         for r in &records {
             let status = match r.outcome {
                 Outcome::Ok => "ok",
@@ -342,14 +371,16 @@ impl Analyzer {
         st.records.extend(records);
         st.paths.extend(traced);
         self.prune(&mut st, now);
+        drop(st);
         *self.last.lock() = None;
+        self.prune_disk(now);
         Ok(n)
     }
 
-    fn prune(&self, st: &mut State, now: u64) {
+    /// Removes what left the window from disk, once a second at most (a delete per
+    /// upload would cost more than the rows it removes); never under the state lock.
+    fn prune_disk(&self, now: u64) {
         let cutoff = now.saturating_sub(self.policy.window.as_millis() as u64);
-        // On disk once a second at most: a delete per upload would cost more than
-        // the rows it removes.
         if let Some((log, pruned)) = &self.log
             && now.saturating_sub(pruned.load(std::sync::atomic::Ordering::Relaxed)) >= 1_000
         {
@@ -358,6 +389,10 @@ impl Analyzer {
                 tracing::warn!(error = %e, "old analyzer results not removed from disk");
             }
         }
+    }
+
+    fn prune(&self, st: &mut State, now: u64) {
+        let cutoff = now.saturating_sub(self.policy.window.as_millis() as u64);
         st.paths.retain(|_, t| t.at_ms >= cutoff);
         while st
             .records

@@ -15,11 +15,22 @@ use crate::proto;
 #[derive(Debug, Clone)]
 pub struct AnalyzerService {
     analyzer: Arc<Analyzer>,
+    /// Served over TLS only: a request without a proven caller is refused.
+    tls: bool,
 }
 
 impl AnalyzerService {
     pub fn new(analyzer: Arc<Analyzer>) -> Self {
-        Self { analyzer }
+        Self {
+            analyzer,
+            tls: false,
+        }
+    }
+
+    /// Served over mutual TLS only.
+    pub fn with_tls(mut self, tls: bool) -> Self {
+        self.tls = tls;
+        self
     }
 
     pub fn server(self) -> proto::analyzer_service_server::AnalyzerServiceServer<Self> {
@@ -33,7 +44,7 @@ impl proto::analyzer_service_server::AnalyzerService for AnalyzerService {
         &self,
         request: tonic::Request<proto::UploadDataRequest>,
     ) -> Result<tonic::Response<proto::UploadDataResponse>, Status> {
-        crate::tls::authorize(&request, &request.get_ref().agent_id)?;
+        crate::tls::authorize(&request, &request.get_ref().agent_id, self.tls)?;
         let accepted = self
             .analyzer
             .upload(request.get_ref())

@@ -353,6 +353,20 @@ fn a_restarted_analyzer_takes_up_its_window_from_disk() {
 }
 
 #[test]
+fn an_agent_uploads_for_its_own_rnic_only() {
+    let (a, _, _) = setup();
+    let forged = proto::UploadDataRequest {
+        agent_id: NODES[1].0.to_string(),
+        results: vec![result(0, 3, None, &[], None)],
+        ..Default::default()
+    };
+    let err = a.upload(&forged).unwrap_err();
+    assert_eq!(err.field, "results[].tuple.src_gid");
+    assert!(err.detail.contains(NODES[0].0), "{}", err.detail);
+    assert_eq!(a.report().probes, 0, "nothing of it kept");
+}
+
+#[test]
 fn a_malformed_upload_is_refused_naming_the_field() {
     let (a, _, _) = setup();
     let mut bad = result(0, 1, Some(80), &[], None);

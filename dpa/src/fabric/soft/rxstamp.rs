@@ -105,20 +105,33 @@ pub(super) fn recv_many(
 ) -> io::Result<usize> {
     out.clear();
     let slot = batch.slot;
+    // Every pointer comes from one base pointer per buffer, taken once: no later
+    // borrow of a buffer invalidates what an earlier header holds.
+    let (data, names, controls, iovecs) = (
+        batch.data.as_mut_ptr(),
+        batch.names.as_mut_ptr(),
+        batch.controls.as_mut_ptr(),
+        batch.iovecs.as_mut_ptr(),
+    );
     for i in 0..BATCH {
-        batch.iovecs[i] = libc::iovec {
-            // SAFETY: `i * slot` is within `data` (BATCH slots).
-            iov_base: unsafe { batch.data.as_mut_ptr().add(i * slot) }.cast(),
-            iov_len: slot,
+        // SAFETY: i < BATCH, and each buffer holds BATCH entries (`data` BATCH
+        // slots of `slot` bytes), so every offset stays inside its buffer.
+        let (iov, name, control) = unsafe {
+            let iov = iovecs.add(i);
+            iov.write(libc::iovec {
+                iov_base: data.add(i * slot).cast(),
+                iov_len: slot,
+            });
+            (iov, names.add(i), controls.add(i))
         };
         // SAFETY: all-zero is a valid msghdr; its pointers are set below to this
         // batch's buffers, which outlive the call.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_name = (&mut batch.names[i] as *mut libc::sockaddr_storage).cast();
+        msg.msg_name = name.cast();
         msg.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        msg.msg_iov = &mut batch.iovecs[i];
+        msg.msg_iov = iov;
         msg.msg_iovlen = 1;
-        msg.msg_control = batch.controls[i].as_mut_ptr().cast();
+        msg.msg_control = control.cast();
         msg.msg_controllen = size_of::<[u64; 16]>() as _;
         batch.headers[i] = libc::mmsghdr {
             msg_hdr: msg,
