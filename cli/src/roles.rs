@@ -157,12 +157,11 @@ pub fn pingmesh_agent(args: &AgentArgs) -> Result<()> {
         name,
         tor,
         rnic,
-        upload_every: upload_every_ms,
-        trace_every: trace_every_ms,
+        upload_every,
+        trace_every,
         certs,
         trust_domain,
     } = args;
-    let (rnic, upload_every_ms, trace_every_ms) = (*rnic, *upload_every_ms, *trace_every_ms);
     let tls = match certs {
         Some(dir) => {
             let id = dpumesh_identity::SpiffeId::node(trust_domain, name)
@@ -177,31 +176,29 @@ pub fn pingmesh_agent(args: &AgentArgs) -> Result<()> {
         }
         None => None,
     };
-    if !controller.starts_with("https://") && tls.is_some() {
-        anyhow::bail!(
+    match (controller.starts_with("https://"), tls.is_some()) {
+        (false, true) => anyhow::bail!(
             "{controller}: --certs is for an https:// controller (this one would be plaintext)"
-        );
-    }
-    if controller.starts_with("https://") && tls.is_none() {
-        anyhow::bail!(
+        ),
+        (true, false) => anyhow::bail!(
             "{controller}: an https:// controller needs --certs (the node's certificates)"
-        );
+        ),
+        _ => {}
     }
     let agent = dpumesh_pingmesh::agent::Agent::start(
         SoftFabric::new(),
         dpumesh_pingmesh::agent::AgentConfig {
             agent_id: name.to_owned(),
             tor_id: tor.to_owned(),
-            bind: rnic,
+            bind: *rnic,
             agent_ip: rnic.ip().to_string(),
             controller: controller.to_owned(),
             analyzer: controller.to_owned(),
             tls,
             refresh_every: std::time::Duration::from_secs(2),
-            upload_every: std::time::Duration::from_millis(upload_every_ms.max(10)),
+            upload_every: std::time::Duration::from_millis((*upload_every).max(10)),
             connections: None,
-            trace_every: (trace_every_ms > 0)
-                .then(|| std::time::Duration::from_millis(trace_every_ms)),
+            trace_every: (*trace_every > 0).then(|| std::time::Duration::from_millis(*trace_every)),
             probe: true,
             two_acks: false,
             clock: dpumesh_clock::SystemClock::shared(),

@@ -190,13 +190,19 @@ impl<F: DatagramFabric> Io<F> {
             let len = (wc.byte_len as usize)
                 .saturating_sub(GRH_LEN)
                 .min(RECV_SLOT - GRH_LEN);
-            let mut buf = [0u8; RECV_SLOT];
-            match self
+            // Only a message of a probe's length can be one: read just that (no
+            // zeroed slot per receive); any other length is refused as decode would.
+            let mut buf = [0u8; PROBE_LEN];
+            if len != PROBE_LEN {
+                Some(Err(crate::probe::ProbeError::Length(len)))
+            } else if self
                 .region_view
-                .read(offset + GRH_LEN as u64, &mut buf[..len])
+                .read(offset + GRH_LEN as u64, &mut buf)
+                .is_ok()
             {
-                Ok(()) => Some(Message::decode(&buf[..len])),
-                Err(_) => None,
+                Some(Message::decode(&buf))
+            } else {
+                None
             }
         } else {
             None

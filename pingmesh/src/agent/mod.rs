@@ -135,19 +135,22 @@ impl Shared {
         let mut p = self.paths.lock();
         p.append(&mut more);
         // Only the latest trace of a pair matters; a long outage keeps the newest.
-        if p.len() > 1024 {
-            let extra = p.len() - 1024;
-            p.drain(..extra);
-        }
+        keep_newest(&mut p, 1024);
     }
 
     fn push_results(&self, mut more: Vec<proto::ProbeResult>) {
         let mut r = self.results.lock();
         r.append(&mut more);
-        if r.len() > MAX_BACKLOG {
-            let extra = r.len() - MAX_BACKLOG;
-            r.drain(..extra);
-        }
+        keep_newest(&mut r, MAX_BACKLOG);
+    }
+}
+
+/// Drops the oldest entries of `v` beyond `max` (a backlog kept while the analyzer
+/// is away stays bounded and keeps the newest).
+fn keep_newest<T>(v: &mut Vec<T>, max: usize) {
+    if v.len() > max {
+        let extra = v.len() - max;
+        v.drain(..extra);
     }
 }
 
@@ -230,12 +233,10 @@ impl Agent {
             .name("pingmesh-control".into())
             .spawn(move || control.run())
             .map_err(|e| AgentError::Setup(format!("control thread: {e}")))?;
+        threads.push(control);
         Ok(Self {
             shared,
-            threads: {
-                threads.push(control);
-                threads
-            },
+            threads,
             rnic,
         })
     }
@@ -417,10 +418,7 @@ impl Control {
                                 upload_failing = true;
                             }
                             pending = batch.results;
-                            if pending.len() > MAX_BACKLOG {
-                                let extra = pending.len() - MAX_BACKLOG;
-                                pending.drain(..extra);
-                            }
+                            keep_newest(&mut pending, MAX_BACKLOG);
                         }
                     }
                 }

@@ -351,38 +351,25 @@ impl Responder {
         }
         self.next_id += 1;
         let id = self.next_id;
-        if let Some(t4) = t4.filter(|_| m.delay_in_ack1) {
-            return Some(Reply {
+        let single = t4.filter(|_| m.delay_in_ack1);
+        if single.is_none() {
+            self.ack1.insert(
                 id,
-                to: from,
-                qpn: src_qp,
-                qkey,
-                message: Message {
-                    kind: Kind::Ack1,
+                Ack1Sent {
+                    t3,
+                    to: from,
+                    qpn: src_qp,
+                    qkey,
                     session: m.session,
                     seq: m.seq,
-                    responder_delay_ns: t4.saturating_sub(t3),
-                    delay_in_ack1: true,
-                    target_qpn: src_qp,
                 },
-            });
-        }
-        self.ack1.insert(
-            id,
-            Ack1Sent {
-                t3,
-                to: from,
-                qpn: src_qp,
-                qkey,
-                session: m.session,
-                seq: m.seq,
-            },
-        );
-        // Bounded: ACK1s whose completion never comes (a failed send) are dropped
-        // oldest first.
-        if self.ack1.len() > 4096 {
-            let oldest = *self.ack1.keys().min().expect("not empty");
-            self.ack1.remove(&oldest);
+            );
+            // Bounded: ACK1s whose completion never comes (a failed send) are
+            // dropped oldest first.
+            if self.ack1.len() > 4096 {
+                let oldest = *self.ack1.keys().min().expect("not empty");
+                self.ack1.remove(&oldest);
+            }
         }
         Some(Reply {
             id,
@@ -393,8 +380,8 @@ impl Responder {
                 kind: Kind::Ack1,
                 session: m.session,
                 seq: m.seq,
-                responder_delay_ns: 0,
-                delay_in_ack1: false,
+                responder_delay_ns: single.map_or(0, |t4| t4.saturating_sub(t3)),
+                delay_in_ack1: single.is_some(),
                 target_qpn: src_qp,
             },
         })

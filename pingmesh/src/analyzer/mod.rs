@@ -115,6 +115,27 @@ pub enum ProblemKind {
     ProberHost,
 }
 
+impl ProblemKind {
+    pub const ALL: [ProblemKind; 5] = [
+        ProblemKind::AnomalousRnic,
+        ProblemKind::FaultyElement,
+        ProblemKind::HostDown,
+        ProblemKind::QpnChanged,
+        ProblemKind::ProberHost,
+    ];
+
+    /// Its name in the JSON API and the metrics' `kind` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProblemKind::AnomalousRnic => "anomalous_rnic",
+            ProblemKind::FaultyElement => "faulty_element",
+            ProblemKind::HostDown => "host_down",
+            ProblemKind::QpnChanged => "qpn_changed",
+            ProblemKind::ProberHost => "prober_host",
+        }
+    }
+}
+
 /// How badly a service is hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
 pub enum ImpactClass {
@@ -273,15 +294,12 @@ impl Analyzer {
             tracing::warn!(damaged, "skipped analyzer results that do not read back");
         }
         let n = records.len();
-        {
-            let st = self.state.get_mut();
-            for r in &records {
-                st.agents.insert(r.prober.clone(), (r.at_ms, r.src_qpn));
-            }
-            st.records.extend(records);
-        }
-        // The same bounds as uploads meet (`max_records`).
         let mut st = std::mem::take(self.state.get_mut());
+        for r in &records {
+            st.agents.insert(r.prober.clone(), (r.at_ms, r.src_qpn));
+        }
+        st.records.extend(records);
+        // The same bounds as uploads meet (`max_records`).
         self.prune(&mut st, now);
         *self.state.get_mut() = st;
         self.log = Some((log, std::sync::atomic::AtomicU64::new(now)));
@@ -442,19 +460,9 @@ fn export(r: &Report) {
     metrics::gauge!("pingmesh_cluster_rtt_p99_seconds").set(r.cluster.rtt_p99_us / 1e6);
     metrics::gauge!("pingmesh_cluster_drop_rate").set(r.cluster.drop_rate);
     metrics::gauge!("pingmesh_unreachable_nodes").set(r.unreachable.len() as f64);
-    for kind in [
-        ProblemKind::AnomalousRnic,
-        ProblemKind::FaultyElement,
-        ProblemKind::HostDown,
-        ProblemKind::QpnChanged,
-        ProblemKind::ProberHost,
-    ] {
+    for kind in ProblemKind::ALL {
         let n = r.problems.iter().filter(|p| p.kind == kind).count();
-        let name = serde_json::to_value(kind)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_owned))
-            .unwrap_or_default();
-        metrics::gauge!("pingmesh_problems", "kind" => name).set(n as f64);
+        metrics::gauge!("pingmesh_problems", "kind" => kind.name()).set(n as f64);
     }
     for (i, src) in r.heatmap.nodes.iter().enumerate() {
         for (j, dst) in r.heatmap.nodes.iter().enumerate() {

@@ -87,13 +87,13 @@ pub fn from_proto(
 /// `None` when the trace is not complete (a silent hop, the target not reached, or
 /// no router at all).
 pub fn names(src: &Rnic, dst: &Rnic, t: &Traced) -> Option<Vec<String>> {
-    if !t.reached || t.hops.is_empty() || t.hops.iter().any(Option::is_none) {
+    let hops: Vec<IpAddr> = t.hops.iter().copied().collect::<Option<_>>()?;
+    if !t.reached || hops.is_empty() {
         return None;
     }
-    let n = t.hops.len();
+    let n = hops.len();
     Some(
-        t.hops
-            .iter()
+        hops.iter()
             .enumerate()
             .map(|(i, h)| {
                 if i == 0 {
@@ -101,7 +101,7 @@ pub fn names(src: &Rnic, dst: &Rnic, t: &Traced) -> Option<Vec<String>> {
                 } else if i == n - 1 {
                     dst.tor_id.clone()
                 } else {
-                    h.expect("complete").to_string()
+                    h.to_string()
                 }
             })
             .collect(),
@@ -116,9 +116,12 @@ pub fn elements(
     names: &[String],
     tors: &dyn Fn(&str) -> bool,
 ) -> Vec<Element> {
+    let (Some(first), Some(last)) = (names.first(), names.last()) else {
+        return Vec::new();
+    };
     let mut out = vec![Element::HostLink {
         node: src.agent_id.clone(),
-        tor: names[0].clone(),
+        tor: first.clone(),
     }];
     for (i, name) in names.iter().enumerate() {
         if i > 0 {
@@ -147,7 +150,7 @@ pub fn elements(
     }
     out.push(Element::HostLink {
         node: dst.agent_id.clone(),
-        tor: names[names.len() - 1].clone(),
+        tor: last.clone(),
     });
     out.dedup();
     out

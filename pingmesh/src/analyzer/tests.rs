@@ -491,3 +491,10 @@ fn problems_of(r: &Report, kind: ProblemKind) -> Vec<Problem> {
         .cloned()
         .collect()
 }
+
+#[test]
+fn problem_kinds_are_named_in_the_metrics_as_in_the_json_api() {
+    for kind in ProblemKind::ALL {
+        assert_eq!(serde_json::to_value(kind).unwrap(), kind.name());
+    }
+}
