@@ -16,7 +16,7 @@ use crate::instance::FilterInstance;
 use crate::runtime::Runtime;
 
 /// The version of the `dpumesh:filter` package this runtime serves.
-pub const WIT_VERSION: &str = "0.1.1";
+pub const WIT_VERSION: &str = "0.1.2";
 const WIT_PACKAGE: &str = "dpumesh:filter";
 /// Types the `filter` world `use`s at its top level; components import them by these
 /// plain names.
@@ -240,7 +240,7 @@ impl LoadedFilter {
 
 impl Runtime {
     /// Loads a filter from component bytes: compiles it (or takes it from the cache),
-    /// checks that it targets `dpumesh:filter@0.1.1`, and configures one instance to
+    /// checks that it targets `dpumesh:filter@0.1.x`, and configures one instance to
     /// validate the configuration. Nothing is published; the caller decides.
     pub fn load_filter(
         &self,
@@ -285,7 +285,7 @@ impl Runtime {
     }
 
     /// Compiles a component ahead of time for this runtime's engine (a `.cwasm`), after
-    /// checking it targets `dpumesh:filter@0.1.1`. Loading it back is only for files
+    /// checking it targets `dpumesh:filter@0.1.x`. Loading it back is only for files
     /// this machine produced: see the compile cache.
     pub fn precompile(&self, name: &str, bytes: &[u8]) -> Result<Vec<u8>, LoadError> {
         let engine = &self.inner.engine;

@@ -2,9 +2,10 @@
 //!
 //! This crate runs WebAssembly filter components against request heads: one wasmtime
 //! [`Engine`](wasmtime::Engine) per proxy, each filter compiled once (with an on-disk
-//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.1` world, instantiated
-//! from a pooling allocator per worker thread, and run in [chains](FilterChain) with a
-//! memory cap, a CPU deadline per call and a failure policy per filter.
+//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.2` world (a component
+//! built for any 0.1.x loads), instantiated from a pooling allocator per worker thread,
+//! and run in [chains](FilterChain) with a memory cap, a CPU deadline per call and a
+//! failure policy per filter.
 //!
 //! ```text
 //! Runtime::load_filter ──▶ LoadedFilter (compiled, checked, configure()d once)

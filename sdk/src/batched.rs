@@ -6,7 +6,7 @@ use std::cell::RefCell;
 
 use crate::bindings::dpumesh::filter::types as wit;
 use crate::input::{Input, Interest, check_header_edit};
-use crate::{HeadAccess, HeaderError, Peer, RequestLine};
+use crate::{Claim, HeadAccess, HeaderError, Peer, RequestLine};
 
 /// The head as a batched call sees it.
 pub(crate) struct BatchedHead<'a> {
@@ -194,5 +194,10 @@ impl HeadAccess for BatchedHead<'_> {
 
     fn times(&self) -> Option<(u64, u64)> {
         Some((self.input.wall_ns, self.input.monotonic_ns))
+    }
+
+    fn claims(&self, names: &[&str]) -> Option<Vec<Option<Claim>>> {
+        crate::guest::send_pending_payload(self.head, &self.metadata);
+        crate::guest::claims_from_proxy(self.head, names)
     }
 }

@@ -6,8 +6,8 @@ use std::thread::LocalKey;
 
 use crate::bindings::dpumesh::filter::types as wit;
 use crate::{
-    FailureKind, Filter, HeadAccess, HeaderError, LocalReply, Method, Peer, Request, RequestLine,
-    ResponseInfo, Scheme, Verdict,
+    Claim, FailureKind, Filter, HeadAccess, HeaderError, LocalReply, Method, Peer, Request,
+    RequestLine, ResponseInfo, Scheme, Verdict,
 };
 
 type Slot<F> = LocalKey<RefCell<Option<F>>>;
@@ -120,6 +120,50 @@ impl HeadAccess for Head<'_> {
             .borrow_mut()
             .push((key.to_owned(), value.to_owned()));
     }
+
+    fn claims(&self, names: &[&str]) -> Option<Vec<Option<Claim>>> {
+        send_pending_payload(self.head, &self.metadata);
+        claims_from_proxy(self.head, names)
+    }
+}
+
+/// If this call set the verified payload itself, sends a copy of the metadata set so
+/// far now, in order, so the proxy parses the payload the filter wrote (reads see the
+/// call's own writes) and the guest never parses JSON for claims. The entries stay
+/// pending and are sent again when the call returns: applying them twice in the same
+/// order leaves the same metadata, and reads keep seeing them where they look first.
+pub(crate) fn send_pending_payload(
+    head: &wit::RequestHead,
+    pending: &RefCell<Vec<(String, String)>>,
+) {
+    let pending = pending.borrow();
+    if pending
+        .iter()
+        .any(|(k, _)| k == dpumesh_claims::PAYLOAD_KEY)
+    {
+        head.set_metadata_batch(&pending);
+    }
+}
+
+/// The claims at `names`, from the payload the proxy keeps parsed.
+pub(crate) fn claims_from_proxy(
+    head: &wit::RequestHead,
+    names: &[&str],
+) -> Option<Vec<Option<Claim>>> {
+    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+    let claims = head.claims(&names)?;
+    Some(
+        claims
+            .into_iter()
+            .map(|c| {
+                c.map(|c| match c {
+                    wit::Claim::Text(s) => Claim::Text(s),
+                    wit::Claim::TextList(items) => Claim::TextList(items),
+                    wit::Claim::Json(json) => Claim::Json(json),
+                })
+            })
+            .collect(),
+    )
 }
 
 fn method(m: wit::Method) -> Method {

@@ -3,7 +3,7 @@
 //! A filter is a type implementing [`Filter`]: it is built once per instance from its
 //! configuration ([`Filter::Config`], parsed from JSON), sees the head of every request
 //! routed through its chain in [`Filter::on_request`], and may watch the outcome in
-//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.1`
+//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.2`
 //! component when built for `wasm32-wasip2`.
 //!
 //! ```
@@ -63,7 +63,7 @@ mod guest;
 pub mod mock;
 
 pub use input::Interest;
-pub use request::{HeadAccess, HeaderError, Method, Peer, Request, RequestLine, Scheme};
+pub use request::{Claim, HeadAccess, HeaderError, Method, Peer, Request, RequestLine, Scheme};
 pub use verdict::{FailureKind, LocalReply, ResponseInfo, Verdict};
 
 /// The bindings generated from `wit/filter.wit` (guest side). Filter authors rarely
@@ -132,7 +132,7 @@ pub fn configure<F: Filter>(config: &str) -> Result<F, String> {
     F::new(parse_config(config)?)
 }
 
-/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.1` world.
+/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.2` world.
 ///
 /// Expands to nothing on native targets, so the same crate builds for unit tests.
 #[macro_export]

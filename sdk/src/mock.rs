@@ -67,6 +67,8 @@ struct Inner {
     logs: RefCell<Vec<(Level, String)>>,
     min_level: Cell<Level>,
     metrics: RefCell<Vec<Metric>>,
+    /// Parsed payloads, as the proxy keeps them for `claims`.
+    claims: RefCell<dpumesh_claims::Cache>,
 }
 
 /// The mock proxy. Cloning gives another handle to the same one.
@@ -102,6 +104,7 @@ impl MockProxy {
                 logs: RefCell::new(Vec::new()),
                 min_level: Cell::new(Level::Debug),
                 metrics: RefCell::new(Vec::new()),
+                claims: RefCell::new(dpumesh_claims::Cache::new()),
             }),
         }
     }
@@ -483,6 +486,19 @@ impl HeadAccess for MockRequest {
 
     fn set_metadata(&self, key: &str, value: &str) {
         self.head.borrow_mut().set_metadata(key, value)
+    }
+
+    /// As the proxy does: the payload parsed once per distinct text, kept by the
+    /// current mock proxy.
+    fn claims(&self, names: &[&str]) -> Option<Vec<Option<crate::Claim>>> {
+        let head = self.head.borrow();
+        let payload = head.metadata(dpumesh_claims::PAYLOAD_KEY)?;
+        let claims = MockProxy::current()
+            .inner
+            .claims
+            .borrow_mut()
+            .get(payload)?;
+        Some(claims.claims(names))
     }
 }
 

@@ -56,6 +56,8 @@ fn main() {
     for watched in [
         "wit",
         "sdk",
+        "claims",
+        "jose",
         "filters",
         "tests/programs",
         "samples/filters",

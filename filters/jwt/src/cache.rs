@@ -23,6 +23,9 @@ pub struct Verified {
     /// Top-level claims as metadata entries: `jwt.claim.<name>` (formatted once, when
     /// the token is verified) and the value (strings raw, others JSON).
     pub claims: Vec<(String, String)>,
+    /// The provider's `claim_to_headers` values, in its order, rendered once when the
+    /// token is verified (`None`: absent or null, so the header is removed).
+    pub claim_headers: Vec<Option<String>>,
 }
 
 #[derive(Debug)]

@@ -72,6 +72,17 @@ fn verify(token: &str, provider: &Provider, now: f64) -> Result<Verified, Failur
             .iter()
             .map(|(k, v)| (format!("jwt.claim.{k}"), metadata_value(v)))
             .collect(),
+        claim_headers: provider
+            .raw
+            .claim_to_headers
+            .iter()
+            .map(|c| {
+                let mut parts = c.claim.split('.');
+                let first = parts.next().and_then(|name| parsed.claims.get(name));
+                let value = first.and_then(|v| parts.try_fold(v, |v, part| v.get(part)));
+                value.filter(|v| !v.is_null()).map(metadata_value)
+            })
+            .collect(),
     })
 }
 
@@ -104,18 +115,19 @@ impl Jwt {
         for (key, value) in &verified.claims {
             req.set_metadata(key, value);
         }
-        if !provider.raw.claim_to_headers.is_empty() {
-            let payload: Value = serde_json::from_str(&verified.payload).unwrap_or(Value::Null);
-            for c in &provider.raw.claim_to_headers {
-                let value = c.claim.split('.').try_fold(&payload, |v, part| v.get(part));
-                match value {
-                    Some(v) if !v.is_null() => {
-                        let _ = req.set_header(&c.header, &metadata_value(v));
-                    }
-                    // A forged header of the same name must not survive.
-                    _ => {
-                        let _ = req.remove_header(&c.header);
-                    }
+        for (c, value) in provider
+            .raw
+            .claim_to_headers
+            .iter()
+            .zip(&verified.claim_headers)
+        {
+            match value {
+                Some(v) => {
+                    let _ = req.set_header(&c.header, v);
+                }
+                // A forged header of the same name must not survive.
+                None => {
+                    let _ = req.remove_header(&c.header);
                 }
             }
         }

@@ -61,18 +61,15 @@ impl Outcomes {
     }
 }
 
-/// A JWT claim from the metadata the JWT filter leaves: top-level claims under
-/// `jwt.claim.<name>`, the whole payload under `jwt.payload` for nested paths.
+/// A JWT claim as text (strings as they are, anything else as JSON): top-level claims
+/// from the metadata the JWT filter leaves (`jwt.claim.<name>`, handed in with the
+/// call), nested paths from the proxy, which keeps the verified payload parsed.
 pub fn claim(req: &Request<'_>, path: &str) -> Option<String> {
     if !path.contains('.') {
         return req.metadata(&format!("jwt.claim.{path}"));
     }
-    let payload: serde_json::Value = serde_json::from_str(&req.metadata("jwt.payload")?).ok()?;
-    let value = path.split('.').try_fold(&payload, |v, part| v.get(part))?;
-    Some(match value {
-        serde_json::Value::String(s) => s.clone(),
-        other => other.to_string(),
-    })
+    let claim = req.claims(&[path])?.pop()??;
+    Some(claim.render().into_owned())
 }
 
 /// The values a descriptor's entries produce, or `None` if one does not match.
@@ -187,15 +184,15 @@ impl RateLimit {
 impl Filter for RateLimit {
     type Config = RawConfig;
 
-    /// The headers and the claims the descriptors name (top-level claims as
-    /// `jwt.claim.<name>`, nested ones through `jwt.payload`).
+    /// The headers and the top-level claims the descriptors name (as
+    /// `jwt.claim.<name>`); nested claims are asked of the proxy when needed.
     fn interest(&self) -> Interest {
         let mut interest = Interest::default();
         for descriptor in &self.config.descriptors {
             for entry in &descriptor.entries {
                 interest = match entry {
                     Entry::Header(name) => interest.header(name),
-                    Entry::Claim(path) if path.contains('.') => interest.metadata("jwt.payload"),
+                    Entry::Claim(path) if path.contains('.') => interest,
                     Entry::Claim(path) => interest.metadata(format!("jwt.claim.{path}")),
                     _ => interest,
                 };

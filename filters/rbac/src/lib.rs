@@ -8,8 +8,10 @@
 //! but never enforced. Counters: `rbac_policy_matches_total{policy}`,
 //! `rbac_decisions_total{result=allowed|denied|shadow_denied}`.
 //!
-//! Principals read verified JWT claims from the metadata the JWT filter leaves
-//! (`jwt.payload`), so RBAC runs after JWT in a chain.
+//! Principals read verified JWT claims, which the JWT filter leaves (`jwt.payload`), so
+//! RBAC runs after JWT in a chain. It asks the proxy for exactly the claims its
+//! policies name, in one call, typed: the proxy keeps the payload parsed, so RBAC
+//! parses no JSON per request.
 
 #![forbid(unsafe_code)]
 
@@ -19,10 +21,12 @@ use std::cell::OnceCell;
 use std::net::IpAddr;
 
 use dpumesh_filter_sdk::metrics::Counter;
-use dpumesh_filter_sdk::{Filter, Interest, LocalReply, Request, Verdict, export_filter, log};
+use dpumesh_filter_sdk::{
+    Claim, Filter, Interest, LocalReply, Request, Verdict, export_filter, log,
+};
 use serde::Deserialize;
 
-use crate::matcher::{Permission, Principal, RawPermission, RawPrincipal, Reads};
+use crate::matcher::{ClaimPaths, Permission, Principal, RawPermission, RawPrincipal, Reads};
 
 /// What the policy evaluation needs of a request; the filter's logic is pure over it.
 pub trait RequestView {
@@ -33,26 +37,30 @@ pub trait RequestView {
     fn header(&self, name: &str) -> Option<String>;
     /// Destination service.
     fn destination(&self) -> Option<String>;
-    /// Verified claims, if a JWT was verified.
-    fn claims(&self) -> Option<&serde_json::Value>;
+    /// The verified claims the engine's policies name ([`Engine::claim_names`], in that
+    /// order), if a JWT was verified.
+    fn claims(&self) -> Option<&[Option<Claim>]>;
     /// Source IP.
     fn source_ip(&self) -> Option<IpAddr>;
     /// Source workload identity.
     fn identity(&self) -> Option<String>;
 }
 
-/// [`RequestView`] over the SDK's request, fetching lazily and parsing claims once.
+/// [`RequestView`] over the SDK's request, fetching lazily: the claims the policies
+/// name in one call, when a principal first needs them.
 pub struct View<'r, 'a> {
     req: &'r Request<'a>,
-    claims: OnceCell<Option<serde_json::Value>>,
+    engine: &'r Engine,
+    claims: OnceCell<Option<Vec<Option<Claim>>>>,
     source: OnceCell<dpumesh_filter_sdk::Peer>,
 }
 
 impl<'r, 'a> View<'r, 'a> {
-    /// A view of `req`.
-    pub fn new(req: &'r Request<'a>) -> Self {
+    /// A view of `req` for `engine`'s policies.
+    pub fn new(req: &'r Request<'a>, engine: &'r Engine) -> Self {
         Self {
             req,
+            engine,
             claims: OnceCell::new(),
             source: OnceCell::new(),
         }
@@ -76,15 +84,10 @@ impl RequestView for View<'_, '_> {
     fn destination(&self) -> Option<String> {
         self.req.destination()
     }
-    fn claims(&self) -> Option<&serde_json::Value> {
+    fn claims(&self) -> Option<&[Option<Claim>]> {
         self.claims
-            .get_or_init(|| {
-                let payload = self.req.metadata("jwt.payload")?;
-                serde_json::from_str::<serde_json::Value>(&payload)
-                    .ok()
-                    .filter(serde_json::Value::is_object)
-            })
-            .as_ref()
+            .get_or_init(|| self.req.claims(&self.engine.claim_names()))
+            .as_deref()
     }
     fn source_ip(&self) -> Option<IpAddr> {
         self.source().address.parse().ok()
@@ -151,6 +154,8 @@ impl Policy {
 pub struct Engine {
     pub action: Action,
     pub policies: Vec<Policy>,
+    /// The claims the principals name; [`RequestView::claims`] lists them in this order.
+    claims: ClaimPaths,
 }
 
 /// The decision and the policy that matched (if any).
@@ -166,6 +171,7 @@ impl Engine {
     /// Compiles and checks a configuration.
     pub fn compile(raw: RawConfig) -> Result<Self, String> {
         let mut names = std::collections::HashSet::new();
+        let mut claims = ClaimPaths::default();
         let policies = raw
             .policies
             .into_iter()
@@ -190,7 +196,7 @@ impl Engine {
                     principals: p
                         .principals
                         .into_iter()
-                        .map(Principal::compile)
+                        .map(|p| Principal::compile(p, &mut claims))
                         .collect::<Result<_, _>>()
                         .map_err(at)?,
                     name: p.name,
@@ -200,7 +206,13 @@ impl Engine {
         Ok(Self {
             action: raw.action,
             policies,
+            claims,
         })
+    }
+
+    /// The claims the policies read, in the order [`RequestView::claims`] lists them.
+    pub fn claim_names(&self) -> Vec<&str> {
+        self.claims.names()
     }
 
     /// Evaluates the policies in order (Envoy semantics).
@@ -228,8 +240,8 @@ pub struct Rbac {
 impl Filter for Rbac {
     type Config = RawConfig;
 
-    /// The headers the policies name, and the verified claims (`jwt.payload`) when a
-    /// principal reads them.
+    /// The headers the policies name. Claims are not declared: they are asked of the
+    /// proxy, which keeps them parsed, when a principal needs them.
     fn interest(&self) -> Interest {
         let mut reads = Reads::default();
         for policy in &self.engine.policies {
@@ -238,14 +250,10 @@ impl Filter for Rbac {
         }
         reads.headers.sort();
         reads.headers.dedup();
-        let mut interest = Interest {
+        Interest {
             headers: reads.headers,
             metadata: Vec::new(),
-        };
-        if reads.claims {
-            interest = interest.metadata("jwt.payload");
         }
-        interest
     }
 
     fn new(raw: RawConfig) -> Result<Self, String> {
@@ -269,7 +277,7 @@ impl Filter for Rbac {
     }
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
-        let decision = self.engine.evaluate(&View::new(req));
+        let decision = self.engine.evaluate(&View::new(req, &self.engine));
         if let Some(i) = decision.policy {
             self.matches[i].increment(1);
         }

@@ -6,6 +6,8 @@ use std::net::IpAddr;
 use regex_lite::Regex;
 use serde::Deserialize;
 
+use dpumesh_filter_sdk::Claim;
+
 use crate::RequestView;
 
 /// How a string is matched.
@@ -309,11 +311,11 @@ pub enum Permission {
 }
 
 /// What a policy reads of a request beyond its line, source and destination (which
-/// come with every call): headers by name, and whether it reads verified claims.
+/// come with every call): headers by name. Claims are asked of the proxy, which keeps
+/// them parsed (see [`ClaimPaths`]).
 #[derive(Debug, Default)]
 pub struct Reads {
     pub headers: Vec<String>,
-    pub claims: bool,
 }
 
 impl Permission {
@@ -366,18 +368,19 @@ impl Permission {
 /// A compiled claim matcher.
 #[derive(Debug, Clone)]
 pub struct ClaimMatch {
-    path: Vec<String>,
+    /// Where its claim is in the list the engine asks for (see [`ClaimPaths`]).
+    index: usize,
     equals: Option<String>,
     one_of: Option<Vec<String>>,
     contains: Option<String>,
 }
 
 impl ClaimMatch {
-    fn matches(&self, claims: &serde_json::Value) -> bool {
-        let Some(value) = self.path.iter().try_fold(claims, |v, part| v.get(part)) else {
+    fn matches(&self, claims: &[Option<Claim>]) -> bool {
+        let Some(Some(claim)) = claims.get(self.index) else {
             return false;
         };
-        let as_str = value.as_str();
+        let as_str = claim.as_text();
         self.equals
             .as_ref()
             .is_none_or(|e| as_str == Some(e.as_str()))
@@ -385,13 +388,46 @@ impl ClaimMatch {
                 .one_of
                 .as_ref()
                 .is_none_or(|set| as_str.is_some_and(|s| set.iter().any(|x| x == s)))
-            && self.contains.as_ref().is_none_or(|needle| match value {
-                serde_json::Value::Array(items) => {
-                    items.iter().any(|i| i.as_str() == Some(needle.as_str()))
-                }
-                serde_json::Value::String(s) => s.split(' ').any(|w| w == needle),
-                _ => false,
-            })
+            && self
+                .contains
+                .as_ref()
+                .is_none_or(|needle| contains(claim, needle))
+    }
+}
+
+/// Whether a claim holds `needle`: an array with it as an item, or a space-separated
+/// string with it as a word (OAuth `scope`).
+fn contains(claim: &Claim, needle: &str) -> bool {
+    match claim {
+        Claim::TextList(items) => items.iter().any(|i| i == needle),
+        Claim::Text(s) => s.split(' ').any(|w| w == needle),
+        // An array with items other than strings (rare): its string items count.
+        Claim::Json(json) => match serde_json::from_str::<serde_json::Value>(json) {
+            Ok(serde_json::Value::Array(items)) => items.iter().any(|i| i.as_str() == Some(needle)),
+            _ => false,
+        },
+    }
+}
+
+/// The claim names a configuration's principals read, each once, in the order first
+/// named: the engine asks the proxy for all of them in one call.
+#[derive(Debug, Clone, Default)]
+pub struct ClaimPaths(Vec<String>);
+
+impl ClaimPaths {
+    fn index(&mut self, name: String) -> usize {
+        match self.0.iter().position(|n| *n == name) {
+            Some(i) => i,
+            None => {
+                self.0.push(name);
+                self.0.len() - 1
+            }
+        }
+    }
+
+    /// The names, in index order.
+    pub fn names(&self) -> Vec<&str> {
+        self.0.iter().map(String::as_str).collect()
     }
 }
 
@@ -419,15 +455,18 @@ impl Principal {
     pub fn reads(&self, reads: &mut Reads) {
         match self {
             Self::Header(h) => reads.headers.push(h.name.to_ascii_lowercase()),
-            Self::Authenticated | Self::Claim(_) => reads.claims = true,
+            Self::Authenticated | Self::Claim(_) => {}
             Self::And(v) | Self::Or(v) => v.iter().for_each(|p| p.reads(reads)),
             Self::Not(p) => p.reads(reads),
             Self::Any | Self::SourceIp(_) | Self::Identity(_) => {}
         }
     }
 
-    /// Compiles a raw principal.
-    pub fn compile(raw: RawPrincipal) -> Result<Self, String> {
+    /// Compiles a raw principal, registering the claims it reads in `paths`.
+    pub fn compile(raw: RawPrincipal, paths: &mut ClaimPaths) -> Result<Self, String> {
+        let mut all = |v: Vec<RawPrincipal>| -> Result<Vec<Self>, String> {
+            v.into_iter().map(|p| Self::compile(p, paths)).collect()
+        };
         Ok(match raw {
             RawPrincipal::Any(true) => Self::Any,
             RawPrincipal::Any(false) => {
@@ -440,7 +479,7 @@ impl Principal {
                     return Err(format!("claim {}: give equals, in or contains", c.name));
                 }
                 Self::Claim(ClaimMatch {
-                    path: c.name.split('.').map(str::to_owned).collect(),
+                    index: paths.index(c.name),
                     equals: c.equals,
                     one_of: c.one_of,
                     contains: c.contains,
@@ -449,13 +488,9 @@ impl Principal {
             RawPrincipal::SourceIp(c) => Self::SourceIp(Cidr::parse(&c)?),
             RawPrincipal::Identity(m) => Self::Identity(StringMatch::compile(m)?),
             RawPrincipal::Header(h) => Self::Header(HeaderMatch::compile(h)?),
-            RawPrincipal::And(v) => {
-                Self::And(v.into_iter().map(Self::compile).collect::<Result<_, _>>()?)
-            }
-            RawPrincipal::Or(v) => {
-                Self::Or(v.into_iter().map(Self::compile).collect::<Result<_, _>>()?)
-            }
-            RawPrincipal::Not(p) => Self::Not(Box::new(Self::compile(*p)?)),
+            RawPrincipal::And(v) => Self::And(all(v)?),
+            RawPrincipal::Or(v) => Self::Or(all(v)?),
+            RawPrincipal::Not(p) => Self::Not(Box::new(Self::compile(*p, paths)?)),
         })
     }
 

@@ -30,6 +30,14 @@ pub(crate) fn wit_method(method: &str) -> types::Method {
     }
 }
 
+fn wit_claim(claim: dpumesh_claims::Claim) -> types::Claim {
+    match claim {
+        dpumesh_claims::Claim::Text(s) => types::Claim::Text(s),
+        dpumesh_claims::Claim::TextList(items) => types::Claim::TextList(items),
+        dpumesh_claims::Claim::Json(json) => types::Claim::Json(json),
+    }
+}
+
 pub(crate) fn wit_scheme(scheme: &str) -> types::Scheme {
     if scheme.eq_ignore_ascii_case("https") {
         types::Scheme::Https
@@ -163,6 +171,26 @@ impl types::HostRequestHead for StoreState {
             head.set_metadata(key, value);
         }
         Ok(())
+    }
+
+    fn claims(
+        &mut self,
+        _: Resource<HeadHandle>,
+        names: Vec<String>,
+    ) -> wasmtime::Result<Option<Vec<Option<types::Claim>>>> {
+        let head = self.head.as_ref().ok_or_else(super::no_head)?;
+        let Some(payload) = head.metadata(dpumesh_claims::PAYLOAD_KEY) else {
+            return Ok(None);
+        };
+        let Some(claims) = self.claims.get(payload) else {
+            return Ok(None);
+        };
+        Ok(Some(
+            names
+                .iter()
+                .map(|name| claims.claim(name).map(wit_claim))
+                .collect(),
+        ))
     }
 
     fn drop(&mut self, _: Resource<HeadHandle>) -> wasmtime::Result<()> {

@@ -76,6 +76,9 @@ pub(crate) struct StoreState {
     pub(crate) stderr: StderrTail,
     /// The CPU budget of the call under way.
     pub(crate) budget: crate::budget::CpuBudget,
+    /// Verified claims parsed for `request-head.claims`, by payload text: a token seen
+    /// again is not parsed again.
+    claims: dpumesh_claims::Cache,
     tag: Arc<FilterTag>,
     services: NodeServices,
     namespace: Namespace,
@@ -108,6 +111,7 @@ impl StoreState {
             limiter: MemoryLimiter::new(memory_cap),
             stderr,
             budget: crate::budget::CpuBudget::new(tick),
+            claims: dpumesh_claims::Cache::new(),
             namespace: services.state.namespace(namespace),
             tag,
             services: services.clone(),

@@ -1,7 +1,9 @@
 //! Integration tests of the runtime, in one binary to keep link time down.
 
 mod chain;
+mod claims;
 mod compat;
+mod compat_builtins;
 mod errors;
 mod faults;
 mod proxy_wasm;

@@ -9,7 +9,7 @@
 #![forbid(unsafe_code)]
 
 use dpumesh_filter_sdk::{
-    Filter, LocalReply, Request, ResponseInfo, Verdict, export_filter, shared,
+    Claim, Filter, Interest, LocalReply, Request, ResponseInfo, Verdict, export_filter, shared,
 };
 use serde::Deserialize;
 
@@ -63,6 +63,9 @@ pub enum Action {
     TrySetHeader(String, String),
     /// Read several headers in one call into `x-joined` (comma-joined, `-` for absent).
     JoinHeaders(Vec<String>),
+    /// Read these verified claims in one call into `x-claims`: `none` without claims,
+    /// else `;`-joined, each `-` (absent), `text:<s>`, `list:<a>|<b>` or `json:<j>`.
+    Claims(Vec<String>),
 }
 
 /// Configuration.
@@ -83,6 +86,10 @@ pub struct Config {
     /// Spin in configure.
     #[serde(default)]
     pub spin_in_configure: bool,
+    /// Headers to declare (WIT 0.1.1 `interest`): with any, the proxy uses the batched
+    /// call for this filter.
+    #[serde(default)]
+    pub interest: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -221,6 +228,23 @@ impl TestFilter {
                         .collect();
                     req.set_header("x-joined", &joined.join(",")).unwrap();
                 }
+                Action::Claims(names) => {
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    let text = match req.claims(&names) {
+                        None => "none".to_owned(),
+                        Some(claims) => claims
+                            .iter()
+                            .map(|c| match c {
+                                None => "-".to_owned(),
+                                Some(Claim::Text(s)) => format!("text:{s}"),
+                                Some(Claim::TextList(items)) => format!("list:{}", items.join("|")),
+                                Some(Claim::Json(json)) => format!("json:{json}"),
+                            })
+                            .collect::<Vec<_>>()
+                            .join(";"),
+                    };
+                    req.set_header("x-claims", &text).unwrap();
+                }
             }
         }
         Verdict::Continue
@@ -229,6 +253,13 @@ impl TestFilter {
 
 impl Filter for TestFilter {
     type Config = Config;
+
+    fn interest(&self) -> Interest {
+        Interest {
+            headers: self.config.interest.clone(),
+            metadata: Vec::new(),
+        }
+    }
 
     fn new(config: Config) -> Result<Self, String> {
         if let Some(message) = &config.reject {
