@@ -350,9 +350,22 @@ fn full_chain(c: &mut Criterion) {
     );
 }
 
+/// Whether a report that is not a criterion benchmark (so criterion's filter does not
+/// reach it) was asked for: no filter given, or one that is part of `name`.
+fn wanted(name: &str) -> bool {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str()))
+}
+
 /// Each filter of the chain alone, Wasm against native, alternating requests: where
 /// the chain's extra time goes (the table in docs/benchmarks.md).
 fn breakdown(_: &mut Criterion) {
+    if !wanted("breakdown") {
+        return;
+    }
     let s = setup();
     let head = head(&s.hs_token);
     let jwt = jwt_config(&["HS256"], "shared", 1000);
@@ -411,6 +424,148 @@ fn breakdown(_: &mut Criterion) {
     );
 }
 
+/// A verified payload as identity providers issue them (OIDC profile claims, groups,
+/// an organization object): what RBAC and rate limit used to parse per request.
+fn oidc_payload() -> String {
+    serde_json::json!({
+        "iss": "https://issuer.example", "aud": "api", "sub": "alice",
+        "iat": now(), "exp": now() + 3600, "nbf": now(), "jti": "3f9a1c0e-77d2-4b1e-9c43-0a1d2b3c4d5e",
+        "name": "Alice Example", "email": "alice@example.com", "email_verified": true,
+        "roles": ["reader", "writer", "auditor"],
+        "groups": ["eng", "platform", "oncall", "security-champions"],
+        "scope": "openid profile email items.read items.write",
+        "org": {"id": 4242, "name": "acme", "tier": "gold"}
+    })
+    .to_string()
+}
+
+/// Typed claims (WIT 0.1.2) against the same filters built for 0.1.1, which parse
+/// `jwt.payload` themselves: each pair alternating on the same heads, p50s.
+fn claims_ab(_: &mut Criterion) {
+    if !wanted("claims_ab") {
+        return;
+    }
+    let s = setup();
+    let fixture = |name: &str| {
+        std::fs::read(format!(
+            "{}/../tests/fixtures/components/{name}-wit-0.1.1.wasm",
+            env!("CARGO_MANIFEST_DIR")
+        ))
+        .unwrap()
+    };
+    let runner = |name: &str, bytes: &[u8], config: &str| {
+        let filter =
+            s.rt.load_filter(
+                FilterSettings::new(name, config).deadline(Duration::from_secs(1)),
+                bytes,
+            )
+            .unwrap();
+        ChainRunner::new(Arc::new(FilterChain::new(name, vec![filter])))
+    };
+    let mut small = head(&s.hs_token);
+    let mut large = small.clone();
+    large.set_metadata("jwt.payload", &oidc_payload());
+    large.set_metadata("jwt.claim.sub", "alice");
+    small.set_metadata("jwt.claim.sub", "alice");
+    const NESTED: &str = r#"{"descriptors": [{"name": "per-org", "entries": [{"claim": "org.id"}], "bucket": {"max_tokens": 1000000000, "fill_interval_ms": 1000}}]}"#;
+    println!("typed claims vs 0.1.1 (parse in the guest), p50 over 20000 alternating requests:");
+    println!("  case                      0.1.1     0.1.2     new/old");
+    let cases: [(&str, &str, &str, &RequestHead); 4] = [
+        ("rbac, 2-claim payload", "rbac", RBAC, &small),
+        ("rbac, OIDC payload", "rbac", RBAC, &large),
+        ("ratelimit org.id, OIDC", "ratelimit", NESTED, &large),
+        ("ratelimit sub (no parse)", "ratelimit", RATELIMIT, &large),
+    ];
+    for (label, filter, config, head) in cases {
+        let current = match filter {
+            "rbac" => artifacts::FILTER_RBAC,
+            _ => artifacts::FILTER_RATELIMIT,
+        };
+        let mut old = runner(filter, &fixture(filter), config);
+        let mut new = runner(filter, &artifacts::read(current), config);
+        let (o, n) = interleaved(20_000, head, |h| old.on_request(h), |h| new.on_request(h));
+        let (o, n) = (pct(&o, 0.5), pct(&n, 0.5));
+        println!(
+            "  {label:<24} {:>7.2}µs {:>7.2}µs {:>7.2}x",
+            o.as_secs_f64() * 1e6,
+            n.as_secs_f64() * 1e6,
+            n.as_secs_f64() / o.as_secs_f64()
+        );
+    }
+    // The whole chain, with jwt, rbac and ratelimit as built for 0.1.1 or now, a token
+    // with the OIDC payload.
+    let oidc: serde_json::Value = serde_json::from_str(&oidc_payload()).unwrap();
+    let token = jsonwebtoken::encode(
+        &Header::new(Algorithm::HS256),
+        &oidc,
+        &EncodingKey::from_secret(SECRET),
+    )
+    .unwrap();
+    let mut chain_head = RequestHead::new("GET", "/api/v1/items");
+    chain_head.authority = "api.example.com".to_owned();
+    chain_head.destination = Some("items".to_owned());
+    chain_head.set_headers(head(&token).headers().clone());
+    let jwt = jwt_config(&["HS256"], "shared", 1000);
+    let chain = |old: bool| {
+        let pick = |name: &str, current: &str| {
+            if old {
+                fixture(name)
+            } else {
+                artifacts::read(current)
+            }
+        };
+        let load = |name: &str, bytes: Vec<u8>, config: &str| {
+            s.rt.load_filter(
+                FilterSettings::new(name, config).deadline(Duration::from_secs(1)),
+                &bytes,
+            )
+            .unwrap()
+        };
+        ChainRunner::new(Arc::new(FilterChain::new(
+            "full",
+            vec![
+                load("trace", artifacts::read(artifacts::FILTER_TRACE), TRACE),
+                load("jwt", pick("jwt", artifacts::FILTER_JWT), &jwt),
+                load("rbac", pick("rbac", artifacts::FILTER_RBAC), RBAC),
+                load(
+                    "ratelimit",
+                    pick("ratelimit", artifacts::FILTER_RATELIMIT),
+                    NESTED,
+                ),
+                load(
+                    "breaker",
+                    artifacts::read(artifacts::FILTER_CIRCUIT_BREAKER),
+                    BREAKER,
+                ),
+            ],
+        )))
+    };
+    let (mut old, mut new) = (chain(true), chain(false));
+    let (o, n) = interleaved(
+        20_000,
+        &chain_head,
+        |h| {
+            let out = old.on_request(h);
+            assert!(out.decision.reply().is_none(), "{:?}", out.decision);
+            out
+        },
+        |h| {
+            let out = new.on_request(h);
+            assert!(out.decision.reply().is_none(), "{:?}", out.decision);
+            out
+        },
+    );
+    for (label, p) in [("p50", 0.5), ("p99", 0.99)] {
+        let (o, n) = (pct(&o, p), pct(&n, p));
+        println!(
+            "  full chain (OIDC, org.id) {label} {:>7.2}µs {:>7.2}µs {:>7.2}x",
+            o.as_secs_f64() * 1e6,
+            n.as_secs_f64() * 1e6,
+            n.as_secs_f64() / o.as_secs_f64()
+        );
+    }
+}
+
 /// `n` timed calls of `a` and of `b` on a copy of `head` (copied outside the timed
 /// part), alternating; each set sorted.
 fn interleaved<A, B>(
@@ -444,7 +599,7 @@ fn pct(samples: &[Duration], p: f64) -> Duration {
 
 #[allow(missing_docs, reason = "criterion-generated")]
 mod group {
-    use super::{breakdown, filters, full_chain};
-    criterion::criterion_group!(benches, filters, full_chain, breakdown);
+    use super::{breakdown, claims_ab, filters, full_chain};
+    criterion::criterion_group!(benches, filters, full_chain, breakdown, claims_ab);
 }
 criterion_main!(group::benches);

@@ -23,7 +23,7 @@ use dpumesh_filter_sdk::{Filter, Interest, Request, Verdict, export_filter};
 use serde::Deserialize;
 
 use crate::ids::IdSource;
-use crate::traceparent::{TraceParent, hex, parse_trace_id};
+use crate::traceparent::{TraceParent, hex, parse_trace_id, push_hex};
 
 /// Configuration; every field has a default.
 #[derive(Debug, Clone, Deserialize)]
@@ -71,15 +71,17 @@ pub fn uuid_v4(ids: &mut IdSource) -> String {
     let mut b: [u8; 16] = ids.bytes();
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
-    let h = hex(&b);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
+    let mut id = String::with_capacity(36);
+    for (i, group) in [&b[..4], &b[4..6], &b[6..8], &b[8..10], &b[10..]]
+        .into_iter()
+        .enumerate()
+    {
+        if i > 0 {
+            id.push('-');
+        }
+        push_hex(&mut id, group);
+    }
+    id
 }
 
 fn sane_request_id(id: &str, max: usize) -> bool {
