@@ -214,6 +214,15 @@ impl RequestHead {
         }
     }
 
+    /// [`RequestHead::set_metadata`] with strings the caller owns (what a filter's call
+    /// hands over), moved in rather than copied.
+    pub fn set_metadata_owned(&mut self, key: String, value: String) {
+        match self.metadata.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => *v = value,
+            None => self.metadata.push((key, value)),
+        }
+    }
+
     /// All metadata, in the order keys were first set.
     pub fn metadata_entries(&self) -> &[(String, String)] {
         &self.metadata
@@ -354,5 +363,15 @@ mod tests {
         assert_eq!(head.metadata("jwt.sub"), Some("bob"));
         assert_eq!(head.metadata("nope"), None);
         assert_eq!(head.metadata_entries().len(), 2);
+        head.set_metadata_owned("other".to_owned(), "2".to_owned());
+        head.set_metadata_owned("third".to_owned(), "3".to_owned());
+        assert_eq!(head.metadata("other"), Some("2"));
+        assert_eq!(
+            head.metadata_entries()
+                .iter()
+                .map(|(k, _)| k.as_str())
+                .collect::<Vec<_>>(),
+            ["jwt.sub", "other", "third"]
+        );
     }
 }

@@ -276,7 +276,13 @@ fn full_chain(c: &mut Criterion) {
             load("breaker", artifacts::FILTER_CIRCUIT_BREAKER, BREAKER),
         ],
     ));
+    let fused = Arc::new(
+        FilterChain::new("full", chain.filters().to_vec())
+            .fuse()
+            .unwrap(),
+    );
     let mut runner = ChainRunner::new(chain);
+    let mut fused_runner = ChainRunner::new(fused);
     let mut template = head(&s.hs_token);
     // In the chain, JWT sets these itself.
     template = {
@@ -324,6 +330,13 @@ fn full_chain(c: &mut Criterion) {
             outcome
         })
     });
+    group.bench_function("wasm_fused", |b| {
+        b.iter(|| {
+            let outcome = fused_runner.on_request(template.clone());
+            assert!(outcome.decision.reply().is_none(), "{:?}", outcome.decision);
+            outcome
+        })
+    });
     group.finish();
 
     // Percentiles (head clones outside the timed part), Wasm and native requests
@@ -347,6 +360,47 @@ fn full_chain(c: &mut Criterion) {
         "full_chain wasm/native: p50 {:.2}x  p99 {:.2}x",
         pct(&wasm_samples, 0.5).as_secs_f64() / pct(&native_samples, 0.5).as_secs_f64(),
         pct(&wasm_samples, 0.99).as_secs_f64() / pct(&native_samples, 0.99).as_secs_f64()
+    );
+    // The same five components fused into one (one entry per request).
+    let (fused_samples, native_samples) = interleaved(
+        20_000,
+        &template,
+        |head| {
+            let outcome = fused_runner.on_request(head);
+            assert!(outcome.decision.reply().is_none(), "{:?}", outcome.decision);
+            outcome
+        },
+        &mut native,
+    );
+    println!(
+        "full_chain fused: p50 {:?}  p99 {:?}  p99.9 {:?}; native p50 {:?}  p99 {:?}; fused/native: p50 {:.2}x  p99 {:.2}x",
+        pct(&fused_samples, 0.5),
+        pct(&fused_samples, 0.99),
+        pct(&fused_samples, 0.999),
+        pct(&native_samples, 0.5),
+        pct(&native_samples, 0.99),
+        pct(&fused_samples, 0.5).as_secs_f64() / pct(&native_samples, 0.5).as_secs_f64(),
+        pct(&fused_samples, 0.99).as_secs_f64() / pct(&native_samples, 0.99).as_secs_f64()
+    );
+
+    // The floor of five separate components: five filters that do nothing (entry,
+    // exit, the request line lowered), alternating with the real chain. What fusing
+    // the chain into one instance could save at most is about four of these entries.
+    let noop = |i: usize| load(&format!("noop-{i}"), artifacts::TEST_FILTER, "{}");
+    let mut empty = ChainRunner::new(Arc::new(FilterChain::new(
+        "empty",
+        (0..5).map(noop).collect(),
+    )));
+    let (empty_samples, chain_samples) = interleaved(
+        20_000,
+        &template,
+        |head| empty.on_request(head),
+        |head| runner.on_request(head),
+    );
+    let (e, w) = (pct(&empty_samples, 0.5), pct(&chain_samples, 0.5));
+    println!(
+        "full_chain five empty filters: p50 {e:?} against the chain's {w:?} ({:.0} %)",
+        100.0 * e.as_secs_f64() / w.as_secs_f64()
     );
 }
 

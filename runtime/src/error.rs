@@ -86,6 +86,14 @@ pub enum LoadError {
         /// What is wrong.
         detail: String,
     },
+    /// A chain's filters could not be composed into one component (see
+    /// `FilterChain::fuse`); the chain can still run unfused.
+    #[error("chain {chain}: cannot fuse its filters: {detail}")]
+    Fuse {
+        chain: String,
+        /// Why.
+        detail: String,
+    },
     /// Reading the component or the compile cache failed.
     #[error("filter {filter}: {path}: {source}")]
     Io {

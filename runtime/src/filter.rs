@@ -147,6 +147,9 @@ pub(crate) enum FilterKind {
     Component {
         pre: InstancePre<StoreState>,
         exports: Exports,
+        /// The component's bytes, kept to compose the chains it is in
+        /// ([`crate::FilterChain::fuse`]).
+        bytes: Arc<[u8]>,
     },
     ProxyWasm(Arc<crate::proxywasm::plugin::Plugin>),
 }
@@ -281,7 +284,7 @@ impl Runtime {
             .cache
             .get_or_compile(&self.inner.engine, &hash, bytes)
             .map_err(|e| compile_error(&name, e))?;
-        self.prepare(settings, component, hash)
+        self.prepare(settings, component, bytes, hash)
     }
 
     /// Compiles a component ahead of time for this runtime's engine (a `.cwasm`), after
@@ -320,6 +323,7 @@ impl Runtime {
         &self,
         settings: FilterSettings,
         component: Component,
+        bytes: &[u8],
         hash: String,
     ) -> Result<Arc<LoadedFilter>, LoadError> {
         let name = settings.name.clone();
@@ -349,7 +353,12 @@ impl Runtime {
                     filter: name.clone(),
                     detail: format!("{e:#}"),
                 })?;
-        self.publish(settings, FilterKind::Component { pre, exports }, hash)
+        let kind = FilterKind::Component {
+            pre,
+            exports,
+            bytes: Arc::from(bytes),
+        };
+        self.publish(settings, kind, hash)
     }
 
     /// The loaded filter of `kind`, validated by configuring one instance.

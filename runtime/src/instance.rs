@@ -41,7 +41,7 @@ pub(crate) struct CallInput {
 }
 
 impl CallInput {
-    fn line(&self, head: &RequestHead) -> Arc<RequestLine> {
+    pub(crate) fn line(&self, head: &RequestHead) -> Arc<RequestLine> {
         self.line
             .get_or_init(|| {
                 Arc::new(RequestLine {
@@ -132,7 +132,7 @@ impl CallData for StoreState {
 /// or the epoch stops advancing under it and its deadline never comes (an endless loop
 /// under a 200 ms deadline ran for two minutes, advanced only by the parked ticker's
 /// once-a-second sweep).
-const MAX_TICKS_BETWEEN_CHECKS: u64 = crate::epoch::PARK_AFTER as u64 / 2;
+pub(crate) const MAX_TICKS_BETWEEN_CHECKS: u64 = crate::epoch::PARK_AFTER as u64 / 2;
 
 /// A store with the memory cap and the CPU-time deadline wired in, armed for a call
 /// of `deadline` (the epoch ticker is woken by the caller).
@@ -162,7 +162,7 @@ pub(crate) fn new_store<T: CallData>(
 }
 
 /// Readies `store` for a call of at most `deadline` of CPU time.
-fn arm_store<T: CallData>(store: &mut Store<T>, deadline: Duration) {
+pub(crate) fn arm_store<T: CallData>(store: &mut Store<T>, deadline: Duration) {
     let data = store.data_mut();
     data.limiter().hit = false;
     let first = data.budget().arm(deadline);
@@ -202,7 +202,7 @@ impl FilterInstance {
         let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
         runtime.epoch.call_begins();
         let (pre, exports) = match &filter.kind {
-            FilterKind::Component { pre, exports } => (pre, exports),
+            FilterKind::Component { pre, exports, .. } => (pre, exports),
             FilterKind::ProxyWasm(plugin) => {
                 let started = Instant::now();
                 let state = crate::proxywasm::new_state(filter, plugin, wake);
@@ -562,8 +562,8 @@ fn apply(state: &mut StoreState, outcome: Outcome) -> Result<Verdict, FaultKind>
         .head
         .as_mut()
         .ok_or_else(|| FaultKind::Trap("the head was not lent (a host bug)".into()))?;
-    for (key, value) in &outcome.metadata {
-        head.set_metadata(key, value);
+    for (key, value) in outcome.metadata {
+        head.set_metadata_owned(key, value);
     }
     for edit in outcome.headers {
         let (name, result) = match &edit {

@@ -25,6 +25,7 @@ mod chain;
 mod epoch;
 mod error;
 mod filter;
+mod fusion;
 mod health;
 mod imports;
 pub mod input;

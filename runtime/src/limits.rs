@@ -6,28 +6,65 @@ use wasmtime::ResourceLimiter;
 /// interpreters compiled to Wasm.
 const MAX_TABLE_ELEMENTS: usize = 1 << 20;
 
-/// Enforces a filter's memory cap across all of its linear memories.
+/// Enforces each filter's memory cap across its linear memories. A store of one
+/// filter has one budget; a fused chain's store has one per filter, and the budget
+/// charged is that of the filter running (the driver says which when it enters one).
 #[derive(Debug)]
 pub(crate) struct MemoryLimiter {
-    cap: usize,
-    /// Bytes of linear memory per memory index seen so far, summed on demand.
-    committed: usize,
+    budgets: Vec<Budget>,
+    /// The filter whose budget growth is charged to; `None` while a fused chain is
+    /// instantiated (no filter runs: each memory must fit the largest cap).
+    current: Option<usize>,
     /// Set when a growth was refused; cleared before every call so a fault can be
     /// classified as "memory cap" even if the guest turns the refusal into a trap.
     pub(crate) hit: bool,
 }
 
+#[derive(Debug)]
+struct Budget {
+    cap: usize,
+    /// Bytes of linear memory committed so far (see `memory_growing`).
+    committed: usize,
+}
+
 impl MemoryLimiter {
     pub(crate) fn new(cap: usize) -> Self {
         Self {
-            cap,
-            committed: 0,
+            budgets: vec![Budget { cap, committed: 0 }],
+            current: Some(0),
             hit: false,
         }
     }
 
+    /// One budget per cap, none charged until [`Self::switch_to`].
+    pub(crate) fn per_filter(caps: impl IntoIterator<Item = usize>) -> Self {
+        Self {
+            budgets: caps
+                .into_iter()
+                .map(|cap| Budget { cap, committed: 0 })
+                .collect(),
+            current: None,
+            hit: false,
+        }
+    }
+
+    /// Charges growth to filter `index` from now on.
+    pub(crate) fn switch_to(&mut self, index: usize) {
+        if index < self.budgets.len() {
+            self.current = Some(index);
+        }
+    }
+
+    /// The cap that applies now.
     pub(crate) fn cap(&self) -> usize {
-        self.cap
+        match self.current.and_then(|i| self.budgets.get(i)) {
+            Some(budget) => budget.cap,
+            None => self.largest_cap(),
+        }
+    }
+
+    fn largest_cap(&self) -> usize {
+        self.budgets.iter().map(|b| b.cap).max().unwrap_or(0)
     }
 }
 
@@ -38,15 +75,27 @@ impl ResourceLimiter for MemoryLimiter {
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        let next = self.committed - current.min(self.committed) + desired;
-        if next > self.cap {
+        let largest = self.largest_cap();
+        let Some(budget) = self.current.and_then(|i| self.budgets.get_mut(i)) else {
+            // Instantiating a fused chain: which filter a memory belongs to is not
+            // known here; none may start above the largest cap, and each filter's own
+            // cap applies from its first growth on (its budget starts at zero, so that
+            // growth is charged the memory's whole size).
+            if desired > largest {
+                self.hit = true;
+                return Ok(false);
+            }
+            return Ok(true);
+        };
+        let next = budget.committed - current.min(budget.committed) + desired;
+        if next > budget.cap {
             self.hit = true;
             // Refuse (memory.grow returns -1) rather than trap: a guest that handles
             // allocation failure may still answer; one that does not traps, and `hit`
             // tells the runtime why.
             return Ok(false);
         }
-        self.committed = next;
+        budget.committed = next;
         Ok(true)
     }
 
@@ -57,5 +106,27 @@ impl ResourceLimiter for MemoryLimiter {
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
         Ok(desired <= MAX_TABLE_ELEMENTS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_filter_of_a_fused_store_is_held_to_its_own_cap() {
+        let mut limiter = MemoryLimiter::per_filter([1 << 20, 4 << 20]);
+        // Instantiation: any memory up to the largest cap.
+        assert!(limiter.memory_growing(0, 2 << 20, None).unwrap());
+        assert!(!limiter.memory_growing(0, 8 << 20, None).unwrap());
+        limiter.hit = false;
+        limiter.switch_to(0);
+        assert!(limiter.memory_growing(64 << 10, 1 << 20, None).unwrap());
+        assert!(!limiter.memory_growing(1 << 20, 2 << 20, None).unwrap());
+        assert!(limiter.hit);
+        assert_eq!(limiter.cap(), 1 << 20);
+        limiter.switch_to(1);
+        assert!(limiter.memory_growing(2 << 20, 3 << 20, None).unwrap());
+        assert_eq!(limiter.cap(), 4 << 20);
     }
 }

@@ -149,6 +149,15 @@ impl Runtime {
             |state| state,
         )
         .map_err(|e| RuntimeError(format!("linking the filter world: {e:#}")))?;
+        // What a fused chain's driver calls before each filter (a filter importing it
+        // is refused at load: it is not part of the filter world).
+        linker
+            .root()
+            .func_wrap(
+                crate::fusion::driver::ENTER,
+                crate::fusion::instance::enter_filter,
+            )
+            .map_err(|e| RuntimeError(format!("linking the chain driver: {e:#}")))?;
         let pw_linker = crate::proxywasm::linker(&engine)
             .map_err(|e| RuntimeError(format!("linking the proxy-wasm ABI: {e:#}")))?;
         let services = NodeServices {
@@ -207,14 +216,15 @@ fn pool_config(config: &RuntimeConfig) -> PoolingAllocationConfig {
     let instances = config.max_instances.max(1);
     let mut pool = PoolingAllocationConfig::default();
     // Interpreted guests (Python, JavaScript) are components of many core modules with
-    // several memories and large tables; size per-component limits for them.
+    // several memories and large tables; a fused chain holds all its filters' (up to
+    // 32, plus its driver): size per-component limits for them.
     pool.total_component_instances(instances)
         .total_core_instances(instances.saturating_mul(16))
         .total_memories(instances.saturating_mul(4))
         .total_tables(instances.saturating_mul(8))
-        .max_core_instances_per_component(64)
-        .max_memories_per_component(8)
-        .max_tables_per_component(16)
+        .max_core_instances_per_component(256)
+        .max_memories_per_component(64)
+        .max_tables_per_component(128)
         .max_memory_size(config.max_memory_bytes)
         .table_elements(100_000)
         .max_component_instance_size(4 << 20)

@@ -157,7 +157,7 @@ impl types::HostRequestHead for StoreState {
         key: String,
         value: String,
     ) -> wasmtime::Result<()> {
-        self.head_mut()?.set_metadata(&key, &value);
+        self.head_mut()?.set_metadata_owned(key, value);
         Ok(())
     }
 
@@ -167,8 +167,8 @@ impl types::HostRequestHead for StoreState {
         entries: Vec<(String, String)>,
     ) -> wasmtime::Result<()> {
         let head = self.head_mut()?;
-        for (key, value) in &entries {
-            head.set_metadata(key, value);
+        for (key, value) in entries {
+            head.set_metadata_owned(key, value);
         }
         Ok(())
     }

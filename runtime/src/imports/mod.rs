@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use dpumesh_clock::SharedClock;
 use dpumesh_head::RequestHead;
@@ -68,7 +69,45 @@ enum MetricHandle {
     Histogram(::metrics::Histogram),
 }
 
-/// The data of one filter instance's `Store`.
+/// Whom a store's guest code acts for: one filter's identity, shared-state namespace
+/// and metrics, and the limits its calls run under. A store of one filter has one
+/// member; a fused chain's store has one per filter and switches as the chain's driver
+/// enters each (see [`crate::fusion`]).
+pub(crate) struct Member {
+    tag: Arc<FilterTag>,
+    namespace: Namespace,
+    metrics: Vec<MetricHandle>,
+    metric_ids: HashMap<MetricKey, u32>,
+    memory_cap: usize,
+    /// CPU deadline of the filter's calls (armed as the driver enters it).
+    deadline: Duration,
+    /// Whether its failure policy retries on the head as it was before its call: the
+    /// head is then copied as the driver enters it (as an unfused chain copies it).
+    reload: bool,
+}
+
+impl Member {
+    pub(crate) fn new(
+        tag: Arc<FilterTag>,
+        namespace: &str,
+        services: &NodeServices,
+        memory_cap: usize,
+        deadline: Duration,
+        reload: bool,
+    ) -> Self {
+        Self {
+            tag,
+            namespace: services.state.namespace(namespace),
+            metrics: Vec::new(),
+            metric_ids: HashMap::new(),
+            memory_cap,
+            deadline,
+            reload,
+        }
+    }
+}
+
+/// The data of one instance's `Store` (a filter's, or a fused chain's).
 pub(crate) struct StoreState {
     /// The head lent to the instance during a call.
     pub(crate) head: Option<RequestHead>,
@@ -79,11 +118,15 @@ pub(crate) struct StoreState {
     /// Verified claims parsed for `request-head.claims`, by payload text: a token seen
     /// again is not parsed again.
     claims: dpumesh_claims::Cache,
-    tag: Arc<FilterTag>,
+    /// Never empty; `current` always indexes it.
+    members: Vec<Member>,
+    current: usize,
+    /// Filters a fused call entered, with the time each began.
+    marks: Vec<(u32, Instant)>,
+    /// The head as it was before the filter entered last, when that filter's policy
+    /// retries (fused chains only).
+    pub(crate) reload_head: Option<RequestHead>,
     services: NodeServices,
-    namespace: Namespace,
-    metrics: Vec<MetricHandle>,
-    metric_ids: HashMap<MetricKey, u32>,
     wasi: WasiCtx,
     table: ResourceTable,
 }
@@ -94,8 +137,26 @@ impl StoreState {
         namespace: &str,
         services: &NodeServices,
         memory_cap: usize,
-        tick: std::time::Duration,
+        tick: Duration,
     ) -> Self {
+        let member = Member::new(tag, namespace, services, memory_cap, Duration::ZERO, false);
+        let limiter = MemoryLimiter::new(memory_cap);
+        Self::with_members(vec![member], limiter, services, tick)
+    }
+
+    /// The store of a fused chain: one member per filter, in chain order.
+    pub(crate) fn fused(members: Vec<Member>, services: &NodeServices, tick: Duration) -> Self {
+        let limiter = MemoryLimiter::per_filter(members.iter().map(|m| m.memory_cap));
+        Self::with_members(members, limiter, services, tick)
+    }
+
+    fn with_members(
+        members: Vec<Member>,
+        limiter: MemoryLimiter,
+        services: &NodeServices,
+        tick: Duration,
+    ) -> Self {
+        assert!(!members.is_empty(), "a store acts for at least one filter");
         let stderr = StderrTail::default();
         let mut wasi = WasiCtx::builder();
         // No filesystem, no network, no environment: a filter sees only the head.
@@ -108,18 +169,72 @@ impl StoreState {
             .allow_ip_name_lookup(false);
         Self {
             head: None,
-            limiter: MemoryLimiter::new(memory_cap),
+            limiter,
             stderr,
             budget: crate::budget::CpuBudget::new(tick),
             claims: dpumesh_claims::Cache::new(),
-            namespace: services.state.namespace(namespace),
-            tag,
+            members,
+            current: 0,
+            marks: Vec::new(),
+            reload_head: None,
             services: services.clone(),
-            metrics: Vec::new(),
-            metric_ids: HashMap::new(),
             wasi: wasi.build(),
             table: ResourceTable::new(),
         }
+    }
+
+    /// The filter the guest code running now belongs to.
+    fn member(&self) -> &Member {
+        &self.members[self.current]
+    }
+
+    fn member_mut(&mut self) -> &mut Member {
+        &mut self.members[self.current]
+    }
+
+    /// The index of the filter the store acts for now.
+    pub(crate) fn current(&self) -> usize {
+        self.current
+    }
+
+    /// Acts for filter `index` from now on (its identity and memory cap).
+    pub(crate) fn switch_to(&mut self, index: usize) {
+        if index < self.members.len() {
+            self.current = index;
+            self.limiter.switch_to(index);
+        }
+    }
+
+    /// A fused call is about to start: forget the last one's marks.
+    pub(crate) fn begin_run(&mut self) {
+        self.marks.clear();
+        self.reload_head = None;
+    }
+
+    /// The fused chain's driver enters filter `index`: act for it, mark the time, keep
+    /// the head if its policy retries, and arm its CPU deadline; returns the epoch
+    /// ticks to the first look at it.
+    pub(crate) fn enter(&mut self, index: usize) -> wasmtime::Result<u64> {
+        if index >= self.members.len() {
+            return Err(wasmtime::format_err!(
+                "the chain driver entered filter {index} of {} (a host bug)",
+                self.members.len()
+            ));
+        }
+        self.switch_to(index);
+        self.marks.push((index as u32, Instant::now()));
+        let member = &self.members[index];
+        if member.reload {
+            self.reload_head = self.head.clone();
+        }
+        self.limiter.hit = false;
+        let ticks = self.budget.arm(member.deadline);
+        Ok(ticks.min(crate::instance::MAX_TICKS_BETWEEN_CHECKS))
+    }
+
+    /// The filters entered by the last fused call, with the time each began.
+    pub(crate) fn marks(&self) -> &[(u32, Instant)] {
+        &self.marks
     }
 
     /// The head lent to the current call. A guest can only reach it through a handle
@@ -148,11 +263,12 @@ impl StoreState {
         {
             return Err(metrics::MetricError::InvalidLabel);
         }
+        let member = self.member_mut();
         let key = (kind, name, labels);
-        if let Some(id) = self.metric_ids.get(&key) {
+        if let Some(id) = member.metric_ids.get(&key) {
             return Ok(*id);
         }
-        if self.metrics.len() >= MAX_METRICS {
+        if member.metrics.len() >= MAX_METRICS {
             return Err(metrics::MetricError::TooMany);
         }
         let (kind, name, labels) = key.clone();
@@ -160,15 +276,15 @@ impl StoreState {
             .into_iter()
             .map(|(k, v)| ::metrics::Label::new(k, v))
             .collect();
-        all.push(::metrics::Label::new("filter", self.tag.name.to_string()));
+        all.push(::metrics::Label::new("filter", member.tag.name.to_string()));
         let handle = match kind {
             MetricKind::Counter => MetricHandle::Counter(::metrics::counter!(name, all)),
             MetricKind::Gauge => MetricHandle::Gauge(::metrics::gauge!(name, all)),
             MetricKind::Histogram => MetricHandle::Histogram(::metrics::histogram!(name, all)),
         };
-        let id = self.metrics.len() as u32;
-        self.metrics.push(handle);
-        self.metric_ids.insert(key, id);
+        let id = member.metrics.len() as u32;
+        member.metrics.push(handle);
+        member.metric_ids.insert(key, id);
         Ok(id)
     }
 }

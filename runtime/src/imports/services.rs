@@ -24,7 +24,7 @@ impl log::Host for StoreState {
     }
 
     fn log(&mut self, level: log::Level, message: String) -> wasmtime::Result<()> {
-        let filter = &*self.tag.name;
+        let filter = &*self.member().tag.name;
         match level {
             log::Level::Trace => tracing::trace!(target: "dpumesh::filter", filter, "{message}"),
             log::Level::Debug => tracing::debug!(target: "dpumesh::filter", filter, "{message}"),
@@ -76,7 +76,7 @@ impl metrics::Host for StoreState {
     }
 
     fn increment(&mut self, id: u32, delta: u64) -> wasmtime::Result<()> {
-        if let Some(MetricHandle::Counter(c)) = self.metrics.get(id as usize) {
+        if let Some(MetricHandle::Counter(c)) = self.member().metrics.get(id as usize) {
             c.increment(delta);
         }
         Ok(())
@@ -90,21 +90,21 @@ impl metrics::Host for StoreState {
     }
 
     fn gauge_set(&mut self, id: u32, value: f64) -> wasmtime::Result<()> {
-        if let Some(MetricHandle::Gauge(g)) = self.metrics.get(id as usize) {
+        if let Some(MetricHandle::Gauge(g)) = self.member().metrics.get(id as usize) {
             g.set(value);
         }
         Ok(())
     }
 
     fn gauge_add(&mut self, id: u32, delta: f64) -> wasmtime::Result<()> {
-        if let Some(MetricHandle::Gauge(g)) = self.metrics.get(id as usize) {
+        if let Some(MetricHandle::Gauge(g)) = self.member().metrics.get(id as usize) {
             g.increment(delta);
         }
         Ok(())
     }
 
     fn observe(&mut self, id: u32, value: f64) -> wasmtime::Result<()> {
-        if let Some(MetricHandle::Histogram(h)) = self.metrics.get(id as usize) {
+        if let Some(MetricHandle::Histogram(h)) = self.member().metrics.get(id as usize) {
             h.record(value);
         }
         Ok(())
@@ -129,6 +129,7 @@ impl shared_state::Host for StoreState {
         ttl_ms: u64,
     ) -> wasmtime::Result<Result<i64, shared_state::StateError>> {
         Ok(self
+            .member()
             .namespace
             .increment(&key, delta, ttl_ms)
             .map_err(state_error))
@@ -138,7 +139,7 @@ impl shared_state::Host for StoreState {
         &mut self,
         key: String,
     ) -> wasmtime::Result<Result<Option<i64>, shared_state::StateError>> {
-        Ok(self.namespace.get(&key).map_err(state_error))
+        Ok(self.member().namespace.get(&key).map_err(state_error))
     }
 
     fn compare_and_swap(
@@ -149,13 +150,14 @@ impl shared_state::Host for StoreState {
         ttl_ms: u64,
     ) -> wasmtime::Result<Result<Result<(), Option<i64>>, shared_state::StateError>> {
         Ok(self
+            .member()
             .namespace
             .compare_and_swap(&key, expected, desired, ttl_ms)
             .map_err(state_error))
     }
 
     fn delete(&mut self, key: String) -> wasmtime::Result<Result<bool, shared_state::StateError>> {
-        Ok(self.namespace.delete(&key).map_err(state_error))
+        Ok(self.member().namespace.delete(&key).map_err(state_error))
     }
 
     fn token_bucket_take(
@@ -172,6 +174,7 @@ impl shared_state::Host for StoreState {
             refill_interval_ms,
         };
         Ok(self
+            .member()
             .namespace
             .token_bucket_take(&key, spec, cost)
             .map(|r| shared_state::BucketResult {

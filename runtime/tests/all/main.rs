@@ -6,6 +6,7 @@ mod compat;
 mod compat_builtins;
 mod errors;
 mod faults;
+mod fused;
 mod proxy_wasm;
 mod proxy_wasm_calls;
 mod proxy_wasm_queues;

@@ -16,6 +16,8 @@ use crate::health::HealthState;
 use crate::instance::{CallInput, FilterInstance};
 use crate::proxywasm::queues::WakeSlot;
 
+mod fused;
+
 /// An ordered list of loaded filters: the definition of a chain, shared by every
 /// worker.
 #[derive(Debug, Clone)]
@@ -23,6 +25,8 @@ pub struct FilterChain {
     name: String,
     filters: Vec<Arc<LoadedFilter>>,
     edits_responses: bool,
+    /// The filters composed into one component, when the chain is fused.
+    fused: Option<Arc<crate::fusion::FusedChain>>,
 }
 
 impl FilterChain {
@@ -33,7 +37,31 @@ impl FilterChain {
             name: name.into(),
             filters,
             edits_responses,
+            fused: None,
         }
+    }
+
+    /// The same chain with its filters composed into one component, so a request
+    /// enters Wasm once per phase rather than once per filter (see docs/filters.md,
+    /// "Fused chains"). Composing and compiling take a while (the filters' code is
+    /// compiled again as part of the whole; the compile cache keeps the result), so
+    /// do it where a chain is loaded, not per request. Fails with the reason when the
+    /// chain cannot be fused ([`Self::unfusable`]) or the composition fails; the
+    /// chain still runs unfused then.
+    pub fn fuse(mut self) -> Result<Self, crate::error::LoadError> {
+        self.fused = Some(Arc::new(crate::fusion::fuse(&self.name, &self.filters)?));
+        Ok(self)
+    }
+
+    /// Why [`Self::fuse`] would refuse this chain (a proxy-wasm plugin in it, no
+    /// filters, more than 32, filters of different runtimes); `None` if it would not.
+    pub fn unfusable(&self) -> Option<String> {
+        crate::fusion::unfusable(&self.filters)
+    }
+
+    /// Whether the chain's filters run as one composed component.
+    pub fn is_fused(&self) -> bool {
+        self.fused.is_some()
     }
 
     /// Whether a filter of the chain may edit response headers (a proxy-wasm plugin):
@@ -200,6 +228,9 @@ pub struct ChainRunner {
     last_park: u32,
     /// How its instances' shared-queue notifications wake the owning thread.
     wake: Arc<WakeSlot>,
+    /// The fused instance, when the chain is fused. The slots' own instances are
+    /// then made only to finish requests after a fault of the fused one.
+    fused: Option<fused::Fused>,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -259,11 +290,20 @@ impl ChainRunner {
     /// shared queue they registered gets an item (the owner then runs
     /// [`Self::tick`]).
     pub fn with_wake(chain: Arc<FilterChain>, wake: Arc<WakeSlot>) -> Self {
+        let fused = chain.fused.as_ref().map(|fused| fused::Fused {
+            chain: fused.clone(),
+            instance: fused::make(fused, &chain.filters),
+        });
+        let separate = fused.as_ref().is_none_or(|f| f.instance.is_none());
         let slots = chain
             .filters
             .iter()
             .map(|filter| Slot {
-                instance: instantiate(filter, &wake),
+                instance: if separate {
+                    instantiate(filter, &wake)
+                } else {
+                    None
+                },
                 replaced: 0,
                 invocations: metrics::counter!(
                     "dpumesh_filter_invocations_total",
@@ -299,6 +339,7 @@ impl ChainRunner {
             parked: std::collections::HashMap::new(),
             last_park: 0,
             wake,
+            fused,
         }
     }
 
@@ -313,14 +354,22 @@ impl ChainRunner {
         &self.chain
     }
 
-    /// Live instances (one per filter when healthy).
+    /// Live instances (one per filter when healthy; a fused instance counts as one
+    /// per filter it runs).
     pub fn instances(&self) -> usize {
+        if self.fused_live() {
+            return self.slots.len();
+        }
         self.slots.iter().filter(|s| s.instance.is_some()).count()
     }
 
     /// Re-creates instances discarded after faults. Workers call this between requests
     /// so the next request does not pay for it.
     pub fn repair(&mut self) {
+        self.repair_fused();
+        if self.fused_live() {
+            return;
+        }
         for slot in &mut self.slots {
             if slot.instance.is_none() {
                 slot.instance = instantiate(&slot.filter, &self.wake);
@@ -396,6 +445,14 @@ impl ChainRunner {
     /// Runs the request phase.
     pub fn on_request(&mut self, head: RequestHead) -> ChainOutcome {
         self.wake_epochs();
+        let head = if self.fused.is_some() {
+            match self.request_fused(head) {
+                fused::Ran::Done(outcome) => return outcome,
+                fused::Ran::Unfused(head) => head,
+            }
+        } else {
+            head
+        };
         self.run(head, 0, Vec::new())
     }
 
@@ -660,18 +717,50 @@ impl ChainRunner {
     /// may edit (`headers.edited` says whether one did).
     pub fn on_response_editing(
         &mut self,
-        mut head: RequestHead,
+        head: RequestHead,
         info: &ResponseInfo,
         ran: usize,
-        mut headers: Option<&mut ResponseHeaders>,
+        headers: Option<&mut ResponseHeaders>,
     ) -> (RequestHead, Vec<FilterFault>) {
-        let mut faults = Vec::new();
         if ran > 0 {
             self.wake_epochs();
         }
-        for index in (0..ran.min(self.slots.len())).rev() {
+        let ran = ran.min(self.slots.len());
+        // A fused chain has no proxy-wasm plugin, so no response headers to edit.
+        let head = if self.fused.is_some() && ran > 0 {
+            match self.response_fused(head, info, ran) {
+                fused::Ran::Done(done) => return done,
+                fused::Ran::Unfused(head) => head,
+            }
+        } else {
+            head
+        };
+        self.respond_unfused(head, info, ran, headers)
+    }
+
+    /// The response phase of filters `0..upto`, last first, each on its own instance.
+    fn respond_unfused(
+        &mut self,
+        mut head: RequestHead,
+        info: &ResponseInfo,
+        upto: usize,
+        mut headers: Option<&mut ResponseHeaders>,
+    ) -> (RequestHead, Vec<FilterFault>) {
+        let mut faults = Vec::new();
+        for index in (0..upto.min(self.slots.len())).rev() {
             if self.slots[index].filter.health.is_degraded() {
                 continue;
+            }
+            if self.slots[index].instance.is_none() && self.fused.is_some() {
+                // A fused chain's separate instances are made on demand.
+                match FilterInstance::new(&self.slots[index].filter, &self.wake) {
+                    Ok(instance) => self.slots[index].instance = Some(instance),
+                    Err(e) => {
+                        let kind = FaultKind::Unavailable(e.to_string());
+                        faults.push(self.fault(index, Phase::Response, kind));
+                        continue;
+                    }
+                }
             }
             let Some(instance) = self.slots[index].instance.as_mut() else {
                 continue;
@@ -756,6 +845,9 @@ impl ChainRunner {
     pub fn discard(&mut self) {
         for slot in &mut self.slots {
             slot.instance = None;
+        }
+        if let Some(fused) = self.fused.as_mut() {
+            fused.instance = None;
         }
     }
 }
