@@ -23,6 +23,8 @@ echo "==> the Python host library (pip install ./host-lib/python)"
 ./scripts/install-python.sh
 echo "==> cargo test"
 cargo test --workspace --locked
+echo "==> the runtime's chain and fault tests again, every test chain fused into one component"
+DPUMESH_TEST_FUSED=1 cargo test --locked -p dpumesh-runtime --test all -- chain:: faults:: claims::
 echo "==> cargo test (verbs backend: with no RDMA device it says so)"
 cargo test --locked -p dpumesh-dpa --features verbs --lib fabric::verbs
 echo "==> the DPU side for Arm64 (aarch64 cross-build, tests under qemu)"

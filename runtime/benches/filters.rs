@@ -383,14 +383,27 @@ fn full_chain(c: &mut Criterion) {
         pct(&fused_samples, 0.99).as_secs_f64() / pct(&native_samples, 0.99).as_secs_f64()
     );
 
-    // The floor of five separate components: five filters that do nothing (entry,
-    // exit, the request line lowered), alternating with the real chain. What fusing
-    // the chain into one instance could save at most is about four of these entries.
+    // The floor of five components: five filters that do nothing (entry, exit, the
+    // request line lowered), separate and fused, alternating with the real chain.
     let noop = |i: usize| load(&format!("noop-{i}"), artifacts::TEST_FILTER, "{}");
-    let mut empty = ChainRunner::new(Arc::new(FilterChain::new(
-        "empty",
-        (0..5).map(noop).collect(),
-    )));
+    let empty_chain = FilterChain::new("empty", (0..5).map(noop).collect());
+    let mut empty_fused = ChainRunner::new(Arc::new(
+        FilterChain::new("empty", empty_chain.filters().to_vec())
+            .fuse()
+            .unwrap(),
+    ));
+    let mut empty = ChainRunner::new(Arc::new(empty_chain));
+    let mut group = c.benchmark_group("full_chain");
+    group
+        .measurement_time(Duration::from_secs(2))
+        .warm_up_time(Duration::from_millis(500));
+    group.bench_function("empty_separate", |b| {
+        b.iter(|| empty.on_request(template.clone()))
+    });
+    group.bench_function("empty_fused", |b| {
+        b.iter(|| empty_fused.on_request(template.clone()))
+    });
+    group.finish();
     let (empty_samples, chain_samples) = interleaved(
         20_000,
         &template,
@@ -401,6 +414,19 @@ fn full_chain(c: &mut Criterion) {
     println!(
         "full_chain five empty filters: p50 {e:?} against the chain's {w:?} ({:.0} %)",
         100.0 * e.as_secs_f64() / w.as_secs_f64()
+    );
+    let (separate, fused) = interleaved(
+        20_000,
+        &template,
+        |head| empty.on_request(head),
+        |head| empty_fused.on_request(head),
+    );
+    let (e, f) = (pct(&separate, 0.5), pct(&fused, 0.5));
+    println!(
+        "full_chain five empty filters, separate vs fused: p50 {e:?} vs {f:?} ({:.2}x; per filter {:?} vs {:?})",
+        f.as_secs_f64() / e.as_secs_f64(),
+        e / 5,
+        f / 5
     );
 }
 

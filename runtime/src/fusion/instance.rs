@@ -171,9 +171,7 @@ impl FusedInstance {
         skip: u32,
     ) -> (RequestHead, Result<Decided, FusedFault>) {
         let line = call.line(&head);
-        let state = self.store.data_mut();
-        state.head = Some(head);
-        state.begin_run();
+        self.begin(head);
         let result = self
             .run_request
             .call(&mut self.store, (line, Resource::new_borrow(0), skip))
@@ -194,9 +192,7 @@ impl FusedInstance {
         ran: usize,
         skip: u32,
     ) -> (RequestHead, Result<(), FusedFault>) {
-        let state = self.store.data_mut();
-        state.head = Some(head);
-        state.begin_run();
+        self.begin(head);
         let result = self
             .run_response
             .call(
@@ -215,6 +211,15 @@ impl FusedInstance {
     /// The head as it was before the filter that faulted, if its policy retries.
     pub(crate) fn take_reload_head(&mut self) -> Option<RequestHead> {
         self.store.data_mut().reload_head.take()
+    }
+
+    /// Lends `head` and readies the store for a call (the driver arms each filter's
+    /// own deadline as it enters it).
+    fn begin(&mut self, head: RequestHead) {
+        arm_store(&mut self.store, self.filters[0].settings.deadline);
+        let state = self.store.data_mut();
+        state.head = Some(head);
+        state.begin_run();
     }
 
     fn take_head(&mut self) -> RequestHead {

@@ -38,9 +38,22 @@ pub fn load(rt: &Runtime, settings: FilterSettings) -> Arc<LoadedFilter> {
         .expect("test filter loads")
 }
 
+/// A chain of test filters; fused when `DPUMESH_TEST_FUSED=1`, which is how
+/// `scripts/test.sh` runs the chain and fault tests a second time to hold fused
+/// chains to the same behaviour.
 pub fn chain(rt: &Runtime, filters: Vec<FilterSettings>) -> Arc<FilterChain> {
     let loaded = filters.into_iter().map(|s| load(rt, s)).collect();
-    Arc::new(FilterChain::new("test-chain", loaded))
+    let chain = FilterChain::new("test-chain", loaded);
+    if fused() {
+        Arc::new(chain.fuse().expect("the test chain fuses"))
+    } else {
+        Arc::new(chain)
+    }
+}
+
+/// Whether this run holds fused chains to the tests (`DPUMESH_TEST_FUSED=1`).
+pub fn fused() -> bool {
+    std::env::var("DPUMESH_TEST_FUSED").is_ok_and(|v| v == "1")
 }
 
 pub fn get(target: &str) -> RequestHead {
