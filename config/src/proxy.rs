@@ -241,6 +241,12 @@ pub struct ProxyConfig {
     /// Chains by name: filter names in order.
     #[serde(default)]
     pub chains: BTreeMap<String, Vec<String>>,
+    /// Whether chains of components run fused: composed into one component at load,
+    /// so a request enters Wasm once per phase instead of once per filter (each
+    /// filter keeps its identity, limits and failure policy; docs/proxy-config.md).
+    /// Off trades that speed for loads that skip compiling each chain as a whole.
+    #[serde(default = "fuse_by_default")]
+    pub fuse_chains: bool,
     /// Services by name.
     #[serde(default)]
     pub services: BTreeMap<String, ServiceConfig>,
@@ -250,6 +256,10 @@ pub struct ProxyConfig {
     /// Upstreams outside the mesh that filters' HTTP calls may name.
     #[serde(default)]
     pub upstreams: BTreeMap<String, UpstreamConfig>,
+}
+
+fn fuse_by_default() -> bool {
+    true
 }
 
 /// A parsed and checked config, with the file it came from.

@@ -257,7 +257,7 @@ fn filters(policy: &Policy) -> serde_json::Value {
                     })
                 })
                 .collect();
-            serde_json::json!({"chain": chain.name(), "filters": filters})
+            serde_json::json!({"chain": chain.name(), "fused": chain.is_fused(), "filters": filters})
         })
         .collect();
     serde_json::json!({

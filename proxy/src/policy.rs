@@ -168,6 +168,23 @@ impl std::fmt::Debug for Policy {
     }
 }
 
+/// `chain` fused when it can be (a chain with a proxy-wasm plugin cannot, and says
+/// so in the log); as it is when composing it fails, which is logged as a warning:
+/// its filters each loaded, so the chain runs, only without fusion's saving.
+fn fused(chain: FilterChain) -> FilterChain {
+    if let Some(reason) = chain.unfusable() {
+        tracing::info!(chain = chain.name(), "chain runs unfused: {reason}");
+        return chain;
+    }
+    match chain.fuse() {
+        Ok(fused) => fused,
+        Err(e) => {
+            tracing::warn!(chain = chain.name(), error = %e, "chain runs unfused");
+            chain
+        }
+    }
+}
+
 /// Instances the pooling allocator must hold: every worker's instance of every chained
 /// filter, for the current generation, up to three retired ones and one being built,
 /// plus load-time validation instances.
@@ -520,7 +537,8 @@ fn build(runtime: &Runtime, config: &LoadedConfig, number: u64) -> Result<Built,
                 .iter()
                 .filter_map(|f| loaded.iter().find(|(n, _)| *n == f).map(|(_, l)| l.clone()))
                 .collect();
-            Arc::new(FilterChain::new(name.clone(), filters))
+            let chain = FilterChain::new(name.clone(), filters);
+            Arc::new(if c.fuse_chains { fused(chain) } else { chain })
         })
         .collect();
     let generation = Generation::new(number, chains);

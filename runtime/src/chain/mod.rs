@@ -41,16 +41,19 @@ impl FilterChain {
         }
     }
 
-    /// The same chain with its filters composed into one component, so a request
+    /// This chain with its filters composed into one component, so a request
     /// enters Wasm once per phase rather than once per filter (see docs/filters.md,
     /// "Fused chains"). Composing and compiling take a while (the filters' code is
     /// compiled again as part of the whole; the compile cache keeps the result), so
     /// do it where a chain is loaded, not per request. Fails with the reason when the
     /// chain cannot be fused ([`Self::unfusable`]) or the composition fails; the
     /// chain still runs unfused then.
-    pub fn fuse(mut self) -> Result<Self, crate::error::LoadError> {
-        self.fused = Some(Arc::new(crate::fusion::fuse(&self.name, &self.filters)?));
-        Ok(self)
+    pub fn fuse(&self) -> Result<Self, crate::error::LoadError> {
+        let fused = crate::fusion::fuse(&self.name, &self.filters)?;
+        Ok(Self {
+            fused: Some(Arc::new(fused)),
+            ..self.clone()
+        })
     }
 
     /// Why [`Self::fuse`] would refuse this chain (a proxy-wasm plugin in it, no
