@@ -7,7 +7,9 @@
 //! - shared-memory ring round trip, busy-poll mode and event mode (payload copied
 //!   into a pool slot, descriptor through an SPSC ring, copied back by the peer);
 //! - Unix socket and TCP loopback round trips (length-prefixed echo);
-//! - fabric RPC (software fabric) against the plain TCP request/response above;
+//! - fabric RPC over the TCP software fabric (peers on other hosts) and over the
+//!   shared-memory fabric (peers on one host, what `dpumesh up` uses) against the
+//!   plain TCP request/response above;
 //! - DMA engine copy throughput against `memcpy`.
 
 use std::io::{Read, Write};
@@ -20,6 +22,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use dpumesh_dpa::dma::{CopyJob, DmaEngine, SoftwareDma};
+use dpumesh_dpa::fabric::Fabric;
+use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::fabric::soft::SoftFabric;
 use dpumesh_dpa::rpc::{RpcClient, RpcConfig, RpcServer};
 use dpumesh_dpa::{
@@ -153,23 +157,26 @@ pub fn peer(role: &str, args: &[String]) -> Result<()> {
             s.set_nodelay(true)?;
             echo_stream(s)
         }
-        "rpc" => {
-            let config = rpc_config();
-            let server = RpcServer::start(
-                SoftFabric::new(),
-                "127.0.0.1:0".parse()?,
-                config,
-                Arc::new(|req: &[u8]| Ok(req.to_vec())),
-            )?;
-            // Tell the parent where, then serve until it closes our stdin.
-            println!("{}", server.local_addr());
-            std::io::stdout().flush()?;
-            let mut sink = Vec::new();
-            let _ = std::io::stdin().read_to_end(&mut sink);
-            Ok(())
-        }
+        "rpc" => serve_rpc(SoftFabric::new()),
+        "rpc-shm" => serve_rpc(ShmFabric::new()),
         other => bail!("unknown peer role {other}"),
     }
+}
+
+/// Serves echo RPCs on `fabric` until the parent closes this process's stdin.
+fn serve_rpc<F: Fabric + Send + Sync + 'static>(fabric: F) -> Result<()> {
+    let server = RpcServer::start(
+        fabric,
+        "127.0.0.1:0".parse()?,
+        rpc_config(),
+        Arc::new(|req: &[u8]| Ok(req.to_vec())),
+    )?;
+    // Tell the parent where, then serve until it closes our stdin.
+    println!("{}", server.local_addr());
+    std::io::stdout().flush()?;
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    Ok(())
 }
 
 /// Echoes length-prefixed frames, each answered with one write (a plain, fair
@@ -391,8 +398,14 @@ fn tcp(quick: bool) -> Result<Vec<Row>> {
     )
 }
 
-fn rpc(quick: bool) -> Result<Vec<Row>> {
-    let mut peer = spawn("rpc", &[], true)?;
+/// Echo RPCs on `fabric` against a peer serving them on the same kind (`role`).
+fn rpc<F: Fabric + Send + Sync + 'static>(
+    fabric: F,
+    role: &str,
+    name: &str,
+    quick: bool,
+) -> Result<Vec<Row>> {
+    let mut peer = spawn(role, &[], true)?;
     let mut line = String::new();
     {
         let stdout = peer.0.stdout.as_mut().context("peer stdout")?;
@@ -405,7 +418,7 @@ fn rpc(quick: bool) -> Result<Vec<Row>> {
         .trim()
         .parse()
         .with_context(|| format!("the RPC peer said {line:?}"))?;
-    let client = Arc::new(RpcClient::connect(&SoftFabric::new(), addr, rpc_config())?);
+    let client = Arc::new(RpcClient::connect(&fabric, addr, rpc_config())?);
     let mut rows = Vec::new();
     for size in SIZES {
         let data = Arc::new(payload(size));
@@ -438,7 +451,7 @@ fn rpc(quick: bool) -> Result<Vec<Row>> {
             t.join().map_err(|_| anyhow::anyhow!("caller panicked"))??;
         }
         rows.push(row(
-            "fabric RPC (software fabric)",
+            name,
             size,
             samples,
             mb_s(size * (n / 4) * 4, started.elapsed()),
@@ -531,8 +544,20 @@ pub fn run(quick: bool, json: bool, only: Option<&str>) -> Result<()> {
         rows.extend(tcp(quick)?);
     }
     if wanted("rpc") {
-        eprintln!("fabric RPC ...");
-        rows.extend(rpc(quick)?);
+        eprintln!("fabric RPC, TCP software fabric ...");
+        rows.extend(rpc(
+            SoftFabric::new(),
+            "rpc",
+            "fabric RPC (TCP software fabric)",
+            quick,
+        )?);
+        eprintln!("fabric RPC, shared-memory fabric ...");
+        rows.extend(rpc(
+            ShmFabric::new(),
+            "rpc-shm",
+            "fabric RPC (shared-memory fabric)",
+            quick,
+        )?);
     }
     let copy = if wanted("copy") {
         eprintln!("DMA copy vs memcpy ...");
@@ -570,18 +595,21 @@ pub fn run(quick: bool, json: bool, only: Option<&str>) -> Result<()> {
         println!("| fabric RPC / plain TCP | size | p50 ratio | throughput ratio |");
         println!("| --- | --- | --- | --- |");
     }
-    for size in SIZES {
-        let find = |prefix: &str| {
-            rows.iter()
-                .find(|r| r.path.starts_with(prefix) && r.size == size)
-        };
-        if let (Some(rpc), Some(tcp)) = (find("fabric RPC"), find("TCP loopback")) {
-            println!(
-                "| | {} | {:.2}× | {:.2}× |",
-                size_name(size),
-                rpc.p50_us / tcp.p50_us,
-                rpc.mb_s / tcp.mb_s
-            );
+    for fabric in ["fabric RPC (TCP", "fabric RPC (shared-memory"] {
+        for size in SIZES {
+            let find = |prefix: &str| {
+                rows.iter()
+                    .find(|r| r.path.starts_with(prefix) && r.size == size)
+            };
+            if let (Some(rpc), Some(tcp)) = (find(fabric), find("TCP loopback")) {
+                println!(
+                    "| {} | {} | {:.2}× | {:.2}× |",
+                    rpc.path,
+                    size_name(size),
+                    rpc.p50_us / tcp.p50_us,
+                    rpc.mb_s / tcp.mb_s
+                );
+            }
         }
     }
     if !copy.is_empty() {

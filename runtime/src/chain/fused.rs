@@ -72,6 +72,20 @@ impl ChainRunner {
     /// The request phase through the fused instance; the head back when there is
     /// none (the caller runs the chain unfused).
     pub(super) fn request_fused(&mut self, head: RequestHead) -> Ran<ChainOutcome> {
+        // The entry marks are copied into a vector the runner keeps (no allocation
+        // per request), since the store is busy while they are recorded.
+        let mut entered = std::mem::take(&mut self.entered);
+        let ran = self.request_fused_marking(head, &mut entered);
+        entered.clear();
+        self.entered = entered;
+        ran
+    }
+
+    fn request_fused_marking(
+        &mut self,
+        head: RequestHead,
+        entered: &mut Vec<(u32, Instant)>,
+    ) -> Ran<ChainOutcome> {
         let n = self.slots.len();
         // Degraded filters are not called: fail-open ones are skipped, and the first
         // fail-closed one ends the fused call (its policy answers after the filters
@@ -100,15 +114,15 @@ impl ChainRunner {
         };
         let (head, result) = instance.on_request(&call, head, skip);
         let end = Instant::now();
-        let entered: Vec<(u32, Instant)> = instance.marks().to_vec();
+        entered.extend_from_slice(instance.marks());
         let reload_head = match &result {
             Err(_) => instance.take_reload_head(),
             Ok(_) => None,
         };
-        self.record_entries(&entered, end);
+        self.record_entries(entered, end);
         let (index, step, head) = match result {
             Ok(Decided { index, verdict }) => {
-                for (k, _) in &entered {
+                for (k, _) in entered.iter() {
                     self.slots[*k as usize].filter.health.record_success();
                 }
                 match verdict {

@@ -234,6 +234,8 @@ pub struct ChainRunner {
     /// The fused instance, when the chain is fused. The slots' own instances are
     /// then made only to finish requests after a fault of the fused one.
     fused: Option<fused::Fused>,
+    /// Filters the last fused call entered, with their times (kept for its capacity).
+    entered: Vec<(u32, Instant)>,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -343,6 +345,7 @@ impl ChainRunner {
             last_park: 0,
             wake,
             fused,
+            entered: Vec::new(),
         }
     }
 

@@ -102,12 +102,13 @@ fn each_filter_of_a_fused_chain_keeps_its_own_shared_state_namespace() {
 fn each_filter_of_a_fused_chain_runs_under_its_own_deadline() {
     let rt = runtime();
     // First a filter with a 50 ms deadline that spins only when asked, then one that
-    // always works ~0.3 s under its own 10 s: the first one's deadline must not cut
-    // the second one short, and the first one's spin must be cut at its own.
+    // always works ~0.3 s (natively; far longer under qemu) under its own 60 s: the
+    // first one's deadline must not cut the second one short, and the first one's
+    // spin must be cut at its own.
     let hasty = settings("hasty", json!({"request": [{"spin_if_header": "x-spin"}]}))
         .deadline(Duration::from_millis(50));
     let patient = settings("patient", json!({"request": [{"work": 300_000_000u64}]}))
-        .deadline(Duration::from_secs(10));
+        .deadline(Duration::from_secs(60));
     let mut runner = fused(&rt, vec![hasty, patient]);
     let outcome = runner.on_request(get("/"));
     assert_eq!(outcome.decision, Decision::Continue, "{:?}", outcome.faults);
@@ -190,12 +191,17 @@ fn components_built_for_earlier_wit_versions_fuse_with_current_ones() {
     ))
     .unwrap();
     let rbac = r#"{"action": "ALLOW", "policies": [{"name": "all", "permissions": [{"any": true}], "principals": [{"any": true}]}]}"#;
+    // Generous deadlines: this is not about them (and qemu runs this test too).
+    let slack = Duration::from_secs(2);
     let rbac = rt
-        .load_filter(FilterSettings::new("rbac-0.1.1", rbac), &old)
+        .load_filter(
+            FilterSettings::new("rbac-0.1.1", rbac).deadline(slack),
+            &old,
+        )
         .unwrap();
     let guard = rt
         .load_filter(
-            FilterSettings::new("guard", r#"{"rules": []}"#),
+            FilterSettings::new("guard", r#"{"rules": []}"#).deadline(slack),
             &artifacts::read(artifacts::SAMPLE_GUARD),
         )
         .unwrap();
