@@ -6,11 +6,19 @@
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain]
+mesh_file() { # transport [plain|unfused]
+    local policy="$PWD/samples/hotel/policy.yaml"
+    if [ "${2:-}" = unfused ]; then
+        # The sample's policy with its chains run as separate instances (components by
+        # absolute path, the copy lives in the run's folder).
+        policy="$work/policy-unfused.yaml"
+        sed -e "s#component: \.\./\.\./#component: $PWD/#" samples/hotel/policy.yaml > "$policy"
+        echo "fuse_chains: false" >> "$policy"
+    fi
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
         -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
-        -e "s#^policy: policy.yaml#policy: $PWD/samples/hotel/policy.yaml\ntransport: $1#" \
+        -e "s#^policy: policy.yaml#policy: $policy\ntransport: $1#" \
         samples/hotel/mesh.yaml > "$work/mesh-$1.yaml"
     grep -q "^transport: $1" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
     if [ "${2:-}" = plain ]; then echo "identity: {mtls: off}" >> "$work/mesh-$1.yaml"; fi
