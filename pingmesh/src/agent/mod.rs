@@ -114,7 +114,7 @@ pub struct Stats {
 /// What the two threads share.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    stop: AtomicBool,
+    stop: Stop,
     /// New targets for the prober (targets, interval ns, timeout ns).
     targets: Mutex<Option<(Vec<ProbeTarget>, u64, u64)>>,
     results: Mutex<Vec<proto::ProbeResult>>,
@@ -147,6 +147,38 @@ impl Shared {
 
 /// Drops the oldest entries of `v` beyond `max` (a backlog kept while the analyzer
 /// is away stays bounded and keeps the newest).
+/// The agent's stop, which its threads sleep on: a long sleep ends as soon as the
+/// agent stops.
+#[derive(Debug, Default)]
+pub(crate) struct Stop {
+    flag: AtomicBool,
+    lock: Mutex<()>,
+    woken: parking_lot::Condvar,
+}
+
+impl Stop {
+    pub(crate) fn is_set(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    fn set(&self) {
+        let _held = self.lock.lock();
+        self.flag.store(true, Ordering::SeqCst);
+        self.woken.notify_all();
+    }
+
+    /// Sleeps until `deadline` or the stop; whether the agent stopped.
+    pub(crate) fn sleep_until(&self, deadline: Instant) -> bool {
+        let mut held = self.lock.lock();
+        while !self.is_set() {
+            if self.woken.wait_until(&mut held, deadline).timed_out() {
+                break;
+            }
+        }
+        self.is_set()
+    }
+}
+
 fn keep_newest<T>(v: &mut Vec<T>, max: usize) {
     if v.len() > max {
         let extra = v.len() - max;
@@ -199,7 +231,7 @@ impl Agent {
             .map_err(|e| AgentError::Setup(format!("random session: {e}")))?;
         let prober = Prober::new(local.gid, qp.qp_num(), u64::from_le_bytes(session));
         let shared = Arc::new(Shared {
-            stop: AtomicBool::new(false),
+            stop: Stop::default(),
             targets: Mutex::new(None),
             results: Mutex::new(Vec::new()),
             trace_targets: Mutex::new(Vec::new()),
@@ -253,7 +285,7 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.set();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -298,7 +330,7 @@ impl Control {
     }
 
     fn stopped(&self) -> bool {
-        self.shared.stop.load(Ordering::Relaxed)
+        self.shared.stop.is_set()
     }
 
     async fn serve(self) {
@@ -335,7 +367,6 @@ impl Control {
         let mut uploaded_at = Instant::now();
         let mut current: Option<Vec<ProbeTarget>> = None;
         let mut pending: Vec<proto::ProbeResult> = Vec::new();
-        let tick = Duration::from_millis(50);
         while !self.stopped() {
             let due =
                 |at: Option<Instant>, every: Duration| at.is_none_or(|t| t.elapsed() >= every);
@@ -423,7 +454,18 @@ impl Control {
                     }
                 }
             }
-            tokio::time::sleep(tick).await;
+            // Until the next thing to do (a registration, a pinglist refresh, an
+            // upload), at most 250 ms so a stop is seen soon: a few wake-ups a second
+            // on an idle node instead of twenty.
+            let now = Instant::now();
+            let mut next = next_register.min(uploaded_at + self.config.upload_every);
+            if self.config.probe && registered {
+                next = next.min(refreshed_at.map_or(now, |t| t + self.config.refresh_every));
+            }
+            let nap = next
+                .saturating_duration_since(now)
+                .clamp(Duration::from_millis(1), Duration::from_millis(250));
+            tokio::time::sleep(nap).await;
         }
     }
 

@@ -226,6 +226,19 @@ impl Prober {
         }
     }
 
+    /// When the prober next has something to do on its own — a probe due, a probe in
+    /// flight timing out — in the completions' clock; `None` with nothing scheduled.
+    /// The probing thread sleeps until then when nothing arrives.
+    pub fn next_deadline(&self) -> Option<u64> {
+        let due = self.due.iter().copied().min();
+        let expiry = self
+            .pending
+            .values()
+            .map(|p| p.t1.saturating_add(self.timeout_ns))
+            .min();
+        due.into_iter().chain(expiry).min()
+    }
+
     /// Results finished since the last call.
     pub fn take_results(&mut self) -> Vec<proto::ProbeResult> {
         std::mem::take(&mut self.done)

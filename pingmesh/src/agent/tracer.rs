@@ -18,7 +18,6 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use dpumesh_dpa::fabric::ud::Gid;
@@ -127,11 +126,8 @@ pub(super) fn run(shared: Arc<Shared>, local: Gid, every: Duration) {
     let mut next = Instant::now() + Duration::from_millis(500);
     let mut reports = Vec::new();
     let mut reach: BTreeMap<Gid, u8> = BTreeMap::new();
-    while !shared.stop.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(50));
-        if Instant::now() < next {
-            continue;
-        }
+    // Asleep until the next round (a stop wakes it).
+    while !shared.stop.sleep_until(next) {
         next = Instant::now() + every;
         let targets: Vec<Gid> = shared
             .trace_targets
