@@ -239,6 +239,12 @@ impl Prober {
         due.into_iter().chain(expiry).min()
     }
 
+    /// Whether the schedule sends at least one probe per `period` on average: the
+    /// probing thread then wakes once per period rather than per datagram.
+    pub fn dense(&self, period_ns: u64) -> bool {
+        (self.targets.len() as u64).saturating_mul(period_ns) >= self.interval_ns
+    }
+
     /// Results finished since the last call.
     pub fn take_results(&mut self) -> Vec<proto::ProbeResult> {
         std::mem::take(&mut self.done)
