@@ -104,8 +104,9 @@ enum Part {
 }
 
 /// Runs the measured agent in a child process for 20 s against `server`; its CPU
-/// share and the probes completed per second (as the analyzer counted them).
-fn measure(server: &Server, part: Part, two_acks: bool) -> (f64, f64) {
+/// share, the probes completed per second (as the analyzer counted them), and this
+/// process's CPU share meanwhile (the server and the agents on the other side).
+fn measure(server: &Server, part: Part, two_acks: bool) -> (f64, f64, f64) {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .env(ROLE, server.grpc_url())
         .env(TWO_ACKS, if two_acks { "1" } else { "0" })
@@ -122,22 +123,28 @@ fn measure(server: &Server, part: Part, two_acks: bool) -> (f64, f64) {
     let pid = child.id().to_string();
     std::thread::sleep(Duration::from_secs(6));
     let probes0 = server.analyzer().report().probes;
-    let (p0, t0) = (cpu(&pid), Instant::now());
+    let (p0, here0, t0) = (cpu(&pid), cpu("self"), Instant::now());
     std::thread::sleep(Duration::from_secs(20));
     let secs = t0.elapsed().as_secs_f64();
-    let p1 = cpu(&pid);
+    let (p1, here1) = (cpu(&pid), cpu("self"));
     // The last second's results are uploaded a second later.
     std::thread::sleep(Duration::from_millis(1500));
     let probes = server.analyzer().report().probes - probes0;
     let _ = child.kill();
     let _ = child.wait();
-    ((p1 - p0) / secs, probes as f64 / secs)
+    (
+        (p1 - p0) / secs,
+        probes as f64 / secs,
+        (here1 - here0) / secs,
+    )
 }
 
 /// What one way of answering costs.
 struct Figures {
     rate: f64,
     prober: f64,
+    /// The 50 responders probed by the measured prober, and the server.
+    others: f64,
     per_answer: f64,
     answers: f64,
     node: f64,
@@ -160,7 +167,7 @@ fn run(two_acks: bool) -> Figures {
         })
         .collect();
     std::thread::sleep(Duration::from_secs(3));
-    let (prober, rate) = measure(&wide, Part::Prober, two_acks);
+    let (prober, rate, others) = measure(&wide, Part::Prober, two_acks);
     drop(responders);
     drop(wide);
 
@@ -175,12 +182,13 @@ fn run(two_acks: bool) -> Figures {
         true,
         two_acks,
     );
-    let (responder, answers) = measure(&narrow, Part::Responder, two_acks);
+    let (responder, answers, _) = measure(&narrow, Part::Responder, two_acks);
     drop(prober_here);
     let per_answer = responder / answers.max(1.0);
     Figures {
         rate,
         prober,
+        others,
         per_answer,
         answers,
         node: prober + 500.0 * per_answer,
@@ -223,6 +231,12 @@ fn main() {
         println!(
             "  prober process        {:.3} % of a core (sending, ACKs, uploads, idle work)",
             f.prober * 100.0
+        );
+        // On loopback the kernel charges waking a receiver to the sender's `sendto`:
+        // a prober whose responders sleep until a probe comes pays their wake-ups.
+        println!(
+            "  its 50 responders and the server, meanwhile: {:.3} % of a core (the prober pays their wake-ups on loopback)",
+            f.others * 100.0
         );
         println!(
             "  responder process     {:.2} µs CPU per answer ({:.0} answers/s measured)",
