@@ -284,25 +284,7 @@ impl FilterInstance {
         };
         let instantiated = Instant::now();
         if let Some(index) = &exports.configure {
-            let configure = instance
-                .get_typed_func::<(&str,), (Result<(), String>,)>(&mut store, index)
-                .map_err(export_type("configure"))?;
-            match configure.call(&mut store, (settings.config.as_str(),)) {
-                Ok((Ok(()),)) => {}
-                Ok((Err(message),)) => {
-                    return Err(LoadError::Configure {
-                        filter: name(),
-                        message,
-                    });
-                }
-                Err(e) => {
-                    let fault = classify(&mut store, e, settings.configure_deadline);
-                    return Err(LoadError::ConfigureFault {
-                        filter: name(),
-                        fault,
-                    });
-                }
-            }
+            configure(&mut store, &instance, index, settings)?;
         }
         let batched = match &exports.handle_request {
             None => {
@@ -593,6 +575,35 @@ fn checked_interest(filter: &str, mut interest: Interest) -> Result<Interest, Lo
         name.make_ascii_lowercase();
     }
     Ok(interest)
+}
+
+/// Calls a component's `configure` export (at `index` of `instance`) with the filter's
+/// configuration, under its configure deadline (the caller armed it).
+pub(crate) fn configure(
+    store: &mut Store<StoreState>,
+    instance: &wasmtime::component::Instance,
+    index: &wasmtime::component::ComponentExportIndex,
+    settings: &crate::filter::FilterSettings,
+) -> Result<(), LoadError> {
+    let name = || settings.name.clone();
+    let configure = instance
+        .get_typed_func::<(&str,), (Result<(), String>,)>(&mut *store, index)
+        .map_err(|e| LoadError::ExportType {
+            filter: name(),
+            export: "configure",
+            detail: format!("{e:#}"),
+        })?;
+    match configure.call(&mut *store, (settings.config.as_str(),)) {
+        Ok((Ok(()),)) => Ok(()),
+        Ok((Err(message),)) => Err(LoadError::Configure {
+            filter: name(),
+            message,
+        }),
+        Err(e) => Err(LoadError::ConfigureFault {
+            filter: name(),
+            fault: classify(store, e, settings.configure_deadline),
+        }),
+    }
 }
 
 /// Turns a call error into a fault: memory cap, deadline, or a trap with the guest's

@@ -14,7 +14,7 @@ use crate::bindings::{RequestLine, ResponseInfo, Verdict};
 use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
 use crate::imports::{HeadHandle, Member, StoreState};
-use crate::instance::{CallInput, arm_store, classify, new_store};
+use crate::instance::{CallInput, arm_store, classify, configure, new_store};
 
 type RunRequest = TypedFunc<(Arc<RequestLine>, Resource<HeadHandle>, u32), ((u32, Verdict),)>;
 type RunResponse = TypedFunc<(Resource<HeadHandle>, ResponseInfo, u32, u32), ()>;
@@ -110,32 +110,9 @@ impl FusedInstance {
                 continue;
             };
             let settings = &filter.settings;
-            let name = || settings.name.clone();
             store.data_mut().switch_to(k);
             arm_store(&mut store, settings.configure_deadline);
-            let configure = instance
-                .get_typed_func::<(&str,), (Result<(), String>,)>(&mut store, index)
-                .map_err(|e| LoadError::ExportType {
-                    filter: name(),
-                    export: "configure",
-                    detail: format!("{e:#}"),
-                })?;
-            match configure.call(&mut store, (settings.config.as_str(),)) {
-                Ok((Ok(()),)) => {}
-                Ok((Err(message),)) => {
-                    return Err(LoadError::Configure {
-                        filter: name(),
-                        message,
-                    });
-                }
-                Err(e) => {
-                    let fault = classify(&mut store, e, settings.configure_deadline);
-                    return Err(LoadError::ConfigureFault {
-                        filter: name(),
-                        fault,
-                    });
-                }
-            }
+            configure(&mut store, &instance, index, settings)?;
         }
         let typed_error = |export: &'static str| {
             move |e: wasmtime::Error| LoadError::Instantiate {
