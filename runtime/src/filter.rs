@@ -163,6 +163,9 @@ pub struct LoadedFilter {
     pub(crate) tag: Arc<FilterTag>,
     pub(crate) health: FilterHealth,
     pub(crate) live: AtomicUsize,
+    /// Bytes of linear memory an instance takes when it starts, before `configure`
+    /// (measured by each instance): where a fused chain's budget for it starts.
+    pub(crate) initial_memory: AtomicUsize,
     /// Whether it takes the batched call, learned from its first instance (one that
     /// exports `handle-request` and declares something it reads).
     pub(crate) batched: std::sync::OnceLock<bool>,
@@ -379,6 +382,7 @@ impl Runtime {
             tag,
             health: FilterHealth::new(self.inner.config.clock.clone(), settings_health),
             live: AtomicUsize::new(0),
+            initial_memory: AtomicUsize::new(0),
             batched: std::sync::OnceLock::new(),
             hash,
         });

@@ -261,6 +261,10 @@ impl FilterInstance {
                 });
             }
         };
+        filter.initial_memory.store(
+            store.data().limiter.committed(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let export_type = |export: &'static str| {
             move |e: wasmtime::Error| LoadError::ExportType {
                 filter: settings.name.clone(),

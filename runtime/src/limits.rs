@@ -36,16 +36,31 @@ impl MemoryLimiter {
         }
     }
 
-    /// One budget per cap, none charged until [`Self::switch_to`].
-    pub(crate) fn per_filter(caps: impl IntoIterator<Item = usize>) -> Self {
+    /// One budget per `(cap, bytes committed at start)`, none charged until
+    /// [`Self::switch_to`].
+    pub(crate) fn per_filter(budgets: impl IntoIterator<Item = (usize, usize)>) -> Self {
         Self {
-            budgets: caps
+            budgets: budgets
                 .into_iter()
-                .map(|cap| Budget { cap, committed: 0 })
+                .map(|(cap, committed)| Budget { cap, committed })
                 .collect(),
             current: None,
             hit: false,
         }
+    }
+
+    /// Charges no filter until the next [`Self::switch_to`] (growth must only fit the
+    /// largest cap).
+    pub(crate) fn charge_none(&mut self) {
+        self.current = None;
+    }
+
+    /// Bytes committed so far to the budget charged now (a filter's own instance:
+    /// its memories' total).
+    pub(crate) fn committed(&self) -> usize {
+        self.current
+            .and_then(|i| self.budgets.get(i))
+            .map_or(0, |b| b.committed)
     }
 
     /// Charges growth to filter `index` from now on.
@@ -77,10 +92,10 @@ impl ResourceLimiter for MemoryLimiter {
     ) -> wasmtime::Result<bool> {
         let largest = self.largest_cap();
         let Some(budget) = self.current.and_then(|i| self.budgets.get_mut(i)) else {
-            // Instantiating a fused chain: which filter a memory belongs to is not
-            // known here; none may start above the largest cap, and each filter's own
-            // cap applies from its first growth on (its budget starts at zero, so that
-            // growth is charged the memory's whole size).
+            // Instantiating a fused chain, or its driver before it enters a filter:
+            // which filter a memory belongs to is not known here, so none may grow
+            // past the largest cap; each filter's budget starts with what its
+            // memories take at start (measured on its own instance).
             if desired > largest {
                 self.hit = true;
                 return Ok(false);
@@ -115,7 +130,7 @@ mod tests {
 
     #[test]
     fn each_filter_of_a_fused_store_is_held_to_its_own_cap() {
-        let mut limiter = MemoryLimiter::per_filter([1 << 20, 4 << 20]);
+        let mut limiter = MemoryLimiter::per_filter([(1 << 20, 64 << 10), (4 << 20, 0)]);
         // Instantiation: any memory up to the largest cap.
         assert!(limiter.memory_growing(0, 2 << 20, None).unwrap());
         assert!(!limiter.memory_growing(0, 8 << 20, None).unwrap());

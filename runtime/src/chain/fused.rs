@@ -1,8 +1,14 @@
 //! Running a fused chain (see [`crate::fusion`]): both phases in one call each, with
 //! health, failure policies, metrics and faults applied per filter as the unfused
-//! path applies them; after a fault the rest of that request runs unfused.
+//! path applies them.
+//!
+//! After a fault the fused instance is gone (wasmtime cannot re-enter it): the rest of
+//! that request, and every request until `repair` makes the fused instance again, run
+//! on separate instances, so a request's two phases stay on one kind of instance.
+//! The workers and shards repair between requests; a fused instance that cannot be
+//! made is tried again after [`RETRY_AFTER`], not per request.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use dpumesh_head::RequestHead;
 
@@ -14,15 +20,64 @@ use crate::fusion::instance::{Decided, FusedFault, FusedInstance};
 use crate::health::HealthState;
 use crate::instance::CallInput;
 
+/// How long after a failed attempt the fused instance is tried again.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
 /// A runner's fused instance and what it was made from.
 pub(super) struct Fused {
-    pub(super) chain: std::sync::Arc<crate::fusion::FusedChain>,
-    /// `None` after a fault until it is made again (by `repair` or the next request).
-    pub(super) instance: Option<FusedInstance>,
+    chain: std::sync::Arc<crate::fusion::FusedChain>,
+    /// `None` after a fault until `repair` makes it again.
+    instance: Option<FusedInstance>,
+    /// Not tried again before this, after making it failed.
+    retry_at: Option<Instant>,
 }
 
-/// What a fused phase did: ran, or could not run (no fused instance), giving the
-/// head back for the unfused path.
+impl Fused {
+    /// The fused instance of `chain`'s filters, made now (tried again later if that
+    /// fails).
+    pub(super) fn new(
+        chain: std::sync::Arc<crate::fusion::FusedChain>,
+        filters: &[std::sync::Arc<crate::filter::LoadedFilter>],
+    ) -> Self {
+        let mut fused = Self {
+            chain,
+            instance: None,
+            retry_at: None,
+        };
+        fused.make(filters);
+        fused
+    }
+
+    fn make(&mut self, filters: &[std::sync::Arc<crate::filter::LoadedFilter>]) {
+        if self.retry_at.is_some_and(|at| Instant::now() < at) {
+            return;
+        }
+        match FusedInstance::new(&self.chain, filters) {
+            Ok(instance) => {
+                self.instance = Some(instance);
+                self.retry_at = None;
+            }
+            Err(e) => {
+                self.retry_at = Some(Instant::now() + RETRY_AFTER);
+                tracing::error!(
+                    error = %e,
+                    "cannot create the fused chain's instance; the chain runs unfused until it can"
+                );
+            }
+        }
+    }
+
+    pub(super) fn is_live(&self) -> bool {
+        self.instance.is_some()
+    }
+
+    pub(super) fn discard(&mut self) {
+        self.instance = None;
+    }
+}
+
+/// What a fused phase did: ran, or could not run (no fused instance, or it failed
+/// before any filter was entered), giving the head back for the unfused path.
 #[allow(
     clippy::large_enum_variant,
     reason = "moved, not stored; `Done` carries a head as large in practice"
@@ -38,25 +93,16 @@ fn from_on(from: usize) -> u32 {
 }
 
 impl ChainRunner {
-    /// The fused instance, made now if a fault discarded it. `None` when the chain is
-    /// not fused or the instance cannot be made (the chain then runs unfused).
-    fn fused_instance(&mut self) -> Option<&mut FusedInstance> {
-        let fused = self.fused.as_mut()?;
-        if fused.instance.is_none() {
-            fused.instance = make(&fused.chain, &self.chain.filters);
-        }
-        fused.instance.as_mut()
-    }
-
     /// Makes the fused instance again after a fault, and lets the separate instances
-    /// the faulted requests finished on go.
+    /// the requests since then ran on go.
     pub(super) fn repair_fused(&mut self) {
         let Some(fused) = self.fused.as_mut() else {
             return;
         };
-        if fused.instance.is_none() {
-            fused.instance = make(&fused.chain, &self.chain.filters);
+        if fused.instance.is_some() {
+            return;
         }
+        fused.make(&self.chain.filters);
         if fused.instance.is_some() {
             for slot in &mut self.slots {
                 slot.instance = None;
@@ -64,9 +110,9 @@ impl ChainRunner {
         }
     }
 
-    /// Whether the fused instance is live.
-    pub(super) fn fused_live(&self) -> bool {
-        self.fused.as_ref().is_some_and(|f| f.instance.is_some())
+    /// Whether requests run through the fused instance now.
+    pub fn is_fused(&self) -> bool {
+        self.fused.as_ref().is_some_and(Fused::is_live)
     }
 
     /// The request phase through the fused instance; the head back when there is
@@ -87,17 +133,18 @@ impl ChainRunner {
         entered: &mut Vec<(u32, Instant)>,
     ) -> Ran<ChainOutcome> {
         let n = self.slots.len();
-        // Degraded filters are not called: fail-open ones are skipped, and the first
-        // fail-closed one ends the fused call (its policy answers after the filters
-        // before it ran, as the unfused path would).
-        let mut faults = Vec::new();
+        // Degraded filters are not called: fail-open ones are skipped (and counted
+        // once it is known the chain got that far), and the first fail-closed one ends
+        // the fused call (its policy answers after the filters before it ran, as the
+        // unfused path would).
+        let mut skipped: Vec<(usize, u64)> = Vec::new();
         let mut skip = 0u32;
         let mut stop: Option<(usize, u64)> = None;
         for k in 0..n {
             if let HealthState::Degraded { retry_in_ms } = self.slots[k].filter.health.state() {
                 if self.slots[k].filter.settings.failure_policy == FailurePolicy::FailOpen {
                     skip |= 1 << k;
-                    faults.push(self.skipped(k, retry_in_ms));
+                    skipped.push((k, retry_in_ms));
                 } else {
                     stop = Some((k, retry_in_ms));
                     skip |= from_on(k);
@@ -109,7 +156,7 @@ impl ChainRunner {
             line: std::cell::OnceCell::new(),
             shared: None,
         };
-        let Some(instance) = self.fused_instance() else {
+        let Some(instance) = self.fused.as_mut().and_then(|f| f.instance.as_mut()) else {
             return Ran::Unfused(head);
         };
         let (head, result) = instance.on_request(&call, head, skip);
@@ -120,15 +167,29 @@ impl ChainRunner {
             Ok(_) => None,
         };
         self.record_entries(entered, end);
+        // Skipped filters before `limit` were passed over on the way.
+        let mut faults = Vec::new();
+        let mut passed_over = |runner: &Self, limit: usize, faults: &mut Vec<FilterFault>| {
+            for (k, retry_in_ms) in skipped.drain(..).filter(|(k, _)| *k < limit) {
+                faults.push(runner.skipped(k, retry_in_ms));
+            }
+        };
         let (index, step, head) = match result {
             Ok(Decided { index, verdict }) => {
+                let denier = matches!(verdict, Verdict::Deny(_)).then_some(index);
                 for (k, _) in entered.iter() {
-                    self.slots[*k as usize].filter.health.record_success();
+                    if Some(*k as usize) != denier {
+                        self.slots[*k as usize].filter.health.record_success();
+                    }
                 }
                 match verdict {
                     Verdict::Deny(reply) => {
+                        passed_over(self, index, &mut faults);
                         let step = match checked_reply(reply) {
-                            Ok(reply) => Step::Deny(reply),
+                            Ok(reply) => {
+                                self.slots[index].filter.health.record_success();
+                                Step::Deny(reply)
+                            }
                             Err(detail) => Step::Fault(self.fault(
                                 index,
                                 Phase::Request,
@@ -139,6 +200,7 @@ impl ChainRunner {
                     }
                     Verdict::Continue => match stop {
                         None => {
+                            passed_over(self, n, &mut faults);
                             return Ran::Done(ChainOutcome {
                                 head,
                                 decision: Decision::Continue,
@@ -147,15 +209,33 @@ impl ChainRunner {
                             });
                         }
                         Some((k, retry_in_ms)) => {
+                            passed_over(self, k, &mut faults);
                             (k, Step::Fault(self.skipped(k, retry_in_ms)), head)
                         }
                     },
                 }
             }
-            Err(FusedFault { index, kind }) => {
+            Err(FusedFault { index: None, kind }) => {
+                // The driver itself failed before entering any filter (the request
+                // line did not fit its memory): no filter ran, so the whole chain runs
+                // on separate instances.
+                tracing::warn!(chain = %self.chain.name, fault = %kind, "fused chain failed before its first filter; running it unfused");
                 if let Some(fused) = self.fused.as_mut() {
-                    fused.instance = None;
+                    fused.discard();
                 }
+                return Ran::Unfused(head);
+            }
+            Err(FusedFault {
+                index: Some(index),
+                kind,
+            }) => {
+                if let Some(fused) = self.fused.as_mut() {
+                    fused.discard();
+                }
+                for (k, _) in entered.iter().filter(|(k, _)| (*k as usize) < index) {
+                    self.slots[*k as usize].filter.health.record_success();
+                }
+                passed_over(self, index, &mut faults);
                 let fault = self.fault(index, Phase::Request, kind);
                 let policy = self.slots[index].filter.settings.failure_policy;
                 match reload_head {
@@ -191,47 +271,47 @@ impl ChainRunner {
 
     /// The response phase of the first `ran` filters through the fused instance; the
     /// head back when there is none. After a fault the filters before the faulting
-    /// one run unfused.
+    /// one run on separate instances.
     pub(super) fn response_fused(
         &mut self,
         head: RequestHead,
         info: &ResponseInfo,
         ran: usize,
     ) -> Ran<(RequestHead, Vec<FilterFault>)> {
-        let mut skip = self.fused.as_ref().map_or(0, |f| f.chain.no_response);
+        let Some(fused) = self.fused.as_mut() else {
+            return Ran::Unfused(head);
+        };
+        let mut skip = fused.chain.no_response;
+        let Some(instance) = fused.instance.as_mut() else {
+            return Ran::Unfused(head);
+        };
         for (k, slot) in self.slots.iter().enumerate() {
             if slot.filter.health.is_degraded() {
                 skip |= 1 << k;
             }
         }
-        let Some(instance) = self.fused_instance() else {
-            return Ran::Unfused(head);
-        };
         let (head, result) = instance.on_response(head, info.clone(), ran, skip);
         match result {
             Ok(()) => Ran::Done((head, Vec::new())),
-            Err(FusedFault { index, kind }) => {
+            Err(FusedFault { index: None, kind }) => {
+                tracing::warn!(chain = %self.chain.name, fault = %kind, "fused chain failed before its first filter; running its response phase unfused");
                 if let Some(fused) = self.fused.as_mut() {
-                    fused.instance = None;
+                    fused.discard();
+                }
+                Ran::Unfused(head)
+            }
+            Err(FusedFault {
+                index: Some(index),
+                kind,
+            }) => {
+                if let Some(fused) = self.fused.as_mut() {
+                    fused.discard();
                 }
                 let mut faults = vec![self.fault(index, Phase::Response, kind)];
                 let (head, more) = self.respond_unfused(head, info, index, None);
                 faults.extend(more);
                 Ran::Done((head, faults))
             }
-        }
-    }
-}
-
-pub(super) fn make(
-    fused: &crate::fusion::FusedChain,
-    filters: &[std::sync::Arc<crate::filter::LoadedFilter>],
-) -> Option<FusedInstance> {
-    match FusedInstance::new(fused, filters) {
-        Ok(instance) => Some(instance),
-        Err(e) => {
-            tracing::error!(error = %e, "cannot create the fused chain's instance; the chain runs unfused");
-            None
         }
     }
 }

@@ -232,7 +232,8 @@ pub struct ChainRunner {
     /// How its instances' shared-queue notifications wake the owning thread.
     wake: Arc<WakeSlot>,
     /// The fused instance, when the chain is fused. The slots' own instances are
-    /// then made only to finish requests after a fault of the fused one.
+    /// then made only for the requests between a fault of the fused one and the
+    /// `repair` that makes it again.
     fused: Option<fused::Fused>,
     /// Filters the last fused call entered, with their times (kept for its capacity).
     entered: Vec<(u32, Instant)>,
@@ -295,11 +296,11 @@ impl ChainRunner {
     /// shared queue they registered gets an item (the owner then runs
     /// [`Self::tick`]).
     pub fn with_wake(chain: Arc<FilterChain>, wake: Arc<WakeSlot>) -> Self {
-        let fused = chain.fused.as_ref().map(|fused| fused::Fused {
-            chain: fused.clone(),
-            instance: fused::make(fused, &chain.filters),
-        });
-        let separate = fused.as_ref().is_none_or(|f| f.instance.is_none());
+        let fused = chain
+            .fused
+            .as_ref()
+            .map(|fused| fused::Fused::new(fused.clone(), &chain.filters));
+        let separate = fused.as_ref().is_none_or(|f| !f.is_live());
         let slots = chain
             .filters
             .iter()
@@ -363,7 +364,7 @@ impl ChainRunner {
     /// Live instances (one per filter when healthy; a fused instance counts as one
     /// per filter it runs).
     pub fn instances(&self) -> usize {
-        if self.fused_live() {
+        if self.is_fused() {
             return self.slots.len();
         }
         self.slots.iter().filter(|s| s.instance.is_some()).count()
@@ -373,7 +374,7 @@ impl ChainRunner {
     /// so the next request does not pay for it.
     pub fn repair(&mut self) {
         self.repair_fused();
-        if self.fused_live() {
+        if self.is_fused() {
             return;
         }
         for slot in &mut self.slots {
@@ -757,13 +758,15 @@ impl ChainRunner {
             if self.slots[index].filter.health.is_degraded() {
                 continue;
             }
-            if self.slots[index].instance.is_none() && self.fused.is_some() {
-                // A fused chain's separate instances are made on demand.
-                match FilterInstance::new(&self.slots[index].filter, &self.wake) {
-                    Ok(instance) => self.slots[index].instance = Some(instance),
+            let slot = &mut self.slots[index];
+            if slot.instance.is_none() && self.fused.is_some() && slot.filter.has_response_phase() {
+                // A fused chain's separate instances are made on demand; one that
+                // cannot be made skips its response phase, as a discarded instance
+                // of an unfused chain does.
+                match FilterInstance::new(&slot.filter, &self.wake) {
+                    Ok(instance) => slot.instance = Some(instance),
                     Err(e) => {
-                        let kind = FaultKind::Unavailable(e.to_string());
-                        faults.push(self.fault(index, Phase::Response, kind));
+                        tracing::warn!(chain = %self.chain.name, filter = slot.filter.name(), error = %e, "no instance for the response phase");
                         continue;
                     }
                 }
@@ -853,7 +856,7 @@ impl ChainRunner {
             slot.instance = None;
         }
         if let Some(fused) = self.fused.as_mut() {
-            fused.instance = None;
+            fused.discard();
         }
     }
 }

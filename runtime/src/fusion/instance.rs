@@ -30,11 +30,11 @@ pub(crate) fn enter_filter(
     Ok(())
 }
 
-/// A fault in a fused call: the filter it belongs to (the one entered last) and what
-/// happened.
+/// A fault in a fused call: the filter it belongs to (the one this call entered
+/// last; `None` when the driver failed before entering any) and what happened.
 #[derive(Debug)]
 pub(crate) struct FusedFault {
-    pub(crate) index: usize,
+    pub(crate) index: Option<usize>,
     pub(crate) kind: FaultKind,
 }
 
@@ -68,13 +68,26 @@ impl FusedInstance {
                     f.tag.clone(),
                     s.namespace.as_deref().unwrap_or(&s.name),
                     &runtime.services,
-                    s.memory_cap,
                     s.deadline,
                     s.failure_policy == crate::filter::FailurePolicy::Reload,
                 )
             })
             .collect();
-        let state = StoreState::fused(members, &runtime.services, runtime.config.epoch_tick);
+        // Each filter's budget starts with what its memories take when it starts (its
+        // own instance measured that at load): which memory is whose is not known
+        // while the whole composition is instantiated.
+        let limiter = crate::limits::MemoryLimiter::per_filter(filters.iter().map(|f| {
+            (
+                f.settings.memory_cap,
+                f.initial_memory.load(Ordering::Relaxed),
+            )
+        }));
+        let state = StoreState::fused(
+            members,
+            limiter,
+            &runtime.services,
+            runtime.config.epoch_tick,
+        );
         let setup_deadline = filters
             .iter()
             .map(|f| f.settings.configure_deadline)
@@ -205,8 +218,8 @@ impl FusedInstance {
     }
 
     fn fault(&mut self, error: wasmtime::Error) -> FusedFault {
-        let index = self.store.data().current();
-        let deadline = self.filters[index].settings.deadline;
+        let index = self.store.data().marks().last().map(|(k, _)| *k as usize);
+        let deadline = self.filters[index.unwrap_or(0)].settings.deadline;
         FusedFault {
             index,
             kind: classify(&mut self.store, error, deadline),

@@ -14,15 +14,22 @@
 //!   store switches to that filter's [`Member`](crate::imports::Member);
 //! - its limits: the CPU deadline is re-armed for each filter, the memory cap is
 //!   checked per filter's memory;
-//! - its failure policy: a fault is the filter's that was entered last; the fused
-//!   instance is discarded (wasmtime cannot re-enter it) and the rest of that request
-//!   runs on separate instances, exactly as an unfused chain would run it;
+//! - its failure policy: a fault is the filter's that this call entered last (one
+//!   before any filter was entered — a request line too large for the driver — is no
+//!   filter's: the whole chain runs unfused for that request); the fused instance is
+//!   discarded (wasmtime cannot re-enter it) and the rest of that request, and the
+//!   requests until the runner's `repair` makes it again, run on separate instances,
+//!   exactly as an unfused chain would run them;
 //! - its time: each filter's duration histogram gets the time from its entry to the
 //!   next one's.
 //!
 //! What is shared: one store, so the filters' instances are created and discarded
 //! together (a fault in one restarts the state of all, such as the JWT filter's token
-//! cache), and the parsed-claims cache of `request-head.claims`. Fusion applies to
+//! cache); the parsed-claims cache of `request-head.claims`; one stderr tail (a
+//! fault's report may quote what an earlier filter of the call wrote). Memory caps
+//! hold per filter: each filter's budget starts with what its memories take at start
+//! (measured on its own instance at load), and what the driver's own memory grows by
+//! while a filter runs (a denial's reply copied out) is charged to that filter. Fusion applies to
 //! chains of components only (a proxy-wasm plugin keeps its own instance), of at most
 //! [`driver::MAX_FILTERS`] filters, all loaded by one runtime; batched filters are
 //! called with `on-request` (their edits must be visible to the next filter at once).
@@ -152,12 +159,17 @@ pub(crate) fn fuse(chain: &str, filters: &[Arc<LoadedFilter>]) -> Result<FusedCh
         .linker
         .instantiate_pre(&component)
         .map_err(|e| failed(format!("{e:#}")))?;
-    Ok(FusedChain {
+    let fused = FusedChain {
         pre,
         run_request,
         run_response,
         configure,
         no_response,
         hash,
-    })
+    };
+    // One instance now, configured, as a filter's load makes one: a fused chain that
+    // cannot start is refused here rather than tried per worker.
+    instance::FusedInstance::new(&fused, filters)
+        .map_err(|e| failed(format!("its instance does not start: {e}")))?;
+    Ok(fused)
 }

@@ -78,7 +78,6 @@ pub(crate) struct Member {
     namespace: Namespace,
     metrics: Vec<MetricHandle>,
     metric_ids: HashMap<MetricKey, u32>,
-    memory_cap: usize,
     /// CPU deadline of the filter's calls (armed as the driver enters it).
     deadline: Duration,
     /// Whether its failure policy retries on the head as it was before its call: the
@@ -91,7 +90,6 @@ impl Member {
         tag: Arc<FilterTag>,
         namespace: &str,
         services: &NodeServices,
-        memory_cap: usize,
         deadline: Duration,
         reload: bool,
     ) -> Self {
@@ -100,7 +98,6 @@ impl Member {
             namespace: services.state.namespace(namespace),
             metrics: Vec::new(),
             metric_ids: HashMap::new(),
-            memory_cap,
             deadline,
             reload,
         }
@@ -139,14 +136,19 @@ impl StoreState {
         memory_cap: usize,
         tick: Duration,
     ) -> Self {
-        let member = Member::new(tag, namespace, services, memory_cap, Duration::ZERO, false);
+        let member = Member::new(tag, namespace, services, Duration::ZERO, false);
         let limiter = MemoryLimiter::new(memory_cap);
         Self::with_members(vec![member], limiter, services, tick)
     }
 
-    /// The store of a fused chain: one member per filter, in chain order.
-    pub(crate) fn fused(members: Vec<Member>, services: &NodeServices, tick: Duration) -> Self {
-        let limiter = MemoryLimiter::per_filter(members.iter().map(|m| m.memory_cap));
+    /// The store of a fused chain: one member per filter, in chain order, and the
+    /// limiter with a budget for each.
+    pub(crate) fn fused(
+        members: Vec<Member>,
+        limiter: MemoryLimiter,
+        services: &NodeServices,
+        tick: Duration,
+    ) -> Self {
         Self::with_members(members, limiter, services, tick)
     }
 
@@ -192,11 +194,6 @@ impl StoreState {
         &mut self.members[self.current]
     }
 
-    /// The index of the filter the store acts for now.
-    pub(crate) fn current(&self) -> usize {
-        self.current
-    }
-
     /// Acts for filter `index` from now on (its identity and memory cap).
     pub(crate) fn switch_to(&mut self, index: usize) {
         if index < self.members.len() {
@@ -205,10 +202,13 @@ impl StoreState {
         }
     }
 
-    /// A fused call is about to start: forget the last one's marks.
+    /// A fused call is about to start: forget the last one's marks, and charge no
+    /// filter's budget until the driver enters one (what the driver's own memory
+    /// takes for the call's arguments is no filter's).
     pub(crate) fn begin_run(&mut self) {
         self.marks.clear();
         self.reload_head = None;
+        self.limiter.charge_none();
     }
 
     /// The fused chain's driver enters filter `index`: act for it, mark the time, keep

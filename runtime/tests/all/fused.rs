@@ -119,7 +119,9 @@ fn each_filter_of_a_fused_chain_runs_under_its_own_deadline() {
     assert_eq!(filter, "hasty");
     assert_eq!(fault.kind, FaultKind::Deadline(Duration::from_millis(50)));
     // The fused instance is made again; the next request runs through it.
+    assert!(!runner.is_fused());
     runner.repair();
+    assert!(runner.is_fused());
     assert_eq!(runner.instances(), 2);
     assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
 }
@@ -176,10 +178,81 @@ fn a_fault_names_the_filter_it_happened_in_and_the_rest_runs_on_separate_instanc
     );
     // The fault's own edit stays (as with separate instances), then the next filter's.
     assert_eq!(outcome.head.header_all("x-order"), vec!["flaky", "after"]);
-    // Without repair the next request makes the fused instance again.
+    // Until repair, requests run on separate instances (both phases on one kind);
+    // repair makes the fused instance again.
+    assert!(!runner.is_fused());
     let outcome = runner.on_request(get("/"));
     assert_eq!(outcome.decision, Decision::Continue);
     assert!(outcome.faults.is_empty());
+    runner.repair();
+    assert!(runner.is_fused());
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.head.header_all("x-order"), vec!["flaky", "after"]);
+}
+
+#[test]
+fn a_request_the_driver_cannot_take_runs_unfused_and_no_filter_is_passed_over() {
+    let rt = runtime();
+    // The first filter is fail-closed; the second, fail-open, is the one the first
+    // request enters last. A path larger than every cap cannot be lowered into the
+    // driver's memory: that is no filter's fault (it used to be blamed on the filter
+    // the last request entered, whose fail-open policy then let it past the first).
+    let authz = settings(
+        "authz",
+        json!({"request": [{"deny_if_header": ["x-deny", 403]}]}),
+    )
+    .memory_cap(4 << 20);
+    let logger = settings(
+        "logger",
+        json!({"request": [{"set_metadata": ["seen", "1"]}]}),
+    )
+    .memory_cap(4 << 20)
+    .failure_policy(dpumesh_runtime::FailurePolicy::FailOpen);
+    let mut runner = fused(&rt, vec![authz, logger]);
+    assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
+    let huge = format!("/{}", "a".repeat(6 << 20));
+    let outcome = runner.on_request(get(&huge));
+    let Decision::Deny { filter, cause, .. } = &outcome.decision else {
+        panic!("a huge path went through: {:?}", outcome.faults);
+    };
+    // Run unfused, the first filter's own instance cannot take it either.
+    assert_eq!(&**filter, "authz");
+    assert!(
+        matches!(cause, dpumesh_runtime::DenyCause::Fault(f) if matches!(f.kind, FaultKind::MemoryCap(_))),
+        "{cause:?}"
+    );
+}
+
+#[test]
+fn a_degraded_fail_open_filter_is_counted_once_and_only_when_the_chain_reached_it() {
+    let rt = runtime();
+    let gate = settings(
+        "gate",
+        json!({"request": [{"deny_if_header": ["x-deny", 403]}]}),
+    );
+    let flaky = settings("flaky", json!({"request": [{"panic_if_header": "x-boom"}]}))
+        .failure_policy(dpumesh_runtime::FailurePolicy::FailOpen);
+    let mut runner = fused(&rt, vec![gate, flaky]);
+    let with = |name: &str| {
+        let mut head = get("/");
+        head.append_received(name, "1").unwrap();
+        head
+    };
+    for _ in 0..5 {
+        let outcome = runner.on_request(with("x-boom"));
+        assert_eq!(outcome.decision, Decision::Continue);
+        runner.repair();
+    }
+    assert!(runner.chain().filters()[1].health().is_degraded());
+    // Reached: counted once.
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.decision, Decision::Continue);
+    assert_eq!(outcome.faults.len(), 1, "{:?}", outcome.faults);
+    assert_eq!(outcome.faults[0].filter, "flaky");
+    // Not reached (the gate denied first): not counted.
+    let outcome = runner.on_request(with("x-deny"));
+    assert!(outcome.decision.reply().is_some_and(|r| r.status == 403));
+    assert!(outcome.faults.is_empty(), "{:?}", outcome.faults);
 }
 
 #[test]
