@@ -149,6 +149,10 @@ impl Flags {
     const CASES: u16 = Self::CASE_1.0 | Self::CASE_2.0 | Self::CASE_3.0;
     const KNOWN: u16 =
         Self::CASES | Self::DST_POD.0 | Self::RESPONSE.0 | Self::COMPLETION.0 | Self::ERROR.0;
+    /// The high byte: the lane (which of the node's shards the pod's ring pair
+    /// belongs to) the descriptor travels on.
+    const LANE_SHIFT: u16 = 8;
+    const LANE: u16 = 0xff << Self::LANE_SHIFT;
 
     /// The raw bits.
     pub fn bits(self) -> u16 {
@@ -244,6 +248,10 @@ pub struct Descriptor {
     pub dst: Destination,
     /// HTTP status of a response, or a [`DescriptorStatus`] code with `kind.error`.
     pub status: u16,
+    /// The lane: which of the pod's ring pairs (one per proxy shard of its node) it
+    /// travels on. The node stamps it on what it delivers; a pod answers on the lane
+    /// the request came on, so the answer reaches the shard that holds the exchange.
+    pub lane: u8,
 }
 
 /// A buffer reference: where and how many bytes.
@@ -370,6 +378,7 @@ impl Descriptor {
             src_pod,
             dst,
             status: 0,
+            lane: 0,
         }
     }
 
@@ -414,7 +423,7 @@ impl Descriptor {
         };
         RawDescriptor {
             version: DESCRIPTOR_VERSION,
-            flags: flags.bits(),
+            flags: flags.bits() | (self.lane as u16) << Flags::LANE_SHIFT,
             header_len: self.header.len,
             header_addr: self.header.addr.bits(),
             body_addr: self.body.addr.bits(),
@@ -453,7 +462,7 @@ impl Descriptor {
         if raw.version != DESCRIPTOR_VERSION {
             return Err(DescriptorError::Version { found: raw.version });
         }
-        let unknown = raw.flags & !Flags::KNOWN;
+        let unknown = raw.flags & !(Flags::KNOWN | Flags::LANE);
         if unknown != 0 {
             return Err(DescriptorError::UnknownFlags { bits: unknown });
         }
@@ -529,6 +538,7 @@ impl Descriptor {
             src_pod: raw.src_pod,
             dst,
             status: raw.status,
+            lane: (raw.flags >> Flags::LANE_SHIFT) as u8,
         })
     }
 

@@ -1,14 +1,15 @@
 //! A node's DPU side in software: the control-channel server where host pods register,
 //! and the [`DpuShard`]s — the DMA work each proxy shard runs for its pods, on the
-//! shard's own thread. Registering a pod creates its pools and rings, gives it to the
-//! shard with the fewest pods and exports everything, the shard's bell included (its
-//! eventfd rides with the answer); a pod whose connection closes (it exited or
-//! crashed) is removed and everything it held is reclaimed.
+//! shard's own thread. Registering a pod creates its pools and one ring pair (a lane)
+//! per shard, gives each shard its lane and exports everything, the shards' bells
+//! included (their eventfds ride with the answer); a pod whose connection closes (it
+//! exited or crashed) is removed from every shard and everything it held is
+//! reclaimed.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::Sender;
@@ -16,7 +17,9 @@ use parking_lot::Mutex;
 
 use crate::bell::{BELL_LEN, Bell, BellError};
 use crate::control::transport::{ControlServer, Endpoint, Handler, Peer, StoreReply};
-use crate::control::{ErrorCode, PodExports, RegionExport, RegionKind, Request, Response, Role};
+use crate::control::{
+    ErrorCode, LaneExport, PodExports, RegionExport, RegionKind, Request, Response, Role,
+};
 use crate::descriptor::{Buffer, Descriptor};
 use crate::dma::manager::{Command, DmaManager, DmaStats, PodPort};
 use crate::dma::{DmaEngine, SoftwareDma};
@@ -123,8 +126,6 @@ pub struct PodInfo {
     pub service: String,
     /// Its process.
     pub pid: u32,
-    /// The shard that serves it.
-    pub shard: usize,
     /// Its RX body pool (where a remote peer writes bodies for it).
     pub rx_body: BufferPool,
     /// Its TX body pool (what the proxy reads when a body leaves the node).
@@ -139,7 +140,6 @@ pub struct PodInfo {
 struct ShardHandle {
     commands: Sender<Command>,
     bell: Bell,
-    pods: AtomicUsize,
     dpu_tx_header: BufferPool,
     dpu_rx_header: BufferPool,
     stats: Arc<DmaStats>,
@@ -183,7 +183,7 @@ impl Shared {
         name: String,
         service: String,
         pid: u32,
-    ) -> Result<(PodExports, usize), DpuError> {
+    ) -> Result<PodExports, DpuError> {
         let _one_at_a_time = self.registering.lock();
         {
             let pods = self.pods.lock();
@@ -206,8 +206,16 @@ impl Shared {
         let tx_body = self.pool(&format!("{tag}-txb"), s.body_slot, s.body_slots)?;
         let rx_header = self.pool(&format!("{tag}-rxh"), s.header_slot, s.header_slots)?;
         let rx_body = self.pool(&format!("{tag}-rxb"), s.body_slot, s.body_slots)?;
-        let tx_sq = Ring::create_in_shm(&format!("{}-{tag}-txsq", self.prefix), s.ring_capacity)?;
-        let rx_sq = Ring::create_in_shm(&format!("{}-{tag}-rxsq", self.prefix), s.ring_capacity)?;
+        // A ring pair per shard (its lane): whichever shard takes a request for this
+        // pod delivers it and gets the answer back itself.
+        let mut lanes = Vec::with_capacity(self.shards.len());
+        for k in 0..self.shards.len() {
+            let tx =
+                Ring::create_in_shm(&format!("{}-{tag}-l{k}-txsq", self.prefix), s.ring_capacity)?;
+            let rx =
+                Ring::create_in_shm(&format!("{}-{tag}-l{k}-rxsq", self.prefix), s.ring_capacity)?;
+            lanes.push((tx, rx));
+        }
         let pool_export = |p: &BufferPool| RegionExport {
             id: p.id(),
             path: p.region().path().to_owned(),
@@ -227,26 +235,27 @@ impl Shared {
             },
             hw_export: Vec::new(),
         };
-        // The shard with the fewest pods serves it.
-        let shard = (0..self.shards.len())
-            .min_by_key(|&i| self.shards[i].pods.load(Ordering::Relaxed))
-            .expect("a node has at least one shard");
-        let handle = &self.shards[shard];
         let exports = PodExports {
             pod_id: id,
             tx_header: pool_export(&tx_header),
             tx_body: pool_export(&tx_body),
             rx_header: pool_export(&rx_header),
             rx_body: pool_export(&rx_body),
-            tx_sq: ring_export(&tx_sq),
-            rx_sq: ring_export(&rx_sq),
-            bell: RegionExport {
-                id: 0,
-                path: handle.bell.path().to_owned(),
-                len: BELL_LEN as u64,
-                kind: RegionKind::Bell,
-                hw_export: Vec::new(),
-            },
+            lanes: lanes
+                .iter()
+                .zip(&self.shards)
+                .map(|((tx, rx), shard)| LaneExport {
+                    tx_sq: ring_export(tx),
+                    rx_sq: ring_export(rx),
+                    bell: RegionExport {
+                        id: 0,
+                        path: shard.bell.path().to_owned(),
+                        len: BELL_LEN as u64,
+                        kind: RegionKind::Bell,
+                        hw_export: Vec::new(),
+                    },
+                })
+                .collect(),
         };
         self.pods.lock().insert(
             id,
@@ -255,44 +264,55 @@ impl Shared {
                 name,
                 service,
                 pid,
-                shard,
                 rx_body: rx_body.clone(),
                 tx_body: tx_body.clone(),
                 peer: peer.id,
                 regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
             },
         );
-        let port = PodPort {
-            id,
-            tx_header,
-            tx_body,
-            rx_header,
-            rx_body,
-            tx_sq: tx_sq.consumer(),
-            rx_sq: rx_sq.producer(),
-        };
-        handle.pods.fetch_add(1, Ordering::Relaxed);
-        let _ = handle.commands.send(Command::AddPod(Box::new(port)));
-        handle.bell.ring();
-        Ok((exports, shard))
+        // The pod sleeps on its first RX lane's futex for all of them.
+        let wake = lanes[0].1.clone();
+        for (k, ((tx, rx), handle)) in lanes.iter().zip(&self.shards).enumerate() {
+            let port = PodPort {
+                id,
+                tx_header: tx_header.clone(),
+                tx_body: tx_body.clone(),
+                rx_header: rx_header.clone(),
+                rx_body: rx_body.clone(),
+                tx_sq: tx.consumer(),
+                rx_sq: rx.producer().wakes_through(wake.clone()),
+                lane: k as u8,
+            };
+            let _ = handle.commands.send(Command::AddPod(Box::new(port)));
+            handle.bell.ring();
+        }
+        Ok(exports)
     }
 
     /// Removes a pod: the manager stops polling it and drops its port (its regions are
     /// unlinked once nothing maps them), and DPU slots held for it are freed.
     fn remove(&self, id: u32) -> bool {
-        let Some((name, shard)) = self.pods.lock().get(&id).map(|p| (p.name.clone(), p.shard))
-        else {
+        let Some(name) = self.pods.lock().get(&id).map(|p| p.name.clone()) else {
             return false;
         };
-        let handle = &self.shards[shard];
-        let (done, wait) = crossbeam_channel::bounded(1);
-        if handle.commands.send(Command::RemovePod(id, done)).is_ok() {
-            handle.bell.interrupt();
-            // The shard answers once nothing it claimed from the pod is still on its
-            // way; a shard that stopped answers never (its pods went with it).
-            let _ = wait.recv_timeout(crate::dma::manager::LEAVE_GRACE + Duration::from_secs(1));
+        // Every shard holds a lane into the pod: each lets go of it (all at once, so
+        // the grace periods overlap).
+        let mut waits = Vec::with_capacity(self.shards.len());
+        for handle in &self.shards {
+            let (done, wait) = crossbeam_channel::bounded(1);
+            if handle.commands.send(Command::RemovePod(id, done)).is_ok() {
+                handle.bell.interrupt();
+                waits.push(wait);
+            }
         }
-        handle.pods.fetch_sub(1, Ordering::Relaxed);
+        // A shard answers once nothing it claimed from the pod is still on its way;
+        // a shard that stopped answers never (its pods went with it).
+        let deadline =
+            std::time::Instant::now() + crate::dma::manager::LEAVE_GRACE + Duration::from_secs(1);
+        for wait in waits {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let _ = wait.recv_timeout(left);
+        }
         // Out of the table only once the manager has let go of the pod's port, so a
         // pod missing from the table is gone from the data path too; then its region
         // ids can name a new pod's pools.
@@ -399,9 +419,15 @@ impl ControlHandler {
                 );
             }
             return match self.0.register(peer, name, service, pid) {
-                Ok((exports, shard)) => {
-                    let fds = rustix::io::fcntl_dupfd_cloexec(self.0.shards[shard].bell.fd(), 0)
-                        .map(|fd| vec![fd])
+                Ok(exports) => {
+                    // Every shard's bell, in lane order (all or none: a pod with some
+                    // bells would ring a shard and leave another to poll).
+                    let fds = self
+                        .0
+                        .shards
+                        .iter()
+                        .map(|s| rustix::io::fcntl_dupfd_cloexec(s.bell.fd(), 0))
+                        .collect::<Result<Vec<_>, _>>()
                         .unwrap_or_default();
                     (Response::PodRegistered(Box::new(exports)), fds)
                 }
@@ -539,7 +565,6 @@ impl Dpu {
             handles.push(ShardHandle {
                 commands,
                 bell: bell.clone(),
-                pods: AtomicUsize::new(0),
                 dpu_tx_header: dpu_tx_header.clone(),
                 dpu_rx_header: dpu_rx_header.clone(),
                 stats: stats.clone(),

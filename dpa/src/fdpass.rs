@@ -16,7 +16,7 @@ use rustix::net::{
 };
 
 /// Most descriptors one message carries.
-pub const MAX_FDS: usize = 4;
+pub const MAX_FDS: usize = 64;
 /// Largest message body.
 pub const MAX_MESSAGE: usize = 64 << 10;
 

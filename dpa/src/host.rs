@@ -30,9 +30,19 @@ pub enum HostError {
     /// A ring (full: back-pressure; nothing was sent and no slot is held).
     #[error(transparent)]
     Ring(#[from] RingError),
-    /// The serving shard's bell.
+    /// A shard's bell.
     #[error(transparent)]
     Bell(#[from] BellError),
+    /// The node's exports do not make a usable set of lanes.
+    #[error("the node exported {lanes} lanes and {bells} bells: {why}")]
+    Lanes {
+        lanes: usize,
+        bells: usize,
+        why: &'static str,
+    },
+    /// A response for a lane the pod does not have (its request came on another).
+    #[error("lane {lane} does not exist (the node gave this pod {lanes})")]
+    NoLane { lane: u8, lanes: usize },
     /// A message larger than a slot.
     #[error("{what} of {len} bytes exceeds the {limit}-byte slots this pod was given")]
     TooLarge {
@@ -63,6 +73,9 @@ pub struct Outgoing<'a> {
     /// The head (serialized).
     pub header: &'a [u8],
     pub body: &'a [u8],
+    /// For a response: the lane its request came on (so it reaches the shard that
+    /// holds the exchange). A request goes on the next lane in turn and ignores it.
+    pub lane: u8,
 }
 
 /// A message received.
@@ -118,8 +131,16 @@ pub struct HostPort {
     tx_body: BufferPool,
     rx_header: BufferPool,
     rx_body: BufferPool,
-    tx: Producer,
+    /// One TX SQ per lane (per shard of the node), each ringing its shard's bell.
+    tx: Vec<Producer>,
+    /// The first lane's RX SQ: the pod sleeps on its wake words for every lane.
     rx: Consumer,
+    /// The other lanes' RX SQs.
+    rx_more: Vec<Consumer>,
+    /// The lane the next request goes on (requests take turns).
+    next_lane: usize,
+    /// The lane `try_recv` looks at first (lanes take turns being first).
+    first_rx: usize,
     in_flight: usize,
 }
 
@@ -157,17 +178,29 @@ impl HostPort {
         let mut control = ControlClient::connect(endpoint, Role::Host, name)?;
         let token = std::env::var("DPUMESH_TOKEN").ok();
         let exports = control.register_pod(name, service, token.as_deref())?;
-        // The shard's eventfd comes with the answer on a Unix socket; over TCP there is
-        // none, and the shard finds this pod's sends by polling.
-        let bell = match control.take_fds().into_iter().next() {
-            Some(fd) => Some(Bell::from_parts(map(&exports.bell)?, fd)?),
-            None => None,
-        };
-        let tx = Ring::attach(map(&exports.tx_sq)?)?.producer();
-        let tx = match bell {
-            Some(bell) => tx.with_bell(bell),
-            None => tx,
-        };
+        // The shards' eventfds come with the answer on a Unix socket, in lane order;
+        // over TCP there are none, and the shards find this pod's sends by polling.
+        let fds = control.take_fds();
+        let (lanes, bells) = (exports.lanes.len(), fds.len());
+        let refuse = |why| HostError::Lanes { lanes, bells, why };
+        if lanes == 0 || lanes > usize::from(u8::MAX) + 1 {
+            return Err(refuse("a pod needs between 1 and 256 lanes"));
+        }
+        if bells != 0 && bells != lanes {
+            return Err(refuse("a bell is needed for every lane or for none"));
+        }
+        let mut fds = fds.into_iter();
+        let mut tx = Vec::with_capacity(lanes);
+        let mut rx = Vec::with_capacity(lanes);
+        for lane in &exports.lanes {
+            let producer = Ring::attach(map(&lane.tx_sq)?)?.producer();
+            tx.push(match fds.next() {
+                Some(fd) => producer.with_bell(Bell::from_parts(map(&lane.bell)?, fd)?),
+                None => producer,
+            });
+            rx.push(Ring::attach(map(&lane.rx_sq)?)?.consumer());
+        }
+        let rx_more = rx.split_off(1);
         let port = Self {
             owner: OwnerId(exports.pod_id),
             tx_header: BufferPool::attach(map(&exports.tx_header)?)?,
@@ -175,7 +208,10 @@ impl HostPort {
             rx_header: BufferPool::attach(map(&exports.rx_header)?)?,
             rx_body: BufferPool::attach(map(&exports.rx_body)?)?,
             tx,
-            rx: Ring::attach(map(&exports.rx_sq)?)?.consumer(),
+            rx: rx.pop().expect("one lane at least"),
+            rx_more,
+            next_lane: 0,
+            first_rx: 0,
             in_flight: 0,
             control,
             exports,
@@ -268,9 +304,23 @@ impl HostPort {
                 limit,
             });
         }
+        let lanes = self.tx.len();
+        let lane = if msg.response {
+            if usize::from(msg.lane) >= lanes {
+                return Err(HostError::NoLane {
+                    lane: msg.lane,
+                    lanes,
+                });
+            }
+            usize::from(msg.lane)
+        } else {
+            self.next_lane = (self.next_lane + 1) % lanes;
+            self.next_lane
+        };
         let mut d = Descriptor::request(msg.case, msg.req_id, msg.step_id, self.pod_id(), msg.dst);
         d.kind.response = msg.response;
         d.status = msg.status;
+        d.lane = lane as u8;
         let (mut header_slot, mut body_slot) = (None, None);
         let result = (|| -> Result<(), HostError> {
             if !msg.header.is_empty() {
@@ -283,7 +333,7 @@ impl HostPort {
                 body_slot = Some(slot);
                 d.body = self.tx_body.write(slot, msg.body)?;
             }
-            self.tx.push(&d)?;
+            self.tx[lane].push(&d)?;
             Ok(())
         })();
         match result {
@@ -319,7 +369,7 @@ impl HostPort {
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
                 return Ok(None);
             };
-            if !self.rx.wait(mode, left) {
+            if !self.rx.wait_any(&self.rx_more, mode, left) {
                 return Ok(None);
             }
         }
@@ -328,7 +378,31 @@ impl HostPort {
     /// Takes the next request, response or error if one is waiting (completions are
     /// consumed on the way).
     pub fn try_recv(&mut self) -> Result<Option<Incoming>, HostError> {
-        while let Some(d) = self.rx.try_pop()? {
+        // Lanes take turns being looked at first, so a busy shard cannot starve
+        // another's answers.
+        let lanes = 1 + self.rx_more.len();
+        for i in 0..lanes {
+            let lane = (self.first_rx + i) % lanes;
+            if let Some(incoming) = self.recv_lane(lane)? {
+                self.first_rx = (lane + 1) % lanes;
+                return Ok(Some(incoming));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The next request, response or error on `lane`, if one is waiting.
+    fn recv_lane(&mut self, lane: usize) -> Result<Option<Incoming>, HostError> {
+        loop {
+            let ring = match lane {
+                0 => &mut self.rx,
+                n => &mut self.rx_more[n - 1],
+            };
+            let Some(mut d) = ring.try_pop()? else {
+                return Ok(None);
+            };
+            // The lane it came on, whatever it says: the answer goes back there.
+            d.lane = lane as u8;
             if d.kind.completion {
                 self.complete(&d);
                 if d.kind.error {
@@ -347,7 +421,6 @@ impl HostPort {
                 body,
             }));
         }
-        Ok(None)
     }
 
     /// Reads an RX buffer and frees its slot.
@@ -392,6 +465,7 @@ impl HostPort {
             status,
             header,
             body,
+            lane: request.lane,
         }
     }
 }

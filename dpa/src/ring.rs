@@ -227,6 +227,7 @@ impl Ring {
             head_cache: head,
             bell: None,
             notify: None,
+            wake: None,
         }
     }
 
@@ -249,9 +250,20 @@ pub struct Producer {
     head_cache: u64,
     bell: Option<Bell>,
     notify: Option<crate::fabric::Interrupter>,
+    /// The ring whose wake words a sleeping consumer waits on, if not this one's (a
+    /// pod's RX lanes all wake through the first lane's words: the pod sleeps on one
+    /// futex for all of them).
+    wake: Option<Ring>,
 }
 
 impl Producer {
+    /// Wakes the consumer through `ring`'s wake words instead of this ring's: for a
+    /// consumer that waits on several rings with [`Consumer::wait_any`] on `ring`'s.
+    pub fn wakes_through(mut self, ring: Ring) -> Self {
+        self.wake = Some(ring);
+        self
+    }
+
     /// Also calls `notify` after each publish (for a consumer that sleeps on something
     /// else, e.g. a proxy sleeping on its fabric completion queue).
     pub fn with_notify(mut self, notify: crate::fabric::Interrupter) -> Self {
@@ -356,10 +368,11 @@ impl Producer {
         // Pairs with the consumer's fence between raising `waiting` and re-checking
         // the ring: either it sees our entry, or we see it waiting.
         fence(Ordering::SeqCst);
-        if self.ring.waiting().load(Ordering::Relaxed) != 0 {
-            self.ring.wake_seq().fetch_add(1, Ordering::Release);
+        let ring = self.wake.as_ref().unwrap_or(&self.ring);
+        if ring.waiting().load(Ordering::Relaxed) != 0 {
+            ring.wake_seq().fetch_add(1, Ordering::Release);
             let _ = rustix::thread::futex::wake(
-                self.ring.wake_seq(),
+                ring.wake_seq(),
                 rustix::thread::futex::Flags::empty(),
                 1,
             );
@@ -465,7 +478,22 @@ impl Consumer {
     /// Waits up to `timeout` until a descriptor is ready (without taking it); true if
     /// one is.
     pub fn wait(&self, mode: WakeMode, timeout: Duration) -> bool {
-        if self.ready() {
+        self.wait_until(|| self.ready(), mode, timeout)
+    }
+
+    /// Waits up to `timeout` until this ring or one of `others` has a descriptor ready;
+    /// true if one has. The others' producers must wake through this ring
+    /// ([`Producer::wakes_through`]): one futex covers them all.
+    pub fn wait_any(&self, others: &[Consumer], mode: WakeMode, timeout: Duration) -> bool {
+        self.wait_until(
+            || self.ready() || others.iter().any(Consumer::ready),
+            mode,
+            timeout,
+        )
+    }
+
+    fn wait_until(&self, ready: impl Fn() -> bool, mode: WakeMode, timeout: Duration) -> bool {
+        if ready() {
             return true;
         }
         let started = Instant::now();
@@ -477,13 +505,13 @@ impl Consumer {
         let mut rounds = 0u32;
         loop {
             for _ in 0..64 {
-                if self.ready() {
+                if ready() {
                     return true;
                 }
                 std::hint::spin_loop();
             }
             if self.take_interrupt() {
-                return self.ready();
+                return ready();
             }
             rounds += 1;
             if started.elapsed() >= spin {
@@ -495,23 +523,23 @@ impl Consumer {
             }
         }
         if matches!(mode, WakeMode::Poll) {
-            return self.ready();
+            return ready();
         }
         loop {
             let remaining = match timeout.checked_sub(started.elapsed()) {
                 Some(r) if !r.is_zero() => r,
-                _ => return self.ready(),
+                _ => return ready(),
             };
             let seen = self.ring.wake_seq().load(Ordering::Acquire);
             self.ring.waiting().store(1, Ordering::Relaxed);
             fence(Ordering::SeqCst);
-            if self.ready() {
+            if ready() {
                 self.ring.waiting().store(0, Ordering::Relaxed);
                 return true;
             }
             if self.take_interrupt() {
                 self.ring.waiting().store(0, Ordering::Relaxed);
-                return self.ready();
+                return ready();
             }
             let ts = rustix::fs::Timespec {
                 tv_sec: remaining.as_secs() as i64,
@@ -526,7 +554,7 @@ impl Consumer {
                 Some(&ts),
             );
             self.ring.waiting().store(0, Ordering::Relaxed);
-            if self.ready() {
+            if ready() {
                 return true;
             }
         }

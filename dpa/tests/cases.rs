@@ -145,6 +145,7 @@ fn pod_entry() {
                     status: 0,
                     header: &h,
                     body: &sent,
+                    lane: 0,
                 })
                 .unwrap();
                 let Incoming::Message {
@@ -180,6 +181,7 @@ fn pod_entry() {
                 status: 0,
                 header: &h,
                 body: b"secret",
+                lane: 0,
             })
             .unwrap();
             let Incoming::Message {
@@ -210,6 +212,7 @@ fn pod_entry() {
                 status: 0,
                 header: &head(&[("stop", "1".into())]),
                 body: &[],
+                lane: 0,
             })
             .unwrap();
         }
@@ -237,6 +240,7 @@ fn pod_entry() {
                 status: 0,
                 header: &h,
                 body: &sent,
+                lane: 0,
             })
             .unwrap();
             std::process::exit(0);
@@ -269,17 +273,34 @@ fn pod_entry() {
 }
 
 fn node(dir: &Path, name: &str) -> Dpu {
+    node_with_shards(dir, name, 1)
+}
+
+fn node_with_shards(dir: &Path, name: &str, shards: usize) -> Dpu {
     let mut config = DpuConfig::new(name);
     config.pod.body_slots = 8;
+    config.shards = shards;
     Dpu::start(config, &Endpoint::Unix(dir.join("control.sock"))).unwrap()
 }
 
 /// The proxy's job in these tests: forward requests and responses as the pods
 /// addressed them, answer a head with `deny=` itself. Returns when `until` holds.
-fn proxy(port: &mut DpuShard, mut until: impl FnMut(&Descriptor) -> bool) {
+fn proxy(port: &mut DpuShard, until: impl FnMut(&Descriptor) -> bool) {
+    proxy_until(port, until, || false);
+}
+
+/// As [`proxy`], and also returns once `stop` says so.
+fn proxy_until(
+    port: &mut DpuShard,
+    mut until: impl FnMut(&Descriptor) -> bool,
+    stop: impl Fn() -> bool,
+) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        let Some(d) = port.recv(Duration::from_millis(100)).unwrap() else {
+        if stop() {
+            return;
+        }
+        let Some(d) = port.recv(Duration::from_millis(20)).unwrap() else {
             continue;
         };
         if d.kind.error {
@@ -340,6 +361,79 @@ fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     while !node.pods().is_empty() && Instant::now() < deadline {
         // The shard lets go of a departed pod when it runs: keep it running.
         let _ = port.recv(Duration::from_millis(5));
+    }
+    assert!(node.pods().is_empty());
+    assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
+}
+
+#[test]
+fn with_two_shards_a_request_and_its_answer_stay_on_the_shard_that_took_it() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let dir = tempfile::tempdir().unwrap();
+    let node = node_with_shards(dir.path(), "lanes", 2);
+    let socket = dir.path().join("control.sock");
+    let mut server = spawn_pod("server", &socket);
+    let mut client = spawn_pod("client", &socket);
+    // Each shard on a thread of its own, as the proxy runs them; each records what
+    // it carried: (request id, step, response?).
+    let stop = Arc::new(AtomicBool::new(false));
+    let shards: Vec<_> = node
+        .take_shards()
+        .into_iter()
+        .map(|mut shard| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut carried = Vec::new();
+                proxy_until(
+                    &mut shard,
+                    |d| {
+                        carried.push((d.req_id, d.step_id, d.kind.response));
+                        if d.req_id == 9 {
+                            stop.store(true, SeqCst);
+                        }
+                        false
+                    },
+                    || stop.load(SeqCst),
+                );
+                (shard, carried)
+            })
+        })
+        .collect();
+    let mut ran: Vec<_> = shards.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(
+        client.wait().success(),
+        "the client pod checked every reply"
+    );
+    assert!(
+        server.wait().success(),
+        "the server pod checked every request"
+    );
+    // The client's requests took turns over the lanes: both shards carried some, and
+    // every answer came back through the shard that carried its request.
+    for (shard, carried) in &ran {
+        let requests: Vec<_> = carried.iter().filter(|c| !c.2).collect();
+        assert!(
+            !requests.is_empty(),
+            "shard {} carried no request: {carried:?}",
+            shard.index()
+        );
+        for &&(req, step, _) in &requests {
+            if req == 7 {
+                assert!(
+                    carried.contains(&(req, step, true)),
+                    "the answer to ({req}, {step}) left shard {}: {carried:?}",
+                    shard.index()
+                );
+            }
+        }
+    }
+    // Both pods exited: every shard let go of them and nothing leaked.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node.pods().is_empty() && Instant::now() < deadline {
+        for (shard, _) in &mut ran {
+            let _ = shard.recv(Duration::from_millis(5));
+        }
     }
     assert!(node.pods().is_empty());
     assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
@@ -452,6 +546,7 @@ fn a_pod_calling_itself_through_a_tiny_ring_gets_its_message_and_every_slot_back
             status: 0,
             header: &h,
             body: &sent,
+            lane: 0,
         })
         .unwrap();
         let Incoming::Message {

@@ -135,6 +135,7 @@ fn pod_entry() {
                     status: 0,
                     header: head.as_bytes(),
                     body: &sent,
+                    lane: 0,
                 })
                 .unwrap();
                 let Incoming::Message {

@@ -74,6 +74,8 @@ struct Queued {
     body: Bytes,
     /// For egress calls: the tag to fail if it cannot be sent at all.
     tag: Option<Tag>,
+    /// For responses: the lane the request came on.
+    lane: u8,
 }
 
 /// A service pod's transport over its registered port.
@@ -297,6 +299,7 @@ impl DataPathTransport {
                 status: q.status,
                 header: &q.header,
                 body: &q.body,
+                lane: q.lane,
             });
             match sent {
                 Ok(()) => {
@@ -408,6 +411,7 @@ impl DataPathTransport {
             header,
             body,
             tag: None,
+            lane: reply.lane,
         });
     }
 }
@@ -498,6 +502,7 @@ impl Transport for DataPathTransport {
                 header,
                 body: request.body,
                 tag: Some(tag),
+                lane: 0,
             }),
             Err(e) => self.failed.push(Event::Completion {
                 tag,

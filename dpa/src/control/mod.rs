@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
 /// The protocol version this build speaks.
 /// 3: registrations carry a token. 4: BlueCache store messages.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Largest body accepted.
 pub const MAX_BODY: u32 = 64 << 10;
 const HEADER: usize = 16;
@@ -155,13 +155,23 @@ pub struct PodExports {
     pub rx_header: RegionExport,
     /// Pool the DPU (or a remote peer over the fabric) writes received bodies into.
     pub rx_body: RegionExport,
-    /// Host TX SQ: the pod produces, the DMA manager consumes.
+    /// One ring pair per proxy shard of the node, in shard order: a request runs to
+    /// completion on the shard that took it, so each shard reaches every pod on a
+    /// lane of its own (as a multi-queue NIC gives each core its own queues).
+    pub lanes: Vec<LaneExport>,
+}
+
+/// One shard's ring pair into a pod.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaneExport {
+    /// Host TX SQ: the pod produces, the shard's DMA work consumes.
     pub tx_sq: RegionExport,
-    /// Host RX SQ: the DMA manager produces, the pod consumes.
+    /// Host RX SQ: the shard's DMA work produces, the pod consumes. Every lane's
+    /// producer wakes the pod through the first lane's wake words.
     pub rx_sq: RegionExport,
-    /// The bell of the proxy shard that serves the pod, rung after pushing to the TX
-    /// SQ: its `waiting` word here, its eventfd passed with the answer (Unix sockets
-    /// only; over TCP the shard polls).
+    /// The shard's bell, rung after pushing to this lane's TX SQ: its `waiting` word
+    /// here, its eventfd passed with the answer (in lane order; Unix sockets only:
+    /// over TCP the shard polls).
     pub bell: RegionExport,
 }
 

@@ -29,15 +29,20 @@ fn exports() -> PodExports {
         tx_body: export(2),
         rx_header: export(3),
         rx_body: export(4),
-        tx_sq: RegionExport {
-            kind: RegionKind::Ring { capacity: 64 },
-            ..export(5)
-        },
-        rx_sq: export(6),
-        bell: RegionExport {
-            kind: RegionKind::Bell,
-            ..export(7)
-        },
+        lanes: vec![
+            LaneExport {
+                tx_sq: RegionExport {
+                    kind: RegionKind::Ring { capacity: 64 },
+                    ..export(5)
+                },
+                rx_sq: export(6),
+                bell: RegionExport {
+                    kind: RegionKind::Bell,
+                    ..export(7)
+                },
+            };
+            2
+        ],
     }
 }
 

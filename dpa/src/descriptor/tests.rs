@@ -75,6 +75,11 @@ fn round_trips_every_case_and_kind() {
             status: DescriptorStatus::PoolExhausted as u16,
             ..sample()
         },
+        // The lane rides in the flags' high byte.
+        Descriptor {
+            lane: 255,
+            ..sample()
+        },
     ];
     for d in cases {
         let back = Descriptor::decode(&d.encode(1)).unwrap();
@@ -94,7 +99,7 @@ fn garbage_is_refused_with_the_reason() {
     };
     check(&|r| r.valid = 0, "not valid");
     check(&|r| r.version = 2, "version 2 is not supported");
-    check(&|r| r.flags |= 1 << 12, "unknown flag bits 0x1000");
+    check(&|r| r.flags |= 1 << 7, "unknown flag bits 0x0080");
     check(&|r| r.flags &= !Flags::CASES, "exactly one of case");
     check(&|r| r.flags |= Flags::CASE_1.0, "exactly one of case");
     check(&|r| r.dst[7] = 1, "pod destination is malformed");

@@ -74,6 +74,9 @@ pub struct PodPort {
     pub tx_sq: Consumer,
     /// Host RX SQ (the pod consumes).
     pub rx_sq: Producer,
+    /// The lane these rings are (the shard's index): stamped on every descriptor
+    /// delivered, so the pod answers on the same lane.
+    pub lane: u8,
 }
 
 /// What the node tells the manager.
@@ -305,7 +308,9 @@ impl<E: DmaEngine> DmaManager<E> {
         let Some(pod) = self.pods.get_mut(&id) else {
             return Ok(());
         };
-        pod.rx_sq.push_quietly(d)?;
+        let mut d = *d;
+        d.lane = pod.lane;
+        pod.rx_sq.push_quietly(&d)?;
         match self.unwoken.iter_mut().find(|(p, _)| *p == id) {
             Some((_, n)) if *n + 1 >= WAKE_BATCH => {
                 *n = 0;

@@ -385,10 +385,17 @@ pub trait QueuePair: Send + Sync {
 pub trait QpListener: Send + Sync {
     /// The queue pair type.
     type Qp: QueuePair;
+    /// The completion queue type.
+    type Cq;
     /// Where it listens.
     fn local_addr(&self) -> SocketAddr;
-    /// Waits up to `timeout` for a peer to connect.
+    /// Waits up to `timeout` for a peer to connect; the queue pair completes on the
+    /// listener's queue.
     fn accept(&self, timeout: Duration) -> Result<Option<Self::Qp>, FabricError>;
+    /// As [`QpListener::accept`], but the queue pair completes on `cq`: one listener
+    /// spreads its peers over several threads, each polling a queue of its own (a
+    /// node's proxy shards).
+    fn accept_on(&self, cq: &Self::Cq, timeout: Duration) -> Result<Option<Self::Qp>, FabricError>;
 }
 
 /// An RDMA device (or its software stand-in).
@@ -401,7 +408,7 @@ pub trait Fabric: Send + Sync + 'static {
     type Cq: CompletionQueue + Clone;
     /// Queue pair.
     type Qp: QueuePair;
-    type Listener: QpListener<Qp = Self::Qp>;
+    type Listener: QpListener<Qp = Self::Qp, Cq = Self::Cq>;
 
     /// The backend's name.
     fn name(&self) -> &'static str;

@@ -622,12 +622,27 @@ impl Drop for VerbsListener {
 
 impl QpListener for VerbsListener {
     type Qp = VerbsQp;
+    type Cq = VerbsCq;
 
     fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
     fn accept(&self, timeout: Duration) -> Result<Option<VerbsQp>, FabricError> {
+        self.accept_cq(&self.cq, timeout)
+    }
+
+    fn accept_on(&self, cq: &VerbsCq, timeout: Duration) -> Result<Option<VerbsQp>, FabricError> {
+        self.accept_cq(&cq.cq, timeout)
+    }
+}
+
+impl VerbsListener {
+    fn accept_cq(
+        &self,
+        cq: &Arc<CqHandle>,
+        timeout: Duration,
+    ) -> Result<Option<VerbsQp>, FabricError> {
         let request = match expect_event(
             self.channel,
             sys::rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST,
@@ -664,7 +679,7 @@ impl QpListener for VerbsListener {
                 }
             },
         };
-        let mut attr = qp_attr(&self.cq, self.caps);
+        let mut attr = qp_attr(cq, self.caps);
         let mut param = conn_param();
         // SAFETY: `id` is the new connection's id; on failure it is destroyed.
         unsafe {
@@ -694,7 +709,7 @@ impl QpListener for VerbsListener {
             channel: ptr::null_mut(),
             peer,
             _pd: self.pd.clone(),
-            _cq: self.cq.clone(),
+            _cq: cq.clone(),
         }))
     }
 }

@@ -112,6 +112,50 @@ fn event_mode_sleeps_and_is_woken_by_the_producer() {
 }
 
 #[test]
+fn one_sleeper_is_woken_by_any_of_its_lanes() {
+    // A pod's RX lanes: lane 1's producer wakes through lane 0's words, and the pod
+    // sleeps on lane 0's futex for both.
+    let (lane0, lane1) = (ring(16), ring(16));
+    let mut tx0 = lane0.producer();
+    let mut tx1 = lane1.producer().wakes_through(lane0.clone());
+    let mut rx0 = lane0.consumer();
+    let others = [lane1.consumer()];
+    let consumer = std::thread::spawn(move || {
+        let mut others = others;
+        let mut got = Vec::new();
+        let sleep = WakeMode::Event {
+            spin: Duration::ZERO,
+        };
+        while got.len() < 100 {
+            // A lost wake-up shows as a 10 s wait that ends with nothing.
+            assert!(
+                rx0.wait_any(&others, sleep, Duration::from_secs(10)),
+                "woken with nothing after {got:?}"
+            );
+            while let Some(d) = rx0.try_pop().unwrap() {
+                got.push(d.req_id);
+            }
+            while let Some(d) = others[0].try_pop().unwrap() {
+                got.push(d.req_id);
+            }
+        }
+        got.sort_unstable();
+        got
+    });
+    for n in 0..100 {
+        let tx = if n % 3 == 0 { &mut tx0 } else { &mut tx1 };
+        while tx.push(&desc(n)).is_err() {
+            std::thread::yield_now();
+        }
+        if n % 10 == 0 {
+            // Let the consumer fall asleep so the futex path is taken.
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    assert_eq!(consumer.join().unwrap(), (0..100).collect::<Vec<_>>());
+}
+
+#[test]
 fn waiting_on_an_empty_ring_times_out() {
     let r = ring(2);
     let mut rx = r.consumer();

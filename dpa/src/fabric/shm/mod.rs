@@ -280,7 +280,7 @@ fn peer_parts(hello: &Hello, fds: Vec<OwnedFd>) -> Result<PeerParts, String> {
 }
 
 impl ShmListener {
-    fn handshake(&self, mut sock: UnixStream) -> Result<ShmQp, String> {
+    fn handshake(&self, mut sock: UnixStream, cq: &ShmCq) -> Result<ShmQp, String> {
         sock.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
             .and_then(|()| sock.set_write_timeout(Some(HANDSHAKE_TIMEOUT)))
             .map_err(|e| e.to_string())?;
@@ -310,15 +310,11 @@ impl ShmListener {
             qp_num: num,
             cap,
             segment: hello.segment.clone(),
-            bell: self.cq.inner.bell.path().to_owned(),
+            bell: cq.inner.bell.path().to_owned(),
             table: self.pd.table.path().to_owned(),
         };
-        fdpass::send(
-            &mut sock,
-            &encode_hello(&welcome),
-            &[self.cq.inner.bell.fd()],
-        )
-        .map_err(|e| format!("cannot answer the hello: {e}"))?;
+        fdpass::send(&mut sock, &encode_hello(&welcome), &[cq.inner.bell.fd()])
+            .map_err(|e| format!("cannot answer the hello: {e}"))?;
         sock.set_read_timeout(None).map_err(|e| e.to_string())?;
         let inner = Arc::new(QpInner::new(
             num,
@@ -327,23 +323,28 @@ impl ShmListener {
             1,
             peer,
             self.pd.table.clone(),
-            self.cq.inner.clone(),
+            cq.inner.clone(),
             sock,
             self.caps,
         ));
-        self.cq.inner.attach(&inner).map_err(|e| e.to_string())?;
+        cq.inner.attach(&inner).map_err(|e| e.to_string())?;
         Ok(ShmQp { inner, peer_id })
     }
 }
 
 impl QpListener for ShmListener {
     type Qp = ShmQp;
+    type Cq = ShmCq;
 
     fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
     fn accept(&self, timeout: Duration) -> Result<Option<ShmQp>, FabricError> {
+        self.accept_on(&self.cq, timeout)
+    }
+
+    fn accept_on(&self, cq: &ShmCq, timeout: Duration) -> Result<Option<ShmQp>, FabricError> {
         let mut fds = [rustix::event::PollFd::new(
             &self.unix,
             rustix::event::PollFlags::IN,
@@ -363,7 +364,7 @@ impl QpListener for ShmListener {
             Err(e) => return Err(FabricError::Io(e)),
         };
         sock.set_nonblocking(false)?;
-        match self.handshake(sock) {
+        match self.handshake(sock, cq) {
             Ok(qp) => Ok(Some(qp)),
             Err(detail) => {
                 tracing::warn!(addr = %self.addr, detail, "shm fabric: a peer's handshake failed");

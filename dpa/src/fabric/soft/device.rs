@@ -172,12 +172,17 @@ pub(super) fn hello(
 
 impl QpListener for SoftListener {
     type Qp = SoftQp;
+    type Cq = SoftCq;
 
     fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
     fn accept(&self, timeout: Duration) -> Result<Option<SoftQp>, FabricError> {
+        self.accept_on(&self.cq, timeout)
+    }
+
+    fn accept_on(&self, cq: &SoftCq, timeout: Duration) -> Result<Option<SoftQp>, FabricError> {
         let deadline = Instant::now() + timeout;
         loop {
             match self.listener.accept() {
@@ -192,7 +197,7 @@ impl QpListener for SoftListener {
                     };
                     return self
                         .fabric
-                        .make_qp(&self.pd, sock, peer, &self.cq, self.caps, session)
+                        .make_qp(&self.pd, sock, peer, cq, self.caps, session)
                         .map(Some);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
