@@ -13,6 +13,8 @@
 #       fabric, in req/s and in CPU per request of the ingress and nodes,
 #   (g) (d) with its chains run as separate instances (`fuse_chains: false`): what
 #       fusing a chain into one component saves the nodes,
+#   (h) (d) with one shard per node (`cores: 1`; (d) runs one per core): what the
+#       second shard of each node gives or costs on this machine,
 # each under wrk -t1 -c32 -d${DURATION:-10}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -146,6 +148,11 @@ check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
 g=$(run "g dpumesh (shm fabric, chains unfused)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
+start_mesh shm cores1
+check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
+h=$(run "h dpumesh (shm fabric, one shard a node)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+stop_mesh
+
 start_mesh tcp
 check http://127.0.0.1:18090/ping
 e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
@@ -157,11 +164,11 @@ f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pid
 stop_mesh
 
 printf '\n%-42s %10s %9s %9s %14s %14s %10s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req"
-for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g"; do
+for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h"; do
     IFS='|' read -r name rps p50 p99 cpu non mesh sw <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     case "$name" in
-        [defg]*) printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" ;;
+        [defgh]*) printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" ;;
         *) printf '%-42s %10s %9s %9s %14s\n' "$name" "$rps" "$p50" "$p99" "$cpu" ;;
     esac
 done
@@ -181,6 +188,7 @@ IFS='|' read -r _ rd _ pd cd _ md swd <<<"$d"
 IFS='|' read -r _ re _ _ _ _ me _ <<<"$e"
 IFS='|' read -r _ rf _ _ _ _ mf _ <<<"$f"
 IFS='|' read -r _ rg _ _ _ _ mg _ <<<"$g"
+IFS='|' read -r _ rh _ ph _ _ mh swh <<<"$h"
 IFS='|' read -r _ rch2 _ <<<"$ch2"
 IFS='|' read -r _ rdh2 _ <<<"$dh2"
 echo
@@ -192,4 +200,5 @@ echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
 echo "mutual TLS on the tcp fabric: req/s e/f $(echo "scale=2; $re / $rf" | bc), ingress + node CPU per request e $me vs f $mf us"
 echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
 echo "fused chains: req/s d/g $(echo "scale=2; $rd / $rg" | bc), ingress + node CPU per request d $md vs g $mg us"
+echo "shards: req/s d/h $(echo "scale=2; $rd / $rh" | bc), p99 d $pd vs h $ph, ingress + node CPU per request d $md vs h $mh us, cs/req d $swd vs h $swh"
 echo "idle node CPU (each node, % of a core):$idle_nodes"

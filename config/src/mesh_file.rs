@@ -18,6 +18,7 @@
 //!   path: {normalize: true, merge_slashes: true, escaped_slashes: reject}  # the defaults
 //! nodes:
 //!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
+//!   # cores: 2                     # proxy shards (default: the machine's cores)
 //! services:
 //!   frontend: {nodes: [node1], replicas: 1, command: [hotel, frontend]}
 //! ```
@@ -147,9 +148,26 @@ pub struct NodeEntry {
     /// The address Pingmesh's UD queue pair binds: its IP is the RNIC's GID (default:
     /// the fabric address's IP, any port).
     pub rnic: Option<SocketAddr>,
+    /// The cores given to the node's proxy: one shard thread each, every request run
+    /// to completion on the shard that took it (default: all the machine's cores).
+    pub cores: Option<u32>,
 }
 
 impl NodeEntry {
+    /// Most shards a node runs: each pod gets a ring pair (a lane) per shard, and a
+    /// descriptor names its lane in one byte.
+    pub const MAX_CORES: u32 = 64;
+
+    /// The proxy's shards: `cores`, or one per core of this machine.
+    pub fn shards(&self) -> usize {
+        match self.cores {
+            Some(n) => n as usize,
+            None => std::thread::available_parallelism()
+                .map_or(1, usize::from)
+                .min(Self::MAX_CORES as usize),
+        }
+    }
+
     pub fn tor(&self) -> &str {
         self.tor.as_deref().unwrap_or("tor-0")
     }
@@ -341,6 +359,20 @@ impl MeshFile {
             return Err(error(
                 &format!("nodes.{name}.netns"),
                 "shared memory does not cross network namespaces: set `transport: tcp`".into(),
+            ));
+        }
+        if let Some((name, node)) = config
+            .nodes
+            .iter()
+            .find(|(_, n)| n.cores.is_some_and(|c| c == 0 || c > NodeEntry::MAX_CORES))
+        {
+            return Err(error(
+                &format!("nodes.{name}.cores"),
+                format!(
+                    "{} cores: a node's proxy runs on 1 to {} cores",
+                    node.cores.unwrap_or(0),
+                    NodeEntry::MAX_CORES
+                ),
             ));
         }
         let (min, max) = config.polling.bounds();
@@ -536,6 +568,21 @@ mod tests {
         );
         let m = load(&format!("{BASE}polling: {{mode: poll}}\n")).unwrap();
         assert_eq!(m.config.polling.mode, PollMode::Poll);
+    }
+
+    #[test]
+    fn a_node_runs_a_shard_per_core_it_is_given() {
+        let cores = |n: &str| format!("policy: p.yaml\ningress: {{listen: 127.0.0.1:8000}}\nnodes: {{n1: {{fabric: 127.0.0.1:1{n}}}}}\nservices: {{}}\n");
+        let m = load(&cores(", cores: 3")).unwrap();
+        assert_eq!(m.config.nodes["n1"].shards(), 3);
+        let all = std::thread::available_parallelism().map_or(1, usize::from);
+        let m = load(&cores("")).unwrap();
+        assert_eq!(m.config.nodes["n1"].shards(), all.min(64), "default: every core");
+        for bad in ["0", "65"] {
+            let e = load(&cores(&format!(", cores: {bad}"))).unwrap_err();
+            assert_eq!(e.path, "nodes.n1.cores");
+            assert!(e.message.contains("1 to 64 cores"), "{e}");
+        }
     }
 
     #[test]

@@ -254,6 +254,7 @@ impl Node {
         // must not meet.
         let mut config = DpuConfig::new(format!("{name}-{}", std::process::id()));
         config.registration = crate::trust::registration_key(mesh)?;
+        config.shards = entry.shards();
         config.pod = PodSizing {
             header_slot: 64 << 10,
             header_slots: 256,

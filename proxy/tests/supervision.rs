@@ -125,7 +125,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
         .supervisor()
         .threads()
         .into_iter()
-        .find(|t| t.name() == "dpumesh-dataplane")
+        .find(|t| t.name() == "dpumesh-shard-0")
         .unwrap();
     assert_eq!(reactor.panics(), 1);
     assert_eq!(get(admin, "admin", "/readyz").0, 200);
@@ -142,6 +142,6 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     }
     let (status, body) = get(admin, "admin", "/readyz");
     assert_eq!(status, 503, "{body}");
-    assert!(body.contains("dpumesh-dataplane"), "{body}");
+    assert!(body.contains("dpumesh-shard-0"), "{body}");
     assert!(body.contains("injected data plane panic"), "{body}");
 }

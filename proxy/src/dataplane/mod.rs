@@ -16,8 +16,10 @@
 //! B's reply: B's TX ring → [WRITE body → reply buffer] → Response → origin
 //! ```
 //!
-//! One shard thread owns every queue pair, its pods' rings and the exchanges in
-//! flight, and runs each request to completion. Its parts: [`exchange`] (the sans-I/O
+//! A node runs a shard thread per core it is given (`cores:` in the mesh file). A
+//! shard owns its queue pairs (the accept loop deals links out in turn), a lane (ring
+//! pair) into every pod of the node, its filter instances and the exchanges in flight,
+//! and runs each request to completion: no request changes threads. Its parts: [`exchange`] (the sans-I/O
 //! table of exchanges, timers, transfers and orphans, and the decisions about them),
 //! `event_loop` (drain, batch, poll, sleep), `intake` (routing and the chain),
 //! `dispatch` (to a pod or a peer), `respond` (answers back), `failure` (retries,
@@ -108,11 +110,16 @@ pub struct DataplaneStats {
 pub struct Dataplane {
     stop: Arc<AtomicBool>,
     accept_stop: Arc<AtomicBool>,
-    bell: Bell,
-    thread: Option<JoinHandle<()>>,
+    shards: Vec<ShardThread>,
     addr: SocketAddr,
     stats: Arc<DataplaneStats>,
     supervisor: Arc<Supervisor>,
+}
+
+/// A shard's thread, as the data plane keeps it.
+struct ShardThread {
+    bell: Bell,
+    thread: Option<JoinHandle<()>>,
     #[cfg(feature = "fault-injection")]
     inbox: Sender<Inbox>,
 }
@@ -126,11 +133,13 @@ impl std::fmt::Debug for Dataplane {
 }
 
 impl Dataplane {
-    /// Starts the reactor: listens for queue pairs at `listen` and takes the node's
-    /// first shard (its pods' rings and pools, its DMA work and its bell); the
-    /// reactor runs every request's chain inline, polls as `polling` says after its
-    /// last work, then sleeps on one epoll set (the shard's bell and its completion
-    /// queue).
+    /// Starts a shard per [`DpuShard`] of the node (a reactor thread each, with its
+    /// pods' lanes, its DMA work, its bell and a completion queue of its own) and
+    /// listens for queue pairs at `listen`, giving each accepted one to the next shard
+    /// in turn. A shard runs every request that arrives on its links or lanes to
+    /// completion (chain inline, answer back on the same link or lane), polls as
+    /// `polling` says after its last work, then sleeps on one epoll set (its bell and
+    /// its completion queue).
     pub fn start<F: Fabric + Clone>(
         fabric: F,
         listen: SocketAddr,
@@ -139,53 +148,80 @@ impl Dataplane {
         topology: Topology,
         polling: Polling,
     ) -> anyhow::Result<Self> {
-        let fabric_for_callouts = fabric.clone();
-        let pd = fabric.alloc_pd()?;
-        // Every link's receives and sends complete here.
-        let cq = fabric.create_cq(1 << 16)?;
-        let listener = fabric.listen(&pd, listen, &cq, QpCaps::default())?;
-        let addr = listener.local_addr();
-        // Accepting (with the peer's hello) may block on a slow or silent connection:
-        // never on the reactor.
-        let (accepted_tx, accepted) = crossbeam_channel::unbounded();
-        let accept_stop = Arc::new(AtomicBool::new(false));
-        let port = dpu
-            .take_shards()
-            .into_iter()
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("the node's shards are taken"))?;
-        let bell = port.bell().clone();
-        let mut waits = WaitSet::new()?;
-        waits.add(bell.fd(), 0)?;
-        if let Some(fd) = cq.wait_fd() {
-            waits.add(fd, 1)?;
+        let ports = dpu.take_shards();
+        if ports.is_empty() {
+            anyhow::bail!("the node's shards are taken");
         }
-        let chains = LocalChains::new(SHARD_RUNNER, policy.snapshot().generation.clone());
-        // A plugin's shared queue got an item: the shard tells it at its next turn.
-        let queue_ready = Arc::new(AtomicBool::new(false));
-        // The shard makes its plugins' root-context calls (from on_tick and the like).
-        chains.perform_root_calls();
-        chains.set_waker({
-            let (flag, bell) = (queue_ready.clone(), bell.clone());
-            Arc::new(move || {
-                flag.store(true, Ordering::Release);
-                bell.ring();
-            })
-        });
-        let generation = policy.add_runner();
+        // One protection domain: a queue pair accepted for any shard reaches the pod
+        // regions that shard registers.
+        let pd = fabric.alloc_pd()?;
+        let cqs = ports
+            .iter()
+            .map(|_| fabric.create_cq(1 << 16))
+            .collect::<Result<Vec<_>, _>>()?;
+        let listener = fabric.listen(&pd, listen, &cqs[0], QpCaps::default())?;
+        let addr = listener.local_addr();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(DataplaneStats::default());
         let supervisor = Supervisor::new();
+        let mut shards = Vec::with_capacity(ports.len());
+        let mut handoffs = Vec::with_capacity(ports.len());
+        for (port, cq) in ports.into_iter().zip(cqs) {
+            let index = port.index();
+            // Accepting (with the peer's hello) may block on a slow or silent
+            // connection: never on a shard.
+            let (accepted_tx, accepted) = crossbeam_channel::unbounded();
+            let bell = port.bell().clone();
+            handoffs.push((accepted_tx, cq.clone(), bell.clone()));
+            let reactor = Reactor::new(
+                ReactorParts {
+                    fabric: fabric.clone(),
+                    pd: pd.clone(),
+                    cq,
+                    accepted,
+                    port,
+                    dpu: dpu.clone(),
+                    policy: policy.clone(),
+                    topology: topology.clone(),
+                    self_addr: reachable(addr),
+                    stats: stats.clone(),
+                    stop: stop.clone(),
+                    polling,
+                },
+            )?;
+            #[cfg(feature = "fault-injection")]
+            let inbox = reactor.inbox_tx.clone();
+            let thread = supervisor.spawn(
+                format!("dpumesh-shard-{index}"),
+                RestartPolicy::default(),
+                reactor,
+                Reactor::run,
+                Reactor::recover,
+            )?;
+            shards.push(ShardThread {
+                bell,
+                thread: Some(thread),
+                #[cfg(feature = "fault-injection")]
+                inbox,
+            });
+        }
+        let accept_stop = Arc::new(AtomicBool::new(false));
         supervisor.spawn(
             "dpumesh-accept",
             RestartPolicy::default(),
-            (listener, accepted_tx, accept_stop.clone(), bell.clone()),
-            |(listener, accepted, stop, bell)| {
+            (listener, handoffs, accept_stop.clone(), 0usize),
+            |(listener, shards, stop, turn)| {
                 while !stop.load(Ordering::Relaxed) {
-                    match listener.accept(ACCEPT_LOOK) {
+                    // Links take turns over the shards (the ingress opens one per
+                    // worker, each peer node one per shard of its own).
+                    let (to, cq, bell) = &shards[*turn % shards.len()];
+                    match listener.accept_on(cq, ACCEPT_LOOK) {
                         Ok(Some(qp)) => {
-                            if accepted.send(qp).is_err() {
+                            if to.send(qp).is_err() {
                                 return;
                             }
                             bell.ring();
+                            *turn = turn.wrapping_add(1);
                         }
                         Ok(None) => {}
                         Err(e) => {
@@ -197,79 +233,33 @@ impl Dataplane {
             },
             |_| {},
         )?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stats = Arc::new(DataplaneStats::default());
-        let (inbox_tx, inbox) = crossbeam_channel::unbounded();
-        let reactor = Reactor {
-            fabric,
-            pd,
-            cq,
-            accepted,
-            reconnect: Reconnect::default(),
-            links: HashMap::new(),
-            peer_links: HashMap::new(),
-            port,
-            chains,
-            plugin_tick: None,
-            queue_ready,
-            generation,
-            waits,
-            dpu,
-            policy,
-            topology,
-            pods: Vec::new(),
-            pods_at: Instant::now() - Duration::from_secs(1),
-            regions: HashMap::new(),
-            table: ExchangeTable::default(),
-            pod_turns: HashMap::new(),
-            node_turns: HashMap::new(),
-            inbox,
-            inbox_tx,
-            callouts: None,
-            start_callouts: {
-                let fabric = fabric_for_callouts;
-                Box::new(move || Callouts::start(fabric.clone()))
-            },
-            self_addr: reachable(addr),
-            bell: bell.clone(),
-            stats: stats.clone(),
-            stop: stop.clone(),
-            completions: Vec::with_capacity(64),
-            deferred: VecDeque::new(),
-            spin: Spin::new(polling),
-        };
-        #[cfg(feature = "fault-injection")]
-        let inbox = reactor.inbox_tx.clone();
-        let thread = supervisor.spawn(
-            "dpumesh-dataplane",
-            RestartPolicy::default(),
-            reactor,
-            Reactor::run,
-            Reactor::recover,
-        )?;
         Ok(Self {
             stop,
             accept_stop,
-            bell,
-            thread: Some(thread),
+            shards,
             addr,
             stats,
             supervisor,
-            #[cfg(feature = "fault-injection")]
-            inbox,
         })
     }
 
-    /// The data plane's threads (the reactor, the accept loop), for readiness.
+    /// The data plane's threads (the shards, the accept loop), for readiness.
     pub fn supervisor(&self) -> &Arc<Supervisor> {
         &self.supervisor
     }
 
-    /// Makes the reactor thread panic at its next turn (tests of supervision).
+    /// Makes every shard's thread panic at its next turn (tests of supervision).
     #[cfg(feature = "fault-injection")]
     pub fn inject_panic(&self) {
-        let _ = self.inbox.send(Inbox::Panic);
-        self.bell.ring();
+        for shard in &self.shards {
+            let _ = shard.inbox.send(Inbox::Panic);
+            shard.bell.ring();
+        }
+    }
+
+    /// How many shards run.
+    pub fn shards(&self) -> usize {
+        self.shards.len()
     }
 
     /// Where peers and the ingress connect.
@@ -287,9 +277,13 @@ impl Drop for Dataplane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
         self.accept_stop.store(true, Ordering::SeqCst);
-        self.bell.interrupt();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        for shard in &self.shards {
+            shard.bell.interrupt();
+        }
+        for shard in &mut self.shards {
+            if let Some(t) = shard.thread.take() {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -395,6 +389,97 @@ struct Reactor<F: Fabric> {
     deferred: VecDeque<Descriptor>,
     /// How long to keep polling after the last work before sleeping.
     spin: Spin,
+}
+
+/// What a shard is built from.
+struct ReactorParts<F: Fabric> {
+    fabric: F,
+    pd: F::Pd,
+    cq: F::Cq,
+    accepted: Receiver<F::Qp>,
+    port: DpuShard,
+    dpu: Arc<Dpu>,
+    policy: Arc<Policy>,
+    topology: Topology,
+    self_addr: SocketAddr,
+    stats: Arc<DataplaneStats>,
+    stop: Arc<AtomicBool>,
+    polling: Polling,
+}
+
+impl<F: Fabric + Clone> Reactor<F> {
+    fn new(parts: ReactorParts<F>) -> anyhow::Result<Self> {
+        let ReactorParts {
+            fabric,
+            pd,
+            cq,
+            accepted,
+            port,
+            dpu,
+            policy,
+            topology,
+            self_addr,
+            stats,
+            stop,
+            polling,
+        } = parts;
+        let bell = port.bell().clone();
+        let mut waits = WaitSet::new()?;
+        waits.add(bell.fd(), 0)?;
+        if let Some(fd) = cq.wait_fd() {
+            waits.add(fd, 1)?;
+        }
+        let chains = LocalChains::new(SHARD_RUNNER, policy.snapshot().generation.clone());
+        // A plugin's shared queue got an item: the shard tells it at its next turn.
+        let queue_ready = Arc::new(AtomicBool::new(false));
+        // The shard makes its plugins' root-context calls (from on_tick and the like).
+        chains.perform_root_calls();
+        chains.set_waker({
+            let (flag, bell) = (queue_ready.clone(), bell.clone());
+            Arc::new(move || {
+                flag.store(true, Ordering::Release);
+                bell.ring();
+            })
+        });
+        let generation = policy.add_runner();
+        let (inbox_tx, inbox) = crossbeam_channel::unbounded();
+        let callout_fabric = fabric.clone();
+        Ok(Self {
+            fabric,
+            pd,
+            cq,
+            accepted,
+            reconnect: Reconnect::default(),
+            links: HashMap::new(),
+            peer_links: HashMap::new(),
+            port,
+            chains,
+            plugin_tick: None,
+            queue_ready,
+            generation,
+            waits,
+            dpu,
+            policy,
+            topology,
+            pods: Vec::new(),
+            pods_at: Instant::now() - Duration::from_secs(1),
+            regions: HashMap::new(),
+            table: ExchangeTable::default(),
+            pod_turns: HashMap::new(),
+            node_turns: HashMap::new(),
+            inbox,
+            inbox_tx,
+            callouts: None,
+            start_callouts: Box::new(move || Callouts::start(callout_fabric.clone())),
+            self_addr,
+            bell,
+            stats,
+            stop,
+            completions: Vec::with_capacity(64),
+            deferred: VecDeque::new(),
+            spin: Spin::new(polling),
+        })
+    }
 }
 
 /// The round-robin counter of `key` in `turns`, advanced (allocates only the first
