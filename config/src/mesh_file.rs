@@ -572,12 +572,20 @@ mod tests {
 
     #[test]
     fn a_node_runs_a_shard_per_core_it_is_given() {
-        let cores = |n: &str| format!("policy: p.yaml\ningress: {{listen: 127.0.0.1:8000}}\nnodes: {{n1: {{fabric: 127.0.0.1:1{n}}}}}\nservices: {{}}\n");
+        let cores = |n: &str| {
+            format!(
+                "policy: p.yaml\ningress: {{listen: 127.0.0.1:8000}}\nnodes: {{n1: {{fabric: 127.0.0.1:1{n}}}}}\nservices: {{}}\n"
+            )
+        };
         let m = load(&cores(", cores: 3")).unwrap();
         assert_eq!(m.config.nodes["n1"].shards(), 3);
         let all = std::thread::available_parallelism().map_or(1, usize::from);
         let m = load(&cores("")).unwrap();
-        assert_eq!(m.config.nodes["n1"].shards(), all.min(64), "default: every core");
+        assert_eq!(
+            m.config.nodes["n1"].shards(),
+            all.min(64),
+            "default: every core"
+        );
         for bad in ["0", "65"] {
             let e = load(&cores(&format!(", cores: {bad}"))).unwrap_err();
             assert_eq!(e.path, "nodes.n1.cores");

@@ -86,6 +86,7 @@ impl<F: Fabric> Reactor<F> {
     /// A request from the ingress or a peer proxy.
     pub(super) fn link_request(&mut self, qp: u32, r: Request) {
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.shard_requests.increment(1);
         let origin = Origin::Link {
             qp,
             xid: r.xid,
@@ -137,6 +138,7 @@ impl<F: Fabric> Reactor<F> {
     /// A request from a pod on this node (case 1 or 3).
     pub(super) fn pod_request(&mut self, d: Descriptor) {
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.shard_requests.increment(1);
         let origin = Origin::Pod { d };
         let bytes = match self.port.header(&d) {
             Ok(b) => b,

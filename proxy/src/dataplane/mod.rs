@@ -173,22 +173,20 @@ impl Dataplane {
             let (accepted_tx, accepted) = crossbeam_channel::unbounded();
             let bell = port.bell().clone();
             handoffs.push((accepted_tx, cq.clone(), bell.clone()));
-            let reactor = Reactor::new(
-                ReactorParts {
-                    fabric: fabric.clone(),
-                    pd: pd.clone(),
-                    cq,
-                    accepted,
-                    port,
-                    dpu: dpu.clone(),
-                    policy: policy.clone(),
-                    topology: topology.clone(),
-                    self_addr: reachable(addr),
-                    stats: stats.clone(),
-                    stop: stop.clone(),
-                    polling,
-                },
-            )?;
+            let reactor = Reactor::new(ReactorParts {
+                fabric: fabric.clone(),
+                pd: pd.clone(),
+                cq,
+                accepted,
+                port,
+                dpu: dpu.clone(),
+                policy: policy.clone(),
+                topology: topology.clone(),
+                self_addr: reachable(addr),
+                stats: stats.clone(),
+                stop: stop.clone(),
+                polling,
+            })?;
             #[cfg(feature = "fault-injection")]
             let inbox = reactor.inbox_tx.clone();
             let thread = supervisor.spawn(
@@ -389,6 +387,9 @@ struct Reactor<F: Fabric> {
     deferred: VecDeque<Descriptor>,
     /// How long to keep polling after the last work before sleeping.
     spin: Spin,
+    /// Requests this shard took (`dpumesh_shard_requests_total{shard}`): how evenly
+    /// the links and lanes spread the load.
+    shard_requests: metrics::Counter,
 }
 
 /// What a shard is built from.
@@ -424,6 +425,8 @@ impl<F: Fabric + Clone> Reactor<F> {
             polling,
         } = parts;
         let bell = port.bell().clone();
+        let shard_requests =
+            metrics::counter!("dpumesh_shard_requests_total", "shard" => port.index().to_string());
         let mut waits = WaitSet::new()?;
         waits.add(bell.fd(), 0)?;
         if let Some(fd) = cq.wait_fd() {
@@ -478,6 +481,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             completions: Vec::with_capacity(64),
             deferred: VecDeque::new(),
             spin: Spin::new(polling),
+            shard_requests,
         })
     }
 }
