@@ -132,19 +132,16 @@ fn two_shards_each_run_their_requests_to_completion() {
                 lane: 0,
             })
             .unwrap();
-        let answer = loop {
-            match caller
-                .recv(WakeMode::LOW_CPU, Duration::from_secs(30))
-                .unwrap()
-                .expect("an answer within 30 s")
-            {
-                Incoming::Message {
-                    descriptor, body, ..
-                } if descriptor.kind.response => break (descriptor, body),
-                other => panic!("not an answer: {other:?}"),
-            }
+        let Incoming::Message {
+            descriptor, body, ..
+        } = caller
+            .recv(WakeMode::LOW_CPU, Duration::from_secs(30))
+            .unwrap()
+            .expect("an answer within 30 s")
+        else {
+            panic!("an error instead of an answer");
         };
-        let (descriptor, body) = answer;
+        assert!(descriptor.kind.response);
         assert_eq!((descriptor.req_id, descriptor.status), (n, 200));
         assert_eq!(
             String::from_utf8(body).unwrap(),
