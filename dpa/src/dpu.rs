@@ -539,10 +539,11 @@ impl Dpu {
         control: &Endpoint,
         mut engine: impl FnMut() -> Box<dyn DmaEngine>,
     ) -> Result<Self, DpuError> {
-        if config.shards == 0 {
-            return Err(DpuError::Limit(
-                "a node needs at least one shard".to_owned(),
-            ));
+        if config.shards == 0 || config.shards > usize::from(u8::MAX) + 1 {
+            return Err(DpuError::Limit(format!(
+                "a node runs 1 to 256 shards (a descriptor names its lane in a byte), not {}",
+                config.shards
+            )));
         }
         let prefix = format!("dpumesh-{}", config.name);
         let next_region = AtomicU32::new(1);

@@ -37,37 +37,52 @@ impl<F: Fabric> Reactor<F> {
             .map(|p| p.id)
     }
 
-    /// Pod `pod`'s body pools, registered with the fabric (once) for READs and WRITEs.
+    /// Pod `pod`'s body pools, registered with the fabric once per node (the shards
+    /// share one protection domain and one registration) for READs and WRITEs.
     pub(super) fn pod_regions(&mut self, pod: u32) -> Option<&PodRegions<F>> {
         if !self.regions.contains_key(&pod) {
-            let info = self.pod(pod)?.clone();
-            let register = |pool: &BufferPool| {
-                self.fabric.register(
-                    &self.pd,
-                    pool.region(),
-                    0,
-                    pool.region().len() as u64,
-                    dpumesh_dpa::fabric::Access::all(),
-                )
-            };
-            let (rx, tx) = match (register(&info.rx_body), register(&info.tx_body)) {
-                (Ok(rx), Ok(tx)) => (rx, tx),
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::error!(pod, error = %e, "cannot register a pod's body pools");
-                    return None;
+            let known = self.node_regions.lock().get(&pod).cloned();
+            let regions = match known {
+                Some(regions) => regions,
+                None => {
+                    let info = self.pod(pod)?.clone();
+                    let mut node_regions = self.node_regions.lock();
+                    // Another shard may have registered it meanwhile.
+                    match node_regions.get(&pod) {
+                        Some(regions) => regions.clone(),
+                        None => {
+                            let register = |pool: &BufferPool| {
+                                self.fabric.register(
+                                    &self.pd,
+                                    pool.region(),
+                                    0,
+                                    pool.region().len() as u64,
+                                    dpumesh_dpa::fabric::Access::all(),
+                                )
+                            };
+                            let (rx, tx) = match (register(&info.rx_body), register(&info.tx_body))
+                            {
+                                (Ok(rx), Ok(tx)) => (rx, tx),
+                                (Err(e), _) | (_, Err(e)) => {
+                                    tracing::error!(pod, error = %e, "cannot register a pod's body pools");
+                                    return None;
+                                }
+                            };
+                            let regions = Arc::new(PodRegions {
+                                rx,
+                                tx,
+                                rx_pool: info.rx_body,
+                                tx_pool: info.tx_body,
+                            });
+                            node_regions.insert(pod, regions.clone());
+                            regions
+                        }
+                    }
                 }
             };
-            self.regions.insert(
-                pod,
-                PodRegions {
-                    rx,
-                    tx,
-                    rx_pool: info.rx_body,
-                    tx_pool: info.tx_body,
-                },
-            );
+            self.regions.insert(pod, regions);
         }
-        self.regions.get(&pod)
+        self.regions.get(&pod).map(|r| &**r)
     }
 
     /// Drops the registrations of pods that left (their memory can go), and ends the
@@ -77,6 +92,8 @@ impl<F: Fabric> Reactor<F> {
         self.refresh_pods(true);
         let live: std::collections::HashSet<u32> = self.pods.iter().map(|p| p.id).collect();
         self.regions.retain(|id, _| live.contains(id));
+        // A registration goes when the last shard holding it lets go.
+        self.node_regions.lock().retain(|id, _| live.contains(id));
         for xid in self.table.at_departed_pods(|pod| live.contains(&pod)) {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,
@@ -96,7 +113,9 @@ impl<F: Fabric> Reactor<F> {
             .map(|p| p.rx_body.in_use() + p.tx_body.in_use())
             .sum();
         metrics::gauge!("dpumesh_pods").set(self.pods.len() as f64);
-        metrics::gauge!("dpumesh_exchanges_in_flight").set(self.table.len() as f64);
+        // The node's count (every shard's exchanges), not this shard's alone.
+        metrics::gauge!("dpumesh_exchanges_in_flight")
+            .set(self.stats.in_flight.load(Ordering::Relaxed) as f64);
         metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "dpu_tx_header").set(tx as f64);
         metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "dpu_rx_header").set(rx as f64);
         metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "pod_bodies").set(bodies as f64);

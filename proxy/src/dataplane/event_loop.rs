@@ -30,9 +30,25 @@ impl<F: Fabric> Reactor<F> {
         }
         self.table.clear_waits();
         self.regions.clear();
-        self.stats
-            .in_flight
-            .store(self.table.len() as u64, Ordering::Relaxed);
+        self.report_in_flight();
+    }
+
+    /// Adds this shard's change in open exchanges to the node's count (shards share
+    /// it: each adds its own difference, none overwrites another's).
+    fn report_in_flight(&mut self) {
+        let now = self.table.len() as u64;
+        if now != self.in_flight_reported {
+            if now > self.in_flight_reported {
+                self.stats
+                    .in_flight
+                    .fetch_add(now - self.in_flight_reported, Ordering::Relaxed);
+            } else {
+                self.stats
+                    .in_flight
+                    .fetch_sub(self.in_flight_reported - now, Ordering::Relaxed);
+            }
+            self.in_flight_reported = now;
+        }
     }
 
     /// How often the loop does its housekeeping (pods that left, occupancy, the
@@ -85,9 +101,7 @@ impl<F: Fabric> Reactor<F> {
             // One wake-up per pod, one send per link, for everything this pass did.
             self.port.wake_pods();
             self.cq.flush_sends();
-            self.stats
-                .in_flight
-                .store(self.table.len() as u64, Ordering::Relaxed);
+            self.report_in_flight();
             if work > 0 {
                 if idle_since.take().is_some() {
                     self.spin.record(Waited::WhilePolling);

@@ -166,6 +166,7 @@ impl Dataplane {
         let supervisor = Supervisor::new();
         let mut shards = Vec::with_capacity(ports.len());
         let mut handoffs = Vec::with_capacity(ports.len());
+        let node_regions: NodeRegions<F> = Arc::default();
         for (port, cq) in ports.into_iter().zip(cqs) {
             let index = port.index();
             // Accepting (with the peer's hello) may block on a slow or silent
@@ -174,6 +175,7 @@ impl Dataplane {
             let bell = port.bell().clone();
             handoffs.push((accepted_tx, cq.clone(), bell.clone()));
             let reactor = Reactor::new(ReactorParts {
+                node_regions: node_regions.clone(),
                 fabric: fabric.clone(),
                 pd: pd.clone(),
                 cq,
@@ -212,11 +214,18 @@ impl Dataplane {
                 while !stop.load(Ordering::Relaxed) {
                     // Links take turns over the shards (the ingress opens one per
                     // worker, each peer node one per shard of its own).
-                    let (to, cq, bell) = &shards[*turn % shards.len()];
+                    if shards.is_empty() {
+                        return;
+                    }
+                    let k = *turn % shards.len();
+                    let (to, cq, bell) = &shards[k];
                     match listener.accept_on(cq, ACCEPT_LOOK) {
                         Ok(Some(qp)) => {
                             if to.send(qp).is_err() {
-                                return;
+                                // A shard the supervisor gave up on: the others keep
+                                // taking links (the node is not ready meanwhile).
+                                shards.remove(k);
+                                continue;
                             }
                             bell.ring();
                             *turn = turn.wrapping_add(1);
@@ -366,7 +375,10 @@ struct Reactor<F: Fabric> {
     topology: Topology,
     pods: Vec<PodInfo>,
     pods_at: Instant,
-    regions: HashMap<u32, PodRegions<F>>,
+    /// The pods' registrations this shard uses (from `node_regions`).
+    regions: HashMap<u32, Arc<PodRegions<F>>>,
+    /// Every shard's pod registrations: one per pod per node, not per shard.
+    node_regions: NodeRegions<F>,
     /// The exchanges in flight and their timers (the sans-I/O core).
     table: ExchangeTable,
     /// Round-robin turns over a service's pods here, and over the nodes running it.
@@ -390,10 +402,16 @@ struct Reactor<F: Fabric> {
     /// Requests this shard took (`dpumesh_shard_requests_total{shard}`): how evenly
     /// the links and lanes spread the load.
     shard_requests: metrics::Counter,
+    /// This shard's open exchanges as last added to `stats.in_flight`.
+    in_flight_reported: u64,
 }
+
+/// The node's pod registrations, shared by its shards.
+type NodeRegions<F> = Arc<parking_lot::Mutex<HashMap<u32, Arc<PodRegions<F>>>>>;
 
 /// What a shard is built from.
 struct ReactorParts<F: Fabric> {
+    node_regions: NodeRegions<F>,
     fabric: F,
     pd: F::Pd,
     cq: F::Cq,
@@ -411,6 +429,7 @@ struct ReactorParts<F: Fabric> {
 impl<F: Fabric + Clone> Reactor<F> {
     fn new(parts: ReactorParts<F>) -> anyhow::Result<Self> {
         let ReactorParts {
+            node_regions,
             fabric,
             pd,
             cq,
@@ -467,6 +486,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             pods: Vec::new(),
             pods_at: Instant::now() - Duration::from_secs(1),
             regions: HashMap::new(),
+            node_regions,
             table: ExchangeTable::default(),
             pod_turns: HashMap::new(),
             node_turns: HashMap::new(),
@@ -482,6 +502,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             deferred: VecDeque::new(),
             spin: Spin::new(polling),
             shard_requests,
+            in_flight_reported: 0,
         })
     }
 }
