@@ -6,7 +6,7 @@
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain|unfused|cores1]
+mesh_file() { # transport [plain|unfused|cores1|nopingmesh]
     local policy="$PWD/samples/hotel/policy.yaml"
     if [ "${2:-}" = unfused ]; then
         # The sample's policy with its chains run as separate instances (components by
@@ -22,6 +22,18 @@ mesh_file() { # transport [plain|unfused|cores1]
         samples/hotel/mesh.yaml > "$work/mesh-$1.yaml"
     grep -q "^transport: $1" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
     if [ "${2:-}" = plain ]; then echo "identity: {mtls: off}" >> "$work/mesh-$1.yaml"; fi
+    if [ "${2:-}" = nopingmesh ]; then
+        # Without the `pingmesh` section: no agent probing from the nodes.
+        python3 - "$work/mesh-$1.yaml" <<'PY'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+start = text.index("\npingmesh:") + 1
+end = text.index("\n", text.index("ecmp_paths", start)) + 1
+open(path, "w").write(text[:start] + text[end:])
+PY
+        ! grep -q '^pingmesh:' "$work/mesh-$1.yaml" || { echo "the pingmesh section is still there"; exit 1; }
+    fi
     if [ "${2:-}" = cores1 ]; then
         # One shard per node instead of one per core.
         sed -i -e 's/\(rnic: 127\.0\.0\.1[12]:4791\)}/\1, cores: 1}/' "$work/mesh-$1.yaml"

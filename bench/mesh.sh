@@ -153,6 +153,14 @@ check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
 h=$(run "h dpumesh (shm fabric, one shard a node)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
+# The idle node again without the Pingmesh agent (its probes and uploads are work the
+# agent does on purpose): what the node's own threads cost doing nothing.
+start_mesh shm nopingmesh
+check http://127.0.0.1:18090/ping
+sleep 2
+idle_quiet=$(idle "$((DURATION > 5 ? DURATION : 5))")
+stop_mesh
+
 start_mesh tcp
 check http://127.0.0.1:18090/ping
 e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
@@ -201,4 +209,4 @@ echo "mutual TLS on the tcp fabric: req/s e/f $(echo "scale=2; $re / $rf" | bc),
 echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
 echo "fused chains: req/s d/g $(echo "scale=2; $rd / $rg" | bc), ingress + node CPU per request d $md vs g $mg us"
 echo "shards: req/s d/h $(echo "scale=2; $rd / $rh" | bc), p99 d $pd vs h $ph, ingress + node CPU per request d $md vs h $mh us, cs/req d $swd vs h $swh"
-echo "idle node CPU (each node, % of a core):$idle_nodes"
+echo "idle node CPU (each node, % of a core):$idle_nodes; without the Pingmesh agent:$idle_quiet"
