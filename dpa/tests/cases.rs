@@ -658,3 +658,15 @@ fn a_pod_that_stops_reading_is_refused_at_once_until_it_reads_again() {
         "every DPU header slot came back"
     );
 }
+
+#[test]
+fn a_node_runs_1_to_256_shards() {
+    // A descriptor names its lane (its shard) in one byte.
+    let dir = tempfile::tempdir().unwrap();
+    for shards in [0, 257] {
+        let mut config = DpuConfig::new("limits");
+        config.shards = shards;
+        let e = Dpu::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap_err();
+        assert!(e.to_string().contains("1 to 256 shards"), "{e}");
+    }
+}
