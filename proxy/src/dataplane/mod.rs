@@ -152,8 +152,8 @@ impl Dataplane {
         if ports.is_empty() {
             anyhow::bail!("the node's shards are taken");
         }
-        // One protection domain: a queue pair accepted for any shard reaches the pod
-        // regions that shard registers.
+        // One protection domain: a queue pair accepted for any shard reaches the pods'
+        // regions, registered once for the node (`node_regions`).
         let pd = fabric.alloc_pd()?;
         let cqs = ports
             .iter()
