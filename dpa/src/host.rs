@@ -133,10 +133,8 @@ pub struct HostPort {
     rx_body: BufferPool,
     /// One TX SQ per lane (per shard of the node), each ringing its shard's bell.
     tx: Vec<Producer>,
-    /// The first lane's RX SQ: the pod sleeps on its wake words for every lane.
-    rx: Consumer,
-    /// The other lanes' RX SQs.
-    rx_more: Vec<Consumer>,
+    /// One RX SQ per lane; the pod sleeps on the first one's wake words for all.
+    rx: Vec<Consumer>,
     /// The lane the next request goes on (requests take turns).
     next_lane: usize,
     /// The lane `try_recv` looks at first (lanes take turns being first).
@@ -200,7 +198,6 @@ impl HostPort {
             });
             rx.push(Ring::attach(map(&lane.rx_sq)?)?.consumer());
         }
-        let rx_more = rx.split_off(1);
         let port = Self {
             owner: OwnerId(exports.pod_id),
             tx_header: BufferPool::attach(map(&exports.tx_header)?)?,
@@ -208,8 +205,7 @@ impl HostPort {
             rx_header: BufferPool::attach(map(&exports.rx_header)?)?,
             rx_body: BufferPool::attach(map(&exports.rx_body)?)?,
             tx,
-            rx: rx.pop().expect("one lane at least"),
-            rx_more,
+            rx,
             next_lane: 0,
             first_rx: 0,
             in_flight: 0,
@@ -272,7 +268,7 @@ impl HostPort {
     /// A handle that makes a waiting [`HostPort::recv`] return early (from another
     /// thread of this process).
     pub fn interrupter(&self) -> crate::fabric::Interrupter {
-        self.rx.interrupter()
+        self.rx[0].interrupter()
     }
 
     /// TX slots the DPU has not handed back yet.
@@ -369,7 +365,7 @@ impl HostPort {
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
                 return Ok(None);
             };
-            if !self.rx.wait_any(&self.rx_more, mode, left) {
+            if !self.rx[0].wait_any(&self.rx[1..], mode, left) {
                 return Ok(None);
             }
         }
@@ -380,7 +376,7 @@ impl HostPort {
     pub fn try_recv(&mut self) -> Result<Option<Incoming>, HostError> {
         // Lanes take turns being looked at first, so a busy shard cannot starve
         // another's answers.
-        let lanes = 1 + self.rx_more.len();
+        let lanes = self.rx.len();
         for i in 0..lanes {
             let lane = (self.first_rx + i) % lanes;
             if let Some(incoming) = self.recv_lane(lane)? {
@@ -394,11 +390,7 @@ impl HostPort {
     /// The next request, response or error on `lane`, if one is waiting.
     fn recv_lane(&mut self, lane: usize) -> Result<Option<Incoming>, HostError> {
         loop {
-            let ring = match lane {
-                0 => &mut self.rx,
-                n => &mut self.rx_more[n - 1],
-            };
-            let Some(mut d) = ring.try_pop()? else {
+            let Some(mut d) = self.rx[lane].try_pop()? else {
                 return Ok(None);
             };
             // The lane it came on, whatever it says: the answer goes back there.

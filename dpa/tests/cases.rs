@@ -329,6 +329,29 @@ fn proxy_until(
     panic!("the pods did not finish within 60 s");
 }
 
+/// Runs `shards` until the node has no pod left (a shard lets go of a departed pod
+/// when it runs), for at most `within`.
+fn until_pods_left(node: &Dpu, shards: &mut [&mut DpuShard], within: Duration) {
+    let deadline = Instant::now() + within;
+    while !node.pods().is_empty() && Instant::now() < deadline {
+        for shard in shards.iter_mut() {
+            let _ = shard.recv(Duration::from_millis(5));
+        }
+    }
+}
+
+/// Both pods of a case run passed their checks.
+fn pods_passed(client: &mut Pod, server: &mut Pod) {
+    assert!(
+        client.wait().success(),
+        "the client pod checked every reply"
+    );
+    assert!(
+        server.wait().success(),
+        "the server pod checked every request"
+    );
+}
+
 fn head_bytes(s: &str) -> Vec<u8> {
     s.as_bytes().to_vec()
 }
@@ -342,14 +365,7 @@ fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     let mut server = spawn_pod("server", &socket);
     let mut client = spawn_pod("client", &socket);
     proxy(&mut port, |d| d.req_id == 9);
-    assert!(
-        client.wait().success(),
-        "the client pod checked every reply"
-    );
-    assert!(
-        server.wait().success(),
-        "the server pod checked every request"
-    );
+    pods_passed(&mut client, &mut server);
     let stats = node.stats();
     use std::sync::atomic::Ordering::Relaxed;
     // 3 requests + 3 replies + the denial + stop, and the 8 MiB bodies were copied.
@@ -357,11 +373,7 @@ fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     assert!(stats.bytes.load(Relaxed) >= 2 * (8 << 20));
     assert_eq!(stats.errors.load(Relaxed), 0);
     // Both pods exited: their connections closed and the node reclaimed them.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !node.pods().is_empty() && Instant::now() < deadline {
-        // The shard lets go of a departed pod when it runs: keep it running.
-        let _ = port.recv(Duration::from_millis(5));
-    }
+    until_pods_left(&node, &mut [&mut port], Duration::from_secs(10));
     assert!(node.pods().is_empty());
     assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
 }
@@ -401,14 +413,7 @@ fn with_two_shards_a_request_and_its_answer_stay_on_the_shard_that_took_it() {
         })
         .collect();
     let mut ran: Vec<_> = shards.into_iter().map(|t| t.join().unwrap()).collect();
-    assert!(
-        client.wait().success(),
-        "the client pod checked every reply"
-    );
-    assert!(
-        server.wait().success(),
-        "the server pod checked every request"
-    );
+    pods_passed(&mut client, &mut server);
     // The client's requests took turns over the lanes: both shards carried some, and
     // every answer came back through the shard that carried its request.
     for (shard, carried) in &ran {
@@ -429,12 +434,8 @@ fn with_two_shards_a_request_and_its_answer_stay_on_the_shard_that_took_it() {
         }
     }
     // Both pods exited: every shard let go of them and nothing leaked.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !node.pods().is_empty() && Instant::now() < deadline {
-        for (shard, _) in &mut ran {
-            let _ = shard.recv(Duration::from_millis(5));
-        }
-    }
+    let mut shards: Vec<&mut DpuShard> = ran.iter_mut().map(|(shard, _)| shard).collect();
+    until_pods_left(&node, &mut shards, Duration::from_secs(10));
     assert!(node.pods().is_empty());
     assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
 }
@@ -461,11 +462,7 @@ fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
     drop(info);
     pod.0.kill().unwrap();
     pod.wait();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !node.pods().is_empty() && Instant::now() < deadline {
-        // The shard lets go of a departed pod when it runs: keep it running.
-        let _ = port.recv(Duration::from_millis(5));
-    }
+    until_pods_left(&node, &mut [&mut port], Duration::from_secs(10));
     assert!(node.pods().is_empty(), "the dead pod was unregistered");
     // The delivery that was under way fails with a reason, and its header slot is freed.
     let header = port.alloc_header(b"h").unwrap();
@@ -497,11 +494,7 @@ fn a_pod_that_sends_and_exits_at_once_still_gets_its_message_delivered() {
         receiver.wait().success(),
         "the receiver got the request intact"
     );
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !node.pods().is_empty() && Instant::now() < deadline {
-        // The shard lets go of a departed pod when it runs: keep it running.
-        let _ = port.recv(Duration::from_millis(5));
-    }
+    until_pods_left(&node, &mut [&mut port], Duration::from_secs(15));
     assert!(node.pods().is_empty(), "both pods were reclaimed");
     assert_eq!(node.dpu_pool_use(), (0, 0));
 }

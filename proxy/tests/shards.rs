@@ -4,18 +4,18 @@
 //! ingress's links (one per worker) are served by whichever shard took them.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use dpumesh_config::MeshFile;
-use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::{Case, Destination, HostPort, Incoming, Outgoing, WakeMode};
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
-use dpumesh_ingress::{Ingress, Settings};
 use dpumesh_proxy::node::Node;
+
+mod common;
+use common::get;
 
 fn write_files(dir: &Path) -> MeshFile {
     std::fs::write(
@@ -29,28 +29,6 @@ fn write_files(dir: &Path) -> MeshFile {
     )
     .unwrap();
     MeshFile::read(&dir.join("mesh.yaml")).unwrap()
-}
-
-/// GET `path` from `addr` (HTTP/1.1, `host` as given): status and body.
-fn get(addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).unwrap();
-    let status = reply
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = reply
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, b)| b.to_owned());
-    (status, body)
 }
 
 /// The echo pod: answers every request with the lane it came on, until told to stop.
@@ -163,26 +141,13 @@ fn two_shards_each_run_their_requests_to_completion() {
 
     // The ingress's links (one per worker) land on the shards in turn; requests over
     // them are answered whichever shard took the link.
-    let ingress = Ingress::start(
-        ShmFabric::new(),
-        Settings {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            max_head: 32 << 10,
-            max_body: 1 << 20,
-            body_timeout: Duration::from_secs(10),
-            header_timeout: Duration::from_secs(10),
-            max_headers: 100,
-            request_timeout: Duration::from_secs(30),
-            slots: 8,
-            threads: Some(2),
-            policy: dir.path().join("policy.yaml"),
-            services: BTreeMap::from([("echo".to_owned(), vec![node.fabric_addr()])]),
-            admin: None,
-            path: Default::default(),
-            eject: None,
-        },
-    )
-    .unwrap();
+    let ingress = common::ingress(
+        dir.path().join("policy.yaml"),
+        "echo",
+        node.fabric_addr(),
+        2,
+        Duration::from_secs(30),
+    );
     for n in 0..6 {
         let (status, body) = get(ingress.addr(), "echo", &format!("/{n}"));
         assert_eq!(status, 200, "{body}");

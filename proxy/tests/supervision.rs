@@ -3,18 +3,16 @@
 //! does not wait for the request timeout), the thread comes back and serves, and a
 //! data plane that keeps panicking is left down with `/readyz` saying so.
 
-use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::time::Duration;
 
 use dpumesh_config::MeshFile;
-use dpumesh_dpa::fabric::shm::ShmFabric;
 use dpumesh_dpa::{HostPort, Incoming, WakeMode};
 use dpumesh_head::wire::{self, ResponseHead};
-use dpumesh_ingress::{Ingress, Settings};
 use dpumesh_proxy::node::Node;
+
+mod common;
+use common::get;
 
 fn write_files(dir: &Path) -> MeshFile {
     std::fs::write(
@@ -28,28 +26,6 @@ fn write_files(dir: &Path) -> MeshFile {
     )
     .unwrap();
     MeshFile::read(&dir.join("mesh.yaml")).unwrap()
-}
-
-/// GET `path` from `addr` (HTTP/1.1, `host` as given): status and body.
-fn get(addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    s.read_to_string(&mut reply).unwrap();
-    let status = reply
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = reply
-        .split_once("\r\n\r\n")
-        .map_or(String::new(), |(_, b)| b.to_owned());
-    (status, body)
 }
 
 /// The pod's next request (waits for it).
@@ -75,26 +51,13 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     let node = Node::start(&mesh, "n1", dir.path()).unwrap();
     let admin = node.admin_addr().unwrap();
     let mut pod = HostPort::connect(node.control(), "slow-0", "slow").unwrap();
-    let ingress = Ingress::start(
-        ShmFabric::new(),
-        Settings {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            max_head: 32 << 10,
-            max_body: 1 << 20,
-            body_timeout: Duration::from_secs(10),
-            header_timeout: Duration::from_secs(10),
-            max_headers: 100,
-            request_timeout: Duration::from_secs(60),
-            slots: 8,
-            threads: Some(1),
-            policy: dir.path().join("policy.yaml"),
-            services: BTreeMap::from([("slow".to_owned(), vec![node.fabric_addr()])]),
-            admin: None,
-            path: Default::default(),
-            eject: None,
-        },
-    )
-    .unwrap();
+    let ingress = common::ingress(
+        dir.path().join("policy.yaml"),
+        "slow",
+        node.fabric_addr(),
+        1,
+        Duration::from_secs(60),
+    );
     let client = ingress.addr();
     assert_eq!(get(admin, "admin", "/readyz").0, 200);
 

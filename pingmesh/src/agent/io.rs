@@ -37,7 +37,7 @@ pub(super) const REGION_LEN: usize = RECV_SLOTS * RECV_SLOT + SEND_SLOTS * SEND_
 /// sleeps on the queue pair instead, until a datagram arrives or its next probe or
 /// timeout is due: an agent with a few targets wakes about as often as
 /// datagrams come and go, not a hundred times a second (an idle two-node mesh: 0.47 →
-/// 0.13 % of a core for this thread). On loopback the kernel charges waking a
+/// 0.22–0.24 % of a core for this thread). On loopback the kernel charges waking a
 /// receiver to the sender's `sendto`, so there a prober pays for its quiet
 /// responders' wake-ups (docs/pingmesh.md).
 const PERIOD: Duration = Duration::from_millis(10);

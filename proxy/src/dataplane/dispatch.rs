@@ -37,52 +37,52 @@ impl<F: Fabric> Reactor<F> {
             .map(|p| p.id)
     }
 
-    /// Pod `pod`'s body pools, registered with the fabric once per node (the shards
-    /// share one protection domain and one registration) for READs and WRITEs.
+    /// Pod `pod`'s body pools, registered with the fabric for READs and WRITEs.
     pub(super) fn pod_regions(&mut self, pod: u32) -> Option<&PodRegions<F>> {
         if !self.regions.contains_key(&pod) {
-            let known = self.node_regions.lock().get(&pod).cloned();
-            let regions = match known {
-                Some(regions) => regions,
-                None => {
-                    let info = self.pod(pod)?.clone();
-                    let mut node_regions = self.node_regions.lock();
-                    // Another shard may have registered it meanwhile.
-                    match node_regions.get(&pod) {
-                        Some(regions) => regions.clone(),
-                        None => {
-                            let register = |pool: &BufferPool| {
-                                self.fabric.register(
-                                    &self.pd,
-                                    pool.region(),
-                                    0,
-                                    pool.region().len() as u64,
-                                    dpumesh_dpa::fabric::Access::all(),
-                                )
-                            };
-                            let (rx, tx) = match (register(&info.rx_body), register(&info.tx_body))
-                            {
-                                (Ok(rx), Ok(tx)) => (rx, tx),
-                                (Err(e), _) | (_, Err(e)) => {
-                                    tracing::error!(pod, error = %e, "cannot register a pod's body pools");
-                                    return None;
-                                }
-                            };
-                            let regions = Arc::new(PodRegions {
-                                rx,
-                                tx,
-                                rx_pool: info.rx_body,
-                                tx_pool: info.tx_body,
-                            });
-                            node_regions.insert(pod, regions.clone());
-                            regions
-                        }
-                    }
-                }
-            };
+            let regions = self.node_pod_regions(pod)?;
             self.regions.insert(pod, regions);
         }
         self.regions.get(&pod).map(|r| &**r)
+    }
+
+    /// The node's registration of pod `pod`'s body pools: once per node, made by the
+    /// first shard that needs it (the shards share one protection domain).
+    fn node_pod_regions(&mut self, pod: u32) -> Option<Arc<PodRegions<F>>> {
+        if let Some(known) = self.node_regions.lock().get(&pod) {
+            return Some(known.clone());
+        }
+        let info = self.pod(pod)?.clone();
+        let register = |pool: &BufferPool| {
+            self.fabric.register(
+                &self.pd,
+                pool.region(),
+                0,
+                pool.region().len() as u64,
+                dpumesh_dpa::fabric::Access::all(),
+            )
+        };
+        let (rx, tx) = match (register(&info.rx_body), register(&info.tx_body)) {
+            (Ok(rx), Ok(tx)) => (rx, tx),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!(pod, error = %e, "cannot register a pod's body pools");
+                return None;
+            }
+        };
+        let regions = Arc::new(PodRegions {
+            rx,
+            tx,
+            rx_pool: info.rx_body,
+            tx_pool: info.tx_body,
+        });
+        // Another shard may have registered it meanwhile: the first one stays.
+        Some(
+            self.node_regions
+                .lock()
+                .entry(pod)
+                .or_insert(regions)
+                .clone(),
+        )
     }
 
     /// Drops the registrations of pods that left (their memory can go), and ends the

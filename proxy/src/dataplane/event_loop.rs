@@ -38,15 +38,10 @@ impl<F: Fabric> Reactor<F> {
     fn report_in_flight(&mut self) {
         let now = self.table.len() as u64;
         if now != self.in_flight_reported {
-            if now > self.in_flight_reported {
-                self.stats
-                    .in_flight
-                    .fetch_add(now - self.in_flight_reported, Ordering::Relaxed);
-            } else {
-                self.stats
-                    .in_flight
-                    .fetch_sub(self.in_flight_reported - now, Ordering::Relaxed);
-            }
+            // A wrapping difference: adding it subtracts when the count fell.
+            self.stats
+                .in_flight
+                .fetch_add(now.wrapping_sub(self.in_flight_reported), Ordering::Relaxed);
             self.in_flight_reported = now;
         }
     }

@@ -19,11 +19,11 @@
 //! A node runs a shard thread per core it is given (`cores:` in the mesh file). A
 //! shard owns its queue pairs (the accept loop deals links out in turn), a lane (ring
 //! pair) into every pod of the node, its filter instances and the exchanges in flight,
-//! and runs each request to completion: no request changes threads. Its parts: [`exchange`] (the sans-I/O
-//! table of exchanges, timers, transfers and orphans, and the decisions about them),
-//! `event_loop` (drain, batch, poll, sleep), `intake` (routing and the chain),
-//! `dispatch` (to a pod or a peer), `respond` (answers back), `failure` (retries,
-//! timeouts, lost links and pods).
+//! and runs each request to completion: no request changes threads. Its parts:
+//! [`exchange`] (the sans-I/O table of exchanges, timers, transfers and orphans, and
+//! the decisions about them), `event_loop` (drain, batch, poll, sleep), `intake`
+//! (routing and the chain), `dispatch` (to a pod or a peer), `respond` (answers back),
+//! `failure` (retries, timeouts, lost links and pods).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;

@@ -110,6 +110,13 @@ impl ChainRunner {
         }
     }
 
+    /// Drops the fused instance after a fault: wasmtime cannot re-enter it.
+    pub(super) fn discard_fused(&mut self) {
+        if let Some(fused) = self.fused.as_mut() {
+            fused.discard();
+        }
+    }
+
     /// Whether requests run through the fused instance now.
     pub fn is_fused(&self) -> bool {
         self.fused.as_ref().is_some_and(Fused::is_live)
@@ -166,6 +173,9 @@ impl ChainRunner {
             Err(_) => instance.take_reload_head(),
             Ok(_) => None,
         };
+        if result.is_err() {
+            self.discard_fused();
+        }
         self.record_entries(entered, end);
         // Skipped filters before `limit` were passed over on the way.
         let mut faults = Vec::new();
@@ -220,18 +230,12 @@ impl ChainRunner {
                 // line did not fit its memory): no filter ran, so the whole chain runs
                 // on separate instances.
                 tracing::warn!(chain = %self.chain.name, fault = %kind, "fused chain failed before its first filter; running it unfused");
-                if let Some(fused) = self.fused.as_mut() {
-                    fused.discard();
-                }
                 return Ran::Unfused(head);
             }
             Err(FusedFault {
                 index: Some(index),
                 kind,
             }) => {
-                if let Some(fused) = self.fused.as_mut() {
-                    fused.discard();
-                }
                 for (k, _) in entered.iter().filter(|(k, _)| (*k as usize) < index) {
                     self.slots[*k as usize].filter.health.record_success();
                 }
@@ -291,22 +295,19 @@ impl ChainRunner {
             }
         }
         let (head, result) = instance.on_response(head, info.clone(), ran, skip);
+        if result.is_err() {
+            self.discard_fused();
+        }
         match result {
             Ok(()) => Ran::Done((head, Vec::new())),
             Err(FusedFault { index: None, kind }) => {
                 tracing::warn!(chain = %self.chain.name, fault = %kind, "fused chain failed before its first filter; running its response phase unfused");
-                if let Some(fused) = self.fused.as_mut() {
-                    fused.discard();
-                }
                 Ran::Unfused(head)
             }
             Err(FusedFault {
                 index: Some(index),
                 kind,
             }) => {
-                if let Some(fused) = self.fused.as_mut() {
-                    fused.discard();
-                }
                 let mut faults = vec![self.fault(index, Phase::Response, kind)];
                 let (head, more) = self.respond_unfused(head, info, index, None);
                 faults.extend(more);

@@ -855,9 +855,7 @@ impl ChainRunner {
         for slot in &mut self.slots {
             slot.instance = None;
         }
-        if let Some(fused) = self.fused.as_mut() {
-            fused.discard();
-        }
+        self.discard_fused();
     }
 }
 
