@@ -529,15 +529,12 @@ fn run_job(inner: &Inner, job: Job) {
     let mut results = Vec::with_capacity(job.segments.len());
     for seg in &job.segments {
         let result = if job.peer.cancelled.load(Ordering::Acquire) {
-            SegmentResult::failed(Status::Cancelled, "the client went away")
+            transfer::cancelled(inner)
         } else if job.push {
             transfer::push(inner, &job.peer, seg)
         } else {
             transfer::pull(inner, &job.peer, seg)
         };
-        if result.status == Status::Cancelled {
-            inner.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-        }
         results.push(result);
     }
     (job.reply)(protocol::encode(&Message::Response(

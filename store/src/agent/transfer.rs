@@ -164,7 +164,10 @@ fn storage(e: &StorageError) -> SegmentResult {
     SegmentResult::failed(Status::Storage, e.to_string())
 }
 
-fn cancelled() -> SegmentResult {
+/// A transfer whose client went away. Counted here, before the caller's writer and
+/// window drop: whoever sees the temporary gone and the slots back also sees the count.
+pub(super) fn cancelled(inner: &Inner) -> SegmentResult {
+    inner.stats.cancelled.fetch_add(1, Ordering::Relaxed);
     SegmentResult::failed(Status::Cancelled, "the client went away")
 }
 
@@ -195,7 +198,7 @@ pub(super) fn push(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
         }
         if peer.cancelled.load(Ordering::Acquire) {
             // The writer's drop removes the temporary; the window's drop frees slots.
-            return cancelled();
+            return cancelled(inner);
         }
         let Some(landed) = window.complete() else {
             break;
@@ -362,7 +365,7 @@ pub(super) fn pull(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
             );
         }
         if peer.cancelled.load(Ordering::Acquire) {
-            return cancelled();
+            return cancelled(inner);
         }
         match window.complete() {
             None => break,
