@@ -13,8 +13,9 @@
 #       fabric, in req/s and in CPU per request of the ingress and nodes,
 #   (g) (d) with its chains run as separate instances (`fuse_chains: false`): what
 #       fusing a chain into one component saves the nodes,
-#   (h) (d) with one shard per node (`cores: 1`; (d) runs one per core): what the
-#       second shard of each node gives or costs on this machine,
+#   (h) (d) with two shards per node (`cores: 2`; (d) shares the machine's cores
+#       among its nodes, one shard each on 2 cores): what a second shard per node
+#       gives or costs on this machine,
 # each under wrk -t1 -c32 -d${DURATION:-10}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -148,9 +149,9 @@ check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
 g=$(run "g dpumesh (shm fabric, chains unfused)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
-start_mesh shm cores1
+start_mesh shm cores2
 check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
-h=$(run "h dpumesh (shm fabric, one shard a node)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+h=$(run "h dpumesh (shm fabric, two shards a node)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
 # The idle node again without the Pingmesh agent (its probes and uploads are work the

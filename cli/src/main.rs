@@ -136,6 +136,11 @@ enum Command {
         /// the role's Secret is mounted).
         #[arg(long, env = "DPUMESH_CERTS")]
         certs: Option<PathBuf>,
+        /// Nodes (this one included) that share this machine's cores: a node without
+        /// `cores:` runs the machine's cores divided by this many shards (`dpumesh up`
+        /// passes its node count).
+        #[arg(long, env = "DPUMESH_COLOCATED_NODES", default_value_t = 1)]
+        colocated: usize,
     },
     /// R-Pingmesh: `server` runs the controller and analyzer of a mesh (what `dpumesh
     /// up` starts when the mesh file has a `pingmesh` section); `agent` runs an agent
@@ -347,6 +352,7 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             admin,
             transport,
             certs,
+            colocated,
         } => {
             let options = dpumesh_proxy::node::NodeOptions {
                 run_dir,
@@ -354,6 +360,7 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
                 fabric_listen,
                 admin,
                 transport,
+                colocated,
             };
             roles::node(&mesh, &name, certs, &options).map(|()| ExitCode::SUCCESS)
         }

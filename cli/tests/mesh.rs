@@ -15,6 +15,15 @@ fn the_hotel_mesh_serves_polices_and_carries_bodies_end_to_end() {
     let mesh = Mesh::up();
     let alice = token("alice", &["user"]);
 
+    // Both nodes run on this machine and share its cores: neither has `cores:`, so
+    // each runs half of them as shards (at least one).
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let nodes = pids_of(&mesh.child.id().to_string(), "dpumesh node");
+    assert_eq!(nodes.len(), 2);
+    for pid in nodes {
+        assert_eq!(shard_threads(pid), (cores / 2).max(1), "node {pid}");
+    }
+
     // Allowed: frontend calls user (same node) and reservation (other node) in
     // parallel and merges them.
     let (status, _, body) = mesh.get("/hotels?user=7", Some(&alice));
@@ -255,4 +264,13 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     for admin in mesh.admins() {
         assert_eq!(generation(admin), 2);
     }
+}
+
+/// Threads of process `pid` that are proxy shards.
+fn shard_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|name| name.starts_with("dpumesh-shard-"))
+        .count()
 }

@@ -18,7 +18,8 @@
 //!   path: {normalize: true, merge_slashes: true, escaped_slashes: reject}  # the defaults
 //! nodes:
 //!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
-//!   # cores: 2                     # proxy shards (default: the machine's cores)
+//!   # cores: 2                     # proxy shards (default: the machine's cores, shared
+//!                                  # among the nodes `dpumesh up` runs on it)
 //! services:
 //!   frontend: {nodes: [node1], replicas: 1, command: [hotel, frontend]}
 //! ```
@@ -149,7 +150,8 @@ pub struct NodeEntry {
     /// the fabric address's IP, any port).
     pub rnic: Option<SocketAddr>,
     /// The cores given to the node's proxy: one shard thread each, every request run
-    /// to completion on the shard that took it (default: all the machine's cores).
+    /// to completion on the shard that took it (default: the machine's cores, divided
+    /// among the nodes that run on it: see [`NodeEntry::shards`]).
     pub cores: Option<u32>,
 }
 
@@ -158,13 +160,18 @@ impl NodeEntry {
     /// descriptor names its lane in one byte.
     pub const MAX_CORES: u32 = 64;
 
-    /// The proxy's shards: `cores`, or one per core of this machine.
-    pub fn shards(&self) -> usize {
+    /// The proxy's shards: `cores`, or this machine's cores divided among the
+    /// `colocated` nodes that run on it (this one included; at least one shard).
+    /// A node alone on its DPU takes every core; `dpumesh up` runs all its nodes on one
+    /// machine, and shards there that outnumber the cores only take turns on them
+    /// (measured on 2 cores, two nodes of two shards against two of one: 2-8 % fewer
+    /// requests a second and twice the pods' wake-ups of a shard, docs/mesh.md).
+    pub fn shards(&self, colocated: usize) -> usize {
         match self.cores {
             Some(n) => n as usize,
-            None => std::thread::available_parallelism()
-                .map_or(1, usize::from)
-                .min(Self::MAX_CORES as usize),
+            None => (std::thread::available_parallelism().map_or(1, usize::from)
+                / colocated.max(1))
+            .clamp(1, Self::MAX_CORES as usize),
         }
     }
 
@@ -578,14 +585,15 @@ mod tests {
             )
         };
         let m = load(&cores(", cores: 3")).unwrap();
-        assert_eq!(m.config.nodes["n1"].shards(), 3);
+        assert_eq!(m.config.nodes["n1"].shards(1), 3);
+        assert_eq!(m.config.nodes["n1"].shards(4), 3, "cores given stay given");
         let all = std::thread::available_parallelism().map_or(1, usize::from);
         let m = load(&cores("")).unwrap();
-        assert_eq!(
-            m.config.nodes["n1"].shards(),
-            all.min(64),
-            "default: every core"
-        );
+        let n1 = &m.config.nodes["n1"];
+        assert_eq!(n1.shards(1), all.min(64), "default: every core");
+        assert_eq!(n1.shards(0), all.min(64), "no count is one node");
+        assert_eq!(n1.shards(2), (all / 2).max(1), "two nodes share the cores");
+        assert_eq!(n1.shards(all + 1), 1, "at least one shard");
         for bad in ["0", "65"] {
             let e = load(&cores(&format!(", cores: {bad}"))).unwrap_err();
             assert_eq!(e.path, "nodes.n1.cores");

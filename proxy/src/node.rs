@@ -50,6 +50,10 @@ pub struct NodeOptions {
     pub admin: Option<SocketAddr>,
     /// The fabric backend (default: the mesh file's `transport`).
     pub transport: Option<Transport>,
+    /// Nodes (this one included) that run on this machine and share its cores, for
+    /// the default count of shards (0 or 1: the node is alone; `dpumesh up` runs every
+    /// node of its mesh file here).
+    pub colocated: usize,
 }
 
 impl NodeOptions {
@@ -254,7 +258,7 @@ impl Node {
         // must not meet.
         let mut config = DpuConfig::new(format!("{name}-{}", std::process::id()));
         config.registration = crate::trust::registration_key(mesh)?;
-        config.shards = entry.shards();
+        config.shards = entry.shards(options.colocated);
         config.pod = PodSizing {
             header_slot: 64 << 10,
             header_slots: 256,

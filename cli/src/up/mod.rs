@@ -147,7 +147,9 @@ impl Up {
                 .args(["node", "--mesh"])
                 .args([file])
                 .args(["--name", name, "--run-dir"])
-                .args([&run]);
+                .args([&run])
+                // Every node runs on this machine: they share its cores.
+                .args(["--colocated", &mesh.config.nodes.len().to_string()]);
             let mut node = Process::start(spec, policy)?;
             // A node that cannot start is the supervisor's to start again (or give up
             // on): the rest of the mesh comes up without it.
