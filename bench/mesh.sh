@@ -16,7 +16,7 @@
 #   (h) (d) with two shards per node (`cores: 2`; (d) shares the machine's cores
 #       among its nodes, one shard each on 2 cores): what a second shard per node
 #       gives or costs on this machine,
-# each under wrk -t1 -c32 -d${DURATION:-10}s; then HTTP/2 with h2load -c32 -m10
+# each under wrk -t1 -c32 -d${DURATION:-10}s after an unmeasured ${WARMUP:-3}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
 # service process: what the host pays; the ingress and nodes: what the ingress node
