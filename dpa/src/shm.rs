@@ -340,10 +340,18 @@ impl SharedRegion {
         Ok(())
     }
 
-    /// `len` bytes at `offset` as a new vector.
+    /// `len` bytes at `offset` as a new vector (not zeroed first: every head and
+    /// frame a shard or pod receives comes through here).
     pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, ShmError> {
-        let mut out = vec![0u8; len];
-        self.read(offset, &mut out)?;
+        let at = self.check(offset, len as u64)?;
+        let mut out = Vec::with_capacity(len);
+        // SAFETY: [at, at + len) is inside the mapping (checked); `out` owns room for
+        // `len` bytes, a fresh allocation that cannot overlap the mapping, and the copy
+        // initialises all of them before `set_len` says so.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), out.as_mut_ptr(), len);
+            out.set_len(len);
+        }
         Ok(out)
     }
 
@@ -552,6 +560,9 @@ mod tests {
         let r = SharedRegion::create_unique("dpumesh-test-shm", 4096).unwrap();
         assert!(r.write(4090, &[0; 7]).is_err());
         assert!(r.read(u64::MAX, &mut [0; 1]).is_err());
+        assert!(r.read_vec(4090, 7).is_err());
+        // Refused before anything is allocated for it.
+        assert!(r.read_vec(0, usize::MAX).is_err());
         assert!(r.atomic_u64s(4, 1).is_err());
         assert!(r.atomic_u64s(4088, 2).is_err());
         assert!(r.fill(0, 4097, 0).is_err());
