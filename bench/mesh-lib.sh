@@ -82,8 +82,8 @@ none() { :; }
 run() { # name url pids [second pids] [pids whose context switches count]
     local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
     local before after before2 after2 s1 s2 out rps p50 p99 reqs non2xx
-    # Every target warmed up first, unmeasured (a mesh just started still fills its
-    # instance pools and caches: its first seconds moved (d)'s p99 by 0.4 ms).
+    # Every target warmed up first, unmeasured: a mesh just started still fills its
+    # instance pools and caches, and peers and mesh alike start measured runs hot.
     wrk -t1 -c32 -d"${WARMUP:-3}s" -H "authorization: Bearer $TOKEN" "$url" >/dev/null
     before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw))
     out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "$url")
