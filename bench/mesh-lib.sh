@@ -2,7 +2,8 @@
 # file on the bench's own ports from the hotel sample, starting and stopping
 # `dpumesh up`, the processes of its parts, and one wrk run measured with the CPU and
 # context switches of chosen processes.
-# Needs: TOKEN, DURATION, and the release build of dpumesh and the hotel sample.
+# Needs: TOKEN, DURATION (WARMUP optional), and the release build of dpumesh and
+# the hotel sample.
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
@@ -40,7 +41,7 @@ PY
         [ "$(grep -c 'cores: 2}' "$work/mesh-$1.yaml")" = 2 ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
     fi
 }
-start_mesh() { # transport [plain]
+start_mesh() { # transport [plain|unfused|cores2|nopingmesh]
     mesh_file "$1" "${2:-}"
     ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
     up_pid=$!
@@ -82,9 +83,12 @@ none() { :; }
 run() { # name url pids [second pids] [pids whose context switches count]
     local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
     local before after before2 after2 s1 s2 out rps p50 p99 reqs non2xx
-    # Every target warmed up first, unmeasured: a mesh just started still fills its
-    # instance pools and caches, and peers and mesh alike start measured runs hot.
-    wrk -t1 -c32 -d"${WARMUP:-3}s" -H "authorization: Bearer $TOKEN" "$url" >/dev/null
+    # With WARMUP=S (mesh.sh: 3) every target is warmed up first for S seconds,
+    # unmeasured: a mesh just started still fills its instance pools and caches, and
+    # peers and mesh alike start measured runs hot.
+    if [ "${WARMUP:-0}" -gt 0 ]; then
+        wrk -t1 -c32 -d"${WARMUP}s" -H "authorization: Bearer $TOKEN" "$url" >/dev/null
+    fi
     before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw))
     out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "$url")
     after=$(cpu $($who)); after2=$(cpu $($also)); s2=$(switches $($sw))

@@ -26,6 +26,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
+WARMUP="${WARMUP:-3}"
 SECRET="dpumesh-demo-hs256-secret-0123456789"
 
 missing=""
@@ -127,7 +128,7 @@ h2() { # name url: req/s and mean latency under h2load -c32 -m10
     echo "$2|$rps|${ok:-0}"
 }
 
-echo "==> measuring (wrk -t1 -c32 -d${DURATION}s each)"
+echo "==> measuring (wrk -t1 -c32 -d${DURATION}s each, after ${WARMUP}s unmeasured)"
 check http://127.0.0.1:18080/ping; check http://127.0.0.1:18081/ping; check http://127.0.0.1:18082/ping
 check_policy http://127.0.0.1:18082/ping
 a=$(run "a nginx direct" http://127.0.0.1:18080/ping "pgrep -x nginx")
@@ -181,7 +182,7 @@ for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h"; do
         *) printf '%-42s %10s %9s %9s %14s\n' "$name" "$rps" "$p50" "$p99" "$cpu" ;;
     esac
 done
-echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-g;"
+echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-h;"
 echo " mesh us/req: the ingress and node processes, what the ingress node and the DPUs carry;"
 echo " cs/req: context switches summed over every thread of the ingress, nodes and pods)"
 printf '\n%-42s %10s %10s\n' "HTTP/2 (h2load -c32 -m10)" req/s 2xx

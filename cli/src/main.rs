@@ -139,7 +139,12 @@ enum Command {
         /// Nodes (this one included) that share this machine's cores: a node without
         /// `cores:` runs the machine's cores divided by this many shards (`dpumesh up`
         /// passes its node count).
-        #[arg(long, env = "DPUMESH_COLOCATED_NODES", default_value_t = 1)]
+        #[arg(
+            long,
+            env = "DPUMESH_COLOCATED_NODES",
+            default_value_t = 1,
+            value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096)
+        )]
         colocated: usize,
     },
     /// R-Pingmesh: `server` runs the controller and analyzer of a mesh (what `dpumesh

@@ -124,6 +124,12 @@ fn bad_settings_from_the_environment_are_refused_with_what_is_wrong() {
     assert!(err.contains("DPUMESH_ADMIN"), "{err}");
     let err = run(&[("DPUMESH_NODE_NAME", "node1"), ("DPUMESH_NODE_CONTROL", "")]);
     assert!(err.contains("DPUMESH_NODE_CONTROL"), "{err}");
+    let err = run(&[
+        ("DPUMESH_NODE_NAME", "node1"),
+        ("DPUMESH_COLOCATED_NODES", "0"),
+    ]);
+    assert!(err.contains("DPUMESH_COLOCATED_NODES"), "{err}");
+    assert!(err.contains("1..=4096"), "says the range: {err}");
     // A Downward-API name the mesh file does not list.
     let err = run(&[("DPUMESH_NODE_NAME", "dpu-worker-7")]);
     assert!(err.contains("\"dpu-worker-7\" is not in"), "{err}");

@@ -21,7 +21,7 @@ fn the_hotel_mesh_serves_polices_and_carries_bodies_end_to_end() {
     let nodes = pids_of(&mesh.child.id().to_string(), "dpumesh node");
     assert_eq!(nodes.len(), 2);
     for pid in nodes {
-        assert_eq!(shard_threads(pid), (cores / 2).max(1), "node {pid}");
+        assert_eq!(shard_threads(pid), (cores / 2).clamp(1, 64), "node {pid}");
     }
 
     // Allowed: frontend calls user (same node) and reservation (other node) in
