@@ -345,9 +345,11 @@ impl SharedRegion {
     pub fn read_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, ShmError> {
         let at = self.check(offset, len as u64)?;
         let mut out = Vec::with_capacity(len);
-        // SAFETY: [at, at + len) is inside the mapping (checked); `out` owns room for
-        // `len` bytes, a fresh allocation that cannot overlap the mapping, and the copy
-        // initialises all of them before `set_len` says so.
+        // SAFETY: [at, at + len) is inside the mapping (checked), whose bytes are always
+        // initialised (a mapped file; a peer writing them meanwhile only changes what
+        // is copied, as in `read`); `out` owns room for `len` bytes, a fresh allocation
+        // that cannot overlap the mapping, and the copy initialises all of them before
+        // `set_len` says so.
         unsafe {
             std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(at), out.as_mut_ptr(), len);
             out.set_len(len);

@@ -31,9 +31,10 @@
 //! (measured on its own instance at load), and what the driver's own memory grows by
 //! while a filter runs (a denial's reply copied out) is charged to that filter.
 //!
-//! Fusion applies to chains of components only (a proxy-wasm plugin keeps its own instance), of at most
-//! [`driver::MAX_FILTERS`] filters, all loaded by one runtime; batched filters are
-//! called with `on-request` (their edits must be visible to the next filter at once).
+//! Fusion applies to chains of components only (a proxy-wasm plugin keeps its own
+//! instance), of at most [`driver::MAX_FILTERS`] filters, all loaded by one runtime;
+//! batched filters are called with `on-request` (their edits must be visible to the
+//! next filter at once).
 
 pub(crate) mod compose;
 pub(crate) mod driver;
