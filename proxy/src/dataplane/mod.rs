@@ -65,6 +65,7 @@ mod exchange;
 mod failure;
 mod intake;
 mod respond;
+mod response_metrics;
 
 use exchange::{
     Due, Exchange, ExchangeTable, Opening, Origin, Orphan, PeerAnswer, PodAnswer, Stage, Transfer,
@@ -402,6 +403,8 @@ struct Reactor<F: Fabric> {
     /// Requests this shard took (`dpumesh_shard_requests_total{shard}`): how evenly
     /// the links and lanes spread the load.
     shard_requests: metrics::Counter,
+    /// Per-response metrics, their handles looked up once per service and status.
+    response_metrics: response_metrics::ResponseMetrics,
     /// This shard's open exchanges as last added to `stats.in_flight`.
     in_flight_reported: u64,
 }
@@ -502,6 +505,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             deferred: VecDeque::new(),
             spin: Spin::new(polling),
             shard_requests,
+            response_metrics: response_metrics::ResponseMetrics::default(),
             in_flight_reported: 0,
         })
     }

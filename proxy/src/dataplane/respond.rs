@@ -188,14 +188,8 @@ impl<F: Fabric> Reactor<F> {
         edit: Option<&mut ResponseHead>,
     ) {
         let latency = exchange.started.elapsed();
-        metrics::counter!(
-            "dpumesh_mesh_responses_total",
-            "service" => exchange.service.clone(),
-            "status" => status.to_string(),
-        )
-        .increment(1);
-        metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => exchange.service.clone())
-            .record(latency.as_secs_f64());
+        self.response_metrics
+            .record(&exchange.service, status, latency.as_secs_f64());
         let info = ResponseInfo {
             status,
             latency_ns: latency.as_nanos() as u64,
