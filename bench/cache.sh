@@ -39,13 +39,13 @@ stop_mesh
 
 printf '\n%-42s %10s %9s %9s %14s %14s %10s\n' target req/s p50 p99 "host us/req" "mesh us/req" "cs/req"
 for row in "$h" "$s"; do
-    IFS='|' read -r name rps p50 p99 cpu non mesh sw <<<"$row"
+    IFS='|' read -r name rps p50 p99 cpu non mesh sw _ <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw"
 done
 echo "(host us/req: the frontend service process; mesh us/req: the ingress and node processes)"
-IFS='|' read -r _ rh _ _ ch _ mh _ <<<"$h"
-IFS='|' read -r _ rs _ _ cs _ ms _ <<<"$s"
+IFS='|' read -r _ rh _ _ ch _ mh _ _ <<<"$h"
+IFS='|' read -r _ rs _ _ cs _ ms _ _ <<<"$s"
 echo
 echo "hit/no-store req/s: $(echo "scale=2; $rh / $rs" | bc)   host CPU per request: hit $ch us vs $cs us"
 echo "ingress + node CPU per request: hit $mh us vs $ms us"

@@ -80,23 +80,34 @@ mesh_pids() { pgrep -P "$up_pid" -f "dpumesh (node|ingress)"; }
 all_mesh_pids() { pgrep -P "$up_pid"; }
 none() { :; }
 
+idle_ticks() { # "idle total": the machine's idle (+ iowait) and total ticks so far
+    awk '/^cpu / { t = 0; for (i = 2; i <= NF; i++) t += $i; print $5 + $6, t }' /proc/stat
+}
+idle_share() { # before after (idle_ticks): the share of the machine left idle, in %
+    local b=($1) a=($2)
+    echo "scale=1; (${a[0]} - ${b[0]}) * 100 / (${a[1]} - ${b[1]})" | bc
+}
+
+# Prints name|req/s|p50|p99|CPU us/req|non-2xx|second CPU us/req|cs/req|idle %: the
+# last is the share of both cores nobody used during the run (a target that leaves
+# cores idle under load is limited by its hand-offs, not by its CPU per request).
 run() { # name url pids [second pids] [pids whose context switches count]
     local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
-    local before after before2 after2 s1 s2 out rps p50 p99 reqs non2xx
+    local before after before2 after2 s1 s2 i1 i2 out rps p50 p99 reqs non2xx
     # With WARMUP=S (mesh.sh: 3) every target is warmed up first for S seconds,
     # unmeasured: a mesh just started still fills its instance pools and caches, and
     # peers and mesh alike start measured runs hot.
     if [ "${WARMUP:-0}" -gt 0 ]; then
         wrk -t1 -c32 -d"${WARMUP}s" -H "authorization: Bearer $TOKEN" "$url" >/dev/null
     fi
-    before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw))
+    before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw)); i1=$(idle_ticks)
     out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "$url")
-    after=$(cpu $($who)); after2=$(cpu $($also)); s2=$(switches $($sw))
+    after=$(cpu $($who)); after2=$(cpu $($also)); s2=$(switches $($sw)); i2=$(idle_ticks)
     rps=$(awk '/Requests\/sec/ { print $2 }' <<<"$out")
     reqs=$(awk '/requests in/ { print $1 }' <<<"$out")
     p50=$(awk '$1 == "50%" { print $2 }' <<<"$out")
     p99=$(awk '$1 == "99%" { print $2 }' <<<"$out")
     non2xx=$(awk '/Non-2xx/ { print $5 }' <<<"$out")
-    echo "$name|$rps|$p50|$p99|$(echo "scale=2; ($after - $before) * 1000000 / $reqs" | bc)|${non2xx:-0}|$(echo "scale=2; ($after2 - $before2) * 1000000 / $reqs" | bc)|$(echo "scale=2; ($s2 - $s1) / $reqs" | bc)"
+    echo "$name|$rps|$p50|$p99|$(echo "scale=2; ($after - $before) * 1000000 / $reqs" | bc)|${non2xx:-0}|$(echo "scale=2; ($after2 - $before2) * 1000000 / $reqs" | bc)|$(echo "scale=2; ($s2 - $s1) / $reqs" | bc)|$(idle_share "$i1" "$i2")"
 }
 

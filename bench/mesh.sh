@@ -173,32 +173,33 @@ check http://127.0.0.1:18090/ping
 f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
-printf '\n%-42s %10s %9s %9s %14s %14s %10s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req"
+printf '\n%-42s %10s %9s %9s %14s %14s %10s %7s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req" "idle"
 for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h"; do
-    IFS='|' read -r name rps p50 p99 cpu non mesh sw <<<"$row"
+    IFS='|' read -r name rps p50 p99 cpu non mesh sw idle <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     case "$name" in
-        [defgh]*) printf '%-42s %10s %9s %9s %14s %14s %10s\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" ;;
-        *) printf '%-42s %10s %9s %9s %14s\n' "$name" "$rps" "$p50" "$p99" "$cpu" ;;
+        [defgh]*) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" "$idle" ;;
+        *) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "" "" "$idle" ;;
     esac
 done
 echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-h;"
 echo " mesh us/req: the ingress and node processes, what the ingress node and the DPUs carry;"
-echo " cs/req: context switches summed over every thread of the ingress, nodes and pods)"
+echo " cs/req: context switches summed over every thread of the ingress, nodes and pods;
+ idle: the share of the machine's cores nobody used during the run)"
 printf '\n%-42s %10s %10s\n' "HTTP/2 (h2load -c32 -m10)" req/s 2xx
 for row in "$ch2" "$dh2"; do
     IFS='|' read -r name rps ok <<<"$row"
     printf '%-42s %10s %10s\n' "$name" "$rps" "$ok"
 done
 
-IFS='|' read -r _ ra _ _ ca _ _ _ <<<"$a"
-IFS='|' read -r _ rb _ _ _ _ _ _ <<<"$b"
-IFS='|' read -r _ rc _ pc cc _ _ _ <<<"$c"
-IFS='|' read -r _ rd _ pd cd _ md swd <<<"$d"
-IFS='|' read -r _ re _ _ _ _ me _ <<<"$e"
-IFS='|' read -r _ rf _ _ _ _ mf _ <<<"$f"
-IFS='|' read -r _ rg _ _ _ _ mg _ <<<"$g"
-IFS='|' read -r _ rh _ ph _ _ mh swh <<<"$h"
+IFS='|' read -r _ ra _ _ ca _ _ _ _ <<<"$a"
+IFS='|' read -r _ rb _ _ _ _ _ _ _ <<<"$b"
+IFS='|' read -r _ rc _ pc cc _ _ _ ic <<<"$c"
+IFS='|' read -r _ rd _ pd cd _ md swd id <<<"$d"
+IFS='|' read -r _ re _ _ _ _ me _ _ <<<"$e"
+IFS='|' read -r _ rf _ _ _ _ mf _ _ <<<"$f"
+IFS='|' read -r _ rg _ _ _ _ mg _ _ <<<"$g"
+IFS='|' read -r _ rh _ ph _ _ mh swh _ <<<"$h"
 IFS='|' read -r _ rch2 _ <<<"$ch2"
 IFS='|' read -r _ rdh2 _ <<<"$dh2"
 echo
@@ -206,6 +207,7 @@ echo "d/c req/s: $(echo "scale=2; $rd / $rc" | bc)   d/b req/s: $(echo "scale=2;
 echo "service CPU per request vs nginx direct: $(echo "scale=2; $cd / $ca" | bc)"
 echo "ingress + node CPU per request vs HAProxy + nginx: $(echo "scale=2; $md / $cc" | bc)"
 echo "context switches per request across the mesh: $swd"
+echo "cores left idle under load: d $id% vs c $ic%"
 echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
 echo "mutual TLS on the tcp fabric: req/s e/f $(echo "scale=2; $re / $rf" | bc), ingress + node CPU per request e $me vs f $mf us"
 echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"

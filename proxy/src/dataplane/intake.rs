@@ -120,8 +120,11 @@ impl<F: Fabric> Reactor<F> {
         let peer = self.links.get(&qp).and_then(|s| s.link.peer_identity());
         let peer = match peer {
             Some(peer) if peer.is_node() => return,
-            Some(peer) => peer.to_string(),
             None if !self.topology.require_identity => return,
+            // Nothing claimed, nothing to drop (every request from the ingress): the
+            // peer's name is formatted only for a warning.
+            _ if !flags.policed && head.source.identity.is_none() => return,
+            Some(peer) => peer.to_string(),
             None => "an unauthenticated link".to_owned(),
         };
         if flags.policed {
