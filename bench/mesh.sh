@@ -184,8 +184,8 @@ for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h"; do
 done
 echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-h;"
 echo " mesh us/req: the ingress and node processes, what the ingress node and the DPUs carry;"
-echo " cs/req: context switches summed over every thread of the ingress, nodes and pods;
- idle: the share of the machine's cores nobody used during the run)"
+echo " cs/req: context switches summed over every thread of the ingress, nodes and pods;"
+echo " idle: the share of the machine's cores nobody used during the run)"
 printf '\n%-42s %10s %10s\n' "HTTP/2 (h2load -c32 -m10)" req/s 2xx
 for row in "$ch2" "$dh2"; do
     IFS='|' read -r name rps ok <<<"$row"

@@ -5,9 +5,14 @@
 //! hashed, and a sharded map searched. On a request path that is otherwise a few
 //! microseconds, that lookup per response showed in the shard's profile; the shard
 //! looks each (service, status) up once and keeps the handles. Services come from the
-//! node's configuration and statuses are 100–599, so what it keeps is bounded.
+//! node's routes (or a trusted peer node's) and statuses are 100–599; past
+//! [`MAX_SERVICES`] names the shard records without keeping, so what it keeps stays
+//! bounded whatever a peer sends.
 
 use std::collections::HashMap;
+
+/// Most services whose handles one shard keeps.
+const MAX_SERVICES: usize = 4096;
 
 /// `dpumesh_mesh_responses_total{service,status}` and
 /// `dpumesh_mesh_request_duration_seconds{service}`, by service.
@@ -25,6 +30,9 @@ struct ServiceMetrics {
 impl ResponseMetrics {
     /// Counts one response of `service` with `status` that took `seconds`.
     pub(super) fn record(&mut self, service: &str, status: u16, seconds: f64) {
+        if self.services.len() >= MAX_SERVICES && !self.services.contains_key(service) {
+            return uncached(service, status, seconds);
+        }
         let metrics = match self.services.get_mut(service) {
             Some(m) => m,
             None => self
@@ -54,6 +62,18 @@ impl ResponseMetrics {
     }
 }
 
+/// The lookup per response the kept handles save (for services past the cap).
+fn uncached(service: &str, status: u16, seconds: f64) {
+    metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => service.to_owned())
+        .record(seconds);
+    metrics::counter!(
+        "dpumesh_mesh_responses_total",
+        "service" => service.to_owned(),
+        "status" => status.to_string(),
+    )
+    .increment(1);
+}
+
 #[cfg(test)]
 mod tests {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
@@ -72,6 +92,14 @@ mod tests {
             m.record("user", 200, 0.004);
             assert_eq!(m.services.len(), 2);
             assert_eq!(m.services["frontend"].responses.len(), 2);
+            // Past the cap, responses are still counted, their handles not kept.
+            for i in 0..MAX_SERVICES {
+                m.record(&format!("s{i}"), 200, 0.0);
+            }
+            m.record("s-late", 200, 0.0);
+            m.record("s-late", 200, 0.0);
+            assert_eq!(m.services.len(), MAX_SERVICES);
+            assert!(!m.services.contains_key("s-late"));
         });
         let mut counts = Vec::new();
         let mut durations = Vec::new();
@@ -87,6 +115,12 @@ mod tests {
                 DebugValue::Gauge(_) => {}
             }
         }
+        // The service past the cap: both its responses counted and timed.
+        assert!(counts.contains(&("service=s-late,status=200".to_owned(), 2)));
+        assert!(durations.contains(&("service=s-late".to_owned(), 2)));
+        // The rest (the services that filled the cap aside).
+        counts.retain(|(labels, _)| !labels.starts_with("service=s"));
+        durations.retain(|(labels, _)| !labels.starts_with("service=s"));
         counts.sort();
         durations.sort();
         assert_eq!(
