@@ -139,8 +139,9 @@ pub struct DmaManager<E: DmaEngine> {
     stats: Arc<DmaStats>,
 }
 
-/// A pod given this many descriptors is woken at once rather than at the end of the
-/// batch: it can start on them while the rest of the batch is still being routed.
+/// A pod given this many descriptors to act on (deliveries and errors; slots handed
+/// back do not count) is woken at once rather than at the end of the batch: it can
+/// start on them while the rest of the batch is still being routed.
 const WAKE_BATCH: u32 = 16;
 
 /// A pod's RX ring read position and since when it has not moved.
@@ -311,13 +312,16 @@ impl<E: DmaEngine> DmaManager<E> {
         let mut d = *d;
         d.lane = pod.lane;
         pod.rx_sq.push_quietly(&d)?;
+        // A slot handed back is no work the pod must start on: it waits for the
+        // batch's end (or for deliveries) instead of counting toward an early wake.
+        let urgent = u32::from(!d.kind.completion || d.kind.error);
         match self.unwoken.iter_mut().find(|(p, _)| *p == id) {
-            Some((_, n)) if *n + 1 >= WAKE_BATCH => {
+            Some((_, n)) if urgent == 1 && *n + 1 >= WAKE_BATCH => {
                 *n = 0;
                 pod.rx_sq.wake();
             }
-            Some((_, n)) => *n += 1,
-            None => self.unwoken.push((id, 1)),
+            Some((_, n)) => *n += urgent,
+            None => self.unwoken.push((id, urgent)),
         }
         Ok(())
     }
