@@ -314,14 +314,14 @@ impl<E: DmaEngine> DmaManager<E> {
         pod.rx_sq.push_quietly(&d)?;
         // A slot handed back is no work the pod must start on: it waits for the
         // batch's end (or for deliveries) instead of counting toward an early wake.
-        let urgent = u32::from(!d.kind.completion || d.kind.error);
+        let urgent = !d.kind.completion || d.kind.error;
         match self.unwoken.iter_mut().find(|(p, _)| *p == id) {
-            Some((_, n)) if urgent == 1 && *n + 1 >= WAKE_BATCH => {
+            Some((_, n)) if urgent && *n + 1 >= WAKE_BATCH => {
                 *n = 0;
                 pod.rx_sq.wake();
             }
-            Some((_, n)) => *n += urgent,
-            None => self.unwoken.push((id, urgent)),
+            Some((_, n)) => *n += u32::from(urgent),
+            None => self.unwoken.push((id, u32::from(urgent))),
         }
         Ok(())
     }

@@ -30,19 +30,19 @@ struct ServiceMetrics {
 impl ResponseMetrics {
     /// Counts one response of `service` with `status` that took `seconds`.
     pub(super) fn record(&mut self, service: &str, status: u16, seconds: f64) {
-        if self.services.len() >= MAX_SERVICES && !self.services.contains_key(service) {
-            return uncached(service, status, seconds);
-        }
+        let full = self.services.len() >= MAX_SERVICES;
         let metrics = match self.services.get_mut(service) {
             Some(m) => m,
+            None if full => {
+                duration_of(service).record(seconds);
+                responses_of(service, status).increment(1);
+                return;
+            }
             None => self
                 .services
                 .entry(service.to_owned())
                 .or_insert_with(|| ServiceMetrics {
-                    duration: metrics::histogram!(
-                        "dpumesh_mesh_request_duration_seconds",
-                        "service" => service.to_owned()
-                    ),
+                    duration: duration_of(service),
                     responses: Vec::new(),
                 }),
         };
@@ -50,11 +50,7 @@ impl ResponseMetrics {
         match metrics.responses.iter().find(|(s, _)| *s == status) {
             Some((_, counter)) => counter.increment(1),
             None => {
-                let counter = metrics::counter!(
-                    "dpumesh_mesh_responses_total",
-                    "service" => service.to_owned(),
-                    "status" => status.to_string(),
-                );
+                let counter = responses_of(service, status);
                 counter.increment(1);
                 metrics.responses.push((status, counter));
             }
@@ -62,16 +58,17 @@ impl ResponseMetrics {
     }
 }
 
-/// The lookup per response the kept handles save (for services past the cap).
-fn uncached(service: &str, status: u16, seconds: f64) {
+/// The registry lookups the kept handles save.
+fn duration_of(service: &str) -> metrics::Histogram {
     metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => service.to_owned())
-        .record(seconds);
+}
+
+fn responses_of(service: &str, status: u16) -> metrics::Counter {
     metrics::counter!(
         "dpumesh_mesh_responses_total",
         "service" => service.to_owned(),
         "status" => status.to_string(),
     )
-    .increment(1);
 }
 
 #[cfg(test)]
