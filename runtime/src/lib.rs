@@ -34,6 +34,7 @@ mod limits;
 mod local;
 pub mod proxywasm;
 mod runtime;
+mod stamp;
 mod stderr;
 mod worker;
 

@@ -19,6 +19,7 @@ use crate::filter::FailurePolicy;
 use crate::fusion::instance::{Decided, FusedFault, FusedInstance};
 use crate::health::HealthState;
 use crate::instance::CallInput;
+use crate::stamp::Stamp;
 
 /// How long after a failed attempt the fused instance is tried again.
 const RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -137,7 +138,7 @@ impl ChainRunner {
     fn request_fused_marking(
         &mut self,
         head: RequestHead,
-        entered: &mut Vec<(u32, Instant)>,
+        entered: &mut Vec<(u32, Stamp)>,
     ) -> Ran<ChainOutcome> {
         let n = self.slots.len();
         // Degraded filters are not called: fail-open ones are skipped (and counted
@@ -167,7 +168,7 @@ impl ChainRunner {
             return Ran::Unfused(head);
         };
         let (head, result) = instance.on_request(&call, head, skip);
-        let end = Instant::now();
+        let end = crate::stamp::now();
         entered.extend_from_slice(instance.marks());
         let reload_head = match &result {
             Err(_) => instance.take_reload_head(),
@@ -245,7 +246,7 @@ impl ChainRunner {
                 match reload_head {
                     Some(original) if policy == FailurePolicy::Reload && fault.kind.retryable() => {
                         faults.push(fault);
-                        let mut mark = Instant::now();
+                        let mut mark = crate::stamp::now();
                         let (head, step) = self.step(index, &call, &mut mark, original);
                         (index, step, head)
                     }
@@ -264,7 +265,7 @@ impl ChainRunner {
 
     /// Each entered filter's invocation and time: from its entry to the next one's
     /// (the last one's to `end`).
-    fn record_entries(&self, entered: &[(u32, Instant)], end: Instant) {
+    fn record_entries(&self, entered: &[(u32, Stamp)], end: Stamp) {
         for (i, (k, at)) in entered.iter().enumerate() {
             let until = entered.get(i + 1).map_or(end, |(_, next)| *next);
             let slot = &self.slots[*k as usize];

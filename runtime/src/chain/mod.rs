@@ -15,6 +15,7 @@ use crate::filter::{FailurePolicy, LoadedFilter};
 use crate::health::HealthState;
 use crate::instance::{CallInput, FilterInstance};
 use crate::proxywasm::queues::WakeSlot;
+use crate::stamp::Stamp;
 
 mod fused;
 
@@ -236,7 +237,7 @@ pub struct ChainRunner {
     /// `repair` that makes it again.
     fused: Option<fused::Fused>,
     /// Filters the last fused call entered, with their times (kept for its capacity).
-    entered: Vec<(u32, Instant)>,
+    entered: Vec<(u32, Stamp)>,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -296,6 +297,7 @@ impl ChainRunner {
     /// shared queue they registered gets an item (the owner then runs
     /// [`Self::tick`]).
     pub fn with_wake(chain: Arc<FilterChain>, wake: Arc<WakeSlot>) -> Self {
+        crate::stamp::calibrate();
         let fused = chain
             .fused
             .as_ref()
@@ -546,7 +548,7 @@ impl ChainRunner {
         };
         // One clock read per filter: a filter's time runs from the end of the one
         // before it (the chain's own bookkeeping between two calls is included).
-        let mut mark = Instant::now();
+        let mut mark = crate::stamp::now();
         for index in from..self.slots.len() {
             let policy = self.slots[index].filter.settings.failure_policy;
             let health = self.slots[index].filter.health.state();
@@ -661,7 +663,7 @@ impl ChainRunner {
         &mut self,
         index: usize,
         line: &CallInput,
-        mark: &mut Instant,
+        mark: &mut Stamp,
         head: RequestHead,
     ) -> (RequestHead, Step) {
         let (head, result) = self.call(index, line, mark, head);
@@ -790,7 +792,7 @@ impl ChainRunner {
         &mut self,
         index: usize,
         line: &CallInput,
-        mark: &mut Instant,
+        mark: &mut Stamp,
         head: RequestHead,
     ) -> (RequestHead, Result<crate::instance::Answer, FaultKind>) {
         let slot = &mut self.slots[index];
@@ -805,7 +807,7 @@ impl ChainRunner {
             return (head, Err(FaultKind::Unavailable("no instance".to_owned())));
         };
         let result = instance.on_request(line, head);
-        let now = Instant::now();
+        let now = crate::stamp::now();
         slot.duration.record((now - *mark).as_secs_f64());
         *mark = now;
         result

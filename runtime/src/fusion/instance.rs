@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dpumesh_head::RequestHead;
 use wasmtime::StoreContextMut;
@@ -15,6 +15,7 @@ use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
 use crate::imports::{HeadHandle, Member, StoreState};
 use crate::instance::{CallInput, arm_store, classify, configure, new_store};
+use crate::stamp::Stamp;
 
 type RunRequest = TypedFunc<(Arc<RequestLine>, Resource<HeadHandle>, u32), ((u32, Verdict),)>;
 type RunResponse = TypedFunc<(Resource<HeadHandle>, ResponseInfo, u32, u32), ()>;
@@ -161,7 +162,7 @@ impl FusedInstance {
         skip: u32,
     ) -> (RequestHead, Result<Decided, FusedFault>) {
         let line = call.line(&head);
-        self.begin(head);
+        self.begin(head, true);
         let result = self
             .run_request
             .call(&mut self.store, (line, Resource::new_borrow(0), skip))
@@ -182,7 +183,7 @@ impl FusedInstance {
         ran: usize,
         skip: u32,
     ) -> (RequestHead, Result<(), FusedFault>) {
-        self.begin(head);
+        self.begin(head, false);
         let result = self
             .run_response
             .call(
@@ -193,8 +194,9 @@ impl FusedInstance {
         (self.take_head(), result)
     }
 
-    /// When each filter entered during the last call began (filter index, time).
-    pub(crate) fn marks(&self) -> &[(u32, Instant)] {
+    /// When each filter entered during the last request phase began (filter index,
+    /// time).
+    pub(crate) fn marks(&self) -> &[(u32, Stamp)] {
         self.store.data().marks()
     }
 
@@ -205,11 +207,11 @@ impl FusedInstance {
 
     /// Lends `head` and readies the store for a call (the driver arms each filter's
     /// own deadline as it enters it).
-    fn begin(&mut self, head: RequestHead) {
+    fn begin(&mut self, head: RequestHead, timed: bool) {
         arm_store(&mut self.store, self.filters[0].settings.deadline);
         let state = self.store.data_mut();
         state.head = Some(head);
-        state.begin_run();
+        state.begin_run(timed);
     }
 
     fn take_head(&mut self) -> RequestHead {
@@ -218,7 +220,7 @@ impl FusedInstance {
     }
 
     fn fault(&mut self, error: wasmtime::Error) -> FusedFault {
-        let index = self.store.data().marks().last().map(|(k, _)| *k as usize);
+        let index = self.store.data().entered_last();
         let deadline = self.filters[index.unwrap_or(0)].settings.deadline;
         FusedFault {
             index,

@@ -7,7 +7,9 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::stamp::Stamp;
 
 use dpumesh_clock::SharedClock;
 use dpumesh_head::RequestHead;
@@ -118,8 +120,13 @@ pub(crate) struct StoreState {
     /// Never empty; `current` always indexes it.
     members: Vec<Member>,
     current: usize,
-    /// Filters a fused call entered, with the time each began.
-    marks: Vec<(u32, Instant)>,
+    /// Filters the request phase of a fused call entered, with the time each began.
+    marks: Vec<(u32, Stamp)>,
+    /// Whether this call stamps its entries (the request phase: the response phase's
+    /// times are not recorded, so it reads no clock).
+    timed: bool,
+    /// The filter the call under way entered last (whose fault a trap is).
+    entered: Option<u32>,
     /// The head as it was before the filter entered last, when that filter's policy
     /// retries (fused chains only).
     pub(crate) reload_head: Option<RequestHead>,
@@ -178,6 +185,8 @@ impl StoreState {
             members,
             current: 0,
             marks: Vec::new(),
+            timed: false,
+            entered: None,
             reload_head: None,
             services: services.clone(),
             wasi: wasi.build(),
@@ -204,14 +213,18 @@ impl StoreState {
 
     /// A fused call is about to start: forget the last one's marks, and charge no
     /// filter's budget until the driver enters one (what the driver's own memory
-    /// takes for the call's arguments is no filter's).
-    pub(crate) fn begin_run(&mut self) {
+    /// takes for the call's arguments is no filter's). A `timed` call stamps each
+    /// entry.
+    pub(crate) fn begin_run(&mut self, timed: bool) {
         self.marks.clear();
+        self.timed = timed;
+        self.entered = None;
         self.reload_head = None;
         self.limiter.charge_none();
     }
 
-    /// The fused chain's driver enters filter `index`: act for it, mark the time, keep
+    /// The fused chain's driver enters filter `index`: act for it, stamp the time (in a
+    /// timed call), keep
     /// the head if its policy retries, and arm its CPU deadline; returns the epoch
     /// ticks to the first look at it.
     pub(crate) fn enter(&mut self, index: usize) -> wasmtime::Result<u64> {
@@ -222,7 +235,10 @@ impl StoreState {
             ));
         }
         self.switch_to(index);
-        self.marks.push((index as u32, Instant::now()));
+        self.entered = Some(index as u32);
+        if self.timed {
+            self.marks.push((index as u32, crate::stamp::now()));
+        }
         let member = &self.members[index];
         if member.reload {
             self.reload_head = self.head.clone();
@@ -233,8 +249,13 @@ impl StoreState {
     }
 
     /// The filters entered by the last fused call, with the time each began.
-    pub(crate) fn marks(&self) -> &[(u32, Instant)] {
+    pub(crate) fn marks(&self) -> &[(u32, Stamp)] {
         &self.marks
+    }
+
+    /// The filter the last fused call entered last, if it entered any.
+    pub(crate) fn entered_last(&self) -> Option<usize> {
+        self.entered.map(|k| k as usize)
     }
 
     /// The head lent to the current call. A guest can only reach it through a handle

@@ -185,8 +185,14 @@ fn an_invalid_reply_is_a_500_naming_the_filter() {
 #[test]
 fn faults_in_the_response_phase_are_reported_and_do_not_poison_requests() {
     let rt = runtime();
+    // The response phase runs last filter first: `after` before `resp`, so the fault
+    // must be named for the filter entered last, not the one entered first.
     let f = settings("resp", json!({"response": [{"panic": "late"}]}));
-    let mut runner = ChainRunner::new(chain(&rt, vec![f]));
+    let after = settings(
+        "after",
+        json!({"tag": "after", "response": [{"record_order": "resp"}]}),
+    );
+    let mut runner = ChainRunner::new(chain(&rt, vec![f, after]));
     let outcome = runner.on_request(get("/"));
     assert_eq!(outcome.decision, Decision::Continue);
     let info = dpumesh_runtime::ResponseInfo {
@@ -198,6 +204,7 @@ fn faults_in_the_response_phase_are_reported_and_do_not_poison_requests() {
     let (_, faults) = runner.on_response(outcome.head, &info, outcome.ran);
     assert_eq!(faults.len(), 1);
     assert_eq!(faults[0].phase, dpumesh_runtime::Phase::Response);
+    assert_eq!(faults[0].filter, "resp");
     assert_eq!(runner.on_request(get("/")).decision, Decision::Continue);
 }
 
