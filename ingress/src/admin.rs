@@ -29,10 +29,7 @@ use crate::health::{Health, PROBE_EVERY};
 fn prometheus() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
-        let recorder = PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        let _ = metrics::set_global_recorder(recorder);
-        handle
+        dpumesh_prometheus::install(PrometheusBuilder::new(), dpumesh_prometheus::UPKEEP_EVERY)
     })
 }
 

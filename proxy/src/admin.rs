@@ -28,12 +28,9 @@ pub fn prometheus() -> &'static PrometheusHandle {
                 ],
             )
             .expect("bucket list is not empty");
-        let recorder = builder.build_recorder();
-        let handle = recorder.handle();
         // Another recorder may already be installed (e.g. by an embedding program);
         // then /metrics shows only what this handle records.
-        let _ = metrics::set_global_recorder(recorder);
-        handle
+        dpumesh_prometheus::install(builder, dpumesh_prometheus::UPKEEP_EVERY)
     })
 }
 

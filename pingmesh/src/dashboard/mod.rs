@@ -25,12 +25,12 @@ pub fn prometheus() -> &'static metrics_exporter_prometheus::PrometheusHandle {
     static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
         std::sync::OnceLock::new();
     HANDLE.get_or_init(|| {
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
         // Another recorder may already be installed (an embedding program); then
         // /metrics shows only what this handle records.
-        let _ = metrics::set_global_recorder(recorder);
-        handle
+        dpumesh_prometheus::install(
+            metrics_exporter_prometheus::PrometheusBuilder::new(),
+            dpumesh_prometheus::UPKEEP_EVERY,
+        )
     })
 }
 
