@@ -204,6 +204,33 @@ fn timers_of_ended_exchanges_are_skipped() {
     assert_eq!(table.len(), 0);
 }
 
+#[test]
+fn ended_exchanges_do_not_pile_up_timers_and_live_ones_still_fire() {
+    let t0 = Instant::now();
+    let mut table = ExchangeTable::default();
+    // One exchange stays open at a pod (per-try timer 10 ms, deadline 1 s), with a
+    // replaced try of its own, while 100k others come and go.
+    let live = at_pod_five(&mut table, from_link("GET", false, policy(1, Some(10))), t0);
+    table.start_try(live, t0 + MS);
+    table.at_pod(live, (0, live, 2), 5);
+    for i in 0..100_000u32 {
+        let xid = at_pod_five(&mut table, from_link("GET", false, policy(1, Some(10))), t0);
+        assert!(table.close(xid).is_some(), "exchange {i}");
+    }
+    assert_eq!(table.len(), 1);
+    // Bounded by the live exchanges, not by the requests seen within a timeout.
+    assert!(
+        table.timers.len() <= 2 + TIMER_SLACK,
+        "{} timers",
+        table.timers.len()
+    );
+    // The live exchange's current try still times out, then its deadline.
+    assert_eq!(table.due(t0 + 11 * MS), Some(Due::TryTimeout(live)));
+    assert!(table.begin_retry(live).is_some());
+    assert_eq!(table.due(t0 + 500 * MS), None);
+    assert_eq!(table.due(t0 + 1000 * MS), Some(Due::Timeout(live)));
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Late {
     Current,
