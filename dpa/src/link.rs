@@ -90,6 +90,8 @@ pub struct Link<F: Fabric> {
     outstanding: u32,
     queue: VecDeque<Outbound>,
     buf: Vec<u8>,
+    /// The frame received last, copied out of its slot.
+    rx: Vec<u8>,
     down: bool,
 }
 
@@ -124,6 +126,7 @@ impl<F: Fabric> Link<F> {
             outstanding: 0,
             queue: VecDeque::new(),
             buf: Vec::with_capacity(1024),
+            rx: Vec::new(),
             down: false,
         };
         for i in 0..LINK_RECVS {
@@ -324,12 +327,17 @@ impl<F: Fabric> Link<F> {
             _ => {
                 debug_assert_eq!(wc.opcode, WcOpcode::Recv);
                 let index = id as u32;
-                let bytes = self
-                    .region
-                    .read_vec(slot_offset(index), wc.byte_len as usize)?;
+                // Copied out of the shared slot once, into a buffer the link keeps (the
+                // peer may write the slot again once it is posted), and decoded from
+                // there: the frame's own copy of the head is the only allocation.
+                let len = wc.byte_len as usize;
+                if self.rx.len() < len {
+                    self.rx.resize(len, 0);
+                }
+                self.region.read(slot_offset(index), &mut self.rx[..len])?;
                 self.post_recv(index)?;
                 self.owed += 1;
-                let frame = match Frame::decode(&bytes) {
+                let frame = match Frame::decode(&self.rx[..len]) {
                     Ok(frame) => frame,
                     Err(e) => {
                         self.down = true;
