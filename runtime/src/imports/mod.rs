@@ -9,8 +9,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::stamp::Stamp;
-
 use dpumesh_clock::SharedClock;
 use dpumesh_head::RequestHead;
 use dpumesh_keys::KeyStore;
@@ -20,6 +18,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::dpumesh::filter::metrics;
 use crate::limits::MemoryLimiter;
+use crate::stamp::Stamp;
 use crate::stderr::StderrTail;
 
 mod head;
