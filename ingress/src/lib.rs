@@ -18,6 +18,7 @@
 pub mod admin;
 pub mod eject;
 pub mod framing;
+mod header_timer;
 pub mod health;
 pub mod path;
 mod shard;
@@ -102,6 +103,8 @@ struct Routing {
 struct State<F: Fabric> {
     routing: Arc<Routing>,
     shard: Rc<Shard<F>>,
+    /// hyper's header-read timeouts of this thread's connections.
+    header_timer: header_timer::HeaderTimer,
 }
 
 /// A running ingress.
@@ -207,7 +210,11 @@ impl Ingress {
                             let listener = TcpListener::from_std(listener)?;
                             shard.spawn_pump();
                             let _ = ready.send(Ok(()));
-                            let state = Rc::new(State { routing, shard });
+                            let state = Rc::new(State {
+                                routing,
+                                shard,
+                                header_timer: header_timer::HeaderTimer::start(),
+                            });
                             tokio::select! {
                                 () = serve(listener, state.clone()) => {}
                                 _ = stopped => {}
@@ -325,6 +332,7 @@ async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
             settings.max_headers,
             settings.header_timeout,
         );
+        let header_timer = state.header_timer.clone();
         // Which HTTP/1 requests on this connection had both framings (hyper drops the
         // Content-Length before the handler could see it).
         let ambiguous = Rc::new(std::cell::RefCell::new(framing::Ambiguous::default()));
@@ -342,7 +350,7 @@ async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
             let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
             builder
                 .http1()
-                .timer(TokioTimer::new())
+                .timer(header_timer.clone())
                 .max_buf_size(max_head)
                 .max_headers(max_headers)
                 .header_read_timeout(header_timeout);
