@@ -440,16 +440,27 @@ impl<F: Fabric> Shard<F> {
                 }
                 continue;
             };
+            // Whether the queue's descriptor turned readable: only then is there a
+            // wake-up (or a closed peer socket) to consume. A task posting a request
+            // ends the sleep too, and that needs no system call.
+            let mut readable = false;
             if self.cq.prepare_sleep() {
                 tokio::select! {
-                    ready = fd.readable() => match ready {
-                        Ok(mut guard) => guard.clear_ready(),
-                        Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
-                    },
+                    ready = fd.readable() => {
+                        readable = true;
+                        match ready {
+                            Ok(mut guard) => guard.clear_ready(),
+                            Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+                        }
+                    }
                     () = self.posted.notified() => {}
                 }
             }
-            self.cq.finish_sleep();
+            if readable {
+                self.cq.finish_sleep();
+            } else {
+                self.cq.end_sleep();
+            }
         }
     }
 

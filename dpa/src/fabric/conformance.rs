@@ -609,6 +609,68 @@ pub(crate) fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send<F: Fabric + De
     assert_eq!((out[0].wr_id, out[0].status), (4, WcStatus::Success));
 }
 
+/// An owner woken by something else than its descriptor (the ingress's task, by a
+/// request to post) withdraws its sleep with `end_sleep`: a wake-up that came meanwhile
+/// is kept for the next sleep, consumed by the `finish_sleep` after it, and later
+/// sends still wake a sleeper.
+pub(crate) fn a_sleep_ended_early_keeps_its_wake_up_for_the_next<F: Fabric + Default>() {
+    let (a, b) = pair::<F>();
+    let Some(_) = b.cq.wait_fd() else {
+        return;
+    };
+    for i in 0..4u64 {
+        b.qp.post_recv(RecvWr {
+            wr_id: i,
+            sge: b.mr.sge(i * 64, 64),
+        })
+        .unwrap();
+    }
+    let send = |wr_id: u64| {
+        a.qp.post_send(SendWr {
+            wr_id,
+            op: SendOp::Send,
+            sge: a.mr.sge(0, 8),
+            signaled: false,
+        })
+        .unwrap();
+    };
+    let received = |b: &Side<F>| {
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while out.is_empty() && Instant::now() < deadline {
+            a.cq.poll(&mut Vec::new(), 0);
+            b.cq.poll(&mut out, 1);
+        }
+        out
+    };
+    let fd = b.cq.wait_fd().unwrap();
+    assert!(b.cq.prepare_sleep(), "nothing to do yet");
+    send(0);
+    b.cq.end_sleep();
+    assert!(
+        readable(fd, Duration::from_secs(10)),
+        "the wake-up is kept for the next sleep"
+    );
+    assert_eq!(received(&b).len(), 1);
+    // The next sleep's finish consumes what is left of it (on the shared-memory
+    // fabric the bell's eventfd; the TCP fabric's poll already read the socket).
+    assert!(b.cq.prepare_sleep(), "nothing left to do");
+    b.cq.finish_sleep();
+    assert!(!readable(fd, Duration::ZERO), "consumed by finish_sleep");
+    // A sleep after an ended one is still woken by a send.
+    assert!(b.cq.prepare_sleep());
+    let woke = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            send(1);
+        });
+        readable(fd, Duration::from_secs(10))
+    });
+    assert!(woke, "the send woke the sleeper");
+    b.cq.finish_sleep();
+    assert_eq!(received(&b)[0].wr_id, 1);
+}
+
 /// Runs every conformance test against `$fabric`, in a module named `$name`.
 /// Sends held by their completion queue's owner leave on flush, in order and intact,
 /// small and large mixed (a fabric that gathers small frames into one write must not
@@ -710,6 +772,10 @@ macro_rules! fabric_conformance {
             #[test]
             fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send() {
                 c::an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send::<$fabric>()
+            }
+            #[test]
+            fn a_sleep_ended_early_keeps_its_wake_up_for_the_next() {
+                c::a_sleep_ended_early_keeps_its_wake_up_for_the_next::<$fabric>()
             }
             #[test]
             fn held_sends_leave_on_flush_in_order_and_intact() {

@@ -353,6 +353,17 @@ pub trait CompletionQueue: Send + Sync {
     /// consumes the wake-up, so the descriptor is quiet until the next one.
     fn finish_sleep(&self) {}
 
+    /// After a sleep that ended for another reason than [`CompletionQueue::wait_fd`]
+    /// turning readable: withdraws the announcement only, and leaves any wake-up that
+    /// came meanwhile for the `finish_sleep` after the sleep it ends. Only for owners
+    /// whose wait on the descriptor is edge-triggered (an async reactor): a wake-up left
+    /// unconsumed then still ends the next sleep once, where in a level-triggered set
+    /// it would end every sleep at once. Saves the system calls of consuming when
+    /// nothing came (the ingress wakes its fabric task for each request it posts).
+    fn end_sleep(&self) {
+        self.finish_sleep()
+    }
+
     /// For the owner that posts a batch of work at a time on the queue pairs whose
     /// sends complete here: `true` holds what they post (and acknowledgements they
     /// owe) until [`CompletionQueue::flush_sends`], so a fabric whose doorbell is a

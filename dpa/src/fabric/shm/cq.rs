@@ -234,6 +234,10 @@ impl CqInner {
         !self.has_work()
     }
 
+    pub(super) fn end_sleep(&self) {
+        self.bell.sleep_ends();
+    }
+
     pub(super) fn finish_sleep(&self) {
         self.bell.sleep_ends();
         // Consumes the bell's wake-up and any socket event, so the epoll descriptor

@@ -126,6 +126,10 @@ impl CompletionQueue for ShmCq {
     fn finish_sleep(&self) {
         self.inner.finish_sleep()
     }
+
+    fn end_sleep(&self) {
+        self.inner.end_sleep()
+    }
 }
 
 /// A queue pair of the shared-memory fabric.

@@ -136,6 +136,10 @@ impl CompletionQueue for SoftCq {
         }
     }
 
+    fn end_sleep(&self) {
+        self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
     fn finish_sleep(&self) {
         self.inner.sleepers.fetch_sub(1, Ordering::SeqCst);
         // Reads what the sockets have and drains the wake-up, so the epoll descriptor
