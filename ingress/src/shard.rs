@@ -443,19 +443,17 @@ impl<F: Fabric> Shard<F> {
             // Whether the queue's descriptor turned readable: only then is there a
             // wake-up (or a closed peer socket) to consume. A task posting a request
             // ends the sleep too, and that needs no system call.
-            let mut readable = false;
-            if self.cq.prepare_sleep() {
-                tokio::select! {
+            let readable = self.cq.prepare_sleep()
+                && tokio::select! {
                     ready = fd.readable() => {
-                        readable = true;
                         match ready {
                             Ok(mut guard) => guard.clear_ready(),
                             Err(_) => tokio::time::sleep(Duration::from_millis(1)).await,
                         }
+                        true
                     }
-                    () = self.posted.notified() => {}
-                }
-            }
+                    () = self.posted.notified() => false,
+                };
             if readable {
                 self.cq.finish_sleep();
             } else {

@@ -550,27 +550,59 @@ fn readable(fd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
     matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
 }
 
+/// Posts `n` receives of 64 bytes on `side` (ids 0..n).
+fn post_receives<F: Fabric>(side: &Side<F>, n: u64) {
+    for i in 0..n {
+        side.qp
+            .post_recv(RecvWr {
+                wr_id: i,
+                sge: side.mr.sge(i * 64, 64),
+            })
+            .unwrap();
+    }
+}
+
+/// Posts an unsignaled 8-byte SEND from `side`.
+fn send_small<F: Fabric>(side: &Side<F>, wr_id: u64) {
+    side.qp
+        .post_send(SendWr {
+            wr_id,
+            op: SendOp::Send,
+            sge: side.mr.sge(0, 8),
+            signaled: false,
+        })
+        .unwrap();
+}
+
+/// Whether `fd` turns readable within 10 s when `send` runs 50 ms into the wait.
+fn woken_by(fd: std::os::fd::BorrowedFd<'_>, send: impl FnOnce() + Send) -> bool {
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(Duration::from_millis(50));
+            send();
+        });
+        readable(fd, Duration::from_secs(10))
+    })
+}
+
+/// `b`'s first completion within 10 s, polling `a` meanwhile (none: empty).
+fn received<F: Fabric>(a: &Side<F>, b: &Side<F>) -> Vec<WorkCompletion> {
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while out.is_empty() && Instant::now() < deadline {
+        a.cq.poll(&mut Vec::new(), 0);
+        b.cq.poll(&mut out, 1);
+    }
+    out
+}
+
 pub(crate) fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send<F: Fabric + Default>() {
     let (a, b) = pair::<F>();
     let Some(_) = b.cq.wait_fd() else {
         return;
     };
-    for i in 0..8u64 {
-        b.qp.post_recv(RecvWr {
-            wr_id: i,
-            sge: b.mr.sge(i * 64, 64),
-        })
-        .unwrap();
-    }
-    let send = |wr_id: u64| {
-        a.qp.post_send(SendWr {
-            wr_id,
-            op: SendOp::Send,
-            sge: a.mr.sge(0, 8),
-            signaled: false,
-        })
-        .unwrap();
-    };
+    post_receives(&b, 8);
+    let send = |wr_id: u64| send_small(&a, wr_id);
     // Sleeps that were prepared and then not taken (work was there) leave nothing
     // behind that would keep a later sleeper from being woken.
     send(0);
@@ -591,21 +623,9 @@ pub(crate) fn an_owner_sleeping_on_its_wait_fd_is_woken_by_a_send<F: Fabric + De
     assert!(b.cq.prepare_sleep(), "nothing to do yet");
     let fd = b.cq.wait_fd().unwrap();
     assert!(!readable(fd, Duration::ZERO), "quiet before the send");
-    let woke = std::thread::scope(|scope| {
-        scope.spawn(|| {
-            std::thread::sleep(Duration::from_millis(50));
-            send(3);
-        });
-        readable(fd, Duration::from_secs(10))
-    });
-    assert!(woke, "the send woke the sleeper");
+    assert!(woken_by(fd, || send(3)), "the send woke the sleeper");
     b.cq.finish_sleep();
-    let mut out = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while out.is_empty() && Instant::now() < deadline {
-        a.cq.poll(&mut Vec::new(), 0);
-        b.cq.poll(&mut out, 1);
-    }
+    let out = received(&a, &b);
     assert_eq!((out[0].wr_id, out[0].status), (4, WcStatus::Success));
 }
 
@@ -618,31 +638,8 @@ pub(crate) fn a_sleep_ended_early_keeps_its_wake_up_for_the_next<F: Fabric + Def
     let Some(_) = b.cq.wait_fd() else {
         return;
     };
-    for i in 0..4u64 {
-        b.qp.post_recv(RecvWr {
-            wr_id: i,
-            sge: b.mr.sge(i * 64, 64),
-        })
-        .unwrap();
-    }
-    let send = |wr_id: u64| {
-        a.qp.post_send(SendWr {
-            wr_id,
-            op: SendOp::Send,
-            sge: a.mr.sge(0, 8),
-            signaled: false,
-        })
-        .unwrap();
-    };
-    let received = |b: &Side<F>| {
-        let mut out = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while out.is_empty() && Instant::now() < deadline {
-            a.cq.poll(&mut Vec::new(), 0);
-            b.cq.poll(&mut out, 1);
-        }
-        out
-    };
+    post_receives(&b, 4);
+    let send = |wr_id: u64| send_small(&a, wr_id);
     let fd = b.cq.wait_fd().unwrap();
     assert!(b.cq.prepare_sleep(), "nothing to do yet");
     send(0);
@@ -651,7 +648,7 @@ pub(crate) fn a_sleep_ended_early_keeps_its_wake_up_for_the_next<F: Fabric + Def
         readable(fd, Duration::from_secs(10)),
         "the wake-up is kept for the next sleep"
     );
-    assert_eq!(received(&b).len(), 1);
+    assert_eq!(received(&a, &b).len(), 1);
     // The next sleep's finish consumes what is left of it (on the shared-memory
     // fabric the bell's eventfd; the TCP fabric's poll already read the socket).
     assert!(b.cq.prepare_sleep(), "nothing left to do");
@@ -659,19 +656,11 @@ pub(crate) fn a_sleep_ended_early_keeps_its_wake_up_for_the_next<F: Fabric + Def
     assert!(!readable(fd, Duration::ZERO), "consumed by finish_sleep");
     // A sleep after an ended one is still woken by a send.
     assert!(b.cq.prepare_sleep());
-    let woke = std::thread::scope(|scope| {
-        scope.spawn(|| {
-            std::thread::sleep(Duration::from_millis(50));
-            send(1);
-        });
-        readable(fd, Duration::from_secs(10))
-    });
-    assert!(woke, "the send woke the sleeper");
+    assert!(woken_by(fd, || send(1)), "the send woke the sleeper");
     b.cq.finish_sleep();
-    assert_eq!(received(&b)[0].wr_id, 1);
+    assert_eq!(received(&a, &b)[0].wr_id, 1);
 }
 
-/// Runs every conformance test against `$fabric`, in a module named `$name`.
 /// Sends held by their completion queue's owner leave on flush, in order and intact,
 /// small and large mixed (a fabric that gathers small frames into one write must not
 /// reorder them around a large one).
@@ -721,6 +710,7 @@ pub(crate) fn held_sends_leave_on_flush_in_order_and_intact<F: Fabric + Default>
     a.cq.hold_sends(false);
 }
 
+/// Runs every conformance test against `$fabric`, in a module named `$name`.
 macro_rules! fabric_conformance {
     ($name:ident, $fabric:ty) => {
         mod $name {
