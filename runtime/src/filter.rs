@@ -150,6 +150,9 @@ pub(crate) enum FilterKind {
         /// The component's bytes, kept to compose the chains it is in
         /// ([`crate::FilterChain::fuse`]).
         bytes: Arc<[u8]>,
+        /// Its core module when it can run as a core instance ([`crate::canon`]);
+        /// instances are made from it then.
+        core: Option<Arc<crate::canon::CoreFilter>>,
     },
     ProxyWasm(Arc<crate::proxywasm::plugin::Plugin>),
 }
@@ -214,6 +217,12 @@ impl LoadedFilter {
             FilterKind::Component { exports, .. } => exports.on_response.is_some(),
             FilterKind::ProxyWasm(_) => true,
         }
+    }
+
+    /// Whether its instances run as core instances (the component's one core module
+    /// with the world's canonical ABI done by the host; see docs/benchmarks.md).
+    pub fn runs_as_core(&self) -> bool {
+        matches!(&self.kind, FilterKind::Component { core: Some(_), .. })
     }
 
     /// Whether this is a proxy-wasm plugin (a core module) rather than a component.
@@ -356,10 +365,25 @@ impl Runtime {
                     filter: name.clone(),
                     detail: format!("{e:#}"),
                 })?;
+        let core = match crate::canon::prepare(
+            &self.inner.engine,
+            &self.inner.core_linker,
+            &self.inner.cache,
+            &hash,
+            bytes,
+            self.inner.config.core_calls,
+        ) {
+            Ok(core) => Some(Arc::new(core)),
+            Err(why) => {
+                tracing::debug!(filter = %name, "component calls, not core calls: {why}");
+                None
+            }
+        };
         let kind = FilterKind::Component {
             pre,
             exports,
             bytes: Arc::from(bytes),
+            core,
         };
         self.publish(settings, kind, hash)
     }

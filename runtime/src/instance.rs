@@ -92,9 +92,11 @@ pub struct FilterInstance {
     startup: Startup,
 }
 
-/// A component's instance or a proxy-wasm plugin's.
+/// A component's instance (through wasmtime's component calls, or as a core
+/// instance: [`crate::canon`]) or a proxy-wasm plugin's.
 enum Inner {
     Component(Box<ComponentCalls>),
+    Core(Box<crate::canon::calls::CoreCalls>),
     ProxyWasm(Box<PwInstance>),
 }
 
@@ -202,6 +204,9 @@ impl FilterInstance {
         let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
         runtime.epoch.call_begins();
         let (pre, exports) = match &filter.kind {
+            FilterKind::Component {
+                core: Some(core), ..
+            } => return Self::new_core(filter, core),
             FilterKind::Component { pre, exports, .. } => (pre, exports),
             FilterKind::ProxyWasm(plugin) => {
                 let started = Instant::now();
@@ -349,6 +354,83 @@ impl FilterInstance {
         })
     }
 
+    /// An instance of `filter` run as a core instance.
+    fn new_core(
+        filter: &Arc<LoadedFilter>,
+        core: &crate::canon::CoreFilter,
+    ) -> Result<Self, LoadError> {
+        let runtime = &filter.runtime.inner;
+        let settings = &filter.settings;
+        let name = || settings.name.clone();
+        let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
+        let state = StoreState::new(
+            filter.tag.clone(),
+            namespace,
+            &runtime.services,
+            settings.memory_cap,
+            runtime.config.epoch_tick,
+        );
+        let store = new_store(
+            &runtime.engine,
+            runtime.epoch.clone(),
+            state,
+            settings.configure_deadline,
+        );
+        let started = Instant::now();
+        let mut calls = match crate::canon::calls::CoreCalls::new(core, store) {
+            Ok(calls) => calls,
+            Err((store, e)) if store.data().limiter.hit => {
+                return Err(LoadError::Settings {
+                    filter: name(),
+                    detail: format!(
+                        "memory cap of {} KiB is below what the component needs to start ({e})",
+                        settings.memory_cap / 1024
+                    ),
+                });
+            }
+            Err((_, e)) => {
+                return Err(LoadError::Instantiate {
+                    filter: name(),
+                    detail: format!("{e:#}"),
+                });
+            }
+        };
+        filter.initial_memory.store(
+            calls.store.data().limiter.committed(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let instantiated = Instant::now();
+        match calls.configure(&settings.config) {
+            Ok(Ok(())) => {}
+            Ok(Err(message)) => {
+                return Err(LoadError::Configure {
+                    filter: name(),
+                    message,
+                });
+            }
+            Err(e) => {
+                return Err(LoadError::ConfigureFault {
+                    filter: name(),
+                    fault: classify(&mut calls.store, e, settings.configure_deadline),
+                });
+            }
+        }
+        // Host calls are cheap here, so the batched call's input (built per call)
+        // would cost more than the reads it saves.
+        let _ = filter.batched.set(false);
+        filter
+            .live
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self {
+            startup: Startup {
+                instantiate: instantiated - started,
+                configure: instantiated.elapsed(),
+            },
+            filter: filter.clone(),
+            inner: Inner::Core(Box::new(calls)),
+        })
+    }
+
     /// Runs a proxy-wasm plugin's `proxy_on_tick` if due; returns when the next is
     /// due (`None` for components and plugins without a tick period). A tick that
     /// faults leaves the instance to be replaced, like a faulted request call.
@@ -378,7 +460,7 @@ impl FilterInstance {
     pub(crate) fn take_root_calls(&mut self) -> Vec<crate::callout::Callout> {
         match &mut self.inner {
             Inner::ProxyWasm(pw) => pw.take_root_calls(),
-            Inner::Component(_) => Vec::new(),
+            Inner::Component(_) | Inner::Core(_) => Vec::new(),
         }
     }
 
@@ -394,7 +476,7 @@ impl FilterInstance {
                 arm_store(&mut pw.store, deadline);
                 pw.on_root_callout(token, reply, deadline)
             }
-            Inner::Component(_) => Ok(()),
+            Inner::Component(_) | Inner::Core(_) => Ok(()),
         }
     }
 
@@ -421,6 +503,15 @@ impl FilterInstance {
         let deadline = self.filter.settings.deadline;
         let this = match &mut self.inner {
             Inner::Component(c) => c,
+            Inner::Core(core) => {
+                arm_store(&mut core.store, deadline);
+                let line = call.line(&head);
+                core.store.data_mut().head = Some(head);
+                let result = core
+                    .on_request(&line)
+                    .map_err(|e| classify(&mut core.store, e, deadline));
+                return (take_head(&mut core.store), result.map(Answer::from));
+            }
             Inner::ProxyWasm(pw) => {
                 arm_store(&mut pw.store, deadline);
                 return pw.on_request(head, deadline);
@@ -485,7 +576,7 @@ impl FilterInstance {
                 arm_store(&mut pw.store, deadline);
                 pw.on_callout(head, token, reply, deadline)
             }
-            Inner::Component(_) => (
+            Inner::Component(_) | Inner::Core(_) => (
                 head,
                 Err(FaultKind::Unavailable(
                     "a component has no HTTP calls under way".to_owned(),
@@ -504,6 +595,19 @@ impl FilterInstance {
         let deadline = self.filter.settings.deadline;
         let this = match &mut self.inner {
             Inner::Component(c) => c,
+            Inner::Core(core) => {
+                if !core.has_response() {
+                    return (head, Ok(()));
+                }
+                arm_store(&mut core.store, deadline);
+                core.store.data_mut().head = Some(head);
+                let result = core.on_response(&info);
+                let head = take_head(&mut core.store);
+                return (
+                    head,
+                    result.map_err(|e| classify(&mut core.store, e, deadline)),
+                );
+            }
             Inner::ProxyWasm(pw) => {
                 arm_store(&mut pw.store, deadline);
                 return pw.on_response(head, &info, headers, deadline);

@@ -21,6 +21,7 @@ mod bindings;
 mod budget;
 mod cache;
 pub mod callout;
+pub(crate) mod canon;
 mod chain;
 mod epoch;
 mod error;

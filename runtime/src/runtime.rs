@@ -35,6 +35,10 @@ pub struct RuntimeConfig {
     pub state_limits: StateLimits,
     /// How linear memories take address space.
     pub address_space: AddressSpace,
+    /// Whether components that can run as core instances do ([`crate::canon`]:
+    /// the world's canonical ABI done by the host, several times cheaper per call).
+    /// `DPUMESH_CORE_CALLS=off` turns it off by default (for comparisons).
+    pub core_calls: bool,
 }
 
 /// How filter memories are laid out in the process's address space.
@@ -79,6 +83,7 @@ impl Default for RuntimeConfig {
             clock: SystemClock::shared(),
             state_limits: StateLimits::default(),
             address_space: AddressSpace::from_env(),
+            core_calls: std::env::var("DPUMESH_CORE_CALLS").as_deref() != Ok("off"),
         }
     }
 }
@@ -105,6 +110,9 @@ pub(crate) struct RuntimeInner {
     pub(crate) linker: Linker<StoreState>,
     /// The proxy-wasm ABI's functions, for plugins (core modules).
     pub(crate) pw_linker: wasmtime::Linker<crate::proxywasm::state::PwState>,
+    /// The filter world and WASI as core functions, for components run as core
+    /// instances ([`crate::canon`]).
+    pub(crate) core_linker: wasmtime::Linker<StoreState>,
     pub(crate) services: NodeServices,
     pub(crate) cache: CompileCache,
     pub(crate) config: RuntimeConfig,
@@ -160,6 +168,8 @@ impl Runtime {
             .map_err(|e| RuntimeError(format!("linking the chain driver: {e:#}")))?;
         let pw_linker = crate::proxywasm::linker(&engine)
             .map_err(|e| RuntimeError(format!("linking the proxy-wasm ABI: {e:#}")))?;
+        let core_linker = crate::canon::linker(&engine)
+            .map_err(|e| RuntimeError(format!("linking the core filter world: {e:#}")))?;
         let services = NodeServices {
             clock: config.clock.clone(),
             state: SharedState::new(config.clock.clone(), config.state_limits),
@@ -176,6 +186,7 @@ impl Runtime {
                 engine,
                 linker,
                 pw_linker,
+                core_linker,
                 services,
                 cache,
                 config,

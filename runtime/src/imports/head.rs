@@ -6,7 +6,7 @@ use wasmtime::component::Resource;
 use super::{HeadHandle, StoreState};
 use crate::bindings::dpumesh::filter::types;
 
-fn header_error(e: dpumesh_head::HeaderError) -> types::HeaderError {
+pub(crate) fn header_error(e: dpumesh_head::HeaderError) -> types::HeaderError {
     match e {
         dpumesh_head::HeaderError::InvalidName => types::HeaderError::InvalidName,
         dpumesh_head::HeaderError::InvalidValue => types::HeaderError::InvalidValue,

@@ -24,7 +24,7 @@ use crate::stderr::StderrTail;
 mod head;
 mod services;
 
-pub(crate) use head::{wit_method, wit_scheme};
+pub(crate) use head::{header_error, wit_method, wit_scheme};
 
 /// Stand-in type of the `request-head` resource (see the module docs).
 #[derive(Debug)]
@@ -132,6 +132,9 @@ pub(crate) struct StoreState {
     services: NodeServices,
     wasi: WasiCtx,
     table: ResourceTable,
+    /// The instance's memory and allocator when it runs as a core instance
+    /// ([`crate::canon`]).
+    pub(crate) core: Option<crate::canon::abi::Guest>,
 }
 
 impl StoreState {
@@ -190,7 +193,18 @@ impl StoreState {
             services: services.clone(),
             wasi: wasi.build(),
             table: ResourceTable::new(),
+            core: None,
         }
+    }
+
+    /// The node's clock (what WASI's clocks read too).
+    pub(crate) fn clock(&self) -> &SharedClock {
+        &self.services.clock
+    }
+
+    /// The store's WASI random sources.
+    pub(crate) fn random(&mut self) -> &mut wasmtime_wasi::random::WasiRandomCtx {
+        self.wasi.random()
     }
 
     /// The filter the guest code running now belongs to.

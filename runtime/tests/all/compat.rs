@@ -1,6 +1,7 @@
 //! WIT 0.1.1 next to 0.1.0: a component built for 0.1.0 (kept as built) loads and
-//! decides exactly as the same filter built for 0.1.1, which takes the batched call;
-//! and the batched call's input reads back as it was written.
+//! decides exactly as the same filter built for 0.1.1, both as core instances and
+//! through component calls (where the 0.1.1 one takes the batched call); and the
+//! batched call's input reads back as it was written.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use dpumesh_runtime::{ChainRunner, Decision, FilterChain, FilterSettings, Reques
 use dpumesh_test_artifacts as artifacts;
 use serde_json::json;
 
-use crate::support::{get, runtime};
+use crate::support::{get, runtime_with};
 
 const FIXTURE: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
@@ -41,9 +42,10 @@ fn run(runner: &mut ChainRunner, head: RequestHead) -> (u16, Option<String>) {
     (status, outcome.head.header("x-guard"))
 }
 
-#[test]
-fn a_component_built_for_0_1_0_runs_as_the_same_filter_built_for_0_1_1() {
-    let rt = runtime();
+#[test_case::test_case(true; "as core instances")]
+#[test_case::test_case(false; "through component calls")]
+fn a_component_built_for_0_1_0_runs_as_the_same_filter_built_for_0_1_1(core: bool) {
+    let rt = runtime_with(core);
     let old = rt
         .load_filter(
             // A generous deadline: this test is about the interface, and emulated
@@ -59,7 +61,17 @@ fn a_component_built_for_0_1_0_runs_as_the_same_filter_built_for_0_1_1() {
         )
         .unwrap();
     assert!(!old.is_batched(), "0.1.0 has no handle-request");
-    assert!(new.is_batched(), "the Rust SDK builds batched filters");
+    if core {
+        assert!(
+            old.runs_as_core(),
+            "0.1.0 is served the 0.1.2 core functions"
+        );
+        assert!(new.runs_as_core());
+        assert!(!new.is_batched(), "host calls are cheap as core calls");
+    } else {
+        assert!(!old.runs_as_core() && !new.runs_as_core());
+        assert!(new.is_batched(), "the Rust SDK builds batched filters");
+    }
     let mut old = ChainRunner::new(Arc::new(FilterChain::new("old", vec![old])));
     let mut new = ChainRunner::new(Arc::new(FilterChain::new("new", vec![new])));
     let admin = || {

@@ -15,9 +15,16 @@ pub fn cache_dir() -> PathBuf {
 }
 
 pub fn runtime() -> Runtime {
+    runtime_with(true)
+}
+
+/// A runtime whose filters run as core instances where they can (`core_calls`), or
+/// all through wasmtime's component calls.
+pub fn runtime_with(core_calls: bool) -> Runtime {
     Runtime::new(RuntimeConfig {
         cache_dir: Some(cache_dir()),
         max_instances: 32,
+        core_calls,
         ..RuntimeConfig::default()
     })
     .expect("runtime starts")

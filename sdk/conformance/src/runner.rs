@@ -67,6 +67,9 @@ pub struct RunOptions {
     pub deadline: Duration,
     /// Compile cache directory (`None`: in memory).
     pub cache_dir: Option<std::path::PathBuf>,
+    /// Whether a component that can run as a core instance does (as the proxy runs
+    /// it); `false` runs it through wasmtime's component calls.
+    pub core_calls: bool,
 }
 
 impl Default for RunOptions {
@@ -74,6 +77,7 @@ impl Default for RunOptions {
         Self {
             deadline: Duration::from_secs(2),
             cache_dir: dpumesh_runtime::default_cache_dir(),
+            core_calls: RuntimeConfig::default().core_calls,
         }
     }
 }
@@ -101,6 +105,7 @@ pub fn run_suite(suite: &Suite, component: &[u8], options: &RunOptions) -> Suite
         cache_dir: options.cache_dir.clone(),
         max_instances: 8,
         clock: shared,
+        core_calls: options.core_calls,
         ..RuntimeConfig::default()
     }) {
         Ok(runtime) => runtime,

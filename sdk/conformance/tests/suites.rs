@@ -17,8 +17,15 @@ fn options() -> RunOptions {
     }
 }
 
-/// Runs every suite of `filter` against `bytes`; returns the number of cases.
+/// Runs every suite of `filter` against `bytes`, as a core instance and through
+/// component calls; returns the number of cases.
 fn pass_suites(filter: &str, bytes: &[u8]) -> usize {
+    let cases = pass_suites_with(filter, bytes, true);
+    assert_eq!(pass_suites_with(filter, bytes, false), cases);
+    cases
+}
+
+fn pass_suites_with(filter: &str, bytes: &[u8], core_calls: bool) -> usize {
     let dir = suites_dir().join(filter);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
@@ -30,7 +37,11 @@ fn pass_suites(filter: &str, bytes: &[u8]) -> usize {
     let mut cases = 0;
     for file in files {
         let suite = Suite::load(&file).unwrap_or_else(|e| panic!("{e}"));
-        let report = run_suite(&suite, bytes, &options());
+        let options = RunOptions {
+            core_calls,
+            ..options()
+        };
+        let report = run_suite(&suite, bytes, &options);
         print!("{}", format_report(&report));
         assert!(report.ok(), "{}", format_report(&report));
         cases += report.cases.len();
