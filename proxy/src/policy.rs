@@ -168,10 +168,18 @@ impl std::fmt::Debug for Policy {
     }
 }
 
-/// `chain` fused when it can be (a chain with a proxy-wasm plugin cannot, and says
-/// so in the log); as it is when composing it fails, which is logged as a warning:
-/// its filters each loaded, so the chain runs, only without fusion's saving.
+/// `chain` fused when it can be and it pays (a chain with a proxy-wasm plugin cannot,
+/// and one whose filters run as core instances is cheaper unfused: both say so in the
+/// log); as it is when composing it fails, which is logged as a warning: its filters
+/// each loaded, so the chain runs, only without fusion's saving.
 fn fused(chain: FilterChain) -> FilterChain {
+    if !chain.fusion_pays() {
+        tracing::info!(
+            chain = chain.name(),
+            "chain runs unfused: its filters run as core instances, which costs less"
+        );
+        return chain;
+    }
     if let Some(reason) = chain.unfusable() {
         tracing::info!(chain = chain.name(), "chain runs unfused: {reason}");
         return chain;

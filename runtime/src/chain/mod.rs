@@ -63,6 +63,15 @@ impl FilterChain {
         crate::fusion::unfusable(&self.filters)
     }
 
+    /// Whether fusing would make the chain cheaper: not when a filter of it runs as a
+    /// core instance ([`LoadedFilter::runs_as_core`]). Entering a core instance costs
+    /// less than a fused chain's component call into each filter, and its host calls
+    /// a fraction of a component's; a fused chain is all component calls
+    /// (docs/benchmarks.md).
+    pub fn fusion_pays(&self) -> bool {
+        !self.filters.iter().any(|f| f.runs_as_core())
+    }
+
     /// Whether the chain's filters run as one composed component.
     pub fn is_fused(&self) -> bool {
         self.fused.is_some()
