@@ -26,6 +26,9 @@ pub(crate) struct Guest {
     /// Taken out while it runs (the import that calls it holds the store), so it is
     /// moved rather than cloned: a `TypedFunc` clone costs two atomic operations.
     pub(crate) realloc: Option<Realloc>,
+    /// Whether the head's borrow is in the guest's hands: from the start of a call
+    /// that lends it until the guest drops it, which it must before returning.
+    pub(crate) lent: bool,
 }
 
 fn guest(cx: &impl Ctx) -> Result<Memory> {

@@ -65,6 +65,7 @@ impl CoreCalls {
         store.data_mut().core = Some(Guest {
             memory,
             realloc: Some(realloc),
+            lent: false,
         });
         if core.initialize {
             instance
@@ -131,10 +132,12 @@ impl CoreCalls {
         let scheme = line.scheme as i32;
         let (ap, al) = lower_str(store, &line.authority)?;
         let (pp, pl) = lower_str(store, &line.path)?;
+        lend(store);
         let ret = self.on_request.call(
             &mut *store,
             (case, mp, ml, scheme, ap, al, pp, pl, super::HEAD),
-        )?;
+        );
+        let ret = returned(store, ret)?;
         let verdict = verdict(memory(store)?.data(&*store), ret)?;
         if let Some(post) = &self.post_on_request {
             post.call(&mut *store, ret)?;
@@ -161,7 +164,8 @@ impl CoreCalls {
             }
         };
         let failure = failure_case(info.failure);
-        on_response.call(
+        lend(store);
+        let result = on_response.call(
             &mut *store,
             (
                 super::HEAD,
@@ -172,8 +176,33 @@ impl CoreCalls {
                 ul,
                 failure,
             ),
-        )
+        );
+        returned(store, result)
     }
+}
+
+/// The head's borrow goes to the guest with the call.
+fn lend(store: &mut Store<StoreState>) {
+    if let Some(guest) = store.data_mut().core.as_mut() {
+        guest.lent = true;
+    }
+}
+
+/// A call's result, after checking the guest gave the head's borrow back (the
+/// component model traps a call that returns with a borrow still held).
+fn returned<T>(store: &mut Store<StoreState>, result: Result<T>) -> Result<T> {
+    let held = store
+        .data_mut()
+        .core
+        .as_mut()
+        .is_some_and(|g| std::mem::replace(&mut g.lent, false));
+    let value = result?;
+    if held {
+        return Err(format_err!(
+            "borrow handles still remain at the end of the call"
+        ));
+    }
+    Ok(value)
 }
 
 fn memory(store: &Store<StoreState>) -> Result<wasmtime::Memory> {

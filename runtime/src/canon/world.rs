@@ -25,21 +25,36 @@ const CRYPTO: &str = "dpumesh:filter/crypto@0.1.2";
 /// from 1): any other value is a handle the guest was never given.
 pub(crate) const HEAD: i32 = 1;
 
-/// The head lent to the call; `handle` must be the one the call gave.
+/// The head lent to the call; `handle` must be the one the call gave, not yet
+/// dropped.
 fn lent(state: &mut StoreState, handle: i32) -> Result<&mut dpumesh_head::RequestHead> {
-    head(handle)?;
+    check(state, handle)?;
     state
         .head
         .as_mut()
         .ok_or_else(|| format_err!("request-head used outside of a call that lent it (a host bug)"))
 }
 
-fn head(handle: i32) -> Result<Resource<HeadHandle>> {
-    if handle == HEAD {
-        Ok(Resource::new_borrow(0))
+/// Whether `handle` is the head's borrow, lent and not dropped: a guest's handle
+/// table holds it from the call's start until the guest drops it.
+fn check(state: &StoreState, handle: i32) -> Result<()> {
+    let lent = state.core.as_ref().is_some_and(|g| g.lent);
+    if handle == HEAD && lent {
+        Ok(())
     } else {
         Err(format_err!("unknown handle index {handle}"))
     }
+}
+
+/// The host state, after checking `handle` (see [`check`]).
+fn checked<'a>(cx: &'a mut Cx<'_>, handle: i32) -> Result<&'a mut StoreState> {
+    check(cx.data(), handle)?;
+    Ok(cx.data_mut())
+}
+
+/// The stand-in resource the host implementations take (they work on the lent head).
+fn borrow() -> Resource<HeadHandle> {
+    Resource::new_borrow(0)
 }
 
 fn host<'a>(cx: &'a mut Cx<'_>) -> &'a mut StoreState {
@@ -98,28 +113,36 @@ fn claim_record(cx: &mut Cx<'_>, claim: Option<types::Claim>) -> Result<Record> 
 
 fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
     use types::HostRequestHead as H;
-    linker.func_wrap(TYPES, "[resource-drop]request-head", |_: Cx<'_>, h: i32| {
-        head(h).map(drop)
-    })?;
+    linker.func_wrap(
+        TYPES,
+        "[resource-drop]request-head",
+        |mut cx: Cx<'_>, h: i32| {
+            check(cx.data(), h)?;
+            if let Some(guest) = cx.data_mut().core.as_mut() {
+                guest.lent = false;
+            }
+            Ok(())
+        },
+    )?;
     linker.func_wrap(
         TYPES,
         "[method]request-head.method",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
             ret_area(&cx, ret, 12, 4)?;
-            let method = H::method(host(&mut cx), head(h)?)?;
+            let method = H::method(checked(&mut cx, h)?, borrow())?;
             method_record(&mut cx, ret, method)
         },
     )?;
     linker.func_wrap(
         TYPES,
         "[method]request-head.scheme",
-        |mut cx: Cx<'_>, h: i32| Ok(H::scheme(host(&mut cx), head(h)?)? as i32),
+        |mut cx: Cx<'_>, h: i32| Ok(H::scheme(checked(&mut cx, h)?, borrow())? as i32),
     )?;
     linker.func_wrap(
         TYPES,
         "[method]request-head.authority",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
-            let v = H::authority(host(&mut cx), head(h)?)?;
+            let v = H::authority(checked(&mut cx, h)?, borrow())?;
             ret_string(&mut cx, ret, &v)
         },
     )?;
@@ -127,7 +150,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         TYPES,
         "[method]request-head.path",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
-            let v = H::path(host(&mut cx), head(h)?)?;
+            let v = H::path(checked(&mut cx, h)?, borrow())?;
             ret_string(&mut cx, ret, &v)
         },
     )?;
@@ -135,7 +158,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         TYPES,
         "[method]request-head.query",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
-            let v = H::query(host(&mut cx), head(h)?)?;
+            let v = H::query(checked(&mut cx, h)?, borrow())?;
             ret_option_string(&mut cx, ret, v.as_deref())
         },
     )?;
@@ -157,7 +180,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         "[method]request-head.header-all",
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32, ret: i32| {
             let name = string(&cx, p, l)?;
-            let v = H::header_all(host(&mut cx), head(h)?, name)?;
+            let v = H::header_all(checked(&mut cx, h)?, borrow(), name)?;
             ret_strings(&mut cx, ret, &v)
         },
     )?;
@@ -167,7 +190,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32, ret: i32| {
             let names = strings(&cx, p, l)?;
             ret_area(&cx, ret, 8, 4)?;
-            let values = H::headers(host(&mut cx), head(h)?, names)?;
+            let values = H::headers(checked(&mut cx, h)?, borrow(), names)?;
             let table = super::abi::alloc(&mut cx, 4, values.len() * 12)?;
             let mut bytes = Vec::with_capacity(values.len() * 12);
             for value in &values {
@@ -189,7 +212,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         TYPES,
         "[method]request-head.header-names",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
-            let v = H::header_names(host(&mut cx), head(h)?)?;
+            let v = H::header_names(checked(&mut cx, h)?, borrow())?;
             ret_strings(&mut cx, ret, &v)
         },
     )?;
@@ -198,7 +221,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         "[method]request-head.source",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
             ret_area(&cx, ret, 24, 4)?;
-            let peer = H::source(host(&mut cx), head(h)?)?;
+            let peer = H::source(checked(&mut cx, h)?, borrow())?;
             let (ap, al) = lower_str(&mut cx, &peer.address)?;
             let mut record = Record::new(24).i32(0, ap).i32(4, al).u16(8, peer.port);
             if let Some(identity) = &peer.identity {
@@ -212,7 +235,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         TYPES,
         "[method]request-head.destination",
         |mut cx: Cx<'_>, h: i32, ret: i32| {
-            let v = H::destination(host(&mut cx), head(h)?)?;
+            let v = H::destination(checked(&mut cx, h)?, borrow())?;
             ret_option_string(&mut cx, ret, v.as_deref())
         },
     )?;
@@ -261,7 +284,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         "[method]request-head.set-metadata",
         |mut cx: Cx<'_>, h: i32, kp: i32, kl: i32, vp: i32, vl: i32| {
             let (key, value) = (string(&cx, kp, kl)?, string(&cx, vp, vl)?);
-            H::set_metadata(host(&mut cx), head(h)?, key, value)
+            H::set_metadata(checked(&mut cx, h)?, borrow(), key, value)
         },
     )?;
     linker.func_wrap(
@@ -269,7 +292,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         "[method]request-head.set-metadata-batch",
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32| {
             let entries = string_pairs(&cx, p, l)?;
-            H::set_metadata_batch(host(&mut cx), head(h)?, entries)
+            H::set_metadata_batch(checked(&mut cx, h)?, borrow(), entries)
         },
     )?;
     linker.func_wrap(
@@ -278,7 +301,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32, ret: i32| {
             let names = strings(&cx, p, l)?;
             ret_area(&cx, ret, 12, 4)?;
-            let Some(claims) = H::claims(host(&mut cx), head(h)?, names)? else {
+            let Some(claims) = H::claims(checked(&mut cx, h)?, borrow(), names)? else {
                 return put(&mut cx, ret, Record::new(12).bytes());
             };
             let table = super::abi::alloc(&mut cx, 4, claims.len() * 16)?;

@@ -4,6 +4,7 @@ mod chain;
 mod claims;
 mod compat;
 mod compat_builtins;
+mod core_calls;
 mod errors;
 mod faults;
 mod fused;

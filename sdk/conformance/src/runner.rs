@@ -41,6 +41,9 @@ pub struct SuiteReport {
     pub error: Option<String>,
     /// One report per case, in order.
     pub cases: Vec<CaseReport>,
+    /// Whether the filter ran as a core instance (the proxy's cheaper way to run a
+    /// component that is one core module) rather than through component calls.
+    pub core: bool,
 }
 
 impl SuiteReport {
@@ -85,6 +88,7 @@ impl Default for RunOptions {
 fn setup_error(suite: &Suite, error: String) -> SuiteReport {
     SuiteReport {
         suite: suite.suite.clone(),
+        core: false,
         error: Some(error.clone()),
         cases: suite
             .cases
@@ -152,6 +156,7 @@ pub fn run_suite(suite: &Suite, component: &[u8], options: &RunOptions) -> Suite
         Ok(filter) => filter,
         Err(e) => return setup_error(suite, e.to_string()),
     };
+    let core = filter.runs_as_core();
     let mut runner = ChainRunner::new(Arc::new(FilterChain::new(
         suite.suite.clone(),
         vec![filter],
@@ -168,6 +173,7 @@ pub fn run_suite(suite: &Suite, component: &[u8], options: &RunOptions) -> Suite
         suite: suite.suite.clone(),
         error: None,
         cases,
+        core,
     }
 }
 

@@ -44,6 +44,8 @@ fn pass_suites_with(filter: &str, bytes: &[u8], core_calls: bool) -> usize {
         let report = run_suite(&suite, bytes, &options);
         print!("{}", format_report(&report));
         assert!(report.ok(), "{}", format_report(&report));
+        // The built-ins are Rust components of one core module each.
+        assert_eq!(report.core, core_calls, "{filter}: ran as a core instance");
         cases += report.cases.len();
     }
     cases
