@@ -7,15 +7,8 @@
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain|unfused|cores2|nopingmesh]
+mesh_file() { # transport [plain|component|cores2|nopingmesh]
     local policy="$PWD/samples/hotel/policy.yaml"
-    if [ "${2:-}" = unfused ]; then
-        # The sample's policy with its chains run as separate instances (components by
-        # absolute path, the copy lives in the run's folder).
-        policy="$work/policy-unfused.yaml"
-        sed -e "s#component: \.\./\.\./#component: $PWD/#" samples/hotel/policy.yaml > "$policy"
-        echo "fuse_chains: false" >> "$policy"
-    fi
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
         -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
@@ -41,9 +34,13 @@ PY
         [ "$(grep -c 'cores: 2}' "$work/mesh-$1.yaml")" = 2 ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
     fi
 }
-start_mesh() { # transport [plain|unfused|cores2|nopingmesh]
+start_mesh() { # transport [plain|component|cores2|nopingmesh]
     mesh_file "$1" "${2:-}"
-    ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
+    # component: every filter through wasmtime's component calls, chains fused (how
+    # the nodes ran filters before core instances).
+    local core=on
+    [ "${2:-}" = component ] && core=off
+    DPUMESH_CORE_CALLS=$core ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
     up_pid=$!
     for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up-$1.log" && break; sleep 0.2; done
     grep -q "Ctrl-C stops" "$work/up-$1.log" || { cat "$work/up-$1.log"; echo "the mesh did not start"; exit 1; }

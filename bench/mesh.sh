@@ -11,8 +11,9 @@
 #       its links over mutual TLS (the default),
 #   (f) (e) without TLS (`identity: {mtls: off}`): what mutual TLS costs on the TCP
 #       fabric, in req/s and in CPU per request of the ingress and nodes,
-#   (g) (d) with its chains run as separate instances (`fuse_chains: false`): what
-#       fusing a chain into one component saves the nodes,
+#   (g) (d) with every filter run through wasmtime's component calls and its chains
+#       fused (`DPUMESH_CORE_CALLS=off`): what running the filters as core instances
+#       saves the nodes,
 #   (h) (d) with two shards per node (`cores: 2`; (d) shares the machine's cores
 #       among its nodes, one shard each on 2 cores): what a second shard per node
 #       gives or costs on this machine,
@@ -145,9 +146,9 @@ d=$(run "d dpumesh (shm fabric)" http://127.0.0.1:18090/ping service_pids mesh_p
 dh2=$(h2 http://127.0.0.1:18090/ping "d dpumesh h2 (shm fabric)")
 stop_mesh
 
-start_mesh shm unfused
+start_mesh shm component
 check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
-g=$(run "g dpumesh (shm fabric, chains unfused)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+g=$(run "g dpumesh (shm fabric, component calls, fused)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
 start_mesh shm cores2
@@ -211,6 +212,6 @@ echo "cores left idle under load: d $id% vs c $ic%"
 echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
 echo "mutual TLS on the tcp fabric: req/s e/f $(echo "scale=2; $re / $rf" | bc), ingress + node CPU per request e $me vs f $mf us"
 echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
-echo "fused chains: req/s d/g $(echo "scale=2; $rd / $rg" | bc), ingress + node CPU per request d $md vs g $mg us"
+echo "core instances: req/s d/g $(echo "scale=2; $rd / $rg" | bc), ingress + node CPU per request d $md vs g $mg us"
 echo "shards: req/s d/h $(echo "scale=2; $rd / $rh" | bc), p99 d $pd vs h $ph, ingress + node CPU per request d $md vs h $mh us, cs/req d $swd vs h $swh"
 echo "idle node CPU (each node, % of a core):$idle_nodes; without the Pingmesh agent:$idle_quiet"
