@@ -49,6 +49,7 @@ pub fn test(component: &Path, suites: &[PathBuf], json: bool) -> Result<ExitCode
                 suite: file.display().to_string(),
                 error: Some(e.to_string()),
                 cases: Vec::new(),
+                core: false,
             },
         };
         if !json {
