@@ -246,6 +246,8 @@ fn filters(policy: &Policy) -> serde_json::Value {
                             |abi| format!("proxy-wasm {abi}")
                         ),
                         "version": f.version_hash(),
+                        // Whether its instances run as core instances.
+                        "core": f.runs_as_core(),
                         "generation": generation,
                         "state": state,
                         "instances": f.live_instances(),

@@ -81,6 +81,11 @@ fn a_plugin_in_the_policy_file_runs_with_a_component_and_reloads() {
         "{filters}"
     );
     assert!(filters.contains(r#""kind":"component""#), "{filters}");
+    // The Rust component runs as a core instance; "core" says so only of components.
+    assert!(
+        filters.contains(r#""core":true"#) && filters.contains(r#""core":false"#),
+        "{filters}"
+    );
     let raw = request(addr, "/items");
     assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
     assert!(

@@ -106,6 +106,7 @@ impl CoreCalls {
         let ret = configure.call(&mut *store, (p, l))?;
         let result = {
             let mem = memory(store)?.data(&*store);
+            aligned(ret, 4)?;
             let area = slice(mem, ret, 12)?;
             match area[0] {
                 0 => Ok(()),
@@ -127,7 +128,7 @@ impl CoreCalls {
                 let (p, l) = lower_str(store, text)?;
                 (9, p, l)
             }
-            method => (method_case(method), 0, 0),
+            method => (i32::from(super::world::method_case(method)), 0, 0),
         };
         let scheme = line.scheme as i32;
         let (ap, al) = lower_str(store, &line.authority)?;
@@ -216,22 +217,6 @@ fn memory(store: &Store<StoreState>) -> Result<wasmtime::Memory> {
 
 fn i32_at(bytes: &[u8], at: usize) -> i32 {
     super::abi::i32_at(bytes, at)
-}
-
-fn method_case(method: &crate::bindings::dpumesh::filter::types::Method) -> i32 {
-    use crate::bindings::dpumesh::filter::types::Method as M;
-    match method {
-        M::Get => 0,
-        M::Head => 1,
-        M::Post => 2,
-        M::Put => 3,
-        M::Delete => 4,
-        M::Connect => 5,
-        M::Options => 6,
-        M::Trace => 7,
-        M::Patch => 8,
-        M::Other(_) => 9,
-    }
 }
 
 fn failure_case(failure: FailureKind) -> i32 {

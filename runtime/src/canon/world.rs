@@ -68,9 +68,10 @@ pub(crate) fn add_to_linker(linker: &mut Linker<StoreState>) -> Result<()> {
     add_crypto(linker)
 }
 
-fn method_record(cx: &mut Cx<'_>, ret: i32, method: types::Method) -> Result<()> {
+/// The `method` variant's case.
+pub(super) fn method_case(method: &types::Method) -> u8 {
     use types::Method as M;
-    let case = match &method {
+    match method {
         M::Get => 0,
         M::Head => 1,
         M::Post => 2,
@@ -81,7 +82,12 @@ fn method_record(cx: &mut Cx<'_>, ret: i32, method: types::Method) -> Result<()>
         M::Trace => 7,
         M::Patch => 8,
         M::Other(_) => 9,
-    };
+    }
+}
+
+fn method_record(cx: &mut Cx<'_>, ret: i32, method: types::Method) -> Result<()> {
+    use types::Method as M;
+    let case = method_case(&method);
     let mut record = Record::new(12).u8(0, case);
     if let M::Other(text) = &method {
         let (p, l) = lower_str(cx, text)?;
