@@ -163,6 +163,27 @@ pub(crate) fn new_store<T: CallData>(
     store
 }
 
+/// A store of one component filter (its identity, namespace and memory cap), armed
+/// for `configure`.
+fn filter_store(filter: &LoadedFilter) -> Store<StoreState> {
+    let runtime = &filter.runtime.inner;
+    let settings = &filter.settings;
+    let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
+    let state = StoreState::new(
+        filter.tag.clone(),
+        namespace,
+        &runtime.services,
+        settings.memory_cap,
+        runtime.config.epoch_tick,
+    );
+    new_store(
+        &runtime.engine,
+        runtime.epoch.clone(),
+        state,
+        settings.configure_deadline,
+    )
+}
+
 /// Readies `store` for a call of at most `deadline` of CPU time.
 pub(crate) fn arm_store<T: CallData>(store: &mut Store<T>, deadline: Duration) {
     let data = store.data_mut();
@@ -201,7 +222,6 @@ impl FilterInstance {
         let runtime = &filter.runtime.inner;
         let settings = &filter.settings;
         let name = || settings.name.clone();
-        let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
         runtime.epoch.call_begins();
         let (pre, exports) = match &filter.kind {
             FilterKind::Component {
@@ -233,19 +253,7 @@ impl FilterInstance {
                 });
             }
         };
-        let state = StoreState::new(
-            filter.tag.clone(),
-            namespace,
-            &runtime.services,
-            settings.memory_cap,
-            runtime.config.epoch_tick,
-        );
-        let mut store = new_store(
-            &runtime.engine,
-            runtime.epoch.clone(),
-            state,
-            settings.configure_deadline,
-        );
+        let mut store = filter_store(filter);
 
         let started = Instant::now();
         let instance = match pre.instantiate(&mut store) {
@@ -359,25 +367,10 @@ impl FilterInstance {
         filter: &Arc<LoadedFilter>,
         core: &crate::canon::CoreFilter,
     ) -> Result<Self, LoadError> {
-        let runtime = &filter.runtime.inner;
         let settings = &filter.settings;
         let name = || settings.name.clone();
-        let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
-        let state = StoreState::new(
-            filter.tag.clone(),
-            namespace,
-            &runtime.services,
-            settings.memory_cap,
-            runtime.config.epoch_tick,
-        );
-        let store = new_store(
-            &runtime.engine,
-            runtime.epoch.clone(),
-            state,
-            settings.configure_deadline,
-        );
         let started = Instant::now();
-        let mut calls = match crate::canon::calls::CoreCalls::new(core, store) {
+        let mut calls = match crate::canon::calls::CoreCalls::new(core, filter_store(filter)) {
             Ok(calls) => calls,
             Err((store, e)) if store.data().limiter.hit => {
                 return Err(LoadError::Settings {

@@ -76,11 +76,7 @@ pub(crate) fn string(cx: &impl Ctx, ptr: i32, len: i32) -> Result<String> {
 pub(crate) fn strings(cx: &impl Ctx, ptr: i32, len: i32) -> Result<Vec<String>> {
     let mem = guest(cx)?;
     let data = mem.data(cx);
-    aligned(ptr, 4)?;
-    let n = len as u32 as usize;
-    let table = slice(data, ptr, n.checked_mul(8).ok_or_else(too_long)?)?;
-    table
-        .chunks_exact(8)
+    table(data, ptr, len, 8)?
         .map(|pair| Ok(str_at(data, i32_at(pair, 0), i32_at(pair, 4))?.to_owned()))
         .collect()
 }
@@ -88,19 +84,27 @@ pub(crate) fn strings(cx: &impl Ctx, ptr: i32, len: i32) -> Result<Vec<String>> 
 /// The `list<tuple<string, string>>` argument at `ptr`.
 pub(crate) fn string_pairs(cx: &impl Ctx, ptr: i32, len: i32) -> Result<Vec<(String, String)>> {
     let mem = guest(cx)?;
-    let data = mem.data(cx);
-    aligned(ptr, 4)?;
-    let n = len as u32 as usize;
-    let table = slice(data, ptr, n.checked_mul(16).ok_or_else(too_long)?)?;
-    table
-        .chunks_exact(16)
+    pairs_at(mem.data(cx), ptr, len)
+}
+
+/// The `list<tuple<string, string>>` at `ptr` of `mem`, copied out.
+pub(crate) fn pairs_at(mem: &[u8], ptr: i32, len: i32) -> Result<Vec<(String, String)>> {
+    table(mem, ptr, len, 16)?
         .map(|e| {
             Ok((
-                str_at(data, i32_at(e, 0), i32_at(e, 4))?.to_owned(),
-                str_at(data, i32_at(e, 8), i32_at(e, 12))?.to_owned(),
+                str_at(mem, i32_at(e, 0), i32_at(e, 4))?.to_owned(),
+                str_at(mem, i32_at(e, 8), i32_at(e, 12))?.to_owned(),
             ))
         })
         .collect()
+}
+
+/// A list's elements of `stride` bytes (align 4) at `ptr`: checked, then one slice each.
+fn table(mem: &[u8], ptr: i32, len: i32, stride: usize) -> Result<std::slice::ChunksExact<'_, u8>> {
+    aligned(ptr, 4)?;
+    let n = len as u32 as usize;
+    let bytes = n.checked_mul(stride).ok_or_else(too_long)?;
+    Ok(slice(mem, ptr, bytes)?.chunks_exact(stride))
 }
 
 /// The `list<u8>` argument at `ptr`, copied out.

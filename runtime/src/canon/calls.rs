@@ -4,7 +4,7 @@
 use wasmtime::{Result, Store, TypedFunc, format_err};
 
 use super::CoreFilter;
-use super::abi::{Guest, Realloc, aligned, lower_str, slice, str_at};
+use super::abi::{Guest, Realloc, aligned, lower_str, pairs_at, slice, str_at};
 use crate::bindings::{FailureKind, LocalReply, RequestLine, ResponseInfo, Verdict};
 use crate::imports::StoreState;
 
@@ -239,25 +239,7 @@ fn verdict(mem: &[u8], ret: i32) -> Result<Verdict> {
         0 => Ok(Verdict::Continue),
         1 => {
             let status = u16::from_le_bytes([area[4], area[5]]);
-            let (hp, hl) = (i32_at(area, 8), i32_at(area, 12));
-            aligned(hp, 4)?;
-            let count = hl as u32 as usize;
-            let table = slice(
-                mem,
-                hp,
-                count
-                    .checked_mul(16)
-                    .ok_or_else(|| format_err!("list length overflows the address space"))?,
-            )?;
-            let headers = table
-                .chunks_exact(16)
-                .map(|e| {
-                    Ok((
-                        str_at(mem, i32_at(e, 0), i32_at(e, 4))?.to_owned(),
-                        str_at(mem, i32_at(e, 8), i32_at(e, 12))?.to_owned(),
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()?;
+            let headers = pairs_at(mem, i32_at(area, 8), i32_at(area, 12))?;
             let body = str_at(mem, i32_at(area, 16), i32_at(area, 20))?.to_owned();
             Ok(Verdict::Deny(LocalReply {
                 status,
@@ -303,33 +285,23 @@ mod tests {
         assert_eq!(reply.body, "no");
     }
 
+    /// The error lifting a verdict at `at` of `mem` gives.
+    fn error(mem: &[u8], at: i32) -> String {
+        verdict(mem, at).unwrap_err().to_string()
+    }
+
     #[test]
     fn a_malformed_verdict_is_an_error_not_a_panic() {
         let mut mem = deny_area();
         mem[0] = 7;
-        assert!(
-            verdict(&mem, 0)
-                .unwrap_err()
-                .to_string()
-                .contains("discriminant")
-        );
+        assert!(error(&mem, 0).contains("discriminant"));
         let mut mem = deny_area();
         mem[12..16].copy_from_slice(&i32::MAX.to_le_bytes());
-        assert!(
-            verdict(&mem, 0)
-                .unwrap_err()
-                .to_string()
-                .contains("out of bounds")
-        );
+        assert!(error(&mem, 0).contains("out of bounds"));
         let mut mem = deny_area();
         mem[40] = 0xff;
-        assert!(verdict(&mem, 0).unwrap_err().to_string().contains("UTF-8"));
-        assert!(
-            verdict(&deny_area(), 2)
-                .unwrap_err()
-                .to_string()
-                .contains("unaligned")
-        );
+        assert!(error(&mem, 0).contains("UTF-8"));
+        assert!(error(&deny_area(), 2).contains("unaligned"));
         assert!(
             verdict(&deny_area(), 60).is_err(),
             "the area runs past memory"
