@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod from_http;
+mod metadata;
 pub mod wire;
 
 pub use from_http::FromRequestError;
@@ -17,6 +18,8 @@ pub use from_http::FromRequestError;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
+
+use metadata::Metadata;
 
 /// Why a header edit was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -110,7 +113,7 @@ pub struct RequestHead {
     pub source: Peer,
     /// The destination service chosen by the router.
     pub destination: Option<String>,
-    metadata: Vec<(String, String)>,
+    metadata: Metadata,
 }
 
 impl RequestHead {
@@ -197,35 +200,17 @@ impl RequestHead {
 
     /// Metadata set earlier in the chain.
     pub fn metadata(&self, key: &str) -> Option<&str> {
-        self.metadata
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+        self.metadata.get(key)
     }
 
     /// Sets metadata for the rest of the chain and the response phase.
     pub fn set_metadata(&mut self, key: &str, value: &str) {
-        match self.metadata.iter_mut().find(|(k, _)| k == key) {
-            Some((_, v)) => {
-                v.clear();
-                v.push_str(value);
-            }
-            None => self.metadata.push((key.to_owned(), value.to_owned())),
-        }
-    }
-
-    /// [`RequestHead::set_metadata`] with strings the caller owns (what a filter's call
-    /// hands over), moved in rather than copied.
-    pub fn set_metadata_owned(&mut self, key: String, value: String) {
-        match self.metadata.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, v)) => *v = value,
-            None => self.metadata.push((key, value)),
-        }
+        self.metadata.set(key, value);
     }
 
     /// All metadata, in the order keys were first set.
-    pub fn metadata_entries(&self) -> &[(String, String)] {
-        &self.metadata
+    pub fn metadata_entries(&self) -> impl ExactSizeIterator<Item = (&str, &str)> + '_ {
+        self.metadata.iter()
     }
 }
 
@@ -363,14 +348,11 @@ mod tests {
         assert_eq!(head.metadata("jwt.sub"), Some("bob"));
         assert_eq!(head.metadata("nope"), None);
         assert_eq!(head.metadata_entries().len(), 2);
-        head.set_metadata_owned("other".to_owned(), "2".to_owned());
-        head.set_metadata_owned("third".to_owned(), "3".to_owned());
+        head.set_metadata("other", "2");
+        head.set_metadata("third", "3");
         assert_eq!(head.metadata("other"), Some("2"));
         assert_eq!(
-            head.metadata_entries()
-                .iter()
-                .map(|(k, _)| k.as_str())
-                .collect::<Vec<_>>(),
+            head.metadata_entries().map(|(k, _)| k).collect::<Vec<_>>(),
             ["jwt.sub", "other", "third"]
         );
     }

@@ -147,7 +147,7 @@ async fn handle(
                 "chain": chain_name,
                 "generation": generation,
                 "headers": headers,
-                "metadata": outcome.head.metadata_entries(),
+                "metadata": outcome.head.metadata_entries().collect::<Vec<_>>(),
             });
             let mut response = Response::new(Full::new(Bytes::from(format!("{body}\n"))));
             response.headers_mut().insert(

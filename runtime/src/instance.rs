@@ -645,8 +645,8 @@ fn apply(state: &mut StoreState, outcome: Outcome) -> Result<Verdict, FaultKind>
         .head
         .as_mut()
         .ok_or_else(|| FaultKind::Trap("the head was not lent (a host bug)".into()))?;
-    for (key, value) in outcome.metadata {
-        head.set_metadata_owned(key, value);
+    for (key, value) in &outcome.metadata {
+        head.set_metadata(key, value);
     }
     for edit in outcome.headers {
         let (name, result) = match &edit {

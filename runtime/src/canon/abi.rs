@@ -72,13 +72,43 @@ pub(crate) fn string(cx: &impl Ctx, ptr: i32, len: i32) -> Result<String> {
     Ok(str_at(mem.data(cx), ptr, len)?.to_owned())
 }
 
-/// The `list<string>` argument at `ptr` (`len` elements of pointer and length).
-pub(crate) fn strings(cx: &impl Ctx, ptr: i32, len: i32) -> Result<Vec<String>> {
+/// Runs `f` on the host state and the `list<string>` argument at `ptr`, its strings
+/// borrowed in place (all checked before `f` runs, as the component model lifts the
+/// whole list before the host sees it).
+pub(crate) fn with_str_list<R>(
+    cx: &mut Cx<'_>,
+    ptr: i32,
+    len: i32,
+    f: impl FnOnce(&mut StoreState, &[&str]) -> Result<R>,
+) -> Result<R> {
     let mem = guest(cx)?;
-    let data = mem.data(cx);
-    table(data, ptr, len, 8)?
-        .map(|pair| Ok(str_at(data, i32_at(pair, 0), i32_at(pair, 4))?.to_owned()))
-        .collect()
+    let (data, state) = mem.data_and_store_mut(&mut *cx);
+    let data: &[u8] = data;
+    let items = table(data, ptr, len, 8)?
+        .map(|e| str_at(data, i32_at(e, 0), i32_at(e, 4)))
+        .collect::<Result<Vec<_>>>()?;
+    f(state, &items)
+}
+
+/// [`with_str_list`] for a `list<tuple<string, string>>`.
+pub(crate) fn with_str_pairs<R>(
+    cx: &mut Cx<'_>,
+    ptr: i32,
+    len: i32,
+    f: impl FnOnce(&mut StoreState, &[(&str, &str)]) -> Result<R>,
+) -> Result<R> {
+    let mem = guest(cx)?;
+    let (data, state) = mem.data_and_store_mut(&mut *cx);
+    let data: &[u8] = data;
+    let pairs = table(data, ptr, len, 16)?
+        .map(|e| {
+            Ok((
+                str_at(data, i32_at(e, 0), i32_at(e, 4))?,
+                str_at(data, i32_at(e, 8), i32_at(e, 12))?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    f(state, &pairs)
 }
 
 /// The `list<tuple<string, string>>` argument at `ptr`.

@@ -9,7 +9,7 @@ use wasmtime::{Linker, Result, format_err};
 
 use super::abi::{
     Cx, Record, byte_list, lower_str, put, ret_area, ret_option_string, ret_string, ret_strings,
-    string, string_pairs, strings, with_str, with_strs,
+    string, string_pairs, with_str, with_str_list, with_str_pairs, with_strs,
 };
 use crate::bindings::dpumesh::filter::{clock, crypto, log, metrics, shared_state, types};
 use crate::imports::{HeadHandle, StoreState, header_error};
@@ -194,9 +194,11 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         TYPES,
         "[method]request-head.headers",
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32, ret: i32| {
-            let names = strings(&cx, p, l)?;
             ret_area(&cx, ret, 8, 4)?;
-            let values = H::headers(checked(&mut cx, h)?, borrow(), names)?;
+            let values = with_str_list(&mut cx, p, l, |state, names| {
+                check(state, h)?;
+                state.headers_named(names)
+            })?;
             let table = super::abi::alloc(&mut cx, 4, values.len() * 12)?;
             let mut bytes = Vec::with_capacity(values.len() * 12);
             for value in &values {
@@ -297,17 +299,22 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         TYPES,
         "[method]request-head.set-metadata-batch",
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32| {
-            let entries = string_pairs(&cx, p, l)?;
-            H::set_metadata_batch(checked(&mut cx, h)?, borrow(), entries)
+            with_str_pairs(&mut cx, p, l, |state, entries| {
+                check(state, h)?;
+                state.set_metadata_borrowed(entries)
+            })
         },
     )?;
     linker.func_wrap(
         TYPES,
         "[method]request-head.claims",
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32, ret: i32| {
-            let names = strings(&cx, p, l)?;
             ret_area(&cx, ret, 12, 4)?;
-            let Some(claims) = H::claims(checked(&mut cx, h)?, borrow(), names)? else {
+            let claims = with_str_list(&mut cx, p, l, |state, names| {
+                check(state, h)?;
+                state.claims_named(names)
+            })?;
+            let Some(claims) = claims else {
                 return put(&mut cx, ret, Record::new(12).bytes());
             };
             let table = super::abi::alloc(&mut cx, 4, claims.len() * 16)?;

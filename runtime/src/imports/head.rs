@@ -90,8 +90,7 @@ impl types::HostRequestHead for StoreState {
         _: Resource<HeadHandle>,
         names: Vec<String>,
     ) -> wasmtime::Result<Vec<Option<String>>> {
-        let head = self.head()?;
-        Ok(names.iter().map(|name| head.header(name)).collect())
+        self.headers_named(&names)
     }
 
     fn header_names(&mut self, _: Resource<HeadHandle>) -> wasmtime::Result<Vec<String>> {
@@ -157,7 +156,7 @@ impl types::HostRequestHead for StoreState {
         key: String,
         value: String,
     ) -> wasmtime::Result<()> {
-        self.head_mut()?.set_metadata_owned(key, value);
+        self.head_mut()?.set_metadata(&key, &value);
         Ok(())
     }
 
@@ -167,8 +166,8 @@ impl types::HostRequestHead for StoreState {
         entries: Vec<(String, String)>,
     ) -> wasmtime::Result<()> {
         let head = self.head_mut()?;
-        for (key, value) in entries {
-            head.set_metadata_owned(key, value);
+        for (key, value) in &entries {
+            head.set_metadata(key, value);
         }
         Ok(())
     }
@@ -177,6 +176,35 @@ impl types::HostRequestHead for StoreState {
         &mut self,
         _: Resource<HeadHandle>,
         names: Vec<String>,
+    ) -> wasmtime::Result<Option<Vec<Option<types::Claim>>>> {
+        self.claims_named(&names)
+    }
+
+    fn drop(&mut self, _: Resource<HeadHandle>) -> wasmtime::Result<()> {
+        // Heads are only ever lent (borrowed), never owned by a guest.
+        Ok(())
+    }
+}
+
+/// The head's reads and writes that take their names borrowed: the component path
+/// passes what it lifted, the core path what it reads in place in the guest's memory.
+impl StoreState {
+    pub(crate) fn headers_named(
+        &self,
+        names: &[impl AsRef<str>],
+    ) -> wasmtime::Result<Vec<Option<String>>> {
+        let head = self.head()?;
+        Ok(names
+            .iter()
+            .map(|name| head.header(name.as_ref()))
+            .collect())
+    }
+
+    /// The claims at `names` of the verified payload the head carries, from the
+    /// parsed copy kept per payload; `None` without a payload.
+    pub(crate) fn claims_named(
+        &mut self,
+        names: &[impl AsRef<str>],
     ) -> wasmtime::Result<Option<Vec<Option<types::Claim>>>> {
         let head = self.head.as_ref().ok_or_else(super::no_head)?;
         let Some(payload) = head.metadata(dpumesh_claims::PAYLOAD_KEY) else {
@@ -188,13 +216,21 @@ impl types::HostRequestHead for StoreState {
         Ok(Some(
             names
                 .iter()
-                .map(|name| claims.claim(name).map(wit_claim))
+                .map(|name| claims.claim(name.as_ref()).map(wit_claim))
                 .collect(),
         ))
     }
 
-    fn drop(&mut self, _: Resource<HeadHandle>) -> wasmtime::Result<()> {
-        // Heads are only ever lent (borrowed), never owned by a guest.
+    /// Metadata entries in order (the last for a key wins), copied from borrowed
+    /// strings into the head (a value overwritten in place keeps its buffer).
+    pub(crate) fn set_metadata_borrowed(
+        &mut self,
+        entries: &[(&str, &str)],
+    ) -> wasmtime::Result<()> {
+        let head = self.head_mut()?;
+        for (key, value) in entries {
+            head.set_metadata(key, value);
+        }
         Ok(())
     }
 }
