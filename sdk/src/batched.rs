@@ -197,7 +197,7 @@ impl HeadAccess for BatchedHead<'_> {
     }
 
     fn claims(&self, names: &[&str]) -> Option<Vec<Option<Claim>>> {
-        crate::guest::send_pending_payload(self.head, &self.metadata);
+        crate::guest::send_pending_payload(self.head, &self.metadata.borrow());
         crate::guest::claims_from_proxy(self.head, names)
     }
 }

@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::thread::LocalKey;
 
 use crate::bindings::dpumesh::filter::types as wit;
+use crate::pending::Pending;
 use crate::{
     Claim, FailureKind, Filter, HeadAccess, HeaderError, LocalReply, Method, Peer, Request,
     RequestLine, ResponseInfo, Scheme, Verdict,
@@ -17,25 +18,26 @@ type Slot<F> = LocalKey<RefCell<Option<F>>>;
 /// entries per request, and each crossing costs more than the write itself.
 struct Head<'a> {
     head: &'a wit::RequestHead,
-    metadata: RefCell<Vec<(String, String)>>,
+    metadata: RefCell<Pending>,
 }
 
 impl<'a> Head<'a> {
     fn new(head: &'a wit::RequestHead) -> Self {
         Self {
             head,
-            metadata: RefCell::new(Vec::new()),
+            metadata: RefCell::new(Pending::take()),
         }
     }
 
     /// Sends the pending metadata and counter increments.
     fn flush(self) {
         let metadata = self.metadata.into_inner();
-        match metadata.as_slice() {
+        match metadata.entries() {
             [] => {}
             [(key, value)] => self.head.set_metadata(key, value),
             entries => self.head.set_metadata_batch(entries),
         }
+        metadata.give_back();
         crate::sys::flush_counters();
     }
 }
@@ -105,9 +107,8 @@ impl HeadAccess for Head<'_> {
     }
 
     fn metadata(&self, key: &str) -> Option<String> {
-        let pending = self.metadata.borrow();
-        match pending.iter().rev().find(|(k, _)| k == key) {
-            Some((_, value)) => Some(value.clone()),
+        match self.metadata.borrow().get(key) {
+            Some(value) => Some(value.to_owned()),
             None => self.head.metadata(key),
         }
     }
@@ -116,13 +117,11 @@ impl HeadAccess for Head<'_> {
         // Appended without looking for the key: the proxy applies entries in order
         // (the last one for a key wins) and reads look from the end, so a filter that
         // writes a dozen keys does not compare each with all before it.
-        self.metadata
-            .borrow_mut()
-            .push((key.to_owned(), value.to_owned()));
+        self.metadata.borrow_mut().push(key, value);
     }
 
     fn claims(&self, names: &[&str]) -> Option<Vec<Option<Claim>>> {
-        send_pending_payload(self.head, &self.metadata);
+        send_pending_payload(self.head, self.metadata.borrow().entries());
         claims_from_proxy(self.head, names)
     }
 }
@@ -132,16 +131,12 @@ impl HeadAccess for Head<'_> {
 /// call's own writes) and the guest never parses JSON for claims. The entries stay
 /// pending and are sent again when the call returns: applying them twice in the same
 /// order leaves the same metadata, and reads keep seeing them where they look first.
-pub(crate) fn send_pending_payload(
-    head: &wit::RequestHead,
-    pending: &RefCell<Vec<(String, String)>>,
-) {
-    let pending = pending.borrow();
+pub(crate) fn send_pending_payload(head: &wit::RequestHead, pending: &[(String, String)]) {
     if pending
         .iter()
         .any(|(k, _)| k == dpumesh_claims::PAYLOAD_KEY)
     {
-        head.set_metadata_batch(&pending);
+        head.set_metadata_batch(pending);
     }
 }
 

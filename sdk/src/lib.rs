@@ -53,6 +53,9 @@ pub mod util;
 
 mod request;
 mod sys;
+
+#[cfg(any(target_arch = "wasm32", test))]
+mod pending;
 mod verdict;
 
 #[cfg(target_arch = "wasm32")]

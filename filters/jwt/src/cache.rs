@@ -4,8 +4,10 @@
 //! version they were verified with and their validity window; time is re-checked on
 //! every hit.
 
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::rc::Rc;
+
+use hashbrown::HashTable;
 
 use crate::verifier::Window;
 
@@ -28,13 +30,14 @@ pub struct Verified {
     pub claim_headers: Vec<Option<String>>,
 }
 
+/// The entries: by token, with a seeded fast hash (tokens are inserted only once
+/// verified, so nobody can choose colliding keys to fill it). Entries are shared, so a
+/// hit is a reference count, not a copy, and one lookup.
 #[derive(Debug)]
 pub struct TokenCache {
     max: usize,
-    /// By token, with a seeded fast hash (tokens are inserted only once verified, so
-    /// nobody can choose colliding keys to fill it). Entries are shared, so a hit is a
-    /// reference count, not a copy, and one lookup.
-    entries: HashMap<Box<str>, Rc<Verified>, foldhash::fast::RandomState>,
+    entries: HashTable<(Box<str>, Rc<Verified>)>,
+    hasher: foldhash::fast::RandomState,
 }
 
 impl TokenCache {
@@ -42,7 +45,8 @@ impl TokenCache {
     pub fn new(max: usize) -> Self {
         Self {
             max,
-            entries: HashMap::default(),
+            entries: HashTable::new(),
+            hasher: foldhash::fast::RandomState::default(),
         }
     }
 
@@ -54,7 +58,12 @@ impl TokenCache {
         key_version: u64,
         now: f64,
     ) -> Option<Rc<Verified>> {
-        let hit = self.entries.get(token)?;
+        let hash = self.hasher.hash_one(token);
+        let entry = self
+            .entries
+            .find_entry(hash, |(k, _)| same(k, token))
+            .ok()?;
+        let hit = &entry.get().1;
         if hit.provider == provider
             && hit.key_version == key_version
             && now < hit.window.1
@@ -62,7 +71,7 @@ impl TokenCache {
         {
             return Some(hit.clone());
         }
-        self.entries.remove(token);
+        entry.remove();
         None
     }
 
@@ -71,15 +80,27 @@ impl TokenCache {
             return;
         }
         if self.entries.len() >= self.max {
-            self.entries.retain(|_, v| now < v.window.1);
+            self.entries.retain(|(_, v)| now < v.window.1);
         }
         while self.entries.len() >= self.max {
-            let Some(victim) = self.entries.keys().next().cloned() else {
+            let Some(victim) = self.entries.iter().next().map(|(k, _)| k.clone()) else {
                 break;
             };
-            self.entries.remove(&victim);
+            let hash = self.hasher.hash_one(&*victim);
+            if let Ok(entry) = self.entries.find_entry(hash, |(k, _)| *k == victim) {
+                entry.remove();
+            }
         }
-        self.entries.insert(token.into(), Rc::new(verified));
+        let hash = self.hasher.hash_one(token);
+        let value = (Box::from(token), Rc::new(verified));
+        match self.entries.find_entry(hash, |(k, _)| same(k, token)) {
+            Ok(mut entry) => *entry.get_mut() = value,
+            Err(_) => {
+                let hasher = &self.hasher;
+                self.entries
+                    .insert_unique(hash, value, |(k, _)| hasher.hash_one(&**k));
+            }
+        }
     }
 
     /// Entries held.
@@ -90,5 +111,81 @@ impl TokenCache {
     /// Whether empty.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
+    }
+}
+
+/// Token equality a word at a time: a hit compares the whole token (hundreds of
+/// bytes) on every request, and the guest's libc `memcmp` goes byte by byte.
+fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let (aw, bw) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tails_equal = aw.remainder() == bw.remainder();
+    tails_equal && aw.zip(bw).all(|(x, y)| word(x) == word(y))
+}
+
+fn word(bytes: &[u8]) -> u64 {
+    u64::from_ne_bytes(bytes.try_into().unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verified(provider: usize) -> Verified {
+        Verified {
+            provider,
+            key_version: 1,
+            window: (0.0, 100.0),
+            payload: "{}".to_owned(),
+            claims: Vec::new(),
+            claim_headers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn word_compare_is_equality() {
+        for (a, b) in [
+            ("", ""),
+            ("abc", "abc"),
+            ("abcdefgh", "abcdefgh"),
+            ("abcdefghij", "abcdefghij"),
+            ("abcdefghij", "abcdefghik"),
+            ("abcdefghij", "bbcdefghij"),
+            ("abcdefgh", "abcdefgi"),
+            ("abc", "abcd"),
+        ] {
+            assert_eq!(same(a, b), a == b, "{a:?} {b:?}");
+        }
+    }
+
+    #[test]
+    fn hits_need_the_same_token_provider_and_key_version_in_the_window() {
+        let mut cache = TokenCache::new(2);
+        cache.insert("token-a.payload.sig", verified(0), 1.0);
+        assert!(cache.get("token-a.payload.sig", 0, 1, 1.0).is_some());
+        assert!(cache.get("token-a.payload.sih", 0, 1, 1.0).is_none());
+        assert!(cache.get("token-a.payload.sig", 0, 2, 1.0).is_none());
+        assert!(cache.is_empty(), "a stale entry is dropped");
+        cache.insert("token-a.payload.sig", verified(0), 1.0);
+        assert!(
+            cache.get("token-a.payload.sig", 0, 1, 100.0).is_none(),
+            "expired"
+        );
+    }
+
+    #[test]
+    fn the_cache_stays_bounded_and_reinserting_replaces() {
+        let mut cache = TokenCache::new(2);
+        cache.insert("a", verified(0), 1.0);
+        cache.insert("a", verified(1), 1.0);
+        assert_eq!(cache.len(), 1);
+        assert!(cache.get("a", 1, 1, 1.0).is_some());
+        cache.insert("b", verified(0), 1.0);
+        cache.insert("c", verified(0), 1.0);
+        assert_eq!(cache.len(), 2);
+        assert!(cache.get("c", 0, 1, 1.0).is_some(), "the newest stays");
     }
 }
