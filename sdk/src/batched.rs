@@ -111,10 +111,10 @@ impl HeadAccess for BatchedHead<'_> {
 
     fn headers(&self, names: &[&str]) -> Vec<Option<String>> {
         // Names neither declared nor edited are fetched together, in one call.
-        let fetch: Vec<String> = names
+        let fetch: Vec<&str> = names
             .iter()
+            .copied()
             .filter(|n| self.declared_header(n).is_none() && !self.edited(n))
-            .map(|n| (*n).to_owned())
             .collect();
         let mut fetched = if fetch.is_empty() {
             Vec::new()

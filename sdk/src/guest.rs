@@ -35,11 +35,19 @@ impl<'a> Head<'a> {
         match metadata.entries() {
             [] => {}
             [(key, value)] => self.head.set_metadata(key, value),
-            entries => self.head.set_metadata_batch(entries),
+            entries => self.head.set_metadata_batch(&borrowed(entries)),
         }
         metadata.give_back();
         crate::sys::flush_counters();
     }
+}
+
+/// Entries as the import takes them.
+fn borrowed(entries: &[(String, String)]) -> Vec<(&str, &str)> {
+    entries
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
 }
 
 fn header_error(e: wit::HeaderError) -> HeaderError {
@@ -73,8 +81,7 @@ impl HeadAccess for Head<'_> {
     }
 
     fn headers(&self, names: &[&str]) -> Vec<Option<String>> {
-        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-        self.head.headers(&names)
+        self.head.headers(names)
     }
 
     fn header_names(&self) -> Vec<String> {
@@ -136,7 +143,7 @@ pub(crate) fn send_pending_payload(head: &wit::RequestHead, pending: &[(String, 
         .iter()
         .any(|(k, _)| k == dpumesh_claims::PAYLOAD_KEY)
     {
-        head.set_metadata_batch(pending);
+        head.set_metadata_batch(&borrowed(pending));
     }
 }
 
@@ -145,8 +152,7 @@ pub(crate) fn claims_from_proxy(
     head: &wit::RequestHead,
     names: &[&str],
 ) -> Option<Vec<Option<Claim>>> {
-    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-    let claims = head.claims(&names)?;
+    let claims = head.claims(names)?;
     Some(
         claims
             .into_iter()

@@ -82,6 +82,9 @@ pub mod bindings {
         export_macro_name: "__export_filter_world",
         default_bindings_module: "dpumesh_filter_sdk::bindings",
         generate_all,
+        // Imports take lists of strings as `&[&str]`: a filter asking for two headers
+        // or handing over its metadata copies nothing into owned strings first.
+        ownership: Borrowing { duplicate_if_necessary: true },
     });
 }
 

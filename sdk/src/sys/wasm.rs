@@ -38,14 +38,10 @@ pub(crate) fn define_metric(
     name: &str,
     labels: &[(&str, &str)],
 ) -> Result<u32, MetricError> {
-    let labels: Vec<(String, String)> = labels
-        .iter()
-        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-        .collect();
     let result = match kind {
-        Kind::Counter => wit_metrics::counter(name, &labels),
-        Kind::Gauge => wit_metrics::gauge(name, &labels),
-        Kind::Histogram => wit_metrics::histogram(name, &labels),
+        Kind::Counter => wit_metrics::counter(name, labels),
+        Kind::Gauge => wit_metrics::gauge(name, labels),
+        Kind::Histogram => wit_metrics::histogram(name, labels),
     };
     result.map_err(|e| match e {
         wit_metrics::MetricError::InvalidName => MetricError::InvalidName,
