@@ -35,16 +35,24 @@ fn the_rust_filters_run_as_core_instances_unless_turned_off() {
 /// A filter written by hand against the core ABI: on `/oob` it passes a name that
 /// runs past its memory, on `/utf8` one that is not UTF-8, on `/handle` a head handle
 /// it was never given, on `/ret` a misaligned return area, on `/keep` it keeps the
-/// head's borrow past the call; otherwise it drops the borrow and continues.
+/// head's borrow past the call, on `/batch` it sets two metadata entries in one call,
+/// the second's value not UTF-8; otherwise it drops the borrow and continues.
 const BREAKER: &str = r#"
 (module
   (import "dpumesh:filter/types@0.1.2" "[method]request-head.header"
     (func $header (param i32 i32 i32 i32)))
+  (import "dpumesh:filter/types@0.1.2" "[method]request-head.set-metadata-batch"
+    (func $batch (param i32 i32 i32)))
   (import "dpumesh:filter/types@0.1.2" "[resource-drop]request-head"
     (func $drop (param i32)))
   (memory (export "memory") 1)
   (global $bump (mut i32) (i32.const 1024))
   (data (i32.const 200) "\ff\fe")
+  ;; The batch: ("a", "1") then ("b", the two bytes at 200), a table at 304.
+  (data (i32.const 400) "a1b")
+  (data (i32.const 304)
+    "\90\01\00\00" "\01\00\00\00" "\91\01\00\00" "\01\00\00\00"
+    "\92\01\00\00" "\01\00\00\00" "\c8\00\00\00" "\02\00\00\00")
   (func (export "cabi_realloc") (param i32 i32 i32 i32) (result i32)
     (local $p i32)
     (local.set $p (i32.and (i32.add (global.get $bump) (i32.const 7)) (i32.const -8)))
@@ -70,6 +78,8 @@ const BREAKER: &str = r#"
       (then (call $header (i32.const 7) (i32.const 200) (i32.const 0) (i32.const 16))))
     (if (i32.eq (local.get $c) (i32.const 114))
       (then (call $header (local.get $h) (i32.const 200) (i32.const 0) (i32.const 17))))
+    (if (i32.eq (local.get $c) (i32.const 98))
+      (then (call $batch (local.get $h) (i32.const 304) (i32.const 2))))
     (if (i32.ne (local.get $c) (i32.const 107))
       (then (call $drop (local.get $h))))
     (i32.store8 (i32.const 32) (i32.const 0))
@@ -116,6 +126,7 @@ fn a_guest_that_breaks_the_abi_faults_and_the_next_request_is_served(core: bool)
         ("/handle", "handle"),
         ("/ret", "unaligned"),
         ("/keep", "borrow"),
+        ("/batch", "UTF-8"),
     ];
     for (path, why) in cases {
         let outcome = runner.on_request(get(path));
@@ -129,6 +140,9 @@ fn a_guest_that_breaks_the_abi_faults_and_the_next_request_is_served(core: bool)
         let FaultKind::Trap(message) = &fault.kind else {
             panic!("{path}: a trap, got {:?}", fault.kind);
         };
+        // A list is checked whole before the host acts on it: no entry of the
+        // malformed batch reached the head, not even the well-formed first one.
+        assert_eq!(outcome.head.metadata("a"), None, "{path}");
         if core || path == "/keep" {
             // Component calls word the others their own way.
             assert!(message.contains(why), "{path}: {message}");
