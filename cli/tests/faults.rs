@@ -124,10 +124,7 @@ fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
         reservation(&client).is_some_and(|r| r.0 == 200)
     });
     for admin in mesh.admins() {
-        wait("the node is idle again", Duration::from_secs(15), &|| {
-            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
-                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
-        });
+        wait_idle(admin, Duration::from_secs(15));
     }
     let pids: Vec<u32> = ["dpumesh node", "dpumesh ingress", "hotel"]
         .iter()
@@ -230,10 +227,7 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
     assert!(whole > 0 && errors > 0, "the kill hit bodies in flight");
     assert_eq!(dropped, 0, "every client got an answer");
     for admin in mesh.admins() {
-        wait("the nodes are idle again", Duration::from_secs(15), &|| {
-            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
-                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
-        });
+        wait_idle(admin, Duration::from_secs(15));
     }
     drop(mesh);
     assert_eq!(
@@ -299,10 +293,7 @@ fn an_exhausted_ingress_pool_refuses_with_retry_after_and_loses_no_slot() {
             .collect::<Vec<_>>()
     );
     for admin in mesh.admins() {
-        wait("the nodes are idle again", Duration::from_secs(15), &|| {
-            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
-                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
-        });
+        wait_idle(admin, Duration::from_secs(15));
     }
 }
 
@@ -344,10 +335,7 @@ fn logs_to_a_full_disk_lose_no_request() {
     let mesh = dpumesh_config::MeshFile::read(&file).unwrap();
     for node in mesh.config.nodes.values() {
         let admin = node.admin.unwrap();
-        wait("the nodes are idle again", Duration::from_secs(15), &|| {
-            metric_sum(admin, "dpumesh_exchanges_in_flight") == 0.0
-                && metric_sum(admin, "dpumesh_pool_slots_in_use") == 0.0
-        });
+        wait_idle(admin, Duration::from_secs(15));
     }
     let pids: Vec<u32> = ["dpumesh node", "dpumesh ingress", "hotel"]
         .iter()

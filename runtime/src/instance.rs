@@ -489,8 +489,8 @@ impl FilterInstance {
     pub(crate) fn on_request(
         &mut self,
         call: &CallInput,
-        head: RequestHead,
-    ) -> (RequestHead, Result<Answer, FaultKind>) {
+        head: Box<RequestHead>,
+    ) -> (Box<RequestHead>, Result<Answer, FaultKind>) {
         // The epoch ticker was woken by the caller, once per chain run
         // ([`crate::chain::ChainRunner`]), not per filter.
         let deadline = self.filter.settings.deadline;
@@ -559,10 +559,10 @@ impl FilterInstance {
     /// plugin pauses; a component never has calls under way).
     pub(crate) fn on_callout(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         token: u32,
         reply: &crate::callout::CalloutReply,
-    ) -> (RequestHead, Result<Answer, FaultKind>) {
+    ) -> (Box<RequestHead>, Result<Answer, FaultKind>) {
         let deadline = self.filter.settings.deadline;
         match &mut self.inner {
             Inner::ProxyWasm(pw) => {
@@ -581,10 +581,10 @@ impl FilterInstance {
     /// Runs `on-response` (a no-op for filters without a response phase).
     pub(crate) fn on_response(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         info: ResponseInfo,
         headers: Option<&mut crate::chain::ResponseHeaders>,
-    ) -> (RequestHead, Result<(), FaultKind>) {
+    ) -> (Box<RequestHead>, Result<(), FaultKind>) {
         let deadline = self.filter.settings.deadline;
         let this = match &mut self.inner {
             Inner::Component(c) => c,
@@ -618,7 +618,7 @@ impl FilterInstance {
     }
 }
 
-fn take_head(store: &mut Store<StoreState>) -> RequestHead {
+fn take_head(store: &mut Store<StoreState>) -> Box<RequestHead> {
     // The head was lent just before the call and nothing else takes it.
     store.data_mut().head.take().unwrap_or_default()
 }

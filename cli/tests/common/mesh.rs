@@ -441,6 +441,29 @@ pub fn metric_sum(admin: SocketAddr, name: &str) -> f64 {
         .sum()
 }
 
+/// Waits until `admin` reports no exchange in flight and no pool slot in use; if it
+/// never does, the panic names the process and quotes its nonzero gauges (a leak
+/// shows where it is, not only that it is).
+pub fn wait_idle(admin: SocketAddr, within: Duration) {
+    const GAUGES: [&str; 2] = ["dpumesh_exchanges_in_flight", "dpumesh_pool_slots_in_use"];
+    let deadline = Instant::now() + within;
+    loop {
+        if GAUGES.iter().all(|g| metric_sum(admin, g) == 0.0) {
+            return;
+        }
+        if Instant::now() >= deadline {
+            let (_, text) = admin_get(admin, "/metrics");
+            let busy: Vec<&str> = text
+                .lines()
+                .filter(|l| GAUGES.iter().any(|g| l.starts_with(g)))
+                .filter(|l| l.rsplit(' ').next() != Some("0"))
+                .collect();
+            panic!("{admin} is not idle after {within:?}: {busy:#?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The path of the RBAC component in a policy written by [`super::write_policy_with`]
 /// (for tests that add RBAC filters of their own).
 pub fn rbac_component(policy: &str) -> String {

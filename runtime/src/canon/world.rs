@@ -31,7 +31,7 @@ fn lent(state: &mut StoreState, handle: i32) -> Result<&mut dpumesh_head::Reques
     check(state, handle)?;
     state
         .head
-        .as_mut()
+        .as_deref_mut()
         .ok_or_else(|| format_err!("request-head used outside of a call that lent it (a host bug)"))
 }
 

@@ -85,7 +85,7 @@ impl Fused {
 )]
 pub(super) enum Ran<T> {
     Done(T),
-    Unfused(RequestHead),
+    Unfused(Box<RequestHead>),
 }
 
 /// The bits of filters `from..` of a 32-filter mask.
@@ -125,7 +125,7 @@ impl ChainRunner {
 
     /// The request phase through the fused instance; the head back when there is
     /// none (the caller runs the chain unfused).
-    pub(super) fn request_fused(&mut self, head: RequestHead) -> Ran<ChainOutcome> {
+    pub(super) fn request_fused(&mut self, head: Box<RequestHead>) -> Ran<ChainOutcome> {
         // The entry marks are copied into a vector the runner keeps (no allocation
         // per request), since the store is busy while they are recorded.
         let mut entered = std::mem::take(&mut self.entered);
@@ -137,7 +137,7 @@ impl ChainRunner {
 
     fn request_fused_marking(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         entered: &mut Vec<(u32, Stamp)>,
     ) -> Ran<ChainOutcome> {
         let n = self.slots.len();
@@ -213,7 +213,7 @@ impl ChainRunner {
                         None => {
                             passed_over(self, n, &mut faults);
                             return Ran::Done(ChainOutcome {
-                                head,
+                                head: self.unbox(head),
                                 decision: Decision::Continue,
                                 ran: n,
                                 faults,
@@ -247,7 +247,9 @@ impl ChainRunner {
                     Some(original) if policy == FailurePolicy::Reload && fault.kind.retryable() => {
                         faults.push(fault);
                         let mut mark = crate::stamp::now();
-                        let (head, step) = self.step(index, &call, &mut mark, original);
+                        let mut head = head;
+                        *head = original;
+                        let (head, step) = self.step(index, &call, &mut mark, head);
                         (index, step, head)
                     }
                     _ => (index, Step::Fault(fault), head),
@@ -279,10 +281,10 @@ impl ChainRunner {
     /// one run on separate instances.
     pub(super) fn response_fused(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         info: &ResponseInfo,
         ran: usize,
-    ) -> Ran<(RequestHead, Vec<FilterFault>)> {
+    ) -> Ran<(Box<RequestHead>, Vec<FilterFault>)> {
         let Some(fused) = self.fused.as_mut() else {
             return Ran::Unfused(head);
         };

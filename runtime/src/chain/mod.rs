@@ -209,7 +209,7 @@ enum Step {
 
 /// A request waiting in filter `index` for its HTTP calls.
 struct Parked {
-    head: RequestHead,
+    head: Box<RequestHead>,
     index: usize,
     /// The instance it waits in (its slot's `replaced` count then).
     instance: u64,
@@ -221,8 +221,12 @@ struct Parked {
 const MAX_PARKED: usize = 8192;
 
 /// After a filter answered: on to the next, or the chain's outcome.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "returned, never stored: the outcome is what the caller gets anyway"
+)]
 enum Next {
-    Go(RequestHead),
+    Go(Box<RequestHead>),
     Stop(ChainOutcome),
 }
 
@@ -247,6 +251,9 @@ pub struct ChainRunner {
     fused: Option<fused::Fused>,
     /// Filters the last fused call entered, with their times (kept for its capacity).
     entered: Vec<(u32, Stamp)>,
+    /// The box a request's head travels in between the runner and its instances
+    /// (see [`Self::lend`]), kept from one request to the next.
+    spare: Option<Box<RequestHead>>,
 }
 
 impl std::fmt::Debug for ChainRunner {
@@ -358,6 +365,7 @@ impl ChainRunner {
             wake,
             fused,
             entered: Vec::new(),
+            spare: None,
         }
     }
 
@@ -463,6 +471,7 @@ impl ChainRunner {
     /// Runs the request phase.
     pub fn on_request(&mut self, head: RequestHead) -> ChainOutcome {
         self.wake_epochs();
+        let head = self.lend(head);
         let head = if self.fused.is_some() {
             match self.request_fused(head) {
                 fused::Ran::Done(outcome) => return outcome,
@@ -528,15 +537,35 @@ impl ChainRunner {
     /// away): returns its head and how many filters ran, for the response phase
     /// (which ends the paused filter's context too).
     pub fn abandon(&mut self, park: u32) -> Option<(RequestHead, usize)> {
-        self.parked
-            .remove(&park)
-            .map(|parked| (parked.head, parked.index + 1))
+        let parked = self.parked.remove(&park)?;
+        Some((self.unbox(parked.head), parked.index + 1))
+    }
+
+    /// `head` in the runner's box: from here to the outcome, each hand-off (into a
+    /// filter's store and back, from step to step) moves a pointer rather than the
+    /// ~350-byte head, five filters times several moves a request. The box is kept
+    /// for the next request ([`Self::unbox`]), so this allocates once per runner.
+    fn lend(&mut self, head: RequestHead) -> Box<RequestHead> {
+        match self.spare.take() {
+            Some(mut boxed) => {
+                *boxed = head;
+                boxed
+            }
+            None => Box::new(head),
+        }
+    }
+
+    /// The head out of its box, the box kept for the next request.
+    fn unbox(&mut self, mut boxed: Box<RequestHead>) -> RequestHead {
+        let head = std::mem::take(&mut *boxed);
+        self.spare = Some(boxed);
+        head
     }
 
     /// Runs filters `from..` on `head`.
     fn run(
         &mut self,
-        mut head: RequestHead,
+        mut head: Box<RequestHead>,
         from: usize,
         mut faults: Vec<FilterFault>,
     ) -> ChainOutcome {
@@ -584,7 +613,7 @@ impl ChainRunner {
             }
         }
         ChainOutcome {
-            head,
+            head: self.unbox(head),
             decision: Decision::Continue,
             ran: self.slots.len(),
             faults,
@@ -598,7 +627,7 @@ impl ChainRunner {
         index: usize,
         policy: FailurePolicy,
         step: Step,
-        head: RequestHead,
+        head: Box<RequestHead>,
         faults: &mut Vec<FilterFault>,
         park: Option<u32>,
     ) -> Next {
@@ -647,7 +676,7 @@ impl ChainRunner {
             }
         };
         Next::Stop(ChainOutcome {
-            head,
+            head: self.unbox(head),
             decision: Decision::Deny {
                 filter: self.slots[index].filter.tag.name.clone(),
                 reply,
@@ -673,8 +702,8 @@ impl ChainRunner {
         index: usize,
         line: &CallInput,
         mark: &mut Stamp,
-        head: RequestHead,
-    ) -> (RequestHead, Step) {
+        head: Box<RequestHead>,
+    ) -> (Box<RequestHead>, Step) {
         let (head, result) = self.call(index, line, mark, head);
         (head, self.sort(index, Phase::Request, result))
     }
@@ -740,30 +769,32 @@ impl ChainRunner {
         ran: usize,
         headers: Option<&mut ResponseHeaders>,
     ) -> (RequestHead, Vec<FilterFault>) {
-        if ran > 0 {
-            self.wake_epochs();
-        }
         let ran = ran.min(self.slots.len());
+        if ran == 0 {
+            return (head, Vec::new());
+        }
+        self.wake_epochs();
+        let head = self.lend(head);
         // A fused chain has no proxy-wasm plugin, so no response headers to edit.
-        let head = if self.fused.is_some() && ran > 0 {
+        let (head, faults) = if self.fused.is_some() {
             match self.response_fused(head, info, ran) {
-                fused::Ran::Done(done) => return done,
-                fused::Ran::Unfused(head) => head,
+                fused::Ran::Done(done) => done,
+                fused::Ran::Unfused(head) => self.respond_unfused(head, info, ran, headers),
             }
         } else {
-            head
+            self.respond_unfused(head, info, ran, headers)
         };
-        self.respond_unfused(head, info, ran, headers)
+        (self.unbox(head), faults)
     }
 
     /// The response phase of filters `0..upto`, last first, each on its own instance.
     fn respond_unfused(
         &mut self,
-        mut head: RequestHead,
+        mut head: Box<RequestHead>,
         info: &ResponseInfo,
         upto: usize,
         mut headers: Option<&mut ResponseHeaders>,
-    ) -> (RequestHead, Vec<FilterFault>) {
+    ) -> (Box<RequestHead>, Vec<FilterFault>) {
         let mut faults = Vec::new();
         for index in (0..upto.min(self.slots.len())).rev() {
             if self.slots[index].filter.health.is_degraded() {
@@ -802,8 +833,8 @@ impl ChainRunner {
         index: usize,
         line: &CallInput,
         mark: &mut Stamp,
-        head: RequestHead,
-    ) -> (RequestHead, Result<crate::instance::Answer, FaultKind>) {
+        head: Box<RequestHead>,
+    ) -> (Box<RequestHead>, Result<crate::instance::Answer, FaultKind>) {
         let slot = &mut self.slots[index];
         slot.invocations.increment(1);
         if slot.instance.is_none() {

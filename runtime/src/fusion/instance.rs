@@ -158,9 +158,9 @@ impl FusedInstance {
     pub(crate) fn on_request(
         &mut self,
         call: &CallInput,
-        head: RequestHead,
+        head: Box<RequestHead>,
         skip: u32,
-    ) -> (RequestHead, Result<Decided, FusedFault>) {
+    ) -> (Box<RequestHead>, Result<Decided, FusedFault>) {
         let line = call.line(&head);
         self.begin(head, true);
         let result = self
@@ -178,11 +178,11 @@ impl FusedInstance {
     /// bit in `skip` is clear.
     pub(crate) fn on_response(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         info: ResponseInfo,
         ran: usize,
         skip: u32,
-    ) -> (RequestHead, Result<(), FusedFault>) {
+    ) -> (Box<RequestHead>, Result<(), FusedFault>) {
         self.begin(head, false);
         let result = self
             .run_response
@@ -207,14 +207,14 @@ impl FusedInstance {
 
     /// Lends `head` and readies the store for a call (the driver arms each filter's
     /// own deadline as it enters it).
-    fn begin(&mut self, head: RequestHead, timed: bool) {
+    fn begin(&mut self, head: Box<RequestHead>, timed: bool) {
         arm_store(&mut self.store, self.filters[0].settings.deadline);
         let state = self.store.data_mut();
         state.head = Some(head);
         state.begin_run(timed);
     }
 
-    fn take_head(&mut self) -> RequestHead {
+    fn take_head(&mut self) -> Box<RequestHead> {
         // Lent just before the call; nothing else takes it.
         self.store.data_mut().head.take().unwrap_or_default()
     }

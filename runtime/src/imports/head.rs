@@ -206,7 +206,7 @@ impl StoreState {
         &mut self,
         names: &[impl AsRef<str>],
     ) -> wasmtime::Result<Option<Vec<Option<types::Claim>>>> {
-        let head = self.head.as_ref().ok_or_else(super::no_head)?;
+        let head = self.head.as_deref().ok_or_else(super::no_head)?;
         let Some(payload) = head.metadata(dpumesh_claims::PAYLOAD_KEY) else {
             return Ok(None);
         };

@@ -107,8 +107,9 @@ impl Member {
 
 /// The data of one instance's `Store` (a filter's, or a fused chain's).
 pub(crate) struct StoreState {
-    /// The head lent to the instance during a call.
-    pub(crate) head: Option<RequestHead>,
+    /// The head lent to the instance during a call, boxed: lending it and taking it
+    /// back moves a pointer, not the head (the chain keeps the box between requests).
+    pub(crate) head: Option<Box<RequestHead>>,
     pub(crate) limiter: MemoryLimiter,
     pub(crate) stderr: StderrTail,
     /// The CPU budget of the call under way.
@@ -254,7 +255,7 @@ impl StoreState {
         }
         let member = &self.members[index];
         if member.reload {
-            self.reload_head = self.head.clone();
+            self.reload_head = self.head.as_deref().cloned();
         }
         self.limiter.hit = false;
         let ticks = self.budget.arm(member.deadline);
@@ -275,11 +276,11 @@ impl StoreState {
     /// the call gave it, so its absence is a host bug; it traps the call (the filter's
     /// failure policy applies) rather than taking the worker thread down.
     fn head(&self) -> wasmtime::Result<&RequestHead> {
-        self.head.as_ref().ok_or_else(no_head)
+        self.head.as_deref().ok_or_else(no_head)
     }
 
     fn head_mut(&mut self) -> wasmtime::Result<&mut RequestHead> {
-        self.head.as_mut().ok_or_else(no_head)
+        self.head.as_deref_mut().ok_or_else(no_head)
     }
 
     fn define_metric(

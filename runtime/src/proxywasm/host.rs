@@ -43,7 +43,7 @@ fn request_pairs(head: &RequestHead) -> Vec<(String, Vec<u8>)> {
 /// answers BadArgument, which the Rust SDK turns into a panic).
 fn pairs(call: &CallState, map: MapType) -> Vec<(String, Vec<u8>)> {
     match map {
-        MapType::RequestHeaders => call.head.as_ref().map(request_pairs).unwrap_or_default(),
+        MapType::RequestHeaders => call.head.as_deref().map(request_pairs).unwrap_or_default(),
         MapType::ResponseHeaders => call
             .response
             .as_ref()
@@ -447,7 +447,7 @@ fn properties_and_shared(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
             let data = caller.data();
             let empty = RequestHead::default();
             let view = properties::View {
-                head: data.call.head.as_ref().unwrap_or(&empty),
+                head: data.call.head.as_deref().unwrap_or(&empty),
                 plugin_name: &data.config.name,
                 root_id: &data.config.root_id,
                 vm_id: "",
@@ -474,7 +474,7 @@ fn properties_and_shared(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
                 .collect();
             let value = String::from_utf8_lossy(&state::read(&mut caller, vp, vl)?).into_owned();
             let key = properties::set_key(&segments.iter().map(String::as_str).collect::<Vec<_>>());
-            match caller.data_mut().call.head.as_mut() {
+            match caller.data_mut().call.head.as_deref_mut() {
                 Some(head) => head.set_metadata(&key, &value),
                 // Outside a request (a root callback) there is nothing to set it on.
                 None => return Ok(Status::NotFound.code()),

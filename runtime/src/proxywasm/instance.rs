@@ -197,9 +197,9 @@ impl PwInstance {
     /// [`Self::on_callout`] resumes or ends it.
     pub(crate) fn on_request(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         deadline: Duration,
-    ) -> (RequestHead, Result<Answer, FaultKind>) {
+    ) -> (Box<RequestHead>, Result<Answer, FaultKind>) {
         let context = self.next_context;
         self.next_context = self.next_context.checked_add(1).unwrap_or(ROOT + 1);
         let eos = i32::from(!has_body(&head));
@@ -230,11 +230,11 @@ impl PwInstance {
     /// any new calls).
     pub(crate) fn on_callout(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         token: u32,
         reply: &CalloutReply,
         deadline: Duration,
-    ) -> (RequestHead, Result<Answer, FaultKind>) {
+    ) -> (Box<RequestHead>, Result<Answer, FaultKind>) {
         let Some(context) = self.store.data_mut().pending.remove(&token) else {
             return (
                 head,
@@ -340,11 +340,11 @@ impl PwInstance {
     /// `proxy_on_response_headers`, then the context is finished.
     pub(crate) fn on_response(
         &mut self,
-        head: RequestHead,
+        head: Box<RequestHead>,
         info: &ResponseInfo,
         mut headers: Option<&mut crate::chain::ResponseHeaders>,
         deadline: Duration,
-    ) -> (RequestHead, Result<(), FaultKind>) {
+    ) -> (Box<RequestHead>, Result<(), FaultKind>) {
         let context = head.metadata(&self.metadata_key()).and_then(|v| {
             let (nonce, context) = v.split_once(':')?;
             (nonce.parse::<u64>().ok()? == self.nonce).then(|| context.parse::<u32>().ok())?

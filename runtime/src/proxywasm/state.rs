@@ -52,7 +52,7 @@ pub(crate) struct LocalResponse {
 #[derive(Default)]
 pub(crate) struct CallState {
     /// The request head lent for the call.
-    pub(crate) head: Option<RequestHead>,
+    pub(crate) head: Option<Box<RequestHead>>,
     /// The response status and headers, in the response phase.
     pub(crate) response: Option<(u16, Pairs)>,
     /// The buffer readable in this callback (the configurations).
