@@ -87,7 +87,7 @@ impl TokenCache {
                 break;
             };
             let hash = self.hasher.hash_one(&*victim);
-            if let Ok(entry) = self.entries.find_entry(hash, |(k, _)| *k == victim) {
+            if let Ok(entry) = self.entries.find_entry(hash, |(k, _)| same(k, &victim)) {
                 entry.remove();
             }
         }

@@ -84,10 +84,8 @@ pub(crate) fn with_str_list<R>(
     let mem = guest(cx)?;
     let (data, state) = mem.data_and_store_mut(&mut *cx);
     let data: &[u8] = data;
-    let items = table(data, ptr, len, 8)?
-        .map(|e| str_at(data, i32_at(e, 0), i32_at(e, 4)))
-        .collect::<Result<Vec<_>>>()?;
-    f(state, &items)
+    let items = table(data, ptr, len, 8)?.map(|e| str_at(data, i32_at(e, 0), i32_at(e, 4)));
+    gathered(items, |items| f(state, items))
 }
 
 /// [`with_str_list`] for a `list<tuple<string, string>>`.
@@ -100,15 +98,38 @@ pub(crate) fn with_str_pairs<R>(
     let mem = guest(cx)?;
     let (data, state) = mem.data_and_store_mut(&mut *cx);
     let data: &[u8] = data;
-    let pairs = table(data, ptr, len, 16)?
-        .map(|e| {
-            Ok((
-                str_at(data, i32_at(e, 0), i32_at(e, 4))?,
-                str_at(data, i32_at(e, 8), i32_at(e, 12))?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    f(state, &pairs)
+    let pairs = table(data, ptr, len, 16)?.map(|e| pair_at(data, e));
+    gathered(pairs, |pairs| f(state, pairs))
+}
+
+/// Most items of a list argument gathered on the stack: a filter's lists are a few
+/// header or claim names, or a few metadata entries, and a `Vec` for them was a
+/// `malloc` and a `free` per host call.
+const ON_STACK: usize = 8;
+
+/// Runs `f` on `items`, every one checked first (the first error is the call's): on
+/// the stack up to [`ON_STACK`] items, in a `Vec` past that.
+fn gathered<T: Copy + Default, R>(
+    items: impl ExactSizeIterator<Item = Result<T>>,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
+    let n = items.len();
+    if n > ON_STACK {
+        return f(&items.collect::<Result<Vec<_>>>()?);
+    }
+    let mut stack = [T::default(); ON_STACK];
+    for (slot, item) in stack.iter_mut().zip(items) {
+        *slot = item?;
+    }
+    f(&stack[..n])
+}
+
+/// One `tuple<string, string>` of a list (16 bytes: two pointer and length pairs).
+fn pair_at<'m>(mem: &'m [u8], entry: &[u8]) -> Result<(&'m str, &'m str)> {
+    Ok((
+        str_at(mem, i32_at(entry, 0), i32_at(entry, 4))?,
+        str_at(mem, i32_at(entry, 8), i32_at(entry, 12))?,
+    ))
 }
 
 /// The `list<tuple<string, string>>` argument at `ptr`.
@@ -120,12 +141,7 @@ pub(crate) fn string_pairs(cx: &impl Ctx, ptr: i32, len: i32) -> Result<Vec<(Str
 /// The `list<tuple<string, string>>` at `ptr` of `mem`, copied out.
 pub(crate) fn pairs_at(mem: &[u8], ptr: i32, len: i32) -> Result<Vec<(String, String)>> {
     table(mem, ptr, len, 16)?
-        .map(|e| {
-            Ok((
-                str_at(mem, i32_at(e, 0), i32_at(e, 4))?.to_owned(),
-                str_at(mem, i32_at(e, 8), i32_at(e, 12))?.to_owned(),
-            ))
-        })
+        .map(|e| pair_at(mem, e).map(|(k, v)| (k.to_owned(), v.to_owned())))
         .collect()
 }
 
@@ -350,6 +366,30 @@ mod tests {
             r.bytes(),
             &[1, 0, 2, 1, 0xfe, 0xff, 0xff, 0xff, 7, 0, 0, 0, 0, 0, 0, 0]
         );
+    }
+
+    #[test]
+    fn lists_are_gathered_whole_on_the_stack_or_past_it() {
+        for n in [0, 1, ON_STACK, ON_STACK + 1, 3 * ON_STACK] {
+            let items = (0..n).map(|i| Ok::<_, wasmtime::Error>(i as u32));
+            let got = gathered(items, |items| Ok(items.to_vec())).unwrap();
+            assert_eq!(got, (0..n as u32).collect::<Vec<_>>(), "{n} items");
+        }
+    }
+
+    #[test]
+    fn a_bad_item_anywhere_fails_the_list_before_the_host_sees_it() {
+        for n in [2, ON_STACK, 2 * ON_STACK] {
+            let items = (0..n).map(|i| match i == n - 1 {
+                true => Err(format_err!("item {i} is bad")),
+                false => Ok(i),
+            });
+            let err = gathered(items, |_| -> Result<()> {
+                panic!("the host acted on {n} items")
+            })
+            .unwrap_err();
+            assert_eq!(err.to_string(), format!("item {} is bad", n - 1));
+        }
     }
 
     #[test]

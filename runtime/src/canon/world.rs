@@ -301,7 +301,7 @@ fn add_head(linker: &mut Linker<StoreState>) -> Result<()> {
         |mut cx: Cx<'_>, h: i32, p: i32, l: i32| {
             with_str_pairs(&mut cx, p, l, |state, entries| {
                 check(state, h)?;
-                state.set_metadata_borrowed(entries)
+                state.set_metadata_entries(entries.iter().copied())
             })
         },
     )?;

@@ -165,11 +165,7 @@ impl types::HostRequestHead for StoreState {
         _: Resource<HeadHandle>,
         entries: Vec<(String, String)>,
     ) -> wasmtime::Result<()> {
-        let head = self.head_mut()?;
-        for (key, value) in &entries {
-            head.set_metadata(key, value);
-        }
-        Ok(())
+        self.set_metadata_entries(entries.iter().map(|(k, v)| (k.as_str(), v.as_str())))
     }
 
     fn claims(
@@ -223,9 +219,9 @@ impl StoreState {
 
     /// Metadata entries in order (the last for a key wins), copied from borrowed
     /// strings into the head (a value overwritten in place keeps its buffer).
-    pub(crate) fn set_metadata_borrowed(
+    pub(crate) fn set_metadata_entries<'e>(
         &mut self,
-        entries: &[(&str, &str)],
+        entries: impl IntoIterator<Item = (&'e str, &'e str)>,
     ) -> wasmtime::Result<()> {
         let head = self.head_mut()?;
         for (key, value) in entries {
