@@ -594,13 +594,15 @@ impl ChainRunner {
                 Step::Fault(self.skipped(index, retry_in_ms))
             } else {
                 // A retry must see the head as it was, not half-edited by the failed call.
-                let original = (policy == FailurePolicy::Reload).then(|| head.clone());
+                // The copy is of the head alone: the retry puts it back in the same box.
+                let original = (policy == FailurePolicy::Reload).then(|| RequestHead::clone(&head));
                 let (returned, step) = self.step(index, &line, &mut mark, head);
                 head = returned;
                 match (step, original) {
                     (Step::Fault(fault), Some(original)) if fault.kind.retryable() => {
                         faults.push(fault);
-                        let (returned, step) = self.step(index, &line, &mut mark, original);
+                        *head = original;
+                        let (returned, step) = self.step(index, &line, &mut mark, head);
                         head = returned;
                         step
                     }
