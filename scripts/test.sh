@@ -12,7 +12,7 @@ cargo fmt --all --check
 echo "==> cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 echo "==> cargo clippy (guest crates for wasm32-wasip2)"
-cargo clippy --locked --target wasm32-wasip2 -p dpumesh-filter-sdk -p dpumesh-sample-guard -p dpumesh-sample-apikey -p dpumesh-test-filter -p dpumesh-filter-trace -p dpumesh-filter-ratelimit -p dpumesh-filter-circuit-breaker -p dpumesh-filter-rbac -p dpumesh-filter-jwt -- -D warnings
+cargo clippy --locked --target wasm32-wasip2 -p dpumesh-filter-sdk -p dpumesh-guest-alloc -p dpumesh-sample-guard -p dpumesh-sample-apikey -p dpumesh-test-filter -p dpumesh-filter-trace -p dpumesh-filter-ratelimit -p dpumesh-filter-circuit-breaker -p dpumesh-filter-rbac -p dpumesh-filter-jwt -- -D warnings
 echo "==> cargo clippy (the proxy-wasm test plugin for wasm32-wasip1)"
 cargo clippy --locked --target wasm32-wasip1 -p dpumesh-proxy-wasm-test -- -D warnings
 echo "==> cargo clippy (data path with the DOCA backends: type-checked, linked only on BlueField)"

@@ -56,6 +56,14 @@ mod sys;
 
 #[cfg(any(target_arch = "wasm32", test))]
 mod pending;
+
+/// A guest allocates and frees the same few small blocks on every request (the
+/// strings the host lowers into it, every value it reads): size classes serve those
+/// from free lists instead of dlmalloc (docs/benchmarks.md, "The guests' allocator").
+#[cfg(all(target_arch = "wasm32", feature = "fast-alloc"))]
+#[global_allocator]
+static ALLOCATOR: dpumesh_guest_alloc::SizeClasses<std::alloc::System> =
+    dpumesh_guest_alloc::SizeClasses::new(std::alloc::System);
 mod verdict;
 
 #[cfg(target_arch = "wasm32")]
