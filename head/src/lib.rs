@@ -169,6 +169,18 @@ impl RequestHead {
 
     /// Replaces every value of `name` with `value`.
     pub fn set_header(&mut self, name: &str, value: &str) -> Result<(), HeaderError> {
+        // A field present once (a filter rewriting `traceparent`) takes the new value
+        // in place: no name is parsed into a new `HeaderName`, which for a name outside
+        // the standard set allocates. A name found in the map is a valid one, so only
+        // the read-only check remains before it.
+        if !name.starts_with(':')
+            && !READ_ONLY.iter().any(|r| r.eq_ignore_ascii_case(name))
+            && self.headers.get_all(name).iter().nth(1).is_none()
+            && let Some(slot) = self.headers.get_mut(name)
+        {
+            *slot = HeaderValue::from_str(value).map_err(|_| HeaderError::InvalidValue)?;
+            return Ok(());
+        }
         let (name, value) = checked(name, Some(value))?;
         self.headers.insert(name, value.unwrap_or_else(empty));
         Ok(())
@@ -283,6 +295,21 @@ mod tests {
         head.remove_header("Accept").unwrap();
         assert!(head.header_all("accept").is_empty());
         head.remove_header("never-there").unwrap();
+    }
+
+    #[test]
+    fn a_field_present_once_is_replaced_where_it_is() {
+        let mut head = head();
+        head.set_header("X-TENANT", "globex").unwrap();
+        assert_eq!(head.header_all("x-tenant"), vec!["globex"]);
+        // Its place among the fields is kept.
+        assert_eq!(head.header_names(), vec!["accept", "x-tenant"]);
+        // A value refused on the way in leaves the field as it was.
+        assert_eq!(
+            head.set_header("x-tenant", "a\r\nb"),
+            Err(HeaderError::InvalidValue)
+        );
+        assert_eq!(head.header("x-tenant").as_deref(), Some("globex"));
     }
 
     #[test_case(":path", HeaderError::ReadOnly)]
