@@ -175,7 +175,7 @@ impl<F: Fabric> Reactor<F> {
         self.table.start_try(xid, Instant::now());
         let exchange = self.table.get(xid).expect("dispatching");
         let head = exchange.head.as_ref().expect("decided");
-        let bytes = match wire::encode_request(head) {
+        let bytes = match wire::encode_request_for_pod(head) {
             Ok(b) => b,
             Err(e) => {
                 let e = ProxyError::new(
