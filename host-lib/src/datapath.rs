@@ -16,7 +16,9 @@
 //!   successor, started by `dpumesh up` or an orchestrator) takes it back with fresh
 //!   pools and rings.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 //! (CPU work on the thread pool). Nodes nest freely; the high-level
 //! [`ExecutionContext`](crate::ExecutionContext) builds these.
 
-use std::collections::HashSet;
+use foldhash::{HashSet, HashSetExt};
 use std::time::Duration;
 
 use crate::http::HttpRequest;

@@ -2,7 +2,7 @@
 //! loop carries out (send a request, run an internal step, arm a timer, forget a
 //! step's outstanding requests). Pure state: no I/O, no threads, no clock.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::time::Duration;
 
