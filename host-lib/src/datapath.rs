@@ -17,8 +17,6 @@
 //!   pools and rings.
 
 use std::collections::VecDeque;
-
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,6 +29,7 @@ use dpumesh_dpa::{
 };
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use http::Method;
 use parking_lot::Mutex;
 

@@ -15,13 +15,12 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
-
-use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use crossbeam_channel::Receiver;
+use foldhash::{HashMap, HashMapExt};
 
 use crate::context::ExecutionContext;
 use crate::http::HttpResponse;

@@ -4,8 +4,9 @@
 //! (CPU work on the thread pool). Nodes nest freely; the high-level
 //! [`ExecutionContext`](crate::ExecutionContext) builds these.
 
-use foldhash::{HashSet, HashSetExt};
 use std::time::Duration;
+
+use foldhash::{HashSet, HashSetExt};
 
 use crate::http::HttpRequest;
 use crate::result::{Inputs, StepError, StepId, StepOutput};

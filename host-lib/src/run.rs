@@ -2,11 +2,11 @@
 //! loop carries out (send a request, run an internal step, arm a timer, forget a
 //! step's outstanding requests). Pure state: no I/O, no threads, no clock.
 
-use foldhash::{HashMap, HashMapExt};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use foldhash::{HashMap, HashMapExt};
 use http::HeaderMap;
 
 use crate::graph::{InternalFn, Node, Requests, validate};
