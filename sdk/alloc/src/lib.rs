@@ -47,7 +47,7 @@ struct Class {
 }
 
 /// Size classes with free lists in front of `A` (see the crate's documentation).
-pub struct SizeClasses<A> {
+pub struct SizeClasses<A: GlobalAlloc> {
     backing: A,
     classes: UnsafeCell<[Class; CLASSES]>,
 }
@@ -55,9 +55,9 @@ pub struct SizeClasses<A> {
 // SAFETY: a wasm32 guest without the `atomics` feature has exactly one thread, so
 // the lists are never touched by two threads at once.
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics")))]
-unsafe impl<A: Sync> Sync for SizeClasses<A> {}
+unsafe impl<A: GlobalAlloc + Sync> Sync for SizeClasses<A> {}
 
-impl<A> SizeClasses<A> {
+impl<A: GlobalAlloc> SizeClasses<A> {
     /// Size classes in front of `backing`, every list empty.
     pub const fn new(backing: A) -> Self {
         Self {
@@ -78,6 +78,25 @@ impl<A> SizeClasses<A> {
         // while it holds one).
         let classes = unsafe { &*self.classes.get() };
         classes.iter().map(|c| c.len as usize).sum()
+    }
+}
+
+impl<A: GlobalAlloc> Drop for SizeClasses<A> {
+    /// Gives the kept blocks back (a global allocator is a static and never drops;
+    /// an allocator made for a while, as in the tests, must not leak its lists).
+    fn drop(&mut self) {
+        for (class, list) in self.classes.get_mut().iter_mut().enumerate() {
+            while !list.head.is_null() {
+                let block = list.head;
+                // SAFETY: a block on the list is free and links the next in its first
+                // word; it came from `backing` with its class layout.
+                unsafe {
+                    list.head = block.cast::<*mut u8>().read();
+                    self.backing.dealloc(block, class_layout(class));
+                }
+            }
+            list.len = 0;
+        }
     }
 }
 
@@ -175,6 +194,7 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for SizeClasses<A> {
 mod tests {
     extern crate std;
 
+    use core::sync::atomic::{AtomicIsize, Ordering};
     use std::alloc::System;
     use std::vec::Vec;
 
@@ -263,6 +283,38 @@ mod tests {
             unsafe { a.dealloc(p, l) };
         }
         assert_eq!(a.kept(), KEEP as usize);
+    }
+
+    /// Blocks the counting allocator has out (one test uses it).
+    static OUT: AtomicIsize = AtomicIsize::new(0);
+
+    /// The system allocator, counting the blocks it has out in [`OUT`].
+    struct Counted;
+
+    unsafe impl GlobalAlloc for Counted {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            OUT.fetch_add(1, Ordering::Relaxed);
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
+            OUT.fetch_sub(1, Ordering::Relaxed);
+            unsafe { System.dealloc(block, layout) }
+        }
+    }
+
+    #[test]
+    fn dropping_the_allocator_gives_every_kept_block_back() {
+        {
+            let a = SizeClasses::new(Counted);
+            let blocks: Vec<_> = (1..=200usize)
+                .map(|size| (unsafe { a.alloc(layout(size, 1)) }, size))
+                .collect();
+            for (p, size) in blocks {
+                unsafe { a.dealloc(p, layout(size, 1)) };
+            }
+            assert!(a.kept() > 0);
+        }
+        assert_eq!(OUT.load(Ordering::Relaxed), 0);
     }
 
     #[test]
