@@ -116,7 +116,11 @@ fn breaker() -> Vec<u8> {
 fn a_guest_that_breaks_the_abi_faults_and_the_next_request_is_served(core: bool) {
     let rt = runtime_with(core);
     let filter = rt
-        .load_filter(FilterSettings::new("breaker", ""), &breaker())
+        .load_filter(
+            // Its fault is the ABI's, not the deadline's.
+            FilterSettings::new("breaker", "").deadline(std::time::Duration::from_secs(2)),
+            &breaker(),
+        )
         .expect("the hand-written component loads");
     assert_eq!(filter.runs_as_core(), core);
     let mut runner = ChainRunner::new(Arc::new(FilterChain::new("c", vec![filter])));

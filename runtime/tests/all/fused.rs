@@ -73,6 +73,8 @@ fn each_filter_of_a_fused_chain_keeps_its_own_shared_state_namespace() {
             json!({"request": [{"increment": "n"}], "response": [{"increment": "r"}]}).to_string(),
         )
         .namespace(namespace)
+        // Not a deadline test: a first call on a loaded CI host once used 5 ms of CPU.
+        .deadline(Duration::from_secs(2))
     };
     let mut runner = fused(
         &rt,
