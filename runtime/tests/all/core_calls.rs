@@ -3,6 +3,7 @@
 //! served by a fresh instance), as it gets through component calls.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use dpumesh_runtime::{ChainRunner, Decision, FaultKind, FilterChain, FilterSettings};
 use dpumesh_test_artifacts as artifacts;
@@ -118,7 +119,7 @@ fn a_guest_that_breaks_the_abi_faults_and_the_next_request_is_served(core: bool)
     let filter = rt
         .load_filter(
             // Its fault is the ABI's, not the deadline's.
-            FilterSettings::new("breaker", "").deadline(std::time::Duration::from_secs(2)),
+            FilterSettings::new("breaker", "").deadline(Duration::from_secs(2)),
             &breaker(),
         )
         .expect("the hand-written component loads");
