@@ -16,7 +16,7 @@ use crate::instance::FilterInstance;
 use crate::runtime::Runtime;
 
 /// The version of the `dpumesh:filter` package this runtime serves.
-pub const WIT_VERSION: &str = "0.1.2";
+pub const WIT_VERSION: &str = "0.1.3";
 const WIT_PACKAGE: &str = "dpumesh:filter";
 /// Types the `filter` world `use`s at its top level; components import them by these
 /// plain names.

@@ -498,10 +498,11 @@ impl FilterInstance {
             Inner::Component(c) => c,
             Inner::Core(core) => {
                 arm_store(&mut core.store, deadline);
-                let line = call.line(&head);
+                // Built (once per chain run) only for a filter that takes the line.
+                let line = core.takes_line().then(|| call.line(&head));
                 core.store.data_mut().head = Some(head);
                 let result = core
-                    .on_request(&line)
+                    .on_request(line.as_deref())
                     .map_err(|e| classify(&mut core.store, e, deadline));
                 return (take_head(&mut core.store), result.map(Answer::from));
             }

@@ -2,7 +2,7 @@
 //!
 //! This crate runs WebAssembly filter components against request heads: one wasmtime
 //! [`Engine`](wasmtime::Engine) per proxy, each filter compiled once (with an on-disk
-//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.2` world (a component
+//! `.cwasm` cache) and checked against the `dpumesh:filter@0.1.3` world (a component
 //! built for any 0.1.x loads), instantiated from a pooling allocator per worker thread,
 //! and run in [chains](FilterChain) with a memory cap, a CPU deadline per call and a
 //! failure policy per filter.

@@ -6,7 +6,7 @@ use std::cell::RefCell;
 
 use crate::bindings::dpumesh::filter::types as wit;
 use crate::input::{Input, Interest, check_header_edit};
-use crate::{Claim, HeadAccess, HeaderError, Peer, RequestLine};
+use crate::{Claim, HeadAccess, HeaderError, Method, Peer, RequestLine, Scheme};
 
 /// The head as a batched call sees it.
 pub(crate) struct BatchedHead<'a> {
@@ -85,6 +85,22 @@ impl<'a> BatchedHead<'a> {
 impl HeadAccess for BatchedHead<'_> {
     fn line(&self) -> RequestLine {
         self.input.line()
+    }
+
+    fn method(&self) -> Method {
+        Method::parse(self.input.method())
+    }
+
+    fn scheme(&self) -> Scheme {
+        self.input.scheme
+    }
+
+    fn authority(&self) -> String {
+        self.input.authority().to_owned()
+    }
+
+    fn path(&self) -> String {
+        self.input.path().to_owned()
     }
 
     fn query(&self) -> Option<String> {

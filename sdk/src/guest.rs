@@ -61,11 +61,27 @@ fn header_error(e: wit::HeaderError) -> HeaderError {
 impl HeadAccess for Head<'_> {
     fn line(&self) -> RequestLine {
         RequestLine {
-            method: method(self.head.method()),
-            scheme: scheme(self.head.scheme()),
-            authority: self.head.authority(),
-            path: self.head.path(),
+            method: HeadAccess::method(self),
+            scheme: HeadAccess::scheme(self),
+            authority: HeadAccess::authority(self),
+            path: HeadAccess::path(self),
         }
+    }
+
+    fn method(&self) -> Method {
+        method(self.head.method())
+    }
+
+    fn scheme(&self) -> Scheme {
+        scheme(self.head.scheme())
+    }
+
+    fn authority(&self) -> String {
+        self.head.authority()
+    }
+
+    fn path(&self) -> String {
+        self.head.path()
     }
 
     fn query(&self) -> Option<String> {
@@ -206,23 +222,36 @@ fn ensure_configured<F: Filter>(slot: &'static Slot<F>) -> Result<(), String> {
     configure(slot, "")
 }
 
-/// `on-request` export.
+/// `on-request` export: the line handed in.
 pub fn on_request<F: Filter>(
     slot: &'static Slot<F>,
     line: wit::RequestLine,
     head: &wit::RequestHead,
 ) -> wit::Verdict {
-    if let Err(e) = ensure_configured(slot) {
-        return deny(LocalReply::new(500).body(format!("filter is not configured: {e}")));
-    }
     let line = RequestLine {
         method: method(line.method),
         scheme: scheme(line.scheme),
         authority: line.authority,
         path: line.path,
     };
+    request_phase(slot, head, |access| Request::with_line(line, access))
+}
+
+/// `on-request-head` export (0.1.3): the line read from the head on first use.
+pub fn on_request_head<F: Filter>(slot: &'static Slot<F>, head: &wit::RequestHead) -> wit::Verdict {
+    request_phase(slot, head, |access| Request::lazy(access))
+}
+
+fn request_phase<'h, F: Filter>(
+    slot: &'static Slot<F>,
+    head: &'h wit::RequestHead,
+    request: impl for<'a> FnOnce(&'a Head<'h>) -> Request<'a>,
+) -> wit::Verdict {
+    if let Err(e) = ensure_configured(slot) {
+        return deny(LocalReply::new(500).body(format!("filter is not configured: {e}")));
+    }
     let access = Head::new(head);
-    let request = Request::with_line(line, &access);
+    let request = request(&access);
     let verdict = slot.with(|cell| match cell.borrow_mut().as_mut() {
         Some(filter) => filter.on_request(&request),
         None => Verdict::Continue,

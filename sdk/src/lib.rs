@@ -146,7 +146,7 @@ pub fn configure<F: Filter>(config: &str) -> Result<F, String> {
     F::new(parse_config(config)?)
 }
 
-/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.2` world.
+/// Exports a [`Filter`] as the component's `dpumesh:filter@0.1.3` world.
 ///
 /// Expands to nothing on native targets, so the same crate builds for unit tests.
 #[macro_export]
@@ -173,6 +173,12 @@ macro_rules! export_filter {
                     head: &$crate::bindings::dpumesh::filter::types::RequestHead,
                 ) -> $crate::bindings::dpumesh::filter::types::Verdict {
                     $crate::__private::on_request::<$ty>(&FILTER, line, head)
+                }
+
+                fn on_request_head(
+                    head: &$crate::bindings::dpumesh::filter::types::RequestHead,
+                ) -> $crate::bindings::dpumesh::filter::types::Verdict {
+                    $crate::__private::on_request_head::<$ty>(&FILTER, head)
                 }
 
                 fn on_response(
@@ -204,7 +210,9 @@ macro_rules! export_filter {
 #[doc(hidden)]
 #[cfg(target_arch = "wasm32")]
 pub mod __private {
-    pub use crate::guest::{configure, handle_request, interest, on_request, on_response};
+    pub use crate::guest::{
+        configure, handle_request, interest, on_request, on_request_head, on_response,
+    };
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! The request a filter sees: the line by value, everything else pulled lazily.
+//! The request a filter sees: the line by value or fetched field by field on first
+//! use, everything else pulled lazily.
 
 use std::cell::OnceCell;
 use std::fmt;
@@ -77,7 +78,8 @@ impl Scheme {
     }
 }
 
-/// The four fields every filter gets by value with `on_request`.
+/// The four fields of the request line: handed in with `on-request`, fetched field by
+/// field on first use otherwise.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RequestLine {
     /// The method.
@@ -130,6 +132,24 @@ impl std::error::Error for HeaderError {}
 pub trait HeadAccess {
     /// The request line (method, scheme, authority, path).
     fn line(&self) -> RequestLine;
+    /// The method alone. Each field has its own call so that a filter reading only the
+    /// path does not pay for copying the authority; by default taken from
+    /// [`HeadAccess::line`].
+    fn method(&self) -> Method {
+        self.line().method
+    }
+    /// The scheme alone (see [`HeadAccess::method`]).
+    fn scheme(&self) -> Scheme {
+        self.line().scheme
+    }
+    /// The authority alone (see [`HeadAccess::method`]).
+    fn authority(&self) -> String {
+        self.line().authority
+    }
+    /// The path alone (see [`HeadAccess::method`]).
+    fn path(&self) -> String {
+        self.line().path
+    }
     /// The raw query string.
     fn query(&self) -> Option<String>;
     /// First value of a header.
@@ -182,63 +202,71 @@ pub(crate) fn claims_from_metadata<H: HeadAccess + ?Sized>(
 /// proxy (a few hundred nanoseconds each), so fetch only what the decision needs, and
 /// use [`Request::headers`] to fetch several headers in one call.
 pub struct Request<'a> {
-    line: OnceCell<RequestLine>,
+    method: OnceCell<Method>,
+    scheme: OnceCell<Scheme>,
+    authority: OnceCell<String>,
+    path: OnceCell<String>,
     head: &'a dyn HeadAccess,
 }
 
 impl fmt::Debug for Request<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Request")
-            .field("line", &self.line.get())
+            .field("method", &self.method.get())
+            .field("scheme", &self.scheme.get())
+            .field("authority", &self.authority.get())
+            .field("path", &self.path.get())
             .finish_non_exhaustive()
     }
 }
 
 impl<'a> Request<'a> {
-    /// A request whose line is already known (the `on_request` case).
+    /// A request whose line is already known (the `on-request` call).
     pub fn with_line(line: RequestLine, head: &'a dyn HeadAccess) -> Self {
         Self {
-            line: OnceCell::from(line),
+            method: OnceCell::from(line.method),
+            scheme: OnceCell::from(line.scheme),
+            authority: OnceCell::from(line.authority),
+            path: OnceCell::from(line.path),
             head,
         }
     }
 
-    /// A request whose line is fetched from the head on first use (the `on_response`
-    /// case).
+    /// A request whose line is fetched from the head a field at a time, on first use
+    /// (the `on-request-head` and `on-response` calls).
     pub fn lazy(head: &'a dyn HeadAccess) -> Self {
         Self {
-            line: OnceCell::new(),
+            method: OnceCell::new(),
+            scheme: OnceCell::new(),
+            authority: OnceCell::new(),
+            path: OnceCell::new(),
             head,
         }
-    }
-
-    fn line(&self) -> &RequestLine {
-        self.line.get_or_init(|| self.head.line())
     }
 
     /// The method, e.g. `GET`.
     pub fn method(&self) -> &str {
-        self.line().method.as_str()
+        self.method_kind().as_str()
     }
 
     /// The method as an enum.
     pub fn method_kind(&self) -> &Method {
-        &self.line().method
+        self.method.get_or_init(|| self.head.method())
     }
 
     /// `http` or `https`.
     pub fn scheme(&self) -> &str {
-        self.line().scheme.as_str()
+        self.scheme.get_or_init(|| self.head.scheme()).as_str()
     }
 
     /// The authority.
     pub fn authority(&self) -> &str {
-        &self.line().authority
+        self.authority.get_or_init(|| self.head.authority())
     }
 
     /// The path without the query.
     pub fn path(&self) -> &str {
-        &self.line().path
+        self.path.get_or_init(|| self.head.path())
     }
 
     /// The raw query string, without `?`.

@@ -11,12 +11,20 @@ use crate::imports::StoreState;
 type OnRequest = TypedFunc<(i32, i32, i32, i32, i32, i32, i32, i32, i32), i32>;
 type OnResponse = TypedFunc<(i32, i32, i64, i32, i32, i32, i32), ()>;
 type Configure = TypedFunc<(i32, i32), i32>;
+type OnRequestHead = TypedFunc<i32, i32>;
 type PostReturn = TypedFunc<i32, ()>;
+
+/// How the request phase is entered.
+enum RequestCall {
+    /// `on-request(line, head)`: the line's strings lowered into the guest per call.
+    Line(OnRequest, Option<PostReturn>),
+    /// `on-request-head(head)` (0.1.3): the guest reads the line if it needs it.
+    Head(OnRequestHead, Option<PostReturn>),
+}
 
 /// A core instance's exports, before they have their store.
 struct Exports {
-    on_request: OnRequest,
-    post_on_request: Option<PostReturn>,
+    on_request: RequestCall,
     on_response: Option<OnResponse>,
     configure: Option<(Configure, Option<PostReturn>)>,
 }
@@ -26,7 +34,6 @@ impl Exports {
         CoreCalls {
             store,
             on_request: self.on_request,
-            post_on_request: self.post_on_request,
             on_response: self.on_response,
             configure: self.configure,
         }
@@ -36,8 +43,7 @@ impl Exports {
 /// A core instance and its exports.
 pub(crate) struct CoreCalls {
     pub(crate) store: Store<StoreState>,
-    on_request: OnRequest,
-    post_on_request: Option<PostReturn>,
+    on_request: RequestCall,
     on_response: Option<OnResponse>,
     configure: Option<(Configure, Option<PostReturn>)>,
 }
@@ -75,8 +81,16 @@ impl CoreCalls {
         let post = |store: &mut Store<StoreState>, name: &str| {
             instance.get_typed_func::<i32, ()>(store, name).ok()
         };
-        let on_request = instance.get_typed_func(&mut *store, "on-request")?;
-        let post_on_request = post(&mut *store, "cabi_post_on-request");
+        let on_request = match core.on_request_head {
+            true => RequestCall::Head(
+                instance.get_typed_func(&mut *store, "on-request-head")?,
+                post(&mut *store, "cabi_post_on-request-head"),
+            ),
+            false => RequestCall::Line(
+                instance.get_typed_func(&mut *store, "on-request")?,
+                post(&mut *store, "cabi_post_on-request"),
+            ),
+        };
         let on_response = match core.on_response {
             true => Some(instance.get_typed_func(&mut *store, "on-response")?),
             false => None,
@@ -90,7 +104,6 @@ impl CoreCalls {
         };
         Ok(Exports {
             on_request,
-            post_on_request,
             on_response,
             configure,
         })
@@ -120,27 +133,46 @@ impl CoreCalls {
         Ok(result)
     }
 
-    /// `on-request(line, head)`; the head must be lent (in the store's data).
-    pub(crate) fn on_request(&mut self, line: &RequestLine) -> Result<Verdict> {
+    /// Whether the request phase takes the request line (`on-request`).
+    pub(crate) fn takes_line(&self) -> bool {
+        matches!(self.on_request, RequestCall::Line(..))
+    }
+
+    /// The request phase: `on-request-head(head)` when the module exports it, else
+    /// `on-request(line, head)` (`line` must then be given); the head must be lent (in
+    /// the store's data).
+    pub(crate) fn on_request(&mut self, line: Option<&RequestLine>) -> Result<Verdict> {
         let store = &mut self.store;
-        let (case, mp, ml) = match &line.method {
-            crate::bindings::dpumesh::filter::types::Method::Other(text) => {
-                let (p, l) = lower_str(store, text)?;
-                (9, p, l)
+        let (ret, post) = match &self.on_request {
+            RequestCall::Head(call, post) => {
+                lend(store);
+                let ret = call.call(&mut *store, super::HEAD);
+                (returned(store, ret)?, post)
             }
-            method => (i32::from(super::world::method_case(method)), 0, 0),
+            RequestCall::Line(call, post) => {
+                let line = line.ok_or_else(|| {
+                    format_err!("on-request called without its line (a host bug)")
+                })?;
+                let (case, mp, ml) = match &line.method {
+                    crate::bindings::dpumesh::filter::types::Method::Other(text) => {
+                        let (p, l) = lower_str(store, text)?;
+                        (9, p, l)
+                    }
+                    method => (i32::from(super::world::method_case(method)), 0, 0),
+                };
+                let scheme = line.scheme as i32;
+                let (ap, al) = lower_str(store, &line.authority)?;
+                let (pp, pl) = lower_str(store, &line.path)?;
+                lend(store);
+                let ret = call.call(
+                    &mut *store,
+                    (case, mp, ml, scheme, ap, al, pp, pl, super::HEAD),
+                );
+                (returned(store, ret)?, post)
+            }
         };
-        let scheme = line.scheme as i32;
-        let (ap, al) = lower_str(store, &line.authority)?;
-        let (pp, pl) = lower_str(store, &line.path)?;
-        lend(store);
-        let ret = self.on_request.call(
-            &mut *store,
-            (case, mp, ml, scheme, ap, al, pp, pl, super::HEAD),
-        );
-        let ret = returned(store, ret)?;
         let verdict = verdict(memory(store)?.data(&*store), ret)?;
-        if let Some(post) = &self.post_on_request {
+        if let Some(post) = post {
             post.call(&mut *store, ret)?;
         }
         Ok(verdict)

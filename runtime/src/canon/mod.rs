@@ -42,10 +42,12 @@ pub(crate) fn linker(engine: &Engine) -> wasmtime::Result<Linker<StoreState>> {
 /// A filter's core module, ready to instantiate.
 pub(crate) struct CoreFilter {
     pub(crate) pre: wasmtime::InstancePre<StoreState>,
-    /// Whether it exports `configure` / `on-response` / `_initialize`.
+    /// Whether it exports `configure` / `on-response` / `_initialize` /
+    /// `on-request-head` (called instead of `on-request`: the line is not lowered).
     pub(crate) configure: bool,
     pub(crate) on_response: bool,
     pub(crate) initialize: bool,
+    pub(crate) on_request_head: bool,
 }
 
 /// Why a component takes the component path (logged at debug level).
@@ -94,6 +96,7 @@ pub(crate) fn prepare(
         configure: has("configure"),
         on_response: has("on-response"),
         initialize: has("_initialize"),
+        on_request_head: has("on-request-head"),
         pre,
     })
 }
@@ -208,13 +211,14 @@ fn shape(module: &[u8]) -> Result<Shape, wasmparser::BinaryReaderError> {
 /// The world's exports as the canonical ABI flattens them.
 fn check_exports(module: &Module) -> Result<(), Unsupported> {
     use ValType::{I32, I64};
-    let expected: [(&'static str, &[ValType], &[ValType], bool); 6] = [
+    let expected: [(&'static str, &[ValType], &[ValType], bool); 8] = [
         (
             "on-request",
             &[I32, I32, I32, I32, I32, I32, I32, I32, I32],
             &[I32],
             true,
         ),
+        ("on-request-head", &[I32], &[I32], false),
         (
             "on-response",
             &[I32, I32, I64, I32, I32, I32, I32],
@@ -224,6 +228,7 @@ fn check_exports(module: &Module) -> Result<(), Unsupported> {
         ("configure", &[I32, I32], &[I32], false),
         ("cabi_realloc", &[I32, I32, I32, I32], &[I32], true),
         ("cabi_post_on-request", &[I32], &[], false),
+        ("cabi_post_on-request-head", &[I32], &[], false),
         ("cabi_post_configure", &[I32], &[], false),
     ];
     for (name, params, results, required) in expected {

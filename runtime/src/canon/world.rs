@@ -1,4 +1,4 @@
-//! The filter world's imports (`dpumesh:filter@0.1.2`) as core functions: each lifts
+//! The filter world's imports (`dpumesh:filter@0.1.3`) as core functions: each lifts
 //! its arguments from the guest's memory, calls the same host implementation the
 //! component path calls (`crate::imports`), and lowers the answer into a return area
 //! the guest passed. Layouts follow the canonical ABI's flattening: at most one flat
@@ -14,12 +14,12 @@ use super::abi::{
 use crate::bindings::dpumesh::filter::{clock, crypto, log, metrics, shared_state, types};
 use crate::imports::{HeadHandle, StoreState, header_error};
 
-const TYPES: &str = "dpumesh:filter/types@0.1.2";
-const LOG: &str = "dpumesh:filter/log@0.1.2";
-const CLOCK: &str = "dpumesh:filter/clock@0.1.2";
-const METRICS: &str = "dpumesh:filter/metrics@0.1.2";
-const STATE: &str = "dpumesh:filter/shared-state@0.1.2";
-const CRYPTO: &str = "dpumesh:filter/crypto@0.1.2";
+const TYPES: &str = "dpumesh:filter/types@0.1.3";
+const LOG: &str = "dpumesh:filter/log@0.1.3";
+const CLOCK: &str = "dpumesh:filter/clock@0.1.3";
+const METRICS: &str = "dpumesh:filter/metrics@0.1.3";
+const STATE: &str = "dpumesh:filter/shared-state@0.1.3";
+const CRYPTO: &str = "dpumesh:filter/crypto@0.1.3";
 
 /// The handle a call lends the head under (the component model numbers handles
 /// from 1): any other value is a handle the guest was never given.

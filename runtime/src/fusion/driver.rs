@@ -10,7 +10,7 @@
 //!
 //! ```wit
 //! world driver {
-//!   use dpumesh:filter/types@0.1.2.{request-line, request-head, verdict, response-info};
+//!   use dpumesh:filter/types@0.1.3.{request-line, request-head, verdict, response-info};
 //!   import enter-filter: func(index: u32);
 //!   import on-request-K: func(line: request-line, head: borrow<request-head>) -> verdict;
 //!   import on-response-K: func(head: borrow<request-head>, info: response-info);

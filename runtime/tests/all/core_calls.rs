@@ -8,7 +8,9 @@ use std::time::Duration;
 use dpumesh_runtime::{ChainRunner, Decision, FaultKind, FilterChain, FilterSettings};
 use dpumesh_test_artifacts as artifacts;
 
-use crate::support::{get, runtime_with};
+use serde_json::json;
+
+use crate::support::{get, load, runtime_with, settings};
 
 /// (The built-ins whose configuration cannot be empty are checked by the
 /// conformance suites, which run each both ways.)
@@ -159,4 +161,31 @@ fn a_guest_that_breaks_the_abi_faults_and_the_next_request_is_served(core: bool)
             next.faults
         );
     }
+}
+
+/// A filter built for 0.1.3 is entered through `on-request-head`: the request line is
+/// copied into its memory only when it reads it. A path larger than the filter's
+/// memory cap passes a filter that never reads it, and fails closed one that does.
+#[test]
+fn the_line_reaches_a_core_filter_only_if_it_reads_it() {
+    let rt = runtime_with(true);
+    let huge = format!("/{}", "a".repeat(6 << 20));
+    let run = |config: serde_json::Value| {
+        let filter = load(&rt, settings("f", config).memory_cap(4 << 20));
+        assert!(filter.runs_as_core());
+        ChainRunner::new(Arc::new(FilterChain::new("c", vec![filter]))).on_request(get(&huge))
+    };
+    let blind = run(json!({"request": [{"set_metadata": ["seen", "1"]}]}));
+    assert_eq!(blind.decision, Decision::Continue, "{:?}", blind.faults);
+    assert_eq!(blind.head.metadata("seen"), Some("1"));
+    let reader = run(json!({"request": ["describe"]}));
+    let Decision::Deny { reply, .. } = &reader.decision else {
+        panic!("a filter reading a path over its cap let it through");
+    };
+    assert_eq!(reply.status, 500, "fail-closed");
+    assert!(
+        matches!(reader.faults.as_slice(), [f] if matches!(f.kind, FaultKind::MemoryCap(_))),
+        "{:?}",
+        reader.faults
+    );
 }

@@ -27,7 +27,8 @@ fn a_component_for_another_package_version_is_refused_naming_both_versions() {
     assert!(matches!(err, LoadError::WrongVersion { .. }), "{err:?}");
     let msg = err.to_string();
     assert!(msg.contains("dpumesh:filter/log@0.2.0"), "{msg}");
-    assert!(msg.contains("serves dpumesh:filter@0.1.2"), "{msg}");
+    let serves = format!("serves dpumesh:filter@{}", dpumesh_runtime::WIT_VERSION);
+    assert!(msg.contains(&serves), "{msg}");
 }
 
 #[test]

@@ -199,9 +199,11 @@ fn a_request_the_driver_cannot_take_runs_unfused_and_no_filter_is_passed_over() 
     // request enters last. A path larger than every cap cannot be lowered into the
     // driver's memory: that is no filter's fault (it used to be blamed on the filter
     // the last request entered, whose fail-open policy then let it past the first).
+    // The first filter reads the line (`describe`), so its own instance cannot take
+    // the path either.
     let authz = settings(
         "authz",
-        json!({"request": [{"deny_if_header": ["x-deny", 403]}]}),
+        json!({"request": ["describe", {"deny_if_header": ["x-deny", 403]}]}),
     )
     .memory_cap(4 << 20);
     let logger = settings(
