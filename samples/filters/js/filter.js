@@ -7,7 +7,7 @@
 // Build: `dpumesh filter build samples/filters/js` (ComponentizeJS); test:
 // `dpumesh filter test samples/filters/js/build/js.wasm samples/filters/apikey.suite.yaml`.
 
-import { counter, increment } from "dpumesh:filter/metrics@0.1.2";
+import { counter, increment } from "dpumesh:filter/metrics@0.1.3";
 
 // One instance serves one request at a time; its state lives in the module.
 let header = "x-api-key";
