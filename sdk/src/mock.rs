@@ -412,17 +412,34 @@ impl MockRequest {
 
 impl HeadAccess for MockRequest {
     fn line(&self) -> RequestLine {
-        let head = self.head.borrow();
         RequestLine {
-            method: crate::Method::parse(&head.method),
-            scheme: if head.scheme.eq_ignore_ascii_case("https") {
-                crate::Scheme::Https
-            } else {
-                crate::Scheme::Http
-            },
-            authority: head.authority.clone(),
-            path: head.path.clone(),
+            method: HeadAccess::method(self),
+            scheme: HeadAccess::scheme(self),
+            authority: HeadAccess::authority(self),
+            path: HeadAccess::path(self),
         }
+    }
+
+    // Each field on its own: a lazy request (the response phase) asks for them one at
+    // a time, and the defaults would copy the whole line for each.
+    fn method(&self) -> crate::Method {
+        crate::Method::parse(&self.head.borrow().method)
+    }
+
+    fn scheme(&self) -> crate::Scheme {
+        if self.head.borrow().scheme.eq_ignore_ascii_case("https") {
+            crate::Scheme::Https
+        } else {
+            crate::Scheme::Http
+        }
+    }
+
+    fn authority(&self) -> String {
+        self.head.borrow().authority.clone()
+    }
+
+    fn path(&self) -> String {
+        self.head.borrow().path.clone()
     }
 
     fn query(&self) -> Option<String> {
