@@ -7,7 +7,8 @@
 # agent (protocol, backends, pipelined transfers, cancellation), the HTTP cache's
 # policy, and the Pingmesh agent's logic (prober, responder, probe messages; the UD
 # queue pairs are in the data path's tests).
-# `./scripts/test.sh` runs this; alone: `./scripts/test-arm64.sh`.
+# `./scripts/test.sh` runs this; alone: `./scripts/test-arm64.sh`. Arguments go to
+# `cargo test` (`--no-run` builds only; `--no-fail-fast` runs every binary).
 #
 # Left out under emulation, with the reason: the proxy, ingress and CLI end-to-end
 # tests (they are x86-64 process orchestration over the same crates tested here, and
@@ -27,4 +28,4 @@ target=aarch64-unknown-linux-gnu
 echo "==> aarch64 under qemu: the data path, the filter runtime, the built-in filters' suites, the BlueCache agent, the HTTP cache policy, Pingmesh"
 cargo test --locked --target "$target" \
     -p dpumesh-dpa -p dpumesh-runtime -p dpumesh-conformance -p dpumesh-store -p dpumesh-cache -p dpumesh-pingmesh \
-    --lib --test cases --test fabric_cases --test multiprocess --test all --test suites
+    --lib --test cases --test fabric_cases --test multiprocess --test all --test suites "$@"

@@ -9,6 +9,8 @@ use std::net::TcpListener;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dpumesh_test_support::joined;
+
 mod common;
 use common::mesh::*;
 
@@ -191,7 +193,7 @@ fn requests_wait_for_their_plugins_calls_to_mesh_services_and_upstreams() {
         })
         .collect();
     for handle in handles {
-        assert_eq!(handle.join().unwrap(), 200);
+        assert_eq!(joined(handle), 200);
     }
     let calls = metric_sum(node1, "dpumesh_filter_callouts_total");
     assert!(calls >= 17.0, "calls made: {calls}");

@@ -6,6 +6,8 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use dpumesh_test_support::joined;
+
 mod common;
 use common::free_port;
 use common::mesh::*;
@@ -76,7 +78,7 @@ fn a_node_runs_from_its_environment_and_logs_json_lines_off_a_terminal() {
         .unwrap();
     let status = wait_exit(&mut node, Duration::from_secs(30));
     assert!(status.success(), "{status:?}");
-    let lines = logs.join().unwrap();
+    let lines = joined(logs);
     assert!(!lines.is_empty(), "it logged at info");
     for line in &lines {
         assert!(

@@ -6,12 +6,22 @@
 
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+use dpumesh_test_support::joined;
 
 mod common;
 use common::mesh::*;
 use common::token;
+
+/// The mesh file's request timeout (see `mesh_files`).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How late past its deadline a timed-out answer may come on a loaded machine: the
+/// node's timer fires on a shard that two CPU burners may keep off the CPU for a few
+/// scheduler periods, and the answer then crosses the ingress. A hang would exceed it
+/// by far (the clients' read timeout is 30 s).
+const LATE: Duration = Duration::from_secs(3);
 
 fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill")
@@ -63,7 +73,10 @@ fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
             })
         })
         .collect();
-    // The other services serve as before, on the same node and the other one.
+    // The other services serve as before, on the same node and the other one. A ping
+    // held behind the stopped pod would wait for the request timeout; anything less
+    // is the machine's own delay (two CPU burners beside the test take seconds at
+    // worst, never the timeout).
     let until = Instant::now() + Duration::from_secs(4);
     let mut pings = 0;
     while Instant::now() < until {
@@ -71,15 +84,15 @@ fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
         let (status, _, _) = mesh.get("/ping", Some(&alice));
         assert_eq!(status, 200, "the frontend is unaffected");
         assert!(
-            started.elapsed() < Duration::from_secs(1),
-            "{:?}",
+            started.elapsed() < REQUEST_TIMEOUT,
+            "a ping waited as long as a timeout: {:?}",
             started.elapsed()
         );
         pings += 1;
         std::thread::sleep(Duration::from_millis(50));
     }
     stop.store(true, Ordering::Relaxed);
-    let seen: Vec<_> = askers.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let seen: Vec<_> = askers.into_iter().flat_map(joined).collect();
     signal(pod, "-CONT");
     let mut back_pressure = 0;
     for (reply, took) in &seen {
@@ -90,7 +103,7 @@ fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
             String::from_utf8_lossy(body)
         );
         assert!(
-            *took < Duration::from_secs(6),
+            *took < REQUEST_TIMEOUT + LATE,
             "answered within its timeout: {took:?}"
         );
         if *status == 503 {
@@ -106,14 +119,19 @@ fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
             back_pressure += 1;
         }
     }
+    // "At once" is "without waiting for the timeout": a fifth of it leaves a loaded
+    // machine room while no wait for the timeout can pass.
     let fast = seen
         .iter()
-        .filter(|(_, took)| *took < Duration::from_millis(200))
+        .filter(|(reply, took)| {
+            reply.as_ref().is_some_and(|r| r.0 == 503) && *took < REQUEST_TIMEOUT / 5
+        })
         .count();
     eprintln!(
         "{} requests to the stopped pod: {back_pressure} refused (503), {fast} of them within \
-         200 ms; {pings} pings served meanwhile",
-        seen.len()
+         {:?}; {pings} pings served meanwhile",
+        seen.len(),
+        REQUEST_TIMEOUT / 5
     );
     assert!(
         back_pressure > 0 && fast > 0,
@@ -168,9 +186,16 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
         echo(&client, &body).is_some_and(|r| r.0 == 200)
     });
     let stop = Arc::new(AtomicBool::new(false));
+    // Whole echoes so far, so that each phase waits for what it needs to see.
+    let echoed = Arc::new(AtomicUsize::new(0));
     let senders: Vec<_> = (0..4)
         .map(|_| {
-            let (stop, client, body) = (stop.clone(), Client(mesh.ingress), body.clone());
+            let (stop, client, body, echoed) = (
+                stop.clone(),
+                Client(mesh.ingress),
+                body.clone(),
+                echoed.clone(),
+            );
             std::thread::spawn(move || {
                 let mut want = body.to_vec();
                 want.reverse();
@@ -189,6 +214,7 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
                                 body.len()
                             );
                             whole += 1;
+                            echoed.fetch_add(1, Ordering::Relaxed);
                         }
                         Some((status, _, got)) => {
                             assert!(
@@ -205,7 +231,17 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(700));
+    let more_echoed = |n: usize| {
+        let from = echoed.load(Ordering::Relaxed);
+        let echoed = echoed.clone();
+        move || echoed.load(Ordering::Relaxed) >= from + n
+    };
+    // Bodies are flowing from every sender (some of them are then in flight).
+    wait(
+        "the senders' echoes flow",
+        Duration::from_secs(60),
+        &more_echoed(8),
+    );
     let node2 = the_one(&up, "dpumesh node .*--name node2");
     signal(node2, "-KILL");
     // `up` starts it again; the senders go on through its return.
@@ -214,11 +250,15 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
         Duration::from_secs(60),
         &|| echo(&client, &body).is_some_and(|r| r.0 == 200),
     );
-    std::thread::sleep(Duration::from_millis(500));
+    wait(
+        "the senders' echoes flow again",
+        Duration::from_secs(60),
+        &more_echoed(8),
+    );
     stop.store(true, Ordering::Relaxed);
     let (mut whole, mut errors, mut dropped) = (0, 0, 0);
     for t in senders {
-        let (w, e, d) = t.join().unwrap();
+        let (w, e, d) = joined(t);
         (whole, errors, dropped) = (whole + w, errors + e, dropped + d);
     }
     eprintln!(
@@ -258,7 +298,7 @@ fn an_exhausted_ingress_pool_refuses_with_retry_after_and_loses_no_slot() {
                 })
             })
             .collect();
-        askers.into_iter().map(|t| t.join().unwrap()).collect()
+        askers.into_iter().map(joined).collect()
     };
     let seen = ask_all(8);
     signal(pod, "-CONT");
@@ -267,7 +307,13 @@ fn an_exhausted_ingress_pool_refuses_with_retry_after_and_loses_no_slot() {
         let (status, headers, body) = reply.as_ref().expect("every request is answered");
         let body = String::from_utf8_lossy(body);
         assert!(matches!(status, 503 | 504), "got {status}: {body}");
-        assert!(*took < Duration::from_secs(5), "bounded wait: {took:?}");
+        // A wait for the slot ends within the request timeout (2 s, the mesh file
+        // above), and an exchange that got the slot times out after as long again;
+        // a loaded machine answers at most LATE after that.
+        assert!(
+            *took < 2 * Duration::from_secs(2) + LATE,
+            "bounded wait: {took:?}"
+        );
         if body.contains("at capacity") {
             assert_eq!(header(headers, "retry-after"), Some("1"), "{body}");
             at_capacity += 1;

@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use dpumesh_test_support::joined;
+
 mod common;
 use common::mesh::*;
 use common::token;
@@ -75,7 +77,7 @@ fn killed_nodes_and_ingress_are_started_again_and_the_mesh_serves_again() {
     stop.store(true, Ordering::Relaxed);
     let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
     for c in clients {
-        let (o, f, s) = c.join().unwrap();
+        let (o, f, s) = joined(c);
         ok += o;
         failed.extend(f);
         slowest = slowest.max(s);

@@ -19,6 +19,8 @@ use dpumesh_head::RequestHead;
 use dpumesh_head::wire;
 use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
 
+use dpumesh_test_support::joined;
+
 mod common;
 use common::mesh::*;
 use common::token;
@@ -325,7 +327,7 @@ fn a_node_and_the_ingress_take_their_certificates_from_kubernetes_secrets() {
     let mut sock = std::net::TcpStream::connect(addr).unwrap();
     let (_, node_seen) = ingress_tls.connect(&mut sock).unwrap();
     assert_eq!(node_seen, n1);
-    assert_eq!(server.join().unwrap(), ing);
+    assert_eq!(joined(server), ing);
 
     // The node checks a pod's token from its Secret with the key in its own.
     let key = RegistrationKey::load(&mounts.join("node1")).unwrap();
@@ -346,7 +348,7 @@ fn a_node_and_the_ingress_take_their_certificates_from_kubernetes_secrets() {
             let text = String::from_utf8(built.stdout).unwrap();
             assert_eq!(text.matches("kind: Secret").count(), 7, "{text}");
         }
-        Err(e) => eprintln!("kubectl not found ({e}): the kustomization was not built"),
+        Err(e) => dpumesh_test_support::cannot_run("kubectl (its kustomize)", &e),
     }
 
     // A mesh whose names Kubernetes cannot take says so.

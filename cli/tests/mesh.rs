@@ -6,6 +6,8 @@ use std::net::TcpStream;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use dpumesh_test_support::joined;
+
 mod common;
 use common::mesh::*;
 use common::token;
@@ -220,7 +222,7 @@ fn a_killed_replica_costs_at_most_its_requests_and_a_reload_under_load_none() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (mut ok, mut failed) = (0, Vec::new());
     for c in clients {
-        let (o, f, _) = c.join().unwrap();
+        let (o, f, _) = joined(c);
         ok += o;
         failed.extend(f);
     }

@@ -225,7 +225,7 @@ mod tests {
             flag.load(Ordering::SeqCst)
         }));
         assert!(started.elapsed() < Duration::from_secs(30));
-        ringer.join().unwrap();
+        dpumesh_test_support::joined(ringer);
         // A quiet bell times out.
         assert!(!bell.wait(Some(Duration::from_millis(10)), || false));
     }

@@ -455,7 +455,7 @@ mod tests {
         let accept =
             std::thread::spawn(move || listener.accept(Duration::from_secs(10)).unwrap().unwrap());
         let qp1 = fabric.connect(&pd, addr, &cq1, QpCaps::default()).unwrap();
-        let qp2 = accept.join().unwrap();
+        let qp2 = dpumesh_test_support::joined(accept);
         let a = End {
             link: Link::new(fabric, &pd, qp1).unwrap(),
             cq: cq1,

@@ -412,7 +412,10 @@ fn with_two_shards_a_request_and_its_answer_stay_on_the_shard_that_took_it() {
             })
         })
         .collect();
-    let mut ran: Vec<_> = shards.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut ran: Vec<_> = shards
+        .into_iter()
+        .map(dpumesh_test_support::joined)
+        .collect();
     pods_passed(&mut client, &mut server);
     // The client's requests took turns over the lanes: both shards carried some, and
     // every answer came back through the shard that carried its request.
@@ -564,7 +567,7 @@ fn a_pod_calling_itself_through_a_tiny_ring_gets_its_message_and_every_slot_back
     }
     assert_eq!(me.in_flight(), 0, "every TX slot came back");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    proxy.join().unwrap();
+    dpumesh_test_support::joined(proxy);
 }
 
 #[test]

@@ -577,7 +577,7 @@ fn cases_1_and_2_carry_requests_and_replies_across_nodes_over_the_fabric() {
     let accept =
         std::thread::spawn(move || listener.accept(Duration::from_secs(10)).unwrap().unwrap());
     let qp1 = fabric.connect(&pd1, peer, &cq1, QpCaps::default()).unwrap();
-    let qp2 = accept.join().unwrap();
+    let qp2 = dpumesh_test_support::joined(accept);
 
     let dir1 = Arc::new(Mutex::new(Directory::default()));
     let dir2 = Arc::new(Mutex::new(Directory::default()));
@@ -619,7 +619,7 @@ fn cases_1_and_2_carry_requests_and_replies_across_nodes_over_the_fabric() {
 
     stop.store(true, Ordering::Relaxed);
     for p in proxies {
-        p.join().unwrap();
+        dpumesh_test_support::joined(p);
     }
     let s1 = node1.stats();
     let s2 = node2.stats();

@@ -60,7 +60,7 @@ fn pair(
         sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let connected = client.connect(&mut sock).map(|(_, id)| id);
         drop(sock);
-        (accepted.join().unwrap(), connected)
+        (dpumesh_test_support::joined(accepted), connected)
     })
 }
 
@@ -265,7 +265,7 @@ fn a_session_carries_data_over_non_blocking_sockets() {
         let (conn, _) = ingress.connect(&mut csock).unwrap();
         let client = TlsSession::new(conn);
         csock.set_nonblocking(true).unwrap();
-        let (server, ssock) = t.join().unwrap();
+        let (server, ssock) = dpumesh_test_support::joined(t);
         ssock.set_nonblocking(true).unwrap();
         // 4 MiB one way: more than both socket buffers and the session's limit.
         let data: Vec<u8> = (0..4u32 << 20).map(|i| (i % 251) as u8).collect();

@@ -190,7 +190,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(ingress);
-    let reply = client.join().unwrap();
+    let reply = dpumesh_test_support::joined(client);
     assert!(reply.starts_with("HTTP/1.1 503"), "{reply}");
     assert!(reply.contains("shutting down"), "{reply}");
 }

@@ -111,18 +111,24 @@ fn main_yaml(version: usize) -> String {
 }
 
 /// Status and body of one request.
+/// One exchange: the status and the whole response; status 0 (and why) when any
+/// step failed, which the load counts as a failed request rather than panicking.
 fn http(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nhost: api.test\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).expect("read response");
+    let exchange = || -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(addr)?;
+        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nhost: api.test\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        )?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw)?;
+        Ok(raw)
+    };
+    let raw = match exchange() {
+        Ok(raw) => raw,
+        Err(e) => return (0, format!("no answer: {e}")),
+    };
     let status = raw
         .split(' ')
         .nth(1)
@@ -223,7 +229,10 @@ fn a_configmap_update_by_data_link_swap_takes_effect_with_no_failed_request() {
     );
 
     stop.store(true, Ordering::Relaxed);
-    let failures: Vec<String> = load.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let failures: Vec<String> = load
+        .into_iter()
+        .flat_map(dpumesh_test_support::joined)
+        .collect();
     assert!(failures.is_empty(), "failed requests: {failures:?}");
     assert!(served.load(Ordering::Relaxed) > 20, "the load kept flowing");
     assert!(

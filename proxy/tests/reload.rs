@@ -12,39 +12,42 @@ use std::time::{Duration, Instant};
 use dpumesh_proxy::{Options, Proxy};
 use dpumesh_test_artifacts as artifacts;
 
-/// A minimal HTTP/1.1 exchange: status, headers (lower-cased names), body.
-fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    host: &str,
-) -> (u16, Vec<(String, String)>, String) {
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).expect("read response");
-    let (head, body) = raw.split_once("\r\n\r\n").expect("a complete response");
+/// Status, headers (lower-cased names), body.
+type Reply = (u16, Vec<(String, String)>, String);
+
+/// A minimal HTTP/1.1 exchange.
+fn http(addr: SocketAddr, method: &str, path: &str, host: &str) -> Reply {
+    try_http(addr, method, path, host).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// [`http`], or why there was no complete response (load clients count that as a
+/// failed request rather than panicking).
+fn try_http(addr: SocketAddr, method: &str, path: &str, host: &str) -> Result<Reply, String> {
+    let exchange = || -> std::io::Result<String> {
+        let mut stream = TcpStream::connect(addr)?;
+        stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nhost: {host}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+        )?;
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw)?;
+        Ok(raw)
+    };
+    let raw = exchange().map_err(|e| format!("no answer: {e}"))?;
+    let (head, body) = raw
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| format!("an incomplete response: {raw:?}"))?;
     let mut lines = head.lines();
     let status = lines
         .next()
-        .unwrap()
-        .split(' ')
-        .nth(1)
-        .unwrap()
-        .parse()
-        .unwrap();
+        .and_then(|l| l.split(' ').nth(1)?.parse().ok())
+        .ok_or_else(|| format!("no status line: {raw:?}"))?;
     let headers = lines
         .filter_map(|l| l.split_once(": "))
         .map(|(n, v)| (n.to_ascii_lowercase(), v.to_owned()))
         .collect();
-    (status, headers, body.to_owned())
+    Ok((status, headers, body.to_owned()))
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -138,9 +141,10 @@ fn ten_reloads_under_load_fail_no_request_and_switch_behaviour() {
             std::thread::spawn(move || {
                 let mut failures = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
-                    let (status, _, body) = http(addr, "GET", "/items", "api.test");
-                    if status != 200 {
-                        failures.push(format!("{status}: {body}"));
+                    match try_http(addr, "GET", "/items", "api.test") {
+                        Ok((200, _, _)) => {}
+                        Ok((status, _, body)) => failures.push(format!("{status}: {body}")),
+                        Err(e) => failures.push(e),
                     }
                     served.fetch_add(1, Ordering::Relaxed);
                 }
@@ -184,7 +188,10 @@ fn ten_reloads_under_load_fail_no_request_and_switch_behaviour() {
         std::thread::sleep(Duration::from_millis(20));
     }
     stop.store(true, Ordering::Relaxed);
-    let failures: Vec<String> = load.into_iter().flat_map(|t| t.join().unwrap()).collect();
+    let failures: Vec<String> = load
+        .into_iter()
+        .flat_map(dpumesh_test_support::joined)
+        .collect();
     assert!(failures.is_empty(), "failed requests: {failures:?}");
     assert!(served.load(Ordering::Relaxed) > 20, "the load kept flowing");
 }
@@ -292,16 +299,22 @@ fn faulty_filters_under_load_leave_other_chains_serving() {
             std::thread::spawn(move || {
                 let mut statuses = Vec::new();
                 for _ in 0..15 {
-                    let path = "/bad";
-                    let mut stream = TcpStream::connect(addr).unwrap();
-                    write!(
-                        stream,
-                        "GET {path} HTTP/1.1\r\nhost: api.test\r\n{header}: 1\r\nconnection: close\r\n\r\n"
-                    )
-                    .unwrap();
-                    let mut raw = String::new();
-                    stream.read_to_string(&mut raw).unwrap();
-                    statuses.push(raw.split(' ').nth(1).unwrap().to_owned());
+                    // Any failed step is a request not answered, which the
+                    // assertion below counts (it is never a panic here).
+                    let exchange = || -> std::io::Result<String> {
+                        let mut stream = TcpStream::connect(addr)?;
+                        write!(
+                            stream,
+                            "GET /bad HTTP/1.1\r\nhost: api.test\r\n{header}: 1\r\nconnection: close\r\n\r\n"
+                        )?;
+                        let mut raw = String::new();
+                        stream.read_to_string(&mut raw)?;
+                        Ok(raw)
+                    };
+                    statuses.push(match exchange() {
+                        Ok(raw) => raw.split(' ').nth(1).unwrap_or("no status").to_owned(),
+                        Err(e) => format!("no answer: {e}"),
+                    });
                 }
                 statuses
             })
@@ -312,7 +325,7 @@ fn faulty_filters_under_load_leave_other_chains_serving() {
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("[\"x-version\",\"7\"]"), "{body}");
     }
-    for statuses in bad.into_iter().map(|t| t.join().unwrap()) {
+    for statuses in bad.into_iter().map(dpumesh_test_support::joined) {
         // Fail-closed: every faulting request is denied (500), or 503 once the filter
         // is degraded; never served.
         assert!(

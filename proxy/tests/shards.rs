@@ -155,7 +155,7 @@ fn two_shards_each_run_their_requests_to_completion() {
     }
     let (status, _) = get(ingress.addr(), "echo", "/stop");
     assert_eq!(status, 200);
-    let echoed = echo.join().unwrap();
+    let echoed = dpumesh_test_support::joined(echo);
     assert_eq!(echoed.len(), answered.len() + 7);
     assert_eq!(echoed[..answered.len()], answered[..]);
 }

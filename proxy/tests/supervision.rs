@@ -65,7 +65,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     let held = std::thread::spawn(move || get(client, "slow", "/held"));
     let _unanswered = next_request(&mut pod);
     node.dataplane().inject_panic();
-    let (status, body) = held.join().unwrap();
+    let (status, body) = dpumesh_test_support::joined(held);
     assert_eq!(
         status, 502,
         "answered when the link went, not at the 60 s timeout: {body}"
@@ -81,7 +81,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     .unwrap();
     pod.send(&HostPort::reply(&request, 200, &head, b"served"))
         .unwrap();
-    let (status, body) = answered.join().unwrap();
+    let (status, body) = dpumesh_test_support::joined(answered);
     assert_eq!((status, body.as_str()), (200, "served"));
     let reactor = node
         .dataplane()

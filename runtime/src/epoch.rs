@@ -153,6 +153,6 @@ mod tests {
         }
         wait_for("the second park", || epoch.parks() == 2);
         epoch.stop();
-        handle.join().unwrap();
+        dpumesh_test_support::joined(handle);
     }
 }

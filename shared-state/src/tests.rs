@@ -165,7 +165,7 @@ fn counters_are_exact_across_threads() {
         })
         .collect();
     for t in threads {
-        t.join().unwrap();
+        dpumesh_test_support::joined(t);
     }
     assert_eq!(state.namespace("shared").get("hits"), Ok(Some(80_000)));
 }
@@ -188,7 +188,7 @@ fn bucket_admits_exactly_capacity_across_threads() {
             })
         })
         .collect();
-    let admitted: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    let admitted: usize = threads.into_iter().map(dpumesh_test_support::joined).sum();
     assert_eq!(admitted, 5_000);
 }
 

@@ -281,7 +281,7 @@ mod tests {
         assert!(health.last_panic().unwrap().contains("told to panic"));
         assert_eq!(supervisor.ready(), Ok(()));
         drop(cmds);
-        handle.join().unwrap();
+        dpumesh_test_support::joined(handle);
         assert!(
             !health.running() && !health.dead(),
             "a loop that returns stopped"
@@ -305,7 +305,7 @@ mod tests {
             cmds.send(true).unwrap();
             assert_eq!(out.recv().unwrap(), "recovered");
         }
-        handle.join().unwrap();
+        dpumesh_test_support::joined(handle);
         let health = &supervisor.threads()[0];
         assert!(health.dead());
         let why = supervisor.ready().unwrap_err();

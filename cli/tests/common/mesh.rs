@@ -295,6 +295,16 @@ pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str
 /// longest any request took.
 pub type ClientResult = (usize, Vec<(Instant, u16)>, Duration);
 
+/// One GET of a load client: the status, 0 when any step of the exchange failed
+/// (connect, write or read). Tests kill processes under load: a reset between connect
+/// and write is what they provoke, so it is a failed request, never a panic.
+fn load_request(addr: SocketAddr, request: &[u8]) -> Result<Reply, std::io::Error> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(request)?;
+    read_response(&mut s).ok_or_else(|| std::io::ErrorKind::UnexpectedEof.into())
+}
+
 /// Runs `threads` clients doing GET `path` until `stop`; each returns its count of
 /// successes and its failures (when, status; 0 for no response), and counts its
 /// successes in `served` as they happen.
@@ -306,39 +316,47 @@ pub fn load(
     stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
     served: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) -> Vec<std::thread::JoinHandle<ClientResult>> {
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n"
+    );
     (0..threads)
-        .map(|_| {
-            let (addr, path, token, stop, served) = (mesh.ingress, path.to_owned(), token.to_owned(), stop.clone(), served.clone());
-            std::thread::spawn(move || {
-                let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let began = Instant::now();
-                    let Ok(mut s) = TcpStream::connect(addr) else {
-                        // The ingress is down (a test killed it): not a busy loop.
-                        failed.push((Instant::now(), 0));
-                        std::thread::sleep(Duration::from_millis(10));
-                        continue;
-                    };
-                    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-                    let req = format!("GET {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n");
-                    s.write_all(req.as_bytes()).unwrap();
-                    match read_response(&mut s) {
-                        Some((200, _, _)) => {
-                            ok += 1;
-                            served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        Some((status, _, body)) => {
-                            if failed.len() < 3 {
-                                eprintln!("failed with {status}: {}", String::from_utf8_lossy(&body));
+        .map(|i| {
+            let (addr, request, stop, served) =
+                (mesh.ingress, request.clone(), stop.clone(), served.clone());
+            std::thread::Builder::new()
+                .name(format!("load client {i}"))
+                .spawn(move || {
+                    let (mut ok, mut failed, mut slowest) = (0, Vec::new(), Duration::ZERO);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let began = Instant::now();
+                        match load_request(addr, request.as_bytes()) {
+                            Ok((200, _, _)) => {
+                                ok += 1;
+                                served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             }
-                            failed.push((Instant::now(), status))
+                            Ok((status, _, body)) => {
+                                if failed.len() < 3 {
+                                    eprintln!(
+                                        "failed with {status}: {}",
+                                        String::from_utf8_lossy(&body)
+                                    );
+                                }
+                                failed.push((Instant::now(), status));
+                            }
+                            Err(e) => {
+                                failed.push((Instant::now(), 0));
+                                // The ingress is down (a test killed it): not a busy
+                                // loop while it is started again.
+                                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                                    std::thread::sleep(Duration::from_millis(10));
+                                }
+                            }
                         }
-                        None => failed.push((Instant::now(), 0)),
+                        slowest = slowest.max(began.elapsed());
                     }
-                    slowest = slowest.max(began.elapsed());
-                }
-                (ok, failed, slowest)
-            })
+                    (ok, failed, slowest)
+                })
+                .expect("a thread for a load client")
         })
         .collect()
 }
@@ -365,23 +383,36 @@ pub fn admin_delete(admin: SocketAddr, path: &str) -> (u16, String) {
 }
 
 fn admin_call(admin: SocketAddr, method: &str, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(admin).unwrap();
-    s.write_all(
-        format!("{method} {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
-    )
-    .unwrap();
-    let (status, _, body) = read_response(&mut s).unwrap();
-    (status, String::from_utf8_lossy(&body).into_owned())
+    try_admin_call(admin, method, path)
+        .unwrap_or_else(|e| panic!("{method} {path} on the admin API {admin}: {e}"))
 }
 
-/// The value of metric `name` (with its labels, as written) on a node's admin API.
+/// One call to an admin API, or the I/O error that stopped it (a node being started
+/// again is not listening yet: waits on its state treat that as "not yet").
+pub fn try_admin_call(
+    admin: SocketAddr,
+    method: &str,
+    path: &str,
+) -> Result<(u16, String), std::io::Error> {
+    let mut s = TcpStream::connect(admin)?;
+    // A stopped process would hold the test forever.
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(
+        format!("{method} {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
+    )?;
+    let (status, _, body) =
+        read_response(&mut s).ok_or(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// The value of metric `name` (with its labels, as written) on a node's admin API;
+/// NaN when it is not there or the API does not answer (NaN equals nothing, so a
+/// wait on a value goes on).
 pub fn metric(admin: SocketAddr, name: &str) -> f64 {
-    let mut s = TcpStream::connect(admin).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let (_, _, body) = read_response(&mut s).unwrap();
-    String::from_utf8_lossy(&body)
-        .lines()
+    let Ok((_, body)) = try_admin_call(admin, "GET", "/metrics") else {
+        return f64::NAN;
+    };
+    body.lines()
         .find(|l| l.starts_with(name))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or(f64::NAN)
@@ -389,12 +420,9 @@ pub fn metric(admin: SocketAddr, name: &str) -> f64 {
 
 /// The generation a node's admin API says it runs.
 pub fn generation(admin: SocketAddr) -> u64 {
-    let mut s = TcpStream::connect(admin).unwrap();
-    s.write_all(b"GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n")
-        .unwrap();
-    let (status, _, body) = read_response(&mut s).unwrap();
-    assert_eq!(status, 200);
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let (status, body) = admin_get(admin, "/filters");
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     v["generation"].as_u64().unwrap_or(0)
 }
 
@@ -429,9 +457,12 @@ pub fn regions_of(pid: u32) -> Vec<String> {
         .collect()
 }
 
-/// The sum of every sample of metric `name` (all label sets) on an admin API.
+/// The sum of every sample of metric `name` (all label sets) on an admin API; NaN
+/// when the API does not answer.
 pub fn metric_sum(admin: SocketAddr, name: &str) -> f64 {
-    let (_, text) = admin_get(admin, "/metrics");
+    let Ok((_, text)) = try_admin_call(admin, "GET", "/metrics") else {
+        return f64::NAN;
+    };
     text.lines()
         .filter(|l| {
             l.strip_prefix(name)

@@ -152,14 +152,16 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 }
 
 /// The DOM of `url` after its scripts ran (headless Chromium, `budget` of virtual
-/// time); `None`, said on stderr, where Chromium is not installed.
+/// time); `None` where Chromium is not installed (a failure in CI, see
+/// [`dpumesh_test_support::cannot_run`]).
 pub fn browser_dom(url: &str, budget_ms: u32) -> Option<String> {
     let chromium = ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists());
     let Some(chromium) = chromium else {
-        eprintln!(
-            "SKIPPED the browser part: no Chromium (scripts/install-toolchain.sh installs Debian's)"
+        dpumesh_test_support::cannot_run(
+            "Chromium for the browser part (/usr/bin/chromium, Debian's package)",
+            &"not installed",
         );
         return None;
     };

@@ -251,7 +251,7 @@ fn a_peer_of_another_version_is_told_so_on_both_sides() {
         )),
         "{err}"
     );
-    fake.join().unwrap();
+    dpumesh_test_support::joined(fake);
 }
 
 #[test]

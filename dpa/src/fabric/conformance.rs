@@ -49,7 +49,7 @@ pub(crate) fn pair_with<F: Fabric + Default>(access: Access) -> (Side<F>, Side<F
     let qp_a = fabric
         .connect(&pd_a, addr, &cq_a, QpCaps::default())
         .unwrap();
-    let qp_b = accept.join().unwrap();
+    let qp_b = dpumesh_test_support::joined(accept);
     (
         Side {
             pd: pd_a,
@@ -501,7 +501,7 @@ pub(crate) fn one_poller_serves_many_queue_pairs<F: Fabric + Default>() {
         );
     }
     for c in clients {
-        c.join().unwrap();
+        dpumesh_test_support::joined(c);
     }
 }
 
@@ -527,7 +527,7 @@ pub(crate) fn an_interrupt_ends_a_wait_early_and_one_before_the_wait_is_not_lost
     };
     std::thread::sleep(Duration::from_millis(50));
     interrupter.interrupt();
-    let (got, took) = waiter.join().unwrap();
+    let (got, took) = dpumesh_test_support::joined(waiter);
     assert!(!got, "no completion came");
     assert!(
         took < Duration::from_secs(20),

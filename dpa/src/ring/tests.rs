@@ -108,7 +108,10 @@ fn event_mode_sleeps_and_is_woken_by_the_producer() {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    assert_eq!(consumer.join().unwrap(), (0..200).collect::<Vec<_>>());
+    assert_eq!(
+        dpumesh_test_support::joined(consumer),
+        (0..200).collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -152,7 +155,10 @@ fn one_sleeper_is_woken_by_any_of_its_lanes() {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
-    assert_eq!(consumer.join().unwrap(), (0..100).collect::<Vec<_>>());
+    assert_eq!(
+        dpumesh_test_support::joined(consumer),
+        (0..100).collect::<Vec<_>>()
+    );
 }
 
 #[test]

@@ -97,7 +97,7 @@ fn many_threads_keep_many_calls_in_flight_on_one_connection_and_many_connections
         })
         .collect();
     for t in threads {
-        t.join().unwrap();
+        dpumesh_test_support::joined(t);
     }
     assert_eq!(server.stats().calls.load(Ordering::Relaxed), 12 * 60);
     assert_eq!(server.stats().connections.load(Ordering::Relaxed), 3);

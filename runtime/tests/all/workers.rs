@@ -30,7 +30,7 @@ fn shared_state_counters_are_consistent_across_workers() {
         })
         .collect();
     for client in clients {
-        client.join().unwrap();
+        dpumesh_test_support::joined(client);
     }
     let hits = rt.shared_state().namespace("test").get("hits").unwrap();
     assert_eq!(hits, Some(2000));
@@ -130,7 +130,7 @@ fn a_node_wide_rate_limit_is_exact_under_16_workers() {
         barrier.wait(); // round done: 320 offered against 100 tokens
         clock.advance_ms(1000);
     }
-    let admitted: usize = clients.into_iter().map(|c| c.join().unwrap()).sum();
+    let admitted: usize = clients.into_iter().map(dpumesh_test_support::joined).sum();
     // 100 per one-second interval, node-wide, however the 16 workers interleave.
     assert_eq!(admitted, ROUNDS * 100);
 }
