@@ -268,7 +268,7 @@ def test_each_dpf_manifest_validates_against_its_crd(kind, tmp_path):
 @pytest.mark.parametrize(
     "kind, breaks, message",
     [
-        ("DPUDeployment", lambda m: m["spec"].pop("serviceChains"), "serviceChains"),
+        ("DPUDeployment", lambda m: m["spec"]["serviceChains"].pop("switches"), "switches"),
         ("DPUDeployment", lambda m: m["spec"]["services"]["dpumesh-node"].update(serviceTemplat="x"), "serviceTemplat"),
         ("DPUServiceTemplate", lambda m: m["spec"]["helmChart"]["source"].update(repoURL="ftp://x"), "repoURL"),
         ("DPUServiceConfiguration", lambda m: m["spec"].update(interfaces=[]), "interfaces"),
@@ -300,8 +300,8 @@ def test_the_dpf_objects_refer_to_each_other_and_to_the_chart():
     # switch names a service or a service interface, not both; a service's
     # interface is one the configuration declares.
     interfaces = {i["name"] for i in config["spec"]["interfaces"]}
-    for chain in deployment["spec"]["serviceChains"]:
-        for port in chain["ports"]:
+    for switch in deployment["spec"]["serviceChains"]["switches"]:
+        for port in switch["ports"]:
             assert ("service" in port) != ("serviceInterface" in port), port
             if "service" in port:
                 assert port["service"]["name"] == name
