@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
-SECRET="dpumesh-demo-hs256-secret-0123456789"
+SECRET="$(bench/demo-key.sh)"
 command -v wrk >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null
 
 echo "==> building dpumesh and the hotel sample (release)"

@@ -15,7 +15,7 @@ KILLS="${KILLS:-5}"
 # Time between kills: longer than `dpumesh up`'s 10 s "ran long enough" so each kill
 # is a first death (restarted after 0.1 s), not a crash loop backing off.
 SETTLE="${SETTLE:-11}"
-SECRET="dpumesh-demo-hs256-secret-0123456789"
+SECRET="$(bench/demo-key.sh)"
 
 command -v wrk >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null
 

@@ -28,7 +28,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
 WARMUP="${WARMUP:-3}"
-SECRET="dpumesh-demo-hs256-secret-0123456789"
+SECRET="$(bench/demo-key.sh)"
 
 missing=""
 for tool in wrk nginx haproxy h2load; do

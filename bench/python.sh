@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
-SECRET="dpumesh-demo-hs256-secret-0123456789"
+SECRET="$(bench/demo-key.sh)"
 
 for tool in wrk nginx; do
     command -v "$tool" >/dev/null 2>&1 || [ -x "/usr/sbin/$tool" ] \

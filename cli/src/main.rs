@@ -192,6 +192,10 @@ enum Command {
         /// the workloads' namespace, `identity.namespace`).
         #[arg(long, default_value = secrets::SYSTEM_NAMESPACE, requires = "secrets")]
         system_namespace: String,
+        /// Print the nodes' admin token (the bearer token of `POST /reload`,
+        /// `DELETE /store`, `DELETE /cache`), derived from the mesh's registration key.
+        #[arg(long)]
+        admin_token: bool,
     },
     /// Filter development: the conformance kit.
     Filter {
@@ -292,6 +296,7 @@ const DEMO_CONFIG: &str = r#"{"rules": [
 ], "default": "allow"}"#;
 
 fn main() -> Result<ExitCode> {
+    dpumesh_supervise::parent::die_with_parent();
     let cli = Cli::try_parse().unwrap_or_else(|e| {
         let _ = e.print();
         if let Some(var) = from_environment(&e) {
@@ -395,8 +400,15 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             rotate,
             secrets,
             system_namespace,
-        } => roles::certs(&config, rotate, secrets.as_deref(), &system_namespace)
-            .map(|()| ExitCode::SUCCESS),
+            admin_token,
+        } => roles::certs(
+            &config,
+            rotate,
+            secrets.as_deref(),
+            &system_namespace,
+            admin_token,
+        )
+        .map(|()| ExitCode::SUCCESS),
     }
 }
 

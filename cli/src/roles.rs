@@ -221,6 +221,7 @@ pub fn certs(
     rotate: bool,
     secrets: Option<&Path>,
     system_namespace: &str,
+    admin_token: bool,
 ) -> Result<()> {
     let mesh = MeshFile::read(file)?;
     if mesh.config.identity.mtls == dpumesh_config::Mtls::Off {
@@ -229,21 +230,34 @@ pub fn certs(
             file.display()
         );
     }
+    // With --admin-token, stdout holds the token alone (`$(dpumesh certs ...)`).
+    let tell = |text: String| {
+        if admin_token {
+            say_err!("{text}");
+        } else {
+            say!("{text}");
+        }
+    };
     for id in dpumesh_proxy::trust::issue(&mesh, rotate)? {
-        say!("issued {id}");
+        tell(format!("issued {id}"));
     }
-    say!(
+    tell(format!(
         "certificates in {}",
         dpumesh_proxy::trust::certs_dir(&mesh).display()
-    );
+    ));
     if let Some(out) = secrets {
         let written = crate::secrets::write(&mesh, out, system_namespace)?;
-        say!(
+        tell(format!(
             "{} Kubernetes Secrets in {} (kubectl apply -k {})",
             written.len() - 1,
             out.display(),
             out.display()
-        );
+        ));
+    }
+    if admin_token {
+        let key = dpumesh_proxy::trust::registration_key(&mesh)?
+            .context("the mesh has no registration key")?;
+        say!("{}", dpumesh_identity::admin::admin_token(&key));
     }
     Ok(())
 }
@@ -293,6 +307,7 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         max_headers: i.max_headers(),
         request_timeout: i.request_timeout(),
         slots: i.slots(),
+        slots_per_client: i.slots_per_client(),
         threads: i.threads,
         policy: mesh.config.policy.clone(),
         services: mesh.service_addrs(),

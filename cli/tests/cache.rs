@@ -149,7 +149,11 @@ fn the_node_answers_cacheable_responses_without_the_service() {
     assert!(metric_sum(node1, "dpumesh_cache_hits_total") >= 20.0);
 
     // Purge by prefix through the admin API: the next request is a miss.
-    let (status, removed) = admin_delete(node1, "/cache?prefix=hotel/catalog%3Fmode%3Dfresh");
+    let (status, removed) = admin_delete(
+        node1,
+        "/cache?prefix=hotel/catalog%3Fmode%3Dfresh",
+        &mesh.admin_token(),
+    );
     assert_eq!((status, removed.as_str()), (200, "{\"removed\":1}"));
     let before = served(&mesh, &alice);
     let (_, headers, _) = get(&mesh, "/catalog?mode=fresh", &alice, "");
@@ -157,7 +161,11 @@ fn the_node_answers_cacheable_responses_without_the_service() {
     assert_eq!(served(&mesh, &alice), before + 1);
     // And by key.
     until_cached(&mesh, "/catalog?mode=fresh", &alice, "");
-    let (status, removed) = admin_delete(node1, "/cache?key=hotel/catalog%3Fmode%3Dfresh");
+    let (status, removed) = admin_delete(
+        node1,
+        "/cache?key=hotel/catalog%3Fmode%3Dfresh",
+        &mesh.admin_token(),
+    );
     assert_eq!((status, removed.as_str()), (200, "{\"removed\":1}"));
     let (_, headers, _) = get(&mesh, "/catalog?mode=fresh", &alice, "");
     assert!(!hit(&headers));

@@ -21,6 +21,9 @@ fn a_node_runs_from_its_environment_and_logs_json_lines_off_a_terminal() {
     // The certificates where the node's Secret is mounted, not where the file says.
     let secret = dir.path().join("secret");
     std::fs::rename(dir.path().join(".dpumesh/certs"), &secret).unwrap();
+    // The policy's key set reads its key where the policy says (the node's certificates
+    // alone moved).
+    common::write_demo_key(dir.path());
     let (fabric, admin) = (free_port(), free_port());
     let mut node = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
         .arg("node")

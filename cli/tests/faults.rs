@@ -50,9 +50,15 @@ fn stop_the_reservation_pod(mesh: &Mesh) -> u32 {
     pod
 }
 
+/// The sample with its reservation service exposed as a virtual host (the tests drive
+/// it directly).
+fn reservation_exposed(policy: String) -> String {
+    common::expose(policy, "reservation")
+}
+
 #[test]
 fn a_pod_that_stops_reading_gets_503_with_retry_after_and_the_rest_serves_on() {
-    let mesh = Mesh::up();
+    let mesh = Mesh::up_edited(|m| m, reservation_exposed);
     let alice = token("alice", &["user"]);
     let up = mesh.child.id().to_string();
     let client = mesh.client();
@@ -173,8 +179,10 @@ fn echo(client: &Client, body: &[u8]) -> Option<Reply> {
 #[test]
 fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
     // The TCP fabric (with its mutual TLS): the link is a connection that breaks.
-    let mesh =
-        Mesh::up_with(|m| m.replace("policy: policy.yaml", "policy: policy.yaml\ntransport: tcp"));
+    let mesh = Mesh::up_edited(
+        |m| m.replace("policy: policy.yaml", "policy: policy.yaml\ntransport: tcp"),
+        reservation_exposed,
+    );
     let up = mesh.child.id().to_string();
     let client = mesh.client();
     let body: Arc<Vec<u8>> = Arc::new(
@@ -279,13 +287,18 @@ fn a_link_dropped_mid_body_never_yields_a_truncated_200() {
 
 #[test]
 fn an_exhausted_ingress_pool_refuses_with_retry_after_and_loses_no_slot() {
-    // One slot in the whole ingress: a leaked slot would stop it for good.
-    let mesh = Mesh::up_with(|m| {
-        m.replace(
-            "  request_timeout: 5s",
-            "  request_timeout: 2s\n  slots: 1\n  threads: 1",
-        )
-    });
+    // One slot in the whole ingress: a leaked slot would stop it for good. (Every
+    // asker is this test's one address: its share is the whole ingress, so the askers
+    // meet the pool's limit, not the per-client one.)
+    let mesh = Mesh::up_edited(
+        |m| {
+            m.replace(
+                "  request_timeout: 5s",
+                "  request_timeout: 2s\n  slots: 1\n  slots_per_client: 8\n  threads: 1",
+            )
+        },
+        reservation_exposed,
+    );
     let client = mesh.client();
     let pod = stop_the_reservation_pod(&mesh);
     let ask_all = |n: usize| -> Vec<(Option<Reply>, Duration)> {
@@ -348,7 +361,7 @@ fn logs_to_a_full_disk_lose_no_request() {
     // `/dev/full` fails every write with ENOSPC: what a full log partition does to a
     // process whose output is redirected to a file there.
     let dir = tempfile::tempdir().unwrap();
-    let (file, ingress) = mesh_files(dir.path(), |m| m);
+    let (file, ingress) = mesh_files_with(dir.path(), |m| m, reservation_exposed);
     let full = || {
         std::fs::OpenOptions::new()
             .write(true)

@@ -167,12 +167,15 @@ fn killed_nodes_and_ingress_are_started_again_and_the_mesh_serves_again() {
 fn a_node_that_cannot_start_is_given_up_on_while_the_rest_serves() {
     // node2's admin API wants an address this machine does not have: it dies at every
     // start.
-    let mesh = Mesh::up_with(|m| {
-        let at = m.find("node2: {fabric:").unwrap();
-        let admin = at + m[at..].find("admin: ").unwrap() + "admin: ".len();
-        let end = admin + m[admin..].find('}').unwrap();
-        format!("{}192.0.2.1:9{}", &m[..admin], &m[end..])
-    });
+    let mesh = Mesh::up_edited(
+        |m| {
+            let at = m.find("node2: {fabric:").unwrap();
+            let admin = at + m[at..].find("admin: ").unwrap() + "admin: ".len();
+            let end = admin + m[admin..].find('}').unwrap();
+            format!("{}192.0.2.1:9{}", &m[..admin], &m[end..])
+        },
+        |p| common::expose(p, "reservation"),
+    );
     wait("up gives node2 up", Duration::from_secs(60), &|| {
         mesh.log
             .lock()
@@ -195,8 +198,8 @@ fn a_node_that_cannot_start_is_given_up_on_while_the_rest_serves() {
     let (status, _, _) = mesh.get("/hotels?user=3", Some(&alice));
     assert!(matches!(status, 502 | 503), "{status}");
     assert!(began.elapsed() < REQUEST_TIMEOUT, "refused, not timed out");
-    // A request the ingress sends to node2 itself (by its service's host) finds it
-    // down: the ingress's /readyz says which node and why, and /nodes lists it.
+    // A request the ingress sends to node2 itself (reservation's virtual host) finds
+    // it down: the ingress's /readyz says which node and why, and /nodes lists it.
     let admin = mesh
         .ingress_admin
         .expect("the sample's ingress has an admin API");

@@ -54,7 +54,10 @@ fn forged<F: Fabric>(fabric: F, node: SocketAddr) -> Result<u16, String> {
     head.source.identity = Some(format!("spiffe://{TD}/ns/default/sa/user"));
     link.send(Message::Request(Request {
         xid: 1,
-        flags: RequestFlags { policed: true },
+        flags: RequestFlags {
+            policed: true,
+            ..RequestFlags::default()
+        },
         deadline_ms: 5000,
         body: None,
         reply: RemoteBuf {
@@ -237,9 +240,11 @@ fn only_the_frontend(policy: String) -> String {
     let filter = format!(
         "  only-frontend:\n    deadline: 100ms\n    component: {component}\n    config:\n      action: ALLOW\n      policies:\n        - {{name: frontend, permissions: [{{any: true}}], principals: [{{identity: {{exact: \"spiffe://{TD}/ns/default/sa/frontend\"}}}}]}}\n"
     );
-    policy
+    let policy = policy
         .replace("\nchains:\n", &format!("{filter}\nchains:\n"))
-        .replace("  internal: [trace]", "  internal: [trace, only-frontend]")
+        .replace("  internal: [trace]", "  internal: [trace, only-frontend]");
+    // Reachable from outside too (a virtual host), to show RBAC refuse it there.
+    common::expose(policy, "reservation")
 }
 
 #[test]

@@ -180,7 +180,11 @@ fn operators_put_get_list_and_remove_objects_on_a_node() {
     assert_eq!(stats["objects"], 2, "{body}");
     assert_eq!(stats["free_slots"], 8, "{body}");
     assert_eq!(
-        admin_delete(node.admin, "/store?prefix=objects%2F"),
+        admin_delete(
+            node.admin,
+            "/store?prefix=objects%2F",
+            &admin_token_of(dir.path())
+        ),
         (200, "{\"removed\":1}".to_owned())
     );
     assert_eq!(ok(&store(&node, &["ls"], b"")).lines().count(), 1);

@@ -14,6 +14,7 @@
 //!   max_headers: 100               # more header fields: 431
 //!   request_timeout: 30s           # no answer in time: 504
 //!   slots: 128                     # requests in flight
+//!   slots_per_client: 32           # of them, one client address's (429 past it)
 //!   threads: 2                     # shards (default: the machine's cores)
 //!   path: {normalize: true, merge_slashes: true, escaped_slashes: reject}  # the defaults
 //! nodes:
@@ -55,6 +56,10 @@ pub struct IngressConfig {
     pub request_timeout: Option<Span>,
     /// Requests in flight at once (default 128).
     pub slots: Option<u32>,
+    /// Of those, how many one client address may hold at once (default a quarter of
+    /// `slots`, at least 8): a client's slow uploads cannot hold every slot; past its
+    /// share it gets 429.
+    pub slots_per_client: Option<u32>,
     /// Threads, each with its own listener, connections and links to every node
     /// (default: the machine's cores).
     pub threads: Option<usize>,
@@ -67,44 +72,7 @@ pub struct IngressConfig {
     pub path: PathConfig,
 }
 
-/// What the ingress does with `%2F`, `%5C` (and their lower-case forms) in a path:
-/// an encoded slash is one segment to a proxy and two to a backend that decodes it, so
-/// a policy on `/admin/x` could be bypassed by `/admin%2Fx`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum EscapedSlashes {
-    /// 400 (Envoy's `REJECT_REQUEST`).
-    #[default]
-    Reject,
-    /// Left as they are (`KEEP_UNCHANGED`): for backends that never decode them.
-    Keep,
-    /// Decoded to `/` (and `\` to `/`) before the other steps (`UNESCAPE_AND_FORWARD`).
-    Unescape,
-}
-
-/// The `ingress.path` section (Envoy's `normalize_path`, `merge_slashes` and
-/// `path_with_escaped_slashes_action`, all on by default here).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct PathConfig {
-    /// RFC 3986 §6: decode percent-encoded unreserved characters, upper-case the
-    /// other escapes, remove `.` and `..` segments.
-    pub normalize: bool,
-    /// `//` becomes `/`.
-    pub merge_slashes: bool,
-    /// See [`EscapedSlashes`].
-    pub escaped_slashes: EscapedSlashes,
-}
-
-impl Default for PathConfig {
-    fn default() -> Self {
-        Self {
-            normalize: true,
-            merge_slashes: true,
-            escaped_slashes: EscapedSlashes::Reject,
-        }
-    }
-}
+pub use dpumesh_head::path::{Backslashes, DoubleEscapes, EscapedSlashes, PathConfig, Semicolons};
 
 impl IngressConfig {
     pub fn max_head(&self) -> usize {
@@ -125,6 +93,11 @@ impl IngressConfig {
     pub fn request_timeout(&self) -> Duration {
         self.request_timeout
             .map_or(Duration::from_secs(30), |s| s.0)
+    }
+    pub fn slots_per_client(&self) -> u32 {
+        self.slots_per_client
+            .unwrap_or((self.slots() / 4).max(8))
+            .max(1)
     }
     pub fn slots(&self) -> u32 {
         self.slots.unwrap_or(128)

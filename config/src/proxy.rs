@@ -3,6 +3,7 @@
 //!
 //! ```yaml
 //! admin: 127.0.0.1:9901          # admin API (/healthz, /metrics, /filters, /reload)
+//! admin_token_file: admin.token  # bearer token of its mutations (POST /reload, ...)
 //! listener: 127.0.0.1:8080       # loopback HTTP listener answering the verdict
 //! workers: 4
 //! log: {level: info, format: text}
@@ -224,6 +225,12 @@ fn root() -> String {
 pub struct ProxyConfig {
     /// Admin API address.
     pub admin: Option<SocketAddr>,
+    /// A file holding the admin API's token (relative to this file): its mutations
+    /// (`POST /reload`, `DELETE /store`, `DELETE /cache`) need it as a bearer token.
+    /// Without one there are no mutations over the admin API (the file is watched:
+    /// saving it reloads). A node of a mesh with identities uses the mesh's admin
+    /// token instead (`dpumesh certs --admin-token`).
+    pub admin_token_file: Option<PathBuf>,
     /// Loopback test listener address.
     pub listener: Option<SocketAddr>,
     /// Worker threads (default: available cores).

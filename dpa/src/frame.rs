@@ -43,6 +43,11 @@ pub struct RequestFlags {
     /// The sending proxy already ran the route's filter chain (a pod's egress call
     /// crossing to another node): the receiver routes without running it again.
     pub policed: bool,
+    /// A call made inside the mesh by a node (a filter's HTTP call to a mesh
+    /// service), naming its service as the host: it meets that service's own chain.
+    /// Without it, a request from a link is one from outside, which only routes let
+    /// in. Believed from nodes only.
+    pub call: bool,
 }
 
 /// A request for a service on the receiver's node.
@@ -156,7 +161,7 @@ impl Frame {
         match &self.message {
             Message::Request(r) => {
                 out.extend_from_slice(&r.xid.to_le_bytes());
-                out.push(u8::from(r.flags.policed));
+                out.push(u8::from(r.flags.policed) | u8::from(r.flags.call) << 1);
                 out.extend_from_slice(&r.deadline_ms.to_le_bytes());
                 match &r.body {
                     None => out.push(0),
@@ -211,8 +216,10 @@ impl Frame {
             REQUEST => {
                 let xid = r.u32("xid")?;
                 let flags = match r.u8("flags")? {
-                    0 => RequestFlags { policed: false },
-                    1 => RequestFlags { policed: true },
+                    bits @ 0..=3 => RequestFlags {
+                        policed: bits & 1 != 0,
+                        call: bits & 2 != 0,
+                    },
                     tag => return Err(FrameError::Tag { what: "flags", tag }),
                 };
                 let deadline_ms = r.u32("deadline")?;
@@ -330,7 +337,10 @@ mod tests {
                 credits: 3,
                 message: Message::Request(Request {
                     xid: 9,
-                    flags: RequestFlags { policed: true },
+                    flags: RequestFlags {
+                        policed: true,
+                        call: false,
+                    },
                     deadline_ms: 1500,
                     body: Some(buf(0x1000, 8 << 20)),
                     reply: buf(0x9000, 1 << 20),

@@ -70,6 +70,12 @@ pub enum ErrorKind {
     BodyTooLarge,
     /// The request body did not arrive in time.
     BodyTimeout,
+    /// The client has its share of the proxy's request slots in flight already.
+    ClientLimit,
+    /// A method the mesh does not serve (`CONNECT`: nothing is tunnelled). The
+    /// connection is closed after the answer: a client that went on to send tunnel
+    /// bytes would have them read as requests.
+    UnsupportedMethod,
     /// The client's side of the mesh failed while the request was under way (its link
     /// went, its memory could not be read or written).
     DownstreamLost,
@@ -110,9 +116,11 @@ impl ErrorKind {
             Self::MalformedRequest | Self::AmbiguousFraming => 400,
             Self::NoRoute => 404,
             Self::BodyTimeout => 408,
+            Self::ClientLimit => 429,
             Self::BodyTooLarge => 413,
             Self::HeadTooLarge => 431,
             Self::Internal => 500,
+            Self::UnsupportedMethod => 501,
             Self::DownstreamLost | Self::Unreachable | Self::LinkLost | Self::BadResponse => 502,
             Self::CallerOutOfBuffers
             | Self::NoEndpoint
@@ -132,6 +140,8 @@ impl ErrorKind {
             | Self::HeadTooLarge
             | Self::BodyTooLarge
             | Self::BodyTimeout
+            | Self::ClientLimit
+            | Self::UnsupportedMethod
             | Self::DownstreamLost
             | Self::CallerOutOfBuffers => Source::Downstream,
             Self::NoRoute => Source::Policy,
@@ -177,6 +187,7 @@ impl ErrorKind {
         matches!(
             self,
             Self::EndpointRefused
+                | Self::ClientLimit
                 | Self::Overloaded
                 | Self::CallerOutOfBuffers
                 | Self::ShuttingDown
@@ -187,7 +198,7 @@ impl ErrorKind {
     /// Whether the client connection must be closed after the answer (the rest of it
     /// cannot be trusted).
     pub fn closes_connection(self) -> bool {
-        matches!(self, Self::AmbiguousFraming)
+        matches!(self, Self::AmbiguousFraming | Self::UnsupportedMethod)
     }
 }
 
@@ -281,6 +292,7 @@ mod tests {
     #[test_case(ErrorKind::MalformedRequest, 400, Source::Downstream, false, None; "malformed")]
     #[test_case(ErrorKind::NoRoute, 404, Source::Policy, false, None; "no route")]
     #[test_case(ErrorKind::BodyTimeout, 408, Source::Downstream, false, None; "body timeout")]
+    #[test_case(ErrorKind::ClientLimit, 429, Source::Downstream, false, None; "client limit")]
     #[test_case(ErrorKind::BodyTooLarge, 413, Source::Downstream, false, None; "body too large")]
     #[test_case(ErrorKind::HeadTooLarge, 431, Source::Downstream, false, None; "head too large")]
     #[test_case(ErrorKind::DownstreamLost, 502, Source::Downstream, false, None; "downstream lost")]
@@ -296,6 +308,7 @@ mod tests {
     #[test_case(ErrorKind::ShuttingDown, 503, Source::Internal, false, None; "shutting down")]
     #[test_case(ErrorKind::ThreadLost, 503, Source::Internal, false, None; "thread lost")]
     #[test_case(ErrorKind::Internal, 500, Source::Internal, false, None; "internal")]
+    #[test_case(ErrorKind::UnsupportedMethod, 501, Source::Downstream, false, None; "unsupported method")]
     fn every_kind_has_one_status_source_and_retry_rule(
         kind: ErrorKind,
         status: u16,

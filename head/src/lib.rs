@@ -11,6 +11,7 @@
 
 mod from_http;
 mod metadata;
+pub mod path;
 pub mod wire;
 
 pub use from_http::FromRequestError;
@@ -66,6 +67,12 @@ pub const HOP_BY_HOP: [&str; 7] = [
 pub fn is_hop_by_hop(name: &str) -> bool {
     HOP_BY_HOP.contains(&name)
 }
+
+/// The prefix of the mesh's own header names (`x-dpumesh-generation`,
+/// `x-dpumesh-circuit`, …): a client's header with it is removed at the ingress
+/// ([`RequestHead::remove_reserved`]), so nothing in the mesh reads a client's word
+/// as its own.
+pub const RESERVED_PREFIX: &str = "x-dpumesh-";
 
 /// The response header a service's answer carries when it failed only because
 /// services it called failed (answered 5xx, or could not be reached): the host library
@@ -218,6 +225,12 @@ impl RequestHead {
     /// Sets metadata for the rest of the chain and the response phase.
     pub fn set_metadata(&mut self, key: &str, value: &str) {
         self.metadata.set(key, value);
+    }
+
+    /// Forgets every metadata entry: what a head from a less trusted side said for the
+    /// chain (a pod's forged `jwt.payload`) is not kept; only filters set metadata.
+    pub fn clear_metadata(&mut self) {
+        self.metadata = Metadata::default();
     }
 
     /// All metadata, in the order keys were first set.

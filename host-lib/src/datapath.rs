@@ -33,7 +33,7 @@ use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use http::Method;
 use parking_lot::Mutex;
 
-use crate::http::{HttpRequest, HttpResponse};
+use crate::http::{Caller, HttpRequest, HttpResponse};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
 
 /// How long a `Locate` answer is trusted.
@@ -127,6 +127,8 @@ impl DataPathTransport {
     /// name (killed a moment ago). Registration is tried again, after 50 ms doubling
     /// to 0.5 s, for up to [`REGISTER_PATIENCE`]; the last refusal is the error.
     pub fn connect(control: &Endpoint, pod: &str, service: &str) -> Result<Self, HostError> {
+        // A pod `dpumesh up` started ends with it (a service is a child like a node).
+        dpumesh_supervise::parent::die_with_parent();
         let deadline = Instant::now() + REGISTER_PATIENCE;
         let mut delay = REGISTER_FIRST;
         let port = loop {
@@ -449,6 +451,11 @@ fn to_request(mut head: RequestHead, body: Vec<u8>) -> HttpRequest {
         url,
         headers,
         body: Bytes::from(body),
+        caller: Some(Caller {
+            addr: head.source.addr,
+            identity: head.source.identity.take(),
+            scheme: std::mem::take(&mut head.scheme),
+        }),
     }
 }
 

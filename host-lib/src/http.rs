@@ -1,8 +1,25 @@
 //! The requests and responses steps exchange: method, URL, headers and body, on the
 //! `http` crate's types.
 
+use std::net::SocketAddr;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
+
+/// Who sent a request a service received, as the mesh says it: taken from the head
+/// the node delivered, never from a header (`x-forwarded-for` is the client's word
+/// and any earlier proxy's; this is the mesh's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The client's address as the ingress saw its connection; for a call from a pod
+    /// of the mesh, the node's loopback (the identity says who called).
+    pub addr: SocketAddr,
+    /// The calling workload's identity (a SPIFFE ID) when a pod of the mesh called;
+    /// `None` for a client from outside.
+    pub identity: Option<String>,
+    /// The scheme the request arrived with at the mesh's edge (`http` or `https`).
+    pub scheme: String,
+}
 
 /// An HTTP request: what an egress step sends, and what a service receives.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,6 +32,9 @@ pub struct HttpRequest {
     pub headers: HeaderMap,
     /// The body.
     pub body: Bytes,
+    /// Who sent it, for a received request (the mesh's word); `None` on requests a
+    /// service builds (its egress calls), where the node sets it.
+    pub caller: Option<Caller>,
 }
 
 impl HttpRequest {
@@ -25,6 +45,7 @@ impl HttpRequest {
             url: url.into(),
             headers: HeaderMap::new(),
             body: Bytes::new(),
+            caller: None,
         }
     }
 

@@ -41,7 +41,7 @@ pub mod transport;
 pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};
 pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats};
 pub use graph::{EgressStep, InternalStep, Node, order, pipe};
-pub use http::{HttpRequest, HttpResponse};
+pub use http::{Caller, HttpRequest, HttpResponse};
 pub use pool::WorkerScope;
 pub use result::{Inputs, StepError, StepId, StepOutput, StepResult};
 pub use transport::{Event, IncomingId, Tag, Transport, TransportError};

@@ -67,6 +67,24 @@ pub(crate) fn write_atomic(path: &Path, text: &str, secret: bool) -> Result<(), 
     std::fs::rename(&tmp, path).map_err(|e| io(path, e))
 }
 
+/// Makes `path` a fresh secret (32 random bytes as 64 hex digits, no newline: an HMAC
+/// key read "as the bytes are"), readable by the owner only, unless it exists. Returns
+/// whether it was made. What a mesh's own keys are made with, so that no key written
+/// in a repository is ever what a mesh accepts.
+pub fn ensure_secret(path: &Path) -> Result<bool, IdentityError> {
+    if path.exists() {
+        return Ok(false);
+    }
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key)
+        .map_err(|e| IdentityError::Issue(format!("no random bytes for a key: {e}")))?;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    }
+    write_atomic(path, &hex::encode(key), true)?;
+    Ok(true)
+}
+
 fn validity(params: &mut CertificateParams, valid_for: Duration) {
     let now = OffsetDateTime::now_utc();
     // A minute back: clocks of two hosts differ a little.
@@ -226,6 +244,28 @@ pub fn ensure(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secret_is_made_once_fresh_and_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys/demo.key");
+        assert!(ensure_secret(&path).unwrap());
+        let first = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(first.len(), 64);
+        assert!(first.bytes().all(|b| b.is_ascii_hexdigit()));
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        assert!(!ensure_secret(&path).unwrap(), "kept");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), first);
+        let other = dir.path().join("other.key");
+        ensure_secret(&other).unwrap();
+        assert_ne!(
+            std::fs::read_to_string(&other).unwrap(),
+            first,
+            "one per mesh"
+        );
+    }
 
     #[test]
     fn ensure_issues_once_and_keeps_what_is_fresh() {

@@ -6,9 +6,11 @@
 //! - [`wire`]: a TLS session driven by a non-blocking event loop (the TCP fabric).
 //! - [`registration`]: the tokens pods register with.
 //! - [`relay`]: a TLS connection as a plain stream (the control channel over TCP).
+//! - [`admin`]: who may use an admin API (the token of mutations, the `Host` check).
 
 use std::path::PathBuf;
 
+pub mod admin;
 pub mod ca;
 pub mod metrics;
 pub mod registration;

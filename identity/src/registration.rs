@@ -20,6 +20,11 @@ pub const KEY_FILE: &str = "registration.key";
 
 const LABEL: &str = "dpumesh-registration/v1/";
 
+/// What the names of secrets derived from the key start with ([`crate::admin`]): no
+/// service has such a name (service names are DNS labels, without `:`), and no token
+/// for one is ever accepted, so a service's token is never a derived secret.
+pub(crate) const RESERVED_PREFIX: &str = "mesh:";
+
 /// The mesh's registration key.
 #[derive(Clone)]
 pub struct RegistrationKey {
@@ -84,6 +89,9 @@ impl RegistrationKey {
 
     /// Whether `token` proves `service` (compared in constant time).
     pub fn verify(&self, service: &str, token: &str) -> bool {
+        if service.starts_with(RESERVED_PREFIX) {
+            return false;
+        }
         match hex::decode(token) {
             Ok(bytes) if bytes.len() == 32 => mac(&self.key, service).verify_slice(&bytes).is_ok(),
             _ => false,

@@ -63,6 +63,12 @@ impl Admin {
             .enable_all()
             .build()?;
         let (served, stopping) = (health.clone(), stop.clone());
+        // Reads only, but asked for by their own address only (no DNS rebinding).
+        let access = Arc::new(dpumesh_identity::admin::AdminAccess::new(
+            addr.port(),
+            None,
+            Vec::new(),
+        ));
         let server = std::thread::Builder::new()
             .name("dpumesh-ingress-admin".into())
             .spawn(move || {
@@ -75,11 +81,23 @@ impl Admin {
                         let Ok(Ok((stream, _))) = accepted else {
                             continue;
                         };
-                        let health = served.clone();
+                        let (health, access) = (served.clone(), access.clone());
                         tokio::spawn(async move {
                             let service = hyper::service::service_fn(move |req| {
-                                let health = health.clone();
-                                async move { Ok::<_, Infallible>(handle(&health, &req)) }
+                                let (health, access) = (health.clone(), access.clone());
+                                async move {
+                                    let host = req
+                                        .headers()
+                                        .get(http::header::HOST)
+                                        .and_then(|v| v.to_str().ok());
+                                    Ok::<_, Infallible>(match access.check_host(host) {
+                                        Ok(()) => handle(&health, &req),
+                                        Err(refused) => reply(
+                                            StatusCode::MISDIRECTED_REQUEST,
+                                            format!("{refused}\n"),
+                                        ),
+                                    })
+                                }
                             });
                             let _ = hyper::server::conn::http1::Builder::new()
                                 .serve_connection(TokioIo::new(stream), service)

@@ -9,8 +9,13 @@
 //! bodies) and records which requests, by their order on the connection, were
 //! ambiguous; the handler of that request answers 400 + `connection: close`.
 //!
-//! It only observes: it never changes or holds a byte, and when it cannot follow the
-//! stream (HTTP/2, an upgrade, a head hyper would refuse anyway) it stops looking.
+//! It only observes: it never changes or holds a byte. It follows every HTTP/1.x
+//! request of a connection: HTTP/1.0 ones (framed by their length alone), those that
+//! ask for an `Upgrade` (the ingress switches no protocol, so hyper goes on reading
+//! requests after them) and pipelined ones. Where it cannot follow the stream (a head
+//! hyper would refuse anyway, a `CONNECT`, HTTP/2's preface) it stops, and says from
+//! which request on it could not vouch for the framing: an HTTP/1 request from there
+//! on is refused too (fail closed), never served unchecked.
 //! Cost: fixed-length bodies are skipped by count; heads are scanned for their end and
 //! parsed once more with `httparse` (the parser hyper uses), chunked bodies scanned.
 
@@ -32,6 +37,32 @@ const MAX_FIELDS: usize = 4096;
 pub struct Ambiguous {
     /// Indexes (0 = first on the connection) of requests with both framings.
     requests: BTreeSet<u64>,
+    /// The index of the first request the tracker could not follow (it stopped
+    /// there): none from it on is vouched for.
+    lost_at: Option<u64>,
+}
+
+/// Why an HTTP/1 request is refused for its framing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It carried both `Content-Length` and `Transfer-Encoding`.
+    BothFramings,
+    /// It came after a point where the connection's framing could not be followed.
+    Unfollowed,
+}
+
+impl Refusal {
+    /// What the client is told.
+    pub fn message(self) -> &'static str {
+        match self {
+            Self::BothFramings => {
+                "both Content-Length and Transfer-Encoding: ambiguous framing refused"
+            }
+            Self::Unfollowed => {
+                "the connection's framing could not be followed past an earlier request: refused"
+            }
+        }
+    }
 }
 
 impl Ambiguous {
@@ -40,9 +71,16 @@ impl Ambiguous {
         self.requests.iter().copied().collect()
     }
 
-    /// Whether the `index`-th request had both framings (forgets it).
-    pub fn take(&mut self, index: u64) -> bool {
-        self.requests.remove(&index)
+    /// Whether the `index`-th HTTP/1 request of the connection is refused, and why
+    /// (forgets a finding of both framings once asked).
+    pub fn verdict(&mut self, index: u64) -> Option<Refusal> {
+        if self.requests.remove(&index) {
+            Some(Refusal::BothFramings)
+        } else if self.lost_at.is_some_and(|at| index >= at) {
+            Some(Refusal::Unfollowed)
+        } else {
+            None
+        }
     }
 }
 
@@ -95,6 +133,13 @@ impl Tracker {
         }
     }
 
+    /// Stops following: no request from the `index`-th on is vouched for.
+    fn lose(&mut self) {
+        self.state = State::Off;
+        let mut found = self.found.borrow_mut();
+        found.lost_at = Some(found.lost_at.map_or(self.index, |at| at.min(self.index)));
+    }
+
     /// Takes the next bytes the connection read.
     pub fn feed(&mut self, mut bytes: &[u8]) {
         while !bytes.is_empty() {
@@ -120,7 +165,8 @@ impl Tracker {
                     let Some(used) = head_end(&self.kept, bytes) else {
                         self.kept.extend_from_slice(bytes);
                         if self.kept.len() > self.max_head {
-                            self.state = State::Off;
+                            // hyper refuses such a head (431) and closes.
+                            self.lose();
                             self.kept = Vec::new();
                         }
                         return;
@@ -140,7 +186,7 @@ impl Tracker {
                     let (used, done) = chunk.feed(bytes);
                     match done {
                         Some(true) => self.state = State::Head,
-                        Some(false) => self.state = State::Off,
+                        Some(false) => self.lose(),
                         None => {}
                     }
                     &bytes[used..]
@@ -161,12 +207,17 @@ impl Tracker {
             req = httparse::Request::new(&mut more);
             parsed = req.parse(head);
         }
-        if !matches!(parsed, Ok(httparse::Status::Complete(_)))
-            || req.version != Some(1)
-            || req.method == Some("CONNECT")
-        {
-            // HTTP/2's preface, HTTP/1.0, a tunnel or a head hyper refuses anyway.
-            self.state = State::Off;
+        if !matches!(parsed, Ok(httparse::Status::Complete(_))) {
+            // HTTP/2's preface (its requests are not HTTP/1's to refuse) or a head
+            // hyper refuses anyway.
+            self.lose();
+            return;
+        }
+        if req.method == Some("CONNECT") {
+            // Refused by the ingress (it tunnels nothing) and the connection closed;
+            // were it accepted, what follows would be tunnel bytes.
+            self.index += 1;
+            self.lose();
             return;
         }
         let (mut length, mut chunked, mut te) = (None, false, false);
@@ -182,10 +233,9 @@ impl Tracker {
                     .rsplit(|&b| b == b',')
                     .next()
                     .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            } else if field.name.eq_ignore_ascii_case("upgrade") {
-                self.state = State::Off;
-                return;
             }
+            // `Upgrade` is followed like any field: the ingress answers no 101, so
+            // hyper goes on reading requests after one that asked.
         }
         let has_length = req
             .headers
@@ -195,19 +245,28 @@ impl Tracker {
             self.found.borrow_mut().requests.insert(self.index);
         }
         self.index += 1;
+        if te && req.version != Some(1) {
+            // hyper refuses a transfer coding on HTTP/1.0 (400) and closes.
+            self.lose();
+            return;
+        }
         self.state = if te {
             // hyper refuses a transfer coding that does not end in chunked.
             if chunked {
                 State::Chunked(Chunk::Size(Vec::new()))
             } else {
-                State::Off
+                self.lose();
+                return;
             }
         } else if has_length {
             match length {
                 Some(0) => State::Head,
                 Some(n) => State::Fixed(n),
                 // An unreadable length: hyper answers 400 and closes.
-                None => State::Off,
+                None => {
+                    self.lose();
+                    return;
+                }
             }
         } else {
             State::Head
@@ -404,20 +463,87 @@ mod tests {
         );
     }
 
+    /// Each request's verdict (indexes 0..n) after feeding `stream` whole.
+    fn verdicts(stream: &[u8], n: u64, max_head: usize) -> Vec<Option<Refusal>> {
+        let found = Rc::new(RefCell::new(Ambiguous::default()));
+        let mut t = Tracker::new(max_head, found.clone());
+        for piece in stream.chunks(5) {
+            t.feed(piece);
+        }
+        (0..n).map(|i| found.borrow_mut().verdict(i)).collect()
+    }
+
     #[test]
-    fn what_it_cannot_follow_turns_it_off() {
-        // HTTP/2's preface, an upgrade, a head over the limit: never a false finding.
+    fn http_1_0_and_upgrade_requests_are_followed_and_what_comes_after_checked() {
+        // Both were where the tracker used to stop: a later request with both
+        // framings was then served.
         every_split(
-            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",
-            &[],
+            b"GET / HTTP/1.0\r\nconnection: keep-alive\r\n\r\nPOST /b HTTP/1.0\r\nconnection: keep-alive\r\ncontent-length: 3\r\n\r\nabcGET / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+            &[2],
         );
         every_split(
-            b"GET / HTTP/1.1\r\nupgrade: websocket\r\n\r\nGET / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n",
-            &[],
+            b"GET / HTTP/1.1\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\nGET / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+            &[1],
         );
-        let found_rc = Rc::new(RefCell::new(Ambiguous::default()));
-        let mut t = Tracker::new(16, found_rc.clone());
-        t.feed(b"GET /a-long-path HTTP/1.1\r\nx: y\r\n");
-        assert!(matches!(t.state, State::Off));
+        // Pipelined, in one read: the third of three.
+        assert_eq!(
+            found(
+                b"GET /1 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\n\r\nPOST /3 HTTP/1.1\r\ntransfer-encoding: chunked\r\ncontent-length: 2\r\n\r\n0\r\n\r\n",
+                usize::MAX
+            ),
+            [2]
+        );
+    }
+
+    #[test]
+    fn past_what_it_cannot_follow_every_request_is_refused() {
+        use Refusal::*;
+        // HTTP/2's preface: none of HTTP/1 is vouched for (its own requests are
+        // HTTP/2's and never asked).
+        assert_eq!(
+            verdicts(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 1, 1 << 15),
+            [Some(Unfollowed)]
+        );
+        // A CONNECT is judged on its own; what follows it is not followed.
+        assert_eq!(
+            verdicts(
+                b"CONNECT h:443 HTTP/1.1\r\nhost: h:443\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+                2,
+                1 << 15
+            ),
+            [None, Some(Unfollowed)]
+        );
+        // A chunk size that is not one (hyper fails that body): what follows it is
+        // not followed.
+        assert_eq!(
+            verdicts(
+                b"GET / HTTP/1.1\r\n\r\nPOST / HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nGET / HTTP/1.1\r\n\r\n",
+                3,
+                1 << 15
+            ),
+            [None, None, Some(Unfollowed)]
+        );
+        // A transfer coding on HTTP/1.0 (hyper refuses it): the rest is not followed.
+        assert_eq!(
+            verdicts(
+                b"POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\nGET / HTTP/1.1\r\n\r\n",
+                2,
+                1 << 15
+            ),
+            [None, Some(Unfollowed)]
+        );
+        // A head over the limit.
+        assert_eq!(
+            verdicts(b"GET /a-long-path HTTP/1.1\r\nx: y\r\n", 1, 16),
+            [Some(Unfollowed)]
+        );
+        // Both framings are said as such, once.
+        let found = Rc::new(RefCell::new(Ambiguous::default()));
+        let mut t = Tracker::new(1 << 15, found.clone());
+        t.feed(
+            b"POST / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        );
+        assert_eq!(found.borrow_mut().verdict(0), Some(BothFramings));
+        assert_eq!(found.borrow_mut().verdict(0), None);
     }
 }

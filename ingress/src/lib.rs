@@ -17,10 +17,10 @@
 
 pub mod admin;
 pub mod eject;
+pub mod fair;
 pub mod framing;
 mod header_timer;
 pub mod health;
-pub mod path;
 mod shard;
 
 use std::collections::BTreeMap;
@@ -34,7 +34,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dpumesh_config::{LoadedConfig, ProxyConfig, RouteTable, strip_port};
+use dpumesh_config::{LoadedConfig, RouteTable};
 use dpumesh_dpa::fabric::Fabric;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
@@ -66,6 +66,8 @@ pub struct Settings {
     pub request_timeout: Duration,
     /// Requests in flight at once (split over the threads).
     pub slots: u32,
+    /// Of those, how many one client address may hold at once (across the threads).
+    pub slots_per_client: u32,
     /// Threads, each a shard with its own listener, connections and links to every
     /// node (default: the machine's cores).
     pub threads: Option<usize>,
@@ -83,17 +85,18 @@ pub struct Settings {
     pub eject: Option<eject::EjectSettings>,
 }
 
-/// Metadata key carrying the path as the client sent it, when normalization changed it.
-pub const ORIGINAL_PATH_METADATA: &str = "dpumesh.original-path";
+pub use dpumesh_head::path::ORIGINAL_PATH_METADATA;
 
 /// What every shard reads: settings and routes.
 struct Routing {
     settings: Settings,
-    config: ProxyConfig,
+    /// The policy's routes: the only way in (a host naming a service is no route).
     routes: RouteTable,
     rr: AtomicUsize,
     /// Nodes the Pingmesh analyzer judges unreachable (opted-in services avoid them).
     ejected: Option<Arc<eject::Ejected>>,
+    /// The slots each client address holds.
+    share: Arc<fair::ClientShare>,
     /// The ingress is stopping: new requests are refused (503), those in flight
     /// finish within the drain grace.
     draining: std::sync::atomic::AtomicBool,
@@ -181,8 +184,8 @@ impl Ingress {
             None => (None, None),
         };
         let routing = Arc::new(Routing {
+            share: fair::ClientShare::new(settings.slots_per_client),
             settings,
-            config: loaded.config,
             routes,
             rr: AtomicUsize::new(0),
             ejected,
@@ -343,9 +346,14 @@ async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let state = state.clone();
                 let index = served.replace(served.get() + 1);
-                let both =
-                    req.version() == http::Version::HTTP_11 && ambiguous.borrow_mut().take(index);
-                async move { Ok::<_, Infallible>(handle(&state, req, peer, both).await) }
+                // Every HTTP/1.x request is judged (1.0 too); HTTP/2's are framed by
+                // their own protocol.
+                let refused = if req.version() < http::Version::HTTP_2 {
+                    ambiguous.borrow_mut().verdict(index)
+                } else {
+                    None
+                };
+                async move { Ok::<_, Infallible>(handle(&state, req, peer, refused).await) }
             });
             let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
             builder
@@ -381,55 +389,77 @@ fn error_response(e: &ProxyError) -> Response<Full<Bytes>> {
     response
 }
 
+/// Request targets the ingress refuses (RFC 9112 §3.2, RFC 9113 §8.3.1):
+/// - authority-form (`CONNECT host:port`): nothing is tunnelled, 501 (and the
+///   connection closes);
+/// - a path that does not start with `/` (HTTP/2's `:path: admin`, HTTP/1's
+///   `GET host:80`): 400. Origin-form is what routes, filters and services read, and a
+///   path without its slash would miss a `path_prefix: /` rule that a service,
+///   adding the slash back, would then serve;
+/// - asterisk-form (`*`) passes with `OPTIONS` only (and no route serves it).
+///
+/// Absolute-form (`GET http://host/path`) is taken as origin-form with its authority
+/// for the host ([`RequestHead::from_request`] replaces `Host` with it, §3.2.2).
+fn target_error(req: &Request<Incoming>) -> Option<ProxyError> {
+    if req.method() == http::Method::CONNECT {
+        return Some(ProxyError::new(
+            ErrorKind::UnsupportedMethod,
+            "CONNECT is not served: the ingress tunnels nothing",
+        ));
+    }
+    let path = req.uri().path();
+    if path.starts_with('/') || (path == "*" && req.method() == http::Method::OPTIONS) {
+        return None;
+    }
+    Some(ProxyError::new(
+        ErrorKind::MalformedRequest,
+        format!("request target {path:?} is not a path: it must start with '/'"),
+    ))
+}
+
 /// The head of `req` as the mesh carries it: every field as received but the
-/// hop-by-hop and framing headers (the body's exact length travels with it).
+/// hop-by-hop and framing headers (the body's exact length travels with it) and the
+/// mesh's own (`x-dpumesh-*`, which no client may say for it), with this hop recorded
+/// in `x-forwarded-for` and `x-forwarded-proto`.
 fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, ProxyError> {
     let mut head = RequestHead::from_request(req, peer)
         .map_err(|e| ProxyError::new(ErrorKind::MalformedRequest, e.to_string()))?;
     head.remove_hop_by_hop();
+    if head.remove_reserved() > 0 {
+        metrics::counter!("dpumesh_ingress_reserved_headers_removed_total").increment(1);
+    }
+    head.forwarded_from(peer);
     Ok(head)
 }
 
-/// Replaces the head's path by its normalized form (routing, filters and the service
-/// all see that one); the original goes along as metadata.
+/// Normalizes the head's path ([`RequestHead::normalize_path`]); a path refused is
+/// a malformed request (400).
 fn normalize_path(
     head: &mut RequestHead,
     config: &dpumesh_config::PathConfig,
 ) -> Result<(), ProxyError> {
-    let normalized = match path::normalize(&head.path, config) {
-        Ok(std::borrow::Cow::Borrowed(_)) => return Ok(()),
-        Ok(std::borrow::Cow::Owned(p)) => p,
-        Err(e) => {
-            return Err(ProxyError::new(
-                ErrorKind::MalformedRequest,
-                format!("{e}: {:?}", head.path),
-            ));
-        }
-    };
-    let original = std::mem::replace(&mut head.path, normalized);
-    head.set_metadata(ORIGINAL_PATH_METADATA, &original);
-    Ok(())
+    head.normalize_path(config)
+        .map_err(|e| ProxyError::new(ErrorKind::MalformedRequest, format!("{e}: {:?}", head.path)))
 }
 
 impl Routing {
-    /// The service for a request and the node to send it to: round robin over the
-    /// nodes running it, passing over those `reachable` says not to try now and, for
-    /// services that opted in, those Pingmesh judges unreachable (when none is left,
-    /// the turn's node: its failure is answered at once).
+    /// The service for a request and the node to send it to. Only the routes choose
+    /// the service (as an Istio gateway routes only what a VirtualService exposes): a
+    /// `Host` naming an internal service finds no route unless one exposes it. The
+    /// node is chosen round robin over the nodes running it, passing over those
+    /// `reachable` says not to try now and, for services that opted in, those
+    /// Pingmesh judges unreachable (when none is left, the turn's node: its failure is
+    /// answered at once).
     fn route(
         &self,
         head: &RequestHead,
         reachable: impl Fn(SocketAddr) -> bool,
     ) -> Option<(String, SocketAddr)> {
-        let host = strip_port(&head.authority);
-        let service = if self.config.services.contains_key(host) {
-            host.to_owned()
-        } else {
-            self.routes
-                .find(&head.authority, &head.path)?
-                .service
-                .to_owned()
-        };
+        let service = self
+            .routes
+            .find(&head.authority, &head.path)?
+            .service
+            .to_owned();
         let nodes = self.settings.services.get(&service)?;
         if nodes.is_empty() {
             return None;
@@ -470,13 +500,10 @@ async fn handle<F: Fabric>(
     state: &State<F>,
     req: Request<Incoming>,
     peer: SocketAddr,
-    both_framings: bool,
+    refused: Option<framing::Refusal>,
 ) -> Response<Full<Bytes>> {
-    if both_framings {
-        return error_response(&ProxyError::new(
-            ErrorKind::AmbiguousFraming,
-            "both Content-Length and Transfer-Encoding: ambiguous framing refused",
-        ));
+    if let Some(why) = refused {
+        return error_response(&ProxyError::new(ErrorKind::AmbiguousFraming, why.message()));
     }
     match forward(state, req, peer).await {
         Ok(response) => response,
@@ -503,6 +530,9 @@ async fn forward<F: Fabric>(
         ));
     }
     if let Some(e) = framing_error(&req) {
+        return Err(e);
+    }
+    if let Some(e) = target_error(&req) {
         return Err(e);
     }
     let mut head = head_of(&req, peer)?;
@@ -550,6 +580,15 @@ async fn forward<F: Fabric>(
         Err(e) => return Err(ProxyError::new(ErrorKind::HeadTooLarge, e.to_string())),
     };
     let shard = &state.shard;
+    // Held until the answer is written, as the slot is.
+    let _share = state.routing.share.take(peer.ip()).map_err(|held| {
+        ProxyError::new(
+            ErrorKind::ClientLimit,
+            format!(
+                "this client has {held} requests in flight, its share of the ingress's slots (ingress.slots_per_client)"
+            ),
+        )
+    })?;
     let slot = tokio::time::timeout(settings.request_timeout, shard.acquire())
         .await
         .map_err(|_| ProxyError::new(ErrorKind::Overloaded, "ingress is at capacity"))?;

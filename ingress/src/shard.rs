@@ -212,6 +212,26 @@ impl<F: Fabric> Shard<F> {
         body_len: u32,
         deadline: Duration,
     ) -> oneshot::Receiver<Result<Answer, ProxyError>> {
+        self.call_with(
+            node,
+            slot,
+            head,
+            body_len,
+            deadline,
+            RequestFlags::default(),
+        )
+    }
+
+    /// [`Self::call`] with the request's `flags` (a node's call to a mesh service).
+    pub fn call_with(
+        &self,
+        node: SocketAddr,
+        slot: Slot,
+        head: Vec<u8>,
+        body_len: u32,
+        deadline: Duration,
+        flags: RequestFlags,
+    ) -> oneshot::Receiver<Result<Answer, ProxyError>> {
         let (reply, answer) = oneshot::channel();
         if let Err(why) = self.ready() {
             // Nobody would hand the answer over: say so now.
@@ -230,7 +250,7 @@ impl<F: Fabric> Shard<F> {
         let xid = slot.index;
         let request = Request {
             xid,
-            flags: RequestFlags::default(),
+            flags,
             deadline_ms: deadline.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
             body: (body_len > 0).then(|| RemoteBuf {
                 at: self.req_mr.remote(offset),

@@ -153,7 +153,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
     let policy = dir.path().join("policy.yaml");
     std::fs::write(
         &policy,
-        "chains: {open: []}\nservices: {svc: {chain: open}}\n",
+        "chains: {open: []}\nservices: {svc: {chain: open}}\nroutes: [{service: svc}]\n",
     )
     .unwrap();
     let ingress = Ingress::start(
@@ -167,6 +167,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
             max_headers: 100,
             request_timeout: Duration::from_secs(1),
             slots: 4,
+            slots_per_client: 4,
             threads: Some(1),
             policy,
             services: BTreeMap::from([("svc".to_owned(), vec![node])]),

@@ -1,5 +1,8 @@
 //! The admin API: `/healthz`, `/readyz`, `/metrics` (Prometheus text), `/filters`
-//! (what runs where) and `POST /reload`.
+//! (what runs where) and `POST /reload`, `/store` and `/cache` (stats, and `DELETE` to
+//! purge). Reads are open; the mutations (`POST /reload`, `DELETE /store`,
+//! `DELETE /cache`) need the admin token, and every request's `Host` must name the
+//! admin address ([`dpumesh_identity::admin`]).
 
 use std::convert::Infallible;
 use std::sync::{Arc, OnceLock};
@@ -13,6 +16,8 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
+
+use dpumesh_identity::admin::{AdminAccess, AdminRefusal};
 
 use crate::policy::Policy;
 
@@ -36,8 +41,10 @@ pub fn prometheus() -> &'static PrometheusHandle {
 
 /// Serves the admin API on `listener` until the task is dropped. `/readyz` also
 /// reports the threads of `threads` (besides the filter workers').
+#[allow(clippy::too_many_arguments)]
 pub async fn serve(
     listener: TcpListener,
+    access: AdminAccess,
     policy: Arc<Policy>,
     threads: Vec<Arc<Supervisor>>,
     checks: Vec<Check>,
@@ -46,27 +53,33 @@ pub async fn serve(
 ) {
     let threads = Arc::new(threads);
     let checks = Arc::new(checks);
+    let access = Arc::new(access);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (policy, threads, checks, store, cache) = (
+        let (policy, threads, checks, store, cache, access) = (
             policy.clone(),
             threads.clone(),
             checks.clone(),
             store.clone(),
             cache.clone(),
+            access.clone(),
         );
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (policy, threads, checks, store, cache) = (
+                let (policy, threads, checks, store, cache, access) = (
                     policy.clone(),
                     threads.clone(),
                     checks.clone(),
                     store.clone(),
                     cache.clone(),
+                    access.clone(),
                 );
                 async move {
+                    if let Err(refused) = allowed(&access, &req) {
+                        return Ok::<_, Infallible>(refusal(&refused));
+                    }
                     let parts = Parts {
                         store: store.as_deref(),
                         cache: cache.as_deref(),
@@ -79,6 +92,66 @@ pub async fn serve(
                 .await;
         });
     }
+}
+
+/// The rules of an admin API on `port`: its mutations need `mesh_token` (a node of a
+/// mesh with identities) or else the token in the config's `admin_token_file`.
+pub fn access(
+    config: &dpumesh_config::LoadedConfig,
+    port: u16,
+    mesh_token: Option<String>,
+) -> anyhow::Result<AdminAccess> {
+    let token = match (mesh_token, &config.config.admin_token_file) {
+        (Some(token), _) => Some(token),
+        (None, Some(file)) => {
+            let path = config.resolve(file);
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                anyhow::anyhow!("admin_token_file {}: cannot read: {e}", path.display())
+            })?;
+            let token = text.trim().to_owned();
+            anyhow::ensure!(
+                !token.is_empty(),
+                "admin_token_file {}: empty (an empty token would let anyone in)",
+                path.display()
+            );
+            Some(token)
+        }
+        (None, None) => None,
+    };
+    Ok(AdminAccess::new(port, token, Vec::new()))
+}
+
+/// Whether `req` may be served: its `Host` names this API, and a mutation carries the
+/// admin token.
+fn allowed(access: &AdminAccess, req: &Request<Incoming>) -> Result<(), AdminRefusal> {
+    let header = |name| req.headers().get(name).and_then(|v| v.to_str().ok());
+    access.check_host(header(http::header::HOST))?;
+    let mutation = matches!(
+        (req.method(), req.uri().path()),
+        (&Method::POST, "/reload") | (&Method::DELETE, "/store" | "/cache")
+    );
+    if mutation {
+        access.check_mutation(header(http::header::AUTHORIZATION))?;
+    }
+    Ok(())
+}
+
+fn refusal(refused: &AdminRefusal) -> Response<Full<Bytes>> {
+    metrics::counter!("dpumesh_admin_refused_total", "why" => match refused {
+        AdminRefusal::Host(_) => "host",
+        AdminRefusal::Unauthorized => "unauthorized",
+        AdminRefusal::NoToken => "no_token",
+    })
+    .increment(1);
+    let status = StatusCode::from_u16(refused.status()).unwrap_or(StatusCode::FORBIDDEN);
+    let mut response = reply(status, "text/plain", format!("{refused}\n"));
+    if matches!(refused, AdminRefusal::Unauthorized) {
+        response.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"dpumesh-admin\""),
+        );
+    }
+    response
 }
 
 /// The node's optional parts the admin API shows.

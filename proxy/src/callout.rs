@@ -220,13 +220,19 @@ async fn mesh<F: Fabric>(
             .write(&slot, 0, &callout.body)
             .map_err(|e| e.to_string())?;
     }
+    // A call inside the mesh: the service's own chain, as a pod's call meets it.
+    let flags = dpumesh_dpa::frame::RequestFlags {
+        call: true,
+        ..Default::default()
+    };
     let answer = shard
-        .call(
+        .call_with(
             node,
             slot,
             bytes,
             callout.body.len() as u32,
             callout.timeout,
+            flags,
         )
         .await
         .map_err(|_| "the call was dropped by the fabric".to_owned())?

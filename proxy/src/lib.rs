@@ -78,8 +78,10 @@ impl Proxy {
             Some(addr) => {
                 let listener = bind(addr)?;
                 let local = listener.local_addr()?;
+                let access = admin::access(&config, local.port(), None)?;
                 io.spawn(admin::serve(
                     listener,
+                    access,
                     policy.clone(),
                     Vec::new(),
                     Vec::new(),

@@ -327,6 +327,7 @@ impl Node {
             workload_prefix: crate::trust::workload_prefix(mesh),
             require_identity: mesh.config.identity.mtls == dpumesh_config::Mtls::Mutual,
             cache: cache.clone(),
+            path: mesh.config.ingress.path,
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
         // The agent proves the node's identity to the Pingmesh server (`pingmesh.tls`).
@@ -369,8 +370,14 @@ impl Node {
                     .block_on(tokio::net::TcpListener::bind(addr))
                     .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
                 let local = listener.local_addr()?;
+                let mesh_token = crate::trust::registration_key(mesh)?
+                    .as_ref()
+                    .map(dpumesh_identity::admin::admin_token);
+                let access =
+                    crate::admin::access(&policy.snapshot().config, local.port(), mesh_token)?;
                 io.spawn(crate::admin::serve(
                     listener,
+                    access,
                     policy.clone(),
                     vec![dataplane.supervisor().clone()],
                     vec![pods_registered(expected_pods(mesh, name), dpu.clone())],

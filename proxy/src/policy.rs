@@ -46,19 +46,36 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The service and chain for a request to `authority` and `path`: a mesh call
-    /// names its service as the host (`http://user/...`, port ignored); anything else
-    /// goes through the routes.
-    pub fn resolve(&self, authority: &str, path: &str) -> Option<(String, usize, RoutePolicy)> {
+    /// The service and chain for a request from outside the mesh (through the
+    /// ingress) to `authority` and `path`: the routes alone decide. A host that names a
+    /// service gives no way in: only a route (which may match on the host, a virtual
+    /// host) exposes a service, with the route's chain.
+    pub fn resolve_route(
+        &self,
+        authority: &str,
+        path: &str,
+    ) -> Option<(String, usize, RoutePolicy)> {
+        self.routes
+            .find(authority, path)
+            .map(|m| (m.service.to_owned(), m.chain, m.policy))
+    }
+
+    /// The service and chain for a call from a pod of the mesh: a call names its
+    /// service as the host (`http://user/...`, port ignored) and meets that service's
+    /// own chain; any other host goes through the routes, as a request from outside
+    /// would.
+    pub fn resolve_call(
+        &self,
+        authority: &str,
+        path: &str,
+    ) -> Option<(String, usize, RoutePolicy)> {
         let host = strip_port(authority);
         if let Some(service) = self.config.config.services.get(host) {
             let chain = self.generation.chain_index(&service.chain)?;
             let policy = RoutePolicy::of_service(service);
             return Some((host.to_owned(), chain, policy));
         }
-        self.routes
-            .find(authority, path)
-            .map(|m| (m.service.to_owned(), m.chain, m.policy))
+        self.resolve_route(authority, path)
     }
 
     /// The timeout and retries of service `service` (for requests a peer proxy

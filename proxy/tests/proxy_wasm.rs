@@ -71,7 +71,7 @@ fn a_plugin_in_the_policy_file_runs_with_a_component_and_reloads() {
     let mut stream = TcpStream::connect(admin).unwrap();
     write!(
         stream,
-        "GET /filters HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n"
+        "GET /filters HTTP/1.1\r\nhost: {admin}\r\nconnection: close\r\n\r\n"
     )
     .unwrap();
     let mut filters = String::new();

@@ -50,6 +50,47 @@ fn try_http(addr: SocketAddr, method: &str, path: &str, host: &str) -> Result<Re
     Ok((status, headers, body.to_owned()))
 }
 
+/// The admin token `Setup` configures.
+const ADMIN_TOKEN: &str = "test-admin-token-0123456789";
+
+/// A call to the admin API as an operator makes it: to its address, with its token.
+fn admin_http(admin: SocketAddr, method: &str, path: &str) -> Reply {
+    admin_as(admin, method, path, &admin.to_string(), Some(ADMIN_TOKEN))
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+}
+
+/// A call to the admin API with `host` and `token` as given.
+fn admin_as(
+    admin: SocketAddr,
+    method: &str,
+    path: &str,
+    host: &str,
+    token: Option<&str>,
+) -> Result<Reply, String> {
+    let mut stream = TcpStream::connect(admin).map_err(|e| e.to_string())?;
+    let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nhost: {host}\r\n{auth}content-length: 0\r\nconnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).map_err(|e| e.to_string())?;
+    let (head, body) = raw.split_once("\r\n\r\n").ok_or("an incomplete response")?;
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("no status")?;
+    let headers = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(": "))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.to_owned()))
+        .collect();
+    Ok((status, headers, body.to_owned()))
+}
+
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
     headers
         .iter()
@@ -67,6 +108,7 @@ impl Setup {
         std::fs::copy(artifacts::TEST_FILTER, dir.path().join("test.wasm")).unwrap();
         std::fs::copy(artifacts::SAMPLE_GUARD, dir.path().join("guard.wasm")).unwrap();
         std::fs::copy(artifacts::FILTER_TRACE, dir.path().join("trace.wasm")).unwrap();
+        std::fs::write(dir.path().join("admin.token"), format!("{ADMIN_TOKEN}\n")).unwrap();
         Self { dir }
     }
 
@@ -79,6 +121,7 @@ impl Setup {
     fn write(&self, api: &str, other: &str) {
         let text = format!(
             r#"admin: 127.0.0.1:0
+admin_token_file: admin.token
 listener: 127.0.0.1:0
 workers: 2
 cache_dir: cache
@@ -218,7 +261,7 @@ fn a_broken_reload_is_rejected_and_the_old_behaviour_continues() {
     ];
     for (what, main) in broken {
         setup.write(&main, &tagged("side", 0));
-        let (status, _, body) = http(admin, "POST", "/reload", "admin");
+        let (status, _, body) = admin_http(admin, "POST", "/reload");
         assert_eq!(status, 422, "{what}: {body}");
         assert!(
             body.contains("proxy.yaml"),
@@ -233,14 +276,14 @@ fn a_broken_reload_is_rejected_and_the_old_behaviour_continues() {
         );
         assert!(body.contains("[\"x-version\",\"1\"]"), "{what}: {body}");
     }
-    let (_, _, filters) = http(admin, "GET", "/filters", "admin");
+    let (_, _, filters) = admin_http(admin, "GET", "/filters");
     let filters: serde_json::Value = serde_json::from_str(&filters).unwrap();
     assert_eq!(filters["generation"], 1);
     assert!(filters["last_reload_error"].as_str().is_some());
 
     // Fixed: the next reload goes through.
     setup.write(&tagged("main", 3), &tagged("side", 0));
-    let (status, _, body) = http(admin, "POST", "/reload", "admin");
+    let (status, _, body) = admin_http(admin, "POST", "/reload");
     assert_eq!(status, 200, "{body}");
     let (_, _, body) = http(addr, "GET", "/", "api.test");
     assert!(body.contains("[\"x-version\",\"3\"]"), "{body}");
@@ -269,7 +312,7 @@ fn a_watched_config_reloads_on_change_and_skips_broken_saves() {
     // A broken save is refused; the error shows in /filters; generation 1 serves on.
     setup.write("  main: [unclosed", &tagged("side", 0));
     wait_for("the broken save is seen", &|| {
-        let (_, _, filters) = http(admin, "GET", "/filters", "admin");
+        let (_, _, filters) = admin_http(admin, "GET", "/filters");
         filters.contains("proxy.yaml")
     });
     let (_, headers, _) = http(addr, "GET", "/", "api.test");
@@ -347,21 +390,71 @@ fn faulty_filters_under_load_leave_other_chains_serving() {
 }
 
 #[test]
+fn admin_mutations_need_the_token_and_every_call_the_admin_address() {
+    let setup = Setup::new();
+    setup.write(&tagged("main", 1), &tagged("side", 0));
+    let proxy = start(&setup);
+    let admin = proxy.admin_addr().unwrap();
+    let here = admin.to_string();
+    // Reads are open.
+    assert_eq!(
+        admin_as(admin, "GET", "/filters", &here, None).unwrap().0,
+        200
+    );
+    let local = format!("localhost:{}", admin.port());
+    assert_eq!(
+        admin_as(admin, "GET", "/healthz", &local, None).unwrap().0,
+        200
+    );
+    // A mutation without the token, or with another, is refused and does nothing.
+    for token in [None, Some("guess"), Some("")] {
+        let (status, headers, body) = admin_as(admin, "POST", "/reload", &here, token).unwrap();
+        assert_eq!(status, 401, "{token:?}: {body}");
+        assert!(body.contains("admin token"), "{body}");
+        assert!(header(&headers, "www-authenticate").is_some());
+    }
+    let (_, _, filters) = admin_http(admin, "GET", "/filters");
+    assert!(filters.contains("\"generation\":1"), "{filters}");
+    // A page the operator's browser loaded from evil.example, its name rebound to the
+    // admin address, sends its own host: refused, reads too.
+    let evil = format!("evil.example:{}", admin.port());
+    for (method, path) in [("POST", "/reload"), ("GET", "/metrics")] {
+        let (status, _, body) = admin_as(admin, method, path, &evil, Some(ADMIN_TOKEN)).unwrap();
+        assert_eq!(status, 421, "{method} {path}: {body}");
+    }
+    // With the token, from the admin address: done.
+    assert_eq!(admin_http(admin, "POST", "/reload").0, 200);
+
+    // A proxy configured with no token takes no mutation at all.
+    let bare = Setup::new();
+    bare.write(&tagged("main", 1), &tagged("side", 0));
+    let text = std::fs::read_to_string(bare.config())
+        .unwrap()
+        .replace("admin_token_file: admin.token\n", "");
+    std::fs::write(bare.config(), text).unwrap();
+    let proxy = start(&bare);
+    let admin = proxy.admin_addr().unwrap();
+    let (status, _, body) = admin_http(admin, "POST", "/reload");
+    assert_eq!(status, 403, "{body}");
+    assert!(body.contains("no admin token is configured"), "{body}");
+}
+
+#[test]
 fn admin_endpoints_return_what_they_claim() {
     let setup = Setup::new();
     setup.write(&guard("main"), &tagged("side", 0));
     let proxy = start(&setup);
     let (addr, admin) = (proxy.listener_addr().unwrap(), proxy.admin_addr().unwrap());
-    assert_eq!(http(admin, "GET", "/healthz", "a").0, 200);
-    assert_eq!(http(admin, "GET", "/readyz", "a").0, 200);
-    assert_eq!(http(admin, "GET", "/nope", "a").0, 404);
-    assert_eq!(http(admin, "GET", "/reload", "a").0, 405);
+    assert_eq!(admin_http(admin, "GET", "/healthz").0, 200);
+    assert_eq!(admin_http(admin, "GET", "/readyz").0, 200);
+    assert_eq!(admin_http(admin, "GET", "/nope").0, 404);
+    assert_eq!(admin_http(admin, "GET", "/reload").0, 405);
     for _ in 0..3 {
         assert_eq!(http(addr, "DELETE", "/x", "api.test").0, 403);
     }
     assert_eq!(http(addr, "GET", "/x", "api.test").0, 200);
 
-    let (status, headers, text) = http(admin, "GET", "/metrics", "a");
+    let (status, headers, text) = admin_http(admin, "GET", "/metrics");
     assert_eq!(status, 200);
     assert!(
         header(&headers, "content-type")
@@ -395,7 +488,7 @@ fn admin_endpoints_return_what_they_claim() {
     );
     assert!(text.contains("dpumesh_generation"), "{text}");
 
-    let (_, _, filters) = http(admin, "GET", "/filters", "a");
+    let (_, _, filters) = admin_http(admin, "GET", "/filters");
     let filters: serde_json::Value = serde_json::from_str(&filters).unwrap();
     let api = filters["chains"]
         .as_array()
@@ -424,6 +517,7 @@ fn a_new_key_set_takes_effect_on_reload() {
     let write = |secret: &str| {
         let text = format!(
             r#"admin: 127.0.0.1:0
+admin_token_file: admin.token
 listener: 127.0.0.1:0
 workers: 2
 cache_dir: cache

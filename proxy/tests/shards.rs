@@ -20,7 +20,7 @@ use common::get;
 fn write_files(dir: &Path) -> MeshFile {
     std::fs::write(
         dir.join("policy.yaml"),
-        "workers: 1\nchains: {open: []}\nservices: {echo: {chain: open}, caller: {chain: open}}\n",
+        "workers: 1\nchains: {open: []}\nservices: {echo: {chain: open}, caller: {chain: open}}\nroutes: [{host: echo, service: echo}]\n",
     )
     .unwrap();
     std::fs::write(
@@ -66,7 +66,7 @@ fn echo(mut pod: HostPort) -> Vec<u8> {
 
 /// `dpumesh_shard_requests_total` of each shard, from the node's `/metrics`.
 fn shard_requests(admin: SocketAddr) -> BTreeMap<String, u64> {
-    let (_, body) = get(admin, "admin", "/metrics");
+    let (_, body) = get(admin, &admin.to_string(), "/metrics");
     body.lines()
         .filter_map(|l| l.strip_prefix("dpumesh_shard_requests_total{shard=\""))
         .filter_map(|l| {

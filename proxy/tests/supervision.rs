@@ -17,7 +17,7 @@ use common::get;
 fn write_files(dir: &Path) -> MeshFile {
     std::fs::write(
         dir.join("policy.yaml"),
-        "workers: 1\nchains: {open: []}\nservices: {slow: {chain: open}}\n",
+        "workers: 1\nchains: {open: []}\nservices: {slow: {chain: open}}\nroutes: [{host: slow, service: slow}]\n",
     )
     .unwrap();
     std::fs::write(
@@ -59,7 +59,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
         Duration::from_secs(60),
     );
     let client = ingress.addr();
-    assert_eq!(get(admin, "admin", "/readyz").0, 200);
+    assert_eq!(get(admin, &admin.to_string(), "/readyz").0, 200);
 
     // A request the pod holds; the reactor panics under it.
     let held = std::thread::spawn(move || get(client, "slow", "/held"));
@@ -91,7 +91,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
         .find(|t| t.name() == "dpumesh-shard-0")
         .unwrap();
     assert_eq!(reactor.panics(), 1);
-    assert_eq!(get(admin, "admin", "/readyz").0, 200);
+    assert_eq!(get(admin, &admin.to_string(), "/readyz").0, 200);
 
     // A reactor that keeps panicking is left down, and readiness says which thread.
     for n in 2..=6 {
@@ -103,7 +103,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     while !reactor.dead() {
         std::thread::sleep(Duration::from_millis(5));
     }
-    let (status, body) = get(admin, "admin", "/readyz");
+    let (status, body) = get(admin, &admin.to_string(), "/readyz");
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("dpumesh-shard-0"), "{body}");
     assert!(body.contains("injected data plane panic"), "{body}");

@@ -15,8 +15,23 @@
 //! eighth before the baseline, the budget after it, the last tick), within the 2× the
 //! issue allows (7–8 ms for 5 ms measured); an epoch ticker delayed by a loaded
 //! machine adds its delay (up to ~3× seen under two CPU-burning threads).
+//!
+//! A wall-clock backstop stands behind the CPU budget: a call that has been running
+//! for [`BACKSTOP_MULTIPLE`] times its budget in wall time (at least
+//! [`BACKSTOP_FLOOR`]) is stopped whatever CPU it used, and said to have stalled. A
+//! filter has no sleeping import (its clock subscriptions are ready at once), so what
+//! this stops is a call that keeps its thread without computing: a thread serving
+//! many requests is never held by one of them. The wall time is counted in the epoch
+//! ticks the call waited (no clock is read for it), which a delayed ticker only
+//! lengthens: the backstop can come late, never early.
 
 use std::time::Duration;
+
+/// A call stalls after this many times its CPU budget in wall time.
+pub const BACKSTOP_MULTIPLE: u32 = 10;
+/// ... and never before this much wall time: a loaded machine may keep a thread off
+/// the CPU for tens of milliseconds, which is the machine's doing, not the filter's.
+pub const BACKSTOP_FLOOR: Duration = Duration::from_millis(250);
 
 /// What the epoch callback tells wasmtime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +40,8 @@ pub(crate) enum Check {
     Continue(u64),
     /// The call used its budget: interrupt it.
     Exhausted,
+    /// The call has held its thread past the wall-clock backstop: interrupt it.
+    Stalled,
 }
 
 /// One store's budget for the call it is running.
@@ -34,6 +51,12 @@ pub(crate) struct CpuBudget {
     tick: Duration,
     /// The thread's CPU time at the first check of this call.
     baseline: Option<Duration>,
+    /// Epoch ticks the call has waited so far (its wall time, as the ticker counts).
+    waited: u64,
+    /// Ticks after which it has stalled.
+    backstop: u64,
+    /// The last check found it stalled (for telling that fault from the budget's).
+    stalled: bool,
 }
 
 /// Whole ticks covering `d`, at least one.
@@ -48,34 +71,63 @@ impl CpuBudget {
             budget: Duration::ZERO,
             tick,
             baseline: None,
+            waited: 0,
+            backstop: 0,
+            stalled: false,
         }
     }
 
     /// A call with `budget` is starting: the epoch ticks until its first check (an
-    /// eighth of the budget; the tick under way counts, so it may come sooner).
-    pub(crate) fn arm(&mut self, budget: Duration) -> u64 {
+    /// eighth of the budget; the tick under way counts, so it may come sooner), at most
+    /// `max` ticks.
+    pub(crate) fn arm(&mut self, budget: Duration, max: u64) -> u64 {
         self.budget = budget;
         self.baseline = None;
-        ticks_for(budget / 8, self.tick)
+        self.stalled = false;
+        self.backstop = ticks_for((budget * BACKSTOP_MULTIPLE).max(BACKSTOP_FLOOR), self.tick);
+        self.waited = ticks_for(budget / 8, self.tick).min(max);
+        self.waited
     }
 
-    /// The epoch reached the call's deadline; `cpu` is the thread's CPU time now.
-    pub(crate) fn check(&mut self, cpu: Duration) -> Check {
-        let Some(baseline) = self.baseline else {
-            self.baseline = Some(cpu);
-            // CPU time grows no faster than wall time: the budget cannot run out
-            // sooner than a whole budget from now.
-            return Check::Continue(ticks_for(self.budget, self.tick));
-        };
-        let used = cpu.saturating_sub(baseline);
-        if used >= self.budget {
-            Check::Exhausted
-        } else {
-            // Whole ticks that cannot use up the rest (the tick under way may be
-            // nearly over), at least the next tick.
-            let left = self.budget - used;
-            Check::Continue((left.as_nanos() / self.tick.as_nanos().max(1)).max(1) as u64)
+    /// The epoch reached the call's deadline; `cpu` is the thread's CPU time now. A
+    /// call goes on for at most `max` more ticks before it is looked at again.
+    pub(crate) fn check(&mut self, cpu: Duration, max: u64) -> Check {
+        if self.waited >= self.backstop {
+            self.stalled = true;
+            return Check::Stalled;
         }
+        let ticks = match self.baseline {
+            None => {
+                self.baseline = Some(cpu);
+                // CPU time grows no faster than wall time: the budget cannot run out
+                // sooner than a whole budget from now.
+                ticks_for(self.budget, self.tick)
+            }
+            Some(baseline) => {
+                let used = cpu.saturating_sub(baseline);
+                if used >= self.budget {
+                    return Check::Exhausted;
+                }
+                // Whole ticks that cannot use up the rest (the tick under way may be
+                // nearly over), at least the next tick.
+                let left = self.budget - used;
+                (left.as_nanos() / self.tick.as_nanos().max(1)).max(1) as u64
+            }
+        };
+        // Looked at again by the backstop at the latest.
+        let ticks = ticks.min(max).min(self.backstop - self.waited).max(1);
+        self.waited += ticks;
+        Check::Continue(ticks)
+    }
+
+    /// Whether the call was stopped by the wall-clock backstop (not its CPU budget).
+    pub(crate) fn stalled(&self) -> bool {
+        self.stalled
+    }
+
+    /// The wall-clock backstop of the call under way.
+    pub(crate) fn backstop(&self) -> Duration {
+        (self.budget * BACKSTOP_MULTIPLE).max(BACKSTOP_FLOOR)
     }
 }
 
@@ -90,36 +142,74 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+    const MAX: u64 = 50;
 
     #[test]
     fn a_preempted_call_goes_on_and_a_busy_one_is_stopped_once_its_budget_is_used() {
         let mut b = CpuBudget::new(MS);
         assert_eq!(
-            b.arm(5 * MS),
+            b.arm(5 * MS, MAX),
             1,
             "first look after an eighth of 5 ms: the next tick"
         );
-        assert_eq!(b.arm(40 * MS), 5);
-        assert_eq!(b.arm(5 * MS), 1);
+        assert_eq!(b.arm(40 * MS, MAX), 5);
+        assert_eq!(b.arm(5 * MS, MAX), 1);
         // Preempted: no CPU spent at the first look or after.
-        assert_eq!(b.check(Duration::from_millis(100)), Check::Continue(5));
-        assert_eq!(b.check(Duration::from_millis(100)), Check::Continue(5));
+        assert_eq!(b.check(Duration::from_millis(100), MAX), Check::Continue(5));
+        assert_eq!(b.check(Duration::from_millis(100), MAX), Check::Continue(5));
         // Now running: 2.5 ms used since the baseline, 2.5 ms left: two whole ticks.
-        assert_eq!(b.check(Duration::from_micros(102_500)), Check::Continue(2));
+        assert_eq!(
+            b.check(Duration::from_micros(102_500), MAX),
+            Check::Continue(2)
+        );
         // The last tick: looked at every tick.
-        assert_eq!(b.check(Duration::from_micros(104_600)), Check::Continue(1));
-        assert_eq!(b.check(Duration::from_millis(105)), Check::Exhausted);
+        assert_eq!(
+            b.check(Duration::from_micros(104_600), MAX),
+            Check::Continue(1)
+        );
+        assert_eq!(b.check(Duration::from_millis(105), MAX), Check::Exhausted);
     }
 
     #[test]
     fn each_call_starts_from_a_fresh_baseline() {
         let mut b = CpuBudget::new(MS);
-        b.arm(4 * MS);
-        b.check(Duration::from_millis(10));
-        assert_eq!(b.check(Duration::from_millis(13)), Check::Continue(1));
-        assert_eq!(b.arm(4 * MS), 1);
-        assert_eq!(b.check(Duration::from_millis(13)), Check::Continue(4));
-        assert_eq!(b.check(Duration::from_millis(15)), Check::Continue(2));
+        b.arm(4 * MS, MAX);
+        b.check(Duration::from_millis(10), MAX);
+        assert_eq!(b.check(Duration::from_millis(13), MAX), Check::Continue(1));
+        assert_eq!(b.arm(4 * MS, MAX), 1);
+        assert_eq!(b.check(Duration::from_millis(13), MAX), Check::Continue(4));
+        assert_eq!(b.check(Duration::from_millis(15), MAX), Check::Continue(2));
+    }
+
+    #[test]
+    fn a_call_that_holds_its_thread_without_computing_stalls_at_the_backstop() {
+        // 5 ms of CPU: the backstop is the floor, 250 ms of wall time (250 ticks).
+        let mut b = CpuBudget::new(MS);
+        assert_eq!(b.arm(5 * MS, MAX), 1);
+        let mut waited = 1;
+        // The thread's CPU time never moves: every look lets it go on...
+        loop {
+            match b.check(Duration::from_millis(7), MAX) {
+                Check::Continue(ticks) => {
+                    assert!(ticks <= MAX);
+                    waited += ticks;
+                }
+                Check::Stalled => break,
+                Check::Exhausted => panic!("no CPU was used"),
+            }
+        }
+        // ...until it has waited exactly the backstop, looked at no later than that.
+        assert_eq!(waited, 250);
+        assert!(b.stalled());
+        assert_eq!(b.backstop(), Duration::from_millis(250));
+        // A new call starts afresh; 100 ms of budget stalls at 1 s.
+        assert_eq!(b.arm(100 * MS, MAX), 13);
+        assert!(!b.stalled());
+        assert_eq!(b.backstop(), Duration::from_secs(1));
+        // A busy call still ends at its budget, long before.
+        assert_eq!(b.check(Duration::ZERO, MAX), Check::Continue(50));
+        assert_eq!(b.check(Duration::from_millis(100), MAX), Check::Exhausted);
+        assert!(!b.stalled());
     }
 
     #[test]

@@ -110,6 +110,9 @@ pub enum LoadError {
 pub enum FaultKind {
     /// The call ran past its CPU deadline and was interrupted.
     Deadline(Duration),
+    /// The call held its thread past the wall-clock backstop (this much wall time)
+    /// without finishing, whatever CPU it used, and was interrupted.
+    Stalled(Duration),
     /// The instance tried to grow its memory past the cap.
     MemoryCap(usize),
     /// The guest trapped (panic, unreachable, out-of-bounds access, ...).
@@ -129,14 +132,18 @@ impl FaultKind {
     /// Whether a fresh instance might not fault again (traps, deadlines, memory): the
     /// `reload` policy retries only these.
     pub fn retryable(&self) -> bool {
-        matches!(self, Self::Deadline(_) | Self::MemoryCap(_) | Self::Trap(_))
+        matches!(
+            self,
+            Self::Deadline(_) | Self::Stalled(_) | Self::MemoryCap(_) | Self::Trap(_)
+        )
     }
 
-    /// A short, stable label for metrics: `deadline`, `memory`, `trap`, `bad_reply`,
-    /// `unavailable`, `degraded`.
+    /// A short, stable label for metrics: `deadline`, `stalled`, `memory`, `trap`,
+    /// `bad_reply`, `unavailable`, `degraded`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Deadline(_) => "deadline",
+            Self::Stalled(_) => "stalled",
             Self::MemoryCap(_) => "memory",
             Self::Trap(_) => "trap",
             Self::BadReply(_) => "bad_reply",
@@ -150,6 +157,10 @@ impl fmt::Display for FaultKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Deadline(d) => write!(f, "exceeded its CPU deadline of {d:?}"),
+            Self::Stalled(d) => write!(
+                f,
+                "held its thread for {d:?} of wall time without finishing (the wall-clock backstop)"
+            ),
             Self::MemoryCap(cap) => write!(f, "exceeded its memory cap of {} KiB", cap / 1024),
             Self::Trap(msg) => write!(f, "trapped: {msg}"),
             Self::BadReply(msg) => write!(f, "returned an invalid reply: {msg}"),

@@ -150,14 +150,20 @@ pub(crate) fn new_store<T: CallData>(
     // (`budget`): a call that was preempted goes on.
     store.epoch_deadline_callback(move |mut store| {
         let cpu = crate::budget::thread_cpu_time();
-        Ok(match store.data_mut().budget().check(cpu) {
-            Check::Continue(ticks) => {
-                // Still running: keep the ticker from parking under this call.
-                epoch.call_begins();
-                UpdateDeadline::Continue(ticks.min(MAX_TICKS_BETWEEN_CHECKS))
-            }
-            Check::Exhausted => UpdateDeadline::Interrupt,
-        })
+        Ok(
+            match store
+                .data_mut()
+                .budget()
+                .check(cpu, MAX_TICKS_BETWEEN_CHECKS)
+            {
+                Check::Continue(ticks) => {
+                    // Still running: keep the ticker from parking under this call.
+                    epoch.call_begins();
+                    UpdateDeadline::Continue(ticks)
+                }
+                Check::Exhausted | Check::Stalled => UpdateDeadline::Interrupt,
+            },
+        )
     });
     arm_store(&mut store, deadline);
     store
@@ -188,8 +194,8 @@ fn filter_store(filter: &LoadedFilter) -> Store<StoreState> {
 pub(crate) fn arm_store<T: CallData>(store: &mut Store<T>, deadline: Duration) {
     let data = store.data_mut();
     data.limiter().hit = false;
-    let first = data.budget().arm(deadline);
-    store.set_epoch_deadline(first.min(MAX_TICKS_BETWEEN_CHECKS));
+    let first = data.budget().arm(deadline, MAX_TICKS_BETWEEN_CHECKS);
+    store.set_epoch_deadline(first);
 }
 
 /// How long an instance took to start: instantiation from the pool, then `configure`.
@@ -720,7 +726,12 @@ pub(crate) fn classify<T: CallData>(
         return FaultKind::MemoryCap(data.limiter().cap());
     }
     if let Some(Trap::Interrupt) = error.downcast_ref::<Trap>() {
-        return FaultKind::Deadline(deadline);
+        let budget = data.budget();
+        return if budget.stalled() {
+            FaultKind::Stalled(budget.backstop())
+        } else {
+            FaultKind::Deadline(deadline)
+        };
     }
     let mut message = match error.downcast_ref::<Trap>() {
         Some(trap) => trap.to_string(),

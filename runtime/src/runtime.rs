@@ -152,6 +152,9 @@ impl Runtime {
         let mut linker = Linker::<StoreState>::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
             .map_err(|e| RuntimeError(format!("linking WASI: {e:#}")))?;
+        // No filter may sleep: its clock subscriptions are ready at once.
+        crate::imports::clocks::shadow(&mut linker)
+            .map_err(|e| RuntimeError(format!("linking WASI's clock: {e:#}")))?;
         crate::bindings::BatchedFilter::add_to_linker::<StoreState, HasSelf<StoreState>>(
             &mut linker,
             |state| state,

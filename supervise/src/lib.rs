@@ -11,6 +11,8 @@
 
 #![forbid(unsafe_code)]
 
+pub mod parent;
+
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;

@@ -52,6 +52,8 @@ pub struct Up {
     pub ingress_admin: Option<std::net::SocketAddr>,
     /// How the mesh proves who is who, for the banner.
     pub identity: String,
+    /// The nodes' admin token (none without identities: no admin mutations then).
+    pub admin_token: Option<String>,
     /// The Pingmesh dashboard and JSON API, when `dpumesh up` runs the analyzer.
     pub pingmesh: Option<String>,
     /// Nodes that did not come up at the start.
@@ -67,6 +69,10 @@ impl Up {
         // Before any process starts: each loads its certificate.
         let issued = dpumesh_proxy::trust::issue(&mesh, false)?;
         let registration = dpumesh_proxy::trust::registration_key(&mesh)?;
+        // The demo's token key too: the policy reads it, so it exists before a node.
+        if let Some(demo) = DemoToken::read(file)? {
+            demo.ensure_key()?;
+        }
         if !issued.is_empty() {
             say_err!(
                 "dpumesh up: issued {} certificate(s) into {}",
@@ -93,6 +99,9 @@ impl Up {
                 }
             },
             pingmesh: None,
+            admin_token: registration
+                .as_ref()
+                .map(dpumesh_identity::admin::admin_token),
             down: Default::default(),
             run_dir,
         };
@@ -326,7 +335,12 @@ pub fn up(file: &Path) -> Result<()> {
     for (node, url) in &up.admins {
         say!("  admin     {url}  ({node}: /healthz /readyz /metrics /filters, POST /reload)");
     }
-    if let Some(token) = demo_token(file)? {
+    if let Some(token) = &up.admin_token {
+        say!(
+            "  admin token (POST /reload, DELETE /store, DELETE /cache): authorization: Bearer {token}"
+        );
+    }
+    if let Some(token) = DemoToken::read(file)?.map(|d| d.sign()).transpose()? {
         say!("  try:");
         say!(
             "    curl -s -H 'authorization: Bearer {token}' 'http://{}/hotels?user=7'",
@@ -353,29 +367,56 @@ pub fn up(file: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A token for the README's curl, when the mesh file's folder has `demo-token.json`
-/// (`{"secret": "...", "claims": {...}}`, signed HS256 for an hour).
-fn demo_token(mesh: &Path) -> Result<Option<String>> {
-    let file = mesh
-        .parent()
-        .unwrap_or(Path::new("."))
-        .join("demo-token.json");
-    let Ok(text) = std::fs::read_to_string(&file) else {
-        return Ok(None);
-    };
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}", file.display()))?;
-    let secret = v["secret"].as_str().context("demo-token.json: no secret")?;
-    let mut claims = v["claims"].clone();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
-    claims["iat"] = now.into();
-    claims["exp"] = (now + 3600).into();
-    let token = jsonwebtoken::encode(
-        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
-        &claims,
-        &jsonwebtoken::EncodingKey::from_secret(secret.as_bytes()),
-    )?;
-    Ok(Some(token))
+/// The README's curl token, when the mesh file's folder has `demo-token.json`:
+/// `{"key_file": "...", "claims": {...}}`, signed HS256 for an hour with the key in
+/// `key_file` (relative to that folder; the policy's key set reads the same file).
+/// The key is made fresh for each mesh, beside its certificates: no key in the
+/// repository is one a mesh accepts.
+struct DemoToken {
+    key: std::path::PathBuf,
+    claims: serde_json::Value,
+}
+
+impl DemoToken {
+    fn read(mesh: &Path) -> Result<Option<Self>> {
+        let dir = mesh.parent().unwrap_or(Path::new("."));
+        let file = dir.join("demo-token.json");
+        let Ok(text) = std::fs::read_to_string(&file) else {
+            return Ok(None);
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("{}", file.display()))?;
+        let key = v["key_file"]
+            .as_str()
+            .with_context(|| format!("{}: no key_file", file.display()))?;
+        Ok(Some(Self {
+            key: dir.join(key),
+            claims: v["claims"].clone(),
+        }))
+    }
+
+    /// Makes the key if the mesh has none yet.
+    fn ensure_key(&self) -> Result<()> {
+        if dpumesh_identity::ca::ensure_secret(&self.key)? {
+            say_err!("dpumesh up: made the demo token key {}", self.key.display());
+        }
+        Ok(())
+    }
+
+    /// A token with the claims, valid for an hour.
+    fn sign(self) -> Result<String> {
+        let secret = std::fs::read(&self.key)
+            .with_context(|| format!("the demo token key {}", self.key.display()))?;
+        let mut claims = self.claims;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs();
+        claims["iat"] = now.into();
+        claims["exp"] = (now + 3600).into();
+        Ok(jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(&secret),
+        )?)
+    }
 }

@@ -167,6 +167,11 @@ impl Process {
         for (k, v) in &self.spec.env {
             cmd.env(k, v);
         }
+        // Nothing `up` started outlives it, even when it is killed.
+        cmd.env(
+            dpumesh_supervise::parent::PARENT_ENV,
+            std::process::id().to_string(),
+        );
         if let Some(dir) = &self.spec.dir {
             cmd.current_dir(dir);
         }

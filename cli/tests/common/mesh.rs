@@ -179,6 +179,11 @@ impl Mesh {
         self.admins.clone()
     }
 
+    /// The nodes' admin token.
+    pub fn admin_token(&self) -> String {
+        admin_token_of(self._dir.path())
+    }
+
     /// A client of its ingress.
     pub fn client(&self) -> Client {
         Client(self.ingress)
@@ -377,9 +382,18 @@ pub fn admin_get(admin: SocketAddr, path: &str) -> (u16, String) {
     admin_call(admin, "GET", path)
 }
 
-/// `DELETE path` on an admin API: its status and body.
-pub fn admin_delete(admin: SocketAddr, path: &str) -> (u16, String) {
-    admin_call(admin, "DELETE", path)
+/// `DELETE path` on an admin API, with the admin `token`: its status and body.
+pub fn admin_delete(admin: SocketAddr, path: &str, token: &str) -> (u16, String) {
+    try_admin_request(admin, "DELETE", path, &admin.to_string(), Some(token))
+        .unwrap_or_else(|e| panic!("DELETE {path} on the admin API {admin}: {e}"))
+}
+
+/// The admin token of the mesh whose file is in `dir` (its certificates in
+/// `.dpumesh/certs`), as `dpumesh certs --admin-token` tells it.
+pub fn admin_token_of(dir: &Path) -> String {
+    let key = dpumesh_identity::registration::RegistrationKey::load(&dir.join(".dpumesh/certs"))
+        .expect("the mesh's registration key");
+    dpumesh_identity::admin::admin_token(&key)
 }
 
 fn admin_call(admin: SocketAddr, method: &str, path: &str) -> (u16, String) {
@@ -394,11 +408,24 @@ pub fn try_admin_call(
     method: &str,
     path: &str,
 ) -> Result<(u16, String), std::io::Error> {
+    try_admin_request(admin, method, path, &admin.to_string(), None)
+}
+
+/// One call to an admin API with the `Host` and bearer `token` given.
+pub fn try_admin_request(
+    admin: SocketAddr,
+    method: &str,
+    path: &str,
+    host: &str,
+    token: Option<&str>,
+) -> Result<(u16, String), std::io::Error> {
     let mut s = TcpStream::connect(admin)?;
     // A stopped process would hold the test forever.
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let auth = token.map_or(String::new(), |t| format!("authorization: Bearer {t}\r\n"));
     s.write_all(
-        format!("{method} {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
+        format!("{method} {path} HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n")
+            .as_bytes(),
     )?;
     let (status, _, body) =
         read_response(&mut s).ok_or(std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;

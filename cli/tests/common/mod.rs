@@ -6,8 +6,17 @@ use std::path::{Path, PathBuf};
 
 pub mod mesh;
 
-/// The hotel sample's HS256 secret.
-pub const SECRET: &str = "dpumesh-demo-hs256-secret-0123456789";
+/// The tests' HS256 key: written as each test mesh's demo token key (in its
+/// certificate folder) before `dpumesh up`, which keeps a key it finds, so tokens made
+/// here are ones the test's mesh accepts. A mesh of the sample's own makes a fresh key.
+pub const SECRET: &str = "dpumesh-tests-hs256-secret-0123456789";
+
+/// Writes [`SECRET`] as the demo token key of the mesh whose file is in `dir`.
+pub fn write_demo_key(dir: &Path) {
+    let certs = dir.join(".dpumesh/certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    std::fs::write(certs.join("demo-jwt.key"), SECRET).unwrap();
+}
 
 /// The sample's folder.
 pub fn sample() -> PathBuf {
@@ -30,6 +39,18 @@ pub fn token(sub: &str, roles: &[&str]) -> String {
         &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()),
     )
     .unwrap()
+}
+
+/// `policy` with `service` exposed at the ingress as the virtual host of its name (a
+/// route on the host, before the others): from outside, only a route reaches a
+/// service. Tests that drive an internal service directly add it.
+pub fn expose(policy: String, service: &str) -> String {
+    assert!(policy.contains("\nroutes:\n"), "the policy has routes");
+    policy.replacen(
+        "\nroutes:\n",
+        &format!("\nroutes:\n  - {{host: {service}, service: {service}}}\n"),
+        1,
+    )
 }
 
 /// Writes the sample's policy into `dir`, pointing at this build's components and
@@ -60,6 +81,7 @@ pub fn write_policy_with(dir: &Path, edit: impl Fn(String) -> String) {
     // release budget; these tests are about the data path.
     let policy = policy.replace("    component: ", "    deadline: 100ms\n    component: ");
     std::fs::write(dir.join("policy.yaml"), edit(policy)).unwrap();
+    write_demo_key(dir);
 }
 
 /// A port nobody listens on right now, and that nothing else will take while

@@ -47,6 +47,10 @@ pub struct Jwt {
     cache_hits: Counter,
     missing: Counter,
     failures: Vec<(&'static str, Counter)>,
+    /// The headers this filter writes (`claim_to_headers`, `forward_payload_header`
+    /// of every provider): removed from every request first, so a client's header of
+    /// the same name never passes as one the filter set.
+    owned_headers: Vec<String>,
 }
 
 /// A claim value as metadata: strings raw, everything else as JSON.
@@ -163,7 +167,26 @@ impl Filter for Jwt {
             "issuer",
             "audience",
         ];
+        let mut owned_headers: Vec<String> = config
+            .providers
+            .iter()
+            .flat_map(|p| {
+                p.raw
+                    .claim_to_headers
+                    .iter()
+                    .map(|c| c.header.to_ascii_lowercase())
+                    .chain(
+                        p.raw
+                            .forward_payload_header
+                            .iter()
+                            .map(|h| h.to_ascii_lowercase()),
+                    )
+            })
+            .collect();
+        owned_headers.sort();
+        owned_headers.dedup();
         Ok(Self {
+            owned_headers,
             cache: TokenCache::new(config.cache_entries),
             verified: counter(&[("result", "verified")])?,
             cache_hits: counter(&[("result", "cache_hit")])?,
@@ -193,6 +216,9 @@ impl Filter for Jwt {
     }
 
     fn on_request(&mut self, req: &Request<'_>) -> Verdict {
+        for header in &self.owned_headers {
+            let _ = req.remove_header(header);
+        }
         let Some(rule) = matcher::find(&self.config.rules, req.method(), req.path()) else {
             return Verdict::Continue;
         };

@@ -33,8 +33,9 @@ pub trait RequestView {
     fn method(&self) -> &str;
     /// Path without query.
     fn path(&self) -> &str;
-    /// First value of a header.
-    fn header(&self, name: &str) -> Option<String>;
+    /// Every value of a header, in order (a repeated header is matched on each, so a
+    /// decoy value first cannot hide the one a rule looks for).
+    fn header_all(&self, name: &str) -> Vec<String>;
     /// Destination service.
     fn destination(&self) -> Option<String>;
     /// The verified claims the engine's policies name ([`Engine::claim_names`], in that
@@ -78,8 +79,8 @@ impl RequestView for View<'_, '_> {
     fn path(&self) -> &str {
         self.req.path()
     }
-    fn header(&self, name: &str) -> Option<String> {
-        self.req.header(name)
+    fn header_all(&self, name: &str) -> Vec<String> {
+        self.req.header_all(name)
     }
     fn destination(&self) -> Option<String> {
         self.req.destination()

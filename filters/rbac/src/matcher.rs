@@ -231,11 +231,15 @@ impl HeaderMatch {
         })
     }
 
+    /// Present (with a matching value) when any value of a repeated header is; absent
+    /// when it has none. A DENY rule is not dodged by sending a decoy value first, nor
+    /// an ALLOW rule's value hidden behind another.
     fn matches(&self, req: &dyn RequestView) -> bool {
-        match (req.header(&self.name), &self.value) {
-            (None, _) => !self.present,
-            (Some(_), None) => self.present,
-            (Some(v), Some(m)) => m.matches(&v),
+        let values = req.header_all(&self.name);
+        match &self.value {
+            _ if values.is_empty() => !self.present,
+            None => self.present,
+            Some(m) => values.iter().any(|v| m.matches(v)),
         }
     }
 }

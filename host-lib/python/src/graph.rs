@@ -74,6 +74,7 @@ fn request(item: &Bound<'_, PyAny>, step: &str) -> PyResult<HttpRequest> {
         url,
         headers: header_map(&headers, &format!("step {step:?}"))?,
         body: Bytes::copy_from_slice(body.as_bytes()),
+        caller: None,
     })
 }
 

@@ -19,7 +19,8 @@ pub(crate) fn worker_scope() -> dpumesh_host::WorkerScope {
     Arc::new(|run: &mut (dyn FnMut() + Send)| Python::attach(|py| py.detach(run)))
 }
 
-/// Calls `dispatch(method, target, headers, body)` for each request.
+/// Calls `dispatch(method, target, headers, body, caller)` for each request; `caller`
+/// is `(scheme, address, port, identity)` as the mesh says it (or `None`).
 pub(crate) struct PyHandler {
     dispatch: Py<PyAny>,
     helpers: Arc<Helpers>,
@@ -62,7 +63,21 @@ impl PyHandler {
             }
         }
         let body = PyBytes::new(py, &request.body);
-        let args = (request.method.as_str(), request.url.as_str(), headers, body);
+        let caller = request.caller.as_ref().map(|c| {
+            (
+                c.scheme.as_str(),
+                c.addr.ip().to_string(),
+                c.addr.port(),
+                c.identity.as_deref(),
+            )
+        });
+        let args = (
+            request.method.as_str(),
+            request.url.as_str(),
+            headers,
+            body,
+            caller,
+        );
         let value = match self.dispatch.bind(py).call1(args) {
             Ok(v) => v,
             Err(e) => {

@@ -23,9 +23,11 @@ def test_the_environ_follows_pep_3333():
             ("cookie", "b=2"),
             ("x_spoofed", "1"),
             ("x-forwarded-for", "10.0.0.7, 10.0.0.1"),
+            ("x-forwarded-proto", "https"),
         ],
         b"{}",
         "frontend",
+        ("http", "192.0.2.44", 51000, None),
     )
     # The decoded path as latin-1 code points of its UTF-8 bytes; the query raw.
     assert env["PATH_INFO"] == "/café/a/b".encode("utf-8").decode("latin-1")
@@ -38,8 +40,18 @@ def test_the_environ_follows_pep_3333():
     assert env["HTTP_ACCEPT"] == "text/html, application/json"
     assert env["HTTP_COOKIE"] == "a=1; b=2"
     assert "HTTP_X_SPOOFED" not in env, "a header with _ could pose as one with -"
-    assert env["REMOTE_ADDR"] == "10.0.0.7"
+    # Who called and how is the mesh's word, not the forwarded headers' (a client's).
+    assert (env["REMOTE_ADDR"], env["REMOTE_PORT"]) == ("192.0.2.44", "51000")
+    assert env["wsgi.url_scheme"] == "http"
+    assert env["dpumesh.caller_identity"] is None
     assert env["wsgi.input"].read() == b"{}"
+
+
+def test_a_call_from_a_pod_names_its_workload():
+    env = environ_for(
+        "GET", "/", [], b"", "user", ("http", "127.0.0.1", 0, "spiffe://hotel/svc/frontend")
+    )
+    assert env["dpumesh.caller_identity"] == "spiffe://hotel/svc/frontend"
 
 
 def test_flask_reads_args_headers_and_body_and_answers_with_headers():

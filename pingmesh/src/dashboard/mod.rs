@@ -88,15 +88,37 @@ pub async fn serve(
     analyzer: Arc<Analyzer>,
     overview: Arc<Overview>,
 ) {
+    // The dashboard only reads, but it is asked for by its own address only: a page
+    // from another site, its name rebound to this address, gets nothing.
+    let port = listener.local_addr().map_or(0, |a| a.port());
+    let access = Arc::new(dpumesh_identity::admin::AdminAccess::new(
+        port,
+        None,
+        Vec::new(),
+    ));
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (analyzer, overview) = (analyzer.clone(), overview.clone());
+        let (analyzer, overview, access) = (analyzer.clone(), overview.clone(), access.clone());
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let (analyzer, overview) = (analyzer.clone(), overview.clone());
+                let (analyzer, overview, access) =
+                    (analyzer.clone(), overview.clone(), access.clone());
                 async move {
+                    let host = req
+                        .headers()
+                        .get(hyper::header::HOST)
+                        .and_then(|v| v.to_str().ok());
+                    if let Err(refused) = access.check_host(host) {
+                        return Ok::<_, Infallible>(
+                            Response::builder()
+                                .status(StatusCode::MISDIRECTED_REQUEST)
+                                .header("content-type", "text/plain")
+                                .body(Full::new(Bytes::from(format!("{refused}\n"))))
+                                .expect("static headers"),
+                        );
+                    }
                     Ok::<_, Infallible>(
                         route(&analyzer, &overview, req.method(), req.uri().path()).await,
                     )

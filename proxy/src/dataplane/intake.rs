@@ -1,6 +1,8 @@
 //! Taking requests in (from links and from the node's pods), routing them and running
 //! their chains.
 
+use dpumesh_head::path::ORIGINAL_PATH_METADATA;
+
 use super::*;
 
 impl<F: Fabric> Reactor<F> {
@@ -118,12 +120,18 @@ impl<F: Fabric> Reactor<F> {
     /// backend without authentication: fail closed).
     fn trust_claims(&self, qp: u32, head: &mut RequestHead, flags: &mut RequestFlags) {
         let peer = self.links.get(&qp).and_then(|s| s.link.peer_identity());
-        let peer = match peer {
+        match peer {
             Some(peer) if peer.is_node() => return,
             None if !self.topology.require_identity => return,
+            // The ingress (or a link that proved nothing): the chain's metadata is
+            // the filters' to set, so of what it says only the path it normalized
+            // is kept.
+            _ => keep_edge_metadata(head),
+        }
+        let peer = match peer {
             // Nothing claimed, nothing to drop (every request from the ingress): the
             // peer's name is formatted only for a warning.
-            _ if !flags.policed && head.source.identity.is_none() => return,
+            _ if !flags.policed && !flags.call && head.source.identity.is_none() => return,
             Some(peer) => peer.to_string(),
             None => "an unauthenticated link".to_owned(),
         };
@@ -132,13 +140,22 @@ impl<F: Fabric> Reactor<F> {
             metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "policed").increment(1);
             flags.policed = false;
         }
+        if flags.call {
+            tracing::warn!(%peer, authority = %head.authority, "a request claimed to be a mesh call by a peer that is not a node: only routes let it in");
+            metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "call").increment(1);
+            flags.call = false;
+        }
         if let Some(claimed) = head.source.identity.take() {
             tracing::warn!(%peer, claimed, "a request claimed a workload identity its peer cannot vouch for: dropped");
             metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "identity").increment(1);
         }
     }
 
-    /// A request from a pod on this node (case 1 or 3).
+    /// A request from a pod on this node (case 1 or 3). Nothing the pod wrote is
+    /// believed but the request itself: its identity is the ring's, its metadata is
+    /// dropped (only filters set metadata: a pod's `jwt.payload` would be read as
+    /// verified claims, its `wasm.*` as proxy-wasm properties), the mesh's own headers
+    /// are removed, and its path is normalized as the ingress normalizes a client's.
     pub(super) fn pod_request(&mut self, d: Descriptor) {
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         self.shard_requests.increment(1);
@@ -165,6 +182,13 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
+        head.clear_metadata();
+        head.remove_reserved();
+        if let Err(e) = head.normalize_path(&self.topology.path) {
+            let e = ProxyError::new(ErrorKind::MalformedRequest, format!("{e}: {:?}", head.path));
+            self.reply_origin_error(&origin, &e);
+            return;
+        }
         // Who is calling is the data path's to say, not the pod's: its service's
         // workload ID (one allocation; `pod` first takes a new pod into the table).
         let _ = self.pod(d.src_pod);
@@ -196,7 +220,17 @@ impl<F: Fabric> Reactor<F> {
                 (s, usize::MAX, policy)
             })
         } else {
-            snapshot.resolve(&head.authority, &head.path)
+            match origin {
+                // A pod's call, or a node's (a filter's callout), names its service; it
+                // meets that service's chain.
+                Origin::Pod { .. } => snapshot.resolve_call(&head.authority, &head.path),
+                Origin::Link { .. } if flags.call => {
+                    snapshot.resolve_call(&head.authority, &head.path)
+                }
+                // From a link otherwise: the ingress (or a peer whose claim was not
+                // believed). Only routes let a request in.
+                Origin::Link { .. } => snapshot.resolve_route(&head.authority, &head.path),
+            }
         };
         let Some((service, chain, policy)) = routed else {
             let e = ProxyError::new(
@@ -336,5 +370,22 @@ impl<F: Fabric> Reactor<F> {
                 self.dispatch(xid);
             }
         }
+    }
+}
+
+/// Of a head's metadata from the mesh's edge, keeps only the path the ingress
+/// normalized away ([`ORIGINAL_PATH_METADATA`]); everything else is dropped.
+fn keep_edge_metadata(head: &mut RequestHead) {
+    if head
+        .metadata_entries()
+        .all(|(k, _)| k == ORIGINAL_PATH_METADATA)
+    {
+        return;
+    }
+    metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "metadata").increment(1);
+    let original = head.metadata(ORIGINAL_PATH_METADATA).map(str::to_owned);
+    head.clear_metadata();
+    if let Some(original) = original {
+        head.set_metadata(ORIGINAL_PATH_METADATA, &original);
     }
 }

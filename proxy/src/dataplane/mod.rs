@@ -90,6 +90,9 @@ pub struct Topology {
     pub require_identity: bool,
     /// The node's HTTP response cache (routes with `cache` use it).
     pub cache: Option<Arc<crate::http_cache::HttpCache>>,
+    /// How pods' call paths are normalized: the mesh's `ingress.path`, so a pod's
+    /// call is read as a client's request would be.
+    pub path: dpumesh_config::PathConfig,
 }
 
 /// Counters, readable from any thread.

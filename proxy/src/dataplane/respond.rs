@@ -420,7 +420,10 @@ impl<F: Fabric> Reactor<F> {
             qp,
             Message::Request(Request {
                 xid,
-                flags: RequestFlags { policed: true },
+                flags: RequestFlags {
+                    policed: true,
+                    call: false,
+                },
                 deadline_ms,
                 body,
                 reply,

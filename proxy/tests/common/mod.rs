@@ -52,6 +52,7 @@ pub fn ingress(
             max_headers: 100,
             request_timeout,
             slots: 8,
+            slots_per_client: 8,
             threads: Some(threads),
             policy,
             services: BTreeMap::from([(service.to_owned(), vec![node])]),

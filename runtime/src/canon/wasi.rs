@@ -5,8 +5,10 @@
 //!
 //! Streams and pollables are fixed handles (stdio has no state of its own here); a
 //! handle the guest was not given traps, as an unknown handle does in the component
-//! model. Anything else WASI offers (sleeping, files, sockets) is not defined, so a
-//! component that imports it takes the component path.
+//! model. A clock subscription is the one ready pollable, as on the component path
+//! (`crate::imports::clocks`): a filter's sleep returns at once and never holds the
+//! thread. Anything else WASI offers (files, sockets) is not defined, so a component
+//! that imports it takes the component path.
 
 use wasmtime::{Linker, Result, format_err};
 use wasmtime_wasi::p2::bindings::random::{insecure, insecure_seed, random};
@@ -168,6 +170,13 @@ fn add_clocks_and_random(linker: &mut Linker<StoreState>) -> Result<()> {
         Ok(cx.data().clock().monotonic_ns() as i64)
     })?;
     linker.func_wrap(&monotonic, "resolution", |_: Cx<'_>| Ok(1i64))?;
+    // Ready at once: no filter sleeps on a thread that serves other requests.
+    linker.func_wrap(&monotonic, "subscribe-duration", |_: Cx<'_>, _: i64| {
+        Ok(READY)
+    })?;
+    linker.func_wrap(&monotonic, "subscribe-instant", |_: Cx<'_>, _: i64| {
+        Ok(READY)
+    })?;
     let wall = module("clocks/wall-clock");
     linker.func_wrap(&wall, "now", |mut cx: Cx<'_>, ret: i32| {
         ret_area(&cx, ret, 16, 8)?;

@@ -21,6 +21,7 @@ use crate::limits::MemoryLimiter;
 use crate::stamp::Stamp;
 use crate::stderr::StderrTail;
 
+pub(crate) mod clocks;
 mod head;
 mod services;
 
@@ -258,8 +259,9 @@ impl StoreState {
             self.reload_head = self.head.as_deref().cloned();
         }
         self.limiter.hit = false;
-        let ticks = self.budget.arm(member.deadline);
-        Ok(ticks.min(crate::instance::MAX_TICKS_BETWEEN_CHECKS))
+        Ok(self
+            .budget
+            .arm(member.deadline, crate::instance::MAX_TICKS_BETWEEN_CHECKS))
     }
 
     /// The filters entered by the last fused call, with the time each began.

@@ -39,6 +39,26 @@ pub(crate) fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<wasmtime::Li
     let mut linker = wasmtime::Linker::new(engine);
     host::define(&mut linker)?;
     wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |state: &mut PwState| &mut state.wasi)?;
+    // `poll_oneoff` is how WASI p1 sleeps (a clock subscription) or waits on a file:
+    // a plugin runs on a thread that serves other requests, and sleeping spends no
+    // CPU for the deadline to count, so it traps (as a fault of the plugin, under its
+    // failure policy) instead of holding the thread.
+    linker.allow_shadowing(true);
+    linker.func_wrap(
+        "wasi_snapshot_preview1",
+        "poll_oneoff",
+        |_: wasmtime::Caller<'_, PwState>,
+         _subscriptions: i32,
+         _events: i32,
+         _count: i32,
+         _written: i32|
+         -> wasmtime::Result<i32> {
+            Err(wasmtime::format_err!(
+                "poll_oneoff (sleeping, waiting) is not served to a plugin: it would hold a thread that serves other requests"
+            ))
+        },
+    )?;
+    linker.allow_shadowing(false);
     Ok(linker)
 }
 

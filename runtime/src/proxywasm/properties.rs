@@ -49,13 +49,24 @@ pub fn get(view: &View<'_>, path: &[&[u8]]) -> Value {
     else {
         return Value::NotFound;
     };
-    let head = view.head;
-    // A property a filter set (Envoy: filter state `wasm.<path>`), whatever its path.
-    if let Some(v) = head.metadata(&set_key(&segments)) {
-        return string(v);
+    // A standard attribute is the mesh's word, found or not: a property a filter set
+    // at the same path (or metadata anyone else wrote there) never stands in for it,
+    // as Envoy answers its attributes before filter state.
+    if let Some(value) = attribute(view, &segments) {
+        return value;
     }
+    // Any other path: a property a filter set (Envoy: filter state `wasm.<path>`).
+    view.head
+        .metadata(&set_key(&segments))
+        .map_or(Value::NotFound, string)
+}
+
+/// A standard attribute's value (`NotFound` when the request has none), or `None`
+/// when `segments` names no standard attribute.
+fn attribute(view: &View<'_>, segments: &[&str]) -> Option<Value> {
+    let head = view.head;
     let header = |name: &str| head.header(name).map_or(Value::NotFound, |v| string(&v));
-    match segments.as_slice() {
+    Some(match segments {
         ["request", "path"] => match &head.query {
             Some(q) => string(&format!("{}?{q}", head.path)),
             None => string(&head.path),
@@ -108,8 +119,8 @@ pub fn get(view: &View<'_>, path: &[&[u8]]) -> Value {
             .node_metadata
             .get(*key)
             .map_or(Value::NotFound, |v| string(v)),
-        _ => Value::NotFound,
-    }
+        _ => return None,
+    })
 }
 
 /// The metadata key a property set at `path` is kept under.
@@ -200,5 +211,32 @@ mod tests {
         );
         // A path that is not UTF-8 is simply absent.
         assert_eq!(get(&v, &[b"\xff"]), Value::NotFound);
+    }
+
+    #[test]
+    fn a_property_set_at_a_standard_attributes_path_never_stands_in_for_it() {
+        // `source.principal` is the mesh's word; with none (a client from outside),
+        // it is absent, not what metadata `wasm.source.principal` says.
+        let mut head = head();
+        head.set_metadata(
+            &set_key(&["source", "principal"]),
+            "spiffe://hotel/sa/admin",
+        );
+        head.set_metadata(&set_key(&["connection", "mtls"]), "\u{1}");
+        head.set_metadata(&set_key(&["request", "path"]), "/public");
+        let meta = BTreeMap::new();
+        let v = view(&head, &meta);
+        assert_eq!(get_str(&v, "source.principal"), None);
+        assert_eq!(get(&v, &[b"connection", b"mtls"]), Value::Bytes(vec![0]));
+        assert_eq!(
+            get_str(&v, "request.path").as_deref(),
+            Some("/items/7?page=2")
+        );
+        head.source.identity = Some("spiffe://hotel/sa/user".into());
+        let v = view(&head, &meta);
+        assert_eq!(
+            get_str(&v, "source.principal").as_deref(),
+            Some("spiffe://hotel/sa/user")
+        );
     }
 }

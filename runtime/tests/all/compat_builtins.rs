@@ -197,6 +197,24 @@ fn every_mix_of_0_1_1_and_current_builtins_decides_alike() {
         .enumerate()
     {
         let seen = run(&rt, mix, &format!("mix-{i}"));
-        assert_eq!(seen, current, "jwt/rbac/ratelimit built for 0.1.1: {mix:?}");
+        if !mix[0] {
+            assert_eq!(seen, current, "jwt/rbac/ratelimit built for 0.1.1: {mix:?}");
+            continue;
+        }
+        // The 0.1.1 JWT build leaves a client's header of a claim it maps on a request
+        // it does not verify (the current build removes the headers it writes before
+        // anything else): decisions and verified claims alike, that header aside.
+        let without_org = |v: &[Seen]| -> Vec<(u16, Option<String>, Option<String>)> {
+            v.iter()
+                .map(|(status, sub, _, roles)| (*status, sub.clone(), roles.clone()))
+                .collect()
+        };
+        assert_eq!(without_org(&seen), without_org(&current), "{mix:?}");
+        for (old, new) in seen.iter().zip(&current) {
+            assert!(
+                old.2 == new.2 || (new.2.is_none() && old.2.as_deref() == Some("forged")),
+                "{mix:?}: {old:?} against {new:?}"
+            );
+        }
     }
 }

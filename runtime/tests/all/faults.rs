@@ -47,6 +47,26 @@ fn an_infinite_loop_is_interrupted_at_its_deadline_and_fails_closed() {
 }
 
 #[test]
+fn a_filter_that_sleeps_is_woken_at_once_and_does_not_hold_its_thread() {
+    // `std::thread::sleep` in a component: a WASI clock subscription and a block on
+    // it. Sleeping spends no CPU, so no deadline would end it; the subscription is
+    // ready when made instead.
+    let rt = runtime();
+    let sleeper = settings("sleeper", json!({"request": [{"sleep": 30000}]}));
+    let mut runner = ChainRunner::new(chain(&rt, vec![sleeper, marker()]));
+    let started = Instant::now();
+    let outcome = runner.on_request(get("/"));
+    let elapsed = started.elapsed();
+    assert_eq!(outcome.decision, Decision::Continue);
+    assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
+    let slept: u64 = outcome.head.header("x-slept-ms").unwrap().parse().unwrap();
+    // It asked for 30 s; a held thread would take all of it. 10 s leaves a loaded
+    // machine all the room it needs.
+    assert!(slept < 10_000, "the guest slept {slept} ms");
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+}
+
+#[test]
 fn a_deadline_holds_after_the_proxy_sat_idle() {
     // The epoch ticker parks after ~100 idle ticks; the next call must wake it, or a
     // spinning filter would run unbounded.

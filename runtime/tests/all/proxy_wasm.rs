@@ -204,6 +204,7 @@ fn hostile_plugins_fault_under_the_failure_policy_and_the_next_request_is_served
         json!({
             "panic_prefix": "/panic",
             "spin_prefix": "/spin",
+            "sleep_prefix": "/sleep",
             "bad_pointer_prefix": "/pointer",
             "add_header": ["x-ok", "1"],
         }),
@@ -212,6 +213,8 @@ fn hostile_plugins_fault_under_the_failure_policy_and_the_next_request_is_served
     for (path, said) in [
         ("/panic", "asked to panic on /panic"),
         ("/spin", "deadline"),
+        // A sleep would hold a thread that serves other requests: it traps.
+        ("/sleep", "poll_oneoff"),
         ("/pointer", "outside the module's memory"),
     ] {
         let outcome = runner.on_request(get(path));

@@ -17,20 +17,29 @@ fn options() -> RunOptions {
     }
 }
 
+/// Suites of behaviour the built-ins gained after their WIT 0.1.1 builds (security
+/// fixes that are the filters', not the proxy's): those builds, kept as built, are
+/// not held to them.
+const AFTER_0_1_1: [&str; 2] = ["jwt/owned-headers.yaml", "rbac/repeated-headers.yaml"];
+
 /// Runs every suite of `filter` against `bytes`, as a core instance and through
 /// component calls; returns the number of cases.
 fn pass_suites(filter: &str, bytes: &[u8]) -> usize {
-    let cases = pass_suites_with(filter, bytes, true);
-    assert_eq!(pass_suites_with(filter, bytes, false), cases);
+    let cases = pass_suites_with(filter, bytes, true, &[]);
+    assert_eq!(pass_suites_with(filter, bytes, false, &[]), cases);
     cases
 }
 
-fn pass_suites_with(filter: &str, bytes: &[u8], core_calls: bool) -> usize {
+fn pass_suites_with(filter: &str, bytes: &[u8], core_calls: bool, skip: &[&str]) -> usize {
     let dir = suites_dir().join(filter);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "json"))
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            !skip.contains(&format!("{filter}/{name}").as_str())
+        })
         .collect();
     files.sort();
     assert!(!files.is_empty(), "no suites for {filter}");
@@ -64,7 +73,8 @@ fn builtin_filters_pass_their_suites() {
 }
 
 /// The built-ins as built for WIT 0.1.1 (before typed claims), kept as built, still
-/// pass today's suites on today's proxy: the suites did not move with the filters.
+/// pass today's suites on today's proxy (but those of behaviour they predate,
+/// [`AFTER_0_1_1`]): the suites did not move with the filters.
 #[test]
 fn the_0_1_1_builds_of_jwt_rbac_and_ratelimit_pass_the_same_suites() {
     for filter in ["jwt", "rbac", "ratelimit"] {
@@ -72,7 +82,9 @@ fn the_0_1_1_builds_of_jwt_rbac_and_ratelimit_pass_the_same_suites() {
             "../../tests/fixtures/components/{filter}-wit-0.1.1.wasm"
         ));
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        assert!(pass_suites(filter, &bytes) >= 25, "{filter}");
+        let cases = pass_suites_with(filter, &bytes, true, &AFTER_0_1_1);
+        assert_eq!(pass_suites_with(filter, &bytes, false, &AFTER_0_1_1), cases);
+        assert!(cases >= 25, "{filter}");
     }
 }
 

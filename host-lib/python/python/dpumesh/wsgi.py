@@ -22,9 +22,22 @@ log = logging.getLogger("dpumesh")
 _TEXT = [("content-type", "text/plain; charset=utf-8")]
 
 
-def environ_for(method: str, target: str, headers: list, body: bytes, server: str) -> dict:
+def environ_for(
+    method: str,
+    target: str,
+    headers: list,
+    body: bytes,
+    server: str,
+    caller: Optional[tuple] = None,
+) -> dict:
     """The WSGI environ (PEP 3333) of a request: ``target`` is the path and query,
-    ``headers`` ``(name, value)`` pairs with lower-case names."""
+    ``headers`` ``(name, value)`` pairs with lower-case names, ``caller``
+    ``(scheme, address, port, identity)`` as the mesh says it.
+
+    ``REMOTE_ADDR``, ``REMOTE_PORT`` and ``wsgi.url_scheme`` come from the mesh, never
+    from ``X-Forwarded-For`` or ``X-Forwarded-Proto`` (a client's word, which the
+    ingress passes on after its own hop); ``dpumesh.caller_identity`` is the calling
+    workload's SPIFFE ID when a pod of the mesh called."""
     path, _, query = target.partition("?")
     environ = {
         "REQUEST_METHOD": method,
@@ -71,11 +84,12 @@ def environ_for(method: str, target: str, headers: list, body: bytes, server: st
         environ["SERVER_NAME"] = name or host
         if port.isdigit():
             environ["SERVER_PORT"] = port
-    if environ.get("HTTP_X_FORWARDED_PROTO") == "https":
-        environ["wsgi.url_scheme"] = "https"
-    forwarded = environ.get("HTTP_X_FORWARDED_FOR")
-    if forwarded:
-        environ["REMOTE_ADDR"] = forwarded.split(",", 1)[0].strip()
+    if caller is not None:
+        scheme, address, port, identity = caller
+        environ["wsgi.url_scheme"] = "https" if scheme == "https" else "http"
+        environ["REMOTE_ADDR"] = address
+        environ["REMOTE_PORT"] = str(port)
+        environ["dpumesh.caller_identity"] = identity
     return environ
 
 
@@ -131,9 +145,11 @@ class Dispatcher:
             # handlers still run first.
             config["PROPAGATE_EXCEPTIONS"] = True
 
-    def __call__(self, method: str, target: str, headers: list, body: bytes) -> Any:
+    def __call__(
+        self, method: str, target: str, headers: list, body: bytes, caller: Optional[tuple] = None
+    ) -> Any:
         ctx = ExecutionContext()
-        environ = environ_for(method, target, headers, body, self.service)
+        environ = environ_for(method, target, headers, body, self.service, caller)
         with current(ctx):
             try:
                 status, out_headers, out_body = call_wsgi(self.app, environ)

@@ -20,9 +20,11 @@ struct Config {
     metric: Option<String>,
     /// Sets property `my.flag` to this for the filters after it.
     set_property: Option<String>,
-    /// Paths that misbehave: panic, spin forever, pause, pass a bad pointer.
+    /// Paths that misbehave: panic, spin forever, sleep a second (WASI
+    /// `poll_oneoff`), pause, pass a bad pointer.
     panic_prefix: Option<String>,
     spin_prefix: Option<String>,
+    sleep_prefix: Option<String>,
     pause_prefix: Option<String>,
     bad_pointer_prefix: Option<String>,
     /// Refuse the configuration (`on_configure` returns false).
@@ -60,6 +62,7 @@ impl Config {
             &self.deny_prefix,
             &self.panic_prefix,
             &self.spin_prefix,
+            &self.sleep_prefix,
             &self.pause_prefix,
             &self.bad_pointer_prefix,
         ]
@@ -320,6 +323,9 @@ impl HttpContext for Request {
         }
         if starts(&path, &c.spin_prefix) {
             spin();
+        }
+        if starts(&path, &c.sleep_prefix) {
+            std::thread::sleep(std::time::Duration::from_secs(1));
         }
         if starts(&path, &c.bad_pointer_prefix) {
             bad_pointer();

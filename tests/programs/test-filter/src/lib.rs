@@ -52,6 +52,10 @@ pub enum Action {
     PanicOnCall(u32),
     /// Loop forever when header `name` is present.
     SpinIfHeader(String),
+    /// Sleep this many milliseconds (`std::thread::sleep`: a WASI clock subscription
+    /// and a block on it), then put how long the sleep took, as the guest's monotonic
+    /// clock saw it, in `x-slept-ms`.
+    Sleep(u64),
     /// Write to stderr.
     Stderr(String),
     /// Record the response-phase order: `seq` += 1, then `<key>-<tag>` = seq.
@@ -166,6 +170,12 @@ impl TestFilter {
                     if req.header(n).is_some() {
                         spin()
                     }
+                }
+                Action::Sleep(ms) => {
+                    let start = std::time::Instant::now();
+                    std::thread::sleep(std::time::Duration::from_millis(*ms));
+                    let slept = start.elapsed().as_millis().to_string();
+                    req.set_header("x-slept-ms", &slept).expect("set_header");
                 }
                 Action::AllocMib(mib) => self.alloc(*mib),
                 Action::AllocMibIfHeader(n, mib) => {
