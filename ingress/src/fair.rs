@@ -22,6 +22,8 @@ use parking_lot::Mutex;
 pub struct ClientShare {
     cap: u32,
     held: Mutex<HashMap<IpAddr, u32>>,
+    /// Every client's together: `dpumesh_ingress_requests_in_flight`.
+    in_flight: metrics::Gauge,
 }
 
 /// One slot's worth of a client's share, given back when dropped.
@@ -37,6 +39,7 @@ impl ClientShare {
         Arc::new(Self {
             cap: cap.max(1),
             held: Mutex::new(HashMap::new()),
+            in_flight: metrics::gauge!("dpumesh_ingress_requests_in_flight"),
         })
     }
 
@@ -50,6 +53,7 @@ impl ClientShare {
             return Err(*n);
         }
         *n += 1;
+        self.in_flight.increment(1.0);
         Ok(Held {
             share: self.clone(),
             client,
@@ -73,6 +77,7 @@ impl ClientShare {
 
 impl Drop for Held {
     fn drop(&mut self) {
+        self.share.in_flight.decrement(1.0);
         let mut held = self.share.held.lock();
         if let Some(n) = held.get_mut(&self.client) {
             *n -= 1;

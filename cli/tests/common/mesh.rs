@@ -95,6 +95,8 @@ pub struct Mesh {
     pub pingmesh: Option<SocketAddr>,
     /// What `dpumesh up` said on stderr so far (it is passed through too).
     pub log: std::sync::Arc<std::sync::Mutex<String>>,
+    /// What it printed when it was ready (addresses, tokens, the curl to try).
+    pub banner: String,
     pub _dir: tempfile::TempDir,
 }
 
@@ -147,10 +149,12 @@ impl Mesh {
             ingress_admin: None,
             pingmesh: None,
             log,
+            banner: String::new(),
             _dir: dir,
         };
         // Ready when `up` says so.
         let banner = super::banner(mesh.child.stdout.take().unwrap());
+        mesh.banner = banner.clone();
         assert!(
             banner.contains(&format!("http://{}/", mesh.ingress)),
             "{banner}"

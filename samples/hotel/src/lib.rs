@@ -8,6 +8,8 @@
 //! - frontend `GET /ping`: a fixed 200 (the benchmark's tiny service).
 //! - frontend `POST /echo`: the body reversed, with `x-crc32` and `x-len` of what arrived.
 //! - frontend `GET /flaky?fail=1`: 500 while asked to fail (circuit breaker tests).
+//! - frontend `GET /headers`: the request as the service received it (its path, its
+//!   headers, and the caller as the mesh says it), as JSON: what the trust tests read.
 //! - frontend `GET /catalog?mode=M`: a cacheable page (the DPU's response cache
 //!   tests; `public`: the mesh's requests carry credentials): `fresh` (max-age=60,
 //!   an ETag), `nostore`, `private`, `revalidate`
@@ -36,6 +38,27 @@ fn json(status: u16, value: &serde_json::Value) -> HttpResponse {
     HttpResponse::new(status, value.to_string()).header("content-type", "application/json")
 }
 
+/// What a service received: path, headers (every value, in order) and the caller.
+fn received(request: &dpumesh_host::HttpRequest) -> serde_json::Value {
+    let mut headers = serde_json::Map::new();
+    for (name, value) in &request.headers {
+        let values = headers
+            .entry(name.as_str())
+            .or_insert_with(|| serde_json::Value::Array(Vec::new()));
+        if let serde_json::Value::Array(values) = values {
+            values.push(String::from_utf8_lossy(value.as_bytes()).into());
+        }
+    }
+    let caller = request.caller.as_ref().map(|c| {
+        serde_json::json!({
+            "addr": c.addr.to_string(),
+            "identity": c.identity,
+            "scheme": c.scheme,
+        })
+    });
+    serde_json::json!({"url": request.url, "headers": headers, "caller": caller})
+}
+
 /// An echo of the request body: reversed, with what arrived in headers.
 fn echo(ctx: &mut ExecutionContext) {
     let body = ctx.request().body.clone();
@@ -58,6 +81,10 @@ pub fn frontend(ctx: &mut ExecutionContext) {
             ctx.respond(|_| Ok::<_, String>(HttpResponse::ok("pong\n")));
         }
         "/echo" => echo(ctx),
+        "/headers" => {
+            let seen = received(ctx.request());
+            ctx.respond(move |_| Ok::<_, String>(json(200, &seen)));
+        }
         "/flaky" => {
             let fail = param(&url, "fail").is_some_and(|v| v == "1");
             ctx.respond(move |_| {
