@@ -53,6 +53,20 @@ impl Bell {
         Self::from_parts(region, fd)
     }
 
+    /// A new bell in a sealed region (shared by its descriptor, see
+    /// [`SharedRegion::create_sealed`]).
+    pub fn create_sealed(name: &str) -> Result<Self, BellError> {
+        let region = Arc::new(SharedRegion::create_sealed(name, BELL_LEN)?);
+        let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(std::io::Error::from)?;
+        Self::from_parts(region, fd)
+    }
+
+    /// The region (its descriptor is what another process maps).
+    pub fn region(&self) -> &Arc<SharedRegion> {
+        &self.region
+    }
+
     /// Another process's bell: its region and its eventfd.
     pub fn from_parts(region: Arc<SharedRegion>, fd: OwnedFd) -> Result<Self, BellError> {
         region.atomic_u32s(0, 1)?;

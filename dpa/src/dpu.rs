@@ -159,6 +159,12 @@ struct Shared {
     shards: Vec<ShardHandle>,
 }
 
+/// A region's name as exports show it: it is passed as a descriptor, so the name is
+/// only for messages.
+fn shown(region: &crate::shm::SharedRegion) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("memfd:{}", region.name()))
+}
+
 impl Shared {
     /// A region id: one freed by a departed pod, else a new one.
     fn region_id(&self) -> Result<u16, DpuError> {
@@ -170,20 +176,22 @@ impl Shared {
     }
 
     fn pool(&self, what: &str, size: u32, count: u32) -> Result<BufferPool, DpuError> {
-        Ok(BufferPool::create_in_shm(
+        Ok(BufferPool::create_sealed(
             &format!("{}-{what}", self.prefix),
             self.region_id()?,
             PoolLayout::new(size, count),
         )?)
     }
 
+    /// Makes pod `name`'s regions and takes it in: what it maps, and the regions'
+    /// descriptors in the order [`PodExports`] gives (the bells' eventfds aside).
     fn register(
         &self,
         peer: &Peer,
         name: String,
         service: String,
         pid: u32,
-    ) -> Result<PodExports, DpuError> {
+    ) -> Result<(PodExports, Vec<OwnedFd>), DpuError> {
         let _one_at_a_time = self.registering.lock();
         {
             let pods = self.pods.lock();
@@ -211,14 +219,14 @@ impl Shared {
         let mut lanes = Vec::with_capacity(self.shards.len());
         for k in 0..self.shards.len() {
             let tx =
-                Ring::create_in_shm(&format!("{}-{tag}-l{k}-txsq", self.prefix), s.ring_capacity)?;
+                Ring::create_sealed(&format!("{}-{tag}-l{k}-txsq", self.prefix), s.ring_capacity)?;
             let rx =
-                Ring::create_in_shm(&format!("{}-{tag}-l{k}-rxsq", self.prefix), s.ring_capacity)?;
+                Ring::create_sealed(&format!("{}-{tag}-l{k}-rxsq", self.prefix), s.ring_capacity)?;
             lanes.push((tx, rx));
         }
         let pool_export = |p: &BufferPool| RegionExport {
             id: p.id(),
-            path: p.region().path().to_owned(),
+            path: shown(p.region()),
             len: p.region().len() as u64,
             kind: RegionKind::Pool {
                 slot_size: p.layout().slot_size,
@@ -228,7 +236,7 @@ impl Shared {
         };
         let ring_export = |r: &Ring| RegionExport {
             id: 0,
-            path: r.region().path().to_owned(),
+            path: shown(r.region()),
             len: ring_len(r.capacity()) as u64,
             kind: RegionKind::Ring {
                 capacity: r.capacity(),
@@ -249,7 +257,7 @@ impl Shared {
                     rx_sq: ring_export(rx),
                     bell: RegionExport {
                         id: 0,
-                        path: shard.bell.path().to_owned(),
+                        path: shown(shard.bell.region()),
                         len: BELL_LEN as u64,
                         kind: RegionKind::Bell,
                         hw_export: Vec::new(),
@@ -257,6 +265,22 @@ impl Shared {
                 })
                 .collect(),
         };
+        // What the pod maps, as descriptors: its regions are anonymous (no other pod
+        // can open them by a name) and sealed (no one can truncate them).
+        let dup = |region: &crate::shm::SharedRegion| {
+            rustix::io::fcntl_dupfd_cloexec(region.fd(), 0).map_err(std::io::Error::from)
+        };
+        let mut fds = Vec::with_capacity(4 + 3 * lanes.len());
+        for shard in &self.shards {
+            fds.push(dup(shard.bell.region())?);
+        }
+        for pool in [&tx_header, &tx_body, &rx_header, &rx_body] {
+            fds.push(dup(pool.region())?);
+        }
+        for (tx, rx) in &lanes {
+            fds.push(dup(tx.region())?);
+            fds.push(dup(rx.region())?);
+        }
         self.pods.lock().insert(
             id,
             PodInfo {
@@ -286,7 +310,7 @@ impl Shared {
             let _ = handle.commands.send(Command::AddPod(Box::new(port)));
             handle.bell.ring();
         }
-        Ok(exports)
+        Ok((exports, fds))
     }
 
     /// Removes a pod: the manager stops polling it and drops its port (its regions are
@@ -419,17 +443,30 @@ impl ControlHandler {
                 );
             }
             return match self.0.register(peer, name, service, pid) {
-                Ok(exports) => {
-                    // Every shard's bell, in lane order (all or none: a pod with some
-                    // bells would ring a shard and leave another to poll).
-                    let fds = self
+                Ok((exports, regions)) => {
+                    // Every shard's bell eventfd, in lane order, then the regions.
+                    let bells = self
                         .0
                         .shards
                         .iter()
                         .map(|s| rustix::io::fcntl_dupfd_cloexec(s.bell.fd(), 0))
-                        .collect::<Result<Vec<_>, _>>()
-                        .unwrap_or_default();
-                    (Response::PodRegistered(Box::new(exports)), fds)
+                        .collect::<Result<Vec<_>, _>>();
+                    match bells {
+                        Ok(mut fds) => {
+                            fds.extend(regions);
+                            (Response::PodRegistered(Box::new(exports)), fds)
+                        }
+                        Err(e) => {
+                            self.0.remove(exports.pod_id);
+                            (
+                                Response::Error {
+                                    code: ErrorCode::Internal,
+                                    message: format!("cannot pass the pod its bells: {e}"),
+                                },
+                                Vec::new(),
+                            )
+                        }
+                    }
                 }
                 Err(DpuError::Limit(message)) => (
                     Response::Error {
@@ -551,8 +588,10 @@ impl Dpu {
         let mut handles = Vec::new();
         let mut shards = Vec::new();
         for i in 0..config.shards {
+            // Anonymous and sealed: every request head passes through these pools,
+            // and no pod may open them by a name.
             let pool = |what: &str| {
-                BufferPool::create_in_shm(
+                BufferPool::create_sealed(
                     &format!("{prefix}-s{i}-{what}"),
                     next_region.fetch_add(1, Ordering::Relaxed) as u16,
                     header,
@@ -560,7 +599,7 @@ impl Dpu {
             };
             let dpu_tx_header = pool("dpu-txh")?;
             let dpu_rx_header = pool("dpu-rxh")?;
-            let bell = Bell::create(&format!("{prefix}-s{i}-bell"))?;
+            let bell = Bell::create_sealed(&format!("{prefix}-s{i}-bell"))?;
             let (commands, receiver) = crossbeam_channel::unbounded();
             let stats = Arc::new(DmaStats::default());
             handles.push(ShardHandle {

@@ -150,8 +150,29 @@ impl std::fmt::Debug for HostPort {
     }
 }
 
-fn map(export: &RegionExport) -> Result<Arc<SharedRegion>, ShmError> {
-    Ok(Arc::new(SharedRegion::open(&export.path)?))
+/// Maps an exported region from the descriptor that came for it (a sealed memfd:
+/// see [`SharedRegion::from_fd`]).
+fn map(
+    export: &RegionExport,
+    fds: &mut impl Iterator<Item = std::os::fd::OwnedFd>,
+) -> Result<Arc<SharedRegion>, HostError> {
+    let name = export.path.display().to_string();
+    let fd = fds.next().ok_or(HostError::Lanes {
+        lanes: 0,
+        bells: 0,
+        why: "fewer region descriptors came than regions were exported",
+    })?;
+    let region = SharedRegion::from_fd(fd, &name)?;
+    if (region.len() as u64) < export.len {
+        return Err(ShmError::OutOfBounds {
+            name,
+            offset: 0,
+            len: export.len,
+            size: region.len(),
+        }
+        .into());
+    }
+    Ok(Arc::new(region))
 }
 
 impl Drop for HostPort {
@@ -176,34 +197,48 @@ impl HostPort {
         let mut control = ControlClient::connect(endpoint, Role::Host, name)?;
         let token = std::env::var("DPUMESH_TOKEN").ok();
         let exports = control.register_pod(name, service, token.as_deref())?;
-        // The shards' eventfds come with the answer on a Unix socket, in lane order;
-        // over TCP there are none, and the shards find this pod's sends by polling.
+        // Everything comes as descriptors with the answer, on the node's Unix socket
+        // (PodExports gives the order): the shards' bell eventfds, then the regions.
+        // A region is never opened by a name: no pod can map another's.
         let fds = control.take_fds();
-        let (lanes, bells) = (exports.lanes.len(), fds.len());
-        let refuse = |why| HostError::Lanes { lanes, bells, why };
+        let lanes = exports.lanes.len();
+        let refuse = |why| HostError::Lanes {
+            lanes,
+            bells: fds.len(),
+            why,
+        };
         if lanes == 0 || lanes > usize::from(u8::MAX) + 1 {
             return Err(refuse("a pod needs between 1 and 256 lanes"));
         }
-        if bells != 0 && bells != lanes {
-            return Err(refuse("a bell is needed for every lane or for none"));
+        if fds.len() != exports.descriptors() {
+            return Err(refuse(
+                "the node passes every bell and region as a descriptor, on its Unix control socket only (DPUMESH_CONTROL=unix:...): a pod shares memory with a node on its own host",
+            ));
         }
         let mut fds = fds.into_iter();
+        let bells: Vec<_> = fds.by_ref().take(lanes).collect();
+        let bell_regions = exports
+            .lanes
+            .iter()
+            .map(|lane| map(&lane.bell, &mut fds))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tx_header = BufferPool::attach(map(&exports.tx_header, &mut fds)?)?;
+        let tx_body = BufferPool::attach(map(&exports.tx_body, &mut fds)?)?;
+        let rx_header = BufferPool::attach(map(&exports.rx_header, &mut fds)?)?;
+        let rx_body = BufferPool::attach(map(&exports.rx_body, &mut fds)?)?;
         let mut tx = Vec::with_capacity(lanes);
         let mut rx = Vec::with_capacity(lanes);
-        for lane in &exports.lanes {
-            let producer = Ring::attach(map(&lane.tx_sq)?)?.producer();
-            tx.push(match fds.next() {
-                Some(fd) => producer.with_bell(Bell::from_parts(map(&lane.bell)?, fd)?),
-                None => producer,
-            });
-            rx.push(Ring::attach(map(&lane.rx_sq)?)?.consumer());
+        for ((lane, bell), region) in exports.lanes.iter().zip(bells).zip(bell_regions) {
+            let producer = Ring::attach(map(&lane.tx_sq, &mut fds)?)?.producer();
+            tx.push(producer.with_bell(Bell::from_parts(region, bell)?));
+            rx.push(Ring::attach(map(&lane.rx_sq, &mut fds)?)?.consumer());
         }
         let port = Self {
             owner: OwnerId(exports.pod_id),
-            tx_header: BufferPool::attach(map(&exports.tx_header)?)?,
-            tx_body: BufferPool::attach(map(&exports.tx_body)?)?,
-            rx_header: BufferPool::attach(map(&exports.rx_header)?)?,
-            rx_body: BufferPool::attach(map(&exports.rx_body)?)?,
+            tx_header,
+            tx_body,
+            rx_header,
+            rx_body,
             tx,
             rx,
             next_lane: 0,

@@ -229,6 +229,14 @@ impl BufferPool {
         Self::create(Arc::new(region), id, layout)
     }
 
+    /// Creates a sealed region for a pool (shared by its descriptor, see
+    /// [`SharedRegion::create_sealed`]) and lays the pool over it.
+    pub fn create_sealed(name: &str, id: u16, layout: PoolLayout) -> Result<Self, PoolError> {
+        layout.check()?;
+        let region = SharedRegion::create_sealed(name, layout.region_len() as usize)?;
+        Self::create(Arc::new(region), id, layout)
+    }
+
     /// Attaches to a pool another process created, checking its header against the
     /// region.
     pub fn attach(region: Arc<SharedRegion>) -> Result<Self, PoolError> {

@@ -141,6 +141,16 @@ impl Ring {
         Self::create(Arc::new(region), capacity)
     }
 
+    /// Creates a sealed region for a ring (shared by its descriptor, see
+    /// [`SharedRegion::create_sealed`]) and lays the ring over it.
+    pub fn create_sealed(name: &str, capacity: u32) -> Result<Self, RingError> {
+        if !capacity.is_power_of_two() || !(2..=1 << 24).contains(&capacity) {
+            return Err(RingError::Capacity(capacity));
+        }
+        let region = SharedRegion::create_sealed(name, ring_len(capacity))?;
+        Self::create(Arc::new(region), capacity)
+    }
+
     /// Attaches to a ring another process created.
     pub fn attach(region: Arc<SharedRegion>) -> Result<Self, RingError> {
         let head = region.atomic_u64s(0, 1)?[0].load(Ordering::Acquire);

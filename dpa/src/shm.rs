@@ -12,10 +12,16 @@
 //! **Trust.** Payload bytes are plain data that another process (or another thread
 //! here) may be writing while they are copied: the protocols on top (ring publication,
 //! slot ownership) decide when bytes are meaningful, and a racing copy yields torn bytes,
-//! never a memory-safety problem in the copying code. A participant that maps a region
-//! read-write can also shrink its file; the node then gets SIGBUS on its next access.
-//! Regions are therefore shared only with the node's own pods, which it trusts not to
-//! truncate them (sealed memfds passed over the control socket would remove that trust).
+//! never a memory-safety problem in the copying code.
+//!
+//! What a pod shares with its node is a **sealed** region ([`SharedRegion::create_sealed`],
+//! [`SharedRegion::from_fd`]): an anonymous memfd, sealed against shrinking and growing,
+//! passed as a descriptor over the Unix control socket (`SCM_RIGHTS`). It has no name
+//! another process could open, so a pod maps only what it was given (its own regions
+//! and its node's); and no process can truncate it, so the SIGBUS that a truncated
+//! mapping deals on the next access cannot happen to the node. A region received from
+//! another process is mapped only if it carries the shrink seal. Named regions in
+//! [`shm_dir`] remain for the mesh's own processes (the ingress and the nodes' fabric).
 #![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
@@ -61,6 +67,12 @@ pub enum ShmError {
     /// A name that is not a plain file name.
     #[error("{0:?} is not a usable region name (letters, digits, '-', '_', '.')")]
     Name(String),
+    /// A region received from another process that could still be truncated under
+    /// this one.
+    #[error(
+        "region {0} is not sealed against shrinking: only a memfd with F_SEAL_SHRINK is mapped from another process"
+    )]
+    NotSealed(String),
 }
 
 /// The directory regions are created in: `$DPUMESH_SHM_DIR`, else `/dev/shm`, else the
@@ -218,6 +230,78 @@ impl SharedRegion {
                 other => return other,
             }
         }
+    }
+
+    /// Creates an anonymous region `name` (a memfd) of `len` bytes, zeroed, sealed
+    /// against shrinking and growing (and against more seals). It is shared by passing
+    /// [`Self::fd`]; its [`Self::path`] is `/proc/PID/fd/N`, which only processes
+    /// allowed to look into this one (its user's, while it is dumpable) can open: what
+    /// the software fabric's peers, the mesh's own processes, map it through.
+    pub fn create_sealed(name: &str, len: usize) -> Result<Self, ShmError> {
+        use rustix::fs::{MemfdFlags, SealFlags, fcntl_add_seals, memfd_create};
+        use std::os::fd::AsRawFd;
+        check_name(name)?;
+        let shown = PathBuf::from(format!("memfd:{name}"));
+        if len == 0 {
+            return Err(ShmError::Empty(shown));
+        }
+        let err = |source: std::io::Error| ShmError::Map {
+            path: shown.clone(),
+            len,
+            source,
+        };
+        let fd =
+            memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(|e| {
+                ShmError::Open {
+                    path: shown.clone(),
+                    source: e.into(),
+                }
+            })?;
+        let file = File::from(fd);
+        file.set_len(len as u64).map_err(err)?;
+        fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| err(e.into()))?;
+        let path = PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            file.as_raw_fd()
+        ));
+        let mut region = Self::map(file, len, path, false)?;
+        region.name = name.to_owned();
+        Ok(region)
+    }
+
+    /// Maps a region another process passed as a descriptor (`name` for messages),
+    /// at its whole size. It must be sealed against shrinking: otherwise the sender
+    /// could truncate it and this process would die of SIGBUS at its next access.
+    pub fn from_fd(fd: std::os::fd::OwnedFd, name: &str) -> Result<Self, ShmError> {
+        use rustix::fs::{SealFlags, fcntl_get_seals};
+        let path = PathBuf::from(format!("memfd:{name}"));
+        let sealed = fcntl_get_seals(&fd).is_ok_and(|s| s.contains(SealFlags::SHRINK));
+        if !sealed {
+            return Err(ShmError::NotSealed(name.to_owned()));
+        }
+        let file = File::from(fd);
+        let len = file
+            .metadata()
+            .map_err(|source| ShmError::Open {
+                path: path.clone(),
+                source,
+            })?
+            .len() as usize;
+        if len == 0 {
+            return Err(ShmError::Empty(path));
+        }
+        let mut region = Self::map(file, len, path, false)?;
+        region.name = name.to_owned();
+        Ok(region)
+    }
+
+    /// The descriptor of the region's memory, to pass to the process it is shared
+    /// with.
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self._file.as_fd()
     }
 
     /// Maps an existing region by path (what the control channel exports).
@@ -503,6 +587,51 @@ impl Drop for SharedRegion {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_sealed_region_is_shared_by_its_descriptor_and_cannot_be_truncated() {
+        let region = SharedRegion::create_sealed("dpumesh-test-sealed", 8192).unwrap();
+        assert_eq!(region.len(), 8192);
+        // What the other process receives: a duplicate of the descriptor.
+        let theirs = SharedRegion::from_fd(
+            region.fd().try_clone_to_owned().unwrap(),
+            "dpumesh-test-sealed",
+        )
+        .unwrap();
+        theirs.write(100, b"from the pod").unwrap();
+        let mut got = [0u8; 12];
+        region.read(100, &mut got).unwrap();
+        assert_eq!(&got, b"from the pod");
+        // Neither side can shrink (or grow) it: no SIGBUS for the other.
+        let file = File::from(region.fd().try_clone_to_owned().unwrap());
+        let e = file.set_len(0).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        assert!(file.set_len(1 << 20).is_err());
+        assert_eq!(theirs.len(), 8192);
+        // No name in the shared-memory folder.
+        assert!(!shm_dir().join("dpumesh-test-sealed").exists());
+    }
+
+    #[test]
+    fn a_region_that_could_be_truncated_is_not_mapped_from_another_process() {
+        use rustix::fs::{MemfdFlags, memfd_create};
+        let unsealed = memfd_create("dpumesh-test-unsealed", MemfdFlags::CLOEXEC).unwrap();
+        File::from(unsealed.try_clone().unwrap())
+            .set_len(4096)
+            .unwrap();
+        assert!(matches!(
+            SharedRegion::from_fd(unsealed, "unsealed"),
+            Err(ShmError::NotSealed(name)) if name == "unsealed"
+        ));
+        // A plain file (what a symlink in /dev/shm would lead to) is refused the same.
+        let dir = tempfile::tempdir().unwrap();
+        let file = File::create(dir.path().join("f")).unwrap();
+        file.set_len(4096).unwrap();
+        assert!(matches!(
+            SharedRegion::from_fd(file.into(), "file"),
+            Err(ShmError::NotSealed(_))
+        ));
+    }
 
     #[test]
     fn a_region_name_tells_its_creator() {

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
 /// The protocol version this build speaks.
 /// 3: registrations carry a token. 4: BlueCache store messages.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Largest body accepted.
 pub const MAX_BODY: u32 = 64 << 10;
 const HEADER: usize = 16;
@@ -142,7 +142,11 @@ pub enum Role {
     Dpu,
 }
 
-/// Everything a registered pod maps.
+/// Everything a registered pod maps. The regions come as descriptors with the answer
+/// (`SCM_RIGHTS` on the node's Unix socket), never by a name another process could
+/// open: first each lane's bell eventfd, then each lane's bell region, the four pools
+/// (`tx_header`, `tx_body`, `rx_header`, `rx_body`), and each lane's TX SQ and RX SQ
+/// ([`PodExports::descriptors`] of them in all).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PodExports {
     /// The id the DPU assigned (goes in descriptors as `src_pod`/`dst`).
@@ -159,6 +163,13 @@ pub struct PodExports {
     /// completion on the shard that took it, so each shard reaches every pod on a
     /// lane of its own (as a multi-queue NIC gives each core its own queues).
     pub lanes: Vec<LaneExport>,
+}
+
+impl PodExports {
+    /// How many descriptors come with these exports.
+    pub fn descriptors(&self) -> usize {
+        4 + 4 * self.lanes.len()
+    }
 }
 
 /// One shard's ring pair into a pod.
@@ -180,7 +191,8 @@ pub struct LaneExport {
 pub struct RegionExport {
     /// Region id (in [`crate::BufAddr`]s).
     pub id: u16,
-    /// Where the region is (a `/dev/shm` file here).
+    /// The region's name, for messages (`memfd:NAME`: it is passed as a descriptor,
+    /// not opened by this).
     pub path: PathBuf,
     /// Size in bytes.
     pub len: u64,
