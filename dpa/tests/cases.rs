@@ -268,7 +268,63 @@ fn pod_entry() {
             let _port = HostPort::connect(&control, "pod-c", "svc-c").unwrap();
             std::thread::sleep(Duration::from_secs(60));
         }
+        // Registers by hand and tries what a hostile pod would with what it got:
+        // truncate its regions (under the node) and find others' by name.
+        "hostile" => {
+            use dpumesh_dpa::control::Role;
+            use dpumesh_dpa::control::transport::ControlClient;
+            let mut control = ControlClient::connect(&control, Role::Host, "pod-h").unwrap();
+            let exports = control.register_pod("pod-h", "svc-h", None).unwrap();
+            let fds = control.take_fds();
+            assert_eq!(fds.len(), exports.descriptors());
+            let lanes = exports.lanes.len();
+            // The regions (after the bells' eventfds): none can change size.
+            for fd in &fds[lanes..] {
+                let file = std::fs::File::from(fd.try_clone().unwrap());
+                let e = file.set_len(0).unwrap_err();
+                assert_eq!(e.raw_os_error(), Some(libc::EPERM), "truncate: {e}");
+                assert!(file.set_len(1 << 30).is_err(), "grow");
+            }
+            // No region of the node's pods has a name to open.
+            let named: Vec<String> = std::fs::read_dir(dpumesh_dpa::shm::shm_dir())
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.contains("dpumesh-hostile"))
+                .collect();
+            assert!(named.is_empty(), "{named:?}");
+        }
         other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn a_pods_regions_come_as_sealed_descriptors_it_cannot_truncate_under_the_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path(), "hostile");
+    let mut port = node.take_shards().remove(0);
+    // A well-behaved pod first, then the hostile one beside it.
+    let mut idle = spawn_pod("idle", &dir.path().join("control.sock"));
+    let mut hostile = spawn_pod("hostile", &dir.path().join("control.sock"));
+    assert!(hostile.wait().success(), "the hostile pod's checks held");
+    // The node (which maps every one of those regions) is alive and reclaims it.
+    until_pods_left_but(&node, &mut port, "pod-c", Duration::from_secs(10));
+    assert_eq!(
+        node.pods()
+            .iter()
+            .map(|p| p.name.clone())
+            .collect::<Vec<_>>(),
+        ["pod-c"]
+    );
+    drop(idle.0.kill());
+}
+
+/// Runs the shard until every pod but `keep` has left.
+fn until_pods_left_but(node: &Dpu, port: &mut DpuShard, keep: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    while node.pods().iter().any(|p| p.name != keep) {
+        assert!(Instant::now() < deadline, "pods still registered");
+        let _ = port.recv(Duration::from_millis(20));
     }
 }
 
