@@ -213,6 +213,14 @@ enum Command {
         /// in `DPUMESH_CONTROL`).
         #[arg(long, env = "DPUMESH_CONTROL")]
         control: Endpoint,
+        /// The service whose objects these are: a store client acts for one service
+        /// and sees only its keys (a pod has it in `DPUMESH_SERVICE`).
+        #[arg(long, env = "DPUMESH_SERVICE")]
+        service: String,
+        /// The service's registration token (`DPUMESH_TOKEN`; the service's Secret,
+        /// or `dpumesh certs` has the key that makes it).
+        #[arg(long, env = "DPUMESH_TOKEN", hide_env_values = true)]
+        token: Option<String>,
         #[command(subcommand)]
         command: store::StoreCommand,
     },
@@ -320,7 +328,12 @@ fn main() -> Result<ExitCode> {
             requests,
         } => demo(&filter, &config, workers, requests).map(|()| ExitCode::SUCCESS),
         Command::Check { filter, config } => check(&filter, &config).map(|()| ExitCode::SUCCESS),
-        Command::Store { control, command } => store::run(&control, command),
+        Command::Store {
+            control,
+            service,
+            token,
+            command,
+        } => store::run(&control, &service, token.as_deref(), command),
         Command::Bench { command } => match command {
             BenchCommand::Dpa { quick, json, only } => {
                 bench::dpa::run(quick, json, only.as_deref()).map(|()| ExitCode::SUCCESS)

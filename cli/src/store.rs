@@ -45,10 +45,17 @@ pub enum StoreCommand {
     },
 }
 
-/// Runs one command against the node at `control`.
-pub fn run(control: &Endpoint, command: StoreCommand) -> Result<ExitCode> {
-    let client = StoreClient::connect(control, "dpumesh-store-cli")
-        .with_context(|| format!("cannot reach the node's control channel at {control}"))?;
+/// Runs one command against the node at `control`, for `service`'s objects.
+pub fn run(
+    control: &Endpoint,
+    service: &str,
+    token: Option<&str>,
+    command: StoreCommand,
+) -> Result<ExitCode> {
+    let client = StoreClient::connect_as(control, "dpumesh-store-cli", service, token)
+        .with_context(|| {
+            format!("cannot act for {service} on the node's control channel at {control}")
+        })?;
     match command {
         StoreCommand::Put { key, file } => put(&client, &key, &file),
         StoreCommand::Get { key, file } => get(&client, &key, &file),

@@ -18,7 +18,12 @@ struct Node {
     control: String,
     admin: SocketAddr,
     store_dir: PathBuf,
+    /// The token of [`SERVICE`], whose objects the tests' clients handle.
+    token: String,
 }
+
+/// The service the tests' store clients act for (their keys are its).
+const SERVICE: &str = "user";
 
 impl Drop for Node {
     fn drop(&mut self) {
@@ -61,11 +66,14 @@ fn start(dir: &Path, mesh: &Path) -> Node {
         .read_line(&mut ready)
         .unwrap();
     assert!(ready.contains("node node1"), "{ready}");
+    let key =
+        dpumesh_identity::registration::RegistrationKey::load(&dir.join(".dpumesh/certs")).unwrap();
     Node {
         child,
         control: format!("unix:{}", dir.join("run/node1.sock").display()),
         admin,
         store_dir: dir.join("store/node1"),
+        token: key.token(SERVICE),
     }
 }
 
@@ -74,6 +82,8 @@ fn store(node: &Node, args: &[&str], stdin: &[u8]) -> Output {
         .arg("store")
         .arg("--control")
         .arg(&node.control)
+        .args(["--service", SERVICE])
+        .env("DPUMESH_TOKEN", &node.token)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -182,7 +192,7 @@ fn operators_put_get_list_and_remove_objects_on_a_node() {
     assert_eq!(
         admin_delete(
             node.admin,
-            "/store?prefix=objects%2F",
+            "/store?prefix=user%2Fobjects%2F",
             &admin_token_of(dir.path())
         ),
         (200, "{\"removed\":1}".to_owned())
@@ -209,7 +219,16 @@ fn a_client_killed_mid_push_leaves_no_object_and_gives_its_slots_back() {
     let file = dir.path().join("huge.bin");
     std::fs::write(&file, data(48 << 20, 2)).unwrap();
     let mut put = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["store", "--control", &node.control, "put", "huge"])
+        .args([
+            "store",
+            "--control",
+            &node.control,
+            "--service",
+            SERVICE,
+            "put",
+            "huge",
+        ])
+        .env("DPUMESH_TOKEN", &node.token)
         .arg(&file)
         .stderr(Stdio::null())
         .spawn()
@@ -250,7 +269,16 @@ fn a_node_killed_mid_write_keeps_what_was_committed_and_serves_no_torn_object() 
     let file = dir.path().join("huge.bin");
     std::fs::write(&file, data(48 << 20, 3)).unwrap();
     let put = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["store", "--control", &node.control, "put", "torn"])
+        .args([
+            "store",
+            "--control",
+            &node.control,
+            "--service",
+            SERVICE,
+            "put",
+            "torn",
+        ])
+        .env("DPUMESH_TOKEN", &node.token)
         .arg(&file)
         .stderr(Stdio::piped())
         .spawn()
@@ -331,6 +359,8 @@ print("ok")
 "#;
     let out = Command::new("python3")
         .args(["-c", script, &node.control])
+        .env("DPUMESH_SERVICE", SERVICE)
+        .env("DPUMESH_TOKEN", &node.token)
         .output()
         .unwrap();
     assert_eq!(
@@ -342,4 +372,48 @@ print("ok")
     // What Python stored, the CLI sees.
     let listed = ok(&store(&node, &["ls", "py/"], b""));
     assert_eq!(listed.lines().count(), 3, "{listed}");
+}
+
+#[test]
+fn a_store_client_reaches_only_the_objects_of_the_service_it_proves() {
+    let dir = tempfile::tempdir().unwrap();
+    let mesh = mesh(dir.path(), "  dir: store\n  capacity: 16MiB\n");
+    let node = start(dir.path(), &mesh);
+    ok(&store(&node, &["put", "secret", "-"], b"user's own\n"));
+    let key =
+        dpumesh_identity::registration::RegistrationKey::load(&dir.path().join(".dpumesh/certs"))
+            .unwrap();
+    let as_service = |service: &str, token: Option<&str>, args: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dpumesh"));
+        cmd.args(["store", "--control", &node.control, "--service", service])
+            .args(args)
+            .env_remove("DPUMESH_TOKEN")
+            .stdin(Stdio::null());
+        if let Some(token) = token {
+            cmd.env("DPUMESH_TOKEN", token);
+        }
+        cmd.output().unwrap()
+    };
+    // Another service, with its own token: none of user's objects, by any name.
+    let frontend = key.token("frontend");
+    for name in ["secret", "user/secret", "../user/secret"] {
+        let out = as_service("frontend", Some(&frontend), &["get", name, "-"]);
+        assert!(!out.status.success(), "{name}: {out:?}");
+    }
+    let listed = as_service("frontend", Some(&frontend), &["ls"]);
+    assert_eq!(String::from_utf8_lossy(&listed.stdout), "", "{listed:?}");
+    // No token, or another service's, proves nothing: refused before any key.
+    for token in [None, Some(frontend.as_str())] {
+        let out = as_service("user", token, &["ls"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains("cannot act as user"),
+            "{token:?}: {err}"
+        );
+    }
+    // The service itself still has it.
+    assert_eq!(
+        ok(&store(&node, &["get", "secret", "-"], b"")),
+        "user's own\n"
+    );
 }

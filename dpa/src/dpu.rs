@@ -363,14 +363,30 @@ impl Handler for ControlHandler {
         self.answer(peer, request)
     }
 
-    fn handle_store(&self, peer: &Peer, message: Vec<u8>, reply: StoreReply) {
-        match &self.0.config.store {
-            Some(store) => store.handle(peer.id, message, reply),
-            None => reply.refuse(
+    fn handle_store(&self, peer: &Peer, message: Vec<u8>, fds: Vec<OwnedFd>, reply: StoreReply) {
+        let Some(store) = &self.0.config.store else {
+            return reply.refuse(
                 ErrorCode::BadRequest,
                 "this node runs no BlueCache store (no `store:` in the mesh file)",
+            );
+        };
+        // A service's keys are its own: a client acts for the service it proved.
+        match &peer.service {
+            Some(service) => store.handle(peer.id, service, message, fds, reply),
+            None => reply.refuse(
+                ErrorCode::Unauthorized,
+                "a store client proves its service first (Authenticate, with the token a pod registers with: DPUMESH_SERVICE, DPUMESH_TOKEN)",
             ),
         }
+    }
+
+    fn authenticate(
+        &self,
+        peer: &Peer,
+        service: &str,
+        token: Option<&str>,
+    ) -> Result<(), Response> {
+        self.check_token(peer, "authenticate", service, token)
     }
 
     fn disconnected(&self, peer: &Peer) {
@@ -407,6 +423,37 @@ impl ControlHandler {
         pods
     }
 
+    /// Whether `peer` (a host) may act for `service`: with a registration key, only
+    /// with `service`'s token. `who` names it in the refusal.
+    fn check_token(
+        &self,
+        peer: &Peer,
+        who: &str,
+        service: &str,
+        token: Option<&str>,
+    ) -> Result<(), Response> {
+        if peer.role != Role::Host {
+            return Err(Response::Error {
+                code: ErrorCode::BadRequest,
+                message: "only hosts act for services".to_owned(),
+            });
+        }
+        if let Some(key) = &self.0.config.registration
+            && !token.is_some_and(|t| key.verify(service, t))
+        {
+            let why = if token.is_none() {
+                "no registration token (DPUMESH_TOKEN)"
+            } else {
+                "a registration token that does not prove the service"
+            };
+            return Err(Response::Error {
+                code: ErrorCode::Unauthorized,
+                message: format!("{who} cannot act as {service}: {why}"),
+            });
+        }
+        Ok(())
+    }
+
     /// The answer, and the serving shard's bell eventfd with a registration.
     fn answer(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
         if let Request::RegisterPod {
@@ -416,31 +463,9 @@ impl ControlHandler {
             token,
         } = request
         {
-            if peer.role != Role::Host {
-                return (
-                    Response::Error {
-                        code: ErrorCode::BadRequest,
-                        message: "only hosts register pods".to_owned(),
-                    },
-                    Vec::new(),
-                );
-            }
-            if let Some(key) = &self.0.config.registration
-                && !token.as_deref().is_some_and(|t| key.verify(&service, t))
-            {
-                let why = if token.is_none() {
-                    "no registration token (DPUMESH_TOKEN)"
-                } else {
-                    "a registration token that does not prove the service"
-                };
-                tracing::warn!(pod = name, service, pid, "refused a registration: {why}");
-                return (
-                    Response::Error {
-                        code: ErrorCode::Unauthorized,
-                        message: format!("pod {name} cannot register as {service}: {why}"),
-                    },
-                    Vec::new(),
-                );
+            if let Err(refusal) = self.check_token(peer, &name, &service, token.as_deref()) {
+                tracing::warn!(pod = name, service, pid, "refused a registration");
+                return (refusal, Vec::new());
             }
             return match self.0.register(peer, name, service, pid) {
                 Ok((exports, regions)) => {
@@ -490,8 +515,9 @@ impl ControlHandler {
         }
         let response = match request {
             Request::Hello { .. } => Response::Ok,
-            // Served by `handle_store`, which the transport calls for them.
-            Request::Store(_) => Response::Error {
+            // Served by `handle_store` and `authenticate`, which the transport calls
+            // for them.
+            Request::Store(_) | Request::Authenticate { .. } => Response::Error {
                 code: ErrorCode::Internal,
                 message: "a store message took the wrong path".to_owned(),
             },

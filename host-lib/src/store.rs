@@ -58,6 +58,8 @@ type Done = Box<dyn FnOnce(Result<Response, StoreError>) + Send>;
 
 struct Work {
     request: Request,
+    /// A buffer whose memory goes with the request (a registration).
+    memory: Option<Arc<SharedRegion>>,
     done: Done,
 }
 
@@ -183,9 +185,32 @@ impl Future for Transfer {
 }
 
 impl StoreClient {
-    /// Connects to the node's control channel at `endpoint` as `name`.
+    /// Connects to the node's control channel at `endpoint` as `name`, acting for the
+    /// service in `DPUMESH_SERVICE` with the token in `DPUMESH_TOKEN` (what `dpumesh
+    /// up` and the service's Secret give a pod): the objects it sees are that
+    /// service's.
     pub fn connect(endpoint: &Endpoint, name: &str) -> Result<Self, StoreError> {
+        let service = std::env::var("DPUMESH_SERVICE").map_err(|_| {
+            StoreError::Unexpected(
+                "DPUMESH_SERVICE is not set: a store client acts for a service (its keys are that service's)".into(),
+            )
+        })?;
+        let token = std::env::var("DPUMESH_TOKEN").ok();
+        Self::connect_as(endpoint, name, &service, token.as_deref())
+    }
+
+    /// [`Self::connect`] for `service`, with its registration `token`.
+    pub fn connect_as(
+        endpoint: &Endpoint,
+        name: &str,
+        service: &str,
+        token: Option<&str>,
+    ) -> Result<Self, StoreError> {
         let mut control = ControlClient::connect(endpoint, Role::Host, name)?;
+        control.request(dpumesh_dpa::control::Request::Authenticate {
+            service: service.to_owned(),
+            token: token.map(str::to_owned),
+        })?;
         let (tx, rx) = crossbeam_channel::unbounded::<Work>();
         let worker = std::thread::Builder::new()
             .name("dpumesh-store-client".into())
@@ -194,7 +219,7 @@ impl StoreClient {
                 while let Ok(work) = rx.recv() {
                     let id = next_id;
                     next_id = next_id.wrapping_add(1).max(1);
-                    let result = exchange(&mut control, id, work.request);
+                    let result = exchange(&mut control, id, work.request, work.memory.as_deref());
                     (work.done)(result);
                 }
             })
@@ -206,7 +231,15 @@ impl StoreClient {
     }
 
     fn post(&self, request: Request, done: Done) {
-        let work = Work { request, done };
+        self.post_with(request, None, done);
+    }
+
+    fn post_with(&self, request: Request, memory: Option<Arc<SharedRegion>>, done: Done) {
+        let work = Work {
+            request,
+            memory,
+            done,
+        };
         match &self.work {
             Some(tx) => {
                 if let Err(e) = tx.send(work) {
@@ -218,9 +251,18 @@ impl StoreClient {
     }
 
     fn call(&self, request: Request) -> Result<Response, StoreError> {
+        self.call_with(request, None)
+    }
+
+    fn call_with(
+        &self,
+        request: Request,
+        memory: Option<Arc<SharedRegion>>,
+    ) -> Result<Response, StoreError> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.post(
+        self.post_with(
             request,
+            memory,
             Box::new(move |r| {
                 let _ = tx.send(r);
             }),
@@ -228,15 +270,17 @@ impl StoreClient {
         rx.recv().map_err(|_| StoreError::Closed)?
     }
 
-    /// Creates a buffer of `len` bytes and registers it with the agent (its export
-    /// descriptor: a shared-memory region here, a DOCA mmap export on BlueField).
+    /// Creates a buffer of `len` bytes and registers it with the agent: its memory
+    /// (a sealed memfd here, passed as a descriptor; a DOCA mmap export on BlueField).
     pub fn register(&self, len: usize) -> Result<StoreBuffer, StoreError> {
-        let region = Arc::new(SharedRegion::create_unique("dpumesh-store", len.max(1))?);
-        match self.call(Request::Register {
-            path: region.path().display().to_string(),
-            len: region.len() as u64,
-            hw_export: Vec::new(),
-        })? {
+        let region = Arc::new(SharedRegion::create_sealed("dpumesh-store", len.max(1))?);
+        match self.call_with(
+            Request::Register {
+                len: region.len() as u64,
+                hw_export: Vec::new(),
+            },
+            Some(region.clone()),
+        )? {
             Response::Registered { buffer } => Ok(StoreBuffer { region, id: buffer }),
             other => Err(refused_or_unexpected(other)),
         }
@@ -388,8 +432,13 @@ fn exchange(
     control: &mut ControlClient,
     id: u32,
     request: Request,
+    memory: Option<&SharedRegion>,
 ) -> Result<Response, StoreError> {
-    let answer = control.store(protocol::encode(&Message::Request(id, request)))?;
+    let message = protocol::encode(&Message::Request(id, request));
+    let answer = match memory {
+        Some(region) => control.store_with_fds(message, &[region.fd()])?,
+        None => control.store(message)?,
+    };
     match protocol::decode(&answer)? {
         Message::Response(got, response) if got == id => Ok(response),
         Message::Response(got, _) => Err(StoreError::Unexpected(format!(

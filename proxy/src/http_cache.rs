@@ -18,8 +18,10 @@ use dpumesh_store::Agent;
 use http::HeaderMap;
 use parking_lot::Mutex;
 
-/// Where bodies go in the store.
-pub const BODY_PREFIX: &str = "http-cache/";
+/// Where bodies go in the store: the node's own namespace, which no service's store
+/// client can name (`dpumesh_store::namespace`), so no pod can read, overwrite or
+/// delete a body the node serves to clients.
+pub const BODY_PREFIX: &str = ".node/http-cache/";
 
 /// Counters.
 #[derive(Debug, Default)]

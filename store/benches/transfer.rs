@@ -23,11 +23,13 @@ struct Client {
     region: SharedRegion,
 }
 
-fn ask(agent: &Agent, request: Request) -> Response {
+fn ask(agent: &Agent, request: Request, fds: Vec<std::os::fd::OwnedFd>) -> Response {
     let (tx, rx) = crossbeam_channel::bounded(1);
     agent.handle(
         1,
+        &dpumesh_store::namespace::Namespace::service("bench").unwrap(),
         &protocol::encode(&Message::Request(1, request)),
+        fds,
         Box::new(move |b| {
             let _ = tx.send(b);
         }),
@@ -49,16 +51,16 @@ fn client(dir: &std::path::Path, pipelined: bool, verify: bool) -> Client {
         Box::new(SoftwareDma),
     )
     .unwrap();
-    let region = SharedRegion::create_unique("dpumesh-bench-store", 8 << 20).unwrap();
+    let region = SharedRegion::create_sealed("dpumesh-bench-store", 8 << 20).unwrap();
     let data: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
     region.write(0, &data).unwrap();
     let Response::Registered { buffer } = ask(
         &agent,
         Request::Register {
-            path: region.path().display().to_string(),
             len: region.len() as u64,
             hw_export: vec![],
         },
+        vec![region.fd().try_clone_to_owned().unwrap()],
     ) else {
         panic!()
     };
@@ -82,7 +84,7 @@ impl Client {
         } else {
             Request::PullBatch { segments }
         };
-        match ask(&self.agent, request) {
+        match ask(&self.agent, request, Vec::new()) {
             Response::Batch { results } if results[0].status == Status::Ok => {}
             other => panic!("{other:?}"),
         }

@@ -10,6 +10,7 @@
 //! - [`backend`]: storage backends (POSIX files, memory) with whole-object commits.
 //! - [`catalog`]: what is stored, capacity and LRU eviction.
 //! - [`agent`]: the DPU agent (progress loop, staging slots, pipelined transfers).
+//! - [`namespace`]: each service's keys under its own prefix, the node's apart.
 //!
 //! The host client lives in `dpumesh-host` (`dpumesh_host::store`).
 
@@ -18,6 +19,7 @@
 pub mod agent;
 pub mod backend;
 pub mod catalog;
+pub mod namespace;
 pub mod protocol;
 
 pub use agent::{Agent, AgentConfig, AgentError, AgentStats, PutError, Reply};

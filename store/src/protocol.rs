@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 /// `DTRF`, as the seed defines it (0x44545246 read big-endian: the bytes spell it).
 pub const MAGIC: [u8; 4] = *b"DTRF";
 /// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Largest body accepted (fits in one control-channel message with room to spare).
 pub const MAX_BODY: u32 = 60 << 10;
 /// Most segments in one batch.
@@ -57,10 +57,11 @@ pub struct Segment {
 /// What the host asks of the agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    /// Registers a host buffer the agent may DMA from and to: the export descriptor
-    /// (a shared-memory region's path here, `doca_mmap_export_pci` bytes on BlueField).
+    /// Registers a host buffer the agent may DMA from and to, of `len` bytes: in
+    /// software its memory comes as a descriptor with the message (a sealed memfd, on
+    /// the Unix control socket: never a name the agent would open); on BlueField the
+    /// `doca_mmap_export_pci` bytes.
     Register {
-        path: String,
         len: u64,
         /// The hardware export descriptor (empty in software).
         hw_export: Vec<u8>,

@@ -506,7 +506,8 @@ impl ComchServer {
             let _ = tx.send((at, id, response));
         });
         match self.peers.iter().find(|(c, _)| *c == connection) {
-            Some((_, Some(peer))) => self.handler.handle_store(peer, message, reply),
+            // No descriptors over Comch: a host buffer is a DOCA mmap export here.
+            Some((_, Some(peer))) => self.handler.handle_store(peer, message, Vec::new(), reply),
             _ => reply.refuse(ErrorCode::BadRequest, "say Hello first"),
         }
     }
@@ -527,7 +528,12 @@ impl ComchServer {
             (_, Request::Hello { role, name }) => {
                 let id = self.next_peer;
                 self.next_peer += 1;
-                self.peers[index].1 = Some(Peer { id, role, name });
+                self.peers[index].1 = Some(Peer {
+                    id,
+                    role,
+                    name,
+                    service: None,
+                });
                 Response::Hello {
                     node: self.handler.node_name(),
                 }
@@ -536,7 +542,31 @@ impl ComchServer {
                 code: ErrorCode::BadRequest,
                 message: "say Hello first".into(),
             },
-            (Some(peer), request) => self.handler.handle(peer, request),
+            (Some(peer), Request::Authenticate { service, token }) => {
+                match self.handler.authenticate(peer, &service, token.as_deref()) {
+                    Ok(()) => {
+                        if let Some(peer) = self.peers[index].1.as_mut() {
+                            peer.service = Some(service);
+                        }
+                        Response::Ok
+                    }
+                    Err(refusal) => refusal,
+                }
+            }
+            (Some(peer), request) => {
+                let registering = match &request {
+                    Request::RegisterPod { service, .. } => Some(service.clone()),
+                    _ => None,
+                };
+                let response = self.handler.handle(peer, request);
+                // A connection that registered a pod acts for its service.
+                if let (Some(service), Response::PodRegistered(_)) = (registering, &response)
+                    && let Some(peer) = self.peers[index].1.as_mut()
+                {
+                    peer.service = Some(service);
+                }
+                response
+            }
         }
     }
 

@@ -74,8 +74,15 @@ pub enum Request {
     /// fabric address of a node that runs it (case 1).
     Locate { service: String },
     /// A BlueCache store message (`dpumesh-store`'s `DTRF` protocol, with its own
-    /// magic and version): metadata of transfers whose bytes move by DMA.
+    /// magic and version): metadata of transfers whose bytes move by DMA. The
+    /// connection must act for a service first (its keys are that service's).
     Store(Vec<u8>),
+    /// Proves that this connection acts for `service` (a store client: a pod's
+    /// registration proves it too), with the same token a registration carries.
+    Authenticate {
+        service: String,
+        token: Option<String>,
+    },
 }
 
 /// What the DPU answers.

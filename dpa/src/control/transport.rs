@@ -125,6 +125,9 @@ pub struct Peer {
     pub role: Role,
     /// The name it said in Hello.
     pub name: String,
+    /// The service this connection proved it serves (by registering a pod of it, or
+    /// by [`Request::Authenticate`]); what its store keys are namespaced by.
+    pub service: Option<String>,
 }
 
 /// What the DPU side does with requests. `Hello` is handled by the server.
@@ -145,8 +148,22 @@ pub trait Handler: Send + Sync + 'static {
     /// A BlueCache store message: answered through `reply`, at once or when its
     /// transfers are done. The connection goes on being read meanwhile, so a peer
     /// that goes away mid-transfer is told to [`Handler::disconnected`] at once.
-    fn handle_store(&self, _peer: &Peer, _message: Vec<u8>, reply: StoreReply) {
+    fn handle_store(&self, _peer: &Peer, _message: Vec<u8>, _fds: Vec<OwnedFd>, reply: StoreReply) {
         reply.refuse(ErrorCode::BadRequest, "this node runs no BlueCache store");
+    }
+
+    /// Whether `peer` may act for `service` with `token` ([`Request::Authenticate`]);
+    /// the refusal's answer otherwise.
+    fn authenticate(
+        &self,
+        _peer: &Peer,
+        _service: &str,
+        _token: Option<&str>,
+    ) -> Result<(), Response> {
+        Err(error(
+            ErrorCode::BadRequest,
+            "this node authenticates no one",
+        ))
     }
 
     /// `peer` went away (closed, crashed, or the server is stopping).
@@ -155,8 +172,17 @@ pub trait Handler: Send + Sync + 'static {
 
 /// What serves store messages on a node (the BlueCache agent, `dpumesh-store`).
 pub trait StoreService: Send + Sync + std::fmt::Debug + 'static {
-    /// One message from connection `peer`; the answer goes to `reply`.
-    fn handle(&self, peer: u64, message: Vec<u8>, reply: StoreReply);
+    /// One message from connection `peer`, acting for `service` (its keys are that
+    /// service's), with the descriptors that came with it (a buffer to register); the
+    /// answer goes to `reply`.
+    fn handle(
+        &self,
+        peer: u64,
+        service: &str,
+        message: Vec<u8>,
+        fds: Vec<OwnedFd>,
+        reply: StoreReply,
+    );
 
     /// Connection `peer` closed: its transfers stop, its buffers are forgotten.
     fn disconnected(&self, peer: u64);
@@ -396,8 +422,18 @@ fn serve(
     conns: Arc<Mutex<HashMap<u64, Writer>>>,
 ) {
     let mut peer: Option<Peer> = None;
+    // Descriptors that came with the request being read (a store buffer to register).
+    let mut fds: Vec<OwnedFd> = Vec::new();
     loop {
-        let frame = match read_frame(&mut stream) {
+        fds.clear();
+        let read = match &mut stream {
+            Stream::Unix(s) => read_frame(&mut FdReader {
+                stream: s,
+                fds: &mut fds,
+            }),
+            other => read_frame(other),
+        };
+        let frame = match read {
             Ok(frame) => frame,
             Err(ControlError::Version { theirs, .. }) => {
                 tracing::warn!(theirs, "control peer speaks another protocol version");
@@ -421,7 +457,12 @@ fn serve(
         };
         let response = match (&peer, request) {
             (_, Request::Hello { role, name }) => {
-                peer = Some(Peer { id, role, name });
+                peer = Some(Peer {
+                    id,
+                    role,
+                    name,
+                    service: None,
+                });
                 Response::Hello {
                     node: handler.node_name(),
                 }
@@ -432,12 +473,33 @@ fn serve(
                 let reply = StoreReply::new(move |response| {
                     let _ = reply(&conns, id, rid, response);
                 });
-                handler.handle_store(p, message, reply);
+                handler.handle_store(p, message, std::mem::take(&mut fds), reply);
                 continue;
             }
+            (Some(p), Request::Authenticate { service, token }) => {
+                match handler.authenticate(p, &service, token.as_deref()) {
+                    Ok(()) => {
+                        if let Some(p) = peer.as_mut() {
+                            p.service = Some(service);
+                        }
+                        Response::Ok
+                    }
+                    Err(refusal) => refusal,
+                }
+            }
             (Some(p), request) => {
-                let (response, fds) = handler.handle_with_fds(p, request);
-                if reply_with_fds(&conns, id, rid, response, &fds).is_err() {
+                let registering = match &request {
+                    Request::RegisterPod { service, .. } => Some(service.clone()),
+                    _ => None,
+                };
+                let (response, out) = handler.handle_with_fds(p, request);
+                // A connection that registered a pod acts for its service.
+                if let (Some(service), Response::PodRegistered(_)) = (registering, &response)
+                    && let Some(p) = peer.as_mut()
+                {
+                    p.service = Some(service);
+                }
+                if reply_with_fds(&conns, id, rid, response, &out).is_err() {
                     break;
                 }
                 continue;
@@ -640,9 +702,32 @@ impl ControlClient {
     /// Sends a request and waits for its answer; `Error` answers become
     /// [`ControlError::Refused`].
     pub fn request(&mut self, request: Request) -> Result<Response, ControlError> {
+        self.request_with_fds(request, &[])
+    }
+
+    /// [`Self::request`], passing `fds` with it (a store buffer's memory): on the
+    /// Unix socket only.
+    pub fn request_with_fds(
+        &mut self,
+        request: Request,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Response, ControlError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1).max(1);
-        if let Err(e) = write_frame(&mut self.stream, &Frame::Request(id, request)) {
+        let sent = match (&mut self.stream, fds.is_empty()) {
+            (_, true) => write_frame(&mut self.stream, &Frame::Request(id, request)),
+            (Stream::Unix(s), false) => {
+                let bytes = super::encode(&Frame::Request(id, request));
+                send_with_fds(s, &bytes, fds).map_err(ControlError::from)
+            }
+            (Stream::Tcp(_), false) => {
+                return Err(ControlError::Body(
+                    "descriptors (shared memory) pass only over the node's Unix control socket"
+                        .to_owned(),
+                ));
+            }
+        };
+        if let Err(e) = sent {
             // A DPU that went away may have said why before closing.
             if let Ok(Frame::Response(0, Response::Teardown { reason })) =
                 read_frame(&mut self.stream)
@@ -683,7 +768,16 @@ impl ControlClient {
 
     /// Sends a BlueCache store message and waits for the agent's answer.
     pub fn store(&mut self, message: Vec<u8>) -> Result<Vec<u8>, ControlError> {
-        match self.request(Request::Store(message))? {
+        self.store_with_fds(message, &[])
+    }
+
+    /// [`Self::store`], passing `fds` with it (a buffer's memory).
+    pub fn store_with_fds(
+        &mut self,
+        message: Vec<u8>,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Vec<u8>, ControlError> {
+        match self.request_with_fds(Request::Store(message), fds)? {
             Response::Store(answer) => Ok(answer),
             other => Err(ControlError::Body(format!(
                 "a store message answered with {other:?}"

@@ -123,17 +123,26 @@ impl PyStoreClient {
 #[pymethods]
 impl PyStoreClient {
     /// Connects to the node's control channel (`unix:PATH` or `tcp:HOST:PORT`; a pod
-    /// has it in `DPUMESH_CONTROL`).
+    /// has it in `DPUMESH_CONTROL`), acting for `service` with its registration
+    /// `token` (by default `DPUMESH_SERVICE` and `DPUMESH_TOKEN`, as a pod has them):
+    /// the objects are that service's.
     #[new]
-    #[pyo3(signature = (control, name = "python"))]
-    fn new(py: Python<'_>, control: &str, name: &str) -> PyResult<Self> {
+    #[pyo3(signature = (control, name = "python", service = None, token = None))]
+    fn new(
+        py: Python<'_>,
+        control: &str,
+        name: &str,
+        service: Option<String>,
+        token: Option<String>,
+    ) -> PyResult<Self> {
         let endpoint = Endpoint::from_str(control)
             .map_err(|e| PyValueError::new_err(format!("control endpoint {control:?}: {e}")))?;
-        py.detach(|| StoreClient::connect(&endpoint, name))
-            .map(Self)
-            .map_err(|e| {
-                PyRuntimeError::new_err(format!("cannot reach the node at {control}: {e}"))
-            })
+        py.detach(|| match &service {
+            Some(service) => StoreClient::connect_as(&endpoint, name, service, token.as_deref()),
+            None => StoreClient::connect(&endpoint, name),
+        })
+        .map(Self)
+        .map_err(|e| PyRuntimeError::new_err(format!("cannot reach the node at {control}: {e}")))
     }
 
     /// A buffer of `size` bytes, registered with the agent.

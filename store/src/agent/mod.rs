@@ -14,7 +14,6 @@ mod slots;
 mod transfer;
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -26,6 +25,7 @@ use parking_lot::Mutex;
 
 use crate::backend::{Backend, StorageError};
 use crate::catalog::Catalog;
+use crate::namespace::Namespace;
 use crate::protocol::{
     self, MAX_SEGMENTS, Message, ObjectInfo, ProtocolError, Request, Response, Segment,
     SegmentResult, Status,
@@ -272,9 +272,18 @@ impl Agent {
         })
     }
 
-    /// Handles one message from client `peer`; `reply` gets the answer (at once, or
+    /// Handles one message from client `peer`, which acts in `namespace` (its keys
+    /// are that namespace's: see [`crate::namespace`]), with the descriptors that came
+    /// with it (a buffer's memory to register); `reply` gets the answer (at once, or
     /// when its transfers are done).
-    pub fn handle(&self, peer: u64, bytes: &[u8], reply: Reply) {
+    pub fn handle(
+        &self,
+        peer: u64,
+        namespace: &Namespace,
+        bytes: &[u8],
+        fds: Vec<std::os::fd::OwnedFd>,
+        reply: Reply,
+    ) {
         let id = protocol::peek_id(bytes).unwrap_or(0);
         let answer = |response: Response| protocol::encode(&Message::Response(id, response));
         let (id, request) = match protocol::decode(bytes) {
@@ -291,6 +300,7 @@ impl Agent {
             }
             Err(e) => return reply(answer(error(Status::BadRequest, e.to_string()))),
         };
+        let request = namespace.request(request);
         let state = self.peer(peer);
         let response = match request {
             Request::PushBatch { segments } | Request::PullBatch { segments }
@@ -308,7 +318,7 @@ impl Agent {
             Request::PullBatch { segments } => {
                 return self.queue(state, id, false, segments, reply);
             }
-            Request::Register { path, len, .. } => self.register(&state, &path, len),
+            Request::Register { len, .. } => self.register(&state, fds, len),
             Request::Deregister { buffer } => match state.buffers.lock().remove(&buffer) {
                 Some(_) => Response::Ok,
                 None => error(Status::BadBuffer, format!("no buffer {buffer}")),
@@ -336,6 +346,7 @@ impl Agent {
                 }
             }
         };
+        let response = namespace.response(response);
         reply(protocol::encode(&Message::Response(id, response)));
     }
 
@@ -439,25 +450,19 @@ impl Agent {
         transfer::get_local(&self.inner, key)
     }
 
-    fn register(&self, state: &PeerState, path: &str, len: u64) -> Response {
-        let path = Path::new(path);
-        // Only shared-memory regions: a client may not have the agent map any file.
-        let dir = dpumesh_dpa::shm::shm_dir();
-        let inside = path.parent().is_some_and(|p| p == dir)
-            && path
-                .file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with("dpumesh-"));
-        if !inside {
+    /// Registers the client's buffer from the one descriptor that came with the
+    /// message: its own memory, never a file the agent would open by a name (which
+    /// could name another's region, or a symlink). It must be sealed against
+    /// shrinking, so the client cannot truncate it under a transfer (SIGBUS).
+    fn register(&self, state: &PeerState, fds: Vec<std::os::fd::OwnedFd>, len: u64) -> Response {
+        let mut fds = fds.into_iter();
+        let (Some(fd), None) = (fds.next(), fds.next()) else {
             return error(
-                Status::BadRequest,
-                format!(
-                    "buffer {} is not a DPUmesh shared-memory region in {}",
-                    path.display(),
-                    dir.display()
-                ),
+                Status::BadBuffer,
+                "a buffer is registered with exactly one descriptor of its memory (the node's Unix control socket)",
             );
-        }
-        match SharedRegion::open(path) {
+        };
+        match SharedRegion::from_fd(fd, "store buffer") {
             Ok(region) if region.len() as u64 == len => {
                 let buffer = self.inner.next_buffer.fetch_add(1, Ordering::Relaxed);
                 state.buffers.lock().insert(buffer, Arc::new(region));
@@ -466,8 +471,7 @@ impl Agent {
             Ok(region) => error(
                 Status::BadBuffer,
                 format!(
-                    "buffer {} has {} bytes, not the {len} the client said",
-                    path.display(),
+                    "the buffer's memory holds {} bytes, not the {len} the client said",
                     region.len()
                 ),
             ),
@@ -547,13 +551,23 @@ impl dpumesh_dpa::control::transport::StoreService for Agent {
     fn handle(
         &self,
         peer: u64,
+        service: &str,
         message: Vec<u8>,
+        fds: Vec<std::os::fd::OwnedFd>,
         reply: dpumesh_dpa::control::transport::StoreReply,
     ) {
+        let namespace = match Namespace::service(service) {
+            Ok(namespace) => namespace,
+            Err(e) => {
+                return reply.refuse(dpumesh_dpa::control::ErrorCode::BadRequest, &e.to_string());
+            }
+        };
         Agent::handle(
             self,
             peer,
+            &namespace,
             &message,
+            fds,
             Box::new(move |answer| reply.send(answer)),
         );
     }

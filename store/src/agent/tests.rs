@@ -13,11 +13,27 @@ struct Client<'a> {
     buffer: u32,
 }
 
+/// The namespace the tests' clients act in.
+fn tests() -> Namespace {
+    Namespace::service("tests").unwrap()
+}
+
 fn ask(agent: &Agent, peer: u64, request: Request) -> Response {
+    ask_with(agent, peer, request, Vec::new())
+}
+
+fn ask_with(
+    agent: &Agent,
+    peer: u64,
+    request: Request,
+    fds: Vec<std::os::fd::OwnedFd>,
+) -> Response {
     let (tx, rx) = crossbeam_channel::bounded(1);
     agent.handle(
         peer,
+        &tests(),
         &protocol::encode(&Message::Request(9, request)),
+        fds,
         Box::new(move |bytes| {
             let _ = tx.send(bytes);
         }),
@@ -30,15 +46,15 @@ fn ask(agent: &Agent, peer: u64, request: Request) -> Response {
 
 impl<'a> Client<'a> {
     fn new(agent: &'a Agent, peer: u64, len: usize) -> Self {
-        let region = SharedRegion::create_unique("dpumesh-test-bluecache", len).unwrap();
-        let Response::Registered { buffer } = ask(
+        let region = SharedRegion::create_sealed("dpumesh-test-bluecache", len).unwrap();
+        let Response::Registered { buffer } = ask_with(
             agent,
             peer,
             Request::Register {
-                path: region.path().display().to_string(),
                 len: len as u64,
                 hw_export: vec![],
             },
+            vec![region.fd().try_clone_to_owned().unwrap()],
         ) else {
             panic!("registered")
         };
@@ -320,7 +336,9 @@ fn a_client_that_goes_away_mid_push_leaves_no_object_and_its_slots_come_back() {
     };
     agent.handle(
         7,
+        &tests(),
         &protocol::encode(&Message::Request(1, push)),
+        Vec::new(),
         Box::new(move |b| {
             let _ = tx.send(b);
         }),
@@ -362,7 +380,9 @@ fn a_client_of_another_version_is_told_and_bad_messages_are_named() {
         let (tx, rx) = crossbeam_channel::bounded(1);
         agent.handle(
             1,
+            &tests(),
             &bytes,
+            Vec::new(),
             Box::new(move |b| {
                 let _ = tx.send(b);
             }),
@@ -389,24 +409,34 @@ fn a_client_of_another_version_is_told_and_bad_messages_are_named() {
         matches!(&answer, Message::Response(_, Response::Error { status: Status::BadRequest, message }) if message.contains("declared")),
         "{answer:?}"
     );
-    // A buffer outside the shared-memory directory is refused.
+    // A buffer registers with its memory as a descriptor, never by a name: none, or
+    // a plain file's (what a symlink in /dev/shm leads to), is refused, and the
+    // answer says nothing of any other file.
     let answer = ask(
         &agent,
         1,
         Request::Register {
-            path: "/etc/passwd".into(),
             len: 10,
             hw_export: vec![],
         },
     );
     assert!(
-        matches!(
-            &answer,
-            Response::Error {
-                status: Status::BadRequest,
-                ..
-            }
-        ),
+        matches!(&answer, Response::Error { status: Status::BadBuffer, message } if message.contains("exactly one descriptor")),
+        "{answer:?}"
+    );
+    let file = tempfile::tempfile().unwrap();
+    file.set_len(10).unwrap();
+    let answer = ask_with(
+        &agent,
+        1,
+        Request::Register {
+            len: 10,
+            hw_export: vec![],
+        },
+        vec![file.into()],
+    );
+    assert!(
+        matches!(&answer, Response::Error { status: Status::BadBuffer, message } if message.contains("not sealed")),
         "{answer:?}"
     );
 }
@@ -424,7 +454,7 @@ fn a_restarted_agent_finds_its_objects_and_drops_a_corrupted_one_on_read() {
     // A bit flips on disk.
     let path = PosixBackend::open(dir.path(), PosixOptions::default())
         .unwrap()
-        .object_path("rot");
+        .object_path("tests/rot");
     let mut bytes = std::fs::read(&path).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 1;
@@ -465,9 +495,33 @@ fn the_node_stores_and_reads_its_own_bytes_through_the_same_catalog() {
     );
     let too_big = put("big", data(10_001, 3)).unwrap_err();
     assert!(too_big.to_string().contains("capacity"), "{too_big}");
-    // A client sees them like its own.
+    // A client of a service acts in its own namespace: the node's objects (its
+    // cached response bodies, under `.node/`) are out of its reach, by any key.
+    let node_key = crate::namespace::Namespace::node().key("http/c");
+    put(&node_key, data(100, 3)).unwrap();
     let client = Client::new(&agent, 1, 8000);
-    assert!(client.get("http/b").unwrap() == data(6000, 2));
+    for key in ["http/c", ".node/http/c", "../.node/http/c"] {
+        assert_eq!(
+            client.get(key).unwrap_err().status,
+            Status::NotFound,
+            "{key}"
+        );
+    }
+    assert_eq!(client.put(".node/http/c", b"poison").status, Status::Ok);
+    assert!(agent.get_bytes(&node_key).unwrap().unwrap() == data(100, 3));
+    let Response::Listed { objects, .. } = ask(
+        &agent,
+        1,
+        Request::List {
+            prefix: String::new(),
+            after: None,
+            limit: 100,
+        },
+    ) else {
+        panic!()
+    };
+    let keys: Vec<_> = objects.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(keys, [".node/http/c"], "only its own, as it named it");
     assert_eq!(agent.purge_key("http/b"), 1);
     assert_eq!(agent.get_bytes("http/b").unwrap(), None);
 }
@@ -479,15 +533,17 @@ fn the_memory_copy_never_outlives_the_stored_object() {
     put("k", b"first".to_vec());
     assert_eq!(agent.get_bytes("k").unwrap().unwrap(), b"first");
     assert_eq!(agent.stats().memory_bytes, 5);
-    // A client replaces it: the node reads the new version.
+    // A client replaces it (the object of its namespace): the node reads the new
+    // version.
+    put("tests/k", b"first".to_vec());
     let client = Client::new(&agent, 1, 100);
     assert_eq!(client.put("k", b"second").status, Status::Ok);
-    assert_eq!(agent.get_bytes("k").unwrap().unwrap(), b"second");
+    assert_eq!(agent.get_bytes("tests/k").unwrap().unwrap(), b"second");
     // Evicted by a larger object: gone from memory too.
     put("big", data(9_996, 1));
-    assert_eq!(agent.get_bytes("k").unwrap(), None);
+    assert_eq!(agent.get_bytes("tests/k").unwrap(), None);
     // Deleted by a client.
-    put("d", b"x".to_vec());
+    put("tests/d", b"x".to_vec());
     let Response::Batch { results } = ask(
         &agent,
         1,
@@ -498,7 +554,7 @@ fn the_memory_copy_never_outlives_the_stored_object() {
         panic!()
     };
     assert_eq!(results[0].status, Status::Ok);
-    assert_eq!(agent.get_bytes("d").unwrap(), None);
+    assert_eq!(agent.get_bytes("tests/d").unwrap(), None);
 }
 
 #[test]
