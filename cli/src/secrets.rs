@@ -135,15 +135,31 @@ fn render(mesh: &MeshFile, system_namespace: &str) -> Result<Vec<(String, Secret
     let workloads = mesh.config.identity.namespace();
     for service in mesh.config.services.keys() {
         // Only services that can have an identity (the node refuses the others).
-        if SpiffeId::workload(mesh.config.identity.trust_domain(), workloads, service).is_err() {
+        let Ok(id) = SpiffeId::workload(mesh.config.identity.trust_domain(), workloads, service)
+        else {
             continue;
+        };
+        // The registration token, and the workload's certificate for a control
+        // channel on TCP (mutual TLS: mounted as DPUMESH_CERTS, under the names the
+        // host library reads).
+        let files = TlsFiles::in_dir(dir, &id);
+        let mut data = BTreeMap::from([("token".to_owned(), base64(key.token(service)))]);
+        for (name, path) in [
+            ("ca.pem", &files.ca),
+            (dpumesh_identity::tls::WORKLOAD_CERT, &files.cert),
+            (dpumesh_identity::tls::WORKLOAD_KEY, &files.key),
+        ] {
+            let bytes = std::fs::read(path).with_context(|| {
+                format!("cannot read {} (run `dpumesh certs` first)", path.display())
+            })?;
+            data.insert(name.to_owned(), base64(bytes));
         }
         out.push(secret(
             format!("dpumesh-token-{service}"),
             workloads,
             "workload",
             &[("dpumesh.io/service", service.clone())],
-            BTreeMap::from([("token".to_owned(), base64(key.token(service)))]),
+            data,
         )?);
     }
     Ok(out

@@ -371,3 +371,73 @@ fn a_node_and_the_ingress_take_their_certificates_from_kubernetes_secrets() {
         "{err}"
     );
 }
+
+/// A workload's Secret as it is mounted: `ca.pem`, `workload.pem`, `workload.key`.
+fn workload_secret(
+    certs: &std::path::Path,
+    mesh: &dpumesh_config::MeshFile,
+    service: &str,
+) -> tempfile::TempDir {
+    let id = SpiffeId::workload(
+        mesh.config.identity.trust_domain(),
+        mesh.config.identity.namespace(),
+        service,
+    )
+    .unwrap();
+    let files = TlsFiles::in_dir(certs, &id);
+    let mount = tempfile::tempdir().unwrap();
+    std::fs::copy(&files.ca, mount.path().join("ca.pem")).unwrap();
+    std::fs::copy(&files.cert, mount.path().join("workload.pem")).unwrap();
+    std::fs::copy(&files.key, mount.path().join("workload.key")).unwrap();
+    mount
+}
+
+#[test]
+fn over_tcp_the_control_channel_runs_mutual_tls_and_a_pod_registers_only_as_its_workload() {
+    use dpumesh_dpa::control::Role;
+    use dpumesh_dpa::control::transport::{ControlClient, Endpoint};
+    let dir = tempfile::tempdir().unwrap();
+    let (file, _) = mesh_files(dir.path(), |m| m);
+    assert!(certs(&file, &[]).status.success());
+    let certs_dir = dir.path().join(".dpumesh/certs");
+    let mesh = dpumesh_config::MeshFile::read(&file).unwrap();
+    let key = dpumesh_identity::registration::RegistrationKey::load(&certs_dir).unwrap();
+    let port = common::free_port();
+    let mut node = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["node", "--name", "node1", "--mesh"])
+        .arg(&file)
+        .arg("--run-dir")
+        .arg(dir.path().join("run"))
+        .env("DPUMESH_NODE_CONTROL", format!("tcp:127.0.0.1:{port}"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(node.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    let endpoint = Endpoint::Tcp(format!("127.0.0.1:{port}").parse().unwrap());
+    // Plaintext: the registration token would cross in clear; the node speaks TLS
+    // only, and nothing is heard.
+    let plain = ControlClient::connect_with_tls(&endpoint, Role::Host, "rogue", None);
+    assert!(plain.is_err(), "{plain:?}");
+    // The frontend's workload, with the user's token: it proves the frontend, and
+    // acts for the frontend only.
+    let frontend = workload_secret(&certs_dir, &mesh, "frontend");
+    let tls = dpumesh_identity::MeshTls::load_workload(frontend.path()).unwrap();
+    let mut client =
+        ControlClient::connect_with_tls(&endpoint, Role::Host, "user-0", Some(&tls)).unwrap();
+    let e = client
+        .register_pod("user-0", "user", Some(&key.token("user")))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not the workload of user"), "{e}");
+    // As its own workload, with its token: registered (over TCP no memory can be
+    // passed, so a software pod maps nothing: the registration is what is shown).
+    let registered = client.register_pod("frontend-0", "frontend", Some(&key.token("frontend")));
+    assert!(registered.is_ok(), "{registered:?}");
+    let _ = node.kill();
+    let _ = node.wait();
+}

@@ -76,6 +76,12 @@ pub struct DpuConfig {
     pub registration: Option<dpumesh_identity::registration::RegistrationKey>,
     /// The BlueCache agent store messages go to (`None`: they are refused).
     pub store: Option<Arc<dyn crate::control::transport::StoreService>>,
+    /// The node's certificates for a control channel on TCP (mutual TLS: there is no
+    /// TCP without it); a Unix socket needs none.
+    pub control_tls: Option<Arc<dpumesh_identity::MeshTls>>,
+    /// What a service's name is appended to for its workload's SPIFFE ID: a peer that
+    /// proved an identity (over TCP) acts only for the service of that identity.
+    pub workload_prefix: Option<String>,
 }
 
 impl DpuConfig {
@@ -90,6 +96,8 @@ impl DpuConfig {
             remote_services: std::collections::BTreeMap::new(),
             registration: None,
             store: None,
+            control_tls: None,
+            workload_prefix: None,
         }
     }
 }
@@ -438,6 +446,22 @@ impl ControlHandler {
                 message: "only hosts act for services".to_owned(),
             });
         }
+        // A peer that proved an identity (TCP's mutual TLS) acts for its workload's
+        // service only.
+        if let Some(id) = &peer.identity {
+            let theirs = self
+                .0
+                .config
+                .workload_prefix
+                .as_deref()
+                .is_some_and(|prefix| id.to_string() == format!("{prefix}{service}"));
+            if !theirs {
+                return Err(Response::Error {
+                    code: ErrorCode::Unauthorized,
+                    message: format!("{who} proved {id}, which is not the workload of {service}"),
+                });
+            }
+        }
         if let Some(key) = &self.0.config.registration
             && !token.is_some_and(|t| key.verify(service, t))
         {
@@ -663,7 +687,11 @@ impl Dpu {
         for shard in &mut shards {
             shard.shared = Some(shared.clone());
         }
-        let control = ControlServer::start(control, Arc::new(ControlHandler(shared.clone())))?;
+        let control = ControlServer::start_with_tls(
+            control,
+            Arc::new(ControlHandler(shared.clone())),
+            shared.config.control_tls.clone(),
+        )?;
         Ok(Self {
             shared,
             control: Some(control),

@@ -36,6 +36,16 @@ pub struct TlsFiles {
 }
 
 impl TlsFiles {
+    /// A workload's files as its Secret mounts them: `ca.pem`, `workload.pem`,
+    /// `workload.key` (`dpumesh certs --secrets` writes them for each service).
+    pub fn workload(dir: &Path) -> Self {
+        Self {
+            ca: dir.join("ca.pem"),
+            cert: dir.join(WORKLOAD_CERT),
+            key: dir.join(WORKLOAD_KEY),
+        }
+    }
+
     /// `id`'s files in a certificate folder (see [`crate::ca`]).
     pub fn in_dir(dir: &Path, id: &SpiffeId) -> Self {
         let (cert, key) = crate::ca::files(dir, id);
@@ -104,6 +114,11 @@ fn file_err(path: &Path, reason: impl Into<String>) -> IdentityError {
         reason: reason.into(),
     }
 }
+
+/// A workload's certificate in its Secret (see [`TlsFiles::workload`]).
+pub const WORKLOAD_CERT: &str = "workload.pem";
+/// A workload's key in its Secret.
+pub const WORKLOAD_KEY: &str = "workload.key";
 
 /// The certificates in a PEM text.
 pub(crate) fn read_certs(
@@ -305,6 +320,17 @@ impl MeshTls {
             checked: Mutex::new(Instant::now()),
             stats: HandshakeStats::default(),
         }))
+    }
+
+    /// A workload's certificates from its Secret's folder ([`TlsFiles::workload`]), of
+    /// the trust domain its certificate names.
+    pub fn load_workload(dir: &Path) -> Result<Arc<Self>, IdentityError> {
+        let files = TlsFiles::workload(dir);
+        let pem = std::fs::read_to_string(&files.cert)
+            .map_err(|e| file_err(&files.cert, e.to_string()))?;
+        let id = spiffe_of(&read_certs(&files.cert, &pem)?[0])?;
+        let trust_domain = id.trust_domain.clone();
+        Self::load(files, &trust_domain)
     }
 
     /// Whom this side presents itself as.

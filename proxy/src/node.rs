@@ -311,6 +311,16 @@ impl Node {
                 Endpoint::Unix(socket)
             }
         };
+        if let Endpoint::Tcp(addr) = &control {
+            // Over TCP the control channel runs mutual TLS with the node's
+            // certificate; pods prove their workloads.
+            config.control_tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
+            anyhow::ensure!(
+                config.control_tls.is_some(),
+                "the control channel on tcp:{addr} runs mutual TLS only, and identity.mtls is off: use the Unix socket (no --control), or turn identities on"
+            );
+        }
+        config.workload_prefix = Some(crate::trust::workload_prefix(mesh));
         let dpu = Arc::new(Dpu::start(config, &control)?);
         let listen = options.fabric_listen.unwrap_or(entry.fabric);
         let topology = Topology {

@@ -533,6 +533,7 @@ impl ComchServer {
                     role,
                     name,
                     service: None,
+                    identity: None,
                 });
                 Response::Hello {
                     node: self.handler.node_name(),

@@ -170,12 +170,12 @@ fn a_client_registers_and_the_server_learns_when_it_goes() {
 }
 
 #[test]
-fn tcp_works_the_same() {
+fn tcp_without_certificates_is_refused_at_the_start() {
     let handler = Arc::new(Echo::default());
-    let server =
-        ControlServer::start(&Endpoint::Tcp("127.0.0.1:0".parse().unwrap()), handler).unwrap();
-    let mut client = ControlClient::connect(server.endpoint(), Role::Dpu, "proxy").unwrap();
-    client.ping().unwrap();
+    let e = ControlServer::start(&Endpoint::Tcp("127.0.0.1:0".parse().unwrap()), handler)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mutual TLS only"), "{e}");
 }
 
 #[test]

@@ -128,6 +128,9 @@ pub struct Peer {
     /// The service this connection proved it serves (by registering a pod of it, or
     /// by [`Request::Authenticate`]); what its store keys are namespaced by.
     pub service: Option<String>,
+    /// The identity its TLS certificate proved (a TCP peer; `None` on the Unix
+    /// socket, where the peer's user is checked instead).
+    pub identity: Option<dpumesh_identity::SpiffeId>,
 }
 
 /// What the DPU side does with requests. `Hello` is handled by the server.
@@ -240,21 +243,28 @@ enum Listener {
 }
 
 impl ControlServer {
-    /// Listens on `endpoint` (a Unix socket file left by an earlier run is replaced;
-    /// TCP port 0 picks a free port, see [`ControlServer::endpoint`]).
+    /// Listens on the Unix socket `endpoint` (a socket file left by an earlier run is
+    /// replaced). A TCP endpoint needs certificates: [`Self::start_with_tls`].
     pub fn start(endpoint: &Endpoint, handler: Arc<dyn Handler>) -> Result<Self, ControlError> {
         Self::start_with_tls(endpoint, handler, None)
     }
 
-    /// [`Self::start`], with TCP connections over mutual TLS when `tls` is given: a
-    /// peer must prove an identity of the trust domain (pods hold workload
-    /// certificates) before a byte of the protocol is read. (Unix connections are
-    /// checked by their peer's user instead.)
+    /// [`Self::start`], or a TCP endpoint (port 0 picks a free port, see
+    /// [`ControlServer::endpoint`]) over mutual TLS with `tls`: a peer must prove an
+    /// identity of the trust domain (pods hold workload certificates) before a byte of
+    /// the protocol is read, and that identity is its [`Peer::identity`]. Over TCP
+    /// there is no plaintext: registration tokens never cross in clear. (Unix
+    /// connections are checked by their peer's user instead.)
     pub fn start_with_tls(
         endpoint: &Endpoint,
         handler: Arc<dyn Handler>,
         tls: Option<Arc<dpumesh_identity::MeshTls>>,
     ) -> Result<Self, ControlError> {
+        if matches!(endpoint, Endpoint::Tcp(_)) && tls.is_none() {
+            return Err(ControlError::Body(format!(
+                "the control channel on {endpoint} is TCP, which runs mutual TLS only: give the node its certificates (identity.mtls), or listen on a Unix socket"
+            )));
+        }
         let (listener, endpoint) = match endpoint {
             Endpoint::Unix(path) => {
                 if path.exists() {
@@ -382,16 +392,18 @@ fn accept_loop(
             tracing::warn!(why, "refused a control connection");
             continue;
         }
-        // Over TCP with certificates, the peer proves who it is first.
-        let stream = match (stream, &tls) {
+        // Over TCP, the peer proves who it is first (there is no TCP without TLS).
+        let (stream, identity) = match (stream, &tls) {
             (Stream::Tcp(s), Some(tls)) => match over_tls(s, tls, true) {
-                Ok(s) => s,
+                Ok((s, id)) => (s, Some(id)),
                 Err(e) => {
                     tracing::warn!(error = %e, "refused a control connection");
                     continue;
                 }
             },
-            (stream, _) => stream,
+            (Stream::Tcp(_), None) => continue,
+            (stream, None) => (stream, None),
+            (stream, Some(_)) => (stream, None),
         };
         let blocking = match &stream {
             Stream::Unix(s) => s.set_nonblocking(false),
@@ -411,13 +423,14 @@ fn accept_loop(
         let conns = conns.clone();
         let _ = std::thread::Builder::new()
             .name(format!("dpumesh-control-{id}"))
-            .spawn(move || serve(id, stream, handler, conns));
+            .spawn(move || serve(id, stream, identity, handler, conns));
     }
 }
 
 fn serve(
     id: u64,
     mut stream: Stream,
+    identity: Option<dpumesh_identity::SpiffeId>,
     handler: Arc<dyn Handler>,
     conns: Arc<Mutex<HashMap<u64, Writer>>>,
 ) {
@@ -462,6 +475,7 @@ fn serve(
                     role,
                     name,
                     service: None,
+                    identity: identity.clone(),
                 });
                 Response::Hello {
                     node: handler.node_name(),
@@ -610,17 +624,17 @@ fn over_tls(
     mut s: TcpStream,
     tls: &dpumesh_identity::MeshTls,
     accepting: bool,
-) -> Result<Stream, ControlError> {
+) -> Result<(Stream, dpumesh_identity::SpiffeId), ControlError> {
     use dpumesh_identity::Peers;
     s.set_nonblocking(false)?;
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     s.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let (conn, _peer) = if accepting {
+    let (conn, peer) = if accepting {
         tls.accept_from(&mut s, Peers::TrustDomain)
     } else {
         tls.connect_to(&mut s, Peers::MeshComponents)
     }?;
-    Ok(Stream::Unix(dpumesh_identity::relay::relay(conn, s)?))
+    Ok((Stream::Unix(dpumesh_identity::relay::relay(conn, s)?), peer))
 }
 
 /// A blocking control-channel client.
@@ -635,9 +649,25 @@ pub struct ControlClient {
 }
 
 impl ControlClient {
-    /// Connects and says Hello.
+    /// Connects and says Hello. Over TCP (mutual TLS only), this side proves the
+    /// workload whose certificates are in the folder `DPUMESH_CERTS` names (its Secret:
+    /// `ca.pem`, `workload.pem`, `workload.key`).
     pub fn connect(endpoint: &Endpoint, role: Role, name: &str) -> Result<Self, ControlError> {
-        Self::connect_with_tls(endpoint, role, name, None)
+        let tls = match endpoint {
+            Endpoint::Unix(_) => None,
+            Endpoint::Tcp(_) => {
+                let dir = std::env::var_os("DPUMESH_CERTS").ok_or_else(|| {
+                    ControlError::Body(format!(
+                        "the control channel on {endpoint} runs mutual TLS: set DPUMESH_CERTS to the folder of this workload's certificate (ca.pem, workload.pem, workload.key)"
+                    ))
+                })?;
+                Some(
+                    dpumesh_identity::MeshTls::load_workload(std::path::Path::new(&dir))
+                        .map_err(|e| ControlError::Body(e.to_string()))?,
+                )
+            }
+        };
+        Self::connect_with_tls(endpoint, role, name, tls.as_deref())
     }
 
     /// [`Self::connect`], over mutual TLS on TCP when `tls` is given (the node must
@@ -654,7 +684,8 @@ impl ControlClient {
                 let s = TcpStream::connect(addr)?;
                 s.set_nodelay(true)?;
                 match tls {
-                    Some(tls) => over_tls(s, tls, false)?,
+                    Some(tls) => over_tls(s, tls, false)?.0,
+                    // The node speaks TLS only, on TCP: a plain client cannot reach it.
                     None => Stream::Tcp(s),
                 }
             }
