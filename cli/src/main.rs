@@ -196,6 +196,10 @@ enum Command {
         /// `DELETE /store`, `DELETE /cache`), derived from the mesh's registration key.
         #[arg(long)]
         admin_token: bool,
+        /// Print the registration token of this service (what its pods and
+        /// `dpumesh store --service` prove it with).
+        #[arg(long, value_name = "SERVICE", conflicts_with = "admin_token")]
+        token: Option<String>,
     },
     /// Filter development: the conformance kit.
     Filter {
@@ -414,12 +418,17 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             secrets,
             system_namespace,
             admin_token,
+            token,
         } => roles::certs(
             &config,
             rotate,
             secrets.as_deref(),
             &system_namespace,
-            admin_token,
+            match (admin_token, token) {
+                (true, _) => Some(roles::PrintToken::Admin),
+                (false, Some(service)) => Some(roles::PrintToken::Service(service)),
+                (false, None) => None,
+            },
         )
         .map(|()| ExitCode::SUCCESS),
     }

@@ -216,12 +216,21 @@ pub fn pingmesh_agent(args: &AgentArgs) -> Result<()> {
 }
 
 /// `dpumesh certs`.
+/// A token `dpumesh certs` prints on stdout (alone, for `$(...)`).
+#[derive(Debug)]
+pub enum PrintToken {
+    /// The nodes' admin token.
+    Admin,
+    /// A service's registration token.
+    Service(String),
+}
+
 pub fn certs(
     file: &Path,
     rotate: bool,
     secrets: Option<&Path>,
     system_namespace: &str,
-    admin_token: bool,
+    print: Option<PrintToken>,
 ) -> Result<()> {
     let mesh = MeshFile::read(file)?;
     if mesh.config.identity.mtls == dpumesh_config::Mtls::Off {
@@ -230,9 +239,9 @@ pub fn certs(
             file.display()
         );
     }
-    // With --admin-token, stdout holds the token alone (`$(dpumesh certs ...)`).
+    // With a token to print, stdout holds the token alone (`$(dpumesh certs ...)`).
     let tell = |text: String| {
-        if admin_token {
+        if print.is_some() {
             say_err!("{text}");
         } else {
             say!("{text}");
@@ -254,10 +263,21 @@ pub fn certs(
             out.display()
         ));
     }
-    if admin_token {
+    if let Some(print) = print {
         let key = dpumesh_proxy::trust::registration_key(&mesh)?
             .context("the mesh has no registration key")?;
-        say!("{}", dpumesh_identity::admin::admin_token(&key));
+        let token = match print {
+            PrintToken::Admin => dpumesh_identity::admin::admin_token(&key),
+            PrintToken::Service(service) => {
+                anyhow::ensure!(
+                    mesh.config.services.contains_key(&service),
+                    "{}: no service {service:?} in the mesh",
+                    file.display()
+                );
+                key.token(&service)
+            }
+        };
+        say!("{token}");
     }
     Ok(())
 }

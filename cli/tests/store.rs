@@ -66,14 +66,19 @@ fn start(dir: &Path, mesh: &Path) -> Node {
         .read_line(&mut ready)
         .unwrap();
     assert!(ready.contains("node node1"), "{ready}");
+    // The operator's way to a service's token: `dpumesh certs --token SERVICE`.
+    let out = certs(mesh, &["--token".as_ref(), SERVICE.as_ref()]);
+    assert!(out.status.success(), "{out:?}");
+    let token = String::from_utf8(out.stdout).unwrap().trim().to_owned();
     let key =
         dpumesh_identity::registration::RegistrationKey::load(&dir.join(".dpumesh/certs")).unwrap();
+    assert_eq!(token, key.token(SERVICE), "stdout holds the token alone");
     Node {
         child,
         control: format!("unix:{}", dir.join("run/node1.sock").display()),
         admin,
         store_dir: dir.join("store/node1"),
-        token: key.token(SERVICE),
+        token,
     }
 }
 

@@ -33,21 +33,32 @@ fn headers(pairs: &[(u8, Vec<u8>)]) -> HeaderMap {
     h
 }
 
-fuzz_target!(|input: (Vec<(u8, Vec<u8>)>, Vec<(u8, Vec<u8>)>, u16, u32)| {
-    let (req, resp, status, secs) = input;
-    let (request, response) = (headers(&req), headers(&resp));
-    let rule = Rule {
-        max_object: 1 << 20,
-        default_ttl: Some(Duration::from_secs(5)),
-    };
-    let now = SystemTime::UNIX_EPOCH + Duration::from_secs(u64::from(secs));
-    let _ = policy::not_modified(&request, &response);
-    let _ = policy::initial_age(&response, now, now);
-    if let Ok(lifetime) = policy::storable(&rule, "GET", &request, status, &response, 10) {
-        let entry = Entry::new(status, &response, &request, "k".into(), 10, lifetime, now, now);
-        let mut index = Index::new();
-        index.insert("h/p", entry);
-        // The request that stored it finds it (fresh or stale, never a miss).
-        assert_ne!(index.lookup("h/p", &request, now), Lookup::Miss);
+fuzz_target!(
+    |input: (Vec<(u8, Vec<u8>)>, Vec<(u8, Vec<u8>)>, u16, u32)| {
+        let (req, resp, status, secs) = input;
+        let (request, response) = (headers(&req), headers(&resp));
+        let rule = Rule {
+            max_object: 1 << 20,
+            default_ttl: Some(Duration::from_secs(5)),
+        };
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(u64::from(secs));
+        let _ = policy::not_modified(&request, &response);
+        let _ = policy::initial_age(&response, now, now);
+        if let Ok(lifetime) = policy::storable(&rule, "GET", &request, status, &response, 10) {
+            let entry = Entry::new(
+                status,
+                &response,
+                &request,
+                "k".into(),
+                10,
+                lifetime,
+                now,
+                now,
+            );
+            let mut index = Index::new();
+            index.insert("h/p", entry);
+            // The request that stored it finds it (fresh or stale, never a miss).
+            assert_ne!(index.lookup("h/p", &request, now), Lookup::Miss);
+        }
     }
-});
+);

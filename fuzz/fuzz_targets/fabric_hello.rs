@@ -11,7 +11,10 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(tls) = parse_hello(data) {
         assert!(data.len() >= 16);
         assert_eq!(&data[0..4], b"DPRF");
-        assert_eq!(u32::from_le_bytes(data[12..16].try_into().unwrap()), u32::from(tls));
+        assert_eq!(
+            u32::from_le_bytes(data[12..16].try_into().unwrap()),
+            u32::from(tls)
+        );
     }
     if let Ok(ticket) = Ticket::from_private_data(data) {
         assert_eq!(&ticket.to_private_data()[..], &data[..PRIVATE_DATA_LEN]);

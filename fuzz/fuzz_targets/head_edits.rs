@@ -30,6 +30,11 @@ fuzz_target!(|edits: Vec<Edit>| {
         };
     }
     for (_, value) in head.headers() {
-        assert!(!value.as_bytes().iter().any(|b| matches!(b, b'\r' | b'\n' | 0)));
+        assert!(
+            !value
+                .as_bytes()
+                .iter()
+                .any(|b| matches!(b, b'\r' | b'\n' | 0))
+        );
     }
 });

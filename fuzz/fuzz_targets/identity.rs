@@ -31,7 +31,11 @@ fuzz_target!(|data: &[u8]| {
         // comparisons), which a first version of this target did.
         let (key, token) = key();
         if key.verify("frontend", text) {
-            assert_eq!(&text.to_ascii_lowercase(), token, "only the token proves a service");
+            assert_eq!(
+                &text.to_ascii_lowercase(),
+                token,
+                "only the token proves a service"
+            );
         }
     }
 });

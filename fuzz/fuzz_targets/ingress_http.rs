@@ -10,10 +10,9 @@ use std::convert::Infallible;
 use std::rc::Rc;
 
 use bytes::Bytes;
-use dpumesh_config::PathConfig;
+use dpumesh_head::path::{PathConfig, normalize};
 use dpumesh_head::{RequestHead, wire};
 use dpumesh_ingress::framing::{Ambiguous, Sniff, Tracker};
-use dpumesh_ingress::path::normalize;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::TokioIo;
 use libfuzzer_sys::fuzz_target;
@@ -29,20 +28,20 @@ async fn serve(data: &[u8]) {
     let (client, server) = tokio::io::duplex(64 << 10);
     let found = Rc::new(RefCell::new(Ambiguous::default()));
     let io = Sniff::new(server, Tracker::new(32 << 10, found.clone()));
-    let service = hyper::service::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
-        let peer = "192.0.2.7:1234".parse().unwrap();
-        if let Ok(mut head) = RequestHead::from_request(&req, peer) {
-            head.remove_hop_by_hop();
-            if let Ok(path) = normalize(&head.path, &PathConfig::default()) {
-                let path = path.into_owned();
-                assert_eq!(normalize(&path, &PathConfig::default()).unwrap(), path);
-                head.path = path;
+    let service =
+        hyper::service::service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+            let peer = "192.0.2.7:1234".parse().unwrap();
+            if let Ok(mut head) = RequestHead::from_request(&req, peer) {
+                head.remove_hop_by_hop();
+                if head.normalize_path(&PathConfig::default()).is_ok() {
+                    let path = head.path.clone();
+                    assert_eq!(normalize(&path, &PathConfig::default()).unwrap(), path);
+                }
+                let _ = wire::encode_request(&head);
             }
-            let _ = wire::encode_request(&head);
-        }
-        let _ = req.into_body().collect().await;
-        Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::new())))
-    });
+            let _ = req.into_body().collect().await;
+            Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::new())))
+        });
     let conn = hyper::server::conn::http1::Builder::new()
         .max_buf_size(32 << 10)
         .max_headers(100)

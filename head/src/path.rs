@@ -137,6 +137,8 @@ pub enum PathError {
     EscapedSlash { escape: String },
     #[error("percent-encoding in the path decodes to a control byte (%{byte:02X})")]
     ControlByte { byte: u8 },
+    #[error("a raw control byte or space (0x{byte:02X}) at byte {at} of the path")]
+    RawControl { at: usize, byte: u8 },
     #[error(
         "';' (a path parameter) at byte {at} of the path is refused: servlet containers read `..;` as `..`"
     )]
@@ -172,6 +174,8 @@ pub fn normalize<'a>(path: &'a str, config: &PathConfig) -> Result<Cow<'a, str>,
     let (mut escapes, mut backslash) = (false, false);
     for (at, &b) in bytes.iter().enumerate() {
         match b {
+            // HTTP/1 and HTTP/2 parsers refuse these; a pod's head is checked here.
+            0..=0x20 | 0x7f => return Err(PathError::RawControl { at, byte: b }),
             b'%' => escapes = true,
             b';' if config.semicolons == Semicolons::Reject => {
                 return Err(PathError::Semicolon { at });
@@ -252,10 +256,7 @@ fn decode(path: &str, config: &PathConfig) -> Result<String, PathError> {
                 EscapedSlashes::Unescape => out.push('/'),
                 EscapedSlashes::Keep => push_escape(&mut out, &path[i..i + 3], value, config),
             },
-            b'%' if config.double_escapes == DoubleEscapes::Reject
-                && bytes.get(i + 3).copied().and_then(hex).is_some()
-                && bytes.get(i + 4).copied().and_then(hex).is_some() =>
-            {
+            b'%' if config.double_escapes == DoubleEscapes::Reject && escapes_hex(bytes, i + 3) => {
                 return Err(PathError::DoubleEscape { at: i });
             }
             // A decoded NUL or line break is never a path a backend should see.
@@ -266,6 +267,28 @@ fn decode(path: &str, config: &PathConfig) -> Result<String, PathError> {
         i += 3;
     }
     Ok(out)
+}
+
+/// Whether the two characters at `at`, once decoded (each raw or an escape: `%32%65`
+/// is `2e` as much as `2e` is), are hex digits: after a `%25`, that is an escape a
+/// backend decoding twice would decode again.
+fn escapes_hex(bytes: &[u8], at: usize) -> bool {
+    let decoded = |j: usize| -> Option<(u8, usize)> {
+        match *bytes.get(j)? {
+            b'%' => Some((
+                hex(*bytes.get(j + 1)?)? << 4 | hex(*bytes.get(j + 2)?)?,
+                j + 3,
+            )),
+            b => Some((b, j + 1)),
+        }
+    };
+    let Some((first, next)) = decoded(at) else {
+        return false;
+    };
+    let Some((second, _)) = decoded(next) else {
+        return false;
+    };
+    first.is_ascii_hexdigit() && second.is_ascii_hexdigit()
 }
 
 /// Keeps an escape, in upper case when normalizing (RFC 3986 §6.2.2.1).

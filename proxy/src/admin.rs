@@ -95,7 +95,8 @@ pub async fn serve(
 }
 
 /// The rules of an admin API on `port`: its mutations need `mesh_token` (a node of a
-/// mesh with identities) or else the token in the config's `admin_token_file`.
+/// mesh with identities) or else the token in the config's `admin_token_file`
+/// (created with a random token when missing).
 pub fn access(
     config: &dpumesh_config::LoadedConfig,
     port: u16,
@@ -105,6 +106,13 @@ pub fn access(
         (Some(token), _) => Some(token),
         (None, Some(file)) => {
             let path = config.resolve(file);
+            // A file named but not there yet gets a fresh random token (owner-only),
+            // as a first run would want; one that exists is read as it is.
+            if dpumesh_identity::ca::ensure_secret(&path)
+                .map_err(|e| anyhow::anyhow!("admin_token_file {}: {e}", path.display()))?
+            {
+                tracing::info!(path = %path.display(), "wrote a new admin token");
+            }
             let text = std::fs::read_to_string(&path).map_err(|e| {
                 anyhow::anyhow!("admin_token_file {}: cannot read: {e}", path.display())
             })?;
