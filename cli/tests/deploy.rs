@@ -25,22 +25,24 @@ fn a_node_runs_from_its_environment_and_logs_json_lines_off_a_terminal() {
     // alone moved).
     common::write_demo_key(dir.path());
     let (fabric, admin) = (free_port(), free_port());
-    let mut node = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .arg("node")
-        .env("DPUMESH_MESH", &mesh)
-        .env("DPUMESH_NODE_NAME", "node2")
-        .env("DPUMESH_RUN_DIR", dir.path().join("run"))
-        .env("DPUMESH_FABRIC_LISTEN", format!("0.0.0.0:{fabric}"))
-        .env("DPUMESH_ADMIN", format!("127.0.0.1:{admin}"))
-        .env("DPUMESH_TRANSPORT", "tcp")
-        .env("DPUMESH_CERTS", &secret)
-        .env("DPUMESH_LOG", "info")
-        .env_remove("DPUMESH_LOG_FORMAT")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut node = dpumesh_test_support::Reaped(
+        Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .arg("node")
+            .env("DPUMESH_MESH", &mesh)
+            .env("DPUMESH_NODE_NAME", "node2")
+            .env("DPUMESH_RUN_DIR", dir.path().join("run"))
+            .env("DPUMESH_FABRIC_LISTEN", format!("0.0.0.0:{fabric}"))
+            .env("DPUMESH_ADMIN", format!("127.0.0.1:{admin}"))
+            .env("DPUMESH_TRANSPORT", "tcp")
+            .env("DPUMESH_CERTS", &secret)
+            .env("DPUMESH_LOG", "info")
+            .env_remove("DPUMESH_LOG_FORMAT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let stderr = node.stderr.take().unwrap();
     let logs = std::thread::spawn(move || {
         BufReader::new(stderr)
@@ -184,19 +186,21 @@ fn run_shipped(name: &str, files: &[(&str, String)]) {
     let out = certs(&mesh, &[]);
     assert!(out.status.success(), "{name}: {out:?}");
     let admin = free_port();
-    let mut node = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["node", "--name", "dpu-worker-1", "--mesh"])
-        .arg(&mesh)
-        .env("DPUMESH_RUN_DIR", dir.path().join("run"))
-        .env(
-            "DPUMESH_FABRIC_LISTEN",
-            format!("127.0.0.1:{}", free_port()),
-        )
-        .env("DPUMESH_ADMIN", format!("127.0.0.1:{admin}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut node = dpumesh_test_support::Reaped(
+        Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(["node", "--name", "dpu-worker-1", "--mesh"])
+            .arg(&mesh)
+            .env("DPUMESH_RUN_DIR", dir.path().join("run"))
+            .env(
+                "DPUMESH_FABRIC_LISTEN",
+                format!("127.0.0.1:{}", free_port()),
+            )
+            .env("DPUMESH_ADMIN", format!("127.0.0.1:{admin}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
     let mut ready = String::new();
     BufReader::new(node.stdout.take().unwrap())
         .read_line(&mut ready)

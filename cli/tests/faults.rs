@@ -368,13 +368,15 @@ fn logs_to_a_full_disk_lose_no_request() {
             .open("/dev/full")
             .unwrap()
     };
-    let mut up = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["up", "--config"])
-        .arg(&file)
-        .stdout(full())
-        .stderr(full())
-        .spawn()
-        .unwrap();
+    let mut up = dpumesh_test_support::Reaped(
+        Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(["up", "--config"])
+            .arg(&file)
+            .stdout(full())
+            .stderr(full())
+            .spawn()
+            .unwrap(),
+    );
     let client = Client(ingress);
     let alice = token("alice", &["user"]);
     wait("the mesh serves", Duration::from_secs(120), &|| {

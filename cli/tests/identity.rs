@@ -403,15 +403,17 @@ fn over_tcp_the_control_channel_runs_mutual_tls_and_a_pod_registers_only_as_its_
     let mesh = dpumesh_config::MeshFile::read(&file).unwrap();
     let key = dpumesh_identity::registration::RegistrationKey::load(&certs_dir).unwrap();
     let port = common::free_port();
-    let mut node = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["node", "--name", "node1", "--mesh"])
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(dir.path().join("run"))
-        .env("DPUMESH_NODE_CONTROL", format!("tcp:127.0.0.1:{port}"))
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut node = dpumesh_test_support::Reaped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(["node", "--name", "node1", "--mesh"])
+            .arg(&file)
+            .arg("--run-dir")
+            .arg(dir.path().join("run"))
+            .env("DPUMESH_NODE_CONTROL", format!("tcp:127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let mut ready = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(node.stdout.take().unwrap()),

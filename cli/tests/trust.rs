@@ -264,17 +264,19 @@ fn logs_written_to_a_pipe_or_file_carry_no_colour_codes() {
     let run = dir.path().join("run");
     std::fs::create_dir_all(&run).unwrap();
     let log = dir.path().join("node.log");
-    let mut node = std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
-        .args(["node", "--name", "node1", "--mesh"])
-        .arg(&file)
-        .arg("--run-dir")
-        .arg(&run)
-        .env("DPUMESH_LOG", "info")
-        .env_remove("NO_COLOR")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let mut node = dpumesh_test_support::Reaped(
+        std::process::Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+            .args(["node", "--name", "node1", "--mesh"])
+            .arg(&file)
+            .arg("--run-dir")
+            .arg(&run)
+            .env("DPUMESH_LOG", "info")
+            .env_remove("NO_COLOR")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap(),
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     let text = loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();

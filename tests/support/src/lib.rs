@@ -122,3 +122,28 @@ mod tests {
         );
     }
 }
+
+/// A child process that is killed and reaped when dropped, so a test that panics
+/// leaves no process behind, nor a pipe its runner would wait on.
+#[derive(Debug)]
+pub struct Reaped(pub std::process::Child);
+
+impl std::ops::Deref for Reaped {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
