@@ -15,6 +15,11 @@ mesh_file() { # transport [plain|component|cores2|nopingmesh]
         -e "s#^policy: policy.yaml#policy: $policy\ntransport: $1#" \
         samples/hotel/mesh.yaml > "$work/mesh-$1.yaml"
     grep -q "^transport: $1" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'policy: policy.yaml' line"; exit 1; }
+    # The load generator is one client address: it gets every slot (a mesh whose
+    # clients all arrive through one load balancer's address would do the same), or
+    # h2load's 320 streams would meet the per-client share (429) instead of the mesh.
+    sed -i -e 's/^ingress:$/ingress:\n  slots_per_client: 1024/' "$work/mesh-$1.yaml"
+    grep -q "^  slots_per_client: 1024" "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'ingress:' line"; exit 1; }
     if [ "${2:-}" = plain ]; then echo "identity: {mtls: off}" >> "$work/mesh-$1.yaml"; fi
     if [ "${2:-}" = nopingmesh ]; then
         # Without the `pingmesh` section: no agent probing from the nodes.
