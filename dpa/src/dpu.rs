@@ -142,6 +142,16 @@ pub struct PodInfo {
     peer: u64,
     /// Its four pools' region ids (recycled when it leaves).
     regions: [u16; 4],
+    /// Its control connection closed: it is being let go (the shards may still hold
+    /// bodies it sent), and its name is free for the process that replaces it.
+    leaving: bool,
+}
+
+impl PodInfo {
+    /// Its control connection closed and the node is letting go of it.
+    pub fn is_leaving(&self) -> bool {
+        self.leaving
+    }
 }
 
 /// What the node keeps of a shard it handed out.
@@ -203,7 +213,10 @@ impl Shared {
         let _one_at_a_time = self.registering.lock();
         {
             let pods = self.pods.lock();
-            if pods.values().any(|p| p.name == name) {
+            // A pod that is leaving holds its name no longer: its restarted process
+            // registers while the shards still let go of the old one (up to
+            // `LEAVE_GRACE`), and a refusal then would make it exit and crash-loop.
+            if pods.values().any(|p| p.name == name && !p.leaving) {
                 return Err(DpuError::Limit(format!(
                     "a pod named {name:?} is registered already"
                 )));
@@ -300,6 +313,7 @@ impl Shared {
                 tx_body: tx_body.clone(),
                 peer: peer.id,
                 regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
+                leaving: false,
             },
         );
         // The pod sleeps on its first RX lane's futex for all of them.
@@ -324,7 +338,10 @@ impl Shared {
     /// Removes a pod: the manager stops polling it and drops its port (its regions are
     /// unlinked once nothing maps them), and DPU slots held for it are freed.
     fn remove(&self, id: u32) -> bool {
-        let Some(name) = self.pods.lock().get(&id).map(|p| p.name.clone()) else {
+        let Some(name) = self.pods.lock().get_mut(&id).map(|p| {
+            p.leaving = true;
+            p.name.clone()
+        }) else {
             return false;
         };
         // Every shard holds a lane into the pod: each lets go of it (all at once, so
@@ -424,7 +441,7 @@ impl ControlHandler {
             .pods
             .lock()
             .values()
-            .filter(|p| p.service == service)
+            .filter(|p| p.service == service && !p.leaving)
             .map(|p| p.id)
             .collect();
         pods.sort_unstable();

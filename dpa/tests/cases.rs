@@ -539,6 +539,42 @@ fn a_killed_pod_is_reclaimed_and_deliveries_to_it_fail_cleanly() {
 }
 
 #[test]
+fn a_restarted_pod_registers_under_its_name_while_the_node_still_lets_go_of_the_old_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path(), "restart");
+    let mut port = node.take_shards().remove(0);
+    let control = Endpoint::Unix(dir.path().join("control.sock"));
+    let old = HostPort::connect(&control, "reservation-0", "reservation").unwrap();
+    let old_id = old.pod_id();
+    // It dies. Until the shard (not run here yet) lets go of it, it stays in the
+    // node's table, marked as leaving.
+    drop(old);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !node.pods().iter().any(|p| p.id == old_id && p.is_leaving()) {
+        assert!(Instant::now() < deadline, "the node never saw the pod go");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Its restarted process registers under the same name at once, and is the one
+    // the service resolves to.
+    let mut new = HostPort::connect(&control, "reservation-0", "reservation")
+        .expect("a leaving pod's name is free for its successor");
+    assert_ne!(new.pod_id(), old_id);
+    assert_eq!(
+        new.control().resolve("reservation").unwrap(),
+        vec![new.pod_id()]
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while node.pods().iter().any(|p| p.id == old_id) {
+        assert!(Instant::now() < deadline, "the old pod was never let go of");
+        let _ = port.recv(Duration::from_millis(20));
+    }
+    assert_eq!(
+        node.pods().iter().map(|p| p.id).collect::<Vec<_>>(),
+        vec![new.pod_id()]
+    );
+}
+
+#[test]
 fn a_pod_that_sends_and_exits_at_once_still_gets_its_message_delivered() {
     let dir = tempfile::tempdir().unwrap();
     let node = node(dir.path(), "fire");
