@@ -302,20 +302,11 @@ impl Shared {
             fds.push(dup(tx.region())?);
             fds.push(dup(rx.region())?);
         }
-        self.pods.lock().insert(
-            id,
-            PodInfo {
-                id,
-                name,
-                service,
-                pid,
-                rx_body: rx_body.clone(),
-                tx_body: tx_body.clone(),
-                peer: peer.id,
-                regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
-                leaving: false,
-            },
-        );
+        // Every shard's DMA manager knows the pod before the proxy can see it in the
+        // table: a proxy that routed to a pod its manager did not know yet had the
+        // delivery refused (unknown pod) with the body slot it had reserved in the
+        // pod's pool, which the manager could not give back (it has no port for the
+        // pod), so the slot leaked. Commands come before descriptors in a pass.
         // The pod sleeps on its first RX lane's futex for all of them.
         let wake = lanes[0].1.clone();
         for (k, ((tx, rx), handle)) in lanes.iter().zip(&self.shards).enumerate() {
@@ -332,6 +323,20 @@ impl Shared {
             let _ = handle.commands.send(Command::AddPod(Box::new(port)));
             handle.bell.ring();
         }
+        self.pods.lock().insert(
+            id,
+            PodInfo {
+                id,
+                name,
+                service,
+                pid,
+                rx_body: rx_body.clone(),
+                tx_body: tx_body.clone(),
+                peer: peer.id,
+                regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
+                leaving: false,
+            },
+        );
         Ok((exports, fds))
     }
 
