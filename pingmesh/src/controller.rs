@@ -1,4 +1,4 @@
-//! The controller (seed 002 §3.1): the RNIC registry, pinglists, target lookups —
+//! The controller: the RNIC registry, pinglists, target lookups —
 //! [`Controller`] is the logic with time injected, [`ControllerService`] its gRPC
 //! face.
 

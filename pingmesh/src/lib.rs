@@ -1,4 +1,4 @@
-//! R-Pingmesh for the mesh (seed 002): every node's agent probes its peers over UD
+//! R-Pingmesh (SIGCOMM 2024) for the mesh: every node's agent probes its peers over UD
 //! queue pairs and tells network faults from host faults; a controller hands out
 //! pinglists; an analyzer localizes and classifies what the probes saw.
 //!

@@ -1,4 +1,4 @@
-//! Pinglists (seed 002 §3.1): whom each RNIC probes, along which 5-tuples.
+//! Pinglists: whom each RNIC probes, along which 5-tuples.
 //!
 //! - ToR-mesh: every other RNIC under the prober's ToR, one tuple each — a fault
 //!   there involves one host link, one RNIC or the ToR.

@@ -2,7 +2,7 @@
 `reservation` services at the same time through the mesh, then merges their answers
 in an internal step — the same answers as the Rust frontend (`samples/hotel`).
 
-Run on the mesh: `dpumesh up samples/hotel-py/mesh.yaml` (the mesh file starts it with
+Run on the mesh: `dpumesh up --config samples/hotel-py/mesh.yaml` (the mesh file starts it with
 `python3 -m dpumesh.server app:app`). Under plain Flask (`flask --app app run`) the
 handlers that need the mesh say so.
 """

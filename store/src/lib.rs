@@ -1,4 +1,4 @@
-//! BlueCache (seed 003): a DPU-resident object store fed by DMA.
+//! BlueCache: a DPU-resident object store fed by DMA.
 //!
 //! A host client registers a buffer (exports it), then asks the DPU agent, over the
 //! node's control channel, to PUSH ranges of it into objects or PULL objects into

@@ -1,4 +1,4 @@
-//! The BlueCache control protocol (seed 003's `dma_transfer.h`): small, versioned
+//! The BlueCache control protocol (after BlueCache's `dma_transfer.h`): small, versioned
 //! request/response messages between a host client and the DPU agent. Only metadata
 //! travels here (keys, which registered host buffer and range, sizes, checksums,
 //! status); bulk data moves by DMA between the exported host buffer and the agent's

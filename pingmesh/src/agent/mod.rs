@@ -1,4 +1,4 @@
-//! The agent every node runs (seed 002 §3.2): it registers its RNIC with the
+//! The agent every node runs: it registers its RNIC with the
 //! controller, probes what its pinglists (and the mesh's own connections) name,
 //! answers other agents' probes, and uploads results to the analyzer in batches.
 //!

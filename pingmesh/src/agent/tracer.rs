@@ -1,4 +1,4 @@
-//! Path tracing (seed 002 §3.2): every `trace_every`, traceroute-style probes towards
+//! Path tracing: every `trace_every`, traceroute-style probes towards
 //! each target — UDP datagrams with IP TTL 1..=`MAX_HOPS` to a closed port, sent at
 //! once — and the ICMP errors they draw: time exceeded from each router, port
 //! unreachable from the target. The hops go to the analyzer with the results, where

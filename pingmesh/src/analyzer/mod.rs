@@ -1,4 +1,4 @@
-//! The analyzer (seed 002 §3.3): it keeps the agents' uploads over a window and says
+//! The analyzer: it keeps the agents' uploads over a window and says
 //! what they mean.
 //!
 //! - Non-network timeouts are set apart first: probes towards a host whose agent

@@ -1,4 +1,4 @@
-//! The controller's RNIC registry (seed 002 §4.4): one entry per RNIC, keyed by GID,
+//! The controller's RNIC registry: one entry per RNIC, keyed by GID,
 //! found by ToR and by IP, expired when its agent stops re-registering.
 //!
 //! [`RnicStore`] is the seam: [`sqlite::SqliteStore`] (the default, a file that

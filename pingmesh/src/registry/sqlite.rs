@@ -1,4 +1,4 @@
-//! The registry in SQLite (seed 002 §4.4's table): `rnics` keyed by GID, with indexes
+//! The registry in SQLite: `rnics` keyed by GID, with indexes
 //! on ToR, RNIC IP and agent.
 
 use std::net::IpAddr;
