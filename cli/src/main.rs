@@ -103,9 +103,13 @@ enum Command {
     /// Start a whole local mesh: nodes (DPU proxy + DMA manager), the services and
     /// the ingress, as processes; Ctrl-C stops everything.
     Up {
-        /// The mesh file.
-        #[arg(long, default_value = "samples/hotel/mesh.yaml")]
-        config: PathBuf,
+        /// The mesh file (samples/hotel/mesh.yaml when neither this nor `--config`
+        /// names one).
+        #[arg(value_name = "MESH_FILE", conflicts_with = "config")]
+        file: Option<PathBuf>,
+        /// The mesh file, as a flag.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Run one worker node of a mesh (what `dpumesh up` starts, and the DPU proxy's
     /// container runs). Every flag has an environment variable, so a Kubernetes
@@ -320,10 +324,16 @@ fn main() -> Result<ExitCode> {
         return proxy(config, *no_watch).map(|()| ExitCode::SUCCESS);
     }
     // Tools say little (warn); the roles an orchestrator runs log JSON off a terminal.
-    dpumesh_proxy::logging::init(&dpumesh_config::proxy::LogConfig {
+    // A node logs at its policy's `log.level` (plugins' log lines need `info`);
+    // `DPUMESH_LOG` overrides either.
+    let log = match &cli.command {
+        Command::Node { mesh, .. } => node_log(mesh),
+        _ => None,
+    };
+    dpumesh_proxy::logging::init(&log.unwrap_or(dpumesh_config::proxy::LogConfig {
         level: "warn".to_owned(),
         format: dpumesh_config::proxy::LogFormat::Auto,
-    });
+    }));
     match cli.command {
         Command::Demo {
             filter,
@@ -369,7 +379,12 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             FilterCommand::Build { dir } => scaffold::build(&dir).map(|_| ExitCode::SUCCESS),
         },
         Command::Proxy { .. } => Ok(ExitCode::SUCCESS),
-        Command::Up { config } => up::up(&config).map(|()| ExitCode::SUCCESS),
+        Command::Up { file, config } => {
+            let file = file
+                .or(config)
+                .unwrap_or_else(|| PathBuf::from("samples/hotel/mesh.yaml"));
+            up::up(&file).map(|()| ExitCode::SUCCESS)
+        }
         Command::Node {
             mesh,
             name,
@@ -486,6 +501,14 @@ fn parse_transport(s: &str) -> Result<Transport, String> {
         "shm" => Ok(Transport::Shm),
         other => Err(format!("{other:?} is not a fabric backend: tcp or shm")),
     }
+}
+
+/// The log settings of a node's policy, when the mesh file and its policy read; the
+/// node itself reports a file that does not, once logging is up.
+fn node_log(mesh: &Path) -> Option<dpumesh_config::proxy::LogConfig> {
+    let mesh = dpumesh_config::MeshFile::read(mesh).ok()?;
+    let policy = dpumesh_config::LoadedConfig::read(&mesh.config.policy).ok()?;
+    Some(policy.config.log)
 }
 
 fn proxy(config: &Path, no_watch: bool) -> Result<()> {
@@ -663,4 +686,45 @@ fn demo(path: &Path, config: &str, workers: usize, requests: usize) -> Result<()
         pct(0.99)
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn up_file(args: &[&str]) -> Result<Option<PathBuf>, clap::Error> {
+        match Cli::try_parse_from(args)?.command {
+            Command::Up { file, config } => Ok(file.or(config)),
+            _ => panic!("not up"),
+        }
+    }
+
+    #[test]
+    fn up_takes_the_mesh_file_as_an_argument_or_a_flag_but_not_both() {
+        let want = Some(PathBuf::from("m.yaml"));
+        assert_eq!(up_file(&["dpumesh", "up", "m.yaml"]).unwrap(), want);
+        assert_eq!(
+            up_file(&["dpumesh", "up", "--config", "m.yaml"]).unwrap(),
+            want
+        );
+        assert_eq!(up_file(&["dpumesh", "up"]).unwrap(), None);
+        let both = up_file(&["dpumesh", "up", "a.yaml", "--config", "b.yaml"]).unwrap_err();
+        assert_eq!(both.kind(), clap::error::ErrorKind::ArgumentConflict);
+    }
+
+    #[test]
+    fn a_node_logs_at_its_policys_level() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("policy.yaml"),
+            "log: {level: info, format: json}\n",
+        )
+        .unwrap();
+        let mesh = std::fs::read_to_string("../samples/hotel/mesh.yaml").unwrap();
+        std::fs::write(dir.path().join("mesh.yaml"), mesh).unwrap();
+        let log = node_log(&dir.path().join("mesh.yaml")).expect("the policy reads");
+        assert_eq!(log.level, "info");
+        assert_eq!(log.format, dpumesh_config::proxy::LogFormat::Json);
+        assert!(node_log(&dir.path().join("missing.yaml")).is_none());
+    }
 }

@@ -6,9 +6,12 @@
 //! a policy can be tried without a mesh around it.
 //!
 //! ```text
-//! policy.yaml ──▶ Policy::start / reload ──▶ Generation n (chains) ──▶ WorkerPool
-//!                   ▲ file watch, POST /reload        │ routes
-//!   admin API ──────┘  /healthz /readyz /metrics /filters     data plane, listener
+//! policy.yaml ──▶ Policy::start / reload ──▶ Generation n (chains, routes)
+//!                   ▲ file watch, POST /reload        │
+//!   admin API ──────┘  /healthz /readyz /metrics      ├─▶ data plane shards: each runs
+//!                      /filters                       │   chains inline (LocalChains)
+//!                                                     └─▶ WorkerPool: offloaded chains,
+//!                                                         the loopback listener
 //! ```
 
 #![deny(unsafe_code)]

@@ -9,10 +9,13 @@
 //!
 //! ```text
 //! Runtime::load_filter ──▶ LoadedFilter (compiled, checked, configure()d once)
-//!        FilterChain [jwt, rbac, ratelimit, ...]   (shared definition)
-//!        WorkerPool ──▶ worker thread ──▶ ChainRunner (its own instances)
+//!        FilterChain [jwt, rbac, ratelimit, ...]   (shared definition, maybe fused)
+//!        LocalChains (a node shard's own runners: the chain runs inline on the
+//!          shard's thread) ──▶ ChainRunner (its own instances)
 //!                                 on-request in order, first deny wins
 //!                                 on-response in reverse
+//!        WorkerPool ──▶ worker thread ──▶ ChainRunner: only for chains with an
+//!          `offload` filter, and for the standalone proxy's listener
 //! ```
 
 #![deny(unsafe_code)]

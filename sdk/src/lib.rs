@@ -3,7 +3,7 @@
 //! A filter is a type implementing [`Filter`]: it is built once per instance from its
 //! configuration ([`Filter::Config`], parsed from JSON), sees the head of every request
 //! routed through its chain in [`Filter::on_request`], and may watch the outcome in
-//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.2`
+//! [`Filter::on_response`]. [`export_filter!`] turns it into a `dpumesh:filter@0.1.3`
 //! component when built for `wasm32-wasip2`.
 //!
 //! ```

@@ -1,6 +1,6 @@
 //! Supervised threads: no thread of the proxy or the ingress dies silently.
 //!
-//! A service thread (a filter worker, the data plane's reactor, the ingress uplink)
+//! A service thread (a filter worker, the data plane's reactor, the ingress shard's fabric pump)
 //! runs its loop under [`Supervisor::spawn`]. When the loop panics, the panic is
 //! caught, logged with its message and counted (`dpumesh_thread_panics_total`), the
 //! thread's `recover` step answers or drops what the dead loop held and resets its

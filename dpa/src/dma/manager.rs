@@ -7,11 +7,11 @@
 //! and on to the next pod's ring without changing threads.
 //!
 //! - **Intake** (host TX SQ of pod A, cases 1 and 3 and responses): the header is
-//!   copied from A's TX header pool into a DPU header slot, which goes to the ARM on a
-//!   sidecar TX SQ; A's header slot goes straight back to A with a completion. A's
+//!   copied from A's TX header pool into a DPU header slot, which goes to the ARM
+//!   (the shard's proxy, on the same thread: [`DmaManager::next_for_proxy`]); A's header slot goes straight back to A with a completion. A's
 //!   body slot is claimed by the manager and stays where it is: the body has not moved
 //!   yet, only the head goes to the proxy.
-//! - **Delivery** (sidecar RX SQ, the ARM's decision): the header is copied into the
+//! - **Delivery** (the ARM's decision, through [`DmaManager::from_proxy`]): the header is copied into the
 //!   destination pod's RX header pool; the body is either already in that pod's RX
 //!   body pool (case 2: the fabric wrote it there) and changes owner, or still in the
 //!   source pod's TX body pool (case 3) and is copied pod A → pod B directly, after

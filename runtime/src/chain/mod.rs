@@ -43,7 +43,7 @@ impl FilterChain {
     }
 
     /// This chain with its filters composed into one component, so a request
-    /// enters Wasm once per phase rather than once per filter (see docs/filters.md,
+    /// enters Wasm once per phase rather than once per filter (see docs/benchmarks.md,
     /// "Fused chains"). Composing and compiling take a while (the filters' code is
     /// compiled again as part of the whole; the compile cache keeps the result), so
     /// do it where a chain is loaded, not per request. Fails with the reason when the
