@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-use crate::health::{Health, PROBE_EVERY};
+use dpumesh_fabric_client::health::{Health, PROBE_EVERY};
 
 /// The process's Prometheus recorder (installed once; another recorder already in
 /// place, e.g. in a test that runs a node in the same process, keeps its metrics).

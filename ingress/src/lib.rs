@@ -20,8 +20,6 @@ pub mod eject;
 pub mod fair;
 pub mod framing;
 mod header_timer;
-pub mod health;
-mod shard;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -45,7 +43,8 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
-pub use shard::{Answer, Shard, Slot};
+pub use dpumesh_fabric_client::health;
+use dpumesh_fabric_client::{Answer, Client};
 
 /// How the ingress runs.
 #[derive(Debug, Clone)]
@@ -105,7 +104,7 @@ struct Routing {
 /// A shard's view: the shared routing and its own fabric side.
 struct State<F: Fabric> {
     routing: Arc<Routing>,
-    shard: Rc<Shard<F>>,
+    fabric: Rc<Client<F>>,
     /// hyper's header-read timeouts of this thread's connections.
     header_timer: header_timer::HeaderTimer,
 }
@@ -207,15 +206,15 @@ impl Ingress {
                             .enable_all()
                             .build()?;
                         let local = tokio::task::LocalSet::new();
-                        let shard = Shard::new(fabric, slots, slot_size, health)?;
+                        let client = Client::new("ingress", fabric, slots, slot_size, health)?;
                         local.block_on(&rt, async move {
                             listener.set_nonblocking(true)?;
                             let listener = TcpListener::from_std(listener)?;
-                            shard.spawn_pump();
+                            client.spawn_pump();
                             let _ = ready.send(Ok(()));
                             let state = Rc::new(State {
                                 routing,
-                                shard,
+                                fabric: client,
                                 header_timer: header_timer::HeaderTimer::start(),
                             });
                             tokio::select! {
@@ -295,10 +294,10 @@ async fn drain<F: Fabric>(state: &State<F>) {
         .request_timeout
         .min(Duration::from_secs(5));
     let deadline = tokio::time::Instant::now() + grace;
-    while state.shard.in_flight() > 0 && tokio::time::Instant::now() < deadline {
+    while state.fabric.in_flight() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    state.shard.fail_all(&ProxyError::new(
+    state.fabric.fail_all(&ProxyError::new(
         ErrorKind::ShuttingDown,
         "the ingress is shutting down",
     ));
@@ -539,7 +538,7 @@ async fn forward<F: Fabric>(
     normalize_path(&mut head, &settings.path)?;
     let Some((service, node)) = state
         .routing
-        .route(&head, |node| state.shard.reachable(node))
+        .route(&head, |node| state.fabric.reachable(node))
     else {
         return Err(ProxyError::new(
             ErrorKind::NoRoute,
@@ -579,7 +578,7 @@ async fn forward<F: Fabric>(
         }
         Err(e) => return Err(ProxyError::new(ErrorKind::HeadTooLarge, e.to_string())),
     };
-    let shard = &state.shard;
+    let fabric = &state.fabric;
     // Held until the answer is written, as the slot is.
     let _share = state.routing.share.take(peer.ip()).map_err(|held| {
         ProxyError::new(
@@ -589,7 +588,7 @@ async fn forward<F: Fabric>(
             ),
         )
     })?;
-    let slot = tokio::time::timeout(settings.request_timeout, shard.acquire())
+    let slot = tokio::time::timeout(settings.request_timeout, fabric.acquire())
         .await
         .map_err(|_| ProxyError::new(ErrorKind::Overloaded, "ingress is at capacity"))?;
     // The body goes straight into the slot's registered buffer.
@@ -610,7 +609,7 @@ async fn forward<F: Fabric>(
                         format!("request body exceeds the {}-byte limit", settings.max_body),
                     ));
                 }
-                shard.write(&slot, len, &data)?;
+                fabric.write(&slot, len, &data)?;
                 len += data.len() as u64;
             }
         }
@@ -627,7 +626,7 @@ async fn forward<F: Fabric>(
                 ),
             )
         })??;
-    let answer = shard.call(node, slot, head_bytes, len as u32, settings.request_timeout);
+    let answer = fabric.call(node, slot, head_bytes, len as u32, settings.request_timeout);
     // The node answers 504 itself at the deadline; this is the guard if it cannot.
     let answer = tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer)
         .await

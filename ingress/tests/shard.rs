@@ -17,9 +17,10 @@ use dpumesh_dpa::fabric::{CompletionQueue, Fabric, QpCaps, QpListener};
 use dpumesh_dpa::frame::{Message, Response, ResponseBody};
 use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_error::{ErrorKind, ProxyError};
+use dpumesh_fabric_client::health::Health;
+use dpumesh_fabric_client::{Answer, Client};
 use dpumesh_head::wire::{self, ResponseHead};
-use dpumesh_ingress::health::Health;
-use dpumesh_ingress::{Answer, Ingress, Settings, Shard};
+use dpumesh_ingress::{Ingress, Settings};
 
 /// A node that answers every request 200, or holds them while `hold` is set; it
 /// counts the requests it got in `got`.
@@ -69,7 +70,7 @@ fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
     addr
 }
 
-async fn call(shard: &Shard<ShmFabric>, node: SocketAddr) -> Result<Answer, ProxyError> {
+async fn call(shard: &Client<ShmFabric>, node: SocketAddr) -> Result<Answer, ProxyError> {
     let slot = shard.acquire().await;
     let answer = shard.call(node, slot, Vec::new(), 0, Duration::from_secs(5));
     tokio::time::timeout(Duration::from_secs(10), answer)
@@ -86,8 +87,14 @@ async fn a_panicking_pump_answers_what_it_held_and_serves_again() {
             let hold = Arc::new(AtomicBool::new(false));
             let got = Arc::new(AtomicUsize::new(0));
             let node = fake_node(hold.clone(), got.clone());
-            let shard: Rc<Shard<ShmFabric>> =
-                Shard::new(ShmFabric::new(), 8, 4096, Arc::new(Health::new([]))).unwrap();
+            let shard: Rc<Client<ShmFabric>> = Client::new(
+                "ingress",
+                ShmFabric::new(),
+                8,
+                4096,
+                Arc::new(Health::new([])),
+            )
+            .unwrap();
             shard.spawn_pump();
             let answer = call(&shard, node).await.unwrap();
             assert_eq!(wire::decode_response(&answer.head).unwrap().status, 200);
@@ -124,8 +131,14 @@ async fn a_pump_that_keeps_panicking_is_left_down_and_calls_get_503() {
     local
         .run_until(async {
             let node = fake_node(Arc::new(AtomicBool::new(false)), Arc::default());
-            let shard: Rc<Shard<ShmFabric>> =
-                Shard::new(ShmFabric::new(), 8, 4096, Arc::new(Health::new([]))).unwrap();
+            let shard: Rc<Client<ShmFabric>> = Client::new(
+                "ingress",
+                ShmFabric::new(),
+                8,
+                4096,
+                Arc::new(Health::new([])),
+            )
+            .unwrap();
             shard.spawn_pump();
             let health = shard.supervisor().threads()[0].clone();
             for n in 1..=6 {

@@ -91,8 +91,8 @@ impl Callouts {
                 };
                 let local = tokio::task::LocalSet::new();
                 local.block_on(&runtime, async move {
-                    let health = Arc::new(dpumesh_ingress::health::Health::new([]));
-                    let shard = match dpumesh_ingress::Shard::new(fabric, SLOTS, SLOT_SIZE, health) {
+                    let health = Arc::new(dpumesh_fabric_client::health::Health::new([]));
+                    let shard = match dpumesh_fabric_client::Client::new("callout", fabric, SLOTS, SLOT_SIZE, health) {
                         Ok(shard) => {
                             shard.spawn_pump();
                             Some(shard)
@@ -159,7 +159,7 @@ fn failed(reason: &str) -> CalloutReply {
 }
 
 async fn perform<F: Fabric>(
-    shard: Option<&dpumesh_ingress::Shard<F>>,
+    shard: Option<&dpumesh_fabric_client::Client<F>>,
     pool: &Pool,
     target: &Target,
     callout: &Callout,
@@ -207,7 +207,7 @@ fn mesh_head(service: &str, callout: &Callout) -> Result<RequestHead, String> {
 }
 
 async fn mesh<F: Fabric>(
-    shard: &dpumesh_ingress::Shard<F>,
+    shard: &dpumesh_fabric_client::Client<F>,
     node: SocketAddr,
     service: &str,
     callout: &Callout,

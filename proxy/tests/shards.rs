@@ -1,7 +1,8 @@
 //! A node with two shards (`cores: 2`), in process: a pod's requests take turns over
 //! its lanes, each runs to completion on the shard that took it (its answer comes
-//! back on the lane it left on), the metrics say how many each shard took, and the
-//! ingress's links (one per worker) are served by whichever shard took them.
+//! back on the lane it left on), the metrics say how many each shard took, and links
+//! from outside (the ingress's, one per worker) are served by whichever shard took
+//! them.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -139,21 +140,16 @@ fn two_shards_each_run_their_requests_to_completion() {
     assert!(counted.values().all(|&n| n > 0), "{counted:?}");
     assert_eq!(counted.values().sum::<u64>(), u64::from(calls));
 
-    // The ingress's links (one per worker) land on the shards in turn; requests over
-    // them are answered whichever shard took the link.
-    let ingress = common::ingress(
-        dir.path().join("policy.yaml"),
-        "echo",
-        node.fabric_addr(),
-        2,
-        Duration::from_secs(30),
-    );
+    // Links from outside (the ingress's: one per worker) land on the shards in turn;
+    // requests over them are answered whichever shard took the link.
+    let fabric = node.fabric_addr();
+    let timeout = Duration::from_secs(30);
     for n in 0..6 {
-        let (status, body) = get(ingress.addr(), "echo", &format!("/{n}"));
+        let (status, body) = common::fabric_get(fabric, "echo", &format!("/{n}"), timeout);
         assert_eq!(status, 200, "{body}");
         assert!(body.starts_with("lane "), "{body}");
     }
-    let (status, _) = get(ingress.addr(), "echo", "/stop");
+    let (status, _) = common::fabric_get(fabric, "echo", "/stop", timeout);
     assert_eq!(status, 200);
     let echoed = dpumesh_test_support::joined(echo);
     assert_eq!(echoed.len(), answered.len() + 7);

@@ -1,6 +1,6 @@
 //! A node's data plane under supervision, in process: when its reactor thread panics,
-//! what it held is answered at once (the ingress sees its link go and answers 502; it
-//! does not wait for the request timeout), the thread comes back and serves, and a
+//! what it held is answered at once (the sender sees its link go: the ingress answers
+//! 502; it does not wait for the request timeout), the thread comes back and serves, and a
 //! data plane that keeps panicking is left down with `/readyz` saying so.
 
 use std::path::Path;
@@ -51,18 +51,12 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     let node = Node::start(&mesh, "n1", dir.path()).unwrap();
     let admin = node.admin_addr().unwrap();
     let mut pod = HostPort::connect(node.control(), "slow-0", "slow").unwrap();
-    let ingress = common::ingress(
-        dir.path().join("policy.yaml"),
-        "slow",
-        node.fabric_addr(),
-        1,
-        Duration::from_secs(60),
-    );
-    let client = ingress.addr();
+    let fabric = node.fabric_addr();
+    let timeout = Duration::from_secs(60);
     assert_eq!(get(admin, &admin.to_string(), "/readyz").0, 200);
 
     // A request the pod holds; the reactor panics under it.
-    let held = std::thread::spawn(move || get(client, "slow", "/held"));
+    let held = std::thread::spawn(move || common::fabric_get(fabric, "slow", "/held", timeout));
     let _unanswered = next_request(&mut pod);
     node.dataplane().inject_panic();
     let (status, body) = dpumesh_test_support::joined(held);
@@ -72,7 +66,8 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     );
 
     // The reactor is back: the ingress links again and the pod's answer comes through.
-    let answered = std::thread::spawn(move || get(client, "slow", "/after"));
+    let answered =
+        std::thread::spawn(move || common::fabric_get(fabric, "slow", "/after", timeout));
     let request = next_request(&mut pod);
     let head = wire::encode_response(&ResponseHead {
         status: 200,

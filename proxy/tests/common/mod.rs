@@ -1,14 +1,17 @@
-//! What the in-process node tests share: an HTTP GET and an ingress in front of one
-//! node.
+//! What the in-process node tests share: an HTTP GET (for the admin API) and a GET
+//! sent to a node over the fabric, as the ingress sends it (the proxy does not link
+//! the ingress, even in its tests: the fabric client both use stands in for it).
 
-use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dpumesh_dpa::fabric::shm::ShmFabric;
-use dpumesh_ingress::{Ingress, Settings};
+use dpumesh_fabric_client::Client;
+use dpumesh_fabric_client::health::Health;
+use dpumesh_head::RequestHead;
+use dpumesh_head::wire;
 
 /// GET `path` from `addr` (HTTP/1.1, `host` as given): status and body.
 pub fn get(addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
@@ -32,34 +35,41 @@ pub fn get(addr: SocketAddr, host: &str, path: &str) -> (u16, String) {
     (status, body)
 }
 
-/// An ingress on the shared-memory fabric sending `service` to the node at `node`,
-/// with `threads` workers (a link to the node each).
-pub fn ingress(
-    policy: PathBuf,
-    service: &str,
-    node: SocketAddr,
-    threads: usize,
-    request_timeout: Duration,
-) -> Ingress {
-    Ingress::start(
-        ShmFabric::new(),
-        Settings {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            max_head: 32 << 10,
-            max_body: 1 << 20,
-            body_timeout: Duration::from_secs(10),
-            header_timeout: Duration::from_secs(10),
-            max_headers: 100,
-            request_timeout,
-            slots: 8,
-            slots_per_client: 8,
-            threads: Some(threads),
-            policy,
-            services: BTreeMap::from([(service.to_owned(), vec![node])]),
-            admin: None,
-            path: Default::default(),
-            eject: None,
-        },
-    )
-    .unwrap()
+/// GET `path` for `host` from the node whose fabric listens at `node`, over a link of
+/// its own on the shared-memory fabric (a new link per call: links land on the node's
+/// shards in turn): the status and body the node answered, or the status of the error
+/// the ingress would answer (502 for a link lost, 504 for a timeout).
+pub fn fabric_get(node: SocketAddr, host: &str, path: &str, timeout: Duration) -> (u16, String) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
+        let client = Client::new(
+            "test",
+            ShmFabric::new(),
+            1,
+            64 << 10,
+            Arc::new(Health::new([])),
+        )
+        .unwrap();
+        client.spawn_pump();
+        let mut head = RequestHead::new("GET", path);
+        head.authority = host.to_owned();
+        let head = wire::encode_request(&head).unwrap();
+        let slot = client.acquire().await;
+        let answer = client.call(node, slot, head, 0, timeout);
+        match tokio::time::timeout(timeout + Duration::from_secs(10), answer)
+            .await
+            .expect("an answer or an error comes: never a hang")
+            .expect("the answer is never dropped unsent")
+        {
+            Ok(answer) => (
+                wire::decode_response(&answer.head).unwrap().status,
+                String::from_utf8_lossy(&answer.body).into_owned(),
+            ),
+            Err(e) => (e.status(), e.to_string()),
+        }
+    })
 }

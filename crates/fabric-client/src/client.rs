@@ -1,8 +1,8 @@
-//! One ingress shard's side of the fabric: a thread's links to every node, its
+//! One thread's side of the fabric as a client: its links to every node, its
 //! registered request and response buffers (slots), and the pump that turns
 //! completions into answers.
 //!
-//! Everything here lives on the shard's thread, a current-thread runtime: a request's
+//! Everything here lives on the owning thread, a current-thread runtime: a request's
 //! task writes its body into a slot, posts its frame on the link itself and awaits the
 //! answer that the pump — a task on the same thread, woken by the completion queue's
 //! descriptor through the runtime's reactor — hands it. No request crosses threads.
@@ -77,8 +77,8 @@ struct Links<F: Fabric> {
     pending: HashMap<u32, Pending>,
 }
 
-/// One shard of the ingress: its fabric resources and requests in flight.
-pub struct Shard<F: Fabric> {
+/// One thread's fabric client: its fabric resources and requests in flight.
+pub struct Client<F: Fabric> {
     fabric: F,
     pd: F::Pd,
     cq: F::Cq,
@@ -99,12 +99,18 @@ pub struct Shard<F: Fabric> {
     supervisor: Arc<Supervisor>,
     /// Where link events are told (for `/readyz` and the prober).
     health: Arc<Health>,
+    /// The pump's thread name in supervision reports (`dpumesh-<role>-pump`).
+    pump_name: String,
+    reconnects: metrics::Counter,
+    links_lost: metrics::Counter,
 }
 
-impl<F: Fabric> Shard<F> {
-    /// A shard with `slots` request slots of `slot_size` bytes each way; it reports
-    /// its links' events to `health`.
+impl<F: Fabric> Client<F> {
+    /// A client with `slots` request slots of `slot_size` bytes each way; it reports
+    /// its links' events to `health`. `role` names its regions, its pump and its
+    /// metrics (`dpumesh-ingress-pump`, `dpumesh_ingress_links_lost_total`).
     pub fn new(
+        role: &str,
         fabric: F,
         slots: u32,
         slot_size: u64,
@@ -113,15 +119,15 @@ impl<F: Fabric> Shard<F> {
         let pd = fabric.alloc_pd()?;
         let cq = fabric.create_cq(8192)?;
         // Frames leave when the pump flushes them: every request a turn of the
-        // shard's tasks posts goes out in one write per link (on the TCP fabric).
+        // owning thread's tasks posts goes out in one write per link (TCP fabric).
         cq.hold_sends(true);
         let len = u64::from(slots.max(1)) * slot_size;
         let requests = Arc::new(SharedRegion::create_unique(
-            "dpumesh-ingress-req",
+            &format!("dpumesh-{role}-req"),
             len as usize,
         )?);
         let responses = Arc::new(SharedRegion::create_unique(
-            "dpumesh-ingress-resp",
+            &format!("dpumesh-{role}-resp"),
             len as usize,
         )?);
         let req_mr = fabric.register(&pd, &requests, 0, len, Access::all())?;
@@ -148,6 +154,9 @@ impl<F: Fabric> Shard<F> {
             posted: Notify::new(),
             supervisor: Supervisor::new(),
             health,
+            pump_name: format!("dpumesh-{role}-pump"),
+            reconnects: metrics::counter!(format!("dpumesh_{role}_reconnects_total")),
+            links_lost: metrics::counter!(format!("dpumesh_{role}_links_lost_total")),
         }))
     }
 
@@ -297,7 +306,7 @@ impl<F: Fabric> Shard<F> {
                 format!("the node at {node} was unreachable moments ago"),
             ));
         }
-        // Connecting blocks this shard for a moment (local: a Unix handshake; remote:
+        // Connecting blocks this thread for a moment (local: a Unix handshake; remote:
         // a TCP connect); it happens once per node, and a failure is remembered.
         let connected = self
             .fabric
@@ -321,7 +330,7 @@ impl<F: Fabric> Shard<F> {
         self.health.up(node);
         if state.reconnect.connected(&node) {
             tracing::info!(%node, "link to node back");
-            metrics::counter!("dpumesh_ingress_reconnects_total").increment(1);
+            self.reconnects.increment(1);
         }
         let num = link.qp_num();
         state.links.insert(num, (node, link));
@@ -336,7 +345,7 @@ impl<F: Fabric> Shard<F> {
         tracing::warn!(%node, why, "link to node down");
         self.health
             .down(node, &format!("link lost ({why})"), Instant::now());
-        metrics::counter!("dpumesh_ingress_links_lost_total").increment(1);
+        self.links_lost.increment(1);
         state.by_node.remove(&node);
         state.reconnect.lost(&node);
         let lost: Vec<u32> = state
@@ -357,7 +366,7 @@ impl<F: Fabric> Shard<F> {
     /// Handles what completed; returns how many completions there were.
     fn progress(&self) -> usize {
         if self.panic_next.replace(false) {
-            panic!("injected ingress pump panic");
+            panic!("injected fabric pump panic");
         }
         let mut wcs = self.wcs.borrow_mut();
         wcs.clear();
@@ -420,7 +429,7 @@ impl<F: Fabric> Shard<F> {
         for (_, p) in state.pending.drain() {
             let _ = p.reply.send(Err(ProxyError::new(
                 ErrorKind::ThreadLost,
-                "the ingress shard's fabric pump restarted after a panic",
+                "the fabric pump restarted after a panic",
             )));
         }
         state.links.clear();
@@ -432,7 +441,7 @@ impl<F: Fabric> Shard<F> {
         self.state.borrow().pending.len()
     }
 
-    /// Fails every request in flight with `e` (the shard stops).
+    /// Fails every request in flight with `e` (its owner stops).
     pub fn fail_all(&self, e: &ProxyError) {
         let mut state = self.state.borrow_mut();
         for (_, p) in state.pending.drain() {
@@ -440,7 +449,7 @@ impl<F: Fabric> Shard<F> {
         }
     }
 
-    /// Drives completions until the shard stops: polls while there is work, then
+    /// Drives completions until the owner stops: polls while there is work, then
     /// sleeps on the completion queue's descriptor in the runtime's reactor.
     async fn pump(self: Rc<Self>, fd: Option<Rc<AsyncFd<OwnedFd>>>) {
         loop {
@@ -483,7 +492,7 @@ impl<F: Fabric> Shard<F> {
     }
 
     /// Runs the pump on this thread's local task set, restarted after a panic (up to
-    /// the supervision policy's limit; then the shard answers 503 and readiness says
+    /// the supervision policy's limit; then calls are answered 503 and readiness says
     /// why).
     pub fn spawn_pump(self: &Rc<Self>) {
         let fd = self
@@ -503,7 +512,7 @@ impl<F: Fabric> Shard<F> {
         let me = self.clone();
         let mut tracked = self
             .supervisor
-            .track("dpumesh-ingress-pump", RestartPolicy::default());
+            .track(self.pump_name.clone(), RestartPolicy::default());
         tokio::task::spawn_local(async move {
             loop {
                 let pump = tokio::task::spawn_local(me.clone().pump(fd.clone()));
@@ -515,7 +524,7 @@ impl<F: Fabric> Shard<F> {
                         if !again {
                             me.fail_all(&ProxyError::new(
                                 ErrorKind::ThreadLost,
-                                "the ingress shard's fabric pump is down after repeated panics",
+                                "the fabric pump is down after repeated panics",
                             ));
                             return;
                         }

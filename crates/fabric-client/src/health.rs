@@ -1,5 +1,5 @@
-//! What the ingress knows of each node: not tried yet, reachable, or down (since when,
-//! why). The shards report their link events here (a link made, a connect refused, a
+//! What a sender knows of each node: not tried yet, reachable, or down (since when,
+//! why). The fabric clients report their link events here (a link made, a connect refused, a
 //! link lost: rare events, never one per request); the admin API's `/readyz` reads it,
 //! and a prober connects to the nodes that are down, so a node that came back is seen
 //! as reachable without waiting for traffic to find out.
@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-/// One node as the ingress last saw it.
+/// One node as its senders last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeState {
     /// No link was needed yet (links are made on demand).
@@ -20,7 +20,8 @@ pub enum NodeState {
     Down { since: Instant, why: String },
 }
 
-/// The nodes' states, shared by the shards, the prober and the admin API.
+/// The nodes' states, shared by the clients (the ingress's shards), the ingress's
+/// prober and its admin API.
 #[derive(Debug)]
 pub struct Health {
     nodes: Mutex<BTreeMap<SocketAddr, NodeState>>,
