@@ -39,6 +39,9 @@ pub mod store;
 pub mod transport;
 
 pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};
+/// Where a pod registers: the node's control socket (`DPUMESH_CONTROL` as `dpumesh up`
+/// and the chart set it: a path, or `tcp:HOST:PORT`). Parse it with `str::parse`.
+pub use dpumesh_dpa::control::transport::Endpoint;
 pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats};
 pub use graph::{EgressStep, InternalStep, Node, order, pipe};
 pub use http::{Caller, HttpRequest, HttpResponse};

@@ -6,9 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result, bail};
-use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_host::datapath::DataPathTransport;
-use dpumesh_host::{EventLoop, LoopConfig};
+use dpumesh_host::{Endpoint, EventLoop, LoopConfig};
 
 // A service allocates a request's head, graph and answer per request on its one loop
 // thread: mimalloc's thread-local pages cost a fraction of glibc's bins there (the
