@@ -67,7 +67,7 @@ fi
 # C: clang for wasm32-wasi with wasi-libc (bindings and componentizing are in-process).
 # The data path's `verbs` feature: libibverbs/librdmacm headers and libclang for
 # rdma-sys' bindgen (compiled and tested for the no-device case in CI).
-# R-Pingmesh's gRPC APIs: protoc compiles pingmesh/proto for tonic/prost at build time.
+# R-Pingmesh's gRPC APIs: protoc compiles crates/pingmesh/proto for tonic/prost at build time.
 debian_packages "the Pingmesh gRPC build" protobuf-compiler
 # The Pingmesh dashboard's test loads it in headless Chromium.
 debian_packages "the dashboard's browser test" chromium

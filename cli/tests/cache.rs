@@ -146,7 +146,7 @@ fn the_node_answers_cacheable_responses_without_the_service() {
     assert!(stats["revalidated"].as_u64().unwrap() >= 2, "{body}");
     assert!(stats["hits"].as_u64().unwrap() >= 20, "{body}");
     assert!(stats["entries"].as_u64().unwrap() >= 4, "{body}");
-    assert!(metric_sum(node1, "dpumesh_cache_hits_total") >= 20.0);
+    assert!(metric_sum(node1, "dpumesh_http_cache_hits_total") >= 20.0);
 
     // Purge by prefix through the admin API: the next request is a miss.
     let (status, removed) = admin_delete(

@@ -229,8 +229,8 @@ async fn handle(
             }
             if let Some(cache) = parts.cache {
                 let (entries, bytes) = cache.size();
-                metrics::gauge!("dpumesh_cache_entries").set(entries as f64);
-                metrics::gauge!("dpumesh_cache_bytes").set(bytes as f64);
+                metrics::gauge!("dpumesh_http_cache_entries").set(entries as f64);
+                metrics::gauge!("dpumesh_http_cache_bytes").set(bytes as f64);
             }
             reply(
                 StatusCode::OK,

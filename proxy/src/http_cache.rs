@@ -1,4 +1,4 @@
-//! The node's HTTP response cache: the RFC 9111 policy of `dpumesh-cache` over the
+//! The node's HTTP response cache: the RFC 9111 policy of `dpumesh-http-cache` over the
 //! node's BlueCache store. The index (what is stored, for how long, its variants) is
 //! in DPU memory, shared by the node's shards; the bodies are objects in the store
 //! (`http-cache/N`), written by the store's workers off the shards' threads.
@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
-use dpumesh_cache::{Entry, Index, Lookup};
+use dpumesh_http_cache::{Entry, Index, Lookup};
 use dpumesh_store::Agent;
 use http::HeaderMap;
 use parking_lot::Mutex;
@@ -99,7 +99,7 @@ impl HttpCache {
             Box::new(move |stored| match stored {
                 Ok(_) => {
                     cache.stats.stored.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("dpumesh_cache_stored_total").increment(1);
+                    metrics::counter!("dpumesh_http_cache_stored_total").increment(1);
                     let replaced = cache.index.lock().insert(&primary, entry);
                     if let Some(old) = replaced {
                         cache.store.purge_key(&old.body_key);

@@ -7,7 +7,7 @@
 
 use std::time::SystemTime;
 
-use dpumesh_cache::{Entry, Lookup, Rule, policy, primary_key};
+use dpumesh_http_cache::{Entry, Lookup, Rule, policy, primary_key};
 use http::header;
 
 use super::*;
@@ -93,7 +93,7 @@ impl<F: Fabric> Reactor<F> {
                         .stats
                         .hit_bytes
                         .fetch_add(body.len() as u64, Ordering::Relaxed);
-                    metrics::counter!("dpumesh_cache_hits_total").increment(1);
+                    metrics::counter!("dpumesh_http_cache_hits_total").increment(1);
                     self.finish_with(
                         xid,
                         &reply,
@@ -110,7 +110,7 @@ impl<F: Fabric> Reactor<F> {
             Lookup::Miss => None,
         };
         cache.stats.misses.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("dpumesh_cache_misses_total", "stale" => entry.is_some().to_string())
+        metrics::counter!("dpumesh_http_cache_misses_total", "stale" => entry.is_some().to_string())
             .increment(1);
         // The client's own headers, kept for what is stored and for its conditions.
         let request = head.headers().clone();
@@ -202,7 +202,7 @@ impl<F: Fabric> Reactor<F> {
                 let fresh = entry.refreshed(&rule, &confirmed.headers, request_time, now);
                 cache.refresh(&primary, fresh.clone());
                 cache.stats.revalidated.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("dpumesh_cache_revalidated_total").increment(1);
+                metrics::counter!("dpumesh_http_cache_revalidated_total").increment(1);
                 let head = cached_head(&fresh, &request, now);
                 let body = if head.status == 304 || head_only {
                     Vec::new()
@@ -241,7 +241,7 @@ impl<F: Fabric> Reactor<F> {
         // that would not fit is not stored, rather than served cut.
         if header.len() + body_len as usize + HIT_OVERHEAD > dpumesh_dpa::frame::MAX_FRAME {
             cache.stats.not_stored.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("dpumesh_cache_not_stored_total", "why" => "frame").increment(1);
+            metrics::counter!("dpumesh_http_cache_not_stored_total", "why" => "frame").increment(1);
             return;
         }
         let lifetime =
@@ -249,7 +249,7 @@ impl<F: Fabric> Reactor<F> {
                 Ok(lifetime) => lifetime,
                 Err(why) => {
                     cache.stats.not_stored.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("dpumesh_cache_not_stored_total", "why" => why.label())
+                    metrics::counter!("dpumesh_http_cache_not_stored_total", "why" => why.label())
                         .increment(1);
                     return;
                 }

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use dpumesh_cache::{Entry, Index, Lookup, Rule, policy};
+use dpumesh_http_cache::{Entry, Index, Lookup, Rule, policy};
 use http::{HeaderMap, HeaderName, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 

@@ -1,4 +1,4 @@
-//! The suite file format (YAML or JSON). See `sdk/conformance/README.md`.
+//! The suite file format (YAML or JSON). See `crates/conformance/README.md`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

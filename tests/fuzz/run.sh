@@ -4,9 +4,9 @@
 # executions, printing the count libFuzzer reports. Needs a nightly toolchain
 # (`rustup toolchain install nightly`).
 #
-#   fuzz/run.sh                      # every target, 10 million executions each
-#   fuzz/run.sh path framing         # those targets
-#   RUNS=1000000 fuzz/run.sh frame   # fewer executions
+#   tests/fuzz/run.sh                      # every target, 10 million executions each
+#   tests/fuzz/run.sh path framing         # those targets
+#   RUNS=1000000 tests/fuzz/run.sh frame   # fewer executions
 set -euo pipefail
 cd "$(dirname "$0")"
 RUNS=${RUNS:-10000000}
@@ -25,7 +25,7 @@ for t in "${targets[@]}"; do
     out=$("target-cov/$triple/release/$t" "corpus/$t" -runs="$RUNS" \
         -artifact_prefix="artifacts/$t/" -print_final_stats=1 2>&1) || {
         echo "$out" | tail -30
-        echo "$t: CRASH (input in fuzz/artifacts/$t)"
+        echo "$t: CRASH (input in tests/fuzz/artifacts/$t)"
         exit 1
     }
     runs=$(echo "$out" | sed -n 's/^stat::number_of_executed_units: *//p')
