@@ -325,7 +325,8 @@ fn main() -> Result<ExitCode> {
     }
     // Tools say little (warn); the roles an orchestrator runs log JSON off a terminal.
     // A node logs at its policy's `log.level` (plugins' log lines need `info`);
-    // `DPUMESH_LOG` overrides either.
+    // `DPUMESH_LOG` overrides either. The format stays the role's: JSON off a
+    // terminal (what a collector reads), unless `DPUMESH_LOG_FORMAT` says otherwise.
     let log = match &cli.command {
         Command::Node { mesh, .. } => node_log(mesh),
         _ => None,
@@ -503,12 +504,15 @@ fn parse_transport(s: &str) -> Result<Transport, String> {
     }
 }
 
-/// The log settings of a node's policy, when the mesh file and its policy read; the
-/// node itself reports a file that does not, once logging is up.
+/// A node's log settings: its policy's level, when the mesh file and its policy read
+/// (the node itself reports a file that does not, once logging is up).
 fn node_log(mesh: &Path) -> Option<dpumesh_config::proxy::LogConfig> {
     let mesh = dpumesh_config::MeshFile::read(mesh).ok()?;
     let policy = dpumesh_config::LoadedConfig::read(&mesh.config.policy).ok()?;
-    Some(policy.config.log)
+    Some(dpumesh_config::proxy::LogConfig {
+        level: policy.config.log.level,
+        format: dpumesh_config::proxy::LogFormat::Auto,
+    })
 }
 
 fn proxy(config: &Path, no_watch: bool) -> Result<()> {
@@ -724,7 +728,8 @@ mod tests {
         std::fs::write(dir.path().join("mesh.yaml"), mesh).unwrap();
         let log = node_log(&dir.path().join("mesh.yaml")).expect("the policy reads");
         assert_eq!(log.level, "info");
-        assert_eq!(log.format, dpumesh_config::proxy::LogFormat::Json);
+        // The format is the role's (JSON off a terminal), not the policy's.
+        assert_eq!(log.format, dpumesh_config::proxy::LogFormat::Auto);
         assert!(node_log(&dir.path().join("missing.yaml")).is_none());
     }
 }

@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use arc_swap::ArcSwap;
 use crossbeam_channel::Sender;
 use dpumesh_head::RequestHead;
-use dpumesh_supervise::{RestartPolicy, Supervisor};
+use dpumesh_supervise::{RestartPolicy, Supervisor, ThreadHealth};
 use tokio::sync::oneshot;
 
 use crate::bindings::ResponseInfo;
@@ -155,6 +155,9 @@ pub struct WorkerPool {
     next: AtomicUsize,
     threads: Vec<JoinHandle<()>>,
     supervisor: Arc<Supervisor>,
+    /// Each worker's supervision state, in worker order: a worker left down is passed
+    /// over (one atomic load per request).
+    health: Vec<Arc<ThreadHealth>>,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -206,6 +209,7 @@ impl WorkerPool {
         for _ in 0..workers {
             let _ = ready_rx.recv();
         }
+        let health = supervisor.threads();
         Ok(Self {
             senders,
             current: ArcSwap::new(generation),
@@ -213,6 +217,7 @@ impl WorkerPool {
             next: AtomicUsize::new(0),
             threads,
             supervisor,
+            health,
         })
     }
 
@@ -288,15 +293,29 @@ impl WorkerPool {
         if chain >= generation.chains.len() {
             return Err(PoolError::UnknownChain(chain));
         }
-        let worker = self.next.fetch_add(1, Ordering::Relaxed) % self.senders.len();
-        self.senders[worker]
-            .send(Job::Request {
-                generation,
-                chain,
-                head,
-                reply,
-            })
-            .map_err(|_| PoolError::Stopped)?;
+        let mut job = Job::Request {
+            generation,
+            chain,
+            head,
+            reply,
+        };
+        // A worker that supervision left down (it kept panicking) is passed over, so
+        // it takes no share of the requests; one that died a moment ago has dropped
+        // its channel, and the send gives the job back for the next worker.
+        let workers = self.senders.len();
+        let first = self.next.fetch_add(1, Ordering::Relaxed);
+        for k in 0..workers {
+            let worker = (first + k) % workers;
+            if self.health.get(worker).is_some_and(|h| h.dead()) {
+                continue;
+            }
+            match self.senders[worker].send(job) {
+                Ok(()) => return Ok(()),
+                Err(refused) => job = refused.into_inner(),
+            }
+        }
+        // Every worker is down: dropping the job answers it, once, with the loss.
+        drop(job);
         Ok(())
     }
 
@@ -367,16 +386,14 @@ impl WorkerPool {
         if ticket.chain >= ticket.generation.chains.len() {
             return Err(PoolError::UnknownChain(ticket.chain));
         }
-        let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
-        sender
-            .send(Job::Response {
-                ticket,
-                head,
-                info,
-                reply,
-            })
-            .map_err(|_| PoolError::Stopped)?;
-        Ok(())
+        let worker = ticket.worker;
+        let job = Job::Response {
+            ticket,
+            head,
+            info,
+            reply,
+        };
+        self.to_worker_at(worker, job)
     }
 
     /// Hands a request the worker of `ticket` parked (under `park`) the answer to its
@@ -423,8 +440,23 @@ impl WorkerPool {
         if ticket.chain >= ticket.generation.chains.len() {
             return Err(PoolError::UnknownChain(ticket.chain));
         }
-        let sender = self.senders.get(ticket.worker).ok_or(PoolError::Stopped)?;
-        sender.send(job).map_err(|_| PoolError::Stopped)
+        self.to_worker_at(ticket.worker, job)
+    }
+
+    /// Sends `job` to worker `worker`, whose instances it needs (a response phase, a
+    /// parked request). A worker left down cannot take it: the job is dropped, which
+    /// answers it once with [`PoolError::WorkerLost`] (the thread is lost, not the pool
+    /// stopped).
+    fn to_worker_at(&self, worker: usize, job: Job) -> Result<(), PoolError> {
+        let alive = self.health.get(worker).is_none_or(|h| !h.dead());
+        let Some(sender) = self.senders.get(worker).filter(|_| alive) else {
+            drop(job);
+            return Ok(());
+        };
+        if let Err(refused) = sender.send(job) {
+            drop(refused.into_inner());
+        }
+        Ok(())
     }
 
     /// Runs the response phase where `ticket` says, and waits. Not for async contexts:

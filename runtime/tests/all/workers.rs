@@ -251,3 +251,57 @@ fn a_response_for_a_chain_the_generation_lacks_is_refused_not_a_worker_panic() {
     ));
     assert_eq!(pool.supervisor().threads()[0].panics(), 0);
 }
+
+#[test]
+fn a_worker_left_down_takes_no_more_requests_and_with_none_left_requests_hear_worker_lost() {
+    let rt = runtime();
+    let c = chain(
+        &rt,
+        vec![settings(
+            "t",
+            json!({"request": [{"set_header": ["x-tag", "t"]}]}),
+        )],
+    );
+    let pool = WorkerPool::start(Generation::new(1, vec![c]), 2).unwrap();
+    let before_death = pool.on_request(0, get("/")).unwrap().ticket;
+    // Worker 0 keeps panicking until supervision leaves it down.
+    let kill = |worker: usize| {
+        let thread = pool.supervisor().threads()[worker].clone();
+        while !thread.dead() {
+            let _ = pool.inject_panic(worker);
+        }
+    };
+    kill(0);
+    // Every request is served (by worker 1): none is answered for the dead one.
+    for _ in 0..6 {
+        let done = pool.on_request(0, get("/")).unwrap();
+        assert_eq!(done.ticket.worker, 1);
+        assert_eq!(done.outcome.head.header("x-tag").as_deref(), Some("t"));
+    }
+    // A response phase owed to the dead worker hears that its thread was lost.
+    let mut ticket = before_death;
+    ticket.worker = 0;
+    let info = dpumesh_runtime::ResponseInfo {
+        status: 200,
+        latency_ns: 1,
+        upstream: None,
+        failure: dpumesh_runtime::FailureKind::None,
+    };
+    assert!(matches!(
+        pool.on_response(ticket, get("/"), info),
+        Err(dpumesh_runtime::PoolError::WorkerLost)
+    ));
+    // With no worker left, a request is answered once, with the loss.
+    kill(1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    pool.request_with(pool.current(), 0, get("/"), move |r| {
+        tx.send(r.map(|_| ())).unwrap()
+    })
+    .unwrap();
+    assert_eq!(
+        rx.recv().unwrap(),
+        Err(dpumesh_runtime::PoolError::WorkerLost)
+    );
+    assert!(rx.try_recv().is_err(), "answered once");
+    assert!(pool.supervisor().ready().is_err());
+}
