@@ -126,6 +126,7 @@ impl Handler for Echo {
                 message: "a pod named taken is registered".into(),
             },
             Request::RegisterPod { .. } => Response::PodRegistered(Box::new(exports())),
+            Request::Resolve { service } if service == "panic" => panic!("a handler bug"),
             _ => Response::Ok,
         }
     }
@@ -139,6 +140,31 @@ fn socket() -> (tempfile::TempDir, Endpoint) {
     let dir = tempfile::tempdir().unwrap();
     let endpoint = Endpoint::Unix(dir.path().join("control.sock"));
     (dir, endpoint)
+}
+
+#[test]
+fn a_handler_panic_closes_that_connection_reclaims_its_peer_and_the_rest_serve_on() {
+    let (_dir, endpoint) = socket();
+    let handler = Arc::new(Echo::default());
+    let _server = ControlServer::start(&endpoint, handler.clone()).unwrap();
+    let mut other = ControlClient::connect(&endpoint, Role::Host, "pod-b").unwrap();
+    let mut client = ControlClient::connect(&endpoint, Role::Host, "pod-a").unwrap();
+    assert!(
+        client.resolve("panic").is_err(),
+        "no answer: the connection closed"
+    );
+    for _ in 0..400 {
+        if handler.gone.load(Ordering::SeqCst) == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        handler.gone.load(Ordering::SeqCst),
+        1,
+        "the peer of the connection whose thread panicked was let go of"
+    );
+    other.ping().expect("the other connection serves on");
 }
 
 #[test]

@@ -429,12 +429,41 @@ fn accept_loop(
 
 fn serve(
     id: u64,
-    mut stream: Stream,
+    stream: Stream,
     identity: Option<dpumesh_identity::SpiffeId>,
     handler: Arc<dyn Handler>,
     conns: Arc<Mutex<HashMap<u64, Writer>>>,
 ) {
     let mut peer: Option<Peer> = None;
+    // A panic while serving one connection (a bug in a handler) ends that connection
+    // as if it closed: what its peer registered is reclaimed rather than left to
+    // nobody, and the other connections serve on.
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        serve_frames(id, stream, identity, &handler, &conns, &mut peer);
+    }));
+    if let Err(panic) = served {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".to_owned());
+        tracing::error!(connection = id, panic = %what, "a control connection's thread panicked: the connection is closed");
+    }
+    conns.lock().remove(&id);
+    if let Some(peer) = peer {
+        handler.disconnected(&peer);
+    }
+}
+
+/// Reads and answers one connection's frames until it closes or breaks.
+fn serve_frames(
+    id: u64,
+    mut stream: Stream,
+    identity: Option<dpumesh_identity::SpiffeId>,
+    handler: &Arc<dyn Handler>,
+    conns: &Arc<Mutex<HashMap<u64, Writer>>>,
+    peer: &mut Option<Peer>,
+) {
     // Descriptors that came with the request being read (a store buffer to register).
     let mut fds: Vec<OwnedFd> = Vec::new();
     loop {
@@ -461,16 +490,16 @@ fn serve(
         };
         let Frame::Request(rid, request) = frame else {
             let _ = reply(
-                &conns,
+                conns,
                 id,
                 0,
                 error(ErrorCode::BadRequest, "peers send requests, not responses"),
             );
             break;
         };
-        let response = match (&peer, request) {
+        let response = match (&*peer, request) {
             (_, Request::Hello { role, name }) => {
-                peer = Some(Peer {
+                *peer = Some(Peer {
                     id,
                     role,
                     name,
@@ -513,19 +542,15 @@ fn serve(
                 {
                     p.service = Some(service);
                 }
-                if reply_with_fds(&conns, id, rid, response, &out).is_err() {
+                if reply_with_fds(conns, id, rid, response, &out).is_err() {
                     break;
                 }
                 continue;
             }
         };
-        if reply(&conns, id, rid, response).is_err() {
+        if reply(conns, id, rid, response).is_err() {
             break;
         }
-    }
-    conns.lock().remove(&id);
-    if let Some(peer) = peer {
-        handler.disconnected(&peer);
     }
 }
 

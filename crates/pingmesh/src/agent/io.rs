@@ -291,7 +291,7 @@ impl<F: DatagramFabric> Io<F> {
     }
 
     /// Runs until the agent stops.
-    pub fn run(mut self) {
+    pub fn run(&mut self) {
         let mut wcs = Vec::with_capacity(64);
         let mut handled = 0usize;
         // When the last pass began, and how long after the one before.

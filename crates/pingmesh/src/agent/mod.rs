@@ -20,6 +20,7 @@ use dpumesh_clock::SharedClock;
 use dpumesh_dpa::fabric::QpCaps;
 use dpumesh_dpa::fabric::ud::{DatagramFabric, Gid, UdQueuePair};
 use dpumesh_dpa::shm::SharedRegion;
+use dpumesh_supervise::{RestartPolicy, Supervisor};
 use parking_lot::Mutex;
 
 use crate::convert;
@@ -241,17 +242,32 @@ impl Agent {
         });
         let one_ack = qp.stamps_sends_when_posted() && !config.two_acks;
         let io = io::setup(fabric, pd, qp, region, shared.clone(), prober, one_ack)?;
-        let probe = std::thread::Builder::new()
-            .name("pingmesh-probe".into())
-            .spawn(move || io.run())
+        // The agent's threads are supervised: a panic is caught, logged and counted
+        // (`dpumesh_thread_panics_total`) and the loop runs again; one that keeps
+        // panicking is left down. (Monitoring is not part of the node's readiness:
+        // the data plane serves without it.)
+        let supervisor = Supervisor::new();
+        let probe = supervisor
+            .spawn(
+                "pingmesh-probe",
+                RestartPolicy::default(),
+                io,
+                |io| io.run(),
+                |_| {},
+            )
             .map_err(|e| AgentError::Setup(format!("probe thread: {e}")))?;
         let mut threads = vec![probe];
         if let (Some(every), true) = (config.trace_every, config.probe) {
             let (shared, gid) = (shared.clone(), local.gid);
             threads.push(
-                std::thread::Builder::new()
-                    .name("pingmesh-trace".into())
-                    .spawn(move || tracer::run(shared, gid, every))
+                supervisor
+                    .spawn(
+                        "pingmesh-trace",
+                        RestartPolicy::default(),
+                        shared,
+                        move |shared| tracer::run(shared.clone(), gid, every),
+                        |_| {},
+                    )
                     .map_err(|e| AgentError::Setup(format!("trace thread: {e}")))?,
             );
         }
@@ -261,9 +277,14 @@ impl Agent {
             rnic: rnic.clone(),
             gid: local.gid,
         };
-        let control = std::thread::Builder::new()
-            .name("pingmesh-control".into())
-            .spawn(move || control.run())
+        let control = supervisor
+            .spawn(
+                "pingmesh-control",
+                RestartPolicy::default(),
+                control,
+                |control| control.run(),
+                |_| {},
+            )
             .map_err(|e| AgentError::Setup(format!("control thread: {e}")))?;
         threads.push(control);
         Ok(Self {
@@ -302,6 +323,7 @@ pub enum AgentError {
 }
 
 /// The control thread: registration, pinglists, uploads.
+#[derive(Clone)]
 struct Control {
     config: AgentConfig,
     shared: Arc<Shared>,
@@ -315,7 +337,7 @@ type AnalyzerClient =
     proto::analyzer_service_client::AnalyzerServiceClient<tonic::transport::Channel>;
 
 impl Control {
-    fn run(self) {
+    fn run(&self) {
         let rt = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -326,7 +348,8 @@ impl Control {
                 return;
             }
         };
-        rt.block_on(self.serve());
+        // A run after a panic starts over: registration, pinglist, uploads.
+        rt.block_on(self.clone().serve());
     }
 
     fn stopped(&self) -> bool {
