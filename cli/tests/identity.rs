@@ -71,11 +71,11 @@ fn forged<F: Fabric>(fabric: F, node: SocketAddr) -> Result<u16, String> {
     }))
     .map_err(|x| e(&x))?;
     let deadline = Instant::now() + Duration::from_secs(10);
-    let mut wcs: Vec<WorkCompletion> = Vec::new();
+    let mut completions: Vec<WorkCompletion> = Vec::new();
     while Instant::now() < deadline {
-        wcs.clear();
-        cq.poll(&mut wcs, 16);
-        for wc in &wcs {
+        completions.clear();
+        cq.poll(&mut completions, 16);
+        for wc in &completions {
             match link.on_completion(wc) {
                 Ok(Some(LinkEvent::Message(Message::Response(r)))) => {
                     return Ok(wire::decode_response(&r.head).unwrap().status);

@@ -431,7 +431,7 @@ impl HostPort {
             // The lane it came on, whatever it says: the answer goes back there.
             d.lane = lane as u8;
             if d.kind.completion {
-                self.complete(&d);
+                self.free_sent_slots(&d);
                 if d.kind.error {
                     return Ok(Some(Incoming::Error {
                         descriptor: d,
@@ -462,7 +462,7 @@ impl HostPort {
     }
 
     /// The DPU is done with TX slots: free them.
-    fn complete(&mut self, d: &Descriptor) {
+    fn free_sent_slots(&mut self, d: &Descriptor) {
         for (pool, b) in [(&self.tx_header, d.header), (&self.tx_body, d.body)] {
             if b.is_none() || b.addr.region() != pool.id() {
                 continue;

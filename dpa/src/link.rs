@@ -429,10 +429,10 @@ mod tests {
 
     impl<F: Fabric> End<F> {
         fn pump(&mut self) {
-            let mut wcs = Vec::new();
+            let mut completions = Vec::new();
             let _ = self.cq.wait(Duration::from_millis(1));
-            self.cq.poll(&mut wcs, 64);
-            for wc in wcs {
+            self.cq.poll(&mut completions, 64);
+            for wc in completions {
                 match self.link.on_completion(&wc) {
                     Ok(Some(e)) => self.got.push(e),
                     Ok(None) => {}

@@ -250,7 +250,7 @@ struct Proxy {
     qp: SoftQp,
     fabric: SoftFabric,
     /// Registered pod pools, by region path.
-    mrs: HashMap<PathBuf, SoftMr>,
+    regions: HashMap<PathBuf, SoftMr>,
     heads: Arc<SharedRegion>,
     heads_mr: SoftMr,
     mine: Arc<Mutex<Directory>>,
@@ -299,7 +299,7 @@ impl Proxy {
             cq,
             qp,
             fabric,
-            mrs: HashMap::new(),
+            regions: HashMap::new(),
             heads,
             heads_mr,
             mine,
@@ -314,7 +314,7 @@ impl Proxy {
     fn mr(&mut self, pool: &BufferPool) -> &SoftMr {
         let path = pool.region().path().to_owned();
         let (fabric, pd) = (&self.fabric, &self.pd);
-        self.mrs.entry(path).or_insert_with(|| {
+        self.regions.entry(path).or_insert_with(|| {
             fabric
                 .register(
                     pd,
@@ -512,7 +512,7 @@ impl Proxy {
     }
 
     fn run(mut self, stop: Arc<AtomicBool>) {
-        let mut wcs = Vec::new();
+        let mut completions = Vec::new();
         while !stop.load(Ordering::Relaxed) {
             self.publish();
             while let Some(d) = self.port.try_recv().unwrap() {
@@ -522,10 +522,10 @@ impl Proxy {
             // (without it a sleeping pod sees them only when its own wait times out,
             // and the node takes it for a pod that stopped reading).
             self.port.wake_pods();
-            wcs.clear();
+            completions.clear();
             self.cq.wait(Duration::from_millis(1)).unwrap();
-            self.cq.poll(&mut wcs, 64);
-            for wc in wcs.drain(..) {
+            self.cq.poll(&mut completions, 64);
+            for wc in completions.drain(..) {
                 if stop.load(Ordering::Relaxed) {
                     // The other proxy may have stopped first and closed the pair.
                     return;

@@ -17,7 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::Method;
 
-use crate::graph::{EgressStep, InternalStep, Node, Requests};
+use crate::graph::{EgressStep, InternalStep, Requests, Step};
 use crate::http::HttpRequest;
 use crate::result::{Inputs, StepId, StepOutput};
 
@@ -38,7 +38,7 @@ enum FrameKind {
 
 struct Frame {
     kind: FrameKind,
-    nodes: Vec<Node>,
+    steps: Vec<Step>,
 }
 
 /// One request's graph under construction.
@@ -64,7 +64,7 @@ impl ExecutionContext {
             request,
             stack: vec![Frame {
                 kind: FrameKind::Sequence,
-                nodes: Vec::new(),
+                steps: Vec::new(),
             }],
             next: 0,
             response: None,
@@ -102,7 +102,7 @@ impl ExecutionContext {
         let concurrent = self.in_parallel();
         let mut step = EgressStep::new(id, vec![HttpRequest::new(method, url)]);
         step.concurrent = concurrent;
-        self.frame().nodes.push(Node::Egress(step));
+        self.frame().steps.push(Step::Egress(step));
         CallBuilder { ctx: self }
     }
 
@@ -120,8 +120,8 @@ impl ExecutionContext {
     {
         let id = self.generated_id();
         self.frame()
-            .nodes
-            .push(Node::Internal(InternalStep::new(id, Vec::new(), func)));
+            .steps
+            .push(Step::Internal(InternalStep::new(id, Vec::new(), func)));
         InternalBuilder { ctx: self }
     }
 
@@ -139,7 +139,7 @@ impl ExecutionContext {
         let id = self.generated_id();
         let step = InternalStep::new(id.clone(), Vec::new(), func).on_loop();
         self.response = Some(id);
-        self.frame().nodes.push(Node::Internal(step));
+        self.frame().steps.push(Step::Internal(step));
         InternalBuilder { ctx: self }
     }
 
@@ -147,11 +147,11 @@ impl ExecutionContext {
     pub fn parallel(&mut self, block: impl FnOnce(&mut Self)) {
         self.stack.push(Frame {
             kind: FrameKind::Parallel,
-            nodes: Vec::new(),
+            steps: Vec::new(),
         });
         block(self);
         let frame = self.stack.pop().expect("pushed above");
-        self.frame().nodes.push(Node::Pipe(frame.nodes));
+        self.frame().steps.push(Step::Pipe(frame.steps));
     }
 
     /// Steps scheduled inside `block` run one after another (useful inside a parallel
@@ -159,35 +159,35 @@ impl ExecutionContext {
     pub fn sequence(&mut self, block: impl FnOnce(&mut Self)) {
         self.stack.push(Frame {
             kind: FrameKind::Sequence,
-            nodes: Vec::new(),
+            steps: Vec::new(),
         });
         block(self);
         let frame = self.stack.pop().expect("pushed above");
-        self.frame().nodes.push(Node::Order(frame.nodes));
+        self.frame().steps.push(Step::Order(frame.steps));
     }
 
-    /// Adds a low-level node (built with [`order`](crate::order), [`pipe`](crate::pipe),
+    /// Adds a low-level step (built with [`order`](crate::order), [`pipe`](crate::pipe),
     /// [`EgressStep`], [`InternalStep`]) to the current block.
-    pub fn add(&mut self, node: impl Into<Node>) {
-        self.frame().nodes.push(node.into());
+    pub fn add(&mut self, step: impl Into<Step>) {
+        self.frame().steps.push(step.into());
     }
 
     /// The graph, and the id of the step that answers (if one was named).
-    pub(crate) fn into_graph(mut self) -> (Node, Option<StepId>) {
+    pub(crate) fn into_graph(mut self) -> (Step, Option<StepId>) {
         while self.stack.len() > 1 {
             let frame = self.stack.pop().expect("len > 1");
-            self.frame().nodes.push(match frame.kind {
-                FrameKind::Parallel => Node::Pipe(frame.nodes),
-                FrameKind::Sequence => Node::Order(frame.nodes),
+            self.frame().steps.push(match frame.kind {
+                FrameKind::Parallel => Step::Pipe(frame.steps),
+                FrameKind::Sequence => Step::Order(frame.steps),
             });
         }
         let root = self.stack.pop().expect("the root frame");
-        (Node::Order(root.nodes), self.response)
+        (Step::Order(root.steps), self.response)
     }
 
-    fn last(&mut self) -> &mut Node {
+    fn last(&mut self) -> &mut Step {
         self.frame()
-            .nodes
+            .steps
             .last_mut()
             .expect("a builder follows its step")
     }
@@ -205,7 +205,7 @@ pub struct CallBuilder<'a> {
 impl CallBuilder<'_> {
     fn step(&mut self) -> &mut EgressStep {
         match self.ctx.last() {
-            Node::Egress(e) => e,
+            Step::Egress(e) => e,
             _ => unreachable!("a CallBuilder follows an egress step"),
         }
     }
@@ -285,7 +285,7 @@ pub struct InternalBuilder<'a> {
 impl InternalBuilder<'_> {
     fn step(&mut self) -> &mut InternalStep {
         match self.ctx.last() {
-            Node::Internal(i) => i,
+            Step::Internal(i) => i,
             _ => unreachable!("an InternalBuilder follows an internal step"),
         }
     }

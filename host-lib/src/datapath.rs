@@ -98,7 +98,8 @@ pub struct DataPathTransport {
     /// Egress calls on the wire (failed if the node goes away with them).
     calls: HashSet<Tag>,
     located: HashMap<String, (Case, Destination, Instant)>,
-    rr: usize,
+    /// Round robin over the pods of a service on this node.
+    next_pod: usize,
     out: VecDeque<Queued>,
     failed: Vec<Event>,
     /// What wakes a waiting `poll`: the RX ring's interrupter, or the loop thread
@@ -168,7 +169,7 @@ impl DataPathTransport {
             lost_below: 0,
             calls: HashSet::new(),
             located: HashMap::new(),
-            rr: 0,
+            next_pod: 0,
             out: VecDeque::new(),
             failed: Vec::new(),
             spin: Spin::new(Polling::from_env()),
@@ -275,8 +276,11 @@ impl DataPathTransport {
             .locate(service)
             .map_err(|e| format!("cannot ask the node where {service:?} runs: {e}"))?;
         let (case, dst) = if !pods.is_empty() {
-            self.rr = self.rr.wrapping_add(1);
-            (Case::PodToPod, Destination::Pod(pods[self.rr % pods.len()]))
+            self.next_pod = self.next_pod.wrapping_add(1);
+            (
+                Case::PodToPod,
+                Destination::Pod(pods[self.next_pod % pods.len()]),
+            )
         } else if let Some(addr) = remote {
             (Case::HostToRemote, Destination::External(addr))
         } else {

@@ -206,7 +206,7 @@ impl<T: Transport> EventLoop<T> {
         for event in events.drain(..) {
             match event {
                 Event::Request { id, request } => self.start(id, request),
-                Event::Completion { tag, outcome } => self.complete(tag, outcome),
+                Event::Completion { tag, outcome } => self.call_answered(tag, outcome),
             }
         }
         self.events = events;
@@ -281,7 +281,7 @@ impl<T: Transport> EventLoop<T> {
         self.apply(slot, actions);
     }
 
-    fn complete(&mut self, tag: Tag, outcome: Result<HttpResponse, String>) {
+    fn call_answered(&mut self, tag: Tag, outcome: Result<HttpResponse, String>) {
         let slot = tag.req_id & ((1 << SLOT_BITS) - 1);
         let generation = (tag.req_id >> SLOT_BITS) as u16;
         let entry = self

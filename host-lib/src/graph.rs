@@ -19,19 +19,24 @@ pub type RequestBuilder = Box<dyn FnOnce(&Inputs) -> Result<Vec<HttpRequest>, St
 /// An internal step's work.
 pub type InternalFn = Box<dyn FnOnce(&Inputs) -> Result<StepOutput, String> + Send>;
 
-/// A node of the graph.
-pub enum Node {
+/// A step of the graph: a sequence or a parallel group of steps, or one egress or
+/// internal step. ("Node" in this project names a machine.)
+pub enum Step {
     /// Children one after another.
-    Order(Vec<Node>),
+    Order(Vec<Step>),
     /// Children at the same time.
-    Pipe(Vec<Node>),
+    Pipe(Vec<Step>),
     /// HTTP calls.
     Egress(EgressStep),
     /// CPU work.
     Internal(InternalStep),
 }
 
-impl std::fmt::Debug for Node {
+/// The old name of [`Step`].
+#[deprecated(note = "renamed `Step` (a node is a machine of the mesh)")]
+pub type Node = Step;
+
+impl std::fmt::Debug for Step {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Order(c) => f.debug_tuple("Order").field(c).finish(),
@@ -44,14 +49,14 @@ impl std::fmt::Debug for Node {
 
 /// Children one after another: a failure stops the sequence (later children never
 /// start) and fails it.
-pub fn order(children: impl IntoIterator<Item = Node>) -> Node {
-    Node::Order(children.into_iter().collect())
+pub fn order(children: impl IntoIterator<Item = Step>) -> Step {
+    Step::Order(children.into_iter().collect())
 }
 
 /// Children at the same time: every child runs to its end; if any failed, the pipe
 /// fails naming them.
-pub fn pipe(children: impl IntoIterator<Item = Node>) -> Node {
-    Node::Pipe(children.into_iter().collect())
+pub fn pipe(children: impl IntoIterator<Item = Step>) -> Step {
+    Step::Pipe(children.into_iter().collect())
 }
 
 /// The requests of an egress step.
@@ -127,9 +132,9 @@ impl EgressStep {
     }
 }
 
-impl From<EgressStep> for Node {
+impl From<EgressStep> for Step {
     fn from(s: EgressStep) -> Self {
-        Node::Egress(s)
+        Step::Egress(s)
     }
 }
 
@@ -181,16 +186,16 @@ impl InternalStep {
     }
 }
 
-impl From<InternalStep> for Node {
+impl From<InternalStep> for Step {
     fn from(s: InternalStep) -> Self {
-        Node::Internal(s)
+        Step::Internal(s)
     }
 }
 
 /// Checks ids and inputs: ids are unique; an input names a step that has finished
 /// before the step starts (an earlier member of an enclosing sequence), never one that
 /// runs at the same time or later.
-pub fn validate(root: &Node) -> Result<(), StepError> {
+pub fn validate(root: &Step) -> Result<(), StepError> {
     let mut all = Vec::new();
     ids(root, &mut all);
     let mut seen = HashSet::with_capacity(all.len());
@@ -203,18 +208,18 @@ pub fn validate(root: &Node) -> Result<(), StepError> {
     check(root, &seen, &mut done)
 }
 
-fn ids<'a>(node: &'a Node, out: &mut Vec<&'a str>) {
+fn ids<'a>(node: &'a Step, out: &mut Vec<&'a str>) {
     match node {
-        Node::Order(c) | Node::Pipe(c) => c.iter().for_each(|n| ids(n, out)),
-        Node::Egress(e) => out.push(&e.id),
-        Node::Internal(i) => out.push(&i.id),
+        Step::Order(c) | Step::Pipe(c) => c.iter().for_each(|n| ids(n, out)),
+        Step::Egress(e) => out.push(&e.id),
+        Step::Internal(i) => out.push(&i.id),
     }
 }
 
 /// `done` holds the steps finished before `node` starts; on return it also holds
 /// `node`'s own steps. `all` is every step id of the graph.
 fn check<'a>(
-    node: &'a Node,
+    node: &'a Step,
     all: &HashSet<&'a str>,
     done: &mut HashSet<&'a str>,
 ) -> Result<(), StepError> {
@@ -234,12 +239,12 @@ fn check<'a>(
         Ok(())
     };
     match node {
-        Node::Order(children) => {
+        Step::Order(children) => {
             for c in children {
                 check(c, all, done)?;
             }
         }
-        Node::Pipe(children) => {
+        Step::Pipe(children) => {
             // Members see only what finished before the block; the block's steps are
             // done after it.
             let mut after = Vec::new();
@@ -250,11 +255,11 @@ fn check<'a>(
             }
             done.extend(after);
         }
-        Node::Egress(e) => {
+        Step::Egress(e) => {
             step(&e.id, &e.inputs, done)?;
             done.insert(&e.id);
         }
-        Node::Internal(i) => {
+        Step::Internal(i) => {
             step(&i.id, &i.inputs, done)?;
             done.insert(&i.id);
         }
@@ -266,11 +271,11 @@ fn check<'a>(
 mod tests {
     use super::*;
 
-    fn call(id: &str) -> Node {
+    fn call(id: &str) -> Step {
         EgressStep::new(id, vec![HttpRequest::get("http://x/")]).into()
     }
 
-    fn internal(id: &str, inputs: &[&str]) -> Node {
+    fn internal(id: &str, inputs: &[&str]) -> Step {
         InternalStep::new(id, inputs.iter().map(|s| s.to_string()).collect(), |_| {
             Ok::<_, String>(())
         })

@@ -43,7 +43,9 @@ pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};
 /// and the chart set it: a path, or `tcp:HOST:PORT`). Parse it with `str::parse`.
 pub use dpumesh_dpa::control::transport::Endpoint;
 pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats};
-pub use graph::{EgressStep, InternalStep, Node, order, pipe};
+#[allow(deprecated)]
+pub use graph::Node;
+pub use graph::{EgressStep, InternalStep, Step, order, pipe};
 pub use http::{Caller, HttpRequest, HttpResponse};
 pub use pool::WorkerScope;
 pub use result::{Inputs, StepError, StepId, StepOutput, StepResult};

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use foldhash::{HashMap, HashMapExt};
 use http::HeaderMap;
 
-use crate::graph::{InternalFn, Node, Requests, validate};
+use crate::graph::{InternalFn, Requests, Step, validate};
 use crate::http::{HttpRequest, HttpResponse};
 use crate::result::{Inputs, StepError, StepId, StepOutput, StepResult};
 
@@ -69,7 +69,7 @@ struct Internal {
     on_loop: bool,
 }
 
-struct RNode {
+struct RunStep {
     parent: Option<usize>,
     children: Vec<usize>,
     state: State,
@@ -79,24 +79,24 @@ struct RNode {
 
 /// A request's graph in execution.
 pub(crate) struct Run {
-    nodes: Vec<RNode>,
+    nodes: Vec<RunStep>,
     results: HashMap<StepId, Arc<StepResult>>,
     respond: Option<StepId>,
     response: Option<HttpResponse>,
 }
 
-fn flatten(node: Node, parent: Option<usize>, out: &mut Vec<RNode>) -> usize {
+fn flatten(node: Step, parent: Option<usize>, out: &mut Vec<RunStep>) -> usize {
     let index = out.len();
     let (kind, children) = match node {
-        Node::Order(c) => (Kind::Order { next: 0 }, c),
-        Node::Pipe(c) => (
+        Step::Order(c) => (Kind::Order { next: 0 }, c),
+        Step::Pipe(c) => (
             Kind::Pipe {
                 open: 0,
                 failed: Vec::new(),
             },
             c,
         ),
-        Node::Egress(e) => (
+        Step::Egress(e) => (
             Kind::Egress(Egress {
                 id: e.id,
                 requests: Some(e.requests),
@@ -109,7 +109,7 @@ fn flatten(node: Node, parent: Option<usize>, out: &mut Vec<RNode>) -> usize {
             }),
             Vec::new(),
         ),
-        Node::Internal(i) => (
+        Step::Internal(i) => (
             Kind::Internal(Internal {
                 id: i.id,
                 func: Some(i.func),
@@ -120,7 +120,7 @@ fn flatten(node: Node, parent: Option<usize>, out: &mut Vec<RNode>) -> usize {
             Vec::new(),
         ),
     };
-    out.push(RNode {
+    out.push(RunStep {
         parent,
         children: Vec::new(),
         state: State::Pending,
@@ -137,7 +137,7 @@ fn flatten(node: Node, parent: Option<usize>, out: &mut Vec<RNode>) -> usize {
 
 impl Run {
     /// A run of `root`; `respond` names the step whose output answers.
-    pub(crate) fn new(root: Node, respond: Option<StepId>) -> Result<Self, StepError> {
+    pub(crate) fn new(root: Step, respond: Option<StepId>) -> Result<Self, StepError> {
         validate(&root)?;
         let mut nodes = Vec::new();
         flatten(root, None, &mut nodes);
@@ -189,13 +189,13 @@ impl Run {
                 *next = 0;
                 match self.nodes[n].children.first() {
                     Some(&c) => self.start_node(c, actions),
-                    None => self.complete(n, None, actions),
+                    None => self.finish_step(n, None, actions),
                 }
             }
             Kind::Pipe { open, .. } => {
                 *open = count;
                 if count == 0 {
-                    self.complete(n, None, actions);
+                    self.finish_step(n, None, actions);
                 }
                 for i in 0..count {
                     let c = self.nodes[n].children[i];
@@ -250,7 +250,7 @@ impl Run {
                             unreachable!()
                         };
                         let result = StepResult::failure(e.id.clone(), error);
-                        self.complete(n, Some(result), actions);
+                        self.finish_step(n, Some(result), actions);
                         return;
                     }
                 }
@@ -261,7 +261,7 @@ impl Run {
         };
         if resolved.is_empty() {
             let id = e.id.clone();
-            self.complete(n, Some(StepResult::skipped(id)), actions);
+            self.finish_step(n, Some(StepResult::skipped(id)), actions);
             return;
         }
         e.parts = vec![None; resolved.len()];
@@ -289,7 +289,7 @@ impl Run {
         outcome: Result<HttpResponse, String>,
         actions: &mut Vec<Action>,
     ) {
-        let Some(RNode {
+        let Some(RunStep {
             state: State::Running,
             kind: Kind::Egress(e),
             ..
@@ -310,7 +310,7 @@ impl Run {
             // One after another: a failed request stops the rest.
             let result = self.egress_result(node);
             actions.push(Action::Forget { node });
-            self.complete(node, Some(result), actions);
+            self.finish_step(node, Some(result), actions);
             return;
         }
         let Kind::Egress(e) = &mut self.nodes[node].kind else {
@@ -329,7 +329,7 @@ impl Run {
         }
         if e.parts.iter().all(Option::is_some) {
             let result = self.egress_result(node);
-            self.complete(node, Some(result), actions);
+            self.finish_step(node, Some(result), actions);
         }
     }
 
@@ -363,7 +363,7 @@ impl Run {
         outcome: Result<StepOutput, StepError>,
         actions: &mut Vec<Action>,
     ) {
-        let Some(RNode {
+        let Some(RunStep {
             state: State::Running,
             kind: Kind::Internal(i),
             ..
@@ -376,7 +376,7 @@ impl Run {
             Ok(out) => StepResult::success(id, out.status.unwrap_or(200), out.headers, out.body),
             Err(e) => StepResult::failure(id, e),
         };
-        self.complete(node, Some(result), actions);
+        self.finish_step(node, Some(result), actions);
     }
 
     /// A step's timer fired: if it is still running, it fails.
@@ -396,7 +396,7 @@ impl Run {
         if matches!(n.kind, Kind::Egress(_)) {
             actions.push(Action::Forget { node });
         }
-        self.complete(
+        self.finish_step(
             node,
             Some(StepResult::failure(id, StepError::Timeout(timeout))),
             actions,
@@ -404,7 +404,7 @@ impl Run {
     }
 
     /// Marks `n` done with `result` (steps) and moves its parent on.
-    fn complete(&mut self, n: usize, result: Option<StepResult>, actions: &mut Vec<Action>) {
+    fn finish_step(&mut self, n: usize, result: Option<StepResult>, actions: &mut Vec<Action>) {
         let node = &mut self.nodes[n];
         node.state = State::Done;
         let result = match result {
@@ -425,14 +425,14 @@ impl Run {
                 if !result.ok {
                     // A sequence stops at its first failure; the rest never start, and
                     // the sequence's result is that failure (see `composite`).
-                    self.complete(parent, None, actions);
+                    self.finish_step(parent, None, actions);
                     return;
                 }
                 *next += 1;
                 let next = *next;
                 match self.nodes[parent].children.get(next) {
                     Some(&c) => self.start_node(c, actions),
-                    None => self.complete(parent, None, actions),
+                    None => self.finish_step(parent, None, actions),
                 }
             }
             Kind::Pipe { open, failed } => {
@@ -447,7 +447,7 @@ impl Run {
                 }
                 *open -= 1;
                 if *open == 0 {
-                    self.complete(parent, None, actions);
+                    self.finish_step(parent, None, actions);
                 }
             }
             _ => unreachable!("steps have no children"),

@@ -135,11 +135,11 @@ fn a_handler_that_panics_or_builds_a_bad_graph_is_answered_500() {
 
 #[test]
 fn a_request_builder_that_cannot_build_fails_its_step_with_the_reason() {
-    use dpumesh_host::{EgressStep, Node};
+    use dpumesh_host::{EgressStep, Step};
     let transport = InMemoryTransport::new().service("a", |_| Reply::ok_after(1, "a"));
     let (_, response, el) = run(transport, |ctx| {
         ctx.get("http://a/").id("first");
-        ctx.add(Node::from(EgressStep::try_built(
+        ctx.add(Step::from(EgressStep::try_built(
             "second",
             vec!["first".into()],
             |_| Err("TypeError: not a list".to_owned()),

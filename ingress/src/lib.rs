@@ -91,7 +91,8 @@ struct Routing {
     settings: Settings,
     /// The policy's routes: the only way in (a host naming a service is no route).
     routes: RouteTable,
-    rr: AtomicUsize,
+    /// Round robin over a service's nodes.
+    next_node: AtomicUsize,
     /// Nodes the Pingmesh analyzer judges unreachable (opted-in services avoid them).
     ejected: Option<Arc<eject::Ejected>>,
     /// The slots each client address holds.
@@ -186,7 +187,7 @@ impl Ingress {
             share: fair::ClientShare::new(settings.slots_per_client),
             settings,
             routes,
-            rr: AtomicUsize::new(0),
+            next_node: AtomicUsize::new(0),
             ejected,
             draining: std::sync::atomic::AtomicBool::new(false),
         });
@@ -463,7 +464,7 @@ impl Routing {
         if nodes.is_empty() {
             return None;
         }
-        let n = self.rr.fetch_add(1, Ordering::Relaxed);
+        let n = self.next_node.fetch_add(1, Ordering::Relaxed);
         let avoid = |a: SocketAddr| self.ejected.as_ref().is_some_and(|e| e.avoids(&service, a));
         let node = (0..nodes.len())
             .map(|i| nodes[(n + i) % nodes.len()])

@@ -34,14 +34,14 @@ fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
     let addr = listener.local_addr();
     std::thread::spawn(move || {
         let mut links: Vec<Link<ShmFabric>> = Vec::new();
-        let mut wcs = Vec::new();
+        let mut completions = Vec::new();
         loop {
             if let Ok(Some(qp)) = listener.accept(Duration::from_millis(1)) {
                 links.push(Link::new(&fabric, &pd, qp).unwrap());
             }
-            wcs.clear();
-            cq.poll(&mut wcs, 64);
-            for wc in &wcs {
+            completions.clear();
+            cq.poll(&mut completions, 64);
+            for wc in &completions {
                 let Some(link) = links.iter_mut().find(|l| l.qp_num() == wc.qp_num) else {
                     continue;
                 };

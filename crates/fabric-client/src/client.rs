@@ -90,7 +90,7 @@ pub struct Client<F: Fabric> {
     free: Rc<RefCell<Vec<u32>>>,
     permits: Arc<Semaphore>,
     state: RefCell<Links<F>>,
-    wcs: RefCell<Vec<WorkCompletion>>,
+    completions: RefCell<Vec<WorkCompletion>>,
     /// Makes the pump panic at its next turn (tests of supervision).
     panic_next: Cell<bool>,
     /// Rung by a call that posted a frame: the pump sends what the tasks of this turn
@@ -149,7 +149,7 @@ impl<F: Fabric> Client<F> {
                 reconnect: Reconnect::default(),
                 pending: HashMap::new(),
             }),
-            wcs: RefCell::new(Vec::with_capacity(64)),
+            completions: RefCell::new(Vec::with_capacity(64)),
             panic_next: Cell::new(false),
             posted: Notify::new(),
             supervisor: Supervisor::new(),
@@ -368,12 +368,12 @@ impl<F: Fabric> Client<F> {
         if self.panic_next.replace(false) {
             panic!("injected fabric pump panic");
         }
-        let mut wcs = self.wcs.borrow_mut();
-        wcs.clear();
-        self.cq.poll(&mut wcs, 64);
-        let n = wcs.len();
+        let mut completions = self.completions.borrow_mut();
+        completions.clear();
+        self.cq.poll(&mut completions, 64);
+        let n = completions.len();
         let mut state = self.state.borrow_mut();
-        for wc in wcs.iter() {
+        for wc in completions.iter() {
             let Some((_, link)) = state.links.get_mut(&wc.qp_num) else {
                 continue;
             };

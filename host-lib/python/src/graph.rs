@@ -1,5 +1,5 @@
-//! Python graph nodes (`dpumesh.graph`: checked when the handler built them) into the
-//! Rust library's nodes, whose steps call back into Python: an internal step on the
+//! Python graph steps (`dpumesh.graph`: checked when the handler built them) into the
+//! Rust library's steps, whose leaves call back into Python: an internal step on the
 //! pool's thread, a request builder on the loop's, each attached to the interpreter
 //! only for the call.
 
@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dpumesh_host::{EgressStep, HttpRequest, Inputs, InternalStep, Node, StepOutput, order, pipe};
+use dpumesh_host::{EgressStep, HttpRequest, Inputs, InternalStep, Step, StepOutput, order, pipe};
 use http::Method;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -82,12 +82,12 @@ fn seconds(timeout: Option<f64>) -> Option<Duration> {
     timeout.and_then(|s| Duration::try_from_secs_f64(s).ok())
 }
 
-/// A Python node (`Order`, `Pipe`, `EgressStep`, `InternalStep`) as a Rust node.
+/// A Python step (`Order`, `Pipe`, `EgressStep`, `InternalStep`) as a Rust step.
 pub(crate) fn node(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     helpers: &Arc<Helpers>,
-) -> PyResult<Node> {
+) -> PyResult<Step> {
     let kind = obj.getattr(intern!(py, "_kind"))?;
     let kind = kind.extract::<&str>()?;
     match kind {
@@ -112,7 +112,7 @@ pub(crate) fn node(
     }
 }
 
-fn egress(py: Python<'_>, obj: &Bound<'_, PyAny>, helpers: &Arc<Helpers>) -> PyResult<Node> {
+fn egress(py: Python<'_>, obj: &Bound<'_, PyAny>, helpers: &Arc<Helpers>) -> PyResult<Step> {
     let id: String = obj.getattr(intern!(py, "id"))?.extract()?;
     let inputs: Vec<String> = obj.getattr(intern!(py, "inputs"))?.extract()?;
     let timeout: Option<f64> = obj.getattr(intern!(py, "timeout"))?.extract()?;
@@ -153,7 +153,7 @@ fn egress(py: Python<'_>, obj: &Bound<'_, PyAny>, helpers: &Arc<Helpers>) -> PyR
     Ok(step.into())
 }
 
-fn internal(py: Python<'_>, obj: &Bound<'_, PyAny>, helpers: &Arc<Helpers>) -> PyResult<Node> {
+fn internal(py: Python<'_>, obj: &Bound<'_, PyAny>, helpers: &Arc<Helpers>) -> PyResult<Step> {
     let id: String = obj.getattr(intern!(py, "id"))?.extract()?;
     let inputs: Vec<String> = obj.getattr(intern!(py, "inputs"))?.extract()?;
     let timeout: Option<f64> = obj.getattr(intern!(py, "timeout"))?.extract()?;

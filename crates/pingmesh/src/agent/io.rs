@@ -292,7 +292,7 @@ impl<F: DatagramFabric> Io<F> {
 
     /// Runs until the agent stops.
     pub fn run(&mut self) {
-        let mut wcs = Vec::with_capacity(64);
+        let mut completions = Vec::with_capacity(64);
         let mut handled = 0usize;
         // When the last pass began, and how long after the one before.
         let mut pass = std::time::Instant::now();
@@ -326,10 +326,10 @@ impl<F: DatagramFabric> Io<F> {
             // sends the second ACK in the same pass.
             handled = 0;
             loop {
-                wcs.clear();
-                let n = self.qp.poll(&mut wcs, 64);
+                completions.clear();
+                let n = self.qp.poll(&mut completions, 64);
                 let t6 = now_ns();
-                for wc in &wcs {
+                for wc in &completions {
                     self.on_completion(wc, t6);
                 }
                 handled += n;

@@ -87,7 +87,7 @@ impl<'a> Window<'a> {
 
     /// Waits for the oldest chunk's DMA; hands back its slot and length (the slot
     /// stays held: the caller releases it).
-    fn complete(&mut self) -> Option<Result<(u32, usize), String>> {
+    fn await_oldest_copy(&mut self) -> Option<Result<(u32, usize), String>> {
         let (slot, len) = self.flight.pop_front()?;
         let result = self
             .done_rx
@@ -200,7 +200,7 @@ pub(super) fn push(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
             // The writer's drop removes the temporary; the window's drop frees slots.
             return cancelled(inner);
         }
-        let Some(landed) = window.complete() else {
+        let Some(landed) = window.await_oldest_copy() else {
             break;
         };
         let (slot, len) = match landed {
@@ -367,7 +367,7 @@ pub(super) fn pull(inner: &Inner, peer: &PeerState, seg: &Segment) -> SegmentRes
         if peer.cancelled.load(Ordering::Acquire) {
             return cancelled(inner);
         }
-        match window.complete() {
+        match window.await_oldest_copy() {
             None => break,
             Some(Ok((slot, _))) => inner.slots.release(slot),
             Some(Err(e)) => return SegmentResult::failed(Status::Dma, e),

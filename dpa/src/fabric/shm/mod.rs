@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use self::cq::CqInner;
-use self::mr::{MrTable, PeerMrs};
+use self::mr::{MrTable, PeerRegions};
 use self::qp::{PeerParts, QpInner};
 use super::{
     Access, CompletionQueue, Fabric, FabricError, Interrupter, MemoryRegion, QpCaps, QpListener,
@@ -279,8 +279,8 @@ fn peer_parts(hello: &Hello, fds: Vec<OwnedFd>) -> Result<PeerParts, String> {
         .ok_or_else(|| "the peer sent no bell descriptor".to_owned())?;
     let bell =
         Bell::open(&hello.bell, fd).map_err(|e| format!("cannot open the peer's bell: {e}"))?;
-    let mrs = PeerMrs::open(&hello.table)?;
-    Ok(PeerParts { bell, mrs })
+    let regions = PeerRegions::open(&hello.table)?;
+    Ok(PeerParts { bell, regions })
 }
 
 impl ShmListener {

@@ -193,7 +193,7 @@ impl MrTable {
 
 /// A peer's table, as the initiator of remote accesses sees it.
 #[derive(Debug)]
-pub(super) struct PeerMrs {
+pub(super) struct PeerRegions {
     table: SharedRegion,
     /// Resolved entries, trusted while their slot's sequence number is unchanged.
     cache: Mutex<HashMap<u32, (u64, Resolved)>>,
@@ -210,7 +210,7 @@ struct Resolved {
     access: Access,
 }
 
-impl PeerMrs {
+impl PeerRegions {
     /// Maps the table at `path` (the peer's, named in the handshake).
     pub(super) fn open(path: &Path) -> Result<Self, String> {
         let table = SharedRegion::open(path).map_err(|e| e.to_string())?;
@@ -345,7 +345,7 @@ mod tests {
             .register(&region, 4096, 1024, Access::REMOTE_WRITE)
             .unwrap();
         let base = region.base_addr() + 4096;
-        let peer = PeerMrs::open(table.path()).unwrap();
+        let peer = PeerRegions::open(table.path()).unwrap();
         let (mapped, offset) = peer
             .resolve(key, base + 10, 100, Access::REMOTE_WRITE)
             .unwrap();

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
 use parking_lot::Mutex;
 
 use super::cq::CqInner;
-use super::mr::{MrTable, PeerMrs};
+use super::mr::{MrTable, PeerRegions};
 use crate::bell::Bell;
 use crate::fabric::{
     Access, FabricError, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
@@ -208,7 +208,7 @@ fn op_opcode(op: SendOp) -> WcOpcode {
 /// What the peer gave at connection time.
 pub(super) struct PeerParts {
     pub(super) bell: Bell,
-    pub(super) mrs: PeerMrs,
+    pub(super) regions: PeerRegions,
 }
 
 #[derive(Debug, Default)]
@@ -233,7 +233,7 @@ pub(super) struct QpInner {
     peer_completions: Ring,
     my_side: usize,
     peer_bell: Bell,
-    peer_mrs: PeerMrs,
+    peer_regions: PeerRegions,
     pd: Arc<MrTable>,
     pub(super) cq: Arc<CqInner>,
     pub(super) sock: UnixStream,
@@ -281,7 +281,7 @@ impl QpInner {
             my_side: side,
             seg,
             peer_bell: peer.bell,
-            peer_mrs: peer.mrs,
+            peer_regions: peer.regions,
             pd,
             cq,
             sock,
@@ -483,7 +483,7 @@ impl QpInner {
         match wr.op {
             SendOp::Write(remote) | SendOp::WriteWithImm(remote, _) => {
                 match self
-                    .peer_mrs
+                    .peer_regions
                     .resolve(remote.rkey, remote.addr, len, Access::REMOTE_WRITE)
                 {
                     Ok((dst, at))
@@ -498,7 +498,7 @@ impl QpInner {
             }
             SendOp::Read(remote) => {
                 match self
-                    .peer_mrs
+                    .peer_regions
                     .resolve(remote.rkey, remote.addr, len, Access::REMOTE_READ)
                 {
                     Ok((src, at))
@@ -521,7 +521,10 @@ impl QpInner {
                     return true;
                 }
                 if len > 0 {
-                    match self.peer_mrs.resolve(key, addr, len, Access::LOCAL_WRITE) {
+                    match self
+                        .peer_regions
+                        .resolve(key, addr, len, Access::LOCAL_WRITE)
+                    {
                         Ok((dst, at))
                             if dst.copy_from(at, &local.region, local_at, len).is_ok() => {}
                         _ => {

@@ -134,7 +134,7 @@ impl SoftAh {
 }
 
 impl UdInner {
-    fn complete(&self, wc: UdCompletion) {
+    fn push_completion(&self, wc: UdCompletion) {
         let mut c = self.completions.lock();
         let depth = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         if c.len() >= depth {
@@ -149,7 +149,7 @@ impl UdInner {
     }
 
     fn failed_send(&self, wr_id: u64, status: WcStatus) {
-        self.complete(UdCompletion {
+        self.push_completion(UdCompletion {
             wr_id,
             status,
             opcode: WcOpcode::Send,
@@ -300,7 +300,7 @@ impl UdInner {
                 }
             }
         }
-        self.complete(wc);
+        self.push_completion(wc);
     }
 }
 
@@ -363,7 +363,7 @@ impl UdQueuePair for SoftUdQp {
         match inner.send_from(av.flow_label, av.hop_limit, &frame, av.socket_addr()) {
             Ok(port) => {
                 if wr.signaled {
-                    inner.complete(UdCompletion {
+                    inner.push_completion(UdCompletion {
                         wr_id: wr.wr_id,
                         status: WcStatus::Success,
                         opcode: WcOpcode::Send,
