@@ -10,6 +10,7 @@ use std::time::SystemTime;
 use dpumesh_http_cache::{Entry, Lookup, Rule, policy, primary_key};
 use http::header;
 
+use super::wire_head::WireHead;
 use super::*;
 
 /// What to do with an exchange's response.
@@ -164,7 +165,7 @@ impl<F: Fabric> Reactor<F> {
         &mut self,
         pending: Pending,
         d: &Descriptor,
-        header: &[u8],
+        header: &mut WireHead<'_>,
     ) -> Option<(ResponseHead, Vec<u8>)> {
         let cache = self.topology.cache.clone()?;
         match pending {
@@ -197,7 +198,7 @@ impl<F: Fabric> Reactor<F> {
                     }
                     return None;
                 }
-                let confirmed = wire::decode_response(header).ok()?;
+                let confirmed = header.get()?;
                 let now = SystemTime::now();
                 let fresh = entry.refreshed(&rule, &confirmed.headers, request_time, now);
                 cache.refresh(&primary, fresh.clone());
@@ -224,12 +225,13 @@ impl<F: Fabric> Reactor<F> {
         request_time: SystemTime,
         rule: &Rule,
         d: &Descriptor,
-        header: &[u8],
+        header: &mut WireHead<'_>,
     ) {
         let Some(cache) = self.topology.cache.clone() else {
             return;
         };
-        let Ok(response) = wire::decode_response(header) else {
+        let bytes = header.bytes();
+        let Some(response) = header.get() else {
             return;
         };
         let body_len = if d.body.is_none() {
@@ -239,7 +241,7 @@ impl<F: Fabric> Reactor<F> {
         };
         // A hit travels in one frame with its head (and `age`, `x-cache`): a response
         // that would not fit is not stored, rather than served cut.
-        if header.len() + body_len as usize + HIT_OVERHEAD > dpumesh_dpa::frame::MAX_FRAME {
+        if bytes.len() + body_len as usize + HIT_OVERHEAD > dpumesh_dpa::frame::MAX_FRAME {
             cache.stats.not_stored.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("dpumesh_http_cache_not_stored_total", "why" => "frame").increment(1);
             return;

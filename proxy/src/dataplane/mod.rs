@@ -66,6 +66,7 @@ mod failure;
 mod intake;
 mod respond;
 mod response_metrics;
+mod wire_head;
 
 use exchange::{
     Due, Exchange, ExchangeTable, Opening, Origin, Orphan, PeerAnswer, PodAnswer, Stage, Transfer,

@@ -1,6 +1,7 @@
 //! Answers coming back from pods and peers, relayed to where their requests came
 //! from, and the response phase.
 
+use super::wire_head::WireHead;
 use super::*;
 
 impl<F: Fabric> Reactor<F> {
@@ -34,8 +35,10 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let upstream = pod_upstream(&exchange.service, d.src_pod);
+        // Decoded when first read (the cache, a 5xx's cause, plugins' edits), once.
+        let mut wire = WireHead::new(&header);
         if let Some(pending) = exchange.cache.take()
-            && let Some((head, body)) = self.cache_response(*pending, &d, &header)
+            && let Some((head, body)) = self.cache_response(*pending, &d, &mut wire)
         {
             // The origin confirmed a stored response: the cache answers.
             self.hand_back(&d);
@@ -51,13 +54,13 @@ impl<F: Fabric> Reactor<F> {
             return;
         }
         if d.status >= 500 {
-            mark_dependency_failure(&mut exchange, &header);
+            mark_dependency_failure(&mut exchange, wire.get());
         }
         // A response going back over a link can carry a plugin's header edits (one
         // going to a pod of this node keeps its head in the pod's buffer: not edited).
         let mut edit = (matches!(exchange.origin, Origin::Link { .. })
             && self.edits_response(&exchange))
-        .then(|| wire::decode_response(&header).ok())
+        .then(|| wire.get().cloned())
         .flatten();
         self.response_phase(
             &mut exchange,
@@ -268,16 +271,16 @@ impl<F: Fabric> Reactor<F> {
         let Origin::Pod { d } = exchange.origin else {
             return;
         };
-        let status = wire::decode_response(&r.head)
-            .map(|h| h.status)
-            .unwrap_or(502);
+        // Decoded once: its status is always read.
+        let decoded = wire::decode_response(&r.head).ok();
+        let status = decoded.as_ref().map_or(502, |h| h.status);
         let upstream = self.peer_upstream(qp);
         if status >= 500 {
-            mark_dependency_failure(&mut exchange, &r.head);
+            mark_dependency_failure(&mut exchange, decoded.as_ref());
         }
         let mut edit = self
             .edits_response(&exchange)
-            .then(|| wire::decode_response(&r.head).ok())
+            .then(|| decoded.clone())
             .flatten();
         self.response_phase(
             &mut exchange,
@@ -287,9 +290,11 @@ impl<F: Fabric> Reactor<F> {
             edit.as_mut(),
         );
         let mut r = r;
-        if let Some(Ok(edited)) = edit.map(|h| wire::encode_response(&h)) {
+        if let Some(Ok(edited)) = edit.as_ref().map(wire::encode_response) {
             r.head = edited;
         }
+        // The head as it leaves (edited or not), for a reply made here.
+        let head = edit.or(decoded).unwrap_or_default();
         let body = match r.body {
             ResponseBody::None => {
                 self.release_rx(d.src_pod, reply_slot);
@@ -310,7 +315,6 @@ impl<F: Fabric> Reactor<F> {
             }
             ResponseBody::Inline(bytes) => {
                 self.release_rx(d.src_pod, reply_slot);
-                let head = wire::decode_response(&r.head).unwrap_or_default();
                 self.reply_pod(&d, &head, bytes);
                 self.hand_back(&d);
                 return;
@@ -489,9 +493,8 @@ impl<F: Fabric> Reactor<F> {
 /// (the host library's [`DEPENDENCY_FAILED_HEADER`]) is told to the response phase as
 /// [`DEPENDENCY_FAILED_METADATA`], so the breaker in front of the service does not
 /// eject it for its dependency's fault.
-fn mark_dependency_failure(exchange: &mut Exchange, response_head: &[u8]) {
-    let said = wire::decode_response(response_head)
-        .is_ok_and(|h| h.headers.contains_key(DEPENDENCY_FAILED_HEADER));
+fn mark_dependency_failure(exchange: &mut Exchange, response_head: Option<&ResponseHead>) {
+    let said = response_head.is_some_and(|h| h.headers.contains_key(DEPENDENCY_FAILED_HEADER));
     if let (true, Some(head)) = (said, exchange.head.as_mut()) {
         head.set_metadata(DEPENDENCY_FAILED_METADATA, "1");
     }
