@@ -1,0 +1,272 @@
+//! The node's pod registry: registering a pod (its pools, a lane per shard, the
+//! descriptors it maps), letting go of one that left, and region ids.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use crossbeam_channel::Sender;
+use parking_lot::Mutex;
+
+use crate::bell::{BELL_LEN, Bell};
+use crate::control::transport::Peer;
+use crate::control::{LaneExport, PodExports, RegionExport, RegionKind};
+use crate::dma::manager::{Command, DmaStats, PodPort};
+use crate::pool::{BufferPool, PoolLayout};
+use crate::ring::{Ring, ring_len};
+
+use super::{DpuConfig, DpuError};
+
+/// A registered pod, as the node's table knows it.
+#[derive(Debug, Clone)]
+pub struct PodInfo {
+    pub id: u32,
+    pub name: String,
+    pub service: String,
+    /// Its process.
+    pub pid: u32,
+    /// Its RX body pool (where a remote peer writes bodies for it).
+    pub rx_body: BufferPool,
+    /// Its TX body pool (what the proxy reads when a body leaves the node).
+    pub tx_body: BufferPool,
+    /// The control connection that registered it.
+    pub(super) peer: u64,
+    /// Its four pools' region ids (recycled when it leaves).
+    pub(super) regions: [u16; 4],
+    /// Its control connection closed: it is being let go (the shards may still hold
+    /// bodies it sent), and its name is free for the process that replaces it.
+    pub(super) leaving: bool,
+}
+
+impl PodInfo {
+    /// Its control connection closed and the node is letting go of it.
+    pub fn is_leaving(&self) -> bool {
+        self.leaving
+    }
+}
+
+/// What the node keeps of a shard it handed out.
+pub(super) struct ShardHandle {
+    pub(super) commands: Sender<Command>,
+    pub(super) bell: Bell,
+    pub(super) dpu_tx_header: BufferPool,
+    pub(super) dpu_rx_header: BufferPool,
+    pub(super) stats: Arc<DmaStats>,
+}
+
+pub(super) struct Shared {
+    pub(super) config: DpuConfig,
+    pub(super) prefix: String,
+    pub(super) next_pod: AtomicU32,
+    pub(super) next_region: AtomicU32,
+    /// Region ids of pods that left, for reuse.
+    pub(super) free_regions: Mutex<Vec<u16>>,
+    /// Registrations run one at a time, so the name and capacity checks hold until
+    /// the pod is in the table.
+    pub(super) registering: Mutex<()>,
+    pub(super) pods: Mutex<HashMap<u32, PodInfo>>,
+    pub(super) shards: Vec<ShardHandle>,
+}
+
+/// A region's name as exports show it: it is passed as a descriptor, so the name is
+/// only for messages.
+pub(super) fn shown(region: &crate::shm::SharedRegion) -> std::path::PathBuf {
+    std::path::PathBuf::from(format!("memfd:{}", region.name()))
+}
+
+impl Shared {
+    /// A region id: one freed by a departed pod, else a new one.
+    pub(super) fn region_id(&self) -> Result<u16, DpuError> {
+        if let Some(id) = self.free_regions.lock().pop() {
+            return Ok(id);
+        }
+        let id = self.next_region.fetch_add(1, Ordering::Relaxed);
+        u16::try_from(id).map_err(|_| DpuError::Limit("the node ran out of region ids".to_owned()))
+    }
+
+    pub(super) fn pool(&self, what: &str, size: u32, count: u32) -> Result<BufferPool, DpuError> {
+        Ok(BufferPool::create_sealed(
+            &format!("{}-{what}", self.prefix),
+            self.region_id()?,
+            PoolLayout::new(size, count),
+        )?)
+    }
+
+    /// Makes pod `name`'s regions and takes it in: what it maps, and the regions'
+    /// descriptors in the order [`PodExports`] gives (the bells' eventfds aside).
+    pub(super) fn register(
+        &self,
+        peer: &Peer,
+        name: String,
+        service: String,
+        pid: u32,
+    ) -> Result<(PodExports, Vec<OwnedFd>), DpuError> {
+        let _one_at_a_time = self.registering.lock();
+        {
+            let pods = self.pods.lock();
+            // A pod that is leaving holds its name no longer: its restarted process
+            // registers while the shards still let go of the old one (up to
+            // `LEAVE_GRACE`), and a refusal then would make it exit and crash-loop.
+            if pods.values().any(|p| p.name == name && !p.leaving) {
+                return Err(DpuError::Limit(format!(
+                    "a pod named {name:?} is registered already"
+                )));
+            }
+            if pods.len() as u32 >= self.config.max_pods {
+                return Err(DpuError::Limit(format!(
+                    "the node serves at most {} pods",
+                    self.config.max_pods
+                )));
+            }
+        }
+        let id = self.next_pod.fetch_add(1, Ordering::Relaxed);
+        let s = self.config.pod;
+        let tag = format!("pod{id}");
+        let tx_header = self.pool(&format!("{tag}-txh"), s.header_slot, s.header_slots)?;
+        let tx_body = self.pool(&format!("{tag}-txb"), s.body_slot, s.body_slots)?;
+        let rx_header = self.pool(&format!("{tag}-rxh"), s.header_slot, s.header_slots)?;
+        let rx_body = self.pool(&format!("{tag}-rxb"), s.body_slot, s.body_slots)?;
+        // A ring pair per shard (its lane): whichever shard takes a request for this
+        // pod delivers it and gets the answer back itself.
+        let mut lanes = Vec::with_capacity(self.shards.len());
+        for k in 0..self.shards.len() {
+            let tx =
+                Ring::create_sealed(&format!("{}-{tag}-l{k}-txsq", self.prefix), s.ring_capacity)?;
+            let rx =
+                Ring::create_sealed(&format!("{}-{tag}-l{k}-rxsq", self.prefix), s.ring_capacity)?;
+            lanes.push((tx, rx));
+        }
+        let pool_export = |p: &BufferPool| RegionExport {
+            id: p.id(),
+            path: shown(p.region()),
+            len: p.region().len() as u64,
+            kind: RegionKind::Pool {
+                slot_size: p.layout().slot_size,
+                slot_count: p.layout().slot_count,
+            },
+            hw_export: Vec::new(),
+        };
+        let ring_export = |r: &Ring| RegionExport {
+            id: 0,
+            path: shown(r.region()),
+            len: ring_len(r.capacity()) as u64,
+            kind: RegionKind::Ring {
+                capacity: r.capacity(),
+            },
+            hw_export: Vec::new(),
+        };
+        let exports = PodExports {
+            pod_id: id,
+            tx_header: pool_export(&tx_header),
+            tx_body: pool_export(&tx_body),
+            rx_header: pool_export(&rx_header),
+            rx_body: pool_export(&rx_body),
+            lanes: lanes
+                .iter()
+                .zip(&self.shards)
+                .map(|((tx, rx), shard)| LaneExport {
+                    tx_sq: ring_export(tx),
+                    rx_sq: ring_export(rx),
+                    bell: RegionExport {
+                        id: 0,
+                        path: shown(shard.bell.region()),
+                        len: BELL_LEN as u64,
+                        kind: RegionKind::Bell,
+                        hw_export: Vec::new(),
+                    },
+                })
+                .collect(),
+        };
+        // What the pod maps, as descriptors: its regions are anonymous (no other pod
+        // can open them by a name) and sealed (no one can truncate them).
+        let dup = |region: &crate::shm::SharedRegion| {
+            rustix::io::fcntl_dupfd_cloexec(region.fd(), 0).map_err(std::io::Error::from)
+        };
+        let mut fds = Vec::with_capacity(4 + 3 * lanes.len());
+        for shard in &self.shards {
+            fds.push(dup(shard.bell.region())?);
+        }
+        for pool in [&tx_header, &tx_body, &rx_header, &rx_body] {
+            fds.push(dup(pool.region())?);
+        }
+        for (tx, rx) in &lanes {
+            fds.push(dup(tx.region())?);
+            fds.push(dup(rx.region())?);
+        }
+        // Every shard's DMA manager knows the pod before the proxy can see it in the
+        // table: a proxy that routed to a pod its manager did not know yet had the
+        // delivery refused (unknown pod) with the body slot it had reserved in the
+        // pod's pool, which the manager could not give back (it has no port for the
+        // pod), so the slot leaked. Commands come before descriptors in a pass.
+        // The pod sleeps on its first RX lane's futex for all of them.
+        let wake = lanes[0].1.clone();
+        for (k, ((tx, rx), handle)) in lanes.iter().zip(&self.shards).enumerate() {
+            let port = PodPort {
+                id,
+                tx_header: tx_header.clone(),
+                tx_body: tx_body.clone(),
+                rx_header: rx_header.clone(),
+                rx_body: rx_body.clone(),
+                tx_sq: tx.consumer(),
+                rx_sq: rx.producer().wakes_through(wake.clone()),
+                lane: k as u8,
+            };
+            let _ = handle.commands.send(Command::AddPod(Box::new(port)));
+            handle.bell.ring();
+        }
+        self.pods.lock().insert(
+            id,
+            PodInfo {
+                id,
+                name,
+                service,
+                pid,
+                rx_body: rx_body.clone(),
+                tx_body: tx_body.clone(),
+                peer: peer.id,
+                regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
+                leaving: false,
+            },
+        );
+        Ok((exports, fds))
+    }
+
+    /// Removes a pod: the manager stops polling it and drops its port (its regions are
+    /// unlinked once nothing maps them), and DPU slots held for it are freed.
+    pub(super) fn remove(&self, id: u32) -> bool {
+        let Some(name) = self.pods.lock().get_mut(&id).map(|p| {
+            p.leaving = true;
+            p.name.clone()
+        }) else {
+            return false;
+        };
+        // Every shard holds a lane into the pod: each lets go of it (all at once, so
+        // the grace periods overlap).
+        let mut waits = Vec::with_capacity(self.shards.len());
+        for handle in &self.shards {
+            let (done, wait) = crossbeam_channel::bounded(1);
+            if handle.commands.send(Command::RemovePod(id, done)).is_ok() {
+                handle.bell.interrupt();
+                waits.push(wait);
+            }
+        }
+        // A shard answers once nothing it claimed from the pod is still on its way;
+        // a shard that stopped answers never (its pods went with it).
+        let deadline =
+            std::time::Instant::now() + crate::dma::manager::LEAVE_GRACE + Duration::from_secs(1);
+        for wait in waits {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let _ = wait.recv_timeout(left);
+        }
+        // Out of the table only once the manager has let go of the pod's port, so a
+        // pod missing from the table is gone from the data path too; then its region
+        // ids can name a new pod's pools.
+        if let Some(info) = self.pods.lock().remove(&id) {
+            self.free_regions.lock().extend(info.regions);
+        }
+        tracing::info!(pod = id, %name, "pod removed");
+        true
+    }
+}
