@@ -189,8 +189,8 @@ fn a_published_generation_takes_over_while_open_requests_finish_on_theirs() {
     ));
 }
 
-#[test]
-fn a_worker_that_panics_answers_its_request_and_is_rebuilt() {
+/// `workers` workers running one chain that tags requests `x-tag: t`.
+fn tagging_pool(workers: usize) -> WorkerPool {
     let rt = runtime();
     let c = chain(
         &rt,
@@ -199,7 +199,12 @@ fn a_worker_that_panics_answers_its_request_and_is_rebuilt() {
             json!({"request": [{"set_header": ["x-tag", "t"]}]}),
         )],
     );
-    let pool = WorkerPool::start(Generation::new(1, vec![c]), 1).unwrap();
+    WorkerPool::start(Generation::new(1, vec![c]), workers).unwrap()
+}
+
+#[test]
+fn a_worker_that_panics_answers_its_request_and_is_rebuilt() {
+    let pool = tagging_pool(1);
     // Requests queued behind the panicking job, from other threads.
     let pool = Arc::new(pool);
     let lost = pool.inject_panic(0);
@@ -254,15 +259,7 @@ fn a_response_for_a_chain_the_generation_lacks_is_refused_not_a_worker_panic() {
 
 #[test]
 fn a_worker_left_down_takes_no_more_requests_and_with_none_left_requests_hear_worker_lost() {
-    let rt = runtime();
-    let c = chain(
-        &rt,
-        vec![settings(
-            "t",
-            json!({"request": [{"set_header": ["x-tag", "t"]}]}),
-        )],
-    );
-    let pool = WorkerPool::start(Generation::new(1, vec![c]), 2).unwrap();
+    let pool = tagging_pool(2);
     let before_death = pool.on_request(0, get("/")).unwrap().ticket;
     // Worker 0 keeps panicking until supervision leaves it down.
     let kill = |worker: usize| {
