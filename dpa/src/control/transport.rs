@@ -442,11 +442,7 @@ fn serve(
         serve_frames(id, stream, identity, &handler, &conns, &mut peer);
     }));
     if let Err(panic) = served {
-        let what = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_owned())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a panic".to_owned());
+        let what = dpumesh_supervise::panic_message(panic.as_ref());
         tracing::error!(connection = id, panic = %what, "a control connection's thread panicked: the connection is closed");
     }
     conns.lock().remove(&id);
