@@ -259,7 +259,11 @@ impl<F: Fabric> Reactor<F> {
         let body = if body_len == 0 {
             Vec::new()
         } else {
-            match self.pod(d.src_pod).map(|info| info.tx_body.read(d.body)) {
+            match self
+                .pods
+                .get(d.src_pod)
+                .map(|info| info.tx_body.read(d.body))
+            {
                 Some(Ok(bytes)) => bytes,
                 _ => return,
             }

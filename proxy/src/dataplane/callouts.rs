@@ -19,9 +19,9 @@ impl<F: Fabric> Reactor<F> {
     /// Makes the calls the plugins' root contexts made (ticks, queue notifications,
     /// answers to earlier calls); their answers go back to the instance that made them.
     pub(super) fn root_calls(&mut self) {
-        for (to, callout) in self.chains.take_root_calls() {
+        for (to, callout) in self.filters.chains.take_root_calls() {
             let token = callout.token;
-            let inbox = self.inbox_tx.clone();
+            let inbox = self.filters.inbox_tx.clone();
             let bell = self.bell.clone();
             let back = move |reply: CalloutReply| {
                 let _ = inbox.send(Inbox::RootCallout {
@@ -38,7 +38,7 @@ impl<F: Fabric> Reactor<F> {
     /// Hands one call to the callout thread; its answer comes back through the inbox.
     fn call_out(&mut self, xid: u32, park: u32, callout: dpumesh_runtime::Callout) {
         let token = callout.token;
-        let inbox = self.inbox_tx.clone();
+        let inbox = self.filters.inbox_tx.clone();
         let bell = self.bell.clone();
         let back = move |reply: CalloutReply| {
             let _ = inbox.send(Inbox::Callout {
@@ -64,9 +64,9 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        if self.callouts.is_none() {
-            match (self.start_callouts)() {
-                Ok(callouts) => self.callouts = Some(callouts),
+        if self.filters.callouts.is_none() {
+            match (self.filters.start_callouts)() {
+                Ok(callouts) => self.filters.callouts = Some(callouts),
                 Err(e) => {
                     back(CalloutReply::Failed {
                         reason: format!("the callout thread cannot start: {e}"),
@@ -77,7 +77,7 @@ impl<F: Fabric> Reactor<F> {
         }
         metrics::counter!("dpumesh_filter_callouts_total", "upstream" => callout.upstream.clone())
             .increment(1);
-        if let Some(callouts) = &self.callouts {
+        if let Some(callouts) = &self.filters.callouts {
             callouts.submit(target, callout, back);
         }
     }
@@ -85,7 +85,7 @@ impl<F: Fabric> Reactor<F> {
     /// Where a call naming `upstream` goes: a configured upstream's address, or a node
     /// running the mesh service (this one first).
     fn callout_target(&mut self, upstream: &str) -> Result<Target, String> {
-        let snapshot = self.policy.snapshot();
+        let snapshot = self.filters.policy.snapshot();
         let config = &snapshot.config.config;
         if let Some(configured) = config.upstreams.get(upstream) {
             return Ok(Target::Upstream(configured.address.clone()));
@@ -126,28 +126,29 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         if ticket.worker == SHARD_RUNNER {
-            match self.chains.resume(&ticket, park, token, &reply) {
+            match self.filters.chains.resume(&ticket, park, token, &reply) {
                 Some(done) => self.decided(xid, Ok(Box::new(done))),
                 None => self.fail(xid, lost_parked()),
             }
             return;
         }
-        let inbox = self.inbox_tx.clone();
+        let inbox = self.filters.inbox_tx.clone();
         let bell = self.bell.clone();
-        let submitted = self
-            .policy
-            .pool()
-            .resume_with(ticket, park, token, reply, move |done| {
-                let done = match done {
-                    Ok(Some(done)) => Ok(Box::new(done)),
-                    // Not parked there any more: an earlier answer resumed it (its
-                    // decision is on its way) or it was given up. Nothing to do.
-                    Ok(None) => return,
-                    Err(e) => Err(e),
-                };
-                let _ = inbox.send(Inbox::Decided { xid, done });
-                bell.ring();
-            });
+        let submitted =
+            self.filters
+                .policy
+                .pool()
+                .resume_with(ticket, park, token, reply, move |done| {
+                    let done = match done {
+                        Ok(Some(done)) => Ok(Box::new(done)),
+                        // Not parked there any more: an earlier answer resumed it (its
+                        // decision is on its way) or it was given up. Nothing to do.
+                        Ok(None) => return,
+                        Err(e) => Err(e),
+                    };
+                    let _ = inbox.send(Inbox::Decided { xid, done });
+                    bell.ring();
+                });
         if let Err(e) = submitted {
             self.fail(xid, pool_error(e));
         }
@@ -157,9 +158,13 @@ impl<F: Fabric> Reactor<F> {
     /// (which ends the paused filter's context).
     pub(super) fn abandon_parked(&mut self, ticket: Ticket, park: u32, info: ResponseInfo) {
         if ticket.worker == SHARD_RUNNER {
-            self.chains.abandon(&ticket, park, &info);
+            self.filters.chains.abandon(&ticket, park, &info);
         } else {
-            let _ = self.policy.pool().abandon_with(ticket, park, info, |_| {});
+            let _ = self
+                .filters
+                .policy
+                .pool()
+                .abandon_with(ticket, park, info, |_| {});
         }
     }
 }

@@ -4,96 +4,11 @@
 use super::*;
 
 impl<F: Fabric> Reactor<F> {
-    pub(super) fn refresh_pods(&mut self, force: bool) {
-        if force || self.pods_at.elapsed() >= Duration::from_millis(100) {
-            self.pods = self.dpu.pods();
-            self.pods_at = Instant::now();
-        }
-    }
-
-    pub(super) fn pod(&mut self, id: u32) -> Option<&PodInfo> {
-        if !self.pods.iter().any(|p| p.id == id) {
-            self.refresh_pods(true);
-        }
-        self.pods.iter().find(|p| p.id == id)
-    }
-
-    /// The next pod of `service` on this node, round robin.
-    pub(super) fn pick_pod(&mut self, service: &str) -> Option<u32> {
-        self.refresh_pods(false);
-        let mut count = self.pods.iter().filter(|p| p.service == service).count();
-        if count == 0 {
-            self.refresh_pods(true);
-            count = self.pods.iter().filter(|p| p.service == service).count();
-        }
-        if count == 0 {
-            return None;
-        }
-        let n = next_turn(&mut self.pod_turns, service);
-        self.pods
-            .iter()
-            .filter(|p| p.service == service)
-            .nth(n % count)
-            .map(|p| p.id)
-    }
-
-    /// Pod `pod`'s body pools, registered with the fabric for READs and WRITEs.
-    pub(super) fn pod_regions(&mut self, pod: u32) -> Option<&PodRegions<F>> {
-        if !self.regions.contains_key(&pod) {
-            let regions = self.node_pod_regions(pod)?;
-            self.regions.insert(pod, regions);
-        }
-        self.regions.get(&pod).map(|r| &**r)
-    }
-
-    /// The node's registration of pod `pod`'s body pools: once per node, made by the
-    /// first shard that needs it (the shards share one protection domain).
-    fn node_pod_regions(&mut self, pod: u32) -> Option<Arc<PodRegions<F>>> {
-        if let Some(known) = self.node_regions.lock().get(&pod) {
-            return Some(known.clone());
-        }
-        let info = self.pod(pod)?.clone();
-        let register = |pool: &BufferPool| {
-            self.fabric.register(
-                &self.pd,
-                pool.region(),
-                0,
-                pool.region().len() as u64,
-                dpumesh_dpa::fabric::Access::all(),
-            )
-        };
-        let (rx, tx) = match (register(&info.rx_body), register(&info.tx_body)) {
-            (Ok(rx), Ok(tx)) => (rx, tx),
-            (Err(e), _) | (_, Err(e)) => {
-                tracing::error!(pod, error = %e, "cannot register a pod's body pools");
-                return None;
-            }
-        };
-        let regions = Arc::new(PodRegions {
-            rx,
-            tx,
-            rx_pool: info.rx_body,
-            tx_pool: info.tx_body,
-        });
-        // Another shard may have registered it meanwhile: the first one stays.
-        Some(
-            self.node_regions
-                .lock()
-                .entry(pod)
-                .or_insert(regions)
-                .clone(),
-        )
-    }
-
-    /// Drops the registrations of pods that left (their memory can go), and ends the
-    /// tries that were at them: tried again on another pod when the exchange allows,
-    /// answered 502 otherwise (rather than waiting for a timeout).
+    /// Drops the registrations of pods that left, and ends the tries that were at
+    /// them: tried again on another pod when the exchange allows, answered 502
+    /// otherwise (rather than waiting for a timeout).
     pub(super) fn forget_departed_pods(&mut self) {
-        self.refresh_pods(true);
-        let live: std::collections::HashSet<u32> = self.pods.iter().map(|p| p.id).collect();
-        self.regions.retain(|id, _| live.contains(id));
-        // A registration goes when the last shard holding it lets go.
-        self.node_regions.lock().retain(|id, _| live.contains(id));
+        let live = self.pods.forget_departed();
         for xid in self.table.at_departed_pods(|pod| live.contains(&pod)) {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,
@@ -106,19 +21,10 @@ impl<F: Fabric> Reactor<F> {
     /// Publishes the node's occupancy: pods, exchanges in flight, slots in use per
     /// pool.
     pub(super) fn publish_occupancy(&self) {
-        let (tx, rx) = self.dpu.dpu_pool_use();
-        let bodies: usize = self
-            .pods
-            .iter()
-            .map(|p| p.rx_body.in_use() + p.tx_body.in_use())
-            .sum();
-        metrics::gauge!("dpumesh_pods").set(self.pods.len() as f64);
+        self.pods.publish_occupancy();
         // The node's count (every shard's exchanges), not this shard's alone.
         metrics::gauge!("dpumesh_exchanges_in_flight")
-            .set(self.stats.in_flight.load(Ordering::Relaxed) as f64);
-        metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "dpu_tx_header").set(tx as f64);
-        metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "dpu_rx_header").set(rx as f64);
-        metrics::gauge!("dpumesh_pool_slots_in_use", "pool" => "pod_bodies").set(bodies as f64);
+            .set(self.meter.stats.in_flight.load(Ordering::Relaxed) as f64);
     }
 
     pub(super) fn dispatch(&mut self, xid: u32) {
@@ -127,7 +33,7 @@ impl<F: Fabric> Reactor<F> {
         };
         let service = exchange.service.clone();
         let from_pod = matches!(exchange.origin, Origin::Pod { .. });
-        if let Some(pod) = self.pick_pod(&service) {
+        if let Some(pod) = self.pods.pick(&service) {
             self.send_to_pod(xid, pod);
             return;
         }
@@ -160,7 +66,7 @@ impl<F: Fabric> Reactor<F> {
         if count == 0 {
             return None;
         }
-        let n = next_turn(&mut self.node_turns, service);
+        let n = self.links.next_node(service);
         let is_peer =
             |n: &&String| **n != self.topology.node && self.topology.peers.contains_key(*n);
         self.topology.placement[service]
@@ -172,21 +78,17 @@ impl<F: Fabric> Reactor<F> {
 
     /// Sends an allowed request to pod `pod` on this node.
     pub(super) fn send_to_pod(&mut self, xid: u32, pod: u32) {
-        self.table.start_try(xid, Instant::now());
-        let exchange = self.table.get(xid).expect("dispatching");
-        let head = exchange.head.as_ref().expect("decided");
-        let bytes = match wire::encode_request_for_pod(head) {
+        let Some(exchange) = self.table.start_try(xid, Instant::now()) else {
+            return;
+        };
+        let bytes = match encode_head(exchange, wire::encode_request_for_pod) {
             Ok(b) => b,
             Err(e) => {
-                let e = ProxyError::new(
-                    ErrorKind::HeadTooLarge,
-                    format!("request head cannot be carried: {e}"),
-                );
                 self.fail(xid, e);
                 return;
             }
         };
-        let header = match self.port.alloc_header(&bytes) {
+        let header = match self.pods.port.alloc_header(&bytes) {
             Ok(h) => h,
             Err(e) => {
                 let e = ProxyError::new(ErrorKind::Overloaded, format!("no header buffer: {e}"));
@@ -194,7 +96,6 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        let exchange = self.table.get_mut(xid).expect("dispatching");
         match &exchange.origin {
             Origin::Pod { d } => {
                 // Case 3: the body goes pod A → pod B by DMA; the head is the one the
@@ -218,19 +119,19 @@ impl<F: Fabric> Reactor<F> {
                 }
                 self.table.at_pod(xid, key, pod);
                 if !original.is_none() {
-                    let _ = self.port.release_header(original);
+                    let _ = self.pods.port.release_header(original);
                 }
                 self.forward(out);
             }
-            Origin::Link { .. } => {
+            &Origin::Link { qp, .. } => {
                 let attempt = exchange.attempt;
                 match exchange.body {
                     None => self.deliver(xid, pod, header, Buffer::NONE, attempt),
                     Some(body) => {
-                        let slot = match self.port.reserve_body(pod, body.len) {
+                        let slot = match self.pods.port.reserve_body(pod, body.len) {
                             Ok(s) => s,
                             Err(e) => {
-                                let _ = self.port.release_header(header);
+                                let _ = self.pods.port.release_header(header);
                                 let e = ProxyError::new(
                                     ErrorKind::EndpointRefused,
                                     format!("no body buffer at the service: {e}"),
@@ -239,9 +140,14 @@ impl<F: Fabric> Reactor<F> {
                                 return;
                             }
                         };
-                        let Some(regions) = self.pod_regions(pod) else {
+                        // The slot's place in the pod's registered RX pool.
+                        let at = self
+                            .pods
+                            .regions(pod, &self.links.fabric, &self.links.pd)
+                            .and_then(|r| Some((r, r.rx_pool.offset_of(slot).ok()?)));
+                        let Some((regions, offset)) = at else {
                             self.release_rx(pod, slot);
-                            let _ = self.port.release_header(header);
+                            let _ = self.pods.port.release_header(header);
                             let e = ProxyError::new(
                                 ErrorKind::Internal,
                                 "the service's memory cannot be registered",
@@ -249,26 +155,22 @@ impl<F: Fabric> Reactor<F> {
                             self.fail(xid, e);
                             return;
                         };
-                        let offset = regions.rx_pool.offset_of(slot).expect("reserved here");
                         let sge = regions.rx.sge(offset, body.len);
-                        let Some(Origin::Link { qp, .. }) = self.table.get(xid).map(|e| e.origin)
-                        else {
-                            unreachable!("a body at hand came over a link")
-                        };
                         let token = self.table.next_token();
-                        let Some(state) = self.links.get_mut(&qp) else {
+                        let Some(state) = self.links.by_qp.get_mut(&qp) else {
                             self.release_rx(pod, slot);
-                            let _ = self.port.release_header(header);
+                            let _ = self.pods.port.release_header(header);
                             self.drop_exchange(xid);
                             return;
                         };
                         if state.link.read(sge, body.at, token).is_err() {
                             self.release_rx(pod, slot);
-                            let _ = self.port.release_header(header);
+                            let _ = self.pods.port.release_header(header);
                             self.link_down(qp, "read refused".into());
                             return;
                         }
-                        // The header waits in the DPU pool until the body is in.
+                        // The header waits in the DPU pool until the body is in (and
+                        // the exchange is `Reading` meanwhile).
                         self.table.track(
                             token,
                             Transfer::Read {
@@ -279,7 +181,6 @@ impl<F: Fabric> Reactor<F> {
                                 header,
                             },
                         );
-                        self.table.get_mut(xid).expect("live").stage = Stage::Reading;
                     }
                 }
             }
@@ -308,25 +209,25 @@ impl<F: Fabric> Reactor<F> {
 
     /// To the DMA manager, in order; held while its ring is full.
     pub(super) fn forward(&mut self, d: Descriptor) {
-        if !self.deferred.is_empty() || self.port.forward(&d).is_err() {
-            self.deferred.push_back(d);
+        if !self.pods.deferred.is_empty() || self.pods.port.forward(&d).is_err() {
+            self.pods.deferred.push_back(d);
         }
     }
 
     pub(super) fn flush_deferred(&mut self) -> usize {
         let mut n = 0;
-        while let Some(d) = self.deferred.front() {
-            if self.port.forward(d).is_err() {
+        while let Some(d) = self.pods.deferred.front() {
+            if self.pods.port.forward(d).is_err() {
                 break;
             }
-            self.deferred.pop_front();
+            self.pods.deferred.pop_front();
             n += 1;
         }
         n
     }
 
     pub(super) fn release_rx(&mut self, pod: u32, slot: Buffer) {
-        if let Some(info) = self.pod(pod)
+        if let Some(info) = self.pods.get(pod)
             && let Ok(s) = info.rx_body.slot_of(slot)
         {
             let _ = info.rx_body.release(s, OwnerId::FABRIC);
@@ -353,9 +254,10 @@ impl<F: Fabric> Reactor<F> {
                 header,
                 ..
             } => {
-                if failed.is_some() || self.table.get(xid).is_none() {
+                let attempt = self.table.get(xid).map(|e| e.attempt);
+                let (None, Some(attempt)) = (failed, attempt) else {
                     self.release_rx(pod, slot);
-                    let _ = self.port.release_header(header);
+                    let _ = self.pods.port.release_header(header);
                     if let Some(status) = failed {
                         let e = ProxyError::new(
                             ErrorKind::DownstreamLost,
@@ -364,11 +266,30 @@ impl<F: Fabric> Reactor<F> {
                         self.fail(xid, e);
                     }
                     return;
-                }
-                let attempt = self.table.get(xid).expect("checked").attempt;
+                };
                 self.deliver(xid, pod, header, slot, attempt);
             }
             Transfer::Write { done, .. } => self.hand_back(&done),
         }
     }
+}
+
+/// `exchange`'s decided head, encoded by `encode` for the next hop.
+pub(super) fn encode_head(
+    exchange: &Exchange,
+    encode: impl FnOnce(&RequestHead) -> Result<Vec<u8>, wire::WireError>,
+) -> Result<Vec<u8>, ProxyError> {
+    let Some(head) = exchange.head.as_ref() else {
+        // Only a decided exchange is sent on; its chain gives the head back.
+        return Err(ProxyError::new(
+            ErrorKind::Internal,
+            "a request was sent on before its chain decided it",
+        ));
+    };
+    encode(head).map_err(|e| {
+        ProxyError::new(
+            ErrorKind::HeadTooLarge,
+            format!("request head cannot be carried: {e}"),
+        )
+    })
 }

@@ -14,7 +14,7 @@ impl<F: Fabric> Reactor<F> {
     /// once, and reconnect on their next request), and every exchange still open is
     /// answered with a 503. Descriptors owed to the DMA manager are kept.
     pub(super) fn recover(&mut self) {
-        let qps: Vec<u32> = self.links.keys().copied().collect();
+        let qps: Vec<u32> = self.links.by_qp.keys().copied().collect();
         for qp in qps {
             self.link_down(
                 qp,
@@ -29,21 +29,8 @@ impl<F: Fabric> Reactor<F> {
             self.fail(xid, e);
         }
         self.table.clear_waits();
-        self.regions.clear();
-        self.report_in_flight();
-    }
-
-    /// Adds this shard's change in open exchanges to the node's count (shards share
-    /// it: each adds its own difference, none overwrites another's).
-    fn report_in_flight(&mut self) {
-        let now = self.table.len() as u64;
-        if now != self.in_flight_reported {
-            // A wrapping difference: adding it subtracts when the count fell.
-            self.stats
-                .in_flight
-                .fetch_add(now.wrapping_sub(self.in_flight_reported), Ordering::Relaxed);
-            self.in_flight_reported = now;
-        }
+        self.pods.regions.clear();
+        self.meter.report_in_flight(self.table.len());
     }
 
     /// How often the loop does its housekeeping (pods that left, occupancy, the
@@ -64,7 +51,7 @@ impl<F: Fabric> Reactor<F> {
         let mut idle_since: Option<Instant> = None;
         // What a pass posts on its links leaves together at the pass's end (one write
         // per link on the TCP fabric instead of one per frame).
-        self.cq.hold_sends(true);
+        self.links.cq.hold_sends(true);
         while !self.stop.load(Ordering::Relaxed) {
             let mut work = 0;
             work += self.drain_sidecar();
@@ -72,8 +59,8 @@ impl<F: Fabric> Reactor<F> {
             work += self.drain_inbox();
             work += self.flush_deferred();
             self.expire();
-            if !self.accepted.is_empty() {
-                self.accept();
+            if !self.links.accepted.is_empty() {
+                self.links.accept();
             }
             // proxy-wasm ticks run here, between requests: looked for at housekeeping
             // (a plugin that asked for a period is found then), then run when due (the
@@ -83,20 +70,23 @@ impl<F: Fabric> Reactor<F> {
                 last_tick = Instant::now();
                 self.forget_departed_pods();
                 self.publish_occupancy();
-                self.follow_generation();
+                self.filters.follow_generation();
             }
-            let queue_news = self.queue_ready.swap(false, Ordering::AcqRel);
+            let queue_news = self.filters.queue_ready.swap(false, Ordering::AcqRel);
             if housekeeping
                 || queue_news
-                || self.plugin_tick.is_some_and(|due| Instant::now() >= due)
+                || self
+                    .filters
+                    .plugin_tick
+                    .is_some_and(|due| Instant::now() >= due)
             {
-                self.plugin_tick = self.chains.tick(Instant::now());
+                self.filters.plugin_tick = self.filters.chains.tick(Instant::now());
                 self.root_calls();
             }
             // One wake-up per pod, one send per link, for everything this pass did.
-            self.port.wake_pods();
-            self.cq.flush_sends();
-            self.report_in_flight();
+            self.pods.port.wake_pods();
+            self.links.cq.flush_sends();
+            self.meter.report_in_flight(self.table.len());
             if work > 0 {
                 if idle_since.take().is_some() {
                     self.spin.record(Waited::WhilePolling);
@@ -124,18 +114,7 @@ impl<F: Fabric> Reactor<F> {
                 Waited::Nothing
             });
         }
-        self.cq.hold_sends(false);
-    }
-
-    /// Builds the instances of a newly published generation between requests, so the
-    /// next request does not wait for them.
-    pub(super) fn follow_generation(&mut self) {
-        let published = self.policy.snapshot().generation.clone();
-        if published.number() != self.chains.generation() {
-            self.chains.switch(&published);
-        }
-        self.generation
-            .store(self.chains.generation(), Ordering::Release);
+        self.links.cq.hold_sends(false);
     }
 
     /// Sleeps on the wait set until something arrives (the shard's bell: a pod sent, a
@@ -150,36 +129,55 @@ impl<F: Fabric> Reactor<F> {
             .map(|t| t.saturating_duration_since(Instant::now()))
             .unwrap_or(Duration::MAX)
             .min(self.tick_period());
-        if let Some(due) = self.plugin_tick {
+        if let Some(due) = self.filters.plugin_tick {
             timeout = timeout.min(due.saturating_duration_since(Instant::now()));
         }
-        if self.port.holding() || !self.deferred.is_empty() {
+        if self.pods.port.holding() || !self.pods.deferred.is_empty() {
             // Pods do not say when they make room in their rings: look again soon.
             timeout = timeout.min(Duration::from_micros(200));
         }
         let started = Instant::now();
         let mut woken = true;
         self.bell.sleep_begins();
-        let sleep = self.cq.prepare_sleep();
-        if sleep && !self.port.has_work() && self.inbox.is_empty() && self.accepted.is_empty() {
+        let sleep = self.links.cq.prepare_sleep();
+        if sleep
+            && !self.pods.port.has_work()
+            && self.filters.inbox.is_empty()
+            && self.links.accepted.is_empty()
+        {
             woken = self.waits.wait(timeout).is_ok_and(|n| n > 0);
         }
-        self.cq.finish_sleep();
+        self.links.cq.finish_sleep();
         self.bell.sleep_ends();
         self.bell.drain();
         (started.elapsed(), woken)
     }
+}
 
-    pub(super) fn accept(&mut self) {
-        while let Ok(qp) = self.accepted.try_recv() {
-            match Link::new(&self.fabric, &self.pd, qp) {
-                Ok(link) => {
-                    tracing::debug!(qp = link.qp_num(), "mesh link accepted");
-                    self.links
-                        .insert(link.qp_num(), LinkState { link, node: None });
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot set up an accepted mesh link"),
-            }
+impl Meter {
+    /// Adds this shard's change in open exchanges (now `open`) to the node's count
+    /// (shards share it: each adds its own difference, none overwrites another's).
+    fn report_in_flight(&mut self, open: usize) {
+        let now = open as u64;
+        if now != self.in_flight_reported {
+            // A wrapping difference: adding it subtracts when the count fell.
+            self.stats
+                .in_flight
+                .fetch_add(now.wrapping_sub(self.in_flight_reported), Ordering::Relaxed);
+            self.in_flight_reported = now;
         }
+    }
+}
+
+impl Filters {
+    /// Builds the instances of a newly published generation between requests, so the
+    /// next request does not wait for them.
+    fn follow_generation(&mut self) {
+        let published = self.policy.snapshot().generation.clone();
+        if published.number() != self.chains.generation() {
+            self.chains.switch(&published);
+        }
+        self.generation
+            .store(self.chains.generation(), Ordering::Release);
     }
 }

@@ -87,6 +87,9 @@ pub(super) struct Opening {
     pub default_timeout: Duration,
     /// What the sender will wait, if it said.
     pub limit: Option<Duration>,
+    /// The head, when it arrives decided (a request a peer's proxy policed); `None`
+    /// while the chain has it.
+    pub head: Option<RequestHead>,
 }
 
 /// An RDMA operation in flight for an exchange.
@@ -242,7 +245,7 @@ impl ExchangeTable {
             xid,
             Exchange {
                 origin: o.origin,
-                head: None,
+                head: o.head,
                 service: o.service,
                 ticket: None,
                 park: None,
@@ -271,12 +274,12 @@ impl ExchangeTable {
         }
     }
 
-    /// Starts a try: counts it and arms its per-try timer.
-    pub fn start_try(&mut self, xid: u32, now: Instant) {
-        if let Some(e) = self.exchanges.get_mut(&xid) {
-            e.attempt += 1;
-        }
+    /// Starts a try: counts it and arms its per-try timer. The exchange, to send on
+    /// (`None`: it is gone).
+    pub fn start_try(&mut self, xid: u32, now: Instant) -> Option<&mut Exchange> {
+        self.exchanges.get_mut(&xid)?.attempt += 1;
         self.arm_try(xid, now);
+        self.exchanges.get_mut(&xid)
     }
 
     /// (Re)arms the current try's timer from `now` (a try's clock restarts when the
@@ -312,7 +315,10 @@ impl ExchangeTable {
         match expected {
             None => PodAnswer::Stale,
             Some(pod) if pod != from => PodAnswer::Impostor,
-            Some(_) => PodAnswer::Current(self.at_pod.remove(&key).expect("checked")),
+            Some(_) => match self.at_pod.remove(&key) {
+                Some(xid) => PodAnswer::Current(xid),
+                None => PodAnswer::Stale,
+            },
         }
     }
 
@@ -415,6 +421,12 @@ impl ExchangeTable {
 
     /// The operation posted under `token`, until it completes.
     pub fn track(&mut self, token: u64, op: Transfer) {
+        // A READ of a request's body: its exchange waits for it.
+        if let Transfer::Read { xid, .. } = op
+            && let Some(e) = self.exchanges.get_mut(&xid)
+        {
+            e.stage = Stage::Reading;
+        }
         self.transfers.insert(token, op);
     }
 
@@ -430,8 +442,10 @@ impl ExchangeTable {
 
     /// Whose the peer's answer to `xid` over link `qp` is.
     pub fn peer_answer(&mut self, qp: u32, xid: u32) -> PeerAnswer {
-        if self.orphans.get(&xid).is_some_and(|o| o.qp == qp) {
-            return PeerAnswer::Orphan(self.orphans.remove(&xid).expect("checked"));
+        if self.orphans.get(&xid).is_some_and(|o| o.qp == qp)
+            && let Some(orphan) = self.orphans.remove(&xid)
+        {
+            return PeerAnswer::Orphan(orphan);
         }
         match self.exchanges.get(&xid).map(|e| e.stage) {
             Some(Stage::Peer { qp: at, reply_slot }) if at == qp => {
@@ -456,8 +470,7 @@ impl ExchangeTable {
             .filter(|(_, op)| op.qp() == qp)
             .map(|(t, _)| *t)
             .collect();
-        for token in tokens {
-            let op = self.transfers.remove(&token).expect("listed");
+        for op in tokens.iter().filter_map(|t| self.transfers.remove(t)) {
             if let Transfer::Read { xid, .. } = op
                 && let Some(e) = self.exchanges.get_mut(&xid)
                 && e.stage == Stage::Reading

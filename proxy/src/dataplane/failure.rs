@@ -56,7 +56,7 @@ impl<F: Fabric> Reactor<F> {
     pub(super) fn fail(&mut self, xid: u32, e: ProxyError) {
         let upstream = self.table.get(xid).and_then(|x| match &x.stage {
             Stage::Pod { pod, .. } => Some(pod_upstream(&x.service, *pod)),
-            Stage::Peer { qp, .. } => self.peer_upstream(*qp),
+            Stage::Peer { qp, .. } => self.links.upstream(*qp),
             Stage::Filtering | Stage::Reading => None,
         });
         self.fail_at(xid, e, upstream);
@@ -88,7 +88,7 @@ impl<F: Fabric> Reactor<F> {
         if let Stage::Peer { qp, reply_slot } = exchange.stage
             && let Origin::Pod { d } = exchange.origin
         {
-            if self.links.contains_key(&qp) {
+            if self.links.by_qp.contains_key(&qp) {
                 // The peer may still read A's body and write into the reply slot:
                 // both stay lent until its answer comes or the link goes.
                 let mut lent = d;
@@ -101,7 +101,10 @@ impl<F: Fabric> Reactor<F> {
                         reply_slot,
                     },
                 );
-                self.stats.local_replies.fetch_add(1, Ordering::Relaxed);
+                self.meter
+                    .stats
+                    .local_replies
+                    .fetch_add(1, Ordering::Relaxed);
                 self.reply_pod(&d, head, body);
                 let mut header_only = d;
                 header_only.body = Buffer::NONE;
@@ -122,7 +125,10 @@ impl<F: Fabric> Reactor<F> {
     }
 
     pub(super) fn reply_origin(&mut self, origin: &Origin, head: &ResponseHead, body: Vec<u8>) {
-        self.stats.local_replies.fetch_add(1, Ordering::Relaxed);
+        self.meter
+            .stats
+            .local_replies
+            .fetch_add(1, Ordering::Relaxed);
         match origin {
             Origin::Link { qp, xid, .. } => self.send_local(*qp, *xid, head, body),
             Origin::Pod { d } => {
@@ -155,15 +161,15 @@ impl<F: Fabric> Reactor<F> {
         let Ok(bytes) = wire::encode_response(head) else {
             return;
         };
-        let Ok(header) = self.port.alloc_header(&bytes) else {
+        let Ok(header) = self.pods.port.alloc_header(&bytes) else {
             tracing::warn!(pod, "no DPU header slot for a local reply");
             return;
         };
         let mut body_buf = Buffer::NONE;
         if !body.is_empty() {
-            match self.port.reserve_body(pod, body.len() as u32) {
+            match self.pods.port.reserve_body(pod, body.len() as u32) {
                 Ok(slot) => {
-                    let written = self.pod(pod).map(|info| {
+                    let written = self.pods.get(pod).map(|info| {
                         info.rx_body
                             .slot_of(slot)
                             .and_then(|s| info.rx_body.write(s, &body))
@@ -197,7 +203,10 @@ impl<F: Fabric> Reactor<F> {
         while let Some(due) = self.table.due(now) {
             match due {
                 Due::TryTimeout(xid) => {
-                    let service = &self.table.get(xid).expect("due").service;
+                    // `due` names only exchanges in the table.
+                    let Some(service) = self.table.get(xid).map(|e| &e.service) else {
+                        continue;
+                    };
                     let e = ProxyError::new(
                         ErrorKind::TryTimeout,
                         format!(
@@ -207,8 +216,10 @@ impl<F: Fabric> Reactor<F> {
                     self.fail_try(xid, e);
                 }
                 Due::Timeout(xid) => {
-                    self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
-                    let exchange = self.table.get(xid).expect("due");
+                    let Some(exchange) = self.table.get(xid) else {
+                        continue;
+                    };
+                    self.meter.stats.timeouts.fetch_add(1, Ordering::Relaxed);
                     let waited = now.saturating_duration_since(exchange.started);
                     let e = if exchange.park.is_some() {
                         ProxyError::new(
@@ -238,14 +249,10 @@ impl<F: Fabric> Reactor<F> {
     /// A link failed: what came over it cannot be answered; what went out over it
     /// fails.
     pub(super) fn link_down(&mut self, qp: u32, why: String) {
-        let Some(state) = self.links.remove(&qp) else {
+        let Some(state) = self.links.remove(qp) else {
             return;
         };
         tracing::warn!(qp, node = ?state.node, why, "mesh link down");
-        if let Some(node) = &state.node {
-            self.peer_links.remove(node);
-            self.reconnect.lost(node);
-        }
         let upstream = state.node.as_deref().map(node_upstream);
         // The queue pair is gone: none of its operations will complete. What they
         // held goes back now (nothing can write into it any more).
@@ -257,7 +264,7 @@ impl<F: Fabric> Reactor<F> {
                     pod, slot, header, ..
                 } => {
                     self.release_rx(pod, slot);
-                    let _ = self.port.release_header(header);
+                    let _ = self.pods.port.release_header(header);
                 }
                 Transfer::Write { done, .. } => self.hand_back(&done),
             }

@@ -9,7 +9,7 @@ impl<F: Fabric> Reactor<F> {
     pub(super) fn drain_sidecar(&mut self) -> usize {
         let mut n = 0;
         while n < 64 {
-            let d = match self.port.try_recv() {
+            let d = match self.pods.port.try_recv() {
                 Ok(Some(d)) => d,
                 Ok(None) => break,
                 Err(e) => {
@@ -31,12 +31,12 @@ impl<F: Fabric> Reactor<F> {
     }
 
     pub(super) fn drain_completions(&mut self) -> usize {
-        self.completions.clear();
-        let mut completions = std::mem::take(&mut self.completions);
-        self.cq.poll(&mut completions, 64);
+        self.links.completions.clear();
+        let mut completions = std::mem::take(&mut self.links.completions);
+        self.links.cq.poll(&mut completions, 64);
         let n = completions.len();
         for wc in completions.drain(..) {
-            let Some(state) = self.links.get_mut(&wc.qp_num) else {
+            let Some(state) = self.links.by_qp.get_mut(&wc.qp_num) else {
                 continue;
             };
             match state.link.on_completion(&wc) {
@@ -50,13 +50,13 @@ impl<F: Fabric> Reactor<F> {
                 Err(e) => self.link_down(wc.qp_num, e.to_string()),
             }
         }
-        self.completions = completions;
+        self.links.completions = completions;
         n
     }
 
     pub(super) fn drain_inbox(&mut self) -> usize {
         let mut n = 0;
-        while let Ok(item) = self.inbox.try_recv() {
+        while let Ok(item) = self.filters.inbox.try_recv() {
             n += 1;
             match item {
                 Inbox::Decided { xid, done } => self.decided(xid, done),
@@ -67,7 +67,7 @@ impl<F: Fabric> Reactor<F> {
                     reply,
                 } => self.callout_done(xid, park, token, *reply),
                 Inbox::RootCallout { to, token, reply } => {
-                    self.chains.root_callout(&to, token, &reply);
+                    self.filters.chains.root_callout(&to, token, &reply);
                     self.root_calls();
                 }
                 #[cfg(feature = "fault-injection")]
@@ -87,8 +87,8 @@ impl<F: Fabric> Reactor<F> {
 
     /// A request from the ingress or a peer proxy.
     pub(super) fn link_request(&mut self, qp: u32, r: Request) {
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        self.shard_requests.increment(1);
+        self.meter.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.meter.shard_requests.increment(1);
         let origin = Origin::Link {
             qp,
             xid: r.xid,
@@ -119,7 +119,11 @@ impl<F: Fabric> Reactor<F> {
     /// that requires identities believes nothing from a link that proved none (a
     /// backend without authentication: fail closed).
     fn trust_claims(&self, qp: u32, head: &mut RequestHead, flags: &mut RequestFlags) {
-        let peer = self.links.get(&qp).and_then(|s| s.link.peer_identity());
+        let peer = self
+            .links
+            .by_qp
+            .get(&qp)
+            .and_then(|s| s.link.peer_identity());
         match peer {
             Some(peer) if peer.is_node() => return,
             None if !self.topology.require_identity => return,
@@ -157,10 +161,10 @@ impl<F: Fabric> Reactor<F> {
     /// verified claims, its `wasm.*` as proxy-wasm properties), the mesh's own headers
     /// are removed, and its path is normalized as the ingress normalizes a client's.
     pub(super) fn pod_request(&mut self, d: Descriptor) {
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        self.shard_requests.increment(1);
+        self.meter.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.meter.shard_requests.increment(1);
         let origin = Origin::Pod { d };
-        let bytes = match self.port.header(&d) {
+        let bytes = match self.pods.port.header(&d) {
             Ok(b) => b,
             Err(e) => {
                 let e = ProxyError::new(
@@ -191,9 +195,10 @@ impl<F: Fabric> Reactor<F> {
         }
         // Who is calling is the data path's to say, not the pod's: its service's
         // workload ID (one allocation; `pod` first takes a new pod into the table).
-        let _ = self.pod(d.src_pod);
+        let _ = self.pods.get(d.src_pod);
         let identity = self
             .pods
+            .known
             .iter()
             .find(|p| p.id == d.src_pod)
             .map(|p| format!("{}{}", self.topology.workload_prefix, p.service));
@@ -213,7 +218,7 @@ impl<F: Fabric> Reactor<F> {
         flags: RequestFlags,
         limit: Option<Duration>,
     ) {
-        let snapshot = self.policy.snapshot();
+        let snapshot = self.filters.policy.snapshot();
         let routed = if flags.policed {
             head.destination.clone().map(|s| {
                 let policy = snapshot.service_policy(&s);
@@ -252,26 +257,33 @@ impl<F: Fabric> Reactor<F> {
             policy,
             default_timeout: self.topology.timeout,
             limit,
+            head: None,
         };
-        let xid = self.table.open(opening, Instant::now());
         if flags.policed {
-            self.table.get_mut(xid).expect("just opened").head = Some(head);
+            // Decided by the proxy that sent it: no chain here.
+            let decided = Opening {
+                head: Some(head),
+                ..opening
+            };
+            let xid = self.table.open(decided, Instant::now());
             self.dispatch(xid);
             return;
         }
+        let xid = self.table.open(opening, Instant::now());
         let generation = &snapshot.generation;
         if !generation.chains()[chain].offload() {
             // Run to completion here: the chain's instances are this thread's.
-            let done = self.chains.on_request(generation, chain, head);
+            let done = self.filters.chains.on_request(generation, chain, head);
             self.decided(xid, Ok(Box::new(done)));
             return;
         }
         // A chain with a filter slow by nature runs on the pool; its verdict comes
         // back through the inbox and the bell.
-        let inbox = self.inbox_tx.clone();
+        let inbox = self.filters.inbox_tx.clone();
         let bell = self.bell.clone();
         let submitted =
-            self.policy
+            self.filters
+                .policy
                 .pool()
                 .request_with(generation.clone(), chain, head, move |done| {
                     let _ = inbox.send(Inbox::Decided {
@@ -295,9 +307,13 @@ impl<F: Fabric> Reactor<F> {
         info: ResponseInfo,
     ) {
         if ticket.worker == SHARD_RUNNER {
-            self.chains.on_response(&ticket, head, &info);
+            self.filters.chains.on_response(&ticket, head, &info);
         } else {
-            let _ = self.policy.pool().response_with(ticket, head, info, |_| {});
+            let _ = self
+                .filters
+                .policy
+                .pool()
+                .response_with(ticket, head, info, |_| {});
         }
     }
 

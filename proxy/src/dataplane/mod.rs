@@ -64,6 +64,8 @@ mod event_loop;
 mod exchange;
 mod failure;
 mod intake;
+mod links;
+mod pods;
 mod respond;
 mod response_metrics;
 mod wire_head;
@@ -195,7 +197,7 @@ impl Dataplane {
                 polling,
             })?;
             #[cfg(feature = "fault-injection")]
-            let inbox = reactor.inbox_tx.clone();
+            let inbox = reactor.filters.inbox_tx.clone();
             let thread = supervisor.spawn(
                 format!("dpumesh-shard-{index}"),
                 RestartPolicy::default(),
@@ -352,7 +354,34 @@ struct PodRegions<F: Fabric> {
     tx_pool: BufferPool,
 }
 
+/// A shard: the owners of its state, composed by its event loop. Each owner holds one
+/// concern; a step that needs two (a dispatch reads the exchange and writes to a pod's
+/// lane) borrows their fields side by side.
 struct Reactor<F: Fabric> {
+    /// The queue pairs to the ingress and to peer nodes.
+    links: Links<F>,
+    /// The node's pods as this shard reaches them.
+    pods: Pods<F>,
+    /// The filter chains this shard runs and what they wait on.
+    filters: Filters,
+    /// The exchanges in flight and their timers (the sans-I/O core).
+    table: ExchangeTable,
+    topology: Topology,
+    /// Where this node's own proxy is reached (mesh calls to services it runs).
+    self_addr: SocketAddr,
+    /// Its one wait set: the shard's bell (pods, the accept loop, offloaded chains,
+    /// shutdown) and the fabric completion queue.
+    waits: WaitSet,
+    bell: Bell,
+    stop: Arc<AtomicBool>,
+    /// How long to keep polling after the last work before sleeping.
+    spin: Spin,
+    meter: Meter,
+}
+
+/// The shard's queue pairs: to the ingress, to peer nodes, and the ones waiting to
+/// be connected again.
+struct Links<F: Fabric> {
     fabric: F,
     pd: F::Pd,
     cq: F::Cq,
@@ -361,49 +390,54 @@ struct Reactor<F: Fabric> {
     /// Peers whose connect failed (tried again after a growing wait) or whose link
     /// went down.
     reconnect: Reconnect<String>,
-    links: HashMap<u32, LinkState<F>>,
-    peer_links: HashMap<String, u32>,
+    by_qp: HashMap<u32, LinkState<F>>,
+    by_node: HashMap<String, u32>,
+    /// Round-robin turns over the nodes running a service.
+    node_turns: HashMap<String, usize>,
+    /// The completion queue's batch, kept to reuse its allocation.
+    completions: Vec<WorkCompletion>,
+}
+
+/// The node's pods as one shard reaches them: its lanes (the DPU port), their
+/// registered regions, whom it sends to next, and the descriptors waiting for room.
+struct Pods<F: Fabric> {
     port: DpuShard,
-    /// The chains this reactor runs inline, per generation.
-    chains: LocalChains,
-    /// When a proxy-wasm plugin's next tick is due (its housekeeping runs them).
-    plugin_tick: Option<Instant>,
-    /// A plugin's shared queue has news for it (set by the queue, with the bell).
-    queue_ready: Arc<AtomicBool>,
-    /// The generation it runs new requests on (readiness reads it).
-    generation: Arc<AtomicU64>,
-    /// Its one wait set: the shard's bell (pods, the accept loop, offloaded chains,
-    /// shutdown) and the fabric completion queue.
-    waits: WaitSet,
     dpu: Arc<Dpu>,
-    policy: Arc<Policy>,
-    topology: Topology,
-    pods: Vec<PodInfo>,
-    pods_at: Instant,
+    /// The node's pods as last read (`known_at`), refreshed at housekeeping.
+    known: Vec<PodInfo>,
+    known_at: Instant,
     /// The pods' registrations this shard uses (from `node_regions`).
     regions: HashMap<u32, Arc<PodRegions<F>>>,
     /// Every shard's pod registrations: one per pod per node, not per shard.
     node_regions: NodeRegions<F>,
-    /// The exchanges in flight and their timers (the sans-I/O core).
-    table: ExchangeTable,
-    /// Round-robin turns over a service's pods here, and over the nodes running it.
-    pod_turns: HashMap<String, usize>,
-    node_turns: HashMap<String, usize>,
+    /// Round-robin turns over a service's pods.
+    turns: HashMap<String, usize>,
+    /// Descriptors the DMA manager's ring had no room for, in order.
+    deferred: VecDeque<Descriptor>,
+}
+
+/// The chains the shard runs and the answers it waits for: offloaded chains, filters'
+/// HTTP calls, plugin ticks.
+struct Filters {
+    policy: Arc<Policy>,
+    /// The chains this reactor runs inline, per generation.
+    chains: LocalChains,
+    /// The generation it runs new requests on (readiness reads it).
+    generation: Arc<AtomicU64>,
+    /// When a proxy-wasm plugin's next tick is due (its housekeeping runs them).
+    plugin_tick: Option<Instant>,
+    /// A plugin's shared queue has news for it (set by the queue, with the bell).
+    queue_ready: Arc<AtomicBool>,
     inbox: Receiver<Inbox>,
     inbox_tx: Sender<Inbox>,
     /// The thread making filters' HTTP calls (started by the first call).
     callouts: Option<Callouts>,
     start_callouts: Box<dyn Fn() -> std::io::Result<Callouts> + Send>,
-    /// Where this node's own proxy is reached (mesh calls to services it runs).
-    self_addr: SocketAddr,
-    bell: Bell,
+}
+
+/// What the shard counts.
+struct Meter {
     stats: Arc<DataplaneStats>,
-    stop: Arc<AtomicBool>,
-    completions: Vec<WorkCompletion>,
-    /// Descriptors the DMA manager's ring had no room for, in order.
-    deferred: VecDeque<Descriptor>,
-    /// How long to keep polling after the last work before sleeping.
-    spin: Spin,
     /// Requests this shard took (`dpumesh_shard_requests_total{shard}`): how evenly
     /// the links and lanes spread the load.
     shard_requests: metrics::Counter,
@@ -474,43 +508,51 @@ impl<F: Fabric + Clone> Reactor<F> {
         let (inbox_tx, inbox) = crossbeam_channel::unbounded();
         let callout_fabric = fabric.clone();
         Ok(Self {
-            fabric,
-            pd,
-            cq,
-            accepted,
-            reconnect: Reconnect::default(),
-            links: HashMap::new(),
-            peer_links: HashMap::new(),
-            port,
-            chains,
-            plugin_tick: None,
-            queue_ready,
-            generation,
-            waits,
-            dpu,
-            policy,
-            topology,
-            pods: Vec::new(),
-            pods_at: Instant::now() - Duration::from_secs(1),
-            regions: HashMap::new(),
-            node_regions,
+            links: Links {
+                fabric,
+                pd,
+                cq,
+                accepted,
+                reconnect: Reconnect::default(),
+                by_qp: HashMap::new(),
+                by_node: HashMap::new(),
+                node_turns: HashMap::new(),
+                completions: Vec::with_capacity(64),
+            },
+            pods: Pods {
+                port,
+                dpu,
+                known: Vec::new(),
+                known_at: Instant::now() - Duration::from_secs(1),
+                regions: HashMap::new(),
+                node_regions,
+                turns: HashMap::new(),
+                deferred: VecDeque::new(),
+            },
+            filters: Filters {
+                policy,
+                chains,
+                generation,
+                plugin_tick: None,
+                queue_ready,
+                inbox,
+                inbox_tx,
+                callouts: None,
+                start_callouts: Box::new(move || Callouts::start(callout_fabric.clone())),
+            },
             table: ExchangeTable::default(),
-            pod_turns: HashMap::new(),
-            node_turns: HashMap::new(),
-            inbox,
-            inbox_tx,
-            callouts: None,
-            start_callouts: Box::new(move || Callouts::start(callout_fabric.clone())),
+            topology,
             self_addr,
+            waits,
             bell,
-            stats,
             stop,
-            completions: Vec::with_capacity(64),
-            deferred: VecDeque::new(),
             spin: Spin::new(polling),
-            shard_requests,
-            response_metrics: response_metrics::ResponseMetrics::default(),
-            in_flight_reported: 0,
+            meter: Meter {
+                stats,
+                shard_requests,
+                response_metrics: response_metrics::ResponseMetrics::default(),
+                in_flight_reported: 0,
+            },
         })
     }
 }

@@ -3,6 +3,7 @@
 
 use super::wire_head::WireHead;
 use super::*;
+use dispatch::encode_head;
 
 impl<F: Fabric> Reactor<F> {
     /// A pod answered (a request from outside the node, or a pod's call).
@@ -28,8 +29,8 @@ impl<F: Fabric> Reactor<F> {
             self.retry(xid, d.status);
             return;
         }
-        let header = self.port.header(&d).unwrap_or_default();
-        self.stats.relayed.fetch_add(1, Ordering::Relaxed);
+        let header = self.pods.port.header(&d).unwrap_or_default();
+        self.meter.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Some(mut exchange) = self.table.close(xid) else {
             self.hand_back(&d);
             return;
@@ -132,7 +133,10 @@ impl<F: Fabric> Reactor<F> {
         d: &Descriptor,
         reply: RemoteBuf,
     ) -> Result<(), ProxyError> {
-        let Some(regions) = self.pod_regions(d.src_pod) else {
+        let Some(regions) = self
+            .pods
+            .regions(d.src_pod, &self.links.fabric, &self.links.pd)
+        else {
             self.hand_back(d);
             return Err(ProxyError::new(
                 ErrorKind::Internal,
@@ -148,7 +152,7 @@ impl<F: Fabric> Reactor<F> {
         };
         let sge = regions.tx.sge(offset, d.body.len);
         let token = self.table.next_token();
-        let Some(state) = self.links.get_mut(&qp) else {
+        let Some(state) = self.links.by_qp.get_mut(&qp) else {
             self.hand_back(d);
             return Err(ProxyError::new(
                 ErrorKind::DownstreamLost,
@@ -168,13 +172,13 @@ impl<F: Fabric> Reactor<F> {
     }
 
     pub(super) fn send_link(&mut self, qp: u32, message: Message) {
-        let failed = match self.links.get_mut(&qp) {
+        let failed = match self.links.by_qp.get_mut(&qp) {
             Some(state) => state.link.send(message).err(),
             None => return,
         };
         if let Some(e) = failed {
             tracing::warn!(qp, error = %e, "mesh link send failed");
-            if self.links.get(&qp).is_some_and(|s| s.link.is_down()) {
+            if self.links.by_qp.get(&qp).is_some_and(|s| s.link.is_down()) {
                 self.link_down(qp, e.to_string());
             }
         }
@@ -191,7 +195,8 @@ impl<F: Fabric> Reactor<F> {
         edit: Option<&mut ResponseHead>,
     ) {
         let latency = exchange.started.elapsed();
-        self.response_metrics
+        self.meter
+            .response_metrics
             .record(&exchange.service, status, latency.as_secs_f64());
         let info = ResponseInfo {
             status,
@@ -223,7 +228,8 @@ impl<F: Fabric> Reactor<F> {
                         .collect(),
                     edited: false,
                 };
-                self.chains
+                self.filters
+                    .chains
                     .on_response_editing(&ticket, head, &info, Some(&mut headers));
                 if headers.edited {
                     let mut edited = HeaderMap::with_capacity(headers.fields.len());
@@ -267,14 +273,14 @@ impl<F: Fabric> Reactor<F> {
             }
             PeerAnswer::Unknown => return,
         };
-        self.stats.relayed.fetch_add(1, Ordering::Relaxed);
+        self.meter.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Origin::Pod { d } = exchange.origin else {
             return;
         };
         // Decoded once: its status is always read.
         let decoded = wire::decode_response(&r.head).ok();
         let status = decoded.as_ref().map_or(502, |h| h.status);
-        let upstream = self.peer_upstream(qp);
+        let upstream = self.links.upstream(qp);
         if status >= 500 {
             mark_dependency_failure(&mut exchange, decoded.as_ref());
         }
@@ -320,7 +326,7 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        let header = match self.port.alloc_header(&r.head) {
+        let header = match self.pods.port.alloc_header(&r.head) {
             Ok(h) => h,
             Err(_) => {
                 if !body.is_none() {
@@ -357,18 +363,18 @@ impl<F: Fabric> Reactor<F> {
             self.fail(xid, e);
             return;
         };
-        self.table.start_try(xid, Instant::now());
-        let exchange = self.table.get(xid).expect("dispatching");
-        let Origin::Pod { d } = exchange.origin else {
-            unreachable!("only pods' calls leave the node")
+        let Some(exchange) = self.table.start_try(xid, Instant::now()) else {
+            return;
         };
-        let head = match wire::encode_request(exchange.head.as_ref().expect("decided")) {
+        let Origin::Pod { d } = exchange.origin else {
+            // Only pods' calls leave the node (`dispatch` picks a peer for no other).
+            let e = ProxyError::new(ErrorKind::Internal, "only a pod's call goes to a peer");
+            self.fail(xid, e);
+            return;
+        };
+        let head = match encode_head(exchange, wire::encode_request) {
             Ok(h) => h,
             Err(e) => {
-                let e = ProxyError::new(
-                    ErrorKind::HeadTooLarge,
-                    format!("request head cannot be carried: {e}"),
-                );
                 self.fail(xid, e);
                 return;
             }
@@ -378,7 +384,7 @@ impl<F: Fabric> Reactor<F> {
         let left = exchange.deadline.saturating_duration_since(Instant::now());
         let deadline_ms = (left.as_millis() * 9 / 10).clamp(1, u128::from(u32::MAX)) as u32;
         let pod = d.src_pod;
-        let Some(info) = self.pod(pod).cloned() else {
+        let Some(info) = self.pods.get(pod).cloned() else {
             self.drop_exchange(xid);
             self.hand_back(&d);
             return;
@@ -394,20 +400,23 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        let reply_buf = info
-            .rx_body
-            .buffer(reply_slot, info.rx_body.layout().slot_size)
-            .expect("a whole slot");
-        let Some(regions) = self.pod_regions(pod) else {
+        // A whole slot: its length is the pool's slot size.
+        let reply_buf = Buffer::new(
+            info.rx_body.addr(reply_slot),
+            info.rx_body.layout().slot_size,
+        );
+        let at = self
+            .pods
+            .regions(pod, &self.links.fabric, &self.links.pd)
+            .and_then(|r| Some((r, r.rx_pool.offset_of(reply_buf).ok()?)));
+        let Some((regions, reply_at)) = at else {
             self.release_rx(pod, reply_buf);
             let e = ProxyError::new(ErrorKind::Internal, "the pod's memory cannot be registered");
             self.fail(xid, e);
             return;
         };
         let reply = RemoteBuf {
-            at: regions
-                .rx
-                .remote(regions.rx_pool.offset_of(reply_buf).expect("ours")),
+            at: regions.rx.remote(reply_at),
             len: reply_buf.len,
         };
         let body = (!d.body.is_none()).then(|| RemoteBuf {
@@ -416,10 +425,12 @@ impl<F: Fabric> Reactor<F> {
                 .remote(regions.tx_pool.offset_of(d.body).unwrap_or_default()),
             len: d.body.len,
         });
-        self.table.get_mut(xid).expect("live").stage = Stage::Peer {
-            qp,
-            reply_slot: reply_buf,
-        };
+        if let Some(exchange) = self.table.get_mut(xid) {
+            exchange.stage = Stage::Peer {
+                qp,
+                reply_slot: reply_buf,
+            };
+        }
         self.send_link(
             qp,
             Message::Request(Request {
@@ -436,56 +447,9 @@ impl<F: Fabric> Reactor<F> {
         );
     }
 
-    /// The upstream a peer link leads to, as the response phase names it.
-    pub(super) fn peer_upstream(&self, qp: u32) -> Option<String> {
-        let node = self.links.get(&qp)?.node.as_deref()?;
-        Some(node_upstream(node))
-    }
-
     pub(super) fn peer_link(&mut self, node: &str) -> Option<u32> {
-        if let Some(&qp) = self.peer_links.get(node)
-            && self.links.get(&qp).is_some_and(|s| !s.link.is_down())
-        {
-            return Some(qp);
-        }
         let addr = *self.topology.peers.get(node)?;
-        if !self.reconnect.may_try(&node.to_owned(), Instant::now()) {
-            return None;
-        }
-        let qp = match self
-            .fabric
-            .connect(&self.pd, addr, &self.cq, QpCaps::default())
-        {
-            Ok(qp) => qp,
-            Err(e) => {
-                let wait = self.reconnect.failed(&node.to_owned(), Instant::now());
-                tracing::warn!(node, %addr, error = %e, ?wait, "cannot reach peer node");
-                return None;
-            }
-        };
-        let link = match Link::new(&self.fabric, &self.pd, qp) {
-            Ok(link) => link,
-            Err(e) => {
-                let wait = self.reconnect.failed(&node.to_owned(), Instant::now());
-                tracing::warn!(node, error = %e, ?wait, "cannot set up the link to a peer node");
-                return None;
-            }
-        };
-        if self.reconnect.connected(&node.to_owned()) {
-            tracing::info!(node, "link to peer node back");
-            metrics::counter!("dpumesh_peer_reconnects_total", "node" => node.to_owned())
-                .increment(1);
-        }
-        let num = link.qp_num();
-        self.links.insert(
-            num,
-            LinkState {
-                link,
-                node: Some(node.to_owned()),
-            },
-        );
-        self.peer_links.insert(node.to_owned(), num);
-        Some(num)
+        self.links.peer(node, addr)
     }
 }
 

@@ -44,6 +44,7 @@ fn from_link(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         policy,
         default_timeout: 5000 * MS,
         limit: None,
+        head: None,
     }
 }
 
@@ -61,6 +62,7 @@ fn from_pod(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         policy,
         default_timeout: 5000 * MS,
         limit: None,
+        head: None,
     }
 }
 
@@ -424,4 +426,41 @@ fn exchange_ids_skip_those_in_use() {
     table.next_xid = u32::MAX;
     let next = table.open(from_link("GET", false, policy(0, None)), t0);
     assert_eq!(next, 2, "ids in use are skipped");
+}
+
+#[test]
+fn a_try_of_an_exchange_that_ended_is_not_started() {
+    let mut table = ExchangeTable::default();
+    let t0 = Instant::now();
+    let xid = table.open(from_link("GET", false, policy(1, Some(100))), t0);
+    assert_eq!(table.start_try(xid, t0).map(|e| e.attempt), Some(1));
+    table.close(xid);
+    assert!(table.start_try(xid, t0).is_none());
+    assert_eq!(table.due(t0 + 100 * MS), None, "no timer armed for it");
+}
+
+#[test]
+fn a_policed_request_opens_with_its_head_and_a_body_read_marks_it_reading() {
+    let mut table = ExchangeTable::default();
+    let t0 = Instant::now();
+    let head = RequestHead::new("PUT", "/upload");
+    let opening = Opening {
+        head: Some(head),
+        ..from_link("PUT", true, policy(0, None))
+    };
+    let xid = table.open(opening, t0);
+    let exchange = table.start_try(xid, t0).expect("open");
+    assert_eq!(exchange.head.as_ref().map(|h| h.method.as_str()), Some("PUT"));
+    let token = table.next_token();
+    table.track(
+        token,
+        Transfer::Read {
+            qp: INGRESS,
+            xid,
+            pod: 5,
+            slot: body(10),
+            header: body(1),
+        },
+    );
+    assert_eq!(table.get(xid).map(|e| e.stage), Some(Stage::Reading));
 }
