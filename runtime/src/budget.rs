@@ -27,6 +27,14 @@
 
 use std::time::Duration;
 
+/// Most ticks between two looks at a running call: half of what parks the ticker.
+/// The ticker parks after [`crate::epoch::PARK_AFTER`] ticks without a *new* call, so
+/// one long call (a deadline past that, an endless loop) must say it is still running,
+/// or the epoch stops advancing under it and its deadline never comes (an endless loop
+/// under a 200 ms deadline ran for two minutes, advanced only by the parked ticker's
+/// once-a-second sweep).
+pub(crate) const MAX_TICKS_BETWEEN_CHECKS: u64 = crate::epoch::PARK_AFTER as u64 / 2;
+
 /// A call stalls after this many times its CPU budget in wall time.
 pub const BACKSTOP_MULTIPLE: u32 = 10;
 /// ... and never before this much wall time: a loaded machine may keep a thread off

@@ -12,11 +12,9 @@ use crate::cache::{CompileError, content_hash};
 use crate::error::LoadError;
 use crate::health::{FilterHealth, HealthPolicy};
 use crate::imports::{FilterTag, StoreState};
-use crate::instance::FilterInstance;
 use crate::runtime::Runtime;
 
-/// The version of the `dpumesh:filter` package this runtime serves.
-pub const WIT_VERSION: &str = "0.1.3";
+pub use crate::bindings::WIT_VERSION;
 const WIT_PACKAGE: &str = "dpumesh:filter";
 /// Types the `filter` world `use`s at its top level; components import them by these
 /// plain names.
@@ -245,11 +243,6 @@ impl LoadedFilter {
     /// fixed cost; docs/benchmarks.md).
     pub fn is_batched(&self) -> bool {
         self.batched.get().copied().unwrap_or(false)
-    }
-
-    /// A new instance, configured. Used by workers; also how a load is validated.
-    pub fn instantiate(self: &Arc<Self>) -> Result<FilterInstance, LoadError> {
-        FilterInstance::new(self, &Arc::default())
     }
 }
 

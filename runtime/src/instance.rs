@@ -8,17 +8,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dpumesh_head::RequestHead;
+use wasmtime::Store;
 use wasmtime::component::{Resource, TypedFunc};
-use wasmtime::{Store, Trap, UpdateDeadline};
 
 use crate::bindings::{HeaderEdit, Interest, Outcome, RequestLine, ResponseInfo, Verdict};
-use crate::budget::{Check, CpuBudget};
+use crate::call::{Answer, CallInput, arm_store, classify, new_store};
 use crate::error::{FaultKind, LoadError};
 use crate::filter::{FilterKind, LoadedFilter};
 use crate::imports::{HeadHandle, StoreState};
-use crate::limits::MemoryLimiter;
 use crate::proxywasm::instance::PwInstance;
-use crate::stderr::StderrTail;
 
 /// The request line goes in by `Arc`: a chain builds it once per request and every
 /// filter's call lowers it from there (no copy of the path and authority per filter).
@@ -29,60 +27,10 @@ type HandleRequest = TypedFunc<(Resource<HeadHandle>, Vec<u8>), (Outcome,)>;
 /// Most headers and metadata keys a filter may declare it reads.
 const MAX_DECLARED: usize = 256;
 
-/// What one chain run hands every filter call.
-pub(crate) struct CallInput {
-    /// The request line for `on-request`, built by the first filter that takes it.
-    /// Filters cannot edit the line (pseudo-headers are read-only), the query, the
-    /// destination or the source, so one copy serves the whole run.
-    pub(crate) line: std::cell::OnceCell<Arc<RequestLine>>,
-    /// What every batched call of the run shares; `None` when the chain has no
-    /// batched filter.
-    pub(crate) shared: Option<crate::input::Shared>,
-}
-
-impl CallInput {
-    pub(crate) fn line(&self, head: &RequestHead) -> Arc<RequestLine> {
-        self.line
-            .get_or_init(|| {
-                Arc::new(RequestLine {
-                    method: crate::imports::wit_method(&head.method),
-                    scheme: crate::imports::wit_scheme(&head.scheme),
-                    authority: head.authority.clone(),
-                    path: head.path.clone(),
-                })
-            })
-            .clone()
-    }
-}
-
 /// A component of the `batched-filter` world: its call and what it declared.
 struct Batched {
     handle: HandleRequest,
     interest: Interest,
-}
-
-/// Most stderr quoted in a fault report.
-const STDERR_QUOTE: usize = 400;
-
-/// A filter's answer to a request callback.
-#[derive(Debug)]
-pub(crate) enum Answer {
-    /// Go on to the next filter.
-    Continue,
-    /// Answer with this reply.
-    Deny(crate::bindings::LocalReply),
-    /// The request waits (a proxy-wasm plugin paused it) for these HTTP calls, or for
-    /// those made before.
-    Pause(Vec<crate::callout::Callout>),
-}
-
-impl From<Verdict> for Answer {
-    fn from(verdict: Verdict) -> Self {
-        match verdict {
-            Verdict::Continue => Self::Continue,
-            Verdict::Deny(reply) => Self::Deny(reply),
-        }
-    }
 }
 
 /// A configured instance of a [`LoadedFilter`].
@@ -108,67 +56,6 @@ struct ComponentCalls {
     batched: Option<Batched>,
 }
 
-/// What every kind of instance's `Store` data has: a memory cap, a CPU budget and the
-/// guest's stderr tail, which is what classifying a fault needs.
-pub(crate) trait CallData: Send + 'static {
-    fn limiter(&mut self) -> &mut MemoryLimiter;
-    fn budget(&mut self) -> &mut CpuBudget;
-    fn stderr(&self) -> &StderrTail;
-}
-
-impl CallData for StoreState {
-    fn limiter(&mut self) -> &mut MemoryLimiter {
-        &mut self.limiter
-    }
-    fn budget(&mut self) -> &mut CpuBudget {
-        &mut self.budget
-    }
-    fn stderr(&self) -> &StderrTail {
-        &self.stderr
-    }
-}
-
-/// Most ticks between two looks at a running call: half of what parks the ticker.
-/// The ticker parks after [`crate::epoch::PARK_AFTER`] ticks without a *new* call, so
-/// one long call (a deadline past that, an endless loop) must say it is still running,
-/// or the epoch stops advancing under it and its deadline never comes (an endless loop
-/// under a 200 ms deadline ran for two minutes, advanced only by the parked ticker's
-/// once-a-second sweep).
-pub(crate) const MAX_TICKS_BETWEEN_CHECKS: u64 = crate::epoch::PARK_AFTER as u64 / 2;
-
-/// A store with the memory cap and the CPU-time deadline wired in, armed for a call
-/// of `deadline` (the epoch ticker is woken by the caller).
-pub(crate) fn new_store<T: CallData>(
-    engine: &wasmtime::Engine,
-    epoch: Arc<crate::epoch::Epoch>,
-    data: T,
-    deadline: Duration,
-) -> Store<T> {
-    let mut store = Store::new(engine, data);
-    store.limiter(|state| state.limiter());
-    // The epoch deadline only triggers a look at the thread's CPU time
-    // (`budget`): a call that was preempted goes on.
-    store.epoch_deadline_callback(move |mut store| {
-        let cpu = crate::budget::thread_cpu_time();
-        Ok(
-            match store
-                .data_mut()
-                .budget()
-                .check(cpu, MAX_TICKS_BETWEEN_CHECKS)
-            {
-                Check::Continue(ticks) => {
-                    // Still running: keep the ticker from parking under this call.
-                    epoch.call_begins();
-                    UpdateDeadline::Continue(ticks)
-                }
-                Check::Exhausted | Check::Stalled => UpdateDeadline::Interrupt,
-            },
-        )
-    });
-    arm_store(&mut store, deadline);
-    store
-}
-
 /// A store of one component filter (its identity, namespace and memory cap), armed
 /// for `configure`.
 fn filter_store(filter: &LoadedFilter) -> Store<StoreState> {
@@ -188,14 +75,6 @@ fn filter_store(filter: &LoadedFilter) -> Store<StoreState> {
         state,
         settings.configure_deadline,
     )
-}
-
-/// Readies `store` for a call of at most `deadline` of CPU time.
-pub(crate) fn arm_store<T: CallData>(store: &mut Store<T>, deadline: Duration) {
-    let data = store.data_mut();
-    data.limiter().hit = false;
-    let first = data.budget().arm(deadline, MAX_TICKS_BETWEEN_CHECKS);
-    store.set_epoch_deadline(first);
 }
 
 /// How long an instance took to start: instantiation from the pool, then `configure`.
@@ -223,7 +102,7 @@ impl FilterInstance {
     /// through `wake`.
     pub(crate) fn new(
         filter: &Arc<LoadedFilter>,
-        wake: &Arc<crate::proxywasm::queues::WakeSlot>,
+        wake: &Arc<crate::queues::WakeSlot>,
     ) -> Result<Self, LoadError> {
         let runtime = &filter.runtime.inner;
         let settings = &filter.settings;
@@ -236,7 +115,7 @@ impl FilterInstance {
             FilterKind::Component { pre, exports, .. } => (pre, exports),
             FilterKind::ProxyWasm(plugin) => {
                 let started = Instant::now();
-                let state = crate::proxywasm::new_state(filter, plugin, wake);
+                let state = plugin_state(filter, plugin, wake);
                 let store = new_store(
                     &runtime.engine,
                     runtime.epoch.clone(),
@@ -498,7 +377,7 @@ impl FilterInstance {
         head: Box<RequestHead>,
     ) -> (Box<RequestHead>, Result<Answer, FaultKind>) {
         // The epoch ticker was woken by the caller, once per chain run
-        // ([`crate::chain::ChainRunner`]), not per filter.
+        // (the chain's runner), not per filter.
         let deadline = self.filter.settings.deadline;
         let this = match &mut self.inner {
             Inner::Component(c) => c,
@@ -590,7 +469,7 @@ impl FilterInstance {
         &mut self,
         head: Box<RequestHead>,
         info: ResponseInfo,
-        headers: Option<&mut crate::chain::ResponseHeaders>,
+        headers: Option<&mut crate::call::ResponseHeaders>,
     ) -> (Box<RequestHead>, Result<(), FaultKind>) {
         let deadline = self.filter.settings.deadline;
         let this = match &mut self.inner {
@@ -714,38 +593,48 @@ pub(crate) fn configure(
     }
 }
 
-/// Turns a call error into a fault: memory cap, deadline, or a trap with the guest's
-/// last stderr output (a Rust panic message, say).
-pub(crate) fn classify<T: CallData>(
-    store: &mut Store<T>,
-    error: wasmtime::Error,
-    deadline: Duration,
-) -> FaultKind {
-    let data = store.data_mut();
-    if data.limiter().hit {
-        return FaultKind::MemoryCap(data.limiter().cap());
+/// The store data of a new instance of `filter`.
+fn plugin_state(
+    filter: &Arc<LoadedFilter>,
+    plugin: &Arc<crate::proxywasm::plugin::Plugin>,
+    wake: &Arc<crate::queues::WakeSlot>,
+) -> crate::proxywasm::state::PwState {
+    let runtime = &filter.runtime.inner;
+    let settings = &filter.settings;
+    let stderr = crate::stderr::StderrTail::default();
+    // No files, no network, no environment or arguments: a plugin sees the head.
+    let wasi = wasmtime_wasi::WasiCtx::builder()
+        .stderr(stderr.clone())
+        .stdout(stderr.clone())
+        .allow_tcp(false)
+        .allow_udp(false)
+        .allow_ip_name_lookup(false)
+        .build_p1();
+    let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
+    crate::proxywasm::state::PwState {
+        limiter: crate::limits::MemoryLimiter::new(settings.memory_cap),
+        budget: crate::budget::CpuBudget::new(runtime.config.epoch_tick),
+        stderr,
+        wasi,
+        services: runtime.services.clone(),
+        shared: runtime.services.state.namespace(namespace),
+        config: plugin.config.clone(),
+        call: Default::default(),
+        metrics: Vec::new(),
+        metric_ids: Default::default(),
+        vm_id: namespace.to_owned(),
+        queue_owner: crate::queues::QueueOwner::new(wake.clone()),
+        tick_ms: 0,
+        contexts: Default::default(),
+        effective: 0,
+        last_token: 0,
+        pending: Default::default(),
     }
-    if let Some(Trap::Interrupt) = error.downcast_ref::<Trap>() {
-        let budget = data.budget();
-        return if budget.stalled() {
-            FaultKind::Stalled(budget.backstop())
-        } else {
-            FaultKind::Deadline(deadline)
-        };
+}
+
+impl LoadedFilter {
+    /// A new instance, configured. Used by workers; also how a load is validated.
+    pub fn instantiate(self: &Arc<Self>) -> Result<FilterInstance, LoadError> {
+        FilterInstance::new(self, &Arc::default())
     }
-    let mut message = match error.downcast_ref::<Trap>() {
-        Some(trap) => trap.to_string(),
-        None => format!("{error:#}"),
-    };
-    let stderr = data.stderr().take();
-    if !stderr.is_empty() {
-        let start = stderr
-            .char_indices()
-            .map(|(i, _)| i)
-            .find(|&i| stderr.len() - i <= STDERR_QUOTE)
-            .unwrap_or(0);
-        message.push_str("; guest stderr: ");
-        message.push_str(&stderr[start..]);
-    }
-    FaultKind::Trap(message)
 }

@@ -23,6 +23,7 @@
 mod bindings;
 mod budget;
 mod cache;
+mod call;
 pub mod callout;
 pub(crate) mod canon;
 mod chain;
@@ -30,6 +31,7 @@ mod epoch;
 mod error;
 mod filter;
 mod fusion;
+mod generation;
 mod health;
 mod imports;
 pub mod input;
@@ -37,22 +39,23 @@ mod instance;
 mod limits;
 mod local;
 pub mod proxywasm;
+pub mod queues;
 mod runtime;
 mod stamp;
 mod stderr;
 mod worker;
 
 pub use bindings::{FailureKind, ResponseInfo};
+pub use call::ResponseHeaders;
 pub use callout::{Callout, CalloutReply, CalloutTargets};
-pub use chain::{
-    ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, LocalReply, ResponseHeaders,
-};
+pub use chain::{ChainOutcome, ChainRunner, Decision, DenyCause, FilterChain, LocalReply};
 pub use dpumesh_head::{HeaderError, Peer, RequestHead};
 pub use error::{FaultKind, FilterFault, LoadError, Phase};
 pub use filter::{FailurePolicy, FilterSettings, LoadedFilter, WIT_VERSION};
+pub use generation::{Generation, RequestDone, ResponseDone, Ticket};
 pub use health::{FilterHealth, HealthPolicy, HealthState};
 pub use imports::NodeServices;
 pub use instance::{FilterInstance, Startup};
 pub use local::{LocalChains, RootCall};
 pub use runtime::{AddressSpace, Runtime, RuntimeConfig, RuntimeError, default_cache_dir};
-pub use worker::{Generation, PoolError, RequestDone, ResponseDone, Ticket, WorkerPool};
+pub use worker::{PoolError, WorkerPool};

@@ -16,8 +16,8 @@ use dpumesh_head::RequestHead;
 use crate::bindings::ResponseInfo;
 use crate::callout::CalloutReply;
 use crate::chain::ChainRunner;
-use crate::proxywasm::queues::WakeSlot;
-use crate::worker::{Generation, RequestDone, ResponseDone, Ticket};
+use crate::generation::{Generation, RequestDone, ResponseDone, Ticket};
+use crate::queues::WakeSlot;
 
 /// Retired generations kept for responses still to come.
 pub const MAX_RETIRED: usize = 3;
@@ -102,7 +102,7 @@ impl LocalChains {
     /// How to wake the owning thread when a plugin's shared queue gets an item: it
     /// then calls [`Self::tick`], which tells the plugins. Set by the owning thread
     /// when it starts (instances created before keep following it).
-    pub fn set_waker(&self, waker: crate::proxywasm::queues::Waker) {
+    pub fn set_waker(&self, waker: crate::queues::Waker) {
         self.wake.set(waker);
     }
 
@@ -156,7 +156,7 @@ impl LocalChains {
         ticket: &Ticket,
         head: RequestHead,
         info: &ResponseInfo,
-        headers: Option<&mut crate::chain::ResponseHeaders>,
+        headers: Option<&mut crate::call::ResponseHeaders>,
     ) -> ResponseDone {
         let runners = self.runners(&ticket.generation);
         runners.open = runners.open.saturating_sub(1);

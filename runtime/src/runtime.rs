@@ -166,7 +166,7 @@ impl Runtime {
             .root()
             .func_wrap(
                 crate::fusion::driver::ENTER,
-                crate::fusion::instance::enter_filter,
+                crate::fusion::driver::enter_filter,
             )
             .map_err(|e| RuntimeError(format!("linking the chain driver: {e:#}")))?;
         let pw_linker = crate::proxywasm::linker(&engine)

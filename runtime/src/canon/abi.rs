@@ -2,7 +2,7 @@
 //! and writing what it gets back, with the checks the component model makes (bounds,
 //! alignment, UTF-8), so a malformed call traps the same way on both paths.
 
-use wasmtime::{AsContext, AsContextMut, Caller, Memory, Result, TypedFunc, format_err};
+use wasmtime::{AsContext, AsContextMut, Caller, Memory, Result, format_err};
 
 use crate::imports::StoreState;
 
@@ -17,19 +17,7 @@ impl<T: AsContext<Data = StoreState>> Ctx for T {}
 pub(crate) trait CtxMut: AsContextMut<Data = StoreState> {}
 impl<T: AsContextMut<Data = StoreState>> CtxMut for T {}
 
-/// `cabi_realloc(old, old_size, align, new_size) -> ptr`.
-pub(crate) type Realloc = TypedFunc<(i32, i32, i32, i32), i32>;
-
-/// What the imports need of the instance they serve: its memory and its allocator.
-pub(crate) struct Guest {
-    pub(crate) memory: Memory,
-    /// Taken out while it runs (the import that calls it holds the store), so it is
-    /// moved rather than cloned: a `TypedFunc` clone costs two atomic operations.
-    pub(crate) realloc: Option<Realloc>,
-    /// Whether the head's borrow is in the guest's hands: from the start of a call
-    /// that lends it until the guest drops it, which it must before returning.
-    pub(crate) lent: bool,
-}
+pub(crate) use crate::imports::core::{Guest, Realloc};
 
 fn guest(cx: &impl Ctx) -> Result<Memory> {
     cx.as_context()

@@ -114,7 +114,7 @@ fn link_versions(linker: &mut Linker<StoreState>, module: &Module) -> wasmtime::
         let ours = if iface.starts_with("wasi:") && version.starts_with("0.2.") {
             wasi::VERSION
         } else if iface.starts_with("dpumesh:filter/") && version.starts_with("0.1.") {
-            crate::filter::WIT_VERSION
+            crate::bindings::WIT_VERSION
         } else {
             continue;
         };

@@ -14,11 +14,11 @@ use dpumesh_head::RequestHead;
 
 use super::{ChainOutcome, ChainRunner, Decision, Next, Step, checked_reply};
 use crate::bindings::{ResponseInfo, Verdict};
+use crate::call::CallInput;
 use crate::error::{FilterFault, Phase};
 use crate::filter::FailurePolicy;
 use crate::fusion::instance::{Decided, FusedFault, FusedInstance};
 use crate::health::HealthState;
-use crate::instance::CallInput;
 use crate::stamp::Stamp;
 
 /// How long after a failed attempt the fused instance is tried again.

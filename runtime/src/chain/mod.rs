@@ -9,12 +9,13 @@ use dpumesh_head::RequestHead;
 use http::{HeaderName, HeaderValue};
 
 use crate::bindings::{self, ResponseInfo};
+use crate::call::{CallInput, ResponseHeaders};
 use crate::epoch::Epoch;
 use crate::error::{FaultKind, FilterFault, Phase};
 use crate::filter::{FailurePolicy, LoadedFilter};
 use crate::health::HealthState;
-use crate::instance::{CallInput, FilterInstance};
-use crate::proxywasm::queues::WakeSlot;
+use crate::instance::FilterInstance;
+use crate::queues::WakeSlot;
 use crate::stamp::Stamp;
 
 mod fused;
@@ -98,16 +99,6 @@ impl FilterChain {
     pub fn offload(&self) -> bool {
         self.filters.iter().any(|f| f.settings().offload)
     }
-}
-
-/// A response's header fields as the response phase may edit them (a proxy-wasm
-/// plugin's `on_http_response_headers`; components only read [`ResponseInfo`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ResponseHeaders {
-    /// The fields, in order (names lower-case), without `:status`.
-    pub fields: Vec<(String, Vec<u8>)>,
-    /// Whether a filter changed them.
-    pub edited: bool,
 }
 
 /// A reply the proxy sends instead of forwarding a request.
@@ -715,9 +706,9 @@ impl ChainRunner {
         &mut self,
         index: usize,
         phase: Phase,
-        result: Result<crate::instance::Answer, FaultKind>,
+        result: Result<crate::call::Answer, FaultKind>,
     ) -> Step {
-        use crate::instance::Answer;
+        use crate::call::Answer;
         match result {
             Ok(Answer::Continue) => {
                 self.slots[index].filter.health.record_success();
@@ -836,7 +827,7 @@ impl ChainRunner {
         line: &CallInput,
         mark: &mut Stamp,
         head: Box<RequestHead>,
-    ) -> (Box<RequestHead>, Result<crate::instance::Answer, FaultKind>) {
+    ) -> (Box<RequestHead>, Result<crate::call::Answer, FaultKind>) {
         let slot = &mut self.slots[index];
         slot.invocations.increment(1);
         if slot.instance.is_none() {

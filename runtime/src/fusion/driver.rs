@@ -28,8 +28,11 @@
 
 use std::fmt::Write as _;
 
+use wasmtime::StoreContextMut;
 use wit_component::{ComponentEncoder, StringEncoding};
 use wit_parser::Resolve;
+
+use crate::imports::StoreState;
 
 /// The host function the driver calls before each filter: how the host knows which
 /// filter runs (its limits, its imports' identity, its time and its faults).
@@ -86,7 +89,7 @@ pub(crate) fn component(response: &[bool]) -> Result<Vec<u8>, DriverError> {
 
 /// The driver's world (see the module docs).
 fn world(response: &[bool]) -> String {
-    let version = crate::filter::WIT_VERSION;
+    let version = crate::bindings::WIT_VERSION;
     let mut wit = format!(
         "package dpumesh:chain-driver;\n\
          world driver {{\n\
@@ -135,7 +138,7 @@ const HEAD_AND_INFO: [(&str, &str); 7] = [
 fn core_module(response: &[bool]) -> String {
     let n = response.len();
     let mut wat = String::from("(module\n");
-    let version = crate::filter::WIT_VERSION;
+    let version = crate::bindings::WIT_VERSION;
     let _ = writeln!(
         wat,
         "(import \"$root\" \"{ENTER}\" (func $enter (param i32)))\n\
@@ -241,6 +244,17 @@ fn core_module(response: &[bool]) -> String {
     );
     wat.push_str(")\n");
     wat
+}
+
+/// The host side of the driver's `enter-filter`: the store acts for filter `index`
+/// from now on (its identity, memory cap and CPU deadline), and the time is marked.
+pub(crate) fn enter_filter(
+    mut store: StoreContextMut<'_, StoreState>,
+    (index,): (u32,),
+) -> wasmtime::Result<()> {
+    let ticks = store.data_mut().enter(index as usize)?;
+    store.set_epoch_deadline(ticks);
+    Ok(())
 }
 
 #[cfg(test)]

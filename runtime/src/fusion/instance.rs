@@ -6,30 +6,19 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use dpumesh_head::RequestHead;
-use wasmtime::StoreContextMut;
 use wasmtime::component::{Resource, TypedFunc};
 
 use super::FusedChain;
 use crate::bindings::{RequestLine, ResponseInfo, Verdict};
+use crate::call::{CallInput, arm_store, classify, new_store};
 use crate::error::{FaultKind, LoadError};
 use crate::filter::LoadedFilter;
 use crate::imports::{HeadHandle, Member, StoreState};
-use crate::instance::{CallInput, arm_store, classify, configure, new_store};
+use crate::instance::configure;
 use crate::stamp::Stamp;
 
 type RunRequest = TypedFunc<(Arc<RequestLine>, Resource<HeadHandle>, u32), ((u32, Verdict),)>;
 type RunResponse = TypedFunc<(Resource<HeadHandle>, ResponseInfo, u32, u32), ()>;
-
-/// The host side of the driver's `enter-filter`: the store acts for filter `index`
-/// from now on (its identity, memory cap and CPU deadline), and the time is marked.
-pub(crate) fn enter_filter(
-    mut store: StoreContextMut<'_, StoreState>,
-    (index,): (u32,),
-) -> wasmtime::Result<()> {
-    let ticks = store.data_mut().enter(index as usize)?;
-    store.set_epoch_deadline(ticks);
-    Ok(())
-}
 
 /// A fault in a fused call: the filter it belongs to (the one this call entered
 /// last; `None` when the driver failed before entering any) and what happened.

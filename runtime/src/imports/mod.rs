@@ -22,14 +22,13 @@ use crate::stamp::Stamp;
 use crate::stderr::StderrTail;
 
 pub(crate) mod clocks;
+pub(crate) mod core;
 mod head;
 mod services;
 
 pub(crate) use head::{header_error, wit_method, wit_scheme};
 
-/// Stand-in type of the `request-head` resource (see the module docs).
-#[derive(Debug)]
-pub struct HeadHandle;
+pub use crate::bindings::HeadHandle;
 
 /// Node-wide services every filter instance reaches through its imports.
 #[derive(Debug, Clone)]
@@ -43,7 +42,7 @@ pub struct NodeServices {
     /// The upstream names a filter's HTTP calls may use.
     pub callouts: Arc<crate::callout::CalloutTargets>,
     /// proxy-wasm plugins' shared queues.
-    pub queues: Arc<crate::proxywasm::queues::SharedQueues>,
+    pub queues: Arc<crate::queues::SharedQueues>,
 }
 
 /// Per-instance identity used to tag logs and metrics.
@@ -74,7 +73,7 @@ enum MetricHandle {
 /// Whom a store's guest code acts for: one filter's identity, shared-state namespace
 /// and metrics, and the limits its calls run under. A store of one filter has one
 /// member; a fused chain's store has one per filter and switches as the chain's driver
-/// enters each (see [`crate::fusion`]).
+/// enters each (the fused chains).
 pub(crate) struct Member {
     tag: Arc<FilterTag>,
     namespace: Namespace,
@@ -134,9 +133,9 @@ pub(crate) struct StoreState {
     services: NodeServices,
     wasi: WasiCtx,
     table: ResourceTable,
-    /// The instance's memory and allocator when it runs as a core instance
-    /// ([`crate::canon`]).
-    pub(crate) core: Option<crate::canon::abi::Guest>,
+    /// The instance's memory and allocator when it runs as a core instance (the
+    /// core path's part).
+    pub(crate) core: Option<core::Guest>,
 }
 
 impl StoreState {
@@ -261,7 +260,7 @@ impl StoreState {
         self.limiter.hit = false;
         Ok(self
             .budget
-            .arm(member.deadline, crate::instance::MAX_TICKS_BETWEEN_CHECKS))
+            .arm(member.deadline, crate::budget::MAX_TICKS_BETWEEN_CHECKS))
     }
 
     /// The filters entered by the last fused call, with the time each began.

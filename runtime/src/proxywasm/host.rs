@@ -534,7 +534,7 @@ fn properties_and_shared(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
             else {
                 wasmtime::bail!(
                     "the node has {} shared queues already",
-                    super::queues::MAX_QUEUES
+                    crate::queues::MAX_QUEUES
                 );
             };
             state::write_u32(&mut caller, ret, id)?;

@@ -16,9 +16,9 @@ use super::host::config_buffer;
 use super::plugin::Plugin;
 use super::state::{CallState, LocalResponse, PwState};
 use crate::bindings::{LocalReply, ResponseInfo};
+use crate::call::{Answer, classify};
 use crate::callout::CalloutReply;
 use crate::error::{FaultKind, LoadError};
-use crate::instance::{Answer, classify};
 
 /// The root context's id (Envoy: 1 in a single-plugin VM, so requests start at 2, as
 /// the SDK's examples log).
@@ -342,7 +342,7 @@ impl PwInstance {
         &mut self,
         head: Box<RequestHead>,
         info: &ResponseInfo,
-        mut headers: Option<&mut crate::chain::ResponseHeaders>,
+        mut headers: Option<&mut crate::call::ResponseHeaders>,
         deadline: Duration,
     ) -> (Box<RequestHead>, Result<(), FaultKind>) {
         let context = head.metadata(&self.metadata_key()).and_then(|v| {

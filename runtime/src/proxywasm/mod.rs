@@ -15,7 +15,7 @@
 //! The proxy is header-only: body and trailer callbacks are never called. A request a
 //! plugin pauses for its HTTP calls is parked in its [`crate::ChainRunner`] (the owner
 //! performs the calls and hands the answers back); shared queues are the node's
-//! ([`queues`]). docs/proxy-wasm.md says what is built and what differs from Envoy.
+//! ([`crate::queues`]). docs/proxy-wasm.md says what is built and what differs from Envoy.
 
 pub mod abi;
 pub(crate) mod calls;
@@ -23,15 +23,11 @@ pub(crate) mod host;
 pub(crate) mod instance;
 pub(crate) mod plugin;
 pub mod properties;
-pub mod queues;
 pub(crate) mod state;
 
 pub use plugin::is_core_module;
 pub use state::PluginConfig;
 
-use std::sync::Arc;
-
-use crate::filter::LoadedFilter;
 use state::PwState;
 
 /// The `env` and WASI functions every plugin links against.
@@ -62,46 +58,7 @@ pub(crate) fn linker(engine: &wasmtime::Engine) -> wasmtime::Result<wasmtime::Li
     Ok(linker)
 }
 
-/// The store data of a new instance of `filter`.
-pub(crate) fn new_state(
-    filter: &Arc<LoadedFilter>,
-    plugin: &Arc<plugin::Plugin>,
-    wake: &Arc<queues::WakeSlot>,
-) -> PwState {
-    let runtime = &filter.runtime.inner;
-    let settings = &filter.settings;
-    let stderr = crate::stderr::StderrTail::default();
-    // No files, no network, no environment or arguments: a plugin sees the head.
-    let wasi = wasmtime_wasi::WasiCtx::builder()
-        .stderr(stderr.clone())
-        .stdout(stderr.clone())
-        .allow_tcp(false)
-        .allow_udp(false)
-        .allow_ip_name_lookup(false)
-        .build_p1();
-    let namespace = settings.namespace.as_deref().unwrap_or(&settings.name);
-    PwState {
-        limiter: crate::limits::MemoryLimiter::new(settings.memory_cap),
-        budget: crate::budget::CpuBudget::new(runtime.config.epoch_tick),
-        stderr,
-        wasi,
-        services: runtime.services.clone(),
-        shared: runtime.services.state.namespace(namespace),
-        config: plugin.config.clone(),
-        call: Default::default(),
-        metrics: Vec::new(),
-        metric_ids: Default::default(),
-        vm_id: namespace.to_owned(),
-        queue_owner: queues::QueueOwner::new(wake.clone()),
-        tick_ms: 0,
-        contexts: Default::default(),
-        effective: 0,
-        last_token: 0,
-        pending: Default::default(),
-    }
-}
-
-impl crate::instance::CallData for PwState {
+impl crate::call::CallData for PwState {
     fn limiter(&mut self) -> &mut crate::limits::MemoryLimiter {
         &mut self.limiter
     }

@@ -94,7 +94,7 @@ pub(crate) struct PwState {
     /// The VM id its shared queues are registered under (the filter's namespace).
     pub(crate) vm_id: String,
     /// This instance's side of the node's shared queues.
-    pub(crate) queue_owner: Arc<super::queues::QueueOwner>,
+    pub(crate) queue_owner: Arc<crate::queues::QueueOwner>,
     /// The root's tick period (`proxy_set_tick_period_milliseconds`); 0 = none.
     pub(crate) tick_ms: u32,
     /// The contexts alive in the guest: the root and the requests under way.

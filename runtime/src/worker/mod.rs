@@ -26,8 +26,8 @@ use dpumesh_supervise::{RestartPolicy, Supervisor, ThreadHealth};
 use tokio::sync::oneshot;
 
 use crate::bindings::ResponseInfo;
-use crate::chain::{ChainOutcome, FilterChain};
 use crate::error::FilterFault;
+pub use crate::generation::{Generation, RequestDone, ResponseDone, Ticket};
 
 mod reply;
 mod thread;
@@ -56,61 +56,6 @@ pub enum PoolError {
         current: u64,
     },
 }
-
-/// A published, numbered set of chains.
-#[derive(Debug)]
-pub struct Generation {
-    number: u64,
-    chains: Vec<Arc<FilterChain>>,
-}
-
-impl Generation {
-    /// Generation `number` of `chains`.
-    pub fn new(number: u64, chains: Vec<Arc<FilterChain>>) -> Arc<Self> {
-        Arc::new(Self { number, chains })
-    }
-
-    /// The generation number.
-    pub fn number(&self) -> u64 {
-        self.number
-    }
-
-    pub fn chains(&self) -> &[Arc<FilterChain>] {
-        &self.chains
-    }
-
-    /// The index of the chain named `name`.
-    pub fn chain_index(&self, name: &str) -> Option<usize> {
-        self.chains.iter().position(|c| c.name() == name)
-    }
-}
-
-/// Where a request's response phase must run: the worker, generation and chain of its
-/// request phase, and how many filters ran.
-#[derive(Debug, Clone)]
-pub struct Ticket {
-    /// The worker that ran the request phase.
-    pub worker: usize,
-    /// The generation it ran in.
-    pub generation: Arc<Generation>,
-    /// The chain's index in that generation.
-    pub chain: usize,
-    /// Filters whose `on-request` ran.
-    pub ran: usize,
-}
-
-/// The request phase's result.
-#[derive(Debug)]
-pub struct RequestDone {
-    /// Where the response phase must run.
-    pub ticket: Ticket,
-    /// What the chain decided.
-    pub outcome: ChainOutcome,
-}
-
-/// What a response phase gives back: the request head (as the response filters left
-/// it) and the faults of filters that failed in it.
-pub type ResponseDone = (RequestHead, Vec<FilterFault>);
 
 enum Job {
     Request {
@@ -164,7 +109,7 @@ impl std::fmt::Debug for WorkerPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WorkerPool")
             .field("workers", &self.senders.len())
-            .field("generation", &self.current.load().number)
+            .field("generation", &self.current.load().number())
             .finish()
     }
 }
@@ -175,7 +120,7 @@ impl WorkerPool {
     pub fn start(generation: Arc<Generation>, workers: usize) -> std::io::Result<Self> {
         let workers = workers.max(1);
         let on: Arc<[AtomicU64]> = (0..workers)
-            .map(|_| AtomicU64::new(generation.number))
+            .map(|_| AtomicU64::new(generation.number()))
             .collect();
         let mut senders = Vec::with_capacity(workers);
         let mut threads = Vec::with_capacity(workers);
@@ -187,7 +132,7 @@ impl WorkerPool {
             // A plugin's shared queue got an item: the worker tells it between jobs.
             // (Weak: the pool's drop still closes the channel.)
             let weak = Arc::downgrade(&tx);
-            let waker: crate::proxywasm::queues::Waker = Arc::new(move || {
+            let waker: crate::queues::Waker = Arc::new(move || {
                 if let Some(tx) = weak.upgrade() {
                     let _ = tx.send(Job::Wake);
                 }
@@ -245,10 +190,10 @@ impl WorkerPool {
     /// worker switches as soon as it finishes its current job. Requests already
     /// submitted finish on the generation they were submitted with.
     pub fn publish(&self, generation: Arc<Generation>) -> Result<(), PoolError> {
-        let current = self.current.load().number;
-        if generation.number <= current {
+        let current = self.current.load().number();
+        if generation.number() <= current {
             return Err(PoolError::StaleGeneration {
-                published: generation.number,
+                published: generation.number(),
                 current,
             });
         }
@@ -290,7 +235,7 @@ impl WorkerPool {
         head: RequestHead,
         reply: Reply<RequestDone>,
     ) -> Result<(), PoolError> {
-        if chain >= generation.chains.len() {
+        if chain >= generation.chains().len() {
             return Err(PoolError::UnknownChain(chain));
         }
         let mut job = Job::Request {
@@ -383,7 +328,7 @@ impl WorkerPool {
         info: ResponseInfo,
         reply: Reply<ResponseDone>,
     ) -> Result<(), PoolError> {
-        if ticket.chain >= ticket.generation.chains.len() {
+        if ticket.chain >= ticket.generation.chains().len() {
             return Err(PoolError::UnknownChain(ticket.chain));
         }
         let worker = ticket.worker;
@@ -437,7 +382,7 @@ impl WorkerPool {
     }
 
     fn to_worker(&self, ticket: &Ticket, job: Job) -> Result<(), PoolError> {
-        if ticket.chain >= ticket.generation.chains.len() {
+        if ticket.chain >= ticket.generation.chains().len() {
             return Err(PoolError::UnknownChain(ticket.chain));
         }
         self.to_worker_at(ticket.worker, job)

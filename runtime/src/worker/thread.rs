@@ -36,7 +36,7 @@ impl Worker {
     }
 
     /// How plugins' shared-queue notifications reach this worker.
-    pub(super) fn set_waker(&self, waker: crate::proxywasm::queues::Waker) {
+    pub(super) fn set_waker(&self, waker: crate::queues::Waker) {
         self.chains.set_waker(waker);
     }
 

@@ -352,7 +352,7 @@ fn calls_from_the_root_context_are_handed_to_an_owner_that_makes_them_and_answer
             .map(|(v, _)| String::from_utf8(v.to_vec()).unwrap())
     };
     // A shard's slot: it makes its instances' root calls.
-    let slot = Arc::new(dpumesh_runtime::proxywasm::queues::WakeSlot::default());
+    let slot = Arc::new(dpumesh_runtime::queues::WakeSlot::default());
     slot.set_performs_calls();
     let mut runner = ChainRunner::with_wake(Arc::new(FilterChain::new("root", vec![filter])), slot);
     let mut due = runner.tick(std::time::Instant::now()).unwrap();

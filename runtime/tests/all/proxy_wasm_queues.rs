@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dpumesh_runtime::proxywasm::queues::WakeSlot;
+use dpumesh_runtime::queues::WakeSlot;
 use dpumesh_runtime::{ChainRunner, FilterChain, Generation, LoadedFilter, Runtime, WorkerPool};
 use dpumesh_test_artifacts as artifacts;
 use serde_json::json;

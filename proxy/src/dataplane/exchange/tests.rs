@@ -450,7 +450,10 @@ fn a_policed_request_opens_with_its_head_and_a_body_read_marks_it_reading() {
     };
     let xid = table.open(opening, t0);
     let exchange = table.start_try(xid, t0).expect("open");
-    assert_eq!(exchange.head.as_ref().map(|h| h.method.as_str()), Some("PUT"));
+    assert_eq!(
+        exchange.head.as_ref().map(|h| h.method.as_str()),
+        Some("PUT")
+    );
     let token = table.next_token();
     table.track(
         token,
