@@ -8,6 +8,7 @@ mod core_calls;
 mod errors;
 mod faults;
 mod fused;
+mod layers;
 mod proxy_wasm;
 mod proxy_wasm_calls;
 mod proxy_wasm_queues;
