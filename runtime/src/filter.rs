@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use wasmtime::component::{Component, ComponentExportIndex, InstancePre};
 
-use crate::cache::{CompileError, content_hash};
+use crate::artifacts::{CompileError, content_hash};
 use crate::error::LoadError;
 use crate::health::{FilterHealth, HealthPolicy};
 use crate::imports::{FilterTag, StoreState};

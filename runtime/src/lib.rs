@@ -20,9 +20,9 @@
 
 #![deny(unsafe_code)]
 
+mod artifacts;
 mod bindings;
 mod budget;
-mod cache;
 mod call;
 pub mod callout;
 pub(crate) mod canon;

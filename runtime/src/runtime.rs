@@ -13,7 +13,7 @@ use dpumesh_shared_state::{SharedState, StateLimits};
 use wasmtime::component::{HasSelf, Linker};
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
-use crate::cache::CompileCache;
+use crate::artifacts::ArtifactStore;
 use crate::epoch::Epoch;
 use crate::imports::{NodeServices, StoreState};
 
@@ -114,7 +114,7 @@ pub(crate) struct RuntimeInner {
     /// instances ([`crate::canon`]).
     pub(crate) core_linker: wasmtime::Linker<StoreState>,
     pub(crate) services: NodeServices,
-    pub(crate) cache: CompileCache,
+    pub(crate) cache: ArtifactStore,
     pub(crate) config: RuntimeConfig,
     /// The epoch ticker's shared side (calls wake it when it parked).
     pub(crate) epoch: Arc<Epoch>,
@@ -180,7 +180,7 @@ impl Runtime {
             callouts: Arc::default(),
             queues: Arc::default(),
         };
-        let cache = CompileCache::new(&engine, config.cache_dir.clone());
+        let cache = ArtifactStore::new(&engine, config.cache_dir.clone());
         let (epoch, ticker) =
             crate::epoch::spawn(engine.clone(), services.state.clone(), config.epoch_tick)
                 .map_err(|e| RuntimeError(format!("starting the epoch ticker: {e}")))?;

@@ -68,7 +68,7 @@ struct Inner {
     min_level: Cell<Level>,
     metrics: RefCell<Vec<Metric>>,
     /// Parsed payloads, as the proxy keeps them for `claims`.
-    claims: RefCell<dpumesh_claims::Cache>,
+    claims: RefCell<dpumesh_claims::ParsedClaims>,
 }
 
 /// The mock proxy. Cloning gives another handle to the same one.
@@ -104,7 +104,7 @@ impl MockProxy {
                 logs: RefCell::new(Vec::new()),
                 min_level: Cell::new(Level::Debug),
                 metrics: RefCell::new(Vec::new()),
-                claims: RefCell::new(dpumesh_claims::Cache::new()),
+                claims: RefCell::new(dpumesh_claims::ParsedClaims::new()),
             }),
         }
     }

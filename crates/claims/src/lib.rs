@@ -102,20 +102,20 @@ impl Claims {
 
 /// Payloads longer than this are parsed each time rather than kept.
 const MAX_CACHED_PAYLOAD: usize = 8 * 1024;
-/// Distinct payloads kept at most; the cache starts over when full.
+/// Distinct payloads kept at most; the memo starts over when full.
 const MAX_ENTRIES: usize = 64;
 
 /// Parsed payloads by their text, so the claims of a token seen again (the JWT
-/// filter's own cache hands out the same payload text for it) are not parsed again.
+/// filter's memo of verified tokens hands out the same payload text for it) are not parsed again.
 /// Bounded: at most 64 payloads of at most 8 KiB each are kept.
 #[derive(Debug, Default)]
-pub struct Cache {
+pub struct ParsedClaims {
     parsed: HashMap<Box<str>, Option<Arc<Claims>>>,
     parses: u64,
 }
 
-impl Cache {
-    /// An empty cache.
+impl ParsedClaims {
+    /// None parsed yet.
     pub fn new() -> Self {
         Self::default()
     }
@@ -210,7 +210,7 @@ mod tests {
 
     #[test]
     fn the_cache_parses_a_payload_once_and_stays_bounded() {
-        let mut cache = Cache::new();
+        let mut cache = ParsedClaims::new();
         let a = cache.get(PAYLOAD).unwrap();
         let b = cache.get(PAYLOAD).unwrap();
         assert!(Arc::ptr_eq(&a, &b));

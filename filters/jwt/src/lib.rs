@@ -19,11 +19,11 @@
 
 #![forbid(unsafe_code)]
 
-pub mod cache;
 pub mod config;
 pub mod extractor;
 pub mod matcher;
 pub mod token;
+pub mod verified;
 pub mod verifier;
 
 use dpumesh_filter_sdk::metrics::Counter;
@@ -33,16 +33,16 @@ use dpumesh_filter_sdk::{
 };
 use serde_json::Value;
 
-use crate::cache::{TokenCache, Verified};
 use crate::config::{Config, Mode, Provider, RawConfig};
 use crate::extractor::Location;
+use crate::verified::{Verified, VerifiedTokens};
 use crate::verifier::Failure;
 
 /// The filter.
 #[derive(Debug)]
 pub struct Jwt {
     config: Config,
-    cache: TokenCache,
+    cache: VerifiedTokens,
     verified: Counter,
     cache_hits: Counter,
     missing: Counter,
@@ -187,7 +187,7 @@ impl Filter for Jwt {
         owned_headers.dedup();
         Ok(Self {
             owned_headers,
-            cache: TokenCache::new(config.cache_entries),
+            cache: VerifiedTokens::new(config.cache_entries),
             verified: counter(&[("result", "verified")])?,
             cache_hits: counter(&[("result", "cache_hit")])?,
             missing: counter(&[("result", "missing")])?,

@@ -73,7 +73,7 @@ pub(crate) enum Unsupported {
 pub(crate) fn prepare(
     engine: &Engine,
     base: &Linker<StoreState>,
-    cache: &crate::cache::CompileCache,
+    cache: &crate::artifacts::ArtifactStore,
     hash: &str,
     bytes: &[u8],
     enabled: bool,

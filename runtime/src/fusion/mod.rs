@@ -130,13 +130,13 @@ pub(crate) fn fuse(chain: &str, filters: &[Arc<LoadedFilter>]) -> Result<FusedCh
         other => failed(other.to_string()),
     })?;
     let runtime = &filters[0].runtime.inner;
-    let hash = crate::cache::content_hash(&composed);
+    let hash = crate::artifacts::content_hash(&composed);
     let component = runtime
         .cache
         .get_or_compile(&runtime.engine, &hash, &composed)
         .map_err(|e| match e {
-            crate::cache::CompileError::NotAComponent(detail)
-            | crate::cache::CompileError::Compile(detail) => failed(detail),
+            crate::artifacts::CompileError::NotAComponent(detail)
+            | crate::artifacts::CompileError::Compile(detail) => failed(detail),
         })?;
     let export = |name: &str| component.get_export_index(None, name);
     let run_request = export(driver::RUN_REQUEST)

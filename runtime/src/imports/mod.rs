@@ -116,7 +116,7 @@ pub(crate) struct StoreState {
     pub(crate) budget: crate::budget::CpuBudget,
     /// Verified claims parsed for `request-head.claims`, by payload text: a token seen
     /// again is not parsed again.
-    claims: dpumesh_claims::Cache,
+    claims: dpumesh_claims::ParsedClaims,
     /// Never empty; `current` always indexes it.
     members: Vec<Member>,
     current: usize,
@@ -184,7 +184,7 @@ impl StoreState {
             limiter,
             stderr,
             budget: crate::budget::CpuBudget::new(tick),
-            claims: dpumesh_claims::Cache::new(),
+            claims: dpumesh_claims::ParsedClaims::new(),
             members,
             current: 0,
             marks: Vec::new(),

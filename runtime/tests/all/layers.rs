@@ -20,7 +20,7 @@ const LAYERS: &[&str] = &[
     "health",
     "input",
     "callout",
-    "cache",
+    "artifacts",
     "queues",
     "bindings",
     "imports",

@@ -1,7 +1,9 @@
-//! Compiling components once: an in-memory map and an on-disk `.cwasm` cache.
+//! Compiling components once: compiled artifacts in memory and on disk (`.cwasm`
+//! files in the artifact directory, `cache_dir` in the runtime's settings, a name kept
+//! for compatibility; in this code "cache" means the HTTP response cache alone).
 //!
-//! A cache entry is keyed by the SHA-256 of the component bytes and by the engine's
-//! compatibility hash (wasmtime version, target, compiler settings), so a cached
+//! An artifact is keyed by the SHA-256 of the component bytes and by the engine's
+//! compatibility hash (wasmtime version, target, compiler settings), so a stored
 //! artifact is only ever loaded by an engine that produced an identical one.
 
 use std::collections::HashMap;
@@ -20,7 +22,7 @@ pub(crate) fn content_hash(bytes: &[u8]) -> String {
 
 /// Compiles components at most once per content hash.
 #[derive(Debug)]
-pub(crate) struct CompileCache {
+pub(crate) struct ArtifactStore {
     dir: Option<PathBuf>,
     engine_hash: String,
     memory: Mutex<HashMap<String, Component>>,
@@ -69,7 +71,7 @@ pub(crate) enum CompileError {
     Compile(String),
 }
 
-impl CompileCache {
+impl ArtifactStore {
     pub(crate) fn new(engine: &Engine, dir: Option<PathBuf>) -> Self {
         let mut hasher = DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut hasher);

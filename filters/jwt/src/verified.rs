@@ -1,4 +1,4 @@
-//! A bounded cache of verified tokens, keyed by the token itself (SipHash with a
+//! A bounded memo of verified tokens, keyed by the token itself (SipHash with a
 //! per-instance random key, so crafted tokens cannot collide into one bucket), so a
 //! repeated token skips parsing and signature checks. Entries remember the key-set
 //! version they were verified with and their validity window; time is re-checked on
@@ -34,13 +34,13 @@ pub struct Verified {
 /// verified, so nobody can choose colliding keys to fill it). Entries are shared, so a
 /// hit is a reference count, not a copy, and one lookup.
 #[derive(Debug)]
-pub struct TokenCache {
+pub struct VerifiedTokens {
     max: usize,
     entries: HashTable<(Box<str>, Rc<Verified>)>,
     hasher: foldhash::fast::RandomState,
 }
 
-impl TokenCache {
+impl VerifiedTokens {
     /// A cache of at most `max` entries (0 disables it).
     pub fn new(max: usize) -> Self {
         Self {
@@ -163,7 +163,7 @@ mod tests {
 
     #[test]
     fn hits_need_the_same_token_provider_and_key_version_in_the_window() {
-        let mut cache = TokenCache::new(2);
+        let mut cache = VerifiedTokens::new(2);
         cache.insert("token-a.payload.sig", verified(0), 1.0);
         assert!(cache.get("token-a.payload.sig", 0, 1, 1.0).is_some());
         assert!(cache.get("token-a.payload.sih", 0, 1, 1.0).is_none());
@@ -178,7 +178,7 @@ mod tests {
 
     #[test]
     fn the_cache_stays_bounded_and_reinserting_replaces() {
-        let mut cache = TokenCache::new(2);
+        let mut cache = VerifiedTokens::new(2);
         cache.insert("a", verified(0), 1.0);
         cache.insert("a", verified(1), 1.0);
         assert_eq!(cache.len(), 1);
