@@ -27,5 +27,5 @@ target=aarch64-unknown-linux-gnu
 # ~4 minutes of CI).
 echo "==> aarch64 under qemu: the data path, the filter runtime, the built-in filters' suites, the BlueCache agent, the HTTP cache policy, Pingmesh"
 cargo test --locked --target "$target" \
-    -p dpumesh-dpa -p dpumesh-runtime -p dpumesh-conformance -p dpumesh-store -p dpumesh-http-cache -p dpumesh-pingmesh \
+    -p dpumesh-dpa -p dpumesh-rings -p dpumesh-fabric -p dpumesh-control -p dpumesh-runtime -p dpumesh-conformance -p dpumesh-store -p dpumesh-http-cache -p dpumesh-pingmesh \
     --lib --test cases --test fabric_cases --test multiprocess --test all --test suites "$@"

@@ -47,9 +47,9 @@ lints() {
     echo "==> cargo clippy (the proxy-wasm test plugin for wasm32-wasip1)"
     cargo clippy --locked --target wasm32-wasip1 -p dpumesh-proxy-wasm-test -- -D warnings
     echo "==> cargo clippy (data path with the DOCA backends: type-checked, linked only on BlueField)"
-    cargo clippy --locked -p dpumesh-dpa --features doca --all-targets -- -D warnings
+    cargo clippy --locked -p dpumesh-dpa -p dpumesh-rings -p dpumesh-control --features dpumesh-dpa/doca --all-targets -- -D warnings
     echo "==> cargo clippy (data path with the verbs backend)"
-    cargo clippy --locked -p dpumesh-dpa --features verbs --all-targets -- -D warnings
+    cargo clippy --locked -p dpumesh-dpa -p dpumesh-fabric --features dpumesh-dpa/verbs --all-targets -- -D warnings
 }
 
 # What the tests need besides the toolchain.
@@ -81,7 +81,7 @@ tests() {
     step "the runtime's chain and fault tests again, every test chain fused into one component" \
         env DPUMESH_TEST_FUSED=1 cargo test --locked "${more[@]}" -p dpumesh-runtime --test all -- chain:: faults:: claims::
     step "cargo test (verbs backend: with no RDMA device it says so)" \
-        cargo test --locked "${more[@]}" -p dpumesh-dpa --features verbs --lib fabric::verbs
+        cargo test --locked "${more[@]}" -p dpumesh-fabric --features verbs --lib verbs
     step "the DPU side for Arm64 (aarch64 cross-build, tests under qemu)" \
         ./scripts/test-arm64.sh "${more[@]}"
     step "pytest (the Python host library: the seed's examples, errors, WSGI)" \
@@ -104,7 +104,7 @@ prepare
 echo "==> building every test once, before the load starts"
 cargo test --workspace --locked --no-run
 DPUMESH_TEST_FUSED=1 cargo test --locked -p dpumesh-runtime --test all --no-run
-cargo test --locked -p dpumesh-dpa --features verbs --lib --no-run
+cargo test --locked -p dpumesh-fabric --features verbs --lib --no-run
 ./scripts/test-arm64.sh --no-run
 
 burners=()

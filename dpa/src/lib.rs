@@ -29,23 +29,16 @@
 //! implementations here are the product there, and follow the hardware semantics;
 //! hardware backends sit behind the `verbs` and `doca` features.
 
-pub mod bell;
-pub mod control;
-pub mod descriptor;
-pub mod dma;
+pub use dpumesh_control as control;
+pub use dpumesh_fabric as fabric;
+pub use dpumesh_rings::{bell, descriptor, dma, fdpass, peercred, poll, pool, ring, shm};
+
 pub mod dpu;
-pub mod fabric;
-pub mod fdpass;
 pub mod frame;
 pub mod host;
 pub mod link;
-pub mod peercred;
-pub mod poll;
-pub mod pool;
 pub mod reconnect;
-pub mod ring;
 pub mod rpc;
-pub mod shm;
 pub mod traceroute;
 
 pub use descriptor::{

@@ -150,16 +150,6 @@ impl std::fmt::Debug for Dpu {
     }
 }
 
-impl DmaEngine for Box<dyn DmaEngine> {
-    fn name(&self) -> &'static str {
-        (**self).name()
-    }
-
-    fn copy(&mut self, jobs: &[crate::dma::CopyJob<'_>]) -> Result<(), crate::dma::DmaError> {
-        (**self).copy(jobs)
-    }
-}
-
 impl Dpu {
     /// Starts a node with the software DMA engine, listening for pods on `control`.
     pub fn start(config: DpuConfig, control: &Endpoint) -> Result<Self, DpuError> {

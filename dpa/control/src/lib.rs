@@ -196,7 +196,7 @@ pub struct LaneExport {
 /// How to map one region.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionExport {
-    /// Region id (in [`crate::BufAddr`]s).
+    /// Region id (in [`dpumesh_rings::BufAddr`]s).
     pub id: u16,
     /// The region's name, for messages (`memfd:NAME`: it is passed as a descriptor,
     /// not opened by this).
@@ -220,7 +220,7 @@ pub enum RegionKind {
     },
     /// A descriptor ring.
     Ring { capacity: u32 },
-    /// A bell's `waiting` word (see [`crate::bell`]).
+    /// A bell's `waiting` word (see [`dpumesh_rings::bell`]).
     Bell,
 }
 

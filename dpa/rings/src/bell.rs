@@ -202,6 +202,30 @@ impl WaitSet {
     }
 }
 
+/// Makes a waiting completion queue's `wait` (or a ring's reader) return early, from
+/// any thread: one thread can then sleep on its queues and still be woken for other
+/// work (a channel, a ring).
+#[derive(Clone)]
+pub struct Interrupter(Arc<dyn Fn() + Send + Sync>);
+
+impl Interrupter {
+    /// Wraps the function that wakes the waiter.
+    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// Wakes the waiter (or makes its next wait return at once).
+    pub fn interrupt(&self) {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Interrupter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interrupter")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;

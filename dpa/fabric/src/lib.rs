@@ -30,6 +30,8 @@ pub mod admission;
 pub(crate) mod conformance;
 pub mod shm;
 pub mod soft;
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_tls;
 pub mod ud;
 #[cfg(feature = "verbs")]
 pub mod verbs;
@@ -38,7 +40,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::shm::SharedRegion;
+use dpumesh_rings::shm::SharedRegion;
 
 /// Access rights of a memory region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -300,28 +302,7 @@ pub trait MemoryRegion: Send + Sync {
     }
 }
 
-/// Makes a waiting [`CompletionQueue::wait`] return early, from any thread: one thread
-/// can then sleep on its queues and still be woken for other work (a channel, a ring).
-#[derive(Clone)]
-pub struct Interrupter(Arc<dyn Fn() + Send + Sync>);
-
-impl Interrupter {
-    /// Wraps the function that wakes the waiter.
-    pub fn new(f: impl Fn() + Send + Sync + 'static) -> Self {
-        Self(Arc::new(f))
-    }
-
-    /// Wakes the waiter (or makes its next wait return at once).
-    pub fn interrupt(&self) {
-        (self.0)()
-    }
-}
-
-impl std::fmt::Debug for Interrupter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Interrupter")
-    }
-}
+pub use dpumesh_rings::bell::Interrupter;
 
 /// A completion queue. Many queue pairs may share one; one thread polls it.
 pub trait CompletionQueue: Send + Sync {

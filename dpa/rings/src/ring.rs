@@ -259,7 +259,7 @@ pub struct Producer {
     tail: u64,
     head_cache: u64,
     bell: Option<Bell>,
-    notify: Option<crate::fabric::Interrupter>,
+    notify: Option<crate::bell::Interrupter>,
     /// The ring whose wake words a sleeping consumer waits on, if not this one's (a
     /// pod's RX lanes all wake through the first lane's words: the pod sleeps on one
     /// futex for all of them).
@@ -276,7 +276,7 @@ impl Producer {
 
     /// Also calls `notify` after each publish (for a consumer that sleeps on something
     /// else, e.g. a proxy sleeping on its fabric completion queue).
-    pub fn with_notify(mut self, notify: crate::fabric::Interrupter) -> Self {
+    pub fn with_notify(mut self, notify: crate::bell::Interrupter) -> Self {
         self.notify = Some(notify);
         self
     }
@@ -402,10 +402,10 @@ pub struct Consumer {
 impl Consumer {
     /// A handle that makes this consumer's [`Consumer::wait`] return early (from any
     /// thread of this process), e.g. when other work for the waiting thread came up.
-    pub fn interrupter(&self) -> crate::fabric::Interrupter {
+    pub fn interrupter(&self) -> crate::bell::Interrupter {
         let ring = self.ring.clone();
         let flag = self.interrupted.clone();
-        crate::fabric::Interrupter::new(move || {
+        crate::bell::Interrupter::new(move || {
             flag.store(true, Ordering::SeqCst);
             ring.wake_seq().fetch_add(1, Ordering::Release);
             let _ = rustix::thread::futex::wake(

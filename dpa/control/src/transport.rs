@@ -387,7 +387,7 @@ fn accept_loop(
         // A pod's identity is its registration: only processes of the node's user
         // (or root) may register (the token then proves the service).
         if let Stream::Unix(s) = &stream
-            && let Err(why) = crate::peercred::check_same_user(s)
+            && let Err(why) = dpumesh_rings::peercred::check_same_user(s)
         {
             tracing::warn!(why, "refused a control connection");
             continue;
@@ -590,9 +590,12 @@ fn send_with_fds(
 ) -> std::io::Result<()> {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags, sendmsg};
     use std::mem::MaybeUninit;
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(crate::fdpass::MAX_FDS))];
+    let mut space =
+        [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(dpumesh_rings::fdpass::MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    if fds.len() > crate::fdpass::MAX_FDS || !control.push(SendAncillaryMessage::ScmRights(fds)) {
+    if fds.len() > dpumesh_rings::fdpass::MAX_FDS
+        || !control.push(SendAncillaryMessage::ScmRights(fds))
+    {
         return Err(std::io::Error::other("too many descriptors for one answer"));
     }
     let sent = sendmsg(
@@ -615,7 +618,7 @@ impl std::io::Read for FdReader<'_> {
         use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, recvmsg};
         use std::mem::MaybeUninit;
         let mut space =
-            [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(crate::fdpass::MAX_FDS))];
+            [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(dpumesh_rings::fdpass::MAX_FDS))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let got = recvmsg(
             &*self.stream,

@@ -1,7 +1,7 @@
 //! The software fabric's own tests (the conformance suite covers the verbs).
 
 use super::*;
-use crate::fabric::conformance::pair_with;
+use crate::conformance::pair_with;
 
 #[test]
 fn held_sends_wait_for_the_flush_and_leave_in_one_write() {

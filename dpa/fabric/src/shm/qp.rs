@@ -27,12 +27,12 @@ use parking_lot::Mutex;
 
 use super::cq::CqInner;
 use super::mr::{MrTable, PeerRegions};
-use crate::bell::Bell;
-use crate::fabric::{
+use crate::{
     Access, FabricError, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode, WcStatus,
     WorkCompletion,
 };
-use crate::shm::SharedRegion;
+use dpumesh_rings::bell::Bell;
+use dpumesh_rings::shm::SharedRegion;
 
 const MAGIC: u64 = u32::from_le_bytes(*b"DPQP") as u64 | 1 << 32;
 const LINE: u64 = 64;

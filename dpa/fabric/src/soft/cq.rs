@@ -85,11 +85,11 @@ impl CqInner {
 }
 
 impl CompletionQueue for SoftCq {
-    fn interrupter(&self) -> crate::fabric::Interrupter {
+    fn interrupter(&self) -> crate::Interrupter {
         let inner = self.inner.clone();
         // Always written: a waiter about to sleep must find it. The next progress
         // pass drains it.
-        crate::fabric::Interrupter::new(move || {
+        crate::Interrupter::new(move || {
             inner.interrupted.store(true, Ordering::SeqCst);
             let _ = rustix::io::write(&inner.wake, &1u64.to_ne_bytes());
         })

@@ -67,6 +67,17 @@ impl DmaEngine for SoftwareDma {
     }
 }
 
+/// A boxed engine is an engine (a node picks its shards' engines at run time).
+impl DmaEngine for Box<dyn DmaEngine> {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+
+    fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError> {
+        (**self).copy(jobs)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use parking_lot::Mutex;
 
 use super::*;
-use crate::fabric::ud::{
+use crate::ud::{
     AddressVector, DatagramFabric, GRH_LEN, Gid, ROCEV2_PORT, UdCompletion, UdCounters,
     UdQueuePair, UdSendWr, now_ns, parse_grh,
 };

@@ -35,7 +35,7 @@ use super::{
     Access, CompletionQueue, Fabric, FabricError, MemoryRegion, QpCaps, QpListener, QpState,
     QueuePair, RecvWr, RemoteAddr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::shm::SharedRegion;
+use dpumesh_rings::shm::SharedRegion;
 
 mod cq;
 mod device;

@@ -29,7 +29,7 @@ use super::{
     Access, CompletionQueue, Fabric, FabricError, MemoryRegion, QpCaps, QpListener, QpState,
     QueuePair, RecvWr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::shm::SharedRegion;
+use dpumesh_rings::shm::SharedRegion;
 
 mod cm;
 mod ud;

@@ -324,7 +324,7 @@ proptest! {
 
 #[test]
 fn over_tcp_with_certificates_only_a_proven_peer_is_heard() {
-    let tls = crate::fabric::conformance::test_tls();
+    let tls = dpumesh_fabric::test_tls::test_tls();
     let handler = Arc::new(Echo::default());
     let server = ControlServer::start_with_tls(
         &Endpoint::Tcp("127.0.0.1:0".parse().unwrap()),

@@ -13,7 +13,7 @@ use std::net::UdpSocket;
 use std::sync::atomic::AtomicU64;
 
 use super::*;
-use crate::fabric::ud::{
+use crate::ud::{
     AddressVector, DatagramFabric, GRH_LEN, Gid, UD_MTU, UdCompletion, UdCounters, UdQueuePair,
     UdSendWr, encode_grh, now_ns,
 };
@@ -521,7 +521,7 @@ impl DatagramFabric for SoftFabric {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabric::ud::parse_grh;
+    use crate::ud::parse_grh;
 
     struct Side {
         _region: Arc<SharedRegion>,

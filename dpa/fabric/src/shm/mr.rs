@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use parking_lot::Mutex;
 
-use crate::fabric::{Access, FabricError, WcStatus};
-use crate::shm::SharedRegion;
+use crate::{Access, FabricError, WcStatus};
+use dpumesh_rings::shm::SharedRegion;
 
 const MAGIC: u64 = u32::from_le_bytes(*b"DPMR") as u64;
 const VERSION: u64 = 1;

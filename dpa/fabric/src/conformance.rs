@@ -7,11 +7,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::fabric::{
+use crate::{
     Access, CompletionQueue, Fabric, FabricError, MemoryRegion, QpCaps, QpListener, QpState,
     QueuePair, RecvWr, RemoteAddr, SendOp, SendWr, WcOpcode, WcStatus, WorkCompletion,
 };
-use crate::shm::SharedRegion;
+use dpumesh_rings::shm::SharedRegion;
 
 pub(crate) struct Side<F: Fabric> {
     pub(crate) pd: F::Pd,
@@ -714,7 +714,7 @@ pub(crate) fn held_sends_leave_on_flush_in_order_and_intact<F: Fabric + Default>
 macro_rules! fabric_conformance {
     ($name:ident, $fabric:ty) => {
         mod $name {
-            use crate::fabric::conformance as c;
+            use crate::conformance as c;
             #[test]
             fn send_with_imm_lands_in_the_posted_receive() {
                 c::send_with_imm_lands_in_the_posted_receive::<$fabric>()
@@ -779,8 +779,8 @@ macro_rules! fabric_conformance {
     };
 }
 
-fabric_conformance!(soft, crate::fabric::soft::SoftFabric);
-fabric_conformance!(shm, crate::fabric::shm::ShmFabric);
+fabric_conformance!(soft, crate::soft::SoftFabric);
+fabric_conformance!(shm, crate::shm::ShmFabric);
 
 /// A fabric whose connections run over mutual TLS with a node certificate of a
 /// test CA (made once per test process): the same semantics must hold through it.
@@ -792,39 +792,19 @@ pub(crate) trait TakesTls: Sized {
     fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self;
 }
 
-impl TakesTls for crate::fabric::soft::SoftFabric {
+impl TakesTls for crate::soft::SoftFabric {
     fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
-        crate::fabric::soft::SoftFabric::with_tls(self, Some(tls))
+        crate::soft::SoftFabric::with_tls(self, Some(tls))
     }
 }
 
-impl TakesTls for crate::fabric::shm::ShmFabric {
+impl TakesTls for crate::shm::ShmFabric {
     fn with_tls(self, tls: Arc<dpumesh_identity::MeshTls>) -> Self {
-        crate::fabric::shm::ShmFabric::with_tls(self, Some(tls))
+        crate::shm::ShmFabric::with_tls(self, Some(tls))
     }
 }
 
-/// A node's certificates from a test CA (one per test process).
-pub(crate) fn test_tls() -> Arc<dpumesh_identity::MeshTls> {
-    use dpumesh_identity::{MeshTls, SpiffeId, TlsFiles, ca};
-    static TLS: std::sync::OnceLock<Arc<MeshTls>> = std::sync::OnceLock::new();
-    TLS.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("dpumesh-test-certs-{}", std::process::id()));
-        let id = SpiffeId::node("test.mesh", "n1").unwrap();
-        ca::ensure(
-            &dir,
-            "test.mesh",
-            std::slice::from_ref(&id),
-            ca::LEAF_VALIDITY,
-            false,
-        )
-        .unwrap();
-        let tls = MeshTls::load(TlsFiles::in_dir(&dir, &id), "test.mesh").unwrap();
-        let _ = std::fs::remove_dir_all(&dir);
-        tls
-    })
-    .clone()
-}
+pub(crate) use crate::test_tls::test_tls;
 
 impl<F: Fabric + Default + TakesTls> Default for WithTls<F> {
     fn default() -> Self {
@@ -881,5 +861,5 @@ impl<F: Fabric> Fabric for WithTls<F> {
     }
 }
 
-fabric_conformance!(soft_tls, super::WithTls<crate::fabric::soft::SoftFabric>);
-fabric_conformance!(shm_tls, super::WithTls<crate::fabric::shm::ShmFabric>);
+fabric_conformance!(soft_tls, super::WithTls<crate::soft::SoftFabric>);
+fabric_conformance!(shm_tls, super::WithTls<crate::shm::ShmFabric>);

@@ -46,9 +46,9 @@ use super::{
     Access, CompletionQueue, Fabric, FabricError, Interrupter, MemoryRegion, QpCaps, QpListener,
     QpState, QueuePair, RecvWr, SendWr, WorkCompletion,
 };
-use crate::bell::Bell;
-use crate::fdpass;
-use crate::shm::SharedRegion;
+use dpumesh_rings::bell::Bell;
+use dpumesh_rings::fdpass;
+use dpumesh_rings::shm::SharedRegion;
 
 const HELLO_MAGIC: &[u8; 4] = b"DPSF";
 const HELLO_VERSION: u8 = 1;
@@ -290,7 +290,7 @@ impl ShmListener {
             .map_err(|e| e.to_string())?;
         let peer_id = match &self.fabric.tls {
             Some(tls) => {
-                crate::peercred::check_same_user(&sock)?;
+                dpumesh_rings::peercred::check_same_user(&sock)?;
                 Some(tls.accept(&mut sock).map_err(|e| e.to_string())?.1)
             }
             None => None,

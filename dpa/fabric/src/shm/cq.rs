@@ -16,8 +16,8 @@ use parking_lot::{Mutex, RwLock};
 use rustix::event::epoll;
 
 use super::qp::QpInner;
-use crate::bell::Bell;
-use crate::fabric::{FabricError, Interrupter, WorkCompletion};
+use crate::{FabricError, Interrupter, WorkCompletion};
+use dpumesh_rings::bell::Bell;
 
 const BELL_TOKEN: u64 = u64::MAX;
 /// How often a poll that never sleeps looks at the peers' sockets (a peer that went
