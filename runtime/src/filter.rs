@@ -37,6 +37,16 @@ pub enum FailurePolicy {
     Reload,
 }
 
+impl FailurePolicy {
+    /// Whether a call under this policy needs the head as it was before the call: to
+    /// retry on it (`Reload`), or to go on without the faulted call's edits
+    /// (`FailOpen`). Under `FailClosed` the request is denied and its head goes no
+    /// further, so no copy is made.
+    pub fn restores_head(self) -> bool {
+        matches!(self, Self::FailOpen | Self::Reload)
+    }
+}
+
 /// How one filter of a chain is configured.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FilterSettings {

@@ -252,7 +252,13 @@ impl ChainRunner {
                         let (head, step) = self.step(index, &call, &mut mark, head);
                         (index, step, head)
                     }
-                    _ => (index, Step::Fault(fault), head),
+                    Some(original) => {
+                        // Skipped (fail-open) or denied: none of its edits stay.
+                        let mut head = head;
+                        *head = original;
+                        (index, Step::Fault(fault), head)
+                    }
+                    None => (index, Step::Fault(fault), head),
                 }
             }
         };

@@ -472,18 +472,26 @@ impl ChainRunner {
             let step = if let HealthState::Degraded { retry_in_ms } = health {
                 Step::Fault(self.skipped(index, retry_in_ms))
             } else {
-                // A retry must see the head as it was, not half-edited by the failed call.
-                // The copy is of the head alone: the retry puts it back in the same box.
-                let original = (policy == FailurePolicy::Reload).then(|| RequestHead::clone(&head));
+                // A retry must see the head as it was, not half-edited by the failed call,
+                // and a filter skipped after a fault (fail-open) leaves no edits: the
+                // batched call applies a call's edits only when it returns, so every
+                // path must. The copy is of the head alone; it goes back in the same box.
+                let original = policy.restores_head().then(|| RequestHead::clone(&head));
                 let (returned, step) = self.step(index, &line, &mut mark, head);
                 head = returned;
                 match (step, original) {
-                    (Step::Fault(fault), Some(original)) if fault.kind.retryable() => {
+                    (Step::Fault(fault), Some(original))
+                        if policy == FailurePolicy::Reload && fault.kind.retryable() =>
+                    {
                         faults.push(fault);
                         *head = original;
                         let (returned, step) = self.step(index, &line, &mut mark, head);
                         head = returned;
                         step
+                    }
+                    (Step::Fault(fault), Some(original)) => {
+                        *head = original;
+                        Step::Fault(fault)
                     }
                     (step, _) => step,
                 }

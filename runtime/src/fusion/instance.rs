@@ -59,7 +59,7 @@ impl FusedInstance {
                     s.namespace.as_deref().unwrap_or(&s.name),
                     &runtime.services,
                     s.deadline,
-                    s.failure_policy == crate::filter::FailurePolicy::Reload,
+                    s.failure_policy.restores_head(),
                 )
             })
             .collect();

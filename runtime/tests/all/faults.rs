@@ -99,6 +99,29 @@ fn fail_open_skips_the_faulting_filter_and_continues() {
     assert_eq!(outcome.faults[0].kind.label(), "deadline");
 }
 
+/// Skipping a filter means none of its edits: what it changed before it faulted is
+/// undone (as the batched call, which applies edits when it returns, always did).
+#[test]
+fn a_filter_skipped_after_a_fault_leaves_no_edits() {
+    let rt = runtime();
+    let half = settings(
+        "half",
+        json!({"request": [
+            {"set_header": ["x-half", "1"]},
+            {"set_metadata": ["half", "1"]},
+            {"panic": "after two edits"}
+        ]}),
+    )
+    .failure_policy(FailurePolicy::FailOpen);
+    let mut runner = ChainRunner::new(chain(&rt, vec![half, marker()]));
+    let outcome = runner.on_request(get("/"));
+    assert_eq!(outcome.decision, Decision::Continue);
+    assert_eq!(outcome.faults.len(), 1);
+    assert_eq!(outcome.head.header("x-half"), None);
+    assert_eq!(outcome.head.metadata("half"), None);
+    assert_eq!(outcome.head.header("x-after").as_deref(), Some("ran"));
+}
+
 #[test]
 fn a_memory_bomb_is_stopped_at_its_cap() {
     let rt = runtime();

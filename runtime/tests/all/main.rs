@@ -5,6 +5,7 @@ mod claims;
 mod compat;
 mod compat_builtins;
 mod core_calls;
+mod differential;
 mod errors;
 mod faults;
 mod fused;
