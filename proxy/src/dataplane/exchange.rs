@@ -18,6 +18,8 @@ use dpumesh_dpa::frame::RemoteBuf;
 use dpumesh_dpa::{Buffer, Descriptor};
 use dpumesh_runtime::{RequestHead, Ticket};
 
+use super::layers::{retry, timeout};
+
 /// Where a request came from (and where its answer goes).
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Origin {
@@ -73,6 +75,25 @@ pub(super) struct Exchange {
     pub had_body: bool,
     /// What the response cache does with its answer.
     pub cache: Option<Box<super::cache::Pending>>,
+}
+
+impl Exchange {
+    /// What the exchange allows a failed try (read by [`retry`]).
+    fn allowance(&self) -> retry::Allowance {
+        retry::Allowance {
+            attempt: self.attempt,
+            retries: self.policy.retries,
+            idempotent: self.idempotent,
+            // A pod's body is handed on by the first try; one at the ingress can be
+            // read again.
+            body_at_hand: match &self.origin {
+                Origin::Link { .. } => true,
+                Origin::Pod { .. } => !self.had_body,
+            },
+            at_pod: matches!(self.stage, Stage::Pod { .. }),
+            deadline: self.deadline,
+        }
+    }
 }
 
 /// What the table needs to open an exchange.
@@ -229,9 +250,7 @@ impl ExchangeTable {
     /// mesh's), within what the sender will wait.
     pub fn open(&mut self, o: Opening, now: Instant) -> u32 {
         let xid = self.new_xid();
-        let timeout = o.policy.timeout.unwrap_or(o.default_timeout);
-        let timeout = o.limit.map_or(timeout, |l| l.min(timeout));
-        let deadline = now + timeout;
+        let deadline = timeout::deadline(now, o.policy.timeout, o.default_timeout, o.limit);
         self.timers.push(Reverse((deadline, xid)));
         let had_body = match &o.origin {
             Origin::Link { .. } => o.body.is_some(),
@@ -288,8 +307,7 @@ impl ExchangeTable {
         let Some(e) = self.exchanges.get_mut(&xid) else {
             return;
         };
-        if let Some(per_try) = e.policy.per_try_timeout {
-            let at = (now + per_try).min(e.deadline);
+        if let Some(at) = timeout::try_deadline(now, e.policy.per_try_timeout, e.deadline) {
             e.try_deadline = Some(at);
             self.timers.push(Reverse((at, xid)));
         }
@@ -328,22 +346,12 @@ impl ExchangeTable {
         self.at_pod.remove(&key)
     }
 
-    /// Whether a failed try of `xid` may be tried again at `now`: tries left, an
-    /// idempotent method, its body still at hand, time left, and it went to a pod here
-    /// (a try at a peer may still write into the reply buffer it was given).
-    pub fn can_retry(&self, xid: u32, now: Instant) -> bool {
-        let Some(e) = self.exchanges.get(&xid) else {
-            return false;
-        };
-        let body_at_hand = match &e.origin {
-            Origin::Link { .. } => true,
-            Origin::Pod { .. } => !e.had_body,
-        };
-        e.attempt <= e.policy.retries
-            && e.idempotent
-            && body_at_hand
-            && matches!(e.stage, Stage::Pod { .. })
-            && now < e.deadline
+    /// Whether the try of `xid` that failed with `failure` at `now` is tried again
+    /// ([`retry`]).
+    pub fn tries_again(&self, xid: u32, failure: retry::Failure, now: Instant) -> bool {
+        self.exchanges
+            .get(&xid)
+            .is_some_and(|e| retry::again(failure, &e.allowance(), now))
     }
 
     /// Gives up the current try (its answer, if it comes, is stale) so the exchange

@@ -45,7 +45,10 @@ impl<F: Fabric> Reactor<F> {
     /// Ends a try that failed with `e`: tried again on the next pod when the error and
     /// the exchange allow it, answered with `e` otherwise.
     pub(super) fn fail_try(&mut self, xid: u32, e: ProxyError) {
-        if e.retryable() && self.table.can_retry(xid, Instant::now()) {
+        let failure = layers::retry::Failure::Error {
+            retryable: e.retryable(),
+        };
+        if self.table.tries_again(xid, failure, Instant::now()) {
             self.retry(xid, e.status());
         } else {
             self.fail(xid, e);

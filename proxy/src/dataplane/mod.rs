@@ -17,14 +17,17 @@
 //! ```
 //!
 //! A node runs a shard thread per core it is given (`cores:` in the mesh file). A
-//! shard owns its queue pairs (the accept loop deals links out in turn), a lane (ring
-//! pair) into every pod of the node, its filter instances and the exchanges in flight,
-//! and runs each request to completion: no request changes threads. Its parts:
-//! [`exchange`] (the sans-I/O table of exchanges, timers, transfers and orphans, and
-//! the decisions about them), `event_loop` (drain, batch, poll, sleep), `intake`
-//! (routing and the chain), `dispatch` (to a pod or a peer), `respond` (answers back),
-//! `failure` (retries, timeouts, lost links and pods).
-
+//! shard runs each request to completion: no request changes threads. It is made of
+//! owners, each holding one concern, composed by its event loop (`event_loop`):
+//! `Links` (its queue pairs, by number and by peer node, and reconnects: `links`),
+//! `Pods` (the node's pods as it reaches them: lanes, registered regions, turns,
+//! departures: `pods`), `Filters` (its chains, offloaded verdicts, filters' HTTP
+//! calls, plugin ticks), the `exchange` table (the sans-I/O exchanges, timers,
+//! transfers and orphans) and `Meter` (its counters). The policy steps around a try
+//! are pure `layers` (timeouts, retries, what the breaker counts and blames) and the
+//! response cache (`cache`). The steps of a request: `intake` (routing and the chain),
+//! `dispatch` (to a pod or a peer), `respond` (answers back), `failure` (failed tries,
+//! timeouts, lost links and pods).
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,9 +47,8 @@ use dpumesh_dpa::{
     Buffer, BufferPool, Case, Descriptor, Destination, Dpu, DpuShard, OwnerId, PodInfo, Polling,
     Spin, Waited,
 };
-use dpumesh_error::{ErrorKind, ProxyError, Source, UpstreamFailure};
+use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::wire::{self, ResponseHead};
-use dpumesh_head::{DEPENDENCY_FAILED_HEADER, DEPENDENCY_FAILED_METADATA};
 use dpumesh_runtime::{
     CalloutReply, Decision, FailureKind, LocalChains, Peer, PoolError, RequestDone, RequestHead,
     ResponseHeaders, ResponseInfo, RootCall, Ticket,
@@ -64,6 +66,7 @@ mod event_loop;
 mod exchange;
 mod failure;
 mod intake;
+mod layers;
 mod links;
 mod pods;
 mod respond;
@@ -73,6 +76,7 @@ mod wire_head;
 use exchange::{
     Due, Exchange, ExchangeTable, Opening, Origin, Orphan, PeerAnswer, PodAnswer, Stage, Transfer,
 };
+use layers::breaker::{failure_kind, node_upstream, pod_upstream};
 
 /// Where the other nodes are and what runs where.
 #[derive(Debug, Clone, Default)]
@@ -572,18 +576,6 @@ fn next_turn(turns: &mut HashMap<String, usize>, key: &str) -> usize {
     }
 }
 
-/// A pod as the upstream the response phase names (what the breaker and the metrics
-/// blame).
-fn pod_upstream(service: &str, pod: u32) -> String {
-    format!("{service}/pod-{pod}")
-}
-
-/// A peer node as the upstream: a request that failed because the node or the link to
-/// it died is that node's failure, not the pod's that called through it.
-fn node_upstream(node: &str) -> String {
-    format!("node/{node}")
-}
-
 /// The runner id of a shard's inline chains in tickets (pool workers count from 0).
 const SHARD_RUNNER: usize = usize::MAX;
 
@@ -593,30 +585,6 @@ const ACCEPT_LOOK: Duration = Duration::from_millis(250);
 
 /// Largest local reply body sent inline to the fabric (a frame holds 64 KiB).
 const MAX_LOCAL_BODY: usize = dpumesh_config::CacheConfig::MAX_OBJECT;
-
-/// How a request the proxy ended counts for the response phase (the circuit breaker
-/// counts only upstream failures): read from the error's kind, in this one place.
-fn failure_kind(e: &ProxyError) -> FailureKind {
-    if e.kind() == ErrorKind::NoEndpoint {
-        // No pod of the service is registered here (starting, or registering again
-        // after their node restarted): no upstream saw the request and there is none
-        // to eject. A breaker that counted these would keep the service out for its
-        // ejection time after its pods are back (Envoy's "no healthy upstream" is not
-        // an outlier signal either).
-        return FailureKind::LocalReply;
-    }
-    match e.upstream_failure() {
-        Some(UpstreamFailure::Connect) => FailureKind::ConnectFailure,
-        Some(UpstreamFailure::Reset) => FailureKind::UpstreamReset,
-        Some(UpstreamFailure::Timeout) => FailureKind::Timeout,
-        None => match e.source() {
-            // Nothing upstream saw the request: like a filter's denial, not the
-            // service's failure.
-            Source::Downstream | Source::Policy => FailureKind::LocalReply,
-            Source::Internal | Source::Upstream => FailureKind::Internal,
-        },
-    }
-}
 
 /// The answer for a request the filter workers could not take or finish.
 fn pool_error(e: PoolError) -> ProxyError {
@@ -630,25 +598,7 @@ fn pool_error(e: PoolError) -> ProxyError {
 
 #[cfg(test)]
 mod tests {
-    use test_case::test_case;
-
     use super::*;
-
-    #[test_case(ErrorKind::EndpointRefused, FailureKind::ConnectFailure; "a pod that cannot take the request is the service's")]
-    #[test_case(ErrorKind::Unreachable, FailureKind::ConnectFailure; "an unreachable node")]
-    #[test_case(ErrorKind::NoEndpoint, FailureKind::LocalReply; "no endpoint: nothing to eject")]
-    #[test_case(ErrorKind::LinkLost, FailureKind::UpstreamReset; "a lost link to the service's node")]
-    #[test_case(ErrorKind::BadResponse, FailureKind::UpstreamReset; "an unusable answer")]
-    #[test_case(ErrorKind::TryTimeout, FailureKind::Timeout; "a try timeout")]
-    #[test_case(ErrorKind::Timeout, FailureKind::Timeout; "a timeout")]
-    #[test_case(ErrorKind::DownstreamLost, FailureKind::LocalReply; "the client's side went away")]
-    #[test_case(ErrorKind::HeadTooLarge, FailureKind::LocalReply; "a head too large")]
-    #[test_case(ErrorKind::NoRoute, FailureKind::LocalReply; "no route")]
-    #[test_case(ErrorKind::Overloaded, FailureKind::Internal; "the proxy is out of buffers")]
-    #[test_case(ErrorKind::ThreadLost, FailureKind::Internal; "a proxy thread died")]
-    fn the_breaker_sees_each_error_by_its_source(kind: ErrorKind, failure: FailureKind) {
-        assert_eq!(failure_kind(&ProxyError::new(kind, "x")), failure);
-    }
 
     #[test]
     fn filter_workers_that_stopped_or_died_give_503() {

@@ -4,6 +4,8 @@
 use super::wire_head::WireHead;
 use super::*;
 use dispatch::encode_head;
+use layers::breaker::mark_dependency_failure;
+use layers::retry::Failure;
 
 impl<F: Fabric> Reactor<F> {
     /// A pod answered (a request from outside the node, or a pod's call).
@@ -24,7 +26,10 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        if matches!(d.status, 502..=504) && self.table.can_retry(xid, Instant::now()) {
+        if self
+            .table
+            .tries_again(xid, Failure::Status(d.status), Instant::now())
+        {
             self.hand_back(&d);
             self.retry(xid, d.status);
             return;
@@ -55,7 +60,7 @@ impl<F: Fabric> Reactor<F> {
             return;
         }
         if d.status >= 500 {
-            mark_dependency_failure(&mut exchange, wire.get());
+            mark_dependency_failure(exchange.head.as_mut(), wire.get());
         }
         // A response going back over a link can carry a plugin's header edits (one
         // going to a pod of this node keeps its head in the pod's buffer: not edited).
@@ -282,7 +287,7 @@ impl<F: Fabric> Reactor<F> {
         let status = decoded.as_ref().map_or(502, |h| h.status);
         let upstream = self.links.upstream(qp);
         if status >= 500 {
-            mark_dependency_failure(&mut exchange, decoded.as_ref());
+            mark_dependency_failure(exchange.head.as_mut(), decoded.as_ref());
         }
         let mut edit = self
             .edits_response(&exchange)
@@ -379,10 +384,7 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        // A little less than we wait ourselves, so the peer's 504 usually arrives
-        // before our deadline (and the buffers lent to it come back with it).
-        let left = exchange.deadline.saturating_duration_since(Instant::now());
-        let deadline_ms = (left.as_millis() * 9 / 10).clamp(1, u128::from(u32::MAX)) as u32;
+        let deadline_ms = layers::timeout::peer_budget_ms(exchange.deadline, Instant::now());
         let pod = d.src_pod;
         let Some(info) = self.pods.get(pod).cloned() else {
             self.drop_exchange(xid);
@@ -450,16 +452,5 @@ impl<F: Fabric> Reactor<F> {
     pub(super) fn peer_link(&mut self, node: &str) -> Option<u32> {
         let addr = *self.topology.peers.get(node)?;
         self.links.peer(node, addr)
-    }
-}
-
-/// A 5xx answer that says its service failed only because a service it called did
-/// (the host library's [`DEPENDENCY_FAILED_HEADER`]) is told to the response phase as
-/// [`DEPENDENCY_FAILED_METADATA`], so the breaker in front of the service does not
-/// eject it for its dependency's fault.
-fn mark_dependency_failure(exchange: &mut Exchange, response_head: Option<&ResponseHead>) {
-    let said = response_head.is_some_and(|h| h.headers.contains_key(DEPENDENCY_FAILED_HEADER));
-    if let (true, Some(head)) = (said, exchange.head.as_mut()) {
-        head.set_metadata(DEPENDENCY_FAILED_METADATA, "1");
     }
 }

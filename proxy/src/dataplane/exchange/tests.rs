@@ -13,6 +13,8 @@ use super::*;
 const MS: Duration = Duration::from_millis(1);
 const INGRESS: u32 = 7;
 const PEER: u32 = 9;
+/// A failure a new try may cure: whether it is tried again is the exchange's to say.
+const CURABLE: retry::Failure = retry::Failure::Status(503);
 
 fn policy(retries: u32, per_try_ms: Option<u32>) -> RoutePolicy {
     RoutePolicy {
@@ -86,7 +88,7 @@ fn retries_from_the_ingress(method: &str, with_body: bool, retries: u32, retried
         from_link(method, with_body, policy(retries, None)),
         t0,
     );
-    assert_eq!(table.can_retry(xid, t0 + MS), retried);
+    assert_eq!(table.tries_again(xid, CURABLE, t0 + MS), retried);
 }
 
 #[test_case(false, true; "a pod's call without a body")]
@@ -95,7 +97,7 @@ fn retries_of_a_pods_call(with_body: bool, retried: bool) {
     let t0 = Instant::now();
     let mut table = ExchangeTable::default();
     let xid = at_pod_five(&mut table, from_pod("GET", with_body, policy(2, None)), t0);
-    assert_eq!(table.can_retry(xid, t0 + MS), retried);
+    assert_eq!(table.tries_again(xid, CURABLE, t0 + MS), retried);
 }
 
 #[test]
@@ -103,12 +105,15 @@ fn tries_run_out_and_time_runs_out() {
     let t0 = Instant::now();
     let mut table = ExchangeTable::default();
     let xid = at_pod_five(&mut table, from_link("GET", false, policy(1, None)), t0);
-    assert!(table.can_retry(xid, t0));
-    assert!(!table.can_retry(xid, t0 + 1000 * MS), "past the deadline");
+    assert!(table.tries_again(xid, CURABLE, t0));
+    assert!(
+        !table.tries_again(xid, CURABLE, t0 + 1000 * MS),
+        "past the deadline"
+    );
     table.begin_retry(xid);
     table.start_try(xid, t0);
     table.at_pod(xid, (0, xid, 2), 6);
-    assert!(!table.can_retry(xid, t0), "both tries used");
+    assert!(!table.tries_again(xid, CURABLE, t0), "both tries used");
 }
 
 #[test]
@@ -122,7 +127,7 @@ fn a_try_at_a_peer_is_not_retried() {
         reply_slot: body(64),
     };
     assert!(
-        !table.can_retry(xid, t0),
+        !table.tries_again(xid, CURABLE, t0),
         "the peer may still write its reply"
     );
 }
@@ -409,7 +414,7 @@ fn exchanges_at_a_pod_that_died_are_found() {
     assert!(table.at_departed_pods(|_| true).is_empty());
     assert_eq!(table.at_departed_pods(|_| false), vec![at_five, at_six]);
     // The dead pod's try can be retried elsewhere.
-    assert!(table.can_retry(at_five, t0));
+    assert!(table.tries_again(at_five, CURABLE, t0));
     assert!(table.get(filtering).is_some());
 }
 
