@@ -79,6 +79,16 @@ struct Queued {
     lane: u8,
 }
 
+/// Requests a pod was given and has not answered, by the id the loop knows them by.
+#[derive(Debug)]
+struct Unanswered {
+    waiting: HashMap<u64, Descriptor>,
+    next: u64,
+    /// Requests below this id were delivered by a node that went away: their answers
+    /// have nowhere to go.
+    lost_below: u64,
+}
+
 /// A service pod's transport over its registered port.
 pub struct DataPathTransport {
     /// `None` while the node is away.
@@ -90,11 +100,8 @@ pub struct DataPathTransport {
     /// Times the pod registered again.
     reregistered: u32,
     started: Instant,
-    waiting: HashMap<u64, Descriptor>,
-    next: u64,
-    /// Requests below this id were delivered by a node that went away: their answers
-    /// have nowhere to go.
-    lost_below: u64,
+    /// The requests handed to the handler and not answered yet.
+    incoming: Unanswered,
     /// Egress calls on the wire (failed if the node goes away with them).
     calls: HashSet<Tag>,
     located: HashMap<String, (Case, Destination, Instant)>,
@@ -114,7 +121,7 @@ impl std::fmt::Debug for DataPathTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataPathTransport")
             .field("pod", &self.port.as_ref().map(HostPort::pod_id))
-            .field("waiting", &self.waiting.len())
+            .field("waiting", &self.incoming.waiting.len())
             .finish_non_exhaustive()
     }
 }
@@ -164,9 +171,11 @@ impl DataPathTransport {
             away: None,
             reregistered: 0,
             started: Instant::now(),
-            waiting: HashMap::new(),
-            next: 1,
-            lost_below: 0,
+            incoming: Unanswered {
+                waiting: HashMap::new(),
+                next: 1,
+                lost_below: 0,
+            },
             calls: HashSet::new(),
             located: HashMap::new(),
             next_pod: 0,
@@ -195,7 +204,7 @@ impl DataPathTransport {
         tracing::warn!(
             pod = port.pod_id(),
             calls = self.calls.len(),
-            unanswered = self.waiting.len(),
+            unanswered = self.incoming.waiting.len(),
             "the node went away: registering again"
         );
         port.abandon();
@@ -213,8 +222,8 @@ impl DataPathTransport {
                 });
             }
         }
-        self.waiting.clear();
-        self.lost_below = self.next;
+        self.incoming.waiting.clear();
+        self.incoming.lost_below = self.incoming.next;
         self.located.clear();
         let me = std::thread::current();
         *self.interrupter.lock() = Interrupter::new(move || me.unpark());
@@ -258,7 +267,7 @@ impl DataPathTransport {
 
     /// Requests received and not answered yet.
     pub fn unanswered(&self) -> usize {
-        self.waiting.len()
+        self.incoming.waiting.len()
     }
 
     /// Where `service` runs, as the node says.
@@ -363,9 +372,9 @@ impl DataPathTransport {
                 body,
             } => match wire::decode_request(&header) {
                 Ok(head) => {
-                    let id = self.next;
-                    self.next += 1;
-                    self.waiting.insert(id, descriptor);
+                    let id = self.incoming.next;
+                    self.incoming.next += 1;
+                    self.incoming.waiting.insert(id, descriptor);
                     out.push(Event::Request {
                         id: IncomingId(id),
                         request: to_request(head, body),
@@ -529,8 +538,8 @@ impl Transport for DataPathTransport {
         id: IncomingId,
         response: HttpResponse,
     ) -> Result<(), TransportError> {
-        let Some(request) = self.waiting.remove(&id.0) else {
-            if id.0 < self.lost_below {
+        let Some(request) = self.incoming.waiting.remove(&id.0) else {
+            if id.0 < self.incoming.lost_below {
                 // Its node went away with it: nobody waits for this answer.
                 return Ok(());
             }

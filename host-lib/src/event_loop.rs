@@ -79,15 +79,22 @@ struct Context {
     pending: HashMap<u32, (usize, usize)>,
 }
 
+/// The requests a loop has in flight: a slot each (its Execution Graph's context),
+/// numbered with a generation so a late completion for a slot reused since is known.
+struct Requests {
+    slots: Vec<Option<Context>>,
+    generations: Vec<u16>,
+    free: Vec<u32>,
+    live: usize,
+}
+
 /// The event loop of one service.
 pub struct EventLoop<T: Transport> {
     transport: T,
     handler: Arc<Handler>,
     config: LoopConfig,
-    slots: Vec<Option<Context>>,
-    generations: Vec<u16>,
-    free: Vec<u32>,
-    live: usize,
+    /// The requests in flight, by slot.
+    requests: Requests,
     pool: Pool,
     done: Receiver<Done>,
     internal_running: usize,
@@ -103,7 +110,7 @@ pub struct EventLoop<T: Transport> {
 impl<T: Transport> std::fmt::Debug for EventLoop<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EventLoop")
-            .field("live", &self.live)
+            .field("live", &self.requests.live)
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
@@ -135,10 +142,12 @@ impl<T: Transport> EventLoop<T> {
                 max_in_flight: config.max_in_flight.min(MAX_SLOTS),
                 ..config
             },
-            slots: Vec::new(),
-            generations: Vec::new(),
-            free: Vec::new(),
-            live: 0,
+            requests: Requests {
+                slots: Vec::new(),
+                generations: Vec::new(),
+                free: Vec::new(),
+                live: 0,
+            },
             pool,
             done,
             internal_running: 0,
@@ -173,14 +182,20 @@ impl<T: Transport> EventLoop<T> {
     /// Requests in flight, and egress requests awaited across them (the registry's
     /// size; both return to zero when the service is quiet).
     pub fn in_flight(&self) -> (usize, usize) {
-        let pending = self.slots.iter().flatten().map(|c| c.pending.len()).sum();
-        (self.live, pending)
+        let pending = self
+            .requests
+            .slots
+            .iter()
+            .flatten()
+            .map(|c| c.pending.len())
+            .sum();
+        (self.requests.live, pending)
     }
 
     /// Memory the registry holds on to: context slots allocated (they are reused, so
     /// this is the peak of requests in flight).
     pub fn slots_allocated(&self) -> usize {
-        self.slots.len()
+        self.requests.slots.len()
     }
 
     /// One turn: finished internal steps, due timers, then whatever the transport has
@@ -236,11 +251,14 @@ impl<T: Transport> EventLoop<T> {
 
     fn start(&mut self, id: IncomingId, request: crate::http::HttpRequest) {
         self.stats.requests += 1;
-        if self.live >= self.config.max_in_flight {
+        if self.requests.live >= self.config.max_in_flight {
             self.stats.refused += 1;
             let answer = HttpResponse::new(
                 503,
-                format!("service overloaded: {} requests in flight\n", self.live),
+                format!(
+                    "service overloaded: {} requests in flight\n",
+                    self.requests.live
+                ),
             );
             let _ = self.transport.send_response(id, answer);
             return;
@@ -258,24 +276,24 @@ impl<T: Transport> EventLoop<T> {
                 panic_text(&*panic)
             ))),
         };
-        let slot = match self.free.pop() {
+        let slot = match self.requests.free.pop() {
             Some(s) => s,
             None => {
-                self.slots.push(None);
-                self.generations.push(0);
-                (self.slots.len() - 1) as u32
+                self.requests.slots.push(None);
+                self.requests.generations.push(0);
+                (self.requests.slots.len() - 1) as u32
             }
         };
-        let generation = self.generations[slot as usize];
-        self.slots[slot as usize] = Some(Context {
+        let generation = self.requests.generations[slot as usize];
+        self.requests.slots[slot as usize] = Some(Context {
             generation,
             incoming: id,
             run,
             pending: HashMap::new(),
         });
-        self.live += 1;
+        self.requests.live += 1;
         let mut actions = std::mem::take(&mut self.actions);
-        if let Some(ctx) = self.slots[slot as usize].as_mut() {
+        if let Some(ctx) = self.requests.slots[slot as usize].as_mut() {
             ctx.run.start(&mut actions);
         }
         self.apply(slot, actions);
@@ -285,6 +303,7 @@ impl<T: Transport> EventLoop<T> {
         let slot = tag.req_id & ((1 << SLOT_BITS) - 1);
         let generation = (tag.req_id >> SLOT_BITS) as u16;
         let entry = self
+            .requests
             .slots
             .get_mut(slot as usize)
             .and_then(Option::as_mut)
@@ -295,7 +314,7 @@ impl<T: Transport> EventLoop<T> {
             return;
         };
         let mut actions = std::mem::take(&mut self.actions);
-        if let Some(ctx) = self.slots[slot as usize].as_mut() {
+        if let Some(ctx) = self.requests.slots[slot as usize].as_mut() {
             ctx.run.on_egress(node, part, outcome, &mut actions);
         }
         self.apply(slot, actions);
@@ -307,6 +326,7 @@ impl<T: Transport> EventLoop<T> {
             n += 1;
             self.internal_running -= 1;
             let current = self
+                .requests
                 .slots
                 .get_mut(key.slot as usize)
                 .and_then(Option::as_mut)
@@ -332,6 +352,7 @@ impl<T: Transport> EventLoop<T> {
             self.timers.pop();
             n += 1;
             let Some(ctx) = self
+                .requests
                 .slots
                 .get_mut(slot as usize)
                 .and_then(Option::as_mut)
@@ -350,10 +371,10 @@ impl<T: Transport> EventLoop<T> {
     /// the dead ones whenever they outnumber the live requests four to one (they would
     /// otherwise stay until they fire: request rate × timeout).
     fn prune_timers(&mut self) {
-        if self.live == 0 {
+        if self.requests.live == 0 {
             self.timers.clear();
-        } else if self.timers.len() > 1024 && self.timers.len() > 4 * self.live {
-            let slots = &self.slots;
+        } else if self.timers.len() > 1024 && self.timers.len() > 4 * self.requests.live {
+            let slots = &self.requests.slots;
             self.timers.retain(|Reverse((_, _, slot, generation, _))| {
                 slots
                     .get(*slot as usize)
@@ -370,7 +391,7 @@ impl<T: Transport> EventLoop<T> {
         let mut queue: VecDeque<Action> = std::mem::take(&mut self.queue);
         queue.extend(actions.drain(..));
         while let Some(action) = queue.pop_front() {
-            let Some(ctx) = self.slots[slot as usize].as_mut() else {
+            let Some(ctx) = self.requests.slots[slot as usize].as_mut() else {
                 break;
             };
             match action {
@@ -388,7 +409,9 @@ impl<T: Transport> EventLoop<T> {
                     };
                     self.stats.egress += 1;
                     if let Err(e) = self.transport.send_request(tag, request) {
-                        let ctx = self.slots[slot as usize].as_mut().expect("checked above");
+                        let ctx = self.requests.slots[slot as usize]
+                            .as_mut()
+                            .expect("checked above");
                         ctx.pending.remove(&step_id);
                         ctx.run
                             .on_egress(node, part, Err(e.to_string()), &mut actions);
@@ -430,15 +453,16 @@ impl<T: Transport> EventLoop<T> {
         }
         self.actions = actions;
         self.queue = queue;
-        let finished = self.slots[slot as usize]
+        let finished = self.requests.slots[slot as usize]
             .as_mut()
             .and_then(|c| c.run.take_response().map(|r| (c.incoming, r)));
         if let Some((incoming, response)) = finished {
             // Free the slot first: whatever is still out for it is now late.
-            self.slots[slot as usize] = None;
-            self.generations[slot as usize] = self.generations[slot as usize].wrapping_add(1);
-            self.free.push(slot);
-            self.live -= 1;
+            self.requests.slots[slot as usize] = None;
+            self.requests.generations[slot as usize] =
+                self.requests.generations[slot as usize].wrapping_add(1);
+            self.requests.free.push(slot);
+            self.requests.live -= 1;
             self.stats.responses += 1;
             self.prune_timers();
             if let Err(e) = self.transport.send_response(incoming, response) {

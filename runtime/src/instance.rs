@@ -626,9 +626,6 @@ fn plugin_state(
         queue_owner: crate::queues::QueueOwner::new(wake.clone()),
         tick_ms: 0,
         contexts: Default::default(),
-        effective: 0,
-        last_token: 0,
-        pending: Default::default(),
     }
 }
 

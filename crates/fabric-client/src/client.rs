@@ -77,18 +77,26 @@ struct Links<F: Fabric> {
     pending: HashMap<u32, Pending>,
 }
 
+/// A client's slots: request bodies are written into `requests` for the node to READ,
+/// responses are written into `responses` by the node; a slot is free while its index
+/// is on `free` (a permit stands for each).
+struct Slots<F: Fabric> {
+    req_mr: F::Mr,
+    resp_mr: F::Mr,
+    requests: Arc<SharedRegion>,
+    responses: Arc<SharedRegion>,
+    size: u64,
+    free: Rc<RefCell<Vec<u32>>>,
+    permits: Arc<Semaphore>,
+}
+
 /// One thread's fabric client: its fabric resources and requests in flight.
 pub struct Client<F: Fabric> {
     fabric: F,
     pd: F::Pd,
     cq: F::Cq,
-    req_mr: F::Mr,
-    resp_mr: F::Mr,
-    requests: Arc<SharedRegion>,
-    responses: Arc<SharedRegion>,
-    slot_size: u64,
-    free: Rc<RefCell<Vec<u32>>>,
-    permits: Arc<Semaphore>,
+    /// The request and response buffers, a slot each way per request in flight.
+    slots: Slots<F>,
     state: RefCell<Links<F>>,
     completions: RefCell<Vec<WorkCompletion>>,
     /// Makes the pump panic at its next turn (tests of supervision).
@@ -136,13 +144,15 @@ impl<F: Fabric> Client<F> {
             fabric,
             pd,
             cq,
-            req_mr,
-            resp_mr,
-            requests,
-            responses,
-            slot_size,
-            free: Rc::new(RefCell::new((0..slots.max(1)).rev().collect())),
-            permits: Arc::new(Semaphore::new(slots.max(1) as usize)),
+            slots: Slots {
+                req_mr,
+                resp_mr,
+                requests,
+                responses,
+                size: slot_size,
+                free: Rc::new(RefCell::new((0..slots.max(1)).rev().collect())),
+                permits: Arc::new(Semaphore::new(slots.max(1) as usize)),
+            },
             state: RefCell::new(Links {
                 links: HashMap::new(),
                 by_node: HashMap::new(),
@@ -175,33 +185,36 @@ impl<F: Fabric> Client<F> {
     /// Waits for a free slot.
     pub async fn acquire(&self) -> Slot {
         let permit = self
+            .slots
             .permits
             .clone()
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
         let index = self
+            .slots
             .free
             .borrow_mut()
             .pop()
             .expect("a permit guarantees a free slot");
         Slot {
             index,
-            free: self.free.clone(),
+            free: self.slots.free.clone(),
             _permit: permit,
         }
     }
 
     /// Writes body bytes at `at` in `slot`'s request buffer.
     pub fn write(&self, slot: &Slot, at: u64, bytes: &[u8]) -> Result<(), ProxyError> {
-        if at + bytes.len() as u64 > self.slot_size {
+        if at + bytes.len() as u64 > self.slots.size {
             return Err(ProxyError::new(
                 ErrorKind::BodyTooLarge,
-                format!("request body exceeds the {}-byte slot", self.slot_size),
+                format!("request body exceeds the {}-byte slot", self.slots.size),
             ));
         }
-        self.requests
-            .write(u64::from(slot.index) * self.slot_size + at, bytes)
+        self.slots
+            .requests
+            .write(u64::from(slot.index) * self.slots.size + at, bytes)
             .map_err(|e| {
                 ProxyError::new(
                     ErrorKind::Internal,
@@ -255,19 +268,19 @@ impl<F: Fabric> Client<F> {
                 return answer;
             }
         };
-        let offset = u64::from(slot.index) * self.slot_size;
+        let offset = u64::from(slot.index) * self.slots.size;
         let xid = slot.index;
         let request = Request {
             xid,
             flags,
             deadline_ms: deadline.as_millis().clamp(1, u128::from(u32::MAX)) as u32,
             body: (body_len > 0).then(|| RemoteBuf {
-                at: self.req_mr.remote(offset),
+                at: self.slots.req_mr.remote(offset),
                 len: body_len,
             }),
             reply: RemoteBuf {
-                at: self.resp_mr.remote(offset),
-                len: self.slot_size as u32,
+                at: self.slots.resp_mr.remote(offset),
+                len: self.slots.size as u32,
             },
             head,
         };
@@ -390,9 +403,10 @@ impl<F: Fabric> Client<F> {
                     let body = match r.body {
                         ResponseBody::None => Ok(Bytes::new()),
                         ResponseBody::Inline(b) => Ok(Bytes::from(b)),
-                        ResponseBody::Written(len) if u64::from(len) <= self.slot_size => self
+                        ResponseBody::Written(len) if u64::from(len) <= self.slots.size => self
+                            .slots
                             .responses
-                            .read_vec(u64::from(p.slot.index()) * self.slot_size, len as usize)
+                            .read_vec(u64::from(p.slot.index()) * self.slots.size, len as usize)
                             .map(Bytes::from)
                             .map_err(|e| {
                                 ProxyError::new(
@@ -404,7 +418,7 @@ impl<F: Fabric> Client<F> {
                             ErrorKind::BadResponse,
                             format!(
                                 "node wrote a {len}-byte body into a {}-byte buffer",
-                                self.slot_size
+                                self.slots.size
                             ),
                         )),
                     };

@@ -81,20 +81,20 @@ fn http_call(
         Err(status) => return Ok(status.code()),
     };
     let data = caller.data_mut();
-    if data.pending.len() >= MAX_PENDING {
+    if data.contexts.pending.len() >= MAX_PENDING {
         tracing::warn!(target: "dpumesh::filter", "proxy_http_call refused: {MAX_PENDING} calls are under way in this instance");
         return Ok(Status::InternalFailure.code());
     }
     // Tokens start at 1 and skip those under way (after wrapping).
-    let mut token = data.last_token;
+    let mut token = data.contexts.last_token;
     loop {
         token = token.wrapping_add(1).max(1);
-        if !data.pending.contains_key(&token) {
+        if !data.contexts.pending.contains_key(&token) {
             break;
         }
     }
-    data.last_token = token;
-    data.pending.insert(token, data.effective);
+    data.contexts.last_token = token;
+    data.contexts.pending.insert(token, data.contexts.effective);
     call.token = token;
     data.call.callouts.push(call);
     state::write_u32(&mut caller, ret_token, token)?;

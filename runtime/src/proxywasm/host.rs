@@ -424,10 +424,10 @@ fn stream(linker: &mut Linker<PwState>) -> wasmtime::Result<()> {
         "proxy_set_effective_context",
         |mut caller: Caller<'_, PwState>, context: i32| -> Ret {
             let context = context as u32;
-            if !caller.data().contexts.contains(&context) {
+            if !caller.data().contexts.alive.contains(&context) {
                 return Ok(Status::BadArgument.code());
             }
-            caller.data_mut().effective = context;
+            caller.data_mut().contexts.effective = context;
             ok()
         },
     )?;

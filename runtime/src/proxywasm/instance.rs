@@ -134,8 +134,8 @@ impl PwInstance {
             .context_create
             .call(&mut store, (ROOT as i32, 0))
             .map_err(|e| fault(&mut store, e))?;
-        store.data_mut().contexts.insert(ROOT);
-        store.data_mut().effective = ROOT;
+        store.data_mut().contexts.alive.insert(ROOT);
+        store.data_mut().contexts.effective = ROOT;
         let config = plugin.config.clone();
         for (call, kind, bytes, what) in [
             (
@@ -235,7 +235,7 @@ impl PwInstance {
         reply: &CalloutReply,
         deadline: Duration,
     ) -> (Box<RequestHead>, Result<Answer, FaultKind>) {
-        let Some(context) = self.store.data_mut().pending.remove(&token) else {
+        let Some(context) = self.store.data_mut().contexts.pending.remove(&token) else {
             return (
                 head,
                 Err(FaultKind::Unavailable(format!(
@@ -243,7 +243,7 @@ impl PwInstance {
                 ))),
             );
         };
-        if !self.store.data().contexts.contains(&context) {
+        if !self.store.data().contexts.alive.contains(&context) {
             return (
                 head,
                 Err(FaultKind::Unavailable(
@@ -273,7 +273,7 @@ impl PwInstance {
             call_response: Some(pairs),
             ..CallState::default()
         };
-        data.effective = context;
+        data.contexts.effective = context;
         let result = call_response.call(
             &mut self.store,
             (ROOT as i32, token as i32, n_headers, body_len, 0),
@@ -307,7 +307,13 @@ impl PwInstance {
         };
         if paused && reply.is_none() && !call.resumed {
             let waiting = !call.callouts.is_empty()
-                || self.store.data().pending.values().any(|c| *c == context);
+                || self
+                    .store
+                    .data()
+                    .contexts
+                    .pending
+                    .values()
+                    .any(|c| *c == context);
             if !waiting {
                 // Only an answer resumes a request here: this one would wait for its
                 // route's timeout. Denied even fail-open (a plugin holding a request to
@@ -319,7 +325,7 @@ impl PwInstance {
             return Ok(Answer::Pause(call.callouts));
         }
         if !call.callouts.is_empty() {
-            let pending = &mut self.store.data_mut().pending;
+            let pending = &mut self.store.data_mut().contexts.pending;
             for callout in &call.callouts {
                 pending.remove(&callout.token);
             }
@@ -349,7 +355,7 @@ impl PwInstance {
             let (nonce, context) = v.split_once(':')?;
             (nonce.parse::<u64>().ok()? == self.nonce).then(|| context.parse::<u32>().ok())?
         });
-        let Some(context) = context.filter(|c| self.store.data().contexts.contains(c)) else {
+        let Some(context) = context.filter(|c| self.store.data().contexts.alive.contains(c)) else {
             return (head, Ok(()));
         };
         self.store.data_mut().call = CallState {
@@ -401,7 +407,7 @@ impl PwInstance {
             let ready = owner.take();
             if let Some(call) = self.calls.queue_ready.clone() {
                 for id in ready {
-                    self.store.data_mut().effective = ROOT;
+                    self.store.data_mut().contexts.effective = ROOT;
                     let result = call.call(&mut self.store, (ROOT as i32, id as i32));
                     self.root_calls_made("proxy_on_queue_ready");
                     if let Err(e) = result {
@@ -420,7 +426,7 @@ impl PwInstance {
         if now < due {
             return (Some(due), Ok(()));
         }
-        self.store.data_mut().effective = ROOT;
+        self.store.data_mut().contexts.effective = ROOT;
         let result = tick
             .call(&mut self.store, ROOT as i32)
             .map_err(|e| classify(&mut self.store, e, deadline));
@@ -435,7 +441,7 @@ impl PwInstance {
     /// root's `proxy_on_done` (a `false` is not waited for: nothing will drive the
     /// instance any more) and `proxy_on_delete`. Faults are only logged.
     pub(crate) fn retire(&mut self, deadline: Duration) {
-        self.store.data_mut().effective = ROOT;
+        self.store.data_mut().contexts.effective = ROOT;
         let mut result = Ok(());
         if let Some(done) = &self.calls.done {
             result = done.call(&mut self.store, ROOT as i32).map(|_| ());
@@ -477,10 +483,10 @@ impl PwInstance {
         deadline: Duration,
     ) -> Result<(), FaultKind> {
         let data = self.store.data_mut();
-        if data.pending.get(&token) != Some(&ROOT) {
+        if data.contexts.pending.get(&token) != Some(&ROOT) {
             return Ok(());
         }
-        data.pending.remove(&token);
+        data.contexts.pending.remove(&token);
         let Some(call_response) = self.calls.call_response.clone() else {
             return Ok(());
         };
@@ -493,7 +499,7 @@ impl PwInstance {
             call_response: Some(pairs),
             ..CallState::default()
         };
-        data.effective = ROOT;
+        data.contexts.effective = ROOT;
         let result = call_response.call(
             &mut self.store,
             (ROOT as i32, token as i32, n_headers, body_len, 0),
@@ -519,8 +525,8 @@ impl PwInstance {
             .context_create
             .call(&mut self.store, (context as i32, ROOT as i32))?;
         let data = self.store.data_mut();
-        data.contexts.insert(context);
-        data.effective = context;
+        data.contexts.alive.insert(context);
+        data.contexts.effective = context;
         self.next_seq += 1;
         self.open.insert(self.next_seq, context);
         self.opened.insert(context, self.next_seq);
@@ -535,10 +541,10 @@ impl PwInstance {
         }
         let data = self.store.data_mut();
         // Answers still to come for this request have nowhere to go.
-        if !data.pending.is_empty() {
-            data.pending.retain(|_, c| *c != context);
+        if !data.contexts.pending.is_empty() {
+            data.contexts.pending.retain(|_, c| *c != context);
         }
-        if !data.contexts.remove(&context) {
+        if !data.contexts.alive.remove(&context) {
             return Ok(());
         }
         let id = context as i32;
@@ -566,7 +572,7 @@ fn drop_root_calls(store: &mut Store<PwState>, filter: &str, callback: &str) {
         return;
     }
     for call in &calls {
-        data.pending.remove(&call.token);
+        data.contexts.pending.remove(&call.token);
     }
     tracing::warn!(
         filter,

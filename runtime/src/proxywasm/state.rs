@@ -97,8 +97,14 @@ pub(crate) struct PwState {
     pub(crate) queue_owner: Arc<crate::queues::QueueOwner>,
     /// The root's tick period (`proxy_set_tick_period_milliseconds`); 0 = none.
     pub(crate) tick_ms: u32,
+    pub(crate) contexts: Contexts,
+}
+
+/// The guest's contexts and the HTTP calls they made.
+#[derive(Debug, Default)]
+pub(crate) struct Contexts {
     /// The contexts alive in the guest: the root and the requests under way.
-    pub(crate) contexts: std::collections::BTreeSet<u32>,
+    pub(crate) alive: std::collections::BTreeSet<u32>,
     /// The context later host calls act on (`proxy_set_effective_context`).
     pub(crate) effective: u32,
     /// The last HTTP call token handed out.

@@ -223,14 +223,21 @@ struct Posted {
     flushed: bool,
 }
 
-/// One side of a queue pair.
-pub(super) struct QpInner {
-    pub(super) num: u32,
-    seg: Arc<SharedRegion>,
+/// The four rings of a queue pair's segment, as one side sees them: the receives it
+/// posted and those its peer posted, the completions it reaps and those it writes for
+/// its peer.
+struct Rings {
     my_receives: Ring,
     peer_receives: Ring,
     my_completions: Ring,
     peer_completions: Ring,
+}
+
+/// One side of a queue pair.
+pub(super) struct QpInner {
+    pub(super) num: u32,
+    seg: Arc<SharedRegion>,
+    rings: Rings,
     my_side: usize,
     peer_bell: Bell,
     peer_regions: PeerRegions,
@@ -274,10 +281,12 @@ impl QpInner {
         let other = 1 - side;
         Self {
             num,
-            my_receives: ring(side, 0),
-            peer_receives: ring(other, 0),
-            my_completions: ring(side, 1),
-            peer_completions: ring(other, 1),
+            rings: Rings {
+                my_receives: ring(side, 0),
+                peer_receives: ring(other, 0),
+                my_completions: ring(side, 1),
+                peer_completions: ring(other, 1),
+            },
             my_side: side,
             seg,
             peer_bell: peer.bell,
@@ -297,7 +306,7 @@ impl QpInner {
     }
 
     fn rnr_word(&self, side: usize) -> &AtomicU64 {
-        let cap = self.my_receives.cap;
+        let cap = self.rings.my_receives.cap;
         let at = LINE + side as u64 * side_len(cap) + 2 * ring_len(cap);
         &self
             .seg
@@ -374,11 +383,11 @@ impl QpInner {
             wr.sge.addr,
             u64::from(wr.sge.lkey) << 32 | u64::from(wr.sge.len),
         ];
-        if !self.my_receives.push(entry) {
+        if !self.rings.my_receives.push(entry) {
             return Err(FabricError::QueueFull {
                 qp: self.num,
                 which: "receive",
-                limit: self.my_receives.cap as u32,
+                limit: self.rings.my_receives.cap as u32,
             });
         }
         posted.receives.push_back(wr.wr_id);
@@ -427,7 +436,7 @@ impl QpInner {
             std::sync::atomic::fence(Ordering::SeqCst);
             // A receive posted between our look and raising the flag was missed:
             // look again.
-            if !self.peer_receives.is_empty() {
+            if !self.rings.peer_receives.is_empty() {
                 self.cq.bell.interrupt();
             }
         }
@@ -469,7 +478,7 @@ impl QpInner {
             SendOp::Send | SendOp::SendWithImm(_) | SendOp::WriteWithImm(..)
         );
         let receive = if needs_receive {
-            match self.peer_receives.pop() {
+            match self.rings.peer_receives.pop() {
                 Some(r) => Some(r),
                 None => return false,
             }
@@ -573,7 +582,7 @@ impl QpInner {
             u64::from(byte_len) << 32 | u64::from(imm.unwrap_or(0)),
             opcode_code(opcode) | status_code(status) << 8 | u64::from(imm.is_some()) << 16,
         ];
-        if !self.peer_completions.push(entry) {
+        if !self.rings.peer_completions.push(entry) {
             // Cannot happen with a well-behaved peer: it has at most `cap` receives
             // posted. A scribbled ring fails the queue pair.
             self.fail();
@@ -584,9 +593,9 @@ impl QpInner {
 
     /// Whether [`QpInner::progress`] has something to do.
     pub(super) fn has_work(&self) -> bool {
-        !self.my_completions.is_empty()
+        !self.rings.my_completions.is_empty()
             || (self.state() == QpState::Error && !self.posted.lock().flushed)
-            || (self.held.load(Ordering::Acquire) > 0 && !self.peer_receives.is_empty())
+            || (self.held.load(Ordering::Acquire) > 0 && !self.rings.peer_receives.is_empty())
     }
 
     /// Moves what the peer completed for us into the completion queue, retries held
@@ -594,7 +603,7 @@ impl QpInner {
     pub(super) fn progress(&self) {
         let mut posted = self.posted.lock();
         let drain = |posted: &mut Posted| {
-            while let Some(e) = self.my_completions.pop() {
+            while let Some(e) = self.rings.my_completions.pop() {
                 let (wr_id, len_imm, flags) = (e[0], e[1], e[2]);
                 if posted.receives.front() == Some(&wr_id) {
                     posted.receives.pop_front();

@@ -151,7 +151,7 @@ impl<E: DmaEngine> DmaManager<E> {
             );
             return;
         }
-        if !self.stalled.is_empty() && self.refuses(dst) {
+        if !self.stalls.stalled.is_empty() && self.refuses(dst) {
             let refusal = self.stall_refusal(dst, Instant::now());
             self.fail_delivery(&d, refusal);
             return;

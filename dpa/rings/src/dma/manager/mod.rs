@@ -124,11 +124,8 @@ pub struct DmaManager<E: DmaEngine> {
     commands: Receiver<Command>,
     stopped: bool,
     held: HashMap<u32, VecDeque<Descriptor>>,
-    /// Each pod's RX ring read position when last seen to move.
-    watch: HashMap<u32, Watch>,
-    /// Pods not reading their ring: deliveries to them are refused.
-    stalled: HashSet<u32>,
-    next_watch: Instant,
+    /// Which pods stopped reading their ring.
+    stalls: Stalls,
     /// What pods sent (heads now in a DPU pool) and delivery notices, for the proxy,
     /// in order.
     to_proxy: VecDeque<Descriptor>,
@@ -146,6 +143,17 @@ pub struct DmaManager<E: DmaEngine> {
 /// back do not count) is woken at once rather than at the end of the batch: it can
 /// start on them while the rest of the batch is still being routed.
 const WAKE_BATCH: u32 = 16;
+
+/// Pods that stopped reading their RX ring, as the manager watches them.
+#[derive(Debug)]
+struct Stalls {
+    /// Each pod's RX ring read position when last seen to move.
+    watch: HashMap<u32, Watch>,
+    /// Pods not reading their ring: deliveries to them are refused.
+    stalled: HashSet<u32>,
+    /// When the rings are looked at next.
+    next: Instant,
+}
 
 /// A pod's RX ring read position and since when it has not moved.
 #[derive(Debug, Clone, Copy)]
@@ -214,9 +222,11 @@ impl<E: DmaEngine> DmaManager<E> {
             commands,
             stopped: false,
             held: HashMap::new(),
-            watch: HashMap::new(),
-            stalled: HashSet::new(),
-            next_watch: Instant::now(),
+            stalls: Stalls {
+                watch: HashMap::new(),
+                stalled: HashSet::new(),
+                next: Instant::now(),
+            },
             to_proxy: VecDeque::new(),
             leaving: Vec::new(),
             completions: HashMap::new(),
@@ -232,7 +242,7 @@ impl<E: DmaEngine> DmaManager<E> {
         for (&id, pod) in &self.pods {
             let ring = pod.rx_sq.ring();
             let consumed = ring.consumed();
-            let w = self.watch.entry(id).or_insert(Watch {
+            let w = self.stalls.watch.entry(id).or_insert(Watch {
                 consumed,
                 since: now,
             });
@@ -241,11 +251,11 @@ impl<E: DmaEngine> DmaManager<E> {
                     consumed,
                     since: now,
                 };
-                if self.stalled.remove(&id) {
+                if self.stalls.stalled.remove(&id) {
                     tracing::info!(pod = id, "the pod reads its RX ring again");
                 }
             } else if now.saturating_duration_since(w.since) >= STALL_AFTER
-                && self.stalled.insert(id)
+                && self.stalls.stalled.insert(id)
             {
                 tracing::warn!(
                     pod = id,
@@ -254,7 +264,7 @@ impl<E: DmaEngine> DmaManager<E> {
                 );
             }
         }
-        let stalled: Vec<u32> = self.stalled.iter().copied().collect();
+        let stalled: Vec<u32> = self.stalls.stalled.iter().copied().collect();
         for id in stalled {
             for d in self.held.remove(&id).unwrap_or_default() {
                 self.stats.held.fetch_sub(1, Ordering::Relaxed);
@@ -266,16 +276,16 @@ impl<E: DmaEngine> DmaManager<E> {
 
     /// Whether pod `id` is marked not reading and still has not moved its ring.
     fn refuses(&mut self, id: u32) -> bool {
-        if !self.stalled.contains(&id) {
+        if !self.stalls.stalled.contains(&id) {
             return false;
         }
-        let moved = match (self.pods.get(&id), self.watch.get(&id)) {
+        let moved = match (self.pods.get(&id), self.stalls.watch.get(&id)) {
             (Some(pod), Some(w)) => pod.rx_sq.ring().consumed() != w.consumed,
             _ => true,
         };
         if moved {
-            self.stalled.remove(&id);
-            self.watch.remove(&id);
+            self.stalls.stalled.remove(&id);
+            self.stalls.watch.remove(&id);
             tracing::info!(pod = id, "the pod reads its RX ring again");
         }
         !moved
@@ -283,6 +293,7 @@ impl<E: DmaEngine> DmaManager<E> {
 
     fn stall_refusal(&self, id: u32, now: Instant) -> Refusal {
         let since = self
+            .stalls
             .watch
             .get(&id)
             .map_or(Duration::ZERO, |w| now.saturating_duration_since(w.since));
@@ -398,8 +409,8 @@ impl<E: DmaEngine> DmaManager<E> {
         }
         self.order.retain(|&p| p != id);
         // Deliveries held for it will never land: give their buffers back.
-        self.watch.remove(&id);
-        self.stalled.remove(&id);
+        self.stalls.watch.remove(&id);
+        self.stalls.stalled.remove(&id);
         if let Some(held) = self.held.remove(&id) {
             for d in held {
                 self.stats.held.fetch_sub(1, Ordering::Relaxed);
@@ -450,8 +461,8 @@ impl<E: DmaEngine> DmaManager<E> {
         // One clock read per pass (vDSO, no system call): the watch itself runs every
         // `WATCH_EVERY`.
         let now = Instant::now();
-        if now >= self.next_watch {
-            self.next_watch = now + WATCH_EVERY;
+        if now >= self.stalls.next {
+            self.stalls.next = now + WATCH_EVERY;
             self.watch_rings(now);
         }
         let mut work = self.retry_held();
