@@ -144,11 +144,26 @@ fn two_shards_each_run_their_requests_to_completion() {
     // requests over them are answered whichever shard took the link.
     let fabric = node.fabric_addr();
     let timeout = Duration::from_secs(30);
+    let before = wire::counts::now();
     for n in 0..6 {
         let (status, body) = common::fabric_get(fabric, "echo", &format!("/{n}"), timeout);
         assert_eq!(status, 200, "{body}");
         assert!(body.starts_with("lane "), "{body}");
     }
+    // Each hop encodes the request head once and decodes it once: the sender (the
+    // ingress's part) and the node encode, the node and the pod decode. The pod's
+    // answer was encoded once before the loop; the node passes it on without reading
+    // it (no cache, no plugin here), and the sender decodes it.
+    let counted = wire::counts::now() - before;
+    assert_eq!(
+        counted,
+        wire::counts::Counts {
+            request_encodes: 12,
+            request_decodes: 12,
+            response_encodes: 0,
+            response_decodes: 6,
+        }
+    );
     let (status, _) = common::fabric_get(fabric, "echo", "/stop", timeout);
     assert_eq!(status, 200);
     let echoed = dpumesh_test_support::joined(echo);

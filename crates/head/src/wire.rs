@@ -211,6 +211,8 @@ pub fn encode_request_for_pod(head: &RequestHead) -> Result<Vec<u8>, WireError> 
 }
 
 fn encode(head: &RequestHead, with_metadata: bool) -> Result<Vec<u8>, WireError> {
+    #[cfg(feature = "codec-counts")]
+    counts::REQUEST_ENCODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut w = Writer(Vec::with_capacity(256));
     w.u8(REQUEST);
     w.u8(WIRE_VERSION);
@@ -249,6 +251,8 @@ fn encode(head: &RequestHead, with_metadata: bool) -> Result<Vec<u8>, WireError>
 
 /// Decodes a request head.
 pub fn decode_request(bytes: &[u8]) -> Result<RequestHead, WireError> {
+    #[cfg(feature = "codec-counts")]
+    counts::REQUEST_DECODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut r = Reader { b: bytes, at: 0 };
     r.header("request", REQUEST)?;
     let method = r.str("method")?;
@@ -299,6 +303,8 @@ pub fn decode_request(bytes: &[u8]) -> Result<RequestHead, WireError> {
 
 /// Encodes a response head.
 pub fn encode_response(head: &ResponseHead) -> Result<Vec<u8>, WireError> {
+    #[cfg(feature = "codec-counts")]
+    counts::RESPONSE_ENCODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     if !(100..=999).contains(&head.status) {
         return Err(WireError::Status(head.status));
     }
@@ -312,6 +318,8 @@ pub fn encode_response(head: &ResponseHead) -> Result<Vec<u8>, WireError> {
 
 /// Decodes a response head.
 pub fn decode_response(bytes: &[u8]) -> Result<ResponseHead, WireError> {
+    #[cfg(feature = "codec-counts")]
+    counts::RESPONSE_DECODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut r = Reader { b: bytes, at: 0 };
     r.header("response", RESPONSE)?;
     let status = r.u16("status")?;
@@ -325,6 +333,48 @@ pub fn decode_response(bytes: &[u8]) -> Result<ResponseHead, WireError> {
 
 fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// How often this process encoded and decoded heads (feature `codec-counts`, for tests
+/// that hold each hop to one encode and one decode).
+#[cfg(feature = "codec-counts")]
+pub mod counts {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    pub(super) static REQUEST_ENCODES: AtomicU64 = AtomicU64::new(0);
+    pub(super) static REQUEST_DECODES: AtomicU64 = AtomicU64::new(0);
+    pub(super) static RESPONSE_ENCODES: AtomicU64 = AtomicU64::new(0);
+    pub(super) static RESPONSE_DECODES: AtomicU64 = AtomicU64::new(0);
+
+    /// The counts so far.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+    pub struct Counts {
+        pub request_encodes: u64,
+        pub request_decodes: u64,
+        pub response_encodes: u64,
+        pub response_decodes: u64,
+    }
+
+    impl std::ops::Sub for Counts {
+        type Output = Counts;
+        fn sub(self, before: Counts) -> Counts {
+            Counts {
+                request_encodes: self.request_encodes - before.request_encodes,
+                request_decodes: self.request_decodes - before.request_decodes,
+                response_encodes: self.response_encodes - before.response_encodes,
+                response_decodes: self.response_decodes - before.response_decodes,
+            }
+        }
+    }
+
+    pub fn now() -> Counts {
+        Counts {
+            request_encodes: REQUEST_ENCODES.load(Ordering::Relaxed),
+            request_decodes: REQUEST_DECODES.load(Ordering::Relaxed),
+            response_encodes: RESPONSE_ENCODES.load(Ordering::Relaxed),
+            response_decodes: RESPONSE_DECODES.load(Ordering::Relaxed),
+        }
+    }
 }
 
 #[cfg(test)]
