@@ -87,34 +87,78 @@ fn code(text: &str) -> String {
         .join("\n")
 }
 
-/// Every module path a file names: `crate::a::b` and `use crate::{a, b::c}`.
+/// Every module path a file names: `crate::a::b` and `use crate::{a, b::{c, d}}`
+/// (groups nested to any depth).
 fn named(code: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut rest = code;
     while let Some(at) = rest.find("crate::") {
         rest = &rest[at + "crate::".len()..];
-        if let Some(group) = rest.strip_prefix('{') {
-            let end = group.find('}').unwrap_or(group.len());
-            for item in group[..end].split(',') {
-                let item = item.trim();
-                if !item.is_empty() {
-                    out.push(
-                        item.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
-                            .next()
-                            .unwrap_or_default()
-                            .to_owned(),
-                    );
-                }
-            }
+        if rest.starts_with('{') {
+            let (group, after) = braced(rest);
+            expand("", group, &mut out);
+            rest = after;
             continue;
         }
-        let path: String = rest
-            .chars()
-            .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':')
-            .collect();
-        out.push(path.trim_end_matches(':').to_owned());
+        out.push(ident_path(rest).trim_end_matches(':').to_owned());
     }
     out
+}
+
+/// The leading `a::b::c` of `text`.
+fn ident_path(text: &str) -> &str {
+    let end = text
+        .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+        .unwrap_or(text.len());
+    &text[..end]
+}
+
+/// `{…}` at the start of `text`: what is inside, and what follows the closing brace.
+fn braced(text: &str) -> (&str, &str) {
+    let mut depth = 0;
+    for (i, c) in text.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return (&text[1..i], &text[i + 1..]);
+                }
+            }
+            _ => {}
+        }
+    }
+    (&text[1..], "")
+}
+
+/// The paths of a use group's items, each under `prefix`.
+fn expand(prefix: &str, group: &str, out: &mut Vec<String>) {
+    let mut depth = 0;
+    let mut start = 0;
+    let mut items = Vec::new();
+    for (i, c) in group.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&group[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    items.push(&group[start..]);
+    for item in items.into_iter().map(str::trim).filter(|i| !i.is_empty()) {
+        let head = ident_path(item);
+        let full = format!("{prefix}{head}");
+        match item[head.len()..].trim_start().strip_prefix('{') {
+            Some(_) => {
+                let (inner, _) = braced(item[head.len()..].trim_start());
+                expand(&full, inner, out);
+            }
+            None => out.push(full.trim_end_matches(':').to_owned()),
+        }
+    }
 }
 
 #[test]
@@ -158,6 +202,12 @@ fn every_module_names_only_layers_below_it() {
 fn the_check_sees_a_path_that_points_up() {
     let code = code("use crate::{chain::ChainRunner, error::LoadError};\n// crate::worker\n");
     assert_eq!(named(&code), ["chain::ChainRunner", "error::LoadError"]);
+    // A nested group does not hide what follows it.
+    let nested = self::code("use crate::{bindings::{self, Verdict}, worker::WorkerPool};\n");
+    assert_eq!(
+        named(&nested),
+        ["bindings::self", "bindings::Verdict", "worker::WorkerPool"]
+    );
     assert_eq!(
         layer_of("fusion::driver::ENTER").map(|l| l.1),
         Some("fusion::driver")
