@@ -191,7 +191,7 @@ impl FusedInstance {
 
     /// The head as it was before the filter that faulted, if its policy retries.
     pub(crate) fn take_reload_head(&mut self) -> Option<RequestHead> {
-        self.store.data_mut().reload_head.take()
+        self.store.data_mut().take_reload_head()
     }
 
     /// Lends `head` and readies the store for a call (the driver arms each filter's

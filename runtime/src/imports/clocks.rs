@@ -82,7 +82,7 @@ pub(crate) fn shadow(linker: &mut Linker<StoreState>) -> wasmtime::Result<()> {
     let defined =
         monotonic_clock::add_to_linker::<StoreState, NoSleep>(linker, |state| NoSleepView {
             clock: &state.services.clock,
-            table: &mut state.table,
+            table: &mut state.wasi.table,
         });
     linker.allow_shadowing(false);
     defined

@@ -5,14 +5,13 @@
 //! the `request-head` resource needs no table lookups: the handle is a stand-in and
 //! every method works on the head currently lent to the instance.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dpumesh_clock::SharedClock;
 use dpumesh_head::RequestHead;
 use dpumesh_keys::KeyStore;
-use dpumesh_shared_state::{Namespace, SharedState};
+use dpumesh_shared_state::SharedState;
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
@@ -24,9 +23,12 @@ use crate::stderr::StderrTail;
 pub(crate) mod clocks;
 pub(crate) mod core;
 mod head;
+mod members;
 mod services;
 
 pub(crate) use head::{header_error, wit_method, wit_scheme};
+pub(crate) use members::Member;
+use members::{FusedRun, Members};
 
 pub use crate::bindings::HeadHandle;
 
@@ -70,41 +72,6 @@ enum MetricHandle {
     Histogram(::metrics::Histogram),
 }
 
-/// Whom a store's guest code acts for: one filter's identity, shared-state namespace
-/// and metrics, and the limits its calls run under. A store of one filter has one
-/// member; a fused chain's store has one per filter and switches as the chain's driver
-/// enters each (the fused chains).
-pub(crate) struct Member {
-    tag: Arc<FilterTag>,
-    namespace: Namespace,
-    metrics: Vec<MetricHandle>,
-    metric_ids: HashMap<MetricKey, u32>,
-    /// CPU deadline of the filter's calls (armed as the driver enters it).
-    deadline: Duration,
-    /// Whether its failure policy retries on the head as it was before its call: the
-    /// head is then copied as the driver enters it (as an unfused chain copies it).
-    reload: bool,
-}
-
-impl Member {
-    pub(crate) fn new(
-        tag: Arc<FilterTag>,
-        namespace: &str,
-        services: &NodeServices,
-        deadline: Duration,
-        reload: bool,
-    ) -> Self {
-        Self {
-            tag,
-            namespace: services.state.namespace(namespace),
-            metrics: Vec::new(),
-            metric_ids: HashMap::new(),
-            deadline,
-            reload,
-        }
-    }
-}
-
 /// The data of one instance's `Store` (a filter's, or a fused chain's).
 pub(crate) struct StoreState {
     /// The head lent to the instance during a call, boxed: lending it and taking it
@@ -117,22 +84,13 @@ pub(crate) struct StoreState {
     /// Verified claims parsed for `request-head.claims`, by payload text: a token seen
     /// again is not parsed again.
     claims: dpumesh_claims::ParsedClaims,
-    /// Never empty; `current` always indexes it.
-    members: Vec<Member>,
-    current: usize,
-    /// Filters the request phase of a fused call entered, with the time each began.
-    marks: Vec<(u32, Stamp)>,
-    /// Whether this call stamps its entries (the request phase: the response phase's
-    /// times are not recorded, so it reads no clock).
-    timed: bool,
-    /// The filter the call under way entered last (whose fault a trap is).
-    entered: Option<u32>,
-    /// The head as it was before the filter entered last, when that filter's policy
-    /// retries (fused chains only).
-    pub(crate) reload_head: Option<RequestHead>,
+    /// The filters the store acts for (the per-filter part).
+    members: Members,
+    /// What the fused call under way records (the fused path's part).
+    run: FusedRun,
     services: NodeServices,
-    wasi: WasiCtx,
-    table: ResourceTable,
+    /// WASI's context and the resource table (the component path's part).
+    wasi: Wasi,
     /// The instance's memory and allocator when it runs as a core instance (the
     /// core path's part).
     pub(crate) core: Option<core::Guest>,
@@ -168,7 +126,6 @@ impl StoreState {
         services: &NodeServices,
         tick: Duration,
     ) -> Self {
-        assert!(!members.is_empty(), "a store acts for at least one filter");
         let stderr = StderrTail::default();
         let mut wasi = WasiCtx::builder();
         // No filesystem, no network, no environment: a filter sees only the head.
@@ -185,15 +142,13 @@ impl StoreState {
             stderr,
             budget: crate::budget::CpuBudget::new(tick),
             claims: dpumesh_claims::ParsedClaims::new(),
-            members,
-            current: 0,
-            marks: Vec::new(),
-            timed: false,
-            entered: None,
-            reload_head: None,
+            members: Members::new(members),
+            run: FusedRun::default(),
             services: services.clone(),
-            wasi: wasi.build(),
-            table: ResourceTable::new(),
+            wasi: Wasi {
+                ctx: wasi.build(),
+                table: ResourceTable::new(),
+            },
             core: None,
         }
     }
@@ -205,22 +160,21 @@ impl StoreState {
 
     /// The store's WASI random sources.
     pub(crate) fn random(&mut self) -> &mut wasmtime_wasi::random::WasiRandomCtx {
-        self.wasi.random()
+        self.wasi.ctx.random()
     }
 
     /// The filter the guest code running now belongs to.
     fn member(&self) -> &Member {
-        &self.members[self.current]
+        self.members.current()
     }
 
     fn member_mut(&mut self) -> &mut Member {
-        &mut self.members[self.current]
+        self.members.current_mut()
     }
 
     /// Acts for filter `index` from now on (its identity and memory cap).
     pub(crate) fn switch_to(&mut self, index: usize) {
-        if index < self.members.len() {
-            self.current = index;
+        if self.members.switch_to(index) {
             self.limiter.switch_to(index);
         }
     }
@@ -230,10 +184,7 @@ impl StoreState {
     /// takes for the call's arguments is no filter's). A `timed` call stamps each
     /// entry.
     pub(crate) fn begin_run(&mut self, timed: bool) {
-        self.marks.clear();
-        self.timed = timed;
-        self.entered = None;
-        self.reload_head = None;
+        self.run.begin(timed);
         self.limiter.charge_none();
     }
 
@@ -249,14 +200,8 @@ impl StoreState {
             ));
         }
         self.switch_to(index);
-        self.entered = Some(index as u32);
-        if self.timed {
-            self.marks.push((index as u32, crate::stamp::now()));
-        }
-        let member = &self.members[index];
-        if member.reload {
-            self.reload_head = self.head.as_deref().cloned();
-        }
+        let member = self.members.current();
+        self.run.enter(index, member.reload, self.head.as_deref());
         self.limiter.hit = false;
         Ok(self
             .budget
@@ -265,12 +210,18 @@ impl StoreState {
 
     /// The filters entered by the last fused call, with the time each began.
     pub(crate) fn marks(&self) -> &[(u32, Stamp)] {
-        &self.marks
+        &self.run.marks
+    }
+
+    /// The head as it was before the last fused call entered a filter whose policy
+    /// retries (taken: it is used once).
+    pub(crate) fn take_reload_head(&mut self) -> Option<RequestHead> {
+        self.run.reload_head.take()
     }
 
     /// The filter the last fused call entered last, if it entered any.
     pub(crate) fn entered_last(&self) -> Option<usize> {
-        self.entered.map(|k| k as usize)
+        self.run.entered.map(|k| k as usize)
     }
 
     /// The head lent to the current call. A guest can only reach it through a handle
@@ -345,11 +296,18 @@ fn valid_label_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
+/// The component path's part of a store: WASI's context and the resource table its
+/// imports use.
+struct Wasi {
+    ctx: WasiCtx,
+    table: ResourceTable,
+}
+
 impl WasiView for StoreState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView {
-            ctx: &mut self.wasi,
-            table: &mut self.table,
+            ctx: &mut self.wasi.ctx,
+            table: &mut self.wasi.table,
         }
     }
 }
