@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod ingress_tls;
 pub mod mesh_file;
 pub mod pingmesh;
 pub mod proxy;
@@ -23,6 +24,7 @@ pub use mesh_file::{
     EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,
     PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
 };
+pub use ingress_tls::{ClientCerts, IngressTls, TlsVersion};
 pub use pingmesh::PingmeshConfig;
 pub use proxy::{CacheConfig, FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};

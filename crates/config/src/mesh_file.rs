@@ -17,6 +17,7 @@
 //!   slots_per_client: 32           # of them, one client address's (429 past it)
 //!   threads: 2                     # shards (default: the machine's cores)
 //!   path: {normalize: true, merge_slashes: true, escaped_slashes: reject}  # the defaults
+//!   tls: {certificates: [{cert: tls/www.pem, key: tls/www.key}]}  # HTTPS (see ingress_tls)
 //! nodes:
 //!   node1: {fabric: 127.0.0.1:7101, admin: 127.0.0.1:9101}  # netns: n1 (optional)
 //!   # cores: 2                     # proxy shards (default: the machine's cores, shared
@@ -70,7 +71,11 @@ pub struct IngressConfig {
     /// normalization on, escaped slashes refused).
     #[serde(default)]
     pub path: PathConfig,
+    /// HTTPS for clients (none: plaintext HTTP/1.1 and h2c); see [`IngressTls`].
+    pub tls: Option<IngressTls>,
 }
+
+pub use crate::ingress_tls::IngressTls;
 
 pub use dpumesh_head::path::{Backslashes, DoubleEscapes, EscapedSlashes, PathConfig, Semicolons};
 
@@ -331,6 +336,12 @@ impl MeshFile {
                     .unwrap_or(Path::new(".dpumesh/certs")),
             ),
         );
+        if let Some(tls) = config.ingress.tls.take() {
+            if let Err((key, message)) = tls.check() {
+                return Err(error(key, message));
+            }
+            config.ingress.tls = Some(tls.resolved(dir));
+        }
         if config.nodes.is_empty() {
             return Err(error("nodes", "a mesh needs at least one node".into()));
         }
