@@ -20,6 +20,7 @@ pub mod eject;
 pub mod fair;
 pub mod framing;
 mod header_timer;
+pub mod tls;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -82,6 +83,8 @@ pub struct Settings {
     /// Services that route around the nodes the Pingmesh analyzer judges
     /// unreachable, and where to ask it.
     pub eject: Option<eject::EjectSettings>,
+    /// HTTPS for clients (none: plaintext HTTP/1.1 and h2c).
+    pub tls: Option<tls::TlsSettings>,
 }
 
 pub use dpumesh_head::path::ORIGINAL_PATH_METADATA;
@@ -100,6 +103,8 @@ struct Routing {
     /// The ingress is stopping: new requests are refused (503), those in flight
     /// finish within the drain grace.
     draining: std::sync::atomic::AtomicBool,
+    /// TLS for clients, when configured.
+    tls: Option<Arc<tls::Terminator>>,
 }
 
 /// A shard's view: the shared routing and its own fabric side.
@@ -118,6 +123,8 @@ pub struct Ingress {
     _eject: Option<eject::Poller>,
     stops: Vec<tokio::sync::oneshot::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
+    /// The certificate reloader's stop and thread.
+    reloader: Option<(crossbeam_channel::Sender<()>, JoinHandle<()>)>,
 }
 
 impl std::fmt::Debug for Ingress {
@@ -183,7 +190,19 @@ impl Ingress {
             }
             None => (None, None),
         };
+        let terminator = match settings.tls.clone() {
+            Some(t) => Some(
+                tls::Terminator::load(t, std::time::SystemTime::now())
+                    .map_err(|e| anyhow::anyhow!("ingress TLS: {e}"))?,
+            ),
+            None => None,
+        };
+        let reloader = match &terminator {
+            Some(t) => Some(tls::spawn_reloader(t.clone())?),
+            None => None,
+        };
         let routing = Arc::new(Routing {
+            tls: terminator,
             share: fair::ClientShare::new(settings.slots_per_client),
             settings,
             routes,
@@ -251,6 +270,7 @@ impl Ingress {
             _eject: eject_poller,
             stops,
             threads: handles,
+            reloader,
         })
     }
 
@@ -277,6 +297,10 @@ impl Drop for Ingress {
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        if let Some((stop, thread)) = self.reloader.take() {
+            let _ = stop.send(());
+            let _ = thread.join();
         }
     }
 }
@@ -329,48 +353,91 @@ async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
-        let settings = &state.routing.settings;
-        let (max_head, max_headers, header_timeout) = (
-            settings.max_head,
-            settings.max_headers,
-            settings.header_timeout,
-        );
-        let header_timer = state.header_timer.clone();
-        // Which HTTP/1 requests on this connection had both framings (hyper drops the
-        // Content-Length before the handler could see it).
-        let ambiguous = Rc::new(std::cell::RefCell::new(framing::Ambiguous::default()));
-        let stream =
-            framing::Sniff::new(stream, framing::Tracker::new(max_head, ambiguous.clone()));
         tokio::task::spawn_local(async move {
-            let served = std::cell::Cell::new(0u64);
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let state = state.clone();
-                let index = served.replace(served.get() + 1);
-                // Every HTTP/1.x request is judged (1.0 too); HTTP/2's are framed by
-                // their own protocol.
-                let refused = if req.version() < http::Version::HTTP_2 {
-                    ambiguous.borrow_mut().verdict(index)
-                } else {
-                    None
-                };
-                async move { Ok::<_, Infallible>(handle(&state, req, peer, refused).await) }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
-            builder
-                .http1()
-                .timer(header_timer.clone())
-                .max_buf_size(max_head)
-                .max_headers(max_headers)
-                .header_read_timeout(header_timeout);
-            builder
-                .http2()
-                .timer(TokioTimer::new())
-                .max_header_list_size(max_head as u32);
-            let _ = builder
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let Some(terminator) = state.routing.tls.clone() else {
+                return connection(stream, state, peer, None).await;
+            };
+            // The handshake is bounded as a head is: a client that opens and stalls
+            // holds nothing for longer.
+            let accept = tokio_rustls::TlsAcceptor::from(terminator.config()).accept(stream);
+            match tokio::time::timeout(state.routing.settings.header_timeout, accept).await {
+                Ok(Ok(stream)) => {
+                    let session = tls::Session::of(stream.get_ref().1);
+                    connection(stream, state, peer, Some(Rc::new(session))).await;
+                }
+                Ok(Err(e)) => {
+                    metrics::counter!("dpumesh_ingress_tls_handshake_failures_total", "reason" => "handshake")
+                        .increment(1);
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                }
+                Err(_) => {
+                    metrics::counter!("dpumesh_ingress_tls_handshake_failures_total", "reason" => "timeout")
+                        .increment(1);
+                }
+            }
         });
     }
+}
+
+/// Serves one client connection (plaintext, or TLS with its `session`) until it
+/// closes.
+async fn connection<F: Fabric, IO>(
+    stream: IO,
+    state: Rc<State<F>>,
+    peer: SocketAddr,
+    session: Option<Rc<tls::Session>>,
+) where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
+{
+    let settings = &state.routing.settings;
+    let (max_head, max_headers, header_timeout) = (
+        settings.max_head,
+        settings.max_headers,
+        settings.header_timeout,
+    );
+    let header_timer = state.header_timer.clone();
+    // Which HTTP/1 requests on this connection had both framings (hyper drops the
+    // Content-Length before the handler could see it).
+    let ambiguous = Rc::new(std::cell::RefCell::new(framing::Ambiguous::default()));
+    let stream = framing::Sniff::new(stream, framing::Tracker::new(max_head, ambiguous.clone()));
+    let alpn = session.as_ref().map_or(tls::Alpn::None, |s| s.alpn);
+    let served = std::cell::Cell::new(0u64);
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let state = state.clone();
+        let session = session.clone();
+        let index = served.replace(served.get() + 1);
+        // Every HTTP/1.x request is judged (1.0 too); HTTP/2's are framed by
+        // their own protocol.
+        let refused = if req.version() < http::Version::HTTP_2 {
+            ambiguous.borrow_mut().verdict(index)
+        } else {
+            None
+        };
+        async move {
+            Ok::<_, Infallible>(handle(&state, req, peer, session.as_deref(), refused).await)
+        }
+    });
+    let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
+    builder
+        .http1()
+        .timer(header_timer.clone())
+        .max_buf_size(max_head)
+        .max_headers(max_headers)
+        .header_read_timeout(header_timeout);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(max_head as u32);
+    // What ALPN agreed is what is spoken (a client that said http/1.1 does not get
+    // HTTP/2 by sending its preface, nor the reverse).
+    let builder = match alpn {
+        tls::Alpn::H2 => builder.http2_only(),
+        tls::Alpn::Http1 => builder.http1_only(),
+        tls::Alpn::None => builder,
+    };
+    let _ = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
 }
 
 /// The client's answer for a request the mesh could not serve.
@@ -421,9 +488,20 @@ fn target_error(req: &Request<Incoming>) -> Option<ProxyError> {
 /// hop-by-hop and framing headers (the body's exact length travels with it) and the
 /// mesh's own (`x-dpumesh-*`, which no client may say for it), with this hop recorded
 /// in `x-forwarded-for` and `x-forwarded-proto`.
-fn head_of(req: &Request<Incoming>, peer: SocketAddr) -> Result<RequestHead, ProxyError> {
+fn head_of(
+    req: &Request<Incoming>,
+    peer: SocketAddr,
+    session: Option<&tls::Session>,
+) -> Result<RequestHead, ProxyError> {
     let mut head = RequestHead::from_request(req, peer)
         .map_err(|e| ProxyError::new(ErrorKind::MalformedRequest, e.to_string()))?;
+    if let Some(session) = session {
+        // What this hop served, not what the client says (`:scheme` is not believed).
+        head.scheme = "https".to_owned();
+        // A principal the client's verified certificate names: the node believes it
+        // from the ingress only (`trust_claims`).
+        head.source.identity = session.principal.as_deref().map(str::to_owned);
+    }
     head.remove_hop_by_hop();
     if head.remove_reserved() > 0 {
         metrics::counter!("dpumesh_ingress_reserved_headers_removed_total").increment(1);
@@ -500,12 +578,13 @@ async fn handle<F: Fabric>(
     state: &State<F>,
     req: Request<Incoming>,
     peer: SocketAddr,
+    session: Option<&tls::Session>,
     refused: Option<framing::Refusal>,
 ) -> Response<Full<Bytes>> {
     if let Some(why) = refused {
         return error_response(&ProxyError::new(ErrorKind::AmbiguousFraming, why.message()));
     }
-    match forward(state, req, peer).await {
+    match forward(state, req, peer, session).await {
         Ok(response) => response,
         Err(e) => error_response(&e),
     }
@@ -517,6 +596,7 @@ async fn forward<F: Fabric>(
     state: &State<F>,
     req: Request<Incoming>,
     peer: SocketAddr,
+    session: Option<&tls::Session>,
 ) -> Result<Response<Full<Bytes>>, ProxyError> {
     let settings = &state.routing.settings;
     if state
@@ -535,7 +615,7 @@ async fn forward<F: Fabric>(
     if let Some(e) = target_error(&req) {
         return Err(e);
     }
-    let mut head = head_of(&req, peer)?;
+    let mut head = head_of(&req, peer, session)?;
     normalize_path(&mut head, &settings.path)?;
     let Some((service, node)) = state
         .routing

@@ -187,6 +187,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
             admin: None,
             path: Default::default(),
             eject: None,
+            tls: None,
         },
     )
     .unwrap();

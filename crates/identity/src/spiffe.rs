@@ -134,6 +134,10 @@ impl SpiffeId {
         matches!(self.role, Role::Node(_))
     }
 
+    pub fn is_ingress(&self) -> bool {
+        matches!(self.role, Role::Ingress)
+    }
+
     /// The name of its certificate files in a certificate folder.
     pub fn file_stem(&self) -> String {
         match &self.role {
@@ -160,6 +164,15 @@ impl fmt::Display for SpiffeId {
             }
         }
     }
+}
+
+/// Whether `principal` names an identity in `trust_domain` (`spiffe://<domain>` or
+/// `spiffe://<domain>/…`; `spiffe://<domain>.other/…` is not in it).
+pub fn in_trust_domain(principal: &str, trust_domain: &str) -> bool {
+    principal
+        .strip_prefix("spiffe://")
+        .and_then(|rest| rest.strip_prefix(trust_domain))
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 #[cfg(test)]

@@ -114,7 +114,8 @@ impl<F: Fabric> Reactor<F> {
     /// What a request says of itself is believed as far as its link's proven peer
     /// vouches for it: "already policed" and a source workload identity only from a
     /// node (which policed the request and knows its pod); from the ingress, neither
-    /// (it polices nothing and knows no workload). A mesh without mutual TLS proves
+    /// (it polices nothing and knows no workload), but the principal of a client
+    /// certificate it verified, when that names no identity of the mesh's domain. A mesh without mutual TLS proves
     /// nothing and believes everything (`identity.mtls: off` warns of this); a mesh
     /// that requires identities believes nothing from a link that proved none (a
     /// backend without authentication: fail closed).
@@ -132,10 +133,21 @@ impl<F: Fabric> Reactor<F> {
             // is kept.
             _ => keep_edge_metadata(head),
         }
+        // A client principal the ingress verified (its client certificate) stands;
+        // the ingress never vouches for a name of the mesh's own.
+        let vouched = match (peer, head.source.identity.as_deref()) {
+            (Some(peer), Some(claimed)) => {
+                peer.is_ingress()
+                    && !dpumesh_identity::spiffe::in_trust_domain(claimed, &peer.trust_domain)
+            }
+            _ => false,
+        };
         let peer = match peer {
             // Nothing claimed, nothing to drop (every request from the ingress): the
             // peer's name is formatted only for a warning.
-            _ if !flags.policed && !flags.call && head.source.identity.is_none() => return,
+            _ if !flags.policed && !flags.call && (vouched || head.source.identity.is_none()) => {
+                return;
+            }
             Some(peer) => peer.to_string(),
             None => "an unauthenticated link".to_owned(),
         };
@@ -148,6 +160,9 @@ impl<F: Fabric> Reactor<F> {
             tracing::warn!(%peer, authority = %head.authority, "a request claimed to be a mesh call by a peer that is not a node: only routes let it in");
             metrics::counter!("dpumesh_untrusted_claims_total", "claim" => "call").increment(1);
             flags.call = false;
+        }
+        if vouched {
+            return;
         }
         if let Some(claimed) = head.source.identity.take() {
             tracing::warn!(%peer, claimed, "a request claimed a workload identity its peer cannot vouch for: dropped");
