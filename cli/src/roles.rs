@@ -334,10 +334,13 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         admin: i.admin,
         path: i.path,
         eject: eject_settings(mesh),
-        tls: i.tls.clone().map(|files| dpumesh_ingress::tls::TlsSettings {
-            files,
-            trust_domain: mesh.config.identity.trust_domain().to_owned(),
-        }),
+        tls: i
+            .tls
+            .clone()
+            .map(|files| dpumesh_ingress::tls::TlsSettings {
+                files,
+                trust_domain: mesh.config.identity.trust_domain().to_owned(),
+            }),
     }
 }
 

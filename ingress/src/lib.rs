@@ -413,9 +413,7 @@ async fn connection<F: Fabric, IO>(
         } else {
             None
         };
-        async move {
-            Ok::<_, Infallible>(handle(&state, req, peer, session.as_deref(), refused).await)
-        }
+        async move { Ok::<_, Infallible>(handle(&state, req, peer, session.as_deref(), refused).await) }
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
     builder

@@ -44,7 +44,7 @@ fn program(name: &str) -> PathBuf {
 /// A running local mesh.
 pub struct Up {
     processes: Vec<Process>,
-    /// The ingress address.
+    /// The ingress's URL base (`http://addr` or, with `ingress.tls`, `https://addr`).
     pub ingress: String,
     /// Admin URLs by node.
     pub admins: BTreeMap<String, String>,
@@ -200,13 +200,19 @@ impl Up {
             .args([file])
             .env("DPUMESH_LOG_FORMAT", &log_format);
         let mut ingress = Process::start(spec, policy)?;
-        up.ingress = match ingress.wait_ready(START_TIMEOUT) {
+        let addr = match ingress.wait_ready(START_TIMEOUT) {
             Ok(line) => line.rsplit(' ').next().unwrap_or_default().to_owned(),
             Err(e) => {
                 say_err!("dpumesh up: {e:#}");
                 mesh.config.ingress.listen.to_string()
             }
         };
+        let scheme = if mesh.config.ingress.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        up.ingress = format!("{scheme}://{addr}");
         up.processes.push(ingress);
         up.wait_for_pods(&mesh);
         Ok(up)
@@ -324,7 +330,7 @@ impl Drop for Up {
 pub fn up(file: &Path) -> Result<()> {
     let mut up = Up::start(file)?;
     say!("DPUmesh is up.");
-    say!("  ingress   http://{}/", up.ingress);
+    say!("  ingress   {}/", up.ingress);
     if let Some(a) = up.ingress_admin {
         say!("  ingress admin http://{a}/  (/healthz /readyz /nodes /metrics)");
     }
@@ -343,7 +349,7 @@ pub fn up(file: &Path) -> Result<()> {
     if let Some(token) = DemoToken::read(file)?.map(|d| d.sign()).transpose()? {
         say!("  try:");
         say!(
-            "    curl -s -H 'authorization: Bearer {token}' 'http://{}/hotels?user=7'",
+            "    curl -s -H 'authorization: Bearer {token}' '{}/hotels?user=7'",
             up.ingress
         );
     }

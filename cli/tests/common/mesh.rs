@@ -156,7 +156,7 @@ impl Mesh {
         let banner = super::banner(mesh.child.stdout.take().unwrap());
         mesh.banner = banner.clone();
         assert!(
-            banner.contains(&format!("http://{}/", mesh.ingress)),
+            banner.contains(&format!("://{}/", mesh.ingress)),
             "{banner}"
         );
         assert!(banner.contains("curl"), "a ready-to-paste curl: {banner}");

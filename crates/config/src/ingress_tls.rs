@@ -138,7 +138,10 @@ mod tests {
         .unwrap()
         .resolved(Path::new("/etc/mesh"));
         assert_eq!(tls.certificates[1].key, Path::new("/etc/mesh/b.key"));
-        assert_eq!(tls.client_ca.as_deref(), Some(Path::new("/etc/mesh/ca.pem")));
+        assert_eq!(
+            tls.client_ca.as_deref(),
+            Some(Path::new("/etc/mesh/ca.pem"))
+        );
         assert_eq!(tls.min_version, TlsVersion::Tls13);
         assert_eq!(tls.client_certs(), Some(ClientCerts::Required));
         assert_eq!(tls.reload(), Duration::from_secs(2));
@@ -152,14 +155,23 @@ mod tests {
         assert_eq!(tls.client_certs(), Some(ClientCerts::Optional));
         let no_ca = parse("certificates: [{cert: a.pem, key: a.key}]\n").unwrap();
         assert_eq!(no_ca.client_certs(), None);
-        assert!(parse("certificates: []\n").unwrap_err().contains("at least one"));
+        assert!(
+            parse("certificates: []\n")
+                .unwrap_err()
+                .contains("at least one")
+        );
         assert!(
             parse("certificates: [{cert: a.pem, key: a.key}]\nclient_certs: required\n")
                 .unwrap_err()
                 .contains("client_ca")
         );
-        assert!(parse("certificates: [{cert: a.pem, key: a.key}]\nmin_version: \"1.1\"\n").is_err());
-        assert!(parse("certificates: [{cert: a.pem}]\n").is_err(), "a key is needed");
+        assert!(
+            parse("certificates: [{cert: a.pem, key: a.key}]\nmin_version: \"1.1\"\n").is_err()
+        );
+        assert!(
+            parse("certificates: [{cert: a.pem}]\n").is_err(),
+            "a key is needed"
+        );
         assert!(parse("certificates: [{cert: a.pem, key: a.key, typo: 1}]\n").is_err());
     }
 }

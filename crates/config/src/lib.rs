@@ -20,11 +20,11 @@ pub mod store;
 pub mod units;
 
 pub use error::ConfigError;
+pub use ingress_tls::{ClientCerts, IngressTls, TlsVersion};
 pub use mesh_file::{
     EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,
     PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
 };
-pub use ingress_tls::{ClientCerts, IngressTls, TlsVersion};
 pub use pingmesh::PingmeshConfig;
 pub use proxy::{CacheConfig, FailurePolicy, LoadedConfig, ProxyConfig};
 pub use routes::{RouteMatch, RoutePolicy, RouteTable, strip_port};

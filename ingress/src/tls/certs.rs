@@ -126,7 +126,10 @@ fn validity_and_names(
     if now < validity.not_before.timestamp() {
         return Err(file_error(
             path,
-            format!("the certificate is not valid before {}", validity.not_before),
+            format!(
+                "the certificate is not valid before {}",
+                validity.not_before
+            ),
         ));
     }
     let mut names: Vec<String> = cert

@@ -160,10 +160,19 @@ mod tests {
 
     #[test]
     fn the_mesh_domain_is_matched_by_whole_authority() {
-        assert!(in_mesh_domain("spiffe://dpumesh.local/ns/a/sa/b", "dpumesh.local"));
+        assert!(in_mesh_domain(
+            "spiffe://dpumesh.local/ns/a/sa/b",
+            "dpumesh.local"
+        ));
         assert!(in_mesh_domain("spiffe://dpumesh.local", "dpumesh.local"));
-        assert!(!in_mesh_domain("spiffe://dpumesh.local.evil/ns/a", "dpumesh.local"));
-        assert!(!in_mesh_domain("spiffe://partners.example/ns/a", "dpumesh.local"));
+        assert!(!in_mesh_domain(
+            "spiffe://dpumesh.local.evil/ns/a",
+            "dpumesh.local"
+        ));
+        assert!(!in_mesh_domain(
+            "spiffe://partners.example/ns/a",
+            "dpumesh.local"
+        ));
         assert!(!in_mesh_domain("client.example.com", "dpumesh.local"));
     }
 }
