@@ -7,7 +7,7 @@
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain|component|cores2|nopingmesh]
+mesh_file() { # transport [plain|component|cores2|nopingmesh|tls]
     local policy="$PWD/samples/hotel/policy.yaml"
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
@@ -33,13 +33,18 @@ open(path, "w").write(text[:start] + text[end:])
 PY
         ! grep -q '^pingmesh:' "$work/mesh-$1.yaml" || { echo "the pingmesh section is still there"; exit 1; }
     fi
+    if [ "${2:-}" = tls ]; then
+        # HTTPS at the ingress with the bench's certificate (bench/mesh.sh makes it).
+        sed -i -e "s#^ingress:\$#ingress:\n  tls: {certificates: [{cert: $work/tls/cert.pem, key: $work/tls/key.pem}]}#" "$work/mesh-$1.yaml"
+        grep -q "^  tls: " "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'ingress:' line"; exit 1; }
+    fi
     if [ "${2:-}" = cores2 ]; then
         # Two shards per node whatever the machine has.
         sed -i -e 's/\(rnic: 127\.0\.0\.1[12]:4791\)}/\1, cores: 2}/' "$work/mesh-$1.yaml"
         [ "$(grep -c 'cores: 2}' "$work/mesh-$1.yaml")" = 2 ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
     fi
 }
-start_mesh() { # transport [plain|component|cores2|nopingmesh]
+start_mesh() { # transport [plain|component|cores2|nopingmesh|tls]
     mesh_file "$1" "${2:-}"
     # component: every filter through wasmtime's component calls, chains fused (how
     # the nodes ran filters before core instances).
@@ -93,17 +98,21 @@ idle_share() { # before after (idle_ticks): the share of the machine left idle, 
 # Prints name|req/s|p50|p99|CPU us/req|non-2xx|second CPU us/req|cs/req|idle %: the
 # last is the share of both cores nobody used during the run (a target that leaves
 # cores idle under load is limited by its hand-offs, not by its CPU per request).
+# With WRK_CLOSE=1 every request asks for `connection: close`: each is a new
+# connection (over https, a new full TLS handshake: wrk does not resume sessions).
 run() { # name url pids [second pids] [pids whose context switches count]
     local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
     local before after before2 after2 s1 s2 i1 i2 out rps p50 p99 reqs non2xx
+    local extra=()
+    [ "${WRK_CLOSE:-0}" = 1 ] && extra=(-H "connection: close")
     # With WARMUP=S (mesh.sh: 3) every target is warmed up first for S seconds,
     # unmeasured: a mesh just started still fills its instance pools and caches, and
     # peers and mesh alike start measured runs hot.
     if [ "${WARMUP:-0}" -gt 0 ]; then
-        wrk -t1 -c32 -d"${WARMUP}s" -H "authorization: Bearer $TOKEN" "$url" >/dev/null
+        wrk -t1 -c32 -d"${WARMUP}s" -H "authorization: Bearer $TOKEN" "${extra[@]}" "$url" >/dev/null
     fi
     before=$(cpu $($who)); before2=$(cpu $($also)); s1=$(switches $($sw)); i1=$(idle_ticks)
-    out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "$url")
+    out=$(wrk -t1 -c32 -d"${DURATION}s" --latency -H "authorization: Bearer $TOKEN" "${extra[@]}" "$url")
     after=$(cpu $($who)); after2=$(cpu $($also)); s2=$(switches $($sw)); i2=$(idle_ticks)
     rps=$(awk '/Requests\/sec/ { print $2 }' <<<"$out")
     reqs=$(awk '/requests in/ { print $1 }' <<<"$out")

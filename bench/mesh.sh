@@ -17,6 +17,10 @@
 #   (h) (d) with two shards per node (`cores: 2`; (d) shares the machine's cores
 #       among its nodes, one shard each on 2 cores): what a second shard per node
 #       gives or costs on this machine,
+#   (i) HTTPS at the ingress (d with `ingress.tls`, one certificate) against HAProxy
+#       terminating TLS with the same certificate and the same policy in front of (a):
+#       keep-alive req/s, and new TLS connections per second (`connection: close`
+#       on every request: each a full handshake, ECDSA P-256, TLS 1.3),
 # each under wrk -t1 -c32 -d${DURATION:-10}s after an unmeasured ${WARMUP:-3}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -66,6 +70,13 @@ http {
 NGINX
 nginx -c "$work/nginx.conf"
 
+# One certificate for both TLS terminators (ECDSA P-256, as the mesh's own).
+mkdir -p "$work/tls"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+    -subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 \
+    -keyout "$work/tls/key.pem" -out "$work/tls/cert.pem" 2>/dev/null
+cat "$work/tls/cert.pem" "$work/tls/key.pem" > "$work/tls/haproxy.pem"
+
 cat > "$work/haproxy.cfg" <<HAP
 global
     nbthread 2
@@ -79,6 +90,7 @@ defaults
 frontend fe
     bind 127.0.0.1:18082
     bind 127.0.0.1:18083 proto h2
+    bind 127.0.0.1:18084 ssl crt $work/tls/haproxy.pem alpn h2,http/1.1
     stick-table type string len 64 size 100k expire 60s store http_req_rate(1s)
     http-request deny deny_status 401 unless { req.hdr(authorization) -m beg "Bearer " }
     http-request set-var(txn.bearer) http_auth_bearer
@@ -136,6 +148,9 @@ a=$(run "a nginx direct" http://127.0.0.1:18080/ping "pgrep -x nginx")
 b=$(run "b nginx proxy" http://127.0.0.1:18081/ping "pgrep -x nginx")
 c=$(run "c haproxy nbthread 2, jwt/rbac/ratelimit" http://127.0.0.1:18082/ping haproxy_pids)
 ch2=$(h2 http://127.0.0.1:18083/ping "c haproxy h2")
+CURL_CA_BUNDLE="$work/tls/cert.pem" check https://127.0.0.1:18084/ping
+ci=$(run "i haproxy https keep-alive" https://127.0.0.1:18084/ping haproxy_pids)
+cin=$(WRK_CLOSE=1 run "i haproxy https new connections" https://127.0.0.1:18084/ping haproxy_pids)
 
 start_mesh shm
 check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
@@ -164,6 +179,12 @@ sleep 2
 idle_quiet=$(idle "$((DURATION > 5 ? DURATION : 5))")
 stop_mesh
 
+start_mesh shm tls
+CURL_CA_BUNDLE="$work/tls/cert.pem" check https://127.0.0.1:18090/ping
+di=$(run "i dpumesh https keep-alive" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+din=$(WRK_CLOSE=1 run "i dpumesh https new connections" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+stop_mesh
+
 start_mesh tcp
 check http://127.0.0.1:18090/ping
 e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
@@ -175,11 +196,11 @@ f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pid
 stop_mesh
 
 printf '\n%-42s %10s %9s %9s %14s %14s %10s %7s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req" "idle"
-for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h"; do
+for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$ci" "$di" "$cin" "$din"; do
     IFS='|' read -r name rps p50 p99 cpu non mesh sw idle <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     case "$name" in
-        [defgh]*) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" "$idle" ;;
+        [defgh]*|"i dpumesh"*) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" "$idle" ;;
         *) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "" "" "$idle" ;;
     esac
 done
@@ -201,6 +222,10 @@ IFS='|' read -r _ re _ _ _ _ me _ _ <<<"$e"
 IFS='|' read -r _ rf _ _ _ _ mf _ _ <<<"$f"
 IFS='|' read -r _ rg _ _ _ _ mg _ _ <<<"$g"
 IFS='|' read -r _ rh _ ph _ _ mh swh _ <<<"$h"
+IFS='|' read -r _ rci _ _ cci _ _ _ _ <<<"$ci"
+IFS='|' read -r _ rdi _ _ _ _ mdi _ _ <<<"$di"
+IFS='|' read -r _ rcin _ _ _ _ _ _ _ <<<"$cin"
+IFS='|' read -r _ rdin _ _ _ _ _ _ _ <<<"$din"
 IFS='|' read -r _ rch2 _ <<<"$ch2"
 IFS='|' read -r _ rdh2 _ <<<"$dh2"
 echo
@@ -215,3 +240,5 @@ echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
 echo "core instances: req/s d/g $(echo "scale=2; $rd / $rg" | bc), ingress + node CPU per request d $md vs g $mg us"
 echo "shards: req/s d/h $(echo "scale=2; $rd / $rh" | bc), p99 d $pd vs h $ph, ingress + node CPU per request d $md vs h $mh us, cs/req d $swd vs h $swh"
 echo "idle node CPU (each node, % of a core):$idle_nodes; without the Pingmesh agent:$idle_quiet"
+echo "HTTPS keep-alive i/i req/s (mesh / HAProxy): $(echo "scale=2; $rdi / $rci" | bc), ingress + node CPU per request $mdi us vs HAProxy + nginx $cci us"
+echo "HTTPS new connections/s (mesh / HAProxy): $(echo "scale=2; $rdin / $rcin" | bc) ($rdin vs $rcin)"
