@@ -71,6 +71,7 @@ fi
 debian_packages "the Pingmesh gRPC build" protobuf-compiler
 # The Pingmesh dashboard's test loads it in headless Chromium.
 debian_packages "the dashboard's browser test" chromium
+debian_packages "the HTTPS tests (curl over TLS with HTTP/2)" curl
 debian_packages "C filters and the verbs backend" \
     clang lld wasi-libc libclang-rt-14-dev-wasm32 libibverbs-dev librdmacm-dev libclang-dev pkg-config
 
