@@ -384,6 +384,57 @@ fn https_at_the_ingress() {
         assert!(refused.is_err(), "refused: {refused:?}");
     }
 
+    // gRPC over TLS: the mesh's own answers are trailers-only gRPC responses.
+    let grpc = |extra: &[&str]| -> Vec<(String, String)> {
+        let mut args = vec![
+            "--http2",
+            "-i",
+            "-o",
+            "-",
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/grpc",
+            "-H",
+            "te: trailers",
+            "--data-binary",
+            "",
+        ];
+        args.extend_from_slice(extra);
+        let url = format!("https://www.test:{}/hotel.Hotels/Get", ingress.port());
+        args.push(&url);
+        let (version, status, body) = curl(ingress, "www.test", &args, dir);
+        assert_eq!((version.as_str(), status), ("2", 200), "{body}");
+        body.lines()
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+            .collect()
+    };
+    let get = |h: &[(String, String)], k: &str| {
+        h.iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no {k} in {h:?}"))
+    };
+    let no_token = grpc(&[]);
+    assert_eq!(
+        get(&no_token, "grpc-status"),
+        "16",
+        "UNAUTHENTICATED: {no_token:?}"
+    );
+    assert_eq!(get(&no_token, "content-type"), "application/grpc");
+    assert!(!get(&no_token, "grpc-message").is_empty());
+    let guest = format!("authorization: Bearer {}", token("guest", &["guest"]));
+    let denied = grpc(&["-H", &guest]);
+    assert_eq!(
+        get(&denied, "grpc-status"),
+        "7",
+        "PERMISSION_DENIED: {denied:?}"
+    );
+    let bad_timeout = grpc(&["-H", &auth, "-H", "grpc-timeout: soon"]);
+    assert_eq!(get(&bad_timeout, "grpc-status"), "13", "{bad_timeout:?}");
+    assert!(get(&bad_timeout, "grpc-message").contains("grpc-timeout"));
+
     // TLS garbage and plaintext HTTP on the TLS port: closed, nothing served.
     for junk in [
         &b"\x16\x03\x01\x00\x05hello-this-is-not-tls"[..],

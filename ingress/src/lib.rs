@@ -454,6 +454,33 @@ fn error_response(e: &ProxyError) -> Response<Full<Bytes>> {
     response
 }
 
+/// The ingress's own error as a gRPC caller reads it: a trailers-only answer
+/// ([`dpumesh_head::grpc::local_reply`]).
+fn grpc_error_response(e: &ProxyError) -> Response<Full<Bytes>> {
+    metrics::counter!(
+        "dpumesh_ingress_errors_total",
+        "source" => e.source().name(),
+        "status" => e.status().to_string(),
+    )
+    .increment(1);
+    let head = dpumesh_head::grpc::local_reply(&e.response_head(), &e.body());
+    let mut response = Response::new(Full::new(Bytes::new()));
+    *response.headers_mut() = head.headers;
+    response
+}
+
+/// How long the ingress waits for the answer: the configured request timeout, or a
+/// gRPC call's `grpc-timeout` when shorter (a malformed one is a malformed request).
+fn answer_timeout(headers: &http::HeaderMap, limit: Duration) -> Result<Duration, ProxyError> {
+    let Some(v) = headers.get("grpc-timeout") else {
+        return Ok(limit);
+    };
+    let text = v.to_str().unwrap_or("\u{fffd}");
+    let t = dpumesh_head::grpc::parse_timeout(text)
+        .map_err(|e| ProxyError::new(ErrorKind::MalformedRequest, e.to_string()))?;
+    Ok(t.min(limit))
+}
+
 /// Request targets the ingress refuses (RFC 9112 §3.2, RFC 9113 §8.3.1):
 /// - authority-form (`CONNECT host:port`): nothing is tunnelled, 501 (and the
 ///   connection closes);
@@ -579,11 +606,14 @@ async fn handle<F: Fabric>(
     session: Option<&tls::Session>,
     refused: Option<framing::Refusal>,
 ) -> Response<Full<Bytes>> {
-    if let Some(why) = refused {
-        return error_response(&ProxyError::new(ErrorKind::AmbiguousFraming, why.message()));
-    }
-    match forward(state, req, peer, session).await {
+    let grpc = dpumesh_head::grpc::is_grpc(req.headers());
+    let answer = match refused {
+        Some(why) => Err(ProxyError::new(ErrorKind::AmbiguousFraming, why.message())),
+        None => forward(state, req, peer, session).await,
+    };
+    match answer {
         Ok(response) => response,
+        Err(e) if grpc => grpc_error_response(&e),
         Err(e) => error_response(&e),
     }
 }
@@ -613,6 +643,7 @@ async fn forward<F: Fabric>(
     if let Some(e) = target_error(&req) {
         return Err(e);
     }
+    let timeout = answer_timeout(req.headers(), settings.request_timeout)?;
     let mut head = head_of(&req, peer, session)?;
     normalize_path(&mut head, &settings.path)?;
     let Some((service, node)) = state
@@ -705,9 +736,9 @@ async fn forward<F: Fabric>(
                 ),
             )
         })??;
-    let answer = fabric.call(node, slot, head_bytes, len as u32, settings.request_timeout);
+    let answer = fabric.call(node, slot, head_bytes, len as u32, timeout);
     // The node answers 504 itself at the deadline; this is the guard if it cannot.
-    let answer = tokio::time::timeout(settings.request_timeout + Duration::from_secs(2), answer)
+    let answer = tokio::time::timeout(timeout + Duration::from_secs(2), answer)
         .await
         .map_err(|_| {
             ProxyError::new(
@@ -748,4 +779,32 @@ fn respond(answer: Answer) -> Result<Response<Full<Bytes>>, ProxyError> {
         response.headers_mut().append(name.clone(), value.clone());
     }
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grpc_timeout_shortens_the_wait_and_a_bad_one_is_refused() {
+        let limit = Duration::from_secs(30);
+        let with = |v: &str| {
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-timeout", http::HeaderValue::from_str(v).unwrap());
+            answer_timeout(&h, limit)
+        };
+        assert_eq!(
+            answer_timeout(&http::HeaderMap::new(), limit).unwrap(),
+            limit
+        );
+        assert_eq!(with("250m").unwrap(), Duration::from_millis(250));
+        assert_eq!(
+            with("5H").unwrap(),
+            limit,
+            "never longer than the mesh allows"
+        );
+        let e = with("soon").unwrap_err();
+        assert_eq!(e.status(), 400);
+        assert!(e.to_string().contains("grpc-timeout"), "{e}");
+    }
 }

@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod from_http;
+pub mod grpc;
 mod metadata;
 pub mod path;
 pub mod wire;

@@ -69,10 +69,8 @@ pub(super) struct Exchange {
     pub policy: RoutePolicy,
     /// When the current try times out.
     pub try_deadline: Option<Instant>,
-    /// GET, HEAD, OPTIONS, PUT, DELETE, TRACE.
-    pub idempotent: bool,
-    /// The request came with a body (a pod's body is handed on by the first try).
-    pub had_body: bool,
+    /// What its request is, fixed when it opened.
+    pub traits: RequestTraits,
     /// What the response cache does with its answer.
     pub cache: Option<Box<super::cache::Pending>>,
 }
@@ -83,12 +81,12 @@ impl Exchange {
         retry::Allowance {
             attempt: self.attempt,
             retries: self.policy.retries,
-            idempotent: self.idempotent,
+            idempotent: self.traits.idempotent,
             // A pod's body is handed on by the first try; one at the ingress can be
             // read again.
             body_at_hand: match &self.origin {
                 Origin::Link { .. } => true,
-                Origin::Pod { .. } => !self.had_body,
+                Origin::Pod { .. } => !self.traits.had_body,
             },
             at_pod: matches!(self.stage, Stage::Pod { .. }),
             deadline: self.deadline,
@@ -101,7 +99,9 @@ impl Exchange {
 pub(super) struct Opening {
     pub origin: Origin,
     pub service: String,
-    pub method: String,
+    /// What the head says of the request ([`RequestTraits::of`]; `had_body` is the
+    /// table's to find).
+    pub traits: RequestTraits,
     pub body: Option<RemoteBuf>,
     pub policy: RoutePolicy,
     /// The mesh's timeout for routes that set none.
@@ -111,6 +111,31 @@ pub(super) struct Opening {
     /// The head, when it arrives decided (a request a peer's proxy policed); `None`
     /// while the chain has it.
     pub head: Option<RequestHead>,
+}
+
+/// What an exchange knows of its request beyond the head, fixed when it opens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct RequestTraits {
+    /// GET, HEAD, OPTIONS, PUT, DELETE, TRACE.
+    pub idempotent: bool,
+    /// The request came with a body (a pod's body is handed on by the first try).
+    pub had_body: bool,
+    /// A gRPC call: the proxy's own answers to it are trailers-only gRPC responses.
+    pub grpc: bool,
+}
+
+impl RequestTraits {
+    /// What `head` says: its method's idempotence, whether it is gRPC.
+    pub fn of(head: &RequestHead) -> Self {
+        Self {
+            idempotent: matches!(
+                head.method.as_str(),
+                "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
+            ),
+            had_body: false,
+            grpc: dpumesh_head::grpc::is_grpc(head.headers()),
+        }
+    }
 }
 
 /// An RDMA operation in flight for an exchange.
@@ -252,14 +277,13 @@ impl ExchangeTable {
         let xid = self.new_xid();
         let deadline = timeout::deadline(now, o.policy.timeout, o.default_timeout, o.limit);
         self.timers.push(Reverse((deadline, xid)));
-        let had_body = match &o.origin {
-            Origin::Link { .. } => o.body.is_some(),
-            Origin::Pod { d } => !d.body.is_none(),
+        let traits = RequestTraits {
+            had_body: match &o.origin {
+                Origin::Link { .. } => o.body.is_some(),
+                Origin::Pod { d } => !d.body.is_none(),
+            },
+            ..o.traits
         };
-        let idempotent = matches!(
-            o.method.as_str(),
-            "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
-        );
         self.exchanges.insert(
             xid,
             Exchange {
@@ -275,8 +299,7 @@ impl ExchangeTable {
                 attempt: 0,
                 policy: o.policy,
                 try_deadline: None,
-                idempotent,
-                had_body,
+                traits,
                 cache: None,
             },
         );

@@ -83,6 +83,21 @@ impl<F: Fabric> Reactor<F> {
         let Some(mut exchange) = self.table.close(xid) else {
             return;
         };
+        // A gRPC caller gets the reply as gRPC: a trailers-only answer whose
+        // `grpc-status` stands for the HTTP status (Envoy's local reply mapping).
+        let grpc;
+        let (head, body) = if exchange.traits.grpc {
+            grpc = dpumesh_head::grpc::local_reply(head, &body);
+            metrics::counter!(
+                "dpumesh_grpc_local_replies_total",
+                "service" => exchange.service.clone(),
+                "grpc_status" => grpc.headers.get("grpc-status").and_then(|v| v.to_str().ok()).unwrap_or("2").to_owned(),
+            )
+            .increment(1);
+            (&grpc, Vec::new())
+        } else {
+            (head, body)
+        };
         // A local reply passes the response phase like any response (plugins may
         // edit its headers, as Envoy's encoder filters see local replies).
         let mut edit = self.edits_response(&exchange).then(|| head.clone());

@@ -267,7 +267,7 @@ impl<F: Fabric> Reactor<F> {
         let opening = Opening {
             origin,
             service,
-            method: head.method.clone(),
+            traits: RequestTraits::of(&head),
             body,
             policy,
             default_timeout: self.topology.timeout,

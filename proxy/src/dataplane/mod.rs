@@ -74,7 +74,8 @@ mod response_metrics;
 mod wire_head;
 
 use exchange::{
-    Due, Exchange, ExchangeTable, Opening, Origin, Orphan, PeerAnswer, PodAnswer, Stage, Transfer,
+    Due, Exchange, ExchangeTable, Opening, Origin, Orphan, PeerAnswer, PodAnswer, RequestTraits,
+    Stage, Transfer,
 };
 use layers::breaker::{failure_kind, node_upstream, pod_upstream};
 

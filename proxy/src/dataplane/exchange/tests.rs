@@ -38,7 +38,7 @@ fn from_link(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
             reply: RemoteBuf::default(),
         },
         service: "hotel".into(),
-        method: method.into(),
+        traits: RequestTraits::of(&RequestHead::new(method, "/")),
         body: with_body.then(|| RemoteBuf {
             len: 10,
             ..RemoteBuf::default()
@@ -59,7 +59,7 @@ fn from_pod(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
     Opening {
         origin: Origin::Pod { d },
         service: "rates".into(),
-        method: method.into(),
+        traits: RequestTraits::of(&RequestHead::new(method, "/")),
         body: None,
         policy,
         default_timeout: 5000 * MS,

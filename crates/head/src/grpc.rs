@@ -1,0 +1,223 @@
+//! gRPC as the mesh's own answers speak it: which requests are gRPC, the
+//! trailers-only response that stands for a local reply (a filter's denial, the
+//! mesh's own error), and the `grpc-timeout` a call carries. A gRPC client reads an
+//! HTTP 401 as an opaque transport error; the same denial as `grpc-status: 16` is
+//! UNAUTHENTICATED with its message, as Envoy answers.
+
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderValue};
+
+use crate::wire::ResponseHead;
+
+/// Whether a request with these headers is a gRPC call: `content-type:
+/// application/grpc` or `application/grpc+<codec>` (gRPC-Web is not gRPC here: its
+/// status travels in the body).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| {
+            let ct = ct.trim_start();
+            let Some(rest) = ct
+                .get(..16)
+                .filter(|p| p.eq_ignore_ascii_case("application/grpc"))
+                .map(|_| &ct[16..])
+            else {
+                return false;
+            };
+            rest.is_empty() || rest.starts_with('+') || rest.starts_with(';')
+        })
+}
+
+/// The gRPC status that stands for an HTTP status the mesh answers with: the ones
+/// the mesh's filters and errors use (401→16 UNAUTHENTICATED, 403→7
+/// PERMISSION_DENIED, 429→8 RESOURCE_EXHAUSTED, 503→14 UNAVAILABLE, 504→4
+/// DEADLINE_EXCEEDED), then gRPC's own HTTP mapping, else 2 UNKNOWN.
+pub fn status_for_http(status: u16) -> u32 {
+    match status {
+        200 => 0,
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        408 | 504 => 4,
+        413 | 429 | 431 => 8,
+        501 => 12,
+        502 | 503 => 14,
+        _ => 2,
+    }
+}
+
+/// `grpc-message` as the spec writes it: bytes outside printable ASCII, and `%`,
+/// percent-encoded.
+pub fn encode_message(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for b in message.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// The trailers-only answer that stands for the local reply `head` with `body`:
+/// HTTP 200, `content-type: application/grpc`, `grpc-status` from the HTTP status,
+/// `grpc-message` from the body (its first line, trimmed), and the reply's other
+/// headers (a `www-authenticate`, rate-limit headers) kept. An answer that is
+/// already gRPC (it has a `grpc-status`) is returned as it is.
+pub fn local_reply(head: &ResponseHead, body: &[u8]) -> ResponseHead {
+    if head.headers.contains_key("grpc-status") {
+        return head.clone();
+    }
+    let mut headers = HeaderMap::with_capacity(head.headers.len() + 3);
+    for (name, value) in &head.headers {
+        if name == http::header::CONTENT_TYPE || name == http::header::CONTENT_LENGTH {
+            continue;
+        }
+        headers.append(name.clone(), value.clone());
+    }
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert(
+        "grpc-status",
+        HeaderValue::from(status_for_http(head.status)),
+    );
+    let text = String::from_utf8_lossy(body);
+    let line = text.lines().next().unwrap_or("").trim();
+    let message = if line.is_empty() {
+        format!("HTTP status {}", head.status)
+    } else {
+        line.to_owned()
+    };
+    if let Ok(v) = HeaderValue::from_str(&encode_message(&message)) {
+        headers.insert("grpc-message", v);
+    }
+    ResponseHead {
+        status: 200,
+        headers,
+    }
+}
+
+/// Why a `grpc-timeout` is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("grpc-timeout {0:?} is not 1 to 8 digits and a unit (H, M, S, m, u, n)")]
+pub struct BadTimeout(pub String);
+
+/// A `grpc-timeout` value: 1 to 8 ASCII digits and a unit, `H`ours, `M`inutes,
+/// `S`econds, `m`illiseconds, `u`microseconds, `n`anoseconds.
+pub fn parse_timeout(value: &str) -> Result<Duration, BadTimeout> {
+    let bad = || BadTimeout(value.to_owned());
+    let unit = value.chars().last().ok_or_else(bad)?;
+    let digits = &value[..value.len() - unit.len_utf8()];
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    Ok(match unit {
+        'H' => Duration::from_secs(n * 3600),
+        'M' => Duration::from_secs(n * 60),
+        'S' => Duration::from_secs(n),
+        'm' => Duration::from_millis(n),
+        'u' => Duration::from_micros(n),
+        'n' => Duration::from_nanos(n),
+        _ => return Err(bad()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(ct: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_str(ct).unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn grpc_is_told_by_its_content_type() {
+        for (ct, want) in [
+            ("application/grpc", true),
+            ("application/grpc+proto", true),
+            ("Application/GRPC+json", true),
+            ("application/grpc;charset=utf-8", true),
+            ("application/grpc-web", false),
+            ("application/grpc-web+proto", false),
+            ("application/json", false),
+            ("application/grp", false),
+        ] {
+            assert_eq!(is_grpc(&headers(ct)), want, "{ct}");
+        }
+        assert!(!is_grpc(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn http_statuses_map_as_envoy_and_the_issue_say() {
+        for (http, grpc) in [
+            (401, 16),
+            (403, 7),
+            (429, 8),
+            (503, 14),
+            (504, 4),
+            (404, 12),
+            (500, 2),
+            (200, 0),
+        ] {
+            assert_eq!(status_for_http(http), grpc, "{http}");
+        }
+    }
+
+    #[test]
+    fn a_denial_becomes_a_trailers_only_answer_that_keeps_its_headers() {
+        let mut h = headers("text/plain");
+        h.insert("www-authenticate", HeaderValue::from_static("Bearer"));
+        h.insert(http::header::CONTENT_LENGTH, HeaderValue::from_static("20"));
+        let reply = local_reply(
+            &ResponseHead {
+                status: 401,
+                headers: h,
+            },
+            "dpumesh: no token, 100% sure\nmore".as_bytes(),
+        );
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.headers["content-type"], "application/grpc");
+        assert_eq!(reply.headers["grpc-status"], "16");
+        assert_eq!(
+            reply.headers["grpc-message"],
+            "dpumesh: no token, 100%25 sure"
+        );
+        assert_eq!(reply.headers["www-authenticate"], "Bearer");
+        assert!(!reply.headers.contains_key("content-length"));
+        // Already gRPC: untouched.
+        let mut g = headers("application/grpc");
+        g.insert("grpc-status", HeaderValue::from_static("5"));
+        let same = ResponseHead {
+            status: 200,
+            headers: g,
+        };
+        assert_eq!(local_reply(&same, b"").headers["grpc-status"], "5");
+        assert_eq!(encode_message("é"), "%C3%A9");
+    }
+
+    #[test]
+    fn grpc_timeouts_parse_and_bad_ones_are_refused() {
+        assert_eq!(parse_timeout("1S"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_timeout("250m"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_timeout("2H"), Ok(Duration::from_secs(7200)));
+        assert_eq!(
+            parse_timeout("99999999n"),
+            Ok(Duration::from_nanos(99_999_999))
+        );
+        for bad in ["", "S", "123456789S", "10x", "-1S", "1.5S", "1é"] {
+            assert!(parse_timeout(bad).is_err(), "{bad}");
+        }
+    }
+}
