@@ -12,6 +12,8 @@ if ! command -v pip3 >/dev/null 2>&1; then
 fi
 pip=(pip3 install --quiet --disable-pip-version-check)
 python3 -c "import flask, pytest" 2>/dev/null || "${pip[@]}" "flask>=2.2,<4" "pytest>=7,<9"
+# FastAPI: the ASGI side's tests (python -m dpumesh.server --asgi).
+python3 -c "import fastapi" 2>/dev/null || "${pip[@]}" "fastapi>=0.100,<1"
 python3 -c "import maturin" 2>/dev/null || "${pip[@]}" "maturin>=1.9.4,<2"
 # No build isolation: maturin (installed above) builds with the workspace's Cargo.lock
 # and target directory, so the Rust dependencies are shared with the other builds.

@@ -141,3 +141,39 @@ fn the_rust_frontend_calls_a_python_user_service() {
     );
     assert_eq!(v["reservations"][0]["hotel"], "harbour-view");
 }
+
+#[test]
+fn the_rust_frontend_calls_a_fastapi_user_service() {
+    require_package();
+    let out = Command::new("python3")
+        .args(["-c", "import fastapi"])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "FastAPI must be installed for python3: run ./scripts/install-python.sh"
+    );
+    let app_dir = python_sample().canonicalize().unwrap();
+    let mesh = Mesh::up_with(|m| {
+        let python = format!(
+            "user: {{nodes: [node1], command: [python3, -m, dpumesh.server, --asgi, --app-dir, {}, \"users_asgi:app\"]}}",
+            app_dir.display()
+        );
+        let edited = m.replace(
+            "user: {nodes: [node1], replicas: 2, command: [hotel, user]}",
+            &python,
+        );
+        assert_ne!(edited, m, "the sample's user line is as expected");
+        edited
+    });
+    let alice = token("alice", &["user"]);
+    let (status, _, body) = mesh.get("/hotels?user=5", Some(&alice));
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["user"]["name"], "guest-5", "{v}");
+    assert_eq!(v["user"]["served_by"], "fastapi", "{v}");
+    // The caller is the mesh's word: the frontend's workload identity.
+    let caller = v["user"]["caller"].as_str().unwrap_or_default();
+    assert!(caller.ends_with("/sa/frontend"), "{v}");
+}

@@ -1,4 +1,5 @@
-"""Serves a WSGI app (Flask) on the mesh: ``python -m dpumesh.server app:app``.
+"""Serves a WSGI app (Flask) on the mesh: ``python -m dpumesh.server app:app``, or an
+ASGI app (FastAPI, Starlette): ``python -m dpumesh.server --asgi app:app``.
 
 The service registers with its node over the control channel (``DPUMESH_CONTROL``,
 set by ``dpumesh up`` or the pod spec) and serves requests from its RX ring on the
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from . import _native
 from .context import _serving, get_context
+from .asgi import AsgiDispatcher
 from .wsgi import Dispatcher
 
 __all__ = ["get_context", "run", "main"]
@@ -28,8 +30,10 @@ def run(
     pod: Optional[str] = None,
     control: Optional[str] = None,
     threads: Optional[int] = None,
+    asgi: bool = False,
 ) -> None:
-    """Registers with the node and serves ``app`` until interrupted.
+    """Registers with the node and serves ``app`` (an ASGI app with ``asgi``: its
+    lifespan runs around the serving) until interrupted.
 
     ``service``, ``pod`` and ``control`` default to ``DPUMESH_SERVICE``,
     ``DPUMESH_POD`` and ``DPUMESH_CONTROL``; ``threads`` (internal steps' pool) to
@@ -46,15 +50,17 @@ def run(
     pod = pod or os.environ.get("DPUMESH_POD") or f"{service}-{os.getpid()}"
     if threads is None:
         threads = int(os.environ.get("DPUMESH_THREADS", "2"))
-    dispatcher = Dispatcher(app, service)
+    dispatcher = AsgiDispatcher(app, service) if asgi else Dispatcher(app, service)
     _serving.set()
     try:
         _native.serve(dispatcher, control, pod, service, threads)
     finally:
         _serving.clear()
+        if asgi:
+            dispatcher.close()
 
 
-def load(spec: str, app_dir: Optional[str] = None) -> Callable[..., Any]:
+def load(spec: str, app_dir: Optional[str] = None, kind: str = "WSGI") -> Callable[..., Any]:
     """``module:attribute`` (``module`` alone means ``module:app``), as gunicorn, imported
     from ``app_dir`` (default: the current directory)."""
     module_name, _, attribute = spec.partition(":")
@@ -71,15 +77,17 @@ def load(spec: str, app_dir: Optional[str] = None) -> Callable[..., Any]:
     except AttributeError:
         raise SystemExit(f"dpumesh.server: {module_name} has no {attribute!r}") from None
     if not callable(app):
-        raise SystemExit(f"dpumesh.server: {spec} is not a WSGI app")
+        raise SystemExit(f"dpumesh.server: {spec} is not a {kind} app")
     return app
 
 
 def main(argv: Optional[list] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m dpumesh.server", description="Serve a WSGI app (Flask) on the mesh."
+        prog="python -m dpumesh.server",
+        description="Serve a WSGI app (Flask), or with --asgi an ASGI app (FastAPI), on the mesh.",
     )
-    parser.add_argument("app", help="module:attribute of the WSGI app (e.g. app:app)")
+    parser.add_argument("app", help="module:attribute of the app (e.g. app:app)")
+    parser.add_argument("--asgi", action="store_true", help="the app is ASGI (FastAPI, Starlette)")
     parser.add_argument("--service", help="service name (default: $DPUMESH_SERVICE)")
     parser.add_argument("--pod", help="pod name (default: $DPUMESH_POD or service-pid)")
     parser.add_argument("--control", help="the node's control socket (default: $DPUMESH_CONTROL)")
@@ -92,9 +100,16 @@ def main(argv: Optional[list] = None) -> None:
         level=level if level in ("DEBUG", "INFO", "WARN", "WARNING", "ERROR") else "WARNING",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    app = load(args.app, args.app_dir)
+    app = load(args.app, args.app_dir, "ASGI" if args.asgi else "WSGI")
     try:
-        run(app, service=args.service, pod=args.pod, control=args.control, threads=args.threads)
+        run(
+            app,
+            service=args.service,
+            pod=args.pod,
+            control=args.control,
+            threads=args.threads,
+            asgi=args.asgi,
+        )
     except KeyboardInterrupt:
         pass
     except RuntimeError as e:

@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable, Mapping, Optional
 
 from . import _native
+from .asgi import AsgiDispatcher
 from .wsgi import Dispatcher
 
 __all__ = ["TestMesh", "Response", "Request"]
@@ -108,17 +109,24 @@ class TestMesh:
         service: str = "app",
         threads: int = 2,
         record: bool = True,
+        asgi: bool = False,
     ) -> None:
         # A str is a fixed 200 answer given by the Rust side (no Python per call).
         wrapped = {
             host: f if isinstance(f, str) else _service(f) for host, f in (services or {}).items()
         }
-        self._mesh = _native.TestMesh(Dispatcher(app, service), wrapped, threads, record)
+        self._asgi = AsgiDispatcher(app, service) if asgi else None
+        dispatcher = self._asgi or Dispatcher(app, service)
+        self._mesh = _native.TestMesh(dispatcher, wrapped, threads, record)
         _open.add(self)
 
     def close(self) -> None:
-        """Ends the mesh's threads (after the steps they run)."""
+        """Ends the mesh's threads (after the steps they run), and an ASGI app's
+        lifespan."""
         self._mesh.close()
+        if self._asgi is not None:
+            self._asgi.close()
+            self._asgi = None
         _open.discard(self)
 
     def __del__(self) -> None:
