@@ -3,13 +3,13 @@
 //! string claim renders as itself, the cache answers as a fresh parse does.
 #![no_main]
 
-use dpumesh_claims::{Cache, Claim, Claims};
+use dpumesh_claims::{Claim, Claims, ParsedClaims};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: (String, Vec<String>)| {
     let (payload, paths) = input;
     let parsed = Claims::parse(&payload);
-    let mut cache = Cache::new();
+    let mut cache = ParsedClaims::new();
     let cached = cache.get(&payload);
     assert_eq!(parsed.is_some(), cached.is_some());
     let (Some(parsed), Some(cached)) = (parsed, cached) else {
