@@ -64,14 +64,17 @@ prepare() {
 keep_going=0
 failed_steps=0
 step() {
-    local what=$1
+    local what=$1 started
     shift
     echo "==> $what"
+    started=$(date +%s)
     if ! "$@"; then
         echo "FAILED step: $what"
         [ "$keep_going" = 1 ] || exit 1
         failed_steps=$((failed_steps + 1))
     fi
+    # Where the suite's time goes (CI must stay under 45 minutes).
+    echo "--- took $(($(date +%s) - started)) s: $what"
 }
 
 tests() {
@@ -84,7 +87,7 @@ tests() {
         cargo test --locked "${more[@]}" -p dpumesh-fabric --features verbs --lib verbs
     step "the DPU side for Arm64 (aarch64 cross-build, tests under qemu)" \
         ./scripts/test-arm64.sh "${more[@]}"
-    step "pytest (the Python host library: the seed's examples, errors, WSGI)" \
+    step "pytest (the Python host library: the seed's examples, errors, WSGI, ASGI)" \
         python3 -m pytest -q host-lib/python/tests
     step "deploy/ (Helm chart rendered by Helm, DPF manifests against the DPF CRDs, kustomize, Kubernetes schemas)" \
         python3 -m pytest -q deploy/tests
