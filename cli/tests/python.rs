@@ -56,6 +56,24 @@ fn python_mesh() -> Mesh {
     Mesh::start(dir, &file, ingress)
 }
 
+/// The Rust hotel mesh with its `user` service served by `python3 -m dpumesh.server
+/// --app-dir samples/hotel-py <args>` (one pod in place of the Rust two).
+fn hotel_with_python_user(args: &str) -> Mesh {
+    let app_dir = python_sample().canonicalize().unwrap();
+    Mesh::up_with(|m| {
+        let python = format!(
+            "user: {{nodes: [node1], command: [python3, -m, dpumesh.server, --app-dir, {}, {args}]}}",
+            app_dir.display()
+        );
+        let edited = m.replace(
+            "user: {nodes: [node1], replicas: 2, command: [hotel, user]}",
+            &python,
+        );
+        assert_ne!(edited, m, "the sample's user line is as expected");
+        edited
+    })
+}
+
 #[test]
 fn a_flask_frontend_on_the_mesh_calls_the_rust_services_and_is_policed() {
     let mesh = python_mesh();
@@ -116,20 +134,7 @@ fn a_flask_frontend_on_the_mesh_calls_the_rust_services_and_is_policed() {
 #[test]
 fn the_rust_frontend_calls_a_python_user_service() {
     require_package();
-    let app_dir = python_sample();
-    let app_dir = app_dir.canonicalize().unwrap();
-    let mesh = Mesh::up_with(|m| {
-        let python = format!(
-            "user: {{nodes: [node1], command: [python3, -m, dpumesh.server, --app-dir, {}, \"users:app\"]}}",
-            app_dir.display()
-        );
-        let edited = m.replace(
-            "user: {nodes: [node1], replicas: 2, command: [hotel, user]}",
-            &python,
-        );
-        assert_ne!(edited, m, "the sample's user line is as expected");
-        edited
-    });
+    let mesh = hotel_with_python_user("users:app");
     let alice = token("alice", &["user"]);
     let (status, _, body) = mesh.get("/hotels?user=3", Some(&alice));
     let text = String::from_utf8_lossy(&body);
@@ -153,19 +158,7 @@ fn the_rust_frontend_calls_a_fastapi_user_service() {
         out.status.success(),
         "FastAPI must be installed for python3: run ./scripts/install-python.sh"
     );
-    let app_dir = python_sample().canonicalize().unwrap();
-    let mesh = Mesh::up_with(|m| {
-        let python = format!(
-            "user: {{nodes: [node1], command: [python3, -m, dpumesh.server, --asgi, --app-dir, {}, \"users_asgi:app\"]}}",
-            app_dir.display()
-        );
-        let edited = m.replace(
-            "user: {nodes: [node1], replicas: 2, command: [hotel, user]}",
-            &python,
-        );
-        assert_ne!(edited, m, "the sample's user line is as expected");
-        edited
-    });
+    let mesh = hotel_with_python_user("--asgi, users_asgi:app");
     let alice = token("alice", &["user"]);
     let (status, _, body) = mesh.get("/hotels?user=5", Some(&alice));
     let text = String::from_utf8_lossy(&body);

@@ -438,33 +438,24 @@ async fn connection<F: Fabric, IO>(
         .await;
 }
 
-/// The client's answer for a request the mesh could not serve.
-fn error_response(e: &ProxyError) -> Response<Full<Bytes>> {
+/// The client's answer for a request the mesh could not serve: as gRPC (a
+/// trailers-only answer, [`dpumesh_head::grpc::local_reply`]) to a gRPC caller.
+fn error_response(e: &ProxyError, grpc: bool) -> Response<Full<Bytes>> {
     metrics::counter!(
         "dpumesh_ingress_errors_total",
         "source" => e.source().name(),
         "status" => e.status().to_string(),
     )
     .increment(1);
-    let head = e.response_head();
-    let mut response = Response::new(Full::new(Bytes::from(e.body())));
+    let (head, body) = if grpc {
+        let head = dpumesh_head::grpc::local_reply(&e.response_head(), &e.body());
+        (head, Bytes::new())
+    } else {
+        (e.response_head(), Bytes::from(e.body()))
+    };
+    let mut response = Response::new(Full::new(body));
     *response.status_mut() =
         StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    *response.headers_mut() = head.headers;
-    response
-}
-
-/// The ingress's own error as a gRPC caller reads it: a trailers-only answer
-/// ([`dpumesh_head::grpc::local_reply`]).
-fn grpc_error_response(e: &ProxyError) -> Response<Full<Bytes>> {
-    metrics::counter!(
-        "dpumesh_ingress_errors_total",
-        "source" => e.source().name(),
-        "status" => e.status().to_string(),
-    )
-    .increment(1);
-    let head = dpumesh_head::grpc::local_reply(&e.response_head(), &e.body());
-    let mut response = Response::new(Full::new(Bytes::new()));
     *response.headers_mut() = head.headers;
     response
 }
@@ -613,8 +604,7 @@ async fn handle<F: Fabric>(
     };
     match answer {
         Ok(response) => response,
-        Err(e) if grpc => grpc_error_response(&e),
-        Err(e) => error_response(&e),
+        Err(e) => error_response(&e, grpc),
     }
 }
 
