@@ -18,14 +18,18 @@ fn python_sample() -> PathBuf {
 }
 
 fn require_package() {
+    require_modules("dpumesh._native, flask");
+}
+
+/// `import <modules>` works for python3 (the test command installs them).
+fn require_modules(modules: &str) {
     let out = Command::new("python3")
-        .args(["-c", "import dpumesh._native, flask"])
+        .args(["-c", &format!("import {modules}")])
         .output()
         .expect("python3 runs");
     assert!(
         out.status.success(),
-        "the dpumesh Python package (and Flask) must be installed for python3: \
-         run ./scripts/install-python.sh\n{}",
+        "python3 cannot import {modules}: run ./scripts/install-python.sh\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
@@ -149,15 +153,7 @@ fn the_rust_frontend_calls_a_python_user_service() {
 
 #[test]
 fn the_rust_frontend_calls_a_fastapi_user_service() {
-    require_package();
-    let out = Command::new("python3")
-        .args(["-c", "import fastapi"])
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "FastAPI must be installed for python3: run ./scripts/install-python.sh"
-    );
+    require_modules("dpumesh._native, fastapi");
     let mesh = hotel_with_python_user("--asgi, users_asgi:app");
     let alice = token("alice", &["user"]);
     let (status, _, body) = mesh.get("/hotels?user=5", Some(&alice));

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import unquote_to_bytes
 
 from .context import ExecutionContext, current
+from .wsgi import split_host
 
 __all__ = ["AsgiDispatcher", "scope_for"]
 
@@ -51,8 +52,7 @@ def scope_for(
     host, port = server, 80
     for name, value in headers:
         if name == "host":
-            h, _, p = value.rpartition(":") if value.rfind(":") > value.rfind("]") else (value, "", "")
-            host = h or value
+            host, p = split_host(value)
             port = int(p) if p.isdigit() else 80
             break
     scope = {

@@ -80,8 +80,8 @@ def environ_for(
             environ[key] = value
     host = environ.get("HTTP_HOST")
     if host:
-        name, _, port = host.rpartition(":") if host.rfind(":") > host.rfind("]") else (host, "", "")
-        environ["SERVER_NAME"] = name or host
+        name, port = split_host(host)
+        environ["SERVER_NAME"] = name
         if port.isdigit():
             environ["SERVER_PORT"] = port
     if caller is not None:
@@ -91,6 +91,13 @@ def environ_for(
         environ["REMOTE_PORT"] = str(port)
         environ["dpumesh.caller_identity"] = identity
     return environ
+
+
+def split_host(host: str) -> tuple:
+    """``Host`` as (name, port text): ``[::1]:8080`` → (``[::1]``, ``8080``); without a
+    port, the port is ``""``."""
+    name, _, port = host.rpartition(":") if host.rfind(":") > host.rfind("]") else (host, "", "")
+    return (name or host, port)
 
 
 class _Start:
