@@ -6,7 +6,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use arc_swap::ArcSwap;
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::CertificateDer;
 use rustls::server::{ClientHello, ResolvesServerCert};
@@ -183,17 +182,17 @@ impl CertSet {
     }
 }
 
-/// rustls's certificate choice, over the set the reloader swaps in.
+/// rustls's certificate choice over one set (a reload builds a new config with a new
+/// resolver).
 #[derive(Debug)]
 pub(crate) struct SniResolver {
-    pub(crate) set: ArcSwap<CertSet>,
+    pub(crate) set: CertSet,
     pub(crate) strict: bool,
 }
 
 impl ResolvesServerCert for SniResolver {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        let set = self.set.load();
-        let chosen = set.pick(hello.server_name(), self.strict);
+        let chosen = self.set.pick(hello.server_name(), self.strict);
         if chosen.is_none() {
             // The handshake fails with an alert; the count says why.
             metrics::counter!("dpumesh_ingress_tls_handshake_failures_total", "reason" => "unknown_sni")

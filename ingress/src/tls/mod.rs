@@ -161,7 +161,7 @@ fn build(
     let tls = &settings.files;
     let set = certs::CertSet::load(&tls.certificates, provider, now)?;
     let resolver = Arc::new(certs::SniResolver {
-        set: ArcSwap::from_pointee(set),
+        set,
         strict: tls.strict_sni,
     });
     let versions: &[&rustls::SupportedProtocolVersion] = match tls.min_version {
