@@ -362,6 +362,7 @@ impl DataPathTransport {
                         status: head.status,
                         headers: head.headers,
                         body: Bytes::from(body),
+                        trailers: head.trailers,
                     })
                     .map_err(|e| format!("malformed response head: {e}"));
                 out.push(Event::Completion { tag, outcome });
@@ -464,6 +465,7 @@ fn to_request(mut head: RequestHead, body: Vec<u8>) -> HttpRequest {
         url,
         headers,
         body: Bytes::from(body),
+        trailers: std::mem::take(&mut head.trailers),
         caller: Some(Caller {
             addr: head.source.addr,
             identity: head.source.identity.take(),
@@ -498,6 +500,7 @@ fn to_head(request: &mut HttpRequest) -> Result<(String, RequestHead), String> {
     headers.remove(http::header::TRANSFER_ENCODING);
     headers.remove(http::header::HOST);
     head.set_headers(headers);
+    head.trailers = std::mem::take(&mut request.trailers);
     Ok((service, head))
 }
 
@@ -554,6 +557,7 @@ impl Transport for DataPathTransport {
         let head = ResponseHead {
             status: response.status,
             headers,
+            trailers: response.trailers,
         };
         self.answer(&request, &head, response.body);
         Ok(())

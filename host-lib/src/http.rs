@@ -32,6 +32,8 @@ pub struct HttpRequest {
     pub headers: HeaderMap,
     /// The body.
     pub body: Bytes,
+    /// Trailer fields sent after the body (rare in requests); empty: none.
+    pub trailers: HeaderMap,
     /// Who sent it, for a received request (the mesh's word); `None` on requests a
     /// service builds (its egress calls), where the node sets it.
     pub caller: Option<Caller>,
@@ -45,6 +47,7 @@ impl HttpRequest {
             url: url.into(),
             headers: HeaderMap::new(),
             body: Bytes::new(),
+            trailers: HeaderMap::new(),
             caller: None,
         }
     }
@@ -112,6 +115,8 @@ pub struct HttpResponse {
     pub headers: HeaderMap,
     /// The body.
     pub body: Bytes,
+    /// Trailer fields sent after the body (gRPC's `grpc-status`); empty: none.
+    pub trailers: HeaderMap,
 }
 
 impl HttpResponse {
@@ -121,6 +126,7 @@ impl HttpResponse {
             status,
             headers: HeaderMap::new(),
             body: body.into(),
+            trailers: HeaderMap::new(),
         }
     }
 
@@ -133,6 +139,14 @@ impl HttpResponse {
     pub fn header(mut self, name: &str, value: &str) -> Self {
         if let (Ok(n), Ok(v)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
             self.headers.append(n, v);
+        }
+        self
+    }
+
+    /// With a trailer field (invalid ones ignored).
+    pub fn trailer(mut self, name: &str, value: &str) -> Self {
+        if let (Ok(n), Ok(v)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
+            self.trailers.append(n, v);
         }
         self
     }

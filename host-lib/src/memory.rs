@@ -19,6 +19,9 @@ use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker}
 
 /// How a simulated service answers one request.
 #[derive(Debug, Clone)]
+// Test replies are built once per scripted call: their size does not matter, and
+// `Reply::After(t, response)` reads better than a boxed response.
+#[allow(clippy::large_enum_variant)]
 pub enum Reply {
     /// With `response` after `after` (virtual time).
     After(Duration, HttpResponse),

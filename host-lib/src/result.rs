@@ -70,6 +70,8 @@ pub struct StepResult {
     pub headers: HeaderMap,
     /// Body.
     pub body: Bytes,
+    /// Trailer fields (a gRPC call's status); empty: none.
+    pub trailers: HeaderMap,
     /// Why it failed, if it did.
     pub error: Option<StepError>,
     /// `error.is_none()`.
@@ -88,6 +90,7 @@ impl StepResult {
             status,
             headers,
             body,
+            trailers: HeaderMap::new(),
             error: None,
             ok: true,
             skipped: false,
@@ -106,6 +109,7 @@ impl StepResult {
             status,
             headers: HeaderMap::new(),
             body: Bytes::new(),
+            trailers: HeaderMap::new(),
             error: Some(error),
             ok: false,
             skipped: false,
@@ -128,10 +132,14 @@ impl StepResult {
             Self {
                 headers: response.headers,
                 body: response.body,
+                trailers: response.trailers,
                 ..Self::failure(id, StepError::Status(response.status))
             }
         } else {
-            Self::success(id, response.status, response.headers, response.body)
+            Self {
+                trailers: response.trailers,
+                ..Self::success(id, response.status, response.headers, response.body)
+            }
         }
     }
 
@@ -146,6 +154,7 @@ impl StepResult {
             status: self.status,
             headers: self.headers.clone(),
             body: self.body.clone(),
+            trailers: self.trailers.clone(),
         }
     }
 }
@@ -160,6 +169,8 @@ pub struct StepOutput {
     pub headers: HeaderMap,
     /// Body.
     pub body: Bytes,
+    /// Trailer fields.
+    pub trailers: HeaderMap,
 }
 
 impl From<String> for StepOutput {
@@ -207,6 +218,7 @@ impl From<HttpResponse> for StepOutput {
             status: Some(r.status),
             headers: r.headers,
             body: r.body,
+            trailers: r.trailers,
         }
     }
 }

@@ -14,6 +14,9 @@ use crate::http::{HttpRequest, HttpResponse};
 use crate::result::{Inputs, StepError, StepId, StepOutput, StepResult};
 
 /// What the event loop does for a run.
+// A `Send` carries its request by value: actions live in vectors the loop reuses
+// every turn, so the size costs no allocation, and a box would cost one per call.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Action {
     /// Send request `part` of egress node `node`.
     Send {
@@ -373,7 +376,10 @@ impl Run {
         };
         let id = i.id.clone();
         let result = match outcome {
-            Ok(out) => StepResult::success(id, out.status.unwrap_or(200), out.headers, out.body),
+            Ok(out) => StepResult {
+                trailers: out.trailers,
+                ..StepResult::success(id, out.status.unwrap_or(200), out.headers, out.body)
+            },
             Err(e) => StepResult::failure(id, e),
         };
         self.finish_step(node, Some(result), actions);

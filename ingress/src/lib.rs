@@ -16,6 +16,7 @@
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
 pub mod admin;
+mod body;
 pub mod eject;
 pub mod fair;
 pub mod framing;
@@ -39,7 +40,9 @@ use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
+
+use body::AnswerBody;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -440,7 +443,7 @@ async fn connection<F: Fabric, IO>(
 
 /// The client's answer for a request the mesh could not serve: as gRPC (a
 /// trailers-only answer, [`dpumesh_head::grpc::local_reply`]) to a gRPC caller.
-fn error_response(e: &ProxyError, grpc: bool) -> Response<Full<Bytes>> {
+fn error_response(e: &ProxyError, grpc: bool) -> Response<AnswerBody> {
     metrics::counter!(
         "dpumesh_ingress_errors_total",
         "source" => e.source().name(),
@@ -453,7 +456,7 @@ fn error_response(e: &ProxyError, grpc: bool) -> Response<Full<Bytes>> {
     } else {
         (e.response_head(), Bytes::from(e.body()))
     };
-    let mut response = Response::new(Full::new(body));
+    let mut response = Response::new(AnswerBody::bytes(body));
     *response.status_mut() =
         StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     *response.headers_mut() = head.headers;
@@ -596,7 +599,7 @@ async fn handle<F: Fabric>(
     peer: SocketAddr,
     session: Option<&tls::Session>,
     refused: Option<framing::Refusal>,
-) -> Response<Full<Bytes>> {
+) -> Response<AnswerBody> {
     let grpc = dpumesh_head::grpc::is_grpc(req.headers());
     let answer = match refused {
         Some(why) => Err(ProxyError::new(ErrorKind::AmbiguousFraming, why.message())),
@@ -615,7 +618,7 @@ async fn forward<F: Fabric>(
     req: Request<Incoming>,
     peer: SocketAddr,
     session: Option<&tls::Session>,
-) -> Result<Response<Full<Bytes>>, ProxyError> {
+) -> Result<Response<AnswerBody>, ProxyError> {
     let settings = &state.routing.settings;
     if state
         .routing
@@ -694,6 +697,7 @@ async fn forward<F: Fabric>(
     // The body goes straight into the slot's registered buffer.
     let mut body = req.into_body();
     let mut len: u64 = 0;
+    let mut trailers = http::HeaderMap::new();
     let read = async {
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
@@ -702,16 +706,26 @@ async fn forward<F: Fabric>(
                     format!("bad request body: {e}"),
                 )
             })?;
-            if let Ok(data) = frame.into_data() {
-                if len + data.len() as u64 > settings.max_body as u64 {
-                    return Err(ProxyError::new(
-                        ErrorKind::BodyTooLarge,
-                        format!("request body exceeds the {}-byte limit", settings.max_body),
-                    ));
+            let data = match frame.into_data() {
+                Ok(data) => data,
+                Err(frame) => {
+                    if let Ok(mut fields) = frame.into_trailers() {
+                        // Sent after the body, so never seen by the chain: only
+                        // fields that decide nothing pass (`trailers::allowed`).
+                        dpumesh_head::trailers::keep_allowed(&mut fields);
+                        trailers.extend(fields);
+                    }
+                    continue;
                 }
-                fabric.write(&slot, len, &data)?;
-                len += data.len() as u64;
+            };
+            if len + data.len() as u64 > settings.max_body as u64 {
+                return Err(ProxyError::new(
+                    ErrorKind::BodyTooLarge,
+                    format!("request body exceeds the {}-byte limit", settings.max_body),
+                ));
             }
+            fabric.write(&slot, len, &data)?;
+            len += data.len() as u64;
         }
         Ok(())
     };
@@ -726,6 +740,25 @@ async fn forward<F: Fabric>(
                 ),
             )
         })??;
+    // Trailers come after the body, so the head was encoded without them: encoded
+    // again, for the rare request that has them.
+    let head_bytes = if trailers.is_empty() {
+        head_bytes
+    } else {
+        head.trailers = trailers;
+        wire::encode_request(&head)
+            .ok()
+            .filter(|b| b.len() <= settings.max_head)
+            .ok_or_else(|| {
+                ProxyError::new(
+                    ErrorKind::HeadTooLarge,
+                    format!(
+                        "request head with its trailers exceeds the {}-byte limit",
+                        settings.max_head
+                    ),
+                )
+            })?
+    };
     let answer = fabric.call(node, slot, head_bytes, len as u32, timeout);
     // The node answers 504 itself at the deadline; this is the guard if it cannot.
     let answer = tokio::time::timeout(timeout + Duration::from_secs(2), answer)
@@ -747,7 +780,7 @@ async fn forward<F: Fabric>(
 
 /// The client's response from a node's answer. The service's head is checked again
 /// here: a pod is not trusted to write well-formed bytes.
-fn respond(answer: Answer) -> Result<Response<Full<Bytes>>, ProxyError> {
+fn respond(answer: Answer) -> Result<Response<AnswerBody>, ProxyError> {
     let head = wire::decode_response(&answer.head).map_err(|e| {
         ProxyError::new(
             ErrorKind::BadResponse,
@@ -760,7 +793,10 @@ fn respond(answer: Answer) -> Result<Response<Full<Bytes>>, ProxyError> {
             format!("bad status {}", head.status),
         )
     })?;
-    let mut response = Response::new(Full::new(answer.body));
+    let mut trailers = head.trailers;
+    // A pod's trailers meet the same rule as a client's (`trailers::allowed`).
+    dpumesh_head::trailers::keep_allowed(&mut trailers);
+    let mut response = Response::new(AnswerBody::new(answer.body, trailers));
     *response.status_mut() = status;
     for (name, value) in &head.headers {
         if dpumesh_head::is_hop_by_hop(name.as_str()) {

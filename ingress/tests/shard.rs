@@ -55,7 +55,7 @@ fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
                 }
                 let head = wire::encode_response(&ResponseHead {
                     status: 200,
-                    headers: Default::default(),
+                    ..Default::default()
                 })
                 .unwrap();
                 let _ = link.send(Message::Response(Response {

@@ -49,7 +49,7 @@ services: {{guarded: {{chain: guarded}}, caller: {{chain: open}}}}
 fn guarded(mut pod: HostPort) {
     let head = wire::encode_response(&ResponseHead {
         status: 200,
-        headers: Default::default(),
+        ..Default::default()
     })
     .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);

@@ -37,7 +37,7 @@ fn echo(mut pod: HostPort) -> Vec<u8> {
     let mut lanes = Vec::new();
     let head = wire::encode_response(&ResponseHead {
         status: 200,
-        headers: Default::default(),
+        ..Default::default()
     })
     .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);

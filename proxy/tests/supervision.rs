@@ -71,7 +71,7 @@ fn a_data_plane_panic_answers_what_it_held_and_a_crash_loop_is_not_ready() {
     let request = next_request(&mut pod);
     let head = wire::encode_response(&ResponseHead {
         status: 200,
-        headers: Default::default(),
+        ..Default::default()
     })
     .unwrap();
     pod.send(&HostPort::reply(&request, 200, &head, b"served"))

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod error;
+pub mod grpc_codes;
 pub mod ingress_tls;
 pub mod mesh_file;
 pub mod pingmesh;
@@ -20,6 +21,7 @@ pub mod store;
 pub mod units;
 
 pub use error::ConfigError;
+pub use grpc_codes::GrpcCodes;
 pub use ingress_tls::{ClientCerts, IngressTls, TlsVersion};
 pub use mesh_file::{
     EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,

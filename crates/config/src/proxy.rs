@@ -164,6 +164,11 @@ pub struct UpstreamConfig {
 /// (pod gone, ring full) or was answered with 502, 503 or 504. Only idempotent methods
 /// (GET, HEAD, OPTIONS, PUT, DELETE, TRACE) whose body is still at hand are retried,
 /// on the next pod (round robin); a local reply (a denial) never is.
+///
+/// `grpc_on` names gRPC statuses a gRPC call is retried on (`[unavailable]`). gRPC
+/// calls are POSTs: a route that names statuses declares its calls safe to try again,
+/// as gRPC's own retry policy does, so they are retried although POST is not
+/// idempotent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetryConfig {
@@ -171,6 +176,9 @@ pub struct RetryConfig {
     pub attempts: u32,
     /// Time one try may take (default: the whole timeout).
     pub per_try_timeout: Option<Span>,
+    /// gRPC statuses a gRPC call is tried again on (default: none).
+    #[serde(default)]
+    pub grpc_on: crate::GrpcCodes,
 }
 
 /// A route: the first whose host and path prefix match picks the service.

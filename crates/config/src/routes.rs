@@ -13,6 +13,8 @@ pub struct RoutePolicy {
     pub retries: u32,
     /// Time one try may take (`None`: the whole timeout).
     pub per_try_timeout: Option<std::time::Duration>,
+    /// gRPC statuses a gRPC call is tried again on.
+    pub grpc_retry_on: crate::GrpcCodes,
     /// The route's response cache (routes only; never a service's).
     pub cache: Option<CacheConfig>,
 }
@@ -27,6 +29,7 @@ impl RoutePolicy {
                 Some(r) => r.per_try_timeout.map(|s| s.0),
                 None => fallback.per_try_timeout,
             },
+            grpc_retry_on: retries.map_or(fallback.grpc_retry_on, |r| r.grpc_on),
             cache: None,
         }
     }

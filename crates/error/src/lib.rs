@@ -271,6 +271,7 @@ impl ProxyError {
         ResponseHead {
             status: self.status(),
             headers,
+            ..Default::default()
         }
     }
 }

@@ -49,6 +49,49 @@ pub fn status_for_http(status: u16) -> u32 {
     }
 }
 
+/// The status codes' names, by code (0–16), as gRPC's spec and Envoy's `retry_on`
+/// spell them in lowercase with dashes.
+pub const STATUS_NAMES: [&str; 17] = [
+    "ok",
+    "cancelled",
+    "unknown",
+    "invalid-argument",
+    "deadline-exceeded",
+    "not-found",
+    "already-exists",
+    "permission-denied",
+    "resource-exhausted",
+    "failed-precondition",
+    "aborted",
+    "out-of-range",
+    "unimplemented",
+    "internal",
+    "unavailable",
+    "data-loss",
+    "unauthenticated",
+];
+
+/// The gRPC status of an answer to a gRPC call: `grpc-status` from its trailers, or
+/// from its headers (a trailers-only answer); without one, what its HTTP status
+/// stands for ([`status_for_http`]: an answer that never reached a gRPC server, a
+/// proxy's 503). A status that is not a number 0–16 is 2 UNKNOWN, as clients read it.
+pub fn status_of(head: &ResponseHead) -> u32 {
+    let field = head
+        .trailers
+        .get("grpc-status")
+        .or_else(|| head.headers.get("grpc-status"));
+    match field {
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse::<u32>().ok())
+            .filter(|c| *c <= 16)
+            .unwrap_or(2),
+        None if head.status == 200 => 2,
+        None => status_for_http(head.status),
+    }
+}
+
 /// `grpc-message` as the spec writes it: bytes outside printable ASCII, and `%`,
 /// percent-encoded.
 pub fn encode_message(message: &str) -> String {
@@ -100,6 +143,7 @@ pub fn local_reply(head: &ResponseHead, body: &[u8]) -> ResponseHead {
     ResponseHead {
         status: 200,
         headers,
+        ..Default::default()
     }
 }
 
@@ -132,6 +176,30 @@ pub fn parse_timeout(value: &str) -> Result<Duration, BadTimeout> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_status_comes_from_trailers_then_headers_then_the_http_status() {
+        let mut head = ResponseHead {
+            status: 200,
+            ..Default::default()
+        };
+        assert_eq!(status_of(&head), 2, "a 200 without grpc-status is UNKNOWN");
+        head.headers
+            .insert("grpc-status", HeaderValue::from_static("7"));
+        assert_eq!(status_of(&head), 7);
+        head.trailers
+            .insert("grpc-status", HeaderValue::from_static("14"));
+        assert_eq!(status_of(&head), 14);
+        head.trailers
+            .insert("grpc-status", HeaderValue::from_static("99"));
+        assert_eq!(status_of(&head), 2);
+        let proxy = ResponseHead {
+            status: 503,
+            ..Default::default()
+        };
+        assert_eq!(status_of(&proxy), 14);
+        assert_eq!(STATUS_NAMES[14], "unavailable");
+    }
 
     fn headers(ct: &str) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -184,6 +252,7 @@ mod tests {
             &ResponseHead {
                 status: 401,
                 headers: h,
+                ..Default::default()
             },
             "dpumesh: no token, 100% sure\nmore".as_bytes(),
         );
@@ -202,6 +271,7 @@ mod tests {
         let same = ResponseHead {
             status: 200,
             headers: g,
+            ..Default::default()
         };
         assert_eq!(local_reply(&same, b"").headers["grpc-status"], "5");
         assert_eq!(encode_message("é"), "%C3%A9");

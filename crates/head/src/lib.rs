@@ -13,6 +13,7 @@ mod from_http;
 pub mod grpc;
 mod metadata;
 pub mod path;
+pub mod trailers;
 pub mod wire;
 
 pub use from_http::FromRequestError;
@@ -122,6 +123,10 @@ pub struct RequestHead {
     /// The destination service chosen by the router.
     pub destination: Option<String>,
     metadata: Metadata,
+    /// Trailer fields the client sent after the body (rare for requests). They
+    /// travel to the service beside the head; filters never see them (see
+    /// [`trailers`]).
+    pub trailers: HeaderMap,
 }
 
 impl RequestHead {

@@ -8,12 +8,17 @@
 //!
 //! ```text
 //! request:  'Q' version | method | scheme | authority | path | query? | source |
-//!           identity? | destination? | headers | metadata
-//! response: 'R' version | status u16 | headers
+//!           identity? | destination? | headers | metadata | trailers
+//! response: 'R' version | status u16 | headers | trailers
 //! string:   u16 length (LE) + UTF-8        optional: u8 0/1 + string
 //! headers:  u16 count + (name string, value u16 length + bytes) per field
 //! source:   u8 4|6 + address bytes + u16 port
+//! trailers: headers (count 0: none); version 2 on. Version 1 (no trailers) is read.
 //! ```
+//!
+//! Trailers travel with the head because bodies are whole when a head crosses: the
+//! ingress reads a request's body (and its trailers) before it sends the head, and a
+//! pod answers with its body (and trailers) at once.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -21,8 +26,11 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::{Peer, RequestHead};
 
-/// The layout version written and read.
-pub const WIRE_VERSION: u8 = 1;
+/// The layout version written (and the newest read).
+pub const WIRE_VERSION: u8 = 2;
+
+/// The oldest layout version read: version 1 heads have no trailers.
+const OLDEST_VERSION: u8 = 1;
 
 const REQUEST: u8 = b'Q';
 const RESPONSE: u8 = b'R';
@@ -42,7 +50,9 @@ pub enum WireError {
         found: u8,
     },
     /// Written by another layout version.
-    #[error("head version {0} is not supported (this build reads version {WIRE_VERSION})")]
+    #[error(
+        "head version {0} is not supported (this build reads versions {OLDEST_VERSION} to {WIRE_VERSION})"
+    )]
     Version(u8),
     /// A text field that is not UTF-8.
     #[error("{0} is not UTF-8")]
@@ -76,6 +86,8 @@ pub struct ResponseHead {
     pub status: u16,
     /// The header fields.
     pub headers: HeaderMap,
+    /// The trailer fields, sent after the body (gRPC's status); empty: none.
+    pub trailers: HeaderMap,
 }
 
 struct Writer(Vec<u8>);
@@ -176,15 +188,24 @@ impl<'a> Reader<'a> {
         Ok(map)
     }
 
-    fn header(&mut self, expected: &'static str, kind: u8) -> Result<(), WireError> {
+    /// Reads the kind and version; the version.
+    fn header(&mut self, expected: &'static str, kind: u8) -> Result<u8, WireError> {
         let found = self.u8("kind")?;
         if found != kind {
             return Err(WireError::Kind { expected, found });
         }
         match self.u8("version")? {
-            WIRE_VERSION => Ok(()),
+            v @ OLDEST_VERSION..=WIRE_VERSION => Ok(v),
             v => Err(WireError::Version(v)),
         }
+    }
+
+    /// The trailers of a head of `version` (none before version 2).
+    fn trailers(&mut self, version: u8) -> Result<HeaderMap, WireError> {
+        if version < 2 {
+            return Ok(HeaderMap::new());
+        }
+        self.headers()
     }
 
     fn end(&self) -> Result<(), WireError> {
@@ -235,17 +256,18 @@ fn encode(head: &RequestHead, with_metadata: bool) -> Result<Vec<u8>, WireError>
     w.opt("identity", head.source.identity.as_deref())?;
     w.opt("destination", head.destination.as_deref())?;
     w.headers(head.headers())?;
-    if !with_metadata {
+    if with_metadata {
+        let metadata = head.metadata_entries();
+        let count = u16::try_from(metadata.len()).map_err(|_| WireError::TooLong("metadata"))?;
+        w.u16(count);
+        for (k, v) in metadata {
+            w.bytes("metadata key", k.as_bytes())?;
+            w.bytes("metadata value", v.as_bytes())?;
+        }
+    } else {
         w.u16(0);
-        return Ok(w.0);
     }
-    let metadata = head.metadata_entries();
-    let count = u16::try_from(metadata.len()).map_err(|_| WireError::TooLong("metadata"))?;
-    w.u16(count);
-    for (k, v) in metadata {
-        w.bytes("metadata key", k.as_bytes())?;
-        w.bytes("metadata value", v.as_bytes())?;
-    }
+    w.headers(&head.trailers)?;
     Ok(w.0)
 }
 
@@ -254,7 +276,7 @@ pub fn decode_request(bytes: &[u8]) -> Result<RequestHead, WireError> {
     #[cfg(feature = "codec-counts")]
     counts::REQUEST_DECODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut r = Reader { b: bytes, at: 0 };
-    r.header("request", REQUEST)?;
+    let version = r.header("request", REQUEST)?;
     let method = r.str("method")?;
     // The method is a token (RFC 9110): anything else could split a request line.
     if method.is_empty() || !method.bytes().all(is_tchar) {
@@ -297,6 +319,7 @@ pub fn decode_request(bytes: &[u8]) -> Result<RequestHead, WireError> {
         let v = r.str("metadata value")?;
         head.set_metadata(k, v);
     }
+    head.trailers = r.trailers(version)?;
     r.end()?;
     Ok(head)
 }
@@ -313,6 +336,7 @@ pub fn encode_response(head: &ResponseHead) -> Result<Vec<u8>, WireError> {
     w.u8(WIRE_VERSION);
     w.u16(head.status);
     w.headers(&head.headers)?;
+    w.headers(&head.trailers)?;
     Ok(w.0)
 }
 
@@ -321,14 +345,19 @@ pub fn decode_response(bytes: &[u8]) -> Result<ResponseHead, WireError> {
     #[cfg(feature = "codec-counts")]
     counts::RESPONSE_DECODES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut r = Reader { b: bytes, at: 0 };
-    r.header("response", RESPONSE)?;
+    let version = r.header("response", RESPONSE)?;
     let status = r.u16("status")?;
     if !(100..=999).contains(&status) {
         return Err(WireError::Status(status));
     }
     let headers = r.headers()?;
+    let trailers = r.trailers(version)?;
     r.end()?;
-    Ok(ResponseHead { status, headers })
+    Ok(ResponseHead {
+        status,
+        headers,
+        trailers,
+    })
 }
 
 fn is_tchar(b: u8) -> bool {
@@ -415,6 +444,47 @@ mod tests {
     }
 
     #[test]
+    fn request_trailers_travel_after_the_metadata_to_proxy_and_pod() {
+        let mut head = sample();
+        head.trailers
+            .append("x-checksum", HeaderValue::from_static("crc32=1234"));
+        for bytes in [encode_request(&head), encode_request_for_pod(&head)] {
+            let back = decode_request(&bytes.unwrap()).unwrap();
+            assert_eq!(back.trailers, head.trailers);
+            assert_eq!(back.headers(), head.headers());
+        }
+    }
+
+    #[test]
+    fn version_1_heads_are_read_without_trailers() {
+        // As a version-1 writer laid them out: no trailer section.
+        let mut w = Writer(Vec::new());
+        w.u8(RESPONSE);
+        w.u8(1);
+        w.u16(204);
+        w.u16(1);
+        w.bytes("n", b"x-a").unwrap();
+        w.bytes("v", b"b").unwrap();
+        let head = decode_response(&w.0).unwrap();
+        assert_eq!(
+            (head.status, head.headers["x-a"].as_bytes()),
+            (204, &b"b"[..])
+        );
+        assert!(head.trailers.is_empty());
+        let mut v2 = w.0.clone();
+        v2[1] = 2;
+        assert_eq!(
+            decode_response(&v2).unwrap_err(),
+            WireError::Truncated("headers"),
+            "version 2 has a trailer section"
+        );
+        let mut request = encode_request(&sample()).unwrap();
+        request[1] = 1;
+        request.truncate(request.len() - 2);
+        assert_eq!(decode_request(&request).unwrap().path, "/reserve");
+    }
+
+    #[test]
     fn a_pod_gets_the_head_without_the_filters_metadata() {
         let mut head = sample();
         head.set_metadata("jwt.payload", r#"{"sub":"alice","role":"user"}"#);
@@ -441,9 +511,13 @@ mod tests {
         headers.append("content-type", HeaderValue::from_static("text/plain"));
         headers.append("set-cookie", HeaderValue::from_static("a=1"));
         headers.append("set-cookie", HeaderValue::from_static("b=2"));
+        let mut trailers = HeaderMap::new();
+        trailers.append("grpc-status", HeaderValue::from_static("0"));
+        trailers.append("grpc-message", HeaderValue::from_static("fine"));
         let head = ResponseHead {
             status: 201,
             headers,
+            trailers,
         };
         assert_eq!(
             decode_response(&encode_response(&head).unwrap()).unwrap(),

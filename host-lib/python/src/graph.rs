@@ -74,6 +74,7 @@ fn request(item: &Bound<'_, PyAny>, step: &str) -> PyResult<HttpRequest> {
         url,
         headers: header_map(&headers, &format!("step {step:?}"))?,
         body: Bytes::copy_from_slice(body.as_bytes()),
+        trailers: Default::default(),
         caller: None,
     })
 }
@@ -187,6 +188,7 @@ fn step_output(value: &Bound<'_, PyAny>, step: &str) -> PyResult<StepOutput> {
         status,
         headers: header_map(&headers, &format!("internal step {step:?}"))?,
         body: Bytes::copy_from_slice(body.cast::<PyBytes>()?.as_bytes()),
+        trailers: Default::default(),
     })
 }
 

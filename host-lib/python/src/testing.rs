@@ -129,6 +129,7 @@ impl TestMesh {
             url: target.to_owned(),
             headers: header_map(&headers, "the request")?,
             body: body_bytes(Some(body))?,
+            trailers: Default::default(),
             caller: None,
         };
         let mut service_loop = self

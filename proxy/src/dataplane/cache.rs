@@ -246,6 +246,14 @@ impl<F: Fabric> Reactor<F> {
             metrics::counter!("dpumesh_http_cache_not_stored_total", "why" => "frame").increment(1);
             return;
         }
+        // An entry keeps a head and a body; trailers (a gRPC status, a digest) would be
+        // lost in it, and a hit served without them would say something else.
+        if !response.trailers.is_empty() {
+            cache.stats.not_stored.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("dpumesh_http_cache_not_stored_total", "why" => "trailers")
+                .increment(1);
+            return;
+        }
         let lifetime =
             match policy::storable(rule, "GET", request, d.status, &response.headers, body_len) {
                 Ok(lifetime) => lifetime,
@@ -293,5 +301,9 @@ fn cached_head(entry: &Entry, request: &HeaderMap, now: SystemTime) -> ResponseH
         };
     headers.insert(header::AGE, HeaderValue::from(entry.age(now).as_secs()));
     headers.insert("x-cache", HeaderValue::from_static("HIT"));
-    ResponseHead { status, headers }
+    ResponseHead {
+        status,
+        headers,
+        ..Default::default()
+    }
 }

@@ -81,7 +81,8 @@ impl Exchange {
         retry::Allowance {
             attempt: self.attempt,
             retries: self.policy.retries,
-            idempotent: self.traits.idempotent,
+            idempotent: self.traits.idempotent
+                || (self.traits.grpc && !self.policy.grpc_retry_on.is_empty()),
             // A pod's body is handed on by the first try; one at the ingress can be
             // read again.
             body_at_hand: match &self.origin {
@@ -371,6 +372,15 @@ impl ExchangeTable {
 
     /// Whether the try of `xid` that failed with `failure` at `now` is tried again
     /// ([`retry`]).
+    /// The gRPC statuses a gRPC exchange's route retries on; `None` for any other
+    /// exchange (its answer's gRPC status need not be read).
+    pub fn grpc_retry_on(&self, xid: u32) -> Option<dpumesh_config::GrpcCodes> {
+        self.exchanges
+            .get(&xid)
+            .filter(|e| e.traits.grpc && !e.policy.grpc_retry_on.is_empty())
+            .map(|e| e.policy.grpc_retry_on)
+    }
+
     pub fn tries_again(&self, xid: u32, failure: retry::Failure, now: Instant) -> bool {
         self.exchanges
             .get(&xid)

@@ -88,12 +88,16 @@ impl<F: Fabric> Reactor<F> {
         let grpc;
         let (head, body) = if exchange.traits.grpc {
             grpc = dpumesh_head::grpc::local_reply(head, &body);
+            let code = dpumesh_head::grpc::status_of(&grpc);
             metrics::counter!(
                 "dpumesh_grpc_local_replies_total",
                 "service" => exchange.service.clone(),
-                "grpc_status" => grpc.headers.get("grpc-status").and_then(|v| v.to_str().ok()).unwrap_or("2").to_owned(),
+                "grpc_status" => code.to_string(),
             )
             .increment(1);
+            self.meter
+                .response_metrics
+                .record_grpc(&exchange.service, code);
             (&grpc, Vec::new())
         } else {
             (head, body)

@@ -383,6 +383,7 @@ impl<F: Fabric> Reactor<F> {
                 let head = ResponseHead {
                     status: reply.status,
                     headers,
+                    ..Default::default()
                 };
                 self.finish_with(
                     xid,

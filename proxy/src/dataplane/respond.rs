@@ -26,23 +26,37 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
         };
-        if self
-            .table
-            .tries_again(xid, Failure::Status(d.status), Instant::now())
-        {
+        let header = self.pods.port.header(&d).unwrap_or_default();
+        // Decoded when first read (the cache, a 5xx's cause, plugins' edits, a gRPC
+        // call's status), once.
+        let mut wire = WireHead::new(&header);
+        let failure = match self.table.grpc_retry_on(xid) {
+            Some(codes)
+                if wire
+                    .get()
+                    .is_some_and(|h| codes.contains(dpumesh_head::grpc::status_of(h))) =>
+            {
+                Failure::GrpcRetryable
+            }
+            _ => Failure::Status(d.status),
+        };
+        if self.table.tries_again(xid, failure, Instant::now()) {
             self.hand_back(&d);
             self.retry(xid, d.status);
             return;
         }
-        let header = self.pods.port.header(&d).unwrap_or_default();
         self.meter.stats.relayed.fetch_add(1, Ordering::Relaxed);
         let Some(mut exchange) = self.table.close(xid) else {
             self.hand_back(&d);
             return;
         };
         let upstream = pod_upstream(&exchange.service, d.src_pod);
-        // Decoded when first read (the cache, a 5xx's cause, plugins' edits), once.
-        let mut wire = WireHead::new(&header);
+        if exchange.traits.grpc {
+            self.meter.response_metrics.record_grpc(
+                &exchange.service,
+                wire.get().map_or(2, dpumesh_head::grpc::status_of),
+            );
+        }
         if let Some(pending) = exchange.cache.take()
             && let Some((head, body)) = self.cache_response(*pending, &d, &mut wire)
         {
@@ -285,6 +299,12 @@ impl<F: Fabric> Reactor<F> {
         // Decoded once: its status is always read.
         let decoded = wire::decode_response(&r.head).ok();
         let status = decoded.as_ref().map_or(502, |h| h.status);
+        if exchange.traits.grpc {
+            self.meter.response_metrics.record_grpc(
+                &exchange.service,
+                decoded.as_ref().map_or(2, dpumesh_head::grpc::status_of),
+            );
+        }
         let upstream = self.links.upstream(qp);
         if status >= 500 {
             mark_dependency_failure(exchange.head.as_mut(), decoded.as_ref());

@@ -14,8 +14,9 @@ use std::collections::HashMap;
 /// Most services whose handles one shard keeps.
 const MAX_SERVICES: usize = 4096;
 
-/// `dpumesh_mesh_responses_total{service,status}` and
-/// `dpumesh_mesh_request_duration_seconds{service}`, by service.
+/// `dpumesh_mesh_responses_total{service,status}`,
+/// `dpumesh_mesh_request_duration_seconds{service}` and, for gRPC calls,
+/// `dpumesh_mesh_grpc_responses_total{service,grpc_status}`, by service.
 #[derive(Default)]
 pub(super) struct ResponseMetrics {
     services: HashMap<String, ServiceMetrics, foldhash::fast::RandomState>,
@@ -25,6 +26,8 @@ struct ServiceMetrics {
     duration: metrics::Histogram,
     /// Few statuses per service in practice: a short list beats a map.
     responses: Vec<(u16, metrics::Counter)>,
+    /// gRPC calls' answers by gRPC status (0–16), looked up when first seen.
+    grpc: Vec<(u32, metrics::Counter)>,
 }
 
 impl ResponseMetrics {
@@ -44,6 +47,7 @@ impl ResponseMetrics {
                 .or_insert_with(|| ServiceMetrics {
                     duration: duration_of(service),
                     responses: Vec::new(),
+                    grpc: Vec::new(),
                 }),
         };
         metrics.duration.record(seconds);
@@ -56,6 +60,34 @@ impl ResponseMetrics {
             }
         }
     }
+}
+
+impl ResponseMetrics {
+    /// Counts one answer to a gRPC call of `service` with gRPC status `code` (its
+    /// HTTP status and duration are counted by [`ResponseMetrics::record`]).
+    pub(super) fn record_grpc(&mut self, service: &str, code: u32) {
+        let Some(metrics) = self.services.get_mut(service) else {
+            // Not kept (past the cap, or not recorded yet): counted without keeping.
+            grpc_responses_of(service, code).increment(1);
+            return;
+        };
+        match metrics.grpc.iter().find(|(c, _)| *c == code) {
+            Some((_, counter)) => counter.increment(1),
+            None => {
+                let counter = grpc_responses_of(service, code);
+                counter.increment(1);
+                metrics.grpc.push((code, counter));
+            }
+        }
+    }
+}
+
+fn grpc_responses_of(service: &str, code: u32) -> metrics::Counter {
+    metrics::counter!(
+        "dpumesh_mesh_grpc_responses_total",
+        "service" => service.to_owned(),
+        "grpc_status" => code.to_string(),
+    )
 }
 
 /// The registry lookups the kept handles save.
@@ -87,7 +119,11 @@ mod tests {
             m.record("frontend", 200, 0.002);
             m.record("frontend", 503, 0.003);
             m.record("user", 200, 0.004);
+            m.record_grpc("frontend", 14);
+            m.record_grpc("frontend", 14);
+            m.record_grpc("nobody", 0);
             assert_eq!(m.services.len(), 2);
+            assert_eq!(m.services["frontend"].grpc.len(), 1);
             assert_eq!(m.services["frontend"].responses.len(), 2);
             // Past the cap, responses are still counted, their handles not kept.
             for i in 0..MAX_SERVICES {
@@ -123,8 +159,10 @@ mod tests {
         assert_eq!(
             counts,
             [
+                ("service=frontend,grpc_status=14".to_owned(), 2),
                 ("service=frontend,status=200".to_owned(), 2),
                 ("service=frontend,status=503".to_owned(), 1),
+                ("service=nobody,grpc_status=0".to_owned(), 1),
                 ("service=user,status=200".to_owned(), 1),
             ]
         );

@@ -47,7 +47,7 @@ mod tests {
     fn the_head_is_decoded_once_however_often_it_is_read_and_never_if_unread() {
         let bytes = wire::encode_response(&ResponseHead {
             status: 503,
-            headers: Default::default(),
+            ..Default::default()
         })
         .unwrap();
         let unread = WireHead::new(&bytes);

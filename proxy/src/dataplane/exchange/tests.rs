@@ -22,6 +22,7 @@ fn policy(retries: u32, per_try_ms: Option<u32>) -> RoutePolicy {
         retries,
         per_try_timeout: per_try_ms.map(|ms| ms * MS),
         cache: None,
+        grpc_retry_on: Default::default(),
     }
 }
 
@@ -66,6 +67,33 @@ fn from_pod(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         limit: None,
         head: None,
     }
+}
+
+/// A gRPC call (a POST with a body) from the ingress on a route with one retry,
+/// retrying gRPC calls on `grpc_on`.
+fn grpc_call(grpc_on: &[&str]) -> Opening {
+    let mut head = RequestHead::new("POST", "/grpc.testing.TestService/UnaryCall");
+    head.set_header("content-type", "application/grpc").unwrap();
+    let mut o = from_link("POST", true, policy(1, None));
+    o.traits = RequestTraits::of(&head);
+    o.policy.grpc_retry_on =
+        dpumesh_config::GrpcCodes::from_names(grpc_on.iter().copied()).unwrap();
+    o
+}
+
+#[test_case(&["unavailable"], retry::Failure::GrpcRetryable, true; "a listed gRPC status")]
+#[test_case(&["unavailable"], CURABLE, true; "a 503 on a route that retries gRPC calls")]
+#[test_case(&[], CURABLE, false; "a POST on a route that names no gRPC status")]
+fn grpc_calls_are_retried_where_the_route_says(
+    grpc_on: &[&str],
+    failure: retry::Failure,
+    retried: bool,
+) {
+    let t0 = Instant::now();
+    let mut table = ExchangeTable::default();
+    let xid = at_pod_five(&mut table, grpc_call(grpc_on), t0);
+    assert_eq!(table.grpc_retry_on(xid).is_some(), !grpc_on.is_empty());
+    assert_eq!(table.tries_again(xid, failure, t0), retried);
 }
 
 /// Opens `o` at `t0` and sends its first try to pod 5.

@@ -97,6 +97,7 @@ mod tests {
         let answer = ResponseHead {
             status: 503,
             headers,
+            ..Default::default()
         };
         let mut head = RequestHead::new("GET", "/");
         mark_dependency_failure(Some(&mut head), Some(&answer));

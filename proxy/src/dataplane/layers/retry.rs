@@ -13,6 +13,9 @@ pub(in crate::dataplane) enum Failure {
     Error { retryable: bool },
     /// The pod answered with this status.
     Status(u16),
+    /// The pod answered a gRPC call with a gRPC status its route retries on
+    /// (`retries.grpc_on`).
+    GrpcRetryable,
 }
 
 impl Failure {
@@ -23,6 +26,7 @@ impl Failure {
         match self {
             Self::Error { retryable } => retryable,
             Self::Status(status) => matches!(status, 502..=504),
+            Self::GrpcRetryable => true,
         }
     }
 }
@@ -34,6 +38,8 @@ pub(in crate::dataplane) struct Allowance {
     pub attempt: u32,
     /// The route's `retries`.
     pub retries: u32,
+    /// An idempotent method, or a gRPC call on a route that names gRPC statuses to
+    /// retry (its owner declared its calls safe to try again).
     pub idempotent: bool,
     /// Its body can be sent again (at the ingress, or none).
     pub body_at_hand: bool,
