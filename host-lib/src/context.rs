@@ -76,6 +76,12 @@ impl ExecutionContext {
         &self.request
     }
 
+    /// Takes the request out (leaving an empty `GET /`), for a handler that hands it
+    /// whole to another framework ([`crate::tower::handler`]) rather than copy it.
+    pub fn take_request(&mut self) -> HttpRequest {
+        std::mem::replace(&mut self.request, HttpRequest::get("/"))
+    }
+
     fn generated_id(&mut self) -> StepId {
         let id = format!("step-{}", self.next);
         self.next += 1;

@@ -126,6 +126,51 @@ impl std::fmt::Debug for DataPathTransport {
     }
 }
 
+/// Where and as what a pod registers, from the environment `dpumesh up` (and the
+/// chart) start it with: `DPUMESH_CONTROL` (the node's control socket, or
+/// `tcp:HOST:PORT`), `DPUMESH_SERVICE` and `DPUMESH_POD`.
+#[derive(Debug, Clone)]
+pub struct PodEnv {
+    /// The node's control endpoint.
+    pub control: Endpoint,
+    /// The service the pod serves.
+    pub service: String,
+    /// The pod's name (`<service>-<pid>` when not given).
+    pub pod: String,
+}
+
+impl PodEnv {
+    /// Reads the environment; `service` stands in for a missing `DPUMESH_SERVICE`.
+    pub fn read(service: Option<&str>) -> Result<Self, String> {
+        let control = std::env::var("DPUMESH_CONTROL")
+            .map_err(|_| {
+                "DPUMESH_CONTROL (the node's control endpoint) is not set: start it with `dpumesh up`"
+                    .to_owned()
+            })?
+            .parse()
+            .map_err(|e| format!("DPUMESH_CONTROL: {e}"))?;
+        let service = match (std::env::var("DPUMESH_SERVICE"), service) {
+            (Ok(s), _) => s,
+            (Err(_), Some(s)) => s.to_owned(),
+            (Err(_), None) => {
+                return Err("DPUMESH_SERVICE (the service to serve) is not set".into());
+            }
+        };
+        let pod = std::env::var("DPUMESH_POD")
+            .unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
+        Ok(Self {
+            control,
+            service,
+            pod,
+        })
+    }
+
+    /// Registers the pod ([`DataPathTransport::connect`]).
+    pub fn connect(&self) -> Result<DataPathTransport, HostError> {
+        DataPathTransport::connect(&self.control, &self.pod, &self.service)
+    }
+}
+
 impl DataPathTransport {
     /// Registers pod `pod` of `service` with the node at `control`; if the node goes
     /// away later, the pod registers again with whoever serves `control` next.

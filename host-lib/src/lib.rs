@@ -36,6 +36,7 @@ mod pool;
 pub mod result;
 mod run;
 pub mod store;
+pub mod tower;
 pub mod transport;
 
 pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};

@@ -16,7 +16,6 @@
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
 pub mod admin;
-mod body;
 pub mod eject;
 pub mod fair;
 pub mod framing;
@@ -42,7 +41,7 @@ use dpumesh_head::wire;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 
-use body::AnswerBody;
+use dpumesh_head::whole_body::WholeBody;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
@@ -443,7 +442,7 @@ async fn connection<F: Fabric, IO>(
 
 /// The client's answer for a request the mesh could not serve: as gRPC (a
 /// trailers-only answer, [`dpumesh_head::grpc::local_reply`]) to a gRPC caller.
-fn error_response(e: &ProxyError, grpc: bool) -> Response<AnswerBody> {
+fn error_response(e: &ProxyError, grpc: bool) -> Response<WholeBody> {
     metrics::counter!(
         "dpumesh_ingress_errors_total",
         "source" => e.source().name(),
@@ -456,7 +455,7 @@ fn error_response(e: &ProxyError, grpc: bool) -> Response<AnswerBody> {
     } else {
         (e.response_head(), Bytes::from(e.body()))
     };
-    let mut response = Response::new(AnswerBody::bytes(body));
+    let mut response = Response::new(WholeBody::bytes(body));
     *response.status_mut() =
         StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     *response.headers_mut() = head.headers;
@@ -599,11 +598,11 @@ async fn handle<F: Fabric>(
     peer: SocketAddr,
     session: Option<&tls::Session>,
     refused: Option<framing::Refusal>,
-) -> Response<AnswerBody> {
+) -> Response<WholeBody> {
     let grpc = dpumesh_head::grpc::is_grpc(req.headers());
     let answer = match refused {
         Some(why) => Err(ProxyError::new(ErrorKind::AmbiguousFraming, why.message())),
-        None => forward(state, req, peer, session).await,
+        None => forward(state, req, peer, session, grpc).await,
     };
     match answer {
         Ok(response) => response,
@@ -618,7 +617,8 @@ async fn forward<F: Fabric>(
     req: Request<Incoming>,
     peer: SocketAddr,
     session: Option<&tls::Session>,
-) -> Result<Response<AnswerBody>, ProxyError> {
+    grpc: bool,
+) -> Result<Response<WholeBody>, ProxyError> {
     let settings = &state.routing.settings;
     if state
         .routing
@@ -635,6 +635,12 @@ async fn forward<F: Fabric>(
     }
     if let Some(e) = target_error(&req) {
         return Err(e);
+    }
+    if grpc && !dpumesh_head::grpc::takes_trailers(req.headers()) {
+        return Err(ProxyError::new(
+            ErrorKind::MalformedRequest,
+            "a gRPC call must say `te: trailers`: its status comes in trailers",
+        ));
     }
     let timeout = answer_timeout(req.headers(), settings.request_timeout)?;
     let mut head = head_of(&req, peer, session)?;
@@ -729,16 +735,28 @@ async fn forward<F: Fabric>(
         }
         Ok(())
     };
-    tokio::time::timeout(settings.body_timeout, read)
+    // A call's deadline (`grpc-timeout`) bounds the reading of its body too: a client
+    // that keeps its request stream open past it is told DEADLINE_EXCEEDED.
+    tokio::time::timeout(settings.body_timeout.min(timeout), read)
         .await
         .map_err(|_| {
-            ProxyError::new(
-                ErrorKind::BodyTimeout,
-                format!(
-                    "request body not received within {} ms",
-                    settings.body_timeout.as_millis()
-                ),
-            )
+            if timeout < settings.body_timeout {
+                ProxyError::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the call's deadline ({} ms) passed before its body ended",
+                        timeout.as_millis()
+                    ),
+                )
+            } else {
+                ProxyError::new(
+                    ErrorKind::BodyTimeout,
+                    format!(
+                        "request body not received within {} ms",
+                        settings.body_timeout.as_millis()
+                    ),
+                )
+            }
         })??;
     // Trailers come after the body, so the head was encoded without them: encoded
     // again, for the rare request that has them.
@@ -780,7 +798,7 @@ async fn forward<F: Fabric>(
 
 /// The client's response from a node's answer. The service's head is checked again
 /// here: a pod is not trusted to write well-formed bytes.
-fn respond(answer: Answer) -> Result<Response<AnswerBody>, ProxyError> {
+fn respond(answer: Answer) -> Result<Response<WholeBody>, ProxyError> {
     let head = wire::decode_response(&answer.head).map_err(|e| {
         ProxyError::new(
             ErrorKind::BadResponse,
@@ -796,7 +814,7 @@ fn respond(answer: Answer) -> Result<Response<AnswerBody>, ProxyError> {
     let mut trailers = head.trailers;
     // A pod's trailers meet the same rule as a client's (`trailers::allowed`).
     dpumesh_head::trailers::keep_allowed(&mut trailers);
-    let mut response = Response::new(AnswerBody::new(answer.body, trailers));
+    let mut response = Response::new(WholeBody::new(answer.body, trailers));
     *response.status_mut() = status;
     for (name, value) in &head.headers {
         if dpumesh_head::is_hop_by_hop(name.as_str()) {

@@ -30,6 +30,24 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
         })
 }
 
+/// Whether a request says it takes trailers (`te: trailers`), as gRPC requires of
+/// every call: a gRPC status travels in trailers, and a client that cannot read them
+/// would read every answer as a failure.
+pub fn takes_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(http::header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| {
+            t.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .eq_ignore_ascii_case("trailers")
+        })
+}
+
 /// The gRPC status that stands for an HTTP status the mesh answers with: the ones
 /// the mesh's filters and errors use (401→16 UNAUTHENTICATED, 403→7
 /// PERMISSION_DENIED, 429→8 RESOURCE_EXHAUSTED, 503→14 UNAVAILABLE, 504→4
@@ -176,6 +194,20 @@ pub fn parse_timeout(value: &str) -> Result<Duration, BadTimeout> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn te_trailers_is_found_among_other_codings() {
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(http::header::TE, HeaderValue::from_str(v).unwrap());
+            takes_trailers(&h)
+        };
+        assert!(with("trailers"));
+        assert!(with("gzip, Trailers"));
+        assert!(!with("gzip"));
+        assert!(!with("trailersx"));
+        assert!(!takes_trailers(&HeaderMap::new()));
+    }
 
     #[test]
     fn the_status_comes_from_trailers_then_headers_then_the_http_status() {

@@ -14,6 +14,7 @@ pub mod grpc;
 mod metadata;
 pub mod path;
 pub mod trailers;
+pub mod whole_body;
 pub mod wire;
 
 pub use from_http::FromRequestError;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result, bail};
-use dpumesh_host::datapath::DataPathTransport;
-use dpumesh_host::{Endpoint, EventLoop, LoopConfig};
+use dpumesh_host::datapath::PodEnv;
+use dpumesh_host::{EventLoop, LoopConfig};
 
 // A service allocates a request's head, graph and answer per request on its one loop
 // thread: mimalloc's thread-local pages cost a fraction of glibc's bins there (the
@@ -45,18 +45,11 @@ fn main() -> Result<()> {
     let Some(handler) = dpumesh_sample_hotel::handler(&code) else {
         bail!("unknown service {code:?} (frontend, user, reservation)");
     };
-    let service = std::env::var("DPUMESH_SERVICE").unwrap_or(code);
-    // A socket path (`dpumesh up`) or `tcp:HOST:PORT` (a host pod reaching its DPU).
-    let control: Endpoint = std::env::var("DPUMESH_CONTROL")
-        .context(
-            "DPUMESH_CONTROL (the node's control endpoint) is not set: start it with `dpumesh up`",
-        )?
-        .parse()
-        .map_err(|e| anyhow::anyhow!("DPUMESH_CONTROL: {e}"))?;
-    let pod = std::env::var("DPUMESH_POD")
-        .unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
-    let transport = DataPathTransport::connect(&control, &pod, &service)
-        .with_context(|| format!("cannot register {pod} with its node"))?;
+    let env = PodEnv::read(Some(&code)).map_err(anyhow::Error::msg)?;
+    let transport = env
+        .connect()
+        .with_context(|| format!("cannot register {} with its node", env.pod))?;
+    let service = env.service;
     let mut service_loop = EventLoop::new(transport, handler, LoopConfig::default())?;
     let stop = Arc::new(AtomicBool::new(false));
     service_loop

@@ -1,6 +1,7 @@
-//! The body of an answer the ingress writes: the bytes the service (or the mesh)
-//! answered with, then its trailers if it sent any (gRPC's status). `Full` cannot
-//! carry trailers.
+//! A body that crosses the mesh whole, with its trailers: what the ingress writes to
+//! a client (the bytes a service or the mesh answered with, then a gRPC status), and
+//! what the host library hands a `tower::Service` (a request's body and trailers).
+//! `http_body_util::Full` cannot carry trailers.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -12,12 +13,12 @@ use http_body::{Body, Frame, SizeHint};
 
 /// A whole body and its trailers, yielded as one data frame and one trailers frame.
 #[derive(Debug, Default)]
-pub struct AnswerBody {
+pub struct WholeBody {
     data: Option<Bytes>,
     trailers: Option<HeaderMap>,
 }
 
-impl AnswerBody {
+impl WholeBody {
     /// `data` (nothing if empty), then `trailers` (nothing if empty).
     pub fn new(data: Bytes, trailers: HeaderMap) -> Self {
         Self {
@@ -32,7 +33,7 @@ impl AnswerBody {
     }
 }
 
-impl Body for AnswerBody {
+impl Body for WholeBody {
     type Data = Bytes;
     type Error = Infallible;
 
@@ -68,23 +69,34 @@ impl Body for AnswerBody {
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+
     use http_body_util::BodyExt;
 
     use super::*;
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn data_then_trailers_and_an_open_length_only_with_trailers() {
+    /// A whole body never waits: one poll finishes what reads it.
+    fn poll_now<F: Future>(f: F) -> F::Output {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match std::pin::pin!(f).poll(&mut cx) {
+            Poll::Ready(v) => v,
+            Poll::Pending => panic!("a whole body made its reader wait"),
+        }
+    }
+
+    #[test]
+    fn data_then_trailers_and_an_open_length_only_with_trailers() {
         let mut trailers = HeaderMap::new();
         trailers.insert("grpc-status", "0".parse().unwrap());
-        let body = AnswerBody::new(Bytes::from_static(b"hi"), trailers.clone());
+        let body = WholeBody::new(Bytes::from_static(b"hi"), trailers.clone());
         assert_eq!(body.size_hint().exact(), None);
-        let collected = body.collect().await.unwrap();
+        let collected = poll_now(body.collect()).unwrap();
         assert_eq!(collected.trailers(), Some(&trailers));
         assert_eq!(collected.to_bytes(), "hi");
 
-        let plain = AnswerBody::bytes("abc");
+        let plain = WholeBody::bytes("abc");
         assert_eq!(plain.size_hint().exact(), Some(3));
-        let empty = AnswerBody::default();
+        let empty = WholeBody::default();
         assert!(empty.is_end_stream());
         assert_eq!(empty.size_hint().exact(), Some(0));
     }
