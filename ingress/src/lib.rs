@@ -737,10 +737,16 @@ async fn forward<F: Fabric>(
     };
     // A call's deadline (`grpc-timeout`) bounds the reading of its body too: a client
     // that keeps its request stream open past it is told DEADLINE_EXCEEDED.
-    tokio::time::timeout(settings.body_timeout.min(timeout), read)
+    let call_deadline = timeout < settings.request_timeout && timeout < settings.body_timeout;
+    let body_limit = if call_deadline {
+        timeout
+    } else {
+        settings.body_timeout
+    };
+    tokio::time::timeout(body_limit, read)
         .await
         .map_err(|_| {
-            if timeout < settings.body_timeout {
+            if call_deadline {
                 ProxyError::new(
                     ErrorKind::Timeout,
                     format!(
