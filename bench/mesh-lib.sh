@@ -7,8 +7,9 @@
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain|component|cores2|nopingmesh|tls]
+mesh_file() { # transport [plain|component|cores2|nopingmesh|tls|grpc]
     local policy="$PWD/samples/hotel/policy.yaml"
+    if [ "${2:-}" = grpc ]; then policy=$(grpc_policy); fi
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
         -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
@@ -38,13 +39,43 @@ PY
         sed -i -e "s#^ingress:\$#ingress:\n  tls: {certificates: [{cert: $work/tls/cert.pem, key: $work/tls/key.pem}]}#" "$work/mesh-$1.yaml"
         grep -q "^  tls: " "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'ingress:' line"; exit 1; }
     fi
+    if [ "${2:-}" = grpc ]; then
+        # gRPC's interop service as a pod of node1, beside the frontend.
+        sed -i -e 's/^services:$/services:\n  grpc: {nodes: [node1], command: [grpc-interop, pod]}/' "$work/mesh-$1.yaml"
+        grep -q "^  grpc: " "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'services:' line"; exit 1; }
+    fi
     if [ "${2:-}" = cores2 ]; then
         # Two shards per node whatever the machine has.
         sed -i -e 's/\(rnic: 127\.0\.0\.1[12]:4791\)}/\1, cores: 2}/' "$work/mesh-$1.yaml"
         [ "$(grep -c 'cores: 2}' "$work/mesh-$1.yaml")" = 2 ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
     fi
 }
-start_mesh() { # transport [plain|component|cores2|nopingmesh|tls]
+# The sample's policy with gRPC's interop service behind the bench chain (jwt, rbac,
+# ratelimit: the policy HAProxy applies) at its path, written into the run's folder
+# with the sample's relative paths made absolute; prints its path.
+grpc_policy() {
+    python3 - "$PWD" "$work/policy-grpc.yaml" <<'PY'
+import sys
+root, out = sys.argv[1], sys.argv[2]
+text = open(f"{root}/samples/hotel/policy.yaml").read()
+text = text.replace("../../target/", f"{root}/target/")
+text = text.replace("secret_file: .dpumesh/", f"secret_file: {root}/samples/hotel/.dpumesh/")
+path = "/grpc.testing.TestService/"
+for old, new in [
+    ("            - {path: {prefix: /ping}}\n",
+     "            - {path: {prefix: /ping}}\n            - {path: {prefix: %s}}\n" % path),
+    ("\nservices:\n", "\nservices:\n  grpc: {chain: bench}\n"),
+    ("\nroutes:\n", "\nroutes:\n  - {path_prefix: %s, service: grpc, chain: bench}\n" % path),
+]:
+    if old not in text:
+        sys.exit(f"samples/hotel/policy.yaml: no {old!r}")
+    text = text.replace(old, new, 1)
+open(out, "w").write(text)
+print(out)
+PY
+}
+
+start_mesh() { # transport [plain|component|cores2|nopingmesh|tls|grpc]
     mesh_file "$1" "${2:-}"
     # component: every filter through wasmtime's component calls, chains fused (how
     # the nodes ran filters before core instances).
@@ -83,6 +114,9 @@ service_pids() { # the frontend pod (the flaky service runs the same program)
     done
 }
 haproxy_pids() { pgrep -x haproxy; pgrep -x nginx; }
+grpc_server_pids() { pgrep -f "grpc-interop serve"; }
+grpc_pod_pids() { pgrep -P "$up_pid" -f "grpc-interop pod"; }
+haproxy_grpc_pids() { pgrep -x haproxy; grpc_server_pids; }
 mesh_pids() { pgrep -P "$up_pid" -f "dpumesh (node|ingress)"; }
 all_mesh_pids() { pgrep -P "$up_pid"; }
 none() { :; }
@@ -93,6 +127,24 @@ idle_ticks() { # "idle total": the machine's idle (+ iowait) and total ticks so 
 idle_share() { # before after (idle_ticks): the share of the machine left idle, in %
     local b=($1) a=($2)
     echo "scale=1; (${a[0]} - ${b[0]}) * 100 / (${a[1]} - ${b[1]})" | bc
+}
+
+# gRPC unary calls under h2load -c32 -m10 (UnaryCall, 100 bytes each way, the body
+# in $work/unary.grpc): prints name|calls/s|answered|CPU us/call|second CPU us/call.
+# h2load counts HTTP statuses; gRPC's travels in trailers, so the scripts check a
+# call with a gRPC client before measuring.
+grpc_run() { # name url pids [second pids]
+    local name=$1 url=$2 who=$3 also=${4:-none} before after before2 after2 out ok
+    local args=(-c32 -m10 -d "$work/unary.grpc" -H "authorization: Bearer $TOKEN"
+        -H "content-type: application/grpc" -H "te: trailers")
+    [ "${WARMUP:-0}" -gt 0 ] && h2load "${args[@]}" -D "$WARMUP" "$url" >/dev/null 2>&1
+    before=$(cpu $($who)); before2=$(cpu $($also))
+    out=$(h2load "${args[@]}" -D "$DURATION" "$url" 2>/dev/null)
+    after=$(cpu $($who)); after2=$(cpu $($also))
+    ok=$(awk '/status codes:/ { print $3 }' <<<"$out")
+    ok=${ok:-0}
+    [ "$ok" -gt 0 ] || { echo "$name: no call answered"; exit 1; }
+    echo "$name|$(echo "scale=2; $ok / $DURATION" | bc)|$ok|$(echo "scale=2; ($after - $before) * 1000000 / $ok" | bc)|$(echo "scale=2; ($after2 - $before2) * 1000000 / $ok" | bc)"
 }
 
 # Prints name|req/s|p50|p99|CPU us/req|non-2xx|second CPU us/req|cs/req|idle %: the

@@ -21,6 +21,10 @@
 #       terminating TLS with the same certificate and the same policy in front of (a):
 #       keep-alive req/s, and new TLS connections per second (`connection: close`
 #       on every request: each a full handshake, ECDSA P-256, TLS 1.3),
+#   (j) gRPC unary calls (gRPC's interop UnaryCall, 100 bytes each way, h2load -c32
+#       -m10 over h2c): the mesh with the interop service as a pod (a tonic server
+#       on the host library) behind the bench chain, against HAProxy with the same
+#       policy proxying h2 to the same tonic server on TCP,
 # each under wrk -t1 -c32 -d${DURATION:-10}s after an unmeasured ${WARMUP:-3}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -46,7 +50,7 @@ fi
 export PATH="$PATH:/usr/sbin"
 
 echo "==> building dpumesh and the hotel sample (release)"
-cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-test-artifacts
+cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-sample-grpc -p dpumesh-test-artifacts
 
 . bench/common.sh
 
@@ -91,6 +95,7 @@ frontend fe
     bind 127.0.0.1:18082
     bind 127.0.0.1:18083 proto h2
     bind 127.0.0.1:18084 ssl crt $work/tls/haproxy.pem alpn h2,http/1.1
+    bind 127.0.0.1:18085 proto h2
     stick-table type string len 64 size 100k expire 60s store http_req_rate(1s)
     http-request deny deny_status 401 unless { req.hdr(authorization) -m beg "Bearer " }
     http-request set-var(txn.bearer) http_auth_bearer
@@ -106,13 +111,27 @@ frontend fe
     http-request deny deny_status 403 unless { var(txn.role) -m str user }
     http-request track-sc0 var(txn.sub)
     http-request deny deny_status 429 if { sc_http_req_rate(0) gt 1000000000 }
+    use_backend grpc if { dst_port 18085 }
     default_backend origin
 backend origin
     http-reuse always
     server s1 127.0.0.1:18080
+backend grpc
+    http-reuse always
+    server g1 127.0.0.1:18086 proto h2
 HAP
 haproxy -f "$work/haproxy.cfg" -db >/dev/null 2>&1 &
 pids+=($!)
+# gRPC's interop service on TCP: HAProxy's backend for (j).
+./target/release/grpc-interop serve 127.0.0.1:18086 &
+pids+=($!)
+# One UnaryCall (SimpleRequest: response_size 100, a 100-byte payload), framed.
+python3 - "$work/unary.grpc" <<'PY'
+import sys
+payload = b"\x12\x64" + bytes(100)                       # Payload.body: 100 bytes
+message = b"\x10\x64" + b"\x1a" + bytes([len(payload)]) + payload
+open(sys.argv[1], "wb").write(b"\x00" + len(message).to_bytes(4, "big") + message)
+PY
 
 . bench/mesh-lib.sh
 
@@ -185,6 +204,17 @@ di=$(run "i dpumesh https keep-alive" https://127.0.0.1:18090/ping service_pids 
 din=$(WRK_CLOSE=1 run "i dpumesh https new connections" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
 stop_mesh
 
+grpc_check() { # url: gRPC calls pass, with the token
+    ./target/release/grpc-interop client --server "$1" --token "$TOKEN" empty_unary large_unary >/dev/null ||
+        { echo "$1: gRPC calls fail"; exit 1; }
+}
+grpc_check http://127.0.0.1:18085
+cj=$(grpc_run "j haproxy grpc unary" http://127.0.0.1:18085/grpc.testing.TestService/UnaryCall haproxy_grpc_pids)
+start_mesh shm grpc
+grpc_check http://127.0.0.1:18090
+dj=$(grpc_run "j dpumesh grpc unary" http://127.0.0.1:18090/grpc.testing.TestService/UnaryCall grpc_pod_pids mesh_pids)
+stop_mesh
+
 start_mesh tcp
 check http://127.0.0.1:18090/ping
 e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
@@ -242,3 +272,12 @@ echo "shards: req/s d/h $(echo "scale=2; $rd / $rh" | bc), p99 d $pd vs h $ph, i
 echo "idle node CPU (each node, % of a core):$idle_nodes; without the Pingmesh agent:$idle_quiet"
 echo "HTTPS keep-alive i/i req/s (mesh / HAProxy): $(echo "scale=2; $rdi / $rci" | bc), ingress + node CPU per request $mdi us vs HAProxy + nginx $cci us"
 echo "HTTPS new connections/s (mesh / HAProxy): $(echo "scale=2; $rdin / $rcin" | bc) ($rdin vs $rcin)"
+printf '\n%-42s %10s %10s %14s %14s\n' "gRPC unary (h2load -c32 -m10)" calls/s answered "CPU us/call" "mesh us/call"
+for row in "$cj" "$dj"; do
+    IFS='|' read -r name rps ok cpu mesh <<<"$row"
+    printf '%-42s %10s %10s %14s %14s\n' "$name" "$rps" "$ok" "$cpu" "$mesh"
+done
+echo "(CPU us/call: HAProxy + the tonic server for j haproxy, the service pod for j dpumesh)"
+IFS='|' read -r _ rcj _ ccj _ <<<"$cj"
+IFS='|' read -r _ rdj _ cdj mdj <<<"$dj"
+echo "gRPC unary j/j calls/s (mesh / HAProxy): $(echo "scale=2; $rdj / $rcj" | bc), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
