@@ -149,6 +149,40 @@ impl ExecutionContext {
         InternalBuilder { ctx: self }
     }
 
+    /// Schedules a future (made from the results of the step's `inputs`) on the event
+    /// loop's thread: polled when its turn comes and whenever its waker is called, it
+    /// holds no thread while it waits (for a socket, a timer). For async code: a
+    /// `tower::Service` ([`crate::tower`]), an async client. It must not block.
+    pub fn run_future<F, Fut, O, E>(&mut self, make: F) -> InternalBuilder<'_>
+    where
+        F: FnOnce(&Inputs) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<O, E>> + Send + 'static,
+        O: Into<StepOutput>,
+        E: std::fmt::Display,
+    {
+        let id = self.generated_id();
+        self.frame()
+            .steps
+            .push(Step::Internal(InternalStep::future(id, Vec::new(), make)));
+        InternalBuilder { ctx: self }
+    }
+
+    /// [`ExecutionContext::run_future`] whose output answers the request (as
+    /// [`ExecutionContext::respond`]'s does).
+    pub fn respond_future<F, Fut, O, E>(&mut self, make: F) -> InternalBuilder<'_>
+    where
+        F: FnOnce(&Inputs) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<O, E>> + Send + 'static,
+        O: Into<StepOutput>,
+        E: std::fmt::Display,
+    {
+        let id = self.generated_id();
+        let step = InternalStep::future(id.clone(), Vec::new(), make);
+        self.response = Some(id);
+        self.frame().steps.push(Step::Internal(step));
+        InternalBuilder { ctx: self }
+    }
+
     /// Steps scheduled inside `block` run at the same time.
     pub fn parallel(&mut self, block: impl FnOnce(&mut Self)) {
         self.stack.push(Frame {

@@ -26,6 +26,7 @@ use crate::context::ExecutionContext;
 use crate::http::HttpResponse;
 use crate::pool::{Done, JobKey, Pool, WorkerScope};
 use crate::run::{Action, Run, panic_text};
+use crate::tasks::Tasks;
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError};
 
 /// A service's handler: builds the graph of one request.
@@ -98,6 +99,8 @@ pub struct EventLoop<T: Transport> {
     pool: Pool,
     done: Receiver<Done>,
     internal_running: usize,
+    /// Asynchronous steps' futures, polled on this thread.
+    tasks: Tasks,
     timers: BinaryHeap<Timer>,
     timer_seq: u64,
     next_step: u32,
@@ -135,6 +138,7 @@ impl<T: Transport> EventLoop<T> {
     ) -> std::io::Result<Self> {
         let (done_tx, done) = crossbeam_channel::unbounded();
         let pool = Pool::new(config.threads, done_tx, transport.waker(), scope)?;
+        let tasks = Tasks::new(transport.waker());
         Ok(Self {
             transport,
             handler: Arc::new(handler),
@@ -151,6 +155,7 @@ impl<T: Transport> EventLoop<T> {
             pool,
             done,
             internal_running: 0,
+            tasks,
             timers: BinaryHeap::new(),
             timer_seq: 0,
             next_step: 0,
@@ -202,6 +207,7 @@ impl<T: Transport> EventLoop<T> {
     /// (waiting at most `max_wait`). Returns how many things happened.
     pub fn turn(&mut self, max_wait: Option<Duration>) -> Result<usize, TransportError> {
         let mut work = self.drain_internal();
+        work += self.drain_tasks();
         work += self.fire_timers();
         let now = self.transport.now();
         let next_timer = self
@@ -215,8 +221,8 @@ impl<T: Transport> EventLoop<T> {
         let wait = if work > 0 { Some(Duration::ZERO) } else { wait };
         let mut events = std::mem::take(&mut self.events);
         events.clear();
-        self.transport
-            .poll(wait, self.internal_running == 0, &mut events)?;
+        let idle = self.internal_running == 0 && self.tasks.live() == 0;
+        self.transport.poll(wait, idle, &mut events)?;
         work += events.len();
         for event in events.drain(..) {
             match event {
@@ -227,6 +233,7 @@ impl<T: Transport> EventLoop<T> {
         self.events = events;
         work += self.fire_timers();
         work += self.drain_internal();
+        work += self.drain_tasks();
         Ok(work)
     }
 
@@ -235,7 +242,11 @@ impl<T: Transport> EventLoop<T> {
     pub fn run_until_idle(&mut self) -> Result<(), TransportError> {
         loop {
             let work = self.turn(None)?;
-            if work == 0 && self.internal_running == 0 && self.timers.is_empty() {
+            if work == 0
+                && self.internal_running == 0
+                && self.tasks.live() == 0
+                && self.timers.is_empty()
+            {
                 return Ok(());
             }
         }
@@ -322,24 +333,40 @@ impl<T: Transport> EventLoop<T> {
 
     fn drain_internal(&mut self) -> usize {
         let mut n = 0;
-        while let Ok(Done { key, outcome }) = self.done.try_recv() {
+        while let Ok(done) = self.done.try_recv() {
             n += 1;
             self.internal_running -= 1;
-            let current = self
-                .requests
-                .slots
-                .get_mut(key.slot as usize)
-                .and_then(Option::as_mut)
-                .filter(|c| c.generation as u32 == key.generation);
-            let Some(ctx) = current else {
-                self.stats.late_dropped += 1;
-                continue;
-            };
-            let mut actions = std::mem::take(&mut self.actions);
-            ctx.run.on_internal(key.node, outcome, &mut actions);
-            self.apply(key.slot, actions);
+            self.internal_done(done);
         }
         n
+    }
+
+    /// Polls the asynchronous steps woken since the last turn.
+    fn drain_tasks(&mut self) -> usize {
+        let mut finished = Vec::new();
+        let n = self.tasks.poll_woken(&mut finished);
+        for done in finished {
+            self.internal_done(done);
+        }
+        n
+    }
+
+    /// Delivers a finished internal or asynchronous step to its request, if the
+    /// request is still the one it ran for.
+    fn internal_done(&mut self, Done { key, outcome }: Done) {
+        let current = self
+            .requests
+            .slots
+            .get_mut(key.slot as usize)
+            .and_then(Option::as_mut)
+            .filter(|c| c.generation as u32 == key.generation);
+        let Some(ctx) = current else {
+            self.stats.late_dropped += 1;
+            return;
+        };
+        let mut actions = std::mem::take(&mut self.actions);
+        ctx.run.on_internal(key.node, outcome, &mut actions);
+        self.apply(key.slot, actions);
     }
 
     fn fire_timers(&mut self) -> usize {
@@ -442,6 +469,19 @@ impl<T: Transport> EventLoop<T> {
                     };
                     self.pool.submit(key, func, inputs);
                 }
+                Action::Spawn { node, future } => {
+                    self.stats.internal += 1;
+                    let key = JobKey {
+                        slot,
+                        generation: ctx.generation as u32,
+                        node,
+                    };
+                    if let Some(done) = self.tasks.spawn(key, future) {
+                        // Finished in its first poll: no wake-up, no hand-off.
+                        ctx.run.on_internal(node, done.outcome, &mut actions);
+                        queue.extend(actions.drain(..));
+                    }
+                }
                 Action::Timer { node, after } => {
                     self.timer_seq += 1;
                     let at = self.transport.now() + after;
@@ -457,6 +497,9 @@ impl<T: Transport> EventLoop<T> {
             .as_mut()
             .and_then(|c| c.run.take_response().map(|r| (c.incoming, r)));
         if let Some((incoming, response)) = finished {
+            // What still runs for it (an asynchronous step that timed out) is dropped.
+            self.tasks
+                .cancel(slot, self.requests.generations[slot as usize] as u32);
             // Free the slot first: whatever is still out for it is now late.
             self.requests.slots[slot as usize] = None;
             self.requests.generations[slot as usize] =

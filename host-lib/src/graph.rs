@@ -16,8 +16,25 @@ use crate::result::{Inputs, StepError, StepId, StepOutput};
 /// A builder that cannot make its requests says why (the step fails with it).
 pub type RequestBuilder = Box<dyn FnOnce(&Inputs) -> Result<Vec<HttpRequest>, String> + Send>;
 
-/// An internal step's work.
+/// An internal step's work that runs to its end.
 pub type InternalFn = Box<dyn FnOnce(&Inputs) -> Result<StepOutput, String> + Send>;
+
+/// The future an asynchronous step runs.
+pub type StepFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<StepOutput, String>> + Send>>;
+
+/// An asynchronous step's work: makes its future from the step's inputs.
+pub type FutureFn = Box<dyn FnOnce(&Inputs) -> StepFuture + Send>;
+
+/// What an internal step does.
+pub enum Work {
+    /// A function that runs to its end: on the pool, or on the loop's thread with
+    /// [`InternalStep::on_loop`].
+    Blocking(InternalFn),
+    /// A future, polled on the loop's thread whenever it is woken: it waits (for a
+    /// socket, a timer) without holding a thread. [`crate::tower`] serves with it.
+    Future(FutureFn),
+}
 
 /// A step of the graph: a sequence or a parallel group of steps, or one egress or
 /// internal step. ("Node" in this project names a machine.)
@@ -143,7 +160,7 @@ pub struct InternalStep {
     /// The step's id.
     pub id: StepId,
     /// The work.
-    pub func: InternalFn,
+    pub work: Work,
     /// Steps whose results it receives.
     pub inputs: Vec<StepId>,
     /// It must finish within this (the thread is not stopped; its late result is
@@ -166,10 +183,34 @@ impl InternalStep {
     {
         Self {
             id: id.into(),
-            func: Box::new(move |inputs| func(inputs).map(Into::into).map_err(|e| e.to_string())),
+            work: Work::Blocking(Box::new(move |inputs| {
+                func(inputs).map(Into::into).map_err(|e| e.to_string())
+            })),
             inputs,
             timeout: None,
             on_loop: false,
+        }
+    }
+
+    /// A step running the future `make` returns from the results of `inputs`, on the
+    /// event loop's thread: polled when started and whenever its waker is called, it
+    /// holds no thread while it waits. Its timeout (if any) drops it.
+    pub fn future<F, Fut, O, E>(id: impl Into<StepId>, inputs: Vec<StepId>, make: F) -> Self
+    where
+        F: FnOnce(&Inputs) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = Result<O, E>> + Send + 'static,
+        O: Into<StepOutput>,
+        E: std::fmt::Display,
+    {
+        Self {
+            id: id.into(),
+            work: Work::Future(Box::new(move |inputs| {
+                let future = make(inputs);
+                Box::pin(async move { future.await.map(Into::into).map_err(|e| e.to_string()) })
+            })),
+            inputs,
+            timeout: None,
+            on_loop: true,
         }
     }
 

@@ -36,6 +36,7 @@ mod pool;
 pub mod result;
 mod run;
 pub mod store;
+mod tasks;
 pub mod tower;
 pub mod transport;
 
@@ -46,7 +47,7 @@ pub use dpumesh_dpa::control::transport::Endpoint;
 pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats};
 #[allow(deprecated)]
 pub use graph::Node;
-pub use graph::{EgressStep, InternalStep, Step, order, pipe};
+pub use graph::{EgressStep, InternalStep, Step, Work, order, pipe};
 pub use http::{Caller, HttpRequest, HttpResponse};
 pub use pool::WorkerScope;
 pub use result::{Inputs, StepError, StepId, StepOutput, StepResult};

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use foldhash::{HashMap, HashMapExt};
 use http::HeaderMap;
 
-use crate::graph::{InternalFn, Requests, Step, validate};
+use crate::graph::{InternalFn, Requests, Step, StepFuture, Work, validate};
 use crate::http::{HttpRequest, HttpResponse};
 use crate::result::{Inputs, StepError, StepId, StepOutput, StepResult};
 
@@ -24,6 +24,8 @@ pub(crate) enum Action {
         part: usize,
         request: HttpRequest,
     },
+    /// Run an asynchronous step's future on the loop.
+    Spawn { node: usize, future: StepFuture },
     /// Run an internal step on the pool.
     Internal {
         node: usize,
@@ -66,7 +68,7 @@ struct Egress {
 
 struct Internal {
     id: StepId,
-    func: Option<InternalFn>,
+    work: Option<Work>,
     inputs: Vec<StepId>,
     timeout: Option<Duration>,
     on_loop: bool,
@@ -115,7 +117,7 @@ fn flatten(node: Step, parent: Option<usize>, out: &mut Vec<RunStep>) -> usize {
         Step::Internal(i) => (
             Kind::Internal(Internal {
                 id: i.id,
-                func: Some(i.func),
+                work: Some(i.work),
                 inputs: i.inputs,
                 timeout: i.timeout,
                 on_loop: i.on_loop,
@@ -207,19 +209,40 @@ impl Run {
             }
             Kind::Egress(_) => self.start_egress(n, actions),
             Kind::Internal(i) => {
-                let func = i.func.take().expect("an internal step starts once");
+                let work = i.work.take().expect("an internal step starts once");
                 let (timeout, on_loop) = (i.timeout, i.on_loop);
                 let inputs = i.inputs.clone();
                 let inputs = self.inputs(&inputs);
-                actions.push(Action::Internal {
-                    node: n,
-                    func,
-                    inputs,
-                    on_loop,
-                });
-                // A step on the loop finishes before any timer could fire.
-                if let Some(after) = timeout.filter(|_| !on_loop) {
-                    actions.push(Action::Timer { node: n, after });
+                match work {
+                    Work::Blocking(func) => {
+                        actions.push(Action::Internal {
+                            node: n,
+                            func,
+                            inputs,
+                            on_loop,
+                        });
+                        // A step on the loop finishes before any timer could fire.
+                        if let Some(after) = timeout.filter(|_| !on_loop) {
+                            actions.push(Action::Timer { node: n, after });
+                        }
+                    }
+                    Work::Future(make) => {
+                        // Made here (a panic fails the step, not the loop); the timer
+                        // first, as the future may finish in its first poll.
+                        if let Some(after) = timeout {
+                            actions.push(Action::Timer { node: n, after });
+                        }
+                        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            make(&inputs)
+                        }));
+                        match made {
+                            Ok(future) => actions.push(Action::Spawn { node: n, future }),
+                            Err(panic) => {
+                                let e = StepError::Panicked(panic_text(&*panic));
+                                self.on_internal(n, Err(e), actions);
+                            }
+                        }
+                    }
                 }
             }
         }

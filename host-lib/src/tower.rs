@@ -7,22 +7,19 @@
 //! the mesh's [`Caller`] in its extensions); the service's `http::Response` is read
 //! whole (body and trailers, where gRPC keeps its status) and answers.
 //!
-//! **Where the future runs.** The handler polls the service's future once, on the
-//! loop's thread. A gRPC unary call on a service that computes its answer (tonic's
-//! decoding, the method, the encoding) finishes in that poll: no hand-off, no
-//! thread switch. A future that waits (a database client, a timer) is finished on the
-//! loop's pool, where it blocks that worker thread until it is done; such a service
-//! gives the pool threads a runtime with [`EventLoop::with_worker_scope`]
-//! (a tokio runtime entered in each worker) and enough of them.
+//! **Where the future runs.** The service's future is an asynchronous step
+//! ([`ExecutionContext::respond_future`]): polled on the loop's thread when the
+//! request starts, and again whenever it is woken. A gRPC unary call on a service that
+//! computes its answer (tonic's decoding, the method, the encoding) finishes in that
+//! first poll: no hand-off, no thread switch. A future that waits (a client socket, a
+//! timer) holds no thread meanwhile. Futures that use tokio's timers or sockets need
+//! a tokio runtime entered on the loop's thread (`Runtime::enter`), whose own threads
+//! drive the I/O.
 //!
 //! [`Handler`]: crate::Handler
-//! [`EventLoop::with_worker_scope`]: crate::EventLoop::with_worker_scope
+//! [`ExecutionContext::respond_future`]: crate::ExecutionContext::respond_future
 
 use std::fmt::Display;
-use std::future::Future;
-use std::pin::pin;
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
 
 use bytes::Bytes;
 use dpumesh_head::whole_body::WholeBody;
@@ -49,7 +46,7 @@ where
     move |ctx: &mut ExecutionContext| {
         let request = to_http(ctx.take_request());
         let mut service = service.clone();
-        let mut call = Box::pin(async move {
+        ctx.respond_future(move |_| async move {
             std::future::poll_fn(|cx| service.poll_ready(cx))
                 .await
                 .map_err(|e| format!("the service is not ready: {e}"))?;
@@ -59,14 +56,6 @@ where
                 .map_err(|e| format!("the service failed: {e}"))?;
             from_http(response).await
         });
-        match call.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-            Poll::Ready(answer) => {
-                ctx.respond(move |_| answer);
-            }
-            Poll::Pending => {
-                ctx.run_internal(move |_| block_on(call));
-            }
-        }
     }
 }
 
@@ -113,26 +102,4 @@ where
         body: collected.to_bytes(),
         trailers,
     })
-}
-
-/// Wakes the thread blocked on a future.
-struct Unpark(std::thread::Thread);
-
-impl Wake for Unpark {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Runs `future` to its end on this thread (a pool worker), parked while it waits.
-fn block_on<F: Future>(future: F) -> F::Output {
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let mut cx = Context::from_waker(&waker);
-    let mut future = pin!(future);
-    loop {
-        if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
-            return out;
-        }
-        std::thread::park();
-    }
 }

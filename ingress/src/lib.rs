@@ -743,27 +743,25 @@ async fn forward<F: Fabric>(
     } else {
         settings.body_timeout
     };
-    tokio::time::timeout(body_limit, read)
-        .await
-        .map_err(|_| {
-            if call_deadline {
-                ProxyError::new(
-                    ErrorKind::Timeout,
-                    format!(
-                        "the call's deadline ({} ms) passed before its body ended",
-                        timeout.as_millis()
-                    ),
-                )
-            } else {
-                ProxyError::new(
-                    ErrorKind::BodyTimeout,
-                    format!(
-                        "request body not received within {} ms",
-                        settings.body_timeout.as_millis()
-                    ),
-                )
-            }
-        })??;
+    tokio::time::timeout(body_limit, read).await.map_err(|_| {
+        if call_deadline {
+            ProxyError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "the call's deadline ({} ms) passed before its body ended",
+                    timeout.as_millis()
+                ),
+            )
+        } else {
+            ProxyError::new(
+                ErrorKind::BodyTimeout,
+                format!(
+                    "request body not received within {} ms",
+                    settings.body_timeout.as_millis()
+                ),
+            )
+        }
+    })??;
     // Trailers come after the body, so the head was encoded without them: encoded
     // again, for the rare request that has them.
     let head_bytes = if trailers.is_empty() {

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::{Context, Result, bail};
 use dpumesh_host::datapath::PodEnv;
-use dpumesh_host::{EventLoop, LoopConfig, WorkerScope};
+use dpumesh_host::{EventLoop, LoopConfig};
 use dpumesh_sample_grpc::client::{CASES, Client};
 
 const USAGE: &str = "usage: grpc-interop pod
@@ -31,9 +31,9 @@ fn main() -> Result<()> {
     }
 }
 
-/// A runtime for what the service's futures wait on (the interop streams' intervals):
-/// the loop's thread and its pool threads enter it, so a future can start a timer
-/// wherever it is polled (see `dpumesh_host::tower`).
+/// A tokio runtime: the TCP server's and client's, and in a pod the one the service's
+/// futures use for their timers (the interop streams' intervals). It is entered on
+/// the loop's thread, where the host library polls them; its own thread drives them.
 fn runtime() -> Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -48,14 +48,8 @@ fn pod() -> Result<()> {
         .with_context(|| format!("cannot register {} with its node", env.pod))?;
     let runtime = runtime()?;
     let _entered = runtime.enter();
-    let handle = runtime.handle().clone();
-    let scope: WorkerScope = Arc::new(move |work: &mut (dyn FnMut() + Send)| {
-        let _entered = handle.enter();
-        work();
-    });
     let handler = dpumesh_host::tower::handler(dpumesh_sample_grpc::service());
-    let mut service_loop =
-        EventLoop::with_worker_scope(transport, handler, LoopConfig::default(), Some(scope))?;
+    let mut service_loop = EventLoop::new(transport, handler, LoopConfig::default())?;
     service_loop
         .run(&Arc::new(AtomicBool::new(false)))
         .map_err(|e| anyhow::anyhow!("{}: {e}", env.service))
