@@ -111,6 +111,23 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Join an unmodified server to the mesh: run as the service's pod (with
+    /// `DPUMESH_CONTROL`, `DPUMESH_SERVICE`, `DPUMESH_POD`, as `dpumesh up` starts
+    /// it for `services.<name>.bridge`) and forward the mesh's requests to the server.
+    Bridge {
+        /// The server's `host:port`.
+        #[arg(long)]
+        to: String,
+        /// What it speaks: http1, h2c or grpc.
+        #[arg(long, default_value = "http1", value_parser = ["http1", "h2c", "grpc"])]
+        protocol: String,
+        /// A local port for the server's own calls through the mesh (an HTTP proxy).
+        #[arg(long)]
+        egress: Option<SocketAddr>,
+        /// Seconds to wait for the server to accept connections before joining.
+        #[arg(long)]
+        wait: Option<u64>,
+    },
     /// Run one worker node of a mesh (what `dpumesh up` starts, and the DPU proxy's
     /// container runs). Every flag has an environment variable, so a Kubernetes
     /// manifest can set them from the Downward API (`--name $(NODE_NAME)` works too).
@@ -421,6 +438,26 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
                 certs,
             };
             roles::ingress(&mesh, &options).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Bridge {
+            to,
+            protocol,
+            egress,
+            wait,
+        } => {
+            let protocol = match protocol.as_str() {
+                "h2c" => dpumesh_config::BridgeProtocol::H2c,
+                "grpc" => dpumesh_config::BridgeProtocol::Grpc,
+                _ => dpumesh_config::BridgeProtocol::Http1,
+            };
+            let env = dpumesh_host::datapath::PodEnv::read(None).map_err(anyhow::Error::msg)?;
+            let settings = dpumesh_bridge::Settings {
+                to,
+                protocol,
+                egress,
+                wait: wait.map(std::time::Duration::from_secs),
+            };
+            dpumesh_bridge::run(&env, settings).map(|()| ExitCode::SUCCESS)
         }
         Command::Pingmesh {
             command: PingmeshCommand::Server { mesh, listen, http },

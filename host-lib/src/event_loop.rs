@@ -23,7 +23,7 @@ use crossbeam_channel::Receiver;
 use foldhash::{HashMap, HashMapExt};
 
 use crate::context::ExecutionContext;
-use crate::http::HttpResponse;
+use crate::http::{HttpRequest, HttpResponse};
 use crate::pool::{Done, JobKey, Pool, WorkerScope};
 use crate::run::{Action, Run, panic_text};
 use crate::tasks::Tasks;
@@ -37,6 +37,54 @@ type Timer = Reverse<(Duration, u64, u32, u16, usize)>;
 
 const SLOT_BITS: u32 = 16;
 const MAX_SLOTS: usize = (1 << SLOT_BITS) - 1;
+/// The slot no request has (slots are below [`MAX_SLOTS`]): calls made through an
+/// [`Outbound`] travel under it.
+const OUTBOUND_SLOT: u32 = MAX_SLOTS as u32;
+
+/// What an [`Outbound`] call's answer is handed to.
+type OnAnswer = Box<dyn FnOnce(Result<HttpResponse, String>) + Send>;
+
+struct OutboundCall {
+    request: HttpRequest,
+    on_answer: OnAnswer,
+}
+
+/// Makes mesh calls through a loop from any thread, outside any request's graph:
+/// what a bridge's egress port does for the server behind it. The loop sends each
+/// call on its next turn (as its service's own call: the node knows the pod) and
+/// hands the answer, or why there is none, to the call's `on_answer` on its thread.
+#[derive(Clone)]
+pub struct Outbound {
+    calls: crossbeam_channel::Sender<OutboundCall>,
+    wake: crate::transport::Waker,
+}
+
+impl std::fmt::Debug for Outbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbound").finish_non_exhaustive()
+    }
+}
+
+impl Outbound {
+    /// Sends `request` (its URL names the service: `http://user/me`); `on_answer`
+    /// gets the response (any status, as the service or the mesh answered).
+    pub fn call(
+        &self,
+        request: HttpRequest,
+        on_answer: impl FnOnce(Result<HttpResponse, String>) + Send + 'static,
+    ) {
+        let call = OutboundCall {
+            request,
+            on_answer: Box::new(on_answer),
+        };
+        match self.calls.send(call) {
+            Ok(()) => (self.wake)(),
+            Err(crossbeam_channel::SendError(call)) => {
+                (call.on_answer)(Err("the service's event loop has stopped".into()));
+            }
+        }
+    }
+}
 
 /// How the loop is set up.
 #[derive(Debug, Clone, Copy)]
@@ -101,6 +149,12 @@ pub struct EventLoop<T: Transport> {
     internal_running: usize,
     /// Asynchronous steps' futures, polled on this thread.
     tasks: Tasks,
+    /// Calls from [`Outbound`] handles, and the answers they wait for (by step id).
+    outbound: (
+        crossbeam_channel::Sender<OutboundCall>,
+        Receiver<OutboundCall>,
+        HashMap<u32, OnAnswer>,
+    ),
     timers: BinaryHeap<Timer>,
     timer_seq: u64,
     next_step: u32,
@@ -156,6 +210,10 @@ impl<T: Transport> EventLoop<T> {
             done,
             internal_running: 0,
             tasks,
+            outbound: {
+                let (tx, rx) = crossbeam_channel::unbounded();
+                (tx, rx, HashMap::new())
+            },
             timers: BinaryHeap::new(),
             timer_seq: 0,
             next_step: 0,
@@ -172,6 +230,14 @@ impl<T: Transport> EventLoop<T> {
     /// threads must be gone before it goes (Python's interpreter) calls this first.
     pub fn shutdown(&mut self, patience: Duration) -> bool {
         self.pool.shutdown(patience)
+    }
+
+    /// A handle that makes calls through this loop from other threads.
+    pub fn outbound(&self) -> Outbound {
+        Outbound {
+            calls: self.outbound.0.clone(),
+            wake: self.transport.waker(),
+        }
     }
 
     /// The transport (tests inject requests and read answers through it).
@@ -208,6 +274,7 @@ impl<T: Transport> EventLoop<T> {
     pub fn turn(&mut self, max_wait: Option<Duration>) -> Result<usize, TransportError> {
         let mut work = self.drain_internal();
         work += self.drain_tasks();
+        work += self.send_outbound();
         work += self.fire_timers();
         let now = self.transport.now();
         let next_timer = self
@@ -245,6 +312,7 @@ impl<T: Transport> EventLoop<T> {
             if work == 0
                 && self.internal_running == 0
                 && self.tasks.live() == 0
+                && self.outbound.2.is_empty()
                 && self.timers.is_empty()
             {
                 return Ok(());
@@ -310,7 +378,36 @@ impl<T: Transport> EventLoop<T> {
         self.apply(slot, actions);
     }
 
+    /// Sends the calls [`Outbound`] handles made since the last turn.
+    fn send_outbound(&mut self) -> usize {
+        let mut n = 0;
+        while let Ok(OutboundCall { request, on_answer }) = self.outbound.1.try_recv() {
+            n += 1;
+            let step_id = self.next_step;
+            self.next_step = self.next_step.wrapping_add(1);
+            let tag = Tag {
+                req_id: OUTBOUND_SLOT,
+                step_id,
+            };
+            self.stats.egress += 1;
+            match self.transport.send_request(tag, request) {
+                Ok(()) => {
+                    self.outbound.2.insert(step_id, on_answer);
+                }
+                Err(e) => on_answer(Err(e.to_string())),
+            }
+        }
+        n
+    }
+
     fn call_answered(&mut self, tag: Tag, outcome: Result<HttpResponse, String>) {
+        if tag.req_id == OUTBOUND_SLOT {
+            match self.outbound.2.remove(&tag.step_id) {
+                Some(on_answer) => on_answer(outcome),
+                None => self.stats.late_dropped += 1,
+            }
+            return;
+        }
         let slot = tag.req_id & ((1 << SLOT_BITS) - 1);
         let generation = (tag.req_id >> SLOT_BITS) as u16;
         let entry = self

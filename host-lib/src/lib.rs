@@ -44,7 +44,7 @@ pub use context::{CallBuilder, ExecutionContext, InternalBuilder, StepRef};
 /// Where a pod registers: the node's control socket (`DPUMESH_CONTROL` as `dpumesh up`
 /// and the chart set it: a path, or `tcp:HOST:PORT`). Parse it with `str::parse`.
 pub use dpumesh_dpa::control::transport::Endpoint;
-pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats};
+pub use event_loop::{EventLoop, Handler, LoopConfig, LoopStats, Outbound};
 #[allow(deprecated)]
 pub use graph::Node;
 pub use graph::{EgressStep, InternalStep, Step, Work, order, pipe};

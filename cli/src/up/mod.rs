@@ -172,14 +172,54 @@ impl Up {
             }
         }
         for (service, entry) in &mesh.config.services {
-            let Some((command, args)) = entry.command.split_first() else {
+            // A bridged service's pod is a bridge; its command (if any) is the
+            // unmodified server, started first, once (the config allows one pod).
+            let pod_program = match &entry.bridge {
+                Some(bridge) => {
+                    if let Some((command, args)) = entry.command.split_first() {
+                        let node = &entry.nodes[0];
+                        let mut spec =
+                            in_netns(format!("server {service}"), node, &program(command))
+                                .args(args)
+                                .current_dir(&pods_dir);
+                        if let Some(egress) = bridge.egress {
+                            let proxy = format!("http://{egress}");
+                            spec = spec
+                                .env("DPUMESH_EGRESS", egress.to_string())
+                                .env("HTTP_PROXY", &proxy)
+                                .env("http_proxy", &proxy);
+                        }
+                        up.processes.push(Process::start(spec, policy)?);
+                    }
+                    let mut args = vec![
+                        "bridge".to_owned(),
+                        "--to".to_owned(),
+                        bridge.to.clone(),
+                        "--protocol".to_owned(),
+                        bridge.protocol.name().to_owned(),
+                    ];
+                    if let Some(egress) = bridge.egress {
+                        args.extend(["--egress".to_owned(), egress.to_string()]);
+                    }
+                    if !entry.command.is_empty() {
+                        // Its server starts beside it: joined once it listens.
+                        args.extend(["--wait".to_owned(), START_TIMEOUT.as_secs().to_string()]);
+                    }
+                    Some((me.clone(), args))
+                }
+                None => entry
+                    .command
+                    .split_first()
+                    .map(|(command, args)| (program(command), args.to_vec())),
+            };
+            let Some((pod_program, args)) = pod_program else {
                 continue;
             };
             for node in &entry.nodes {
                 for replica in 0..entry.replicas.unwrap_or(1) {
                     let pod = format!("{service}-{node}-{replica}");
-                    let mut spec = in_netns(format!("pod {pod}"), node, &program(command))
-                        .args(args)
+                    let mut spec = in_netns(format!("pod {pod}"), node, &pod_program)
+                        .args(&args)
                         .current_dir(&pods_dir)
                         .env("DPUMESH_CONTROL", control_socket(&run, node))
                         .env("DPUMESH_SERVICE", service)
@@ -225,7 +265,7 @@ impl Up {
         use dpumesh_dpa::control::transport::{ControlClient, Endpoint};
         let deadline = Instant::now() + START_TIMEOUT;
         for (service, entry) in &mesh.config.services {
-            if entry.command.is_empty() {
+            if !entry.has_pods() {
                 continue;
             }
             for node in entry.nodes.iter().filter(|n| !self.down.contains(*n)) {

@@ -24,8 +24,8 @@ pub use error::ConfigError;
 pub use grpc_codes::GrpcCodes;
 pub use ingress_tls::{ClientCerts, IngressTls, TlsVersion};
 pub use mesh_file::{
-    EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig, MeshFile, Mtls, NodeEntry,
-    PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
+    BridgeEntry, BridgeProtocol, EscapedSlashes, IdentityConfig, IngressConfig, MeshConfig,
+    MeshFile, Mtls, NodeEntry, PathConfig, PollMode, PollingConfig, ServiceEntry, Transport,
 };
 pub use pingmesh::PingmeshConfig;
 pub use proxy::{CacheConfig, FailurePolicy, LoadedConfig, ProxyConfig};

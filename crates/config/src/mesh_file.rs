@@ -183,6 +183,61 @@ pub struct ServiceEntry {
     /// `pingmesh` section).
     #[serde(default)]
     pub eject_unreachable: bool,
+    /// A service that was not written for the mesh: its pod is a `dpumesh bridge`
+    /// that forwards the mesh's requests to this local server. `command`, if given,
+    /// is then the server itself, which `dpumesh up` starts beside its bridge.
+    pub bridge: Option<BridgeEntry>,
+}
+
+impl ServiceEntry {
+    /// Pods it runs (nodes × replicas).
+    pub fn pods(&self) -> usize {
+        self.nodes.len() * self.replicas.unwrap_or(1) as usize
+    }
+
+    /// Whether `dpumesh up` starts pods for it (a command, or a bridge).
+    pub fn has_pods(&self) -> bool {
+        !self.command.is_empty() || self.bridge.is_some()
+    }
+}
+
+/// An unmodified server joined through a bridge.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BridgeEntry {
+    /// The server's `host:port`.
+    pub to: String,
+    /// What it speaks (default `http1`).
+    #[serde(default)]
+    pub protocol: BridgeProtocol,
+    /// A local port the bridge listens on for the server's own calls (an HTTP proxy:
+    /// `http://<service>/path` goes through the mesh as this service); none by default.
+    /// `dpumesh up` gives the server `HTTP_PROXY` and `DPUMESH_EGRESS` pointing at it.
+    pub egress: Option<SocketAddr>,
+}
+
+/// What a bridged server speaks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BridgeProtocol {
+    /// HTTP/1.1.
+    #[default]
+    Http1,
+    /// HTTP/2 without TLS (prior knowledge).
+    H2c,
+    /// gRPC: HTTP/2 without TLS, trailers kept.
+    Grpc,
+}
+
+impl BridgeProtocol {
+    /// Its name in the mesh file (and `dpumesh bridge --protocol`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Http1 => "http1",
+            Self::H2c => "h2c",
+            Self::Grpc => "grpc",
+        }
+    }
 }
 
 /// How the ingress and the nodes' proxies reach each other.
@@ -467,6 +522,26 @@ impl MeshFile {
                     "replicas must be at least 1".into(),
                 ));
             }
+            if let Some(bridge) = &service.bridge {
+                // One server on one port, one egress port: one pod.
+                let one_port = !service.command.is_empty() || bridge.egress.is_some();
+                if one_port && service.pods() > 1 {
+                    return Err(error(
+                        &format!("services.{name}.bridge"),
+                        "a bridged service whose server `dpumesh up` starts, or with an egress port, runs one pod (one node, one replica): its ports are one".into(),
+                    ));
+                }
+                if bridge
+                    .to
+                    .rsplit_once(':')
+                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+                {
+                    return Err(error(
+                        &format!("services.{name}.bridge.to"),
+                        format!("{:?} is not host:port", bridge.to),
+                    ));
+                }
+            }
         }
         Ok(Self {
             file: file.to_owned(),
@@ -544,6 +619,41 @@ mod tests {
     }
 
     const BASE: &str = "policy: p.yaml\ningress: {listen: 127.0.0.1:8000}\nnodes: {n1: {fabric: 127.0.0.1:1}}\nservices: {}\n";
+
+    #[test]
+    fn a_bridge_is_one_line_and_its_ports_make_it_one_pod() {
+        let with = |service: &str| {
+            load(&BASE.replace("services: {}", &format!("services:\n  legacy: {service}")))
+        };
+        let m = with("{nodes: [n1], bridge: {to: 127.0.0.1:8080}}").unwrap();
+        let legacy = &m.config.services["legacy"];
+        let bridge = legacy.bridge.as_ref().unwrap();
+        assert_eq!(
+            (bridge.to.as_str(), bridge.protocol),
+            ("127.0.0.1:8080", BridgeProtocol::Http1)
+        );
+        assert!(legacy.has_pods(), "a bridge is a pod without a command");
+        let m = with("{nodes: [n1], replicas: 2, bridge: {to: 'localhost:50051', protocol: grpc}}")
+            .unwrap();
+        assert_eq!(
+            m.config.services["legacy"].pods(),
+            2,
+            "a server run elsewhere takes several bridges"
+        );
+        let e = with("{nodes: [n1], replicas: 2, command: [app], bridge: {to: 127.0.0.1:8080}}")
+            .unwrap_err();
+        assert_eq!(e.path, "services.legacy.bridge");
+        assert!(e.message.contains("one pod"), "{e}");
+        let e = with(
+            "{nodes: [n1], replicas: 2, bridge: {to: 127.0.0.1:8080, egress: 127.0.0.1:15001}}",
+        )
+        .unwrap_err();
+        assert!(e.message.contains("one pod"), "{e}");
+        let e = with("{nodes: [n1], bridge: {to: nowhere}}").unwrap_err();
+        assert_eq!(e.path, "services.legacy.bridge.to");
+        let e = with("{nodes: [n1], bridge: {to: 127.0.0.1:1, protocol: http3}}").unwrap_err();
+        assert!(e.message.contains("unknown variant `http3`"), "{e}");
+    }
 
     #[test]
     fn polling_defaults_to_hybrid_and_takes_bounds_or_pure_poll() {

@@ -1,0 +1,156 @@
+//! Forwarding the mesh's requests to the bridged server: a `tower::Service` the host
+//! library's adapter serves with (each request an asynchronous step on the loop).
+//!
+//! What the server is told of the caller: the mesh's word, in
+//! `x-forwarded-client-cert` (`URI=<the caller's SPIFFE ID>`, as Envoy sets it for a
+//! verified peer). The header is always removed first, so a value a client sent
+//! through the ingress never reaches the server as the mesh's.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dpumesh_config::BridgeProtocol;
+use dpumesh_head::whole_body::WholeBody;
+use dpumesh_host::Caller;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::Either;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// The header the caller's identity is given in.
+pub const CLIENT_CERT: &str = "x-forwarded-client-cert";
+
+/// The longest the bridge waits for the server (the node's own deadline answers the
+/// caller sooner; this bounds what a server that never answers holds).
+const PATIENCE: Duration = Duration::from_secs(300);
+
+/// What the bridge answers with: the server's body, or its own.
+pub type Body = Either<Incoming, WholeBody>;
+
+/// Forwards to one server.
+#[derive(Clone)]
+pub struct Forward {
+    client: Client<HttpConnector, WholeBody>,
+    to: String,
+    protocol: BridgeProtocol,
+}
+
+impl Forward {
+    /// A forwarder to `to` (`host:port`) speaking `protocol`.
+    pub fn new(to: &str, protocol: BridgeProtocol) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let mut builder = Client::builder(TokioExecutor::new());
+        builder.pool_idle_timeout(Duration::from_secs(90));
+        if protocol != BridgeProtocol::Http1 {
+            builder.http2_only(true);
+        }
+        Self {
+            client: builder.build(connector),
+            to: to.to_owned(),
+            protocol,
+        }
+    }
+
+    /// The answer when the server cannot be reached or does not answer: 502 (504),
+    /// or for gRPC the trailers-only UNAVAILABLE (DEADLINE_EXCEEDED) a gRPC client
+    /// reads.
+    fn failed(&self, status: StatusCode, why: String) -> Response<Body> {
+        tracing::warn!(to = %self.to, %why, "the bridged server did not answer");
+        let text = format!("bridge: {why}\n");
+        let (status, headers, body) = if self.protocol == BridgeProtocol::Grpc {
+            let head = dpumesh_head::wire::ResponseHead {
+                status: status.as_u16(),
+                ..Default::default()
+            };
+            let reply = dpumesh_head::grpc::local_reply(&head, text.as_bytes());
+            (StatusCode::OK, reply.headers, Bytes::new())
+        } else {
+            let mut h = http::HeaderMap::new();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain"),
+            );
+            (status, h, Bytes::from(text))
+        };
+        let mut response = Response::new(Either::Right(WholeBody::bytes(body)));
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        response
+    }
+}
+
+impl tower_service::Service<Request<WholeBody>> for Forward {
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<WholeBody>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let request = match this.to_server(request) {
+                Ok(r) => r,
+                Err(why) => return Ok(this.failed(StatusCode::BAD_GATEWAY, why)),
+            };
+            let answer = match tokio::time::timeout(PATIENCE, this.client.request(request)).await {
+                Ok(Ok(response)) => response.map(Either::Left),
+                Ok(Err(e)) => {
+                    let why = format!("the server at {} failed: {e}", this.to);
+                    this.failed(StatusCode::BAD_GATEWAY, why)
+                }
+                Err(_) => {
+                    let why = format!("the server at {} did not answer in {PATIENCE:?}", this.to);
+                    this.failed(StatusCode::GATEWAY_TIMEOUT, why)
+                }
+            };
+            Ok(answer)
+        })
+    }
+}
+
+impl Forward {
+    /// The request as the server gets it: to its address, the caller in
+    /// [`CLIENT_CERT`], the framing the client library's.
+    fn to_server(&self, request: Request<WholeBody>) -> Result<Request<WholeBody>, String> {
+        let (mut parts, body) = request.into_parts();
+        let target = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        parts.uri = format!("http://{}{target}", self.to)
+            .parse()
+            .map_err(|e| format!("bad target {target:?}: {e}"))?;
+        parts.version = if self.protocol == BridgeProtocol::Http1 {
+            http::Version::HTTP_11
+        } else {
+            http::Version::HTTP_2
+        };
+        let headers = &mut parts.headers;
+        for name in dpumesh_head::HOP_BY_HOP {
+            headers.remove(name);
+        }
+        headers.remove(CLIENT_CERT);
+        let identity = parts
+            .extensions
+            .get::<Caller>()
+            .and_then(|c| c.identity.as_deref());
+        if let Some(v) = identity.and_then(|id| HeaderValue::from_str(&format!("URI={id}")).ok()) {
+            headers.insert(CLIENT_CERT, v);
+        }
+        if self.protocol == BridgeProtocol::Grpc {
+            headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+        }
+        Ok(Request::from_parts(parts, body))
+    }
+}

@@ -1,0 +1,100 @@
+//! The bridge: how a server that was not written for the mesh joins it. A bridge is
+//! the service's pod (it registers with its node like any pod) and forwards each
+//! request the mesh delivers to the server on a local port, over HTTP/1.1, h2c or
+//! gRPC ([`forward`]), answering with what the server answered, trailers included.
+//! With an egress port ([`egress`]) it is also the server's way out: an HTTP proxy on
+//! which `http://<service>/path` is a call through the mesh, made as this service.
+//!
+//! One mesh-file line makes one (`services.<name>.bridge: {to: 127.0.0.1:8080,
+//! protocol: http1}`); `dpumesh up` runs `dpumesh bridge` as the service's pod.
+//!
+//! **Threads.** The host library's loop runs on the main thread and polls each
+//! forwarded request's future there (an asynchronous step); a tokio runtime's one
+//! worker thread drives the sockets to the server and the egress port. A request thus
+//! crosses two threads in the bridge: the price of a socket to a server that is not in
+//! the mesh, which is what the bridge is for.
+
+pub mod egress;
+pub mod forward;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use dpumesh_config::BridgeProtocol;
+use dpumesh_host::datapath::PodEnv;
+use dpumesh_host::{EventLoop, LoopConfig};
+
+/// What a bridge forwards to, and where it takes the server's calls.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The server's `host:port`.
+    pub to: String,
+    /// What it speaks.
+    pub protocol: BridgeProtocol,
+    /// The egress port, if any.
+    pub egress: Option<SocketAddr>,
+    /// How long to wait for the server to accept connections before registering (a
+    /// server started beside the bridge is still starting); none: register at once.
+    pub wait: Option<Duration>,
+}
+
+/// Waits until `to` accepts a connection, at most `patience`; whether it did.
+fn server_up(to: &str, patience: Duration) -> bool {
+    let deadline = Instant::now() + patience;
+    let mut delay = Duration::from_millis(20);
+    loop {
+        if std::net::TcpStream::connect(to).is_ok() {
+            return true;
+        }
+        if Instant::now() + delay > deadline {
+            return false;
+        }
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// Runs the bridge as the pod `env` names until the process ends.
+pub fn run(env: &PodEnv, settings: Settings) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("dpumesh-bridge-io")
+        .enable_all()
+        .build()?;
+    // The forwarded requests' futures are polled on this thread: their sockets and
+    // timers belong to the runtime.
+    let _entered = runtime.enter();
+    // Registered only once the server answers: the node sends requests from then on.
+    if let Some(patience) = settings.wait
+        && !server_up(&settings.to, patience)
+    {
+        tracing::warn!(to = %settings.to, "the server does not accept connections yet: bridging anyway");
+    }
+    let transport = env
+        .connect()
+        .with_context(|| format!("cannot register {} with its node", env.pod))?;
+    let forward = forward::Forward::new(&settings.to, settings.protocol);
+    let mut service_loop = EventLoop::new(
+        transport,
+        dpumesh_host::tower::handler(forward),
+        LoopConfig::default(),
+    )?;
+    if let Some(addr) = settings.egress {
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind(addr))
+            .with_context(|| format!("cannot listen for the server's calls on {addr}"))?;
+        runtime.spawn(egress::serve(listener, service_loop.outbound()));
+    }
+    tracing::info!(
+        service = %env.service,
+        to = %settings.to,
+        protocol = settings.protocol.name(),
+        "bridging"
+    );
+    service_loop
+        .run(&Arc::new(AtomicBool::new(false)))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", env.service))
+}

@@ -1,0 +1,159 @@
+//! Services that were not written for the mesh, joined by one mesh-file line each: an
+//! unmodified HTTP/1.1 server (Python's standard library, started by `dpumesh up`
+//! beside its bridge) and a tonic gRPC server on TCP (`grpc-interop serve`) behind a
+//! `grpc` bridge. The server's own calls go out through the bridge's egress port (its
+//! `HTTP_PROXY`) and reach other services as its service.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::free_port;
+use common::mesh::{Mesh, header, mesh_files_with};
+use common::token;
+
+/// The unmodified server: Python's `http.server`, nothing of the mesh in it.
+const LEGACY: &str = r#"
+import http.server, sys, urllib.request
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def reply(self, status, body, headers=()):
+        self.send_response(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path.startswith("/hello"):
+            self.reply(200, b"hello from an unmodified server\n", [("x-legacy", "1")])
+        elif self.path.startswith("/whoami"):
+            self.reply(200, (self.headers.get("x-forwarded-client-cert") or "none").encode())
+        elif self.path.startswith("/via-mesh"):
+            # Through HTTP_PROXY (the bridge's egress port), as any client library.
+            call = urllib.request.Request(
+                "http://frontend/headers",
+                headers={"authorization": self.headers.get("authorization", "")})
+            with urllib.request.urlopen(call, timeout=10) as answer:
+                self.reply(answer.status, answer.read())
+        else:
+            self.reply(404, b"no such page\n")
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("content-length", "0")))
+        self.reply(200, ("%d bytes\n" % len(body)).encode())
+
+    def log_message(self, *args):
+        pass
+
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"#;
+
+fn interop() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_dpumesh")).with_file_name("grpc-interop")
+}
+
+#[test]
+fn unmodified_servers_join_through_a_bridge() {
+    assert!(interop().is_file(), "cargo build -p dpumesh-sample-grpc");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("legacy.py"), LEGACY).unwrap();
+    let (legacy, egress, grpc) = (free_port(), free_port(), free_port());
+    let edit_mesh = move |m: String| {
+        m.replacen(
+            "services:\n",
+            &format!(
+                "services:\n  legacy: {{nodes: [node1], command: [python3, legacy.py, '{legacy}'], bridge: {{to: 127.0.0.1:{legacy}, protocol: http1, egress: 127.0.0.1:{egress}}}}}\n  dead: {{nodes: [node1], bridge: {{to: 127.0.0.1:1}}}}\n  grpc: {{nodes: [node2], command: [grpc-interop, serve, 127.0.0.1:{grpc}], bridge: {{to: 127.0.0.1:{grpc}, protocol: grpc}}}}\n"
+            ),
+            1,
+        )
+    };
+    let edit_policy = |p: String| {
+        let p = p.replacen(
+            "services:\n",
+            "services:\n  legacy: {chain: internal}\n  dead: {chain: internal}\n  grpc: {chain: internal}\n",
+            1,
+        );
+        p.replacen(
+            "routes:\n",
+            "routes:\n  - {host: legacy, service: legacy}\n  - {host: dead, service: dead}\n  - {host: grpc, service: grpc}\n",
+            1,
+        )
+    };
+    let (file, ingress) = mesh_files_with(dir.path(), edit_mesh, edit_policy);
+    let mesh = Mesh::start(dir, &file, ingress);
+    let client = mesh.client();
+    let get = |host: &str, path: &str, extra: &str| {
+        client.raw(
+            format!("GET {path} HTTP/1.1\r\nhost: {host}\r\n{extra}connection: close\r\n\r\n")
+                .as_bytes(),
+        )
+    };
+
+    // The server answers through the mesh, its headers kept.
+    let (status, headers, body) = get("legacy", "/hello", "");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(body, b"hello from an unmodified server\n");
+    assert_eq!(header(&headers, "x-legacy"), Some("1"));
+
+    // A body crosses both ways.
+    let (status, _, body) = client.raw(
+        b"POST /upload HTTP/1.1\r\nhost: legacy\r\ncontent-length: 11\r\nconnection: close\r\n\r\nhello world",
+    );
+    assert_eq!((status, body.as_slice()), (200, &b"11 bytes\n"[..]));
+
+    // The caller's identity comes from the mesh only: a client's forged one is gone.
+    let (_, _, body) = get(
+        "legacy",
+        "/whoami",
+        "x-forwarded-client-cert: URI=spiffe://dpumesh.local/ns/default/sa/admin\r\n",
+    );
+    assert_eq!(body, b"none", "a client from outside has no mesh identity");
+
+    // Its own calls go through the mesh as its service: the frontend's chain sees
+    // the token it passed on, and the frontend sees the legacy service calling.
+    let user = token("alice", &["user"]);
+    let (status, _, body) = get(
+        "legacy",
+        "/via-mesh",
+        &format!("authorization: Bearer {user}\r\n"),
+    );
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{text}");
+    let seen: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let identity = seen["caller"]["identity"].as_str().unwrap_or_default();
+    assert!(identity.ends_with("/legacy"), "the callee saw {identity:?}");
+
+    // A server that is not there is a 502 that says so; the mesh serves on.
+    let (status, _, body) = get("dead", "/", "");
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("bridge:"));
+    assert_eq!(get("legacy", "/hello", "").0, 200);
+
+    // A gRPC server on TCP behind a `grpc` bridge: the interop cases pass.
+    let out = Command::new(interop())
+        .args(["client", "--server", &format!("http://{}", mesh.ingress)])
+        .args(["--authority", "grpc"])
+        .args([
+            "empty_unary",
+            "large_unary",
+            "client_streaming",
+            "server_streaming",
+            "empty_stream",
+            "status_code_and_message",
+            "custom_metadata",
+            "unimplemented_method",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
