@@ -7,9 +7,9 @@
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
-mesh_file() { # transport [plain|component|cores2|nopingmesh|tls|grpc]
+mesh_file() { # transport [plain|component|cores2|nopingmesh|tls|grpc|bridge]
     local policy="$PWD/samples/hotel/policy.yaml"
-    if [ "${2:-}" = grpc ]; then policy=$(grpc_policy); fi
+    case "${2:-}" in grpc|bridge) policy=$(bench_policy) ;; esac
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \
         -e 's/127.0.0.1:9102/127.0.0.1:18094/' \
@@ -44,17 +44,23 @@ PY
         sed -i -e 's/^services:$/services:\n  grpc: {nodes: [node1], command: [grpc-interop, pod]}/' "$work/mesh-$1.yaml"
         grep -q "^  grpc: " "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'services:' line"; exit 1; }
     fi
+    if [ "${2:-}" = bridge ]; then
+        # nginx (a), unmodified, joined through a bridge on node1.
+        sed -i -e 's/^services:$/services:\n  legacy: {nodes: [node1], bridge: {to: 127.0.0.1:18080}}/' "$work/mesh-$1.yaml"
+        grep -q "^  legacy: " "$work/mesh-$1.yaml" || { echo "samples/hotel/mesh.yaml: no 'services:' line"; exit 1; }
+    fi
     if [ "${2:-}" = cores2 ]; then
         # Two shards per node whatever the machine has.
         sed -i -e 's/\(rnic: 127\.0\.0\.1[12]:4791\)}/\1, cores: 2}/' "$work/mesh-$1.yaml"
         [ "$(grep -c 'cores: 2}' "$work/mesh-$1.yaml")" = 2 ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
     fi
 }
-# The sample's policy with gRPC's interop service behind the bench chain (jwt, rbac,
-# ratelimit: the policy HAProxy applies) at its path, written into the run's folder
-# with the sample's relative paths made absolute; prints its path.
-grpc_policy() {
-    python3 - "$PWD" "$work/policy-grpc.yaml" <<'PY'
+# The sample's policy with gRPC's interop service (at its path) and a bridged server
+# (at /legacy) behind the bench chain (jwt, rbac, ratelimit: the policy HAProxy
+# applies), written into the run's folder with the sample's relative paths made
+# absolute; prints its path.
+bench_policy() {
+    python3 - "$PWD" "$work/policy-bench.yaml" <<'PY'
 import sys
 root, out = sys.argv[1], sys.argv[2]
 text = open(f"{root}/samples/hotel/policy.yaml").read()
@@ -63,9 +69,11 @@ text = text.replace("secret_file: .dpumesh/", f"secret_file: {root}/samples/hote
 path = "/grpc.testing.TestService/"
 for old, new in [
     ("            - {path: {prefix: /ping}}\n",
-     "            - {path: {prefix: /ping}}\n            - {path: {prefix: %s}}\n" % path),
-    ("\nservices:\n", "\nservices:\n  grpc: {chain: bench}\n"),
-    ("\nroutes:\n", "\nroutes:\n  - {path_prefix: %s, service: grpc, chain: bench}\n" % path),
+     "            - {path: {prefix: /ping}}\n            - {path: {prefix: %s}}\n"
+     "            - {path: {prefix: /legacy}}\n" % path),
+    ("\nservices:\n", "\nservices:\n  grpc: {chain: bench}\n  legacy: {chain: bench}\n"),
+    ("\nroutes:\n", "\nroutes:\n  - {path_prefix: %s, service: grpc, chain: bench}\n"
+     "  - {path_prefix: /legacy, service: legacy, chain: bench}\n" % path),
 ]:
     if old not in text:
         sys.exit(f"samples/hotel/policy.yaml: no {old!r}")
@@ -117,6 +125,8 @@ haproxy_pids() { pgrep -x haproxy; pgrep -x nginx; }
 grpc_server_pids() { pgrep -f "grpc-interop serve"; }
 grpc_pod_pids() { pgrep -P "$up_pid" -f "grpc-interop pod"; }
 haproxy_grpc_pids() { pgrep -x haproxy; grpc_server_pids; }
+# What the host pays for a bridged server: the bridge (the sidecar) and the server.
+bridge_pids() { pgrep -P "$up_pid" -f "dpumesh bridge"; pgrep -x nginx; }
 mesh_pids() { pgrep -P "$up_pid" -f "dpumesh (node|ingress)"; }
 all_mesh_pids() { pgrep -P "$up_pid"; }
 none() { :; }

@@ -25,6 +25,9 @@
 #       -m10 over h2c): the mesh with the interop service as a pod (a tonic server
 #       on the host library) behind the bench chain, against HAProxy with the same
 #       policy proxying h2 to the same tonic server on TCP,
+#   (k) nginx (a), unmodified, joined to the mesh through a bridge (one mesh-file
+#       line), against nginx proxying to it (b): req/s and the host's CPU per request
+#       (the bridge + the server, against nginx proxying + serving: the sidecar cost),
 # each under wrk -t1 -c32 -d${DURATION:-10}s after an unmeasured ${WARMUP:-3}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -215,6 +218,11 @@ grpc_check http://127.0.0.1:18090
 dj=$(grpc_run "j dpumesh grpc unary" http://127.0.0.1:18090/grpc.testing.TestService/UnaryCall grpc_pod_pids mesh_pids)
 stop_mesh
 
+start_mesh shm bridge
+check http://127.0.0.1:18090/legacy/ping; check_policy http://127.0.0.1:18090/legacy/ping
+k=$(run "k dpumesh bridge to nginx" http://127.0.0.1:18090/legacy/ping bridge_pids mesh_pids all_mesh_pids)
+stop_mesh
+
 start_mesh tcp
 check http://127.0.0.1:18090/ping
 e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
@@ -226,15 +234,16 @@ f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pid
 stop_mesh
 
 printf '\n%-42s %10s %9s %9s %14s %14s %10s %7s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req" "idle"
-for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$ci" "$di" "$cin" "$din"; do
+for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$ci" "$di" "$cin" "$din" "$k"; do
     IFS='|' read -r name rps p50 p99 cpu non mesh sw idle <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     case "$name" in
-        [defgh]*|"i dpumesh"*) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" "$idle" ;;
+        [defghk]*|"i dpumesh"*) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "$mesh" "$sw" "$idle" ;;
         *) printf '%-42s %10s %9s %9s %14s %14s %10s %6s%%\n' "$name" "$rps" "$p50" "$p99" "$cpu" "" "" "$idle" ;;
     esac
 done
-echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-h;"
+echo "(CPU us/req: the peer's processes for a-c (HAProxy + nginx for c), the frontend service process for d-h,"
+echo " the bridge + nginx for k;"
 echo " mesh us/req: the ingress and node processes, what the ingress node and the DPUs carry;"
 echo " cs/req: context switches summed over every thread of the ingress, nodes and pods;"
 echo " idle: the share of the machine's cores nobody used during the run)"
@@ -280,4 +289,7 @@ done
 echo "(CPU us/call: HAProxy + the tonic server for j haproxy, the service pod for j dpumesh)"
 IFS='|' read -r _ rcj _ ccj _ <<<"$cj"
 IFS='|' read -r _ rdj _ cdj mdj <<<"$dj"
+IFS='|' read -r _ rk _ _ ck _ mk _ _ <<<"$k"
+IFS='|' read -r _ _ _ _ cb _ _ _ _ <<<"$b"
+echo "bridged nginx k/b req/s: $(echo "scale=2; $rk / $rb" | bc), host CPU per request (bridge + nginx vs nginx proxy + origin): $ck vs $cb us ($(echo "scale=2; $ck / $cb" | bc)), ingress + node $mk us"
 echo "gRPC unary j/j calls/s (mesh / HAProxy): $(echo "scale=2; $rdj / $rcj" | bc), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
