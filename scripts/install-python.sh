@@ -14,6 +14,9 @@ pip=(pip3 install --quiet --disable-pip-version-check)
 python3 -c "import flask, pytest" 2>/dev/null || "${pip[@]}" "flask>=2.2,<4" "pytest>=7,<9"
 # FastAPI: the ASGI side's tests (python -m dpumesh.server --asgi).
 python3 -c "import fastapi" 2>/dev/null || "${pip[@]}" "fastapi>=0.100,<1"
+# grpcio: a Python gRPC server joined through the bridge (cli/tests/bridge.rs), its
+# code generated from samples/grpc/proto by grpcio-tools.
+python3 -c "import grpc, grpc_tools" 2>/dev/null || "${pip[@]}" "grpcio>=1.60,<2" "grpcio-tools>=1.60,<2"
 python3 -c "import maturin" 2>/dev/null || "${pip[@]}" "maturin>=1.9.4,<2"
 # No build isolation: maturin (installed above) builds with the workspace's Cargo.lock
 # and target directory, so the Rust dependencies are shared with the other builds.

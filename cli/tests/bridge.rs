@@ -1,8 +1,9 @@
 //! Services that were not written for the mesh, joined by one mesh-file line each: an
 //! unmodified HTTP/1.1 server (Python's standard library, started by `dpumesh up`
-//! beside its bridge) and a tonic gRPC server on TCP (`grpc-interop serve`) behind a
-//! `grpc` bridge. The server's own calls go out through the bridge's egress port (its
-//! `HTTP_PROXY`) and reach other services as its service.
+//! beside its bridge), a tonic gRPC server on TCP (`grpc-interop serve`) and a Python
+//! gRPC server (grpcio) behind `grpc` bridges. The server's own calls go out through
+//! the bridge's egress port (its `HTTP_PROXY`) and reach other services as its
+//! service.
 
 mod common;
 
@@ -53,6 +54,79 @@ class Handler(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 "#;
 
+/// A Python gRPC server (grpcio) of the interop service's unary and one-way
+/// streaming methods, from code grpcio-tools generates out of samples/grpc/proto.
+const PY_GRPC: &str = r#"
+import sys
+from concurrent import futures
+import grpc
+import test_pb2, test_pb2_grpc
+
+class Service(test_pb2_grpc.TestServiceServicer):
+    def EmptyCall(self, request, context):
+        return test_pb2.Empty()
+
+    def UnaryCall(self, request, context):
+        if request.response_status.code:
+            code = next(c for c in grpc.StatusCode if c.value[0] == request.response_status.code)
+            context.abort(code, request.response_status.message)
+        metadata = dict(context.invocation_metadata())
+        if "x-grpc-test-echo-initial" in metadata:
+            context.send_initial_metadata([("x-grpc-test-echo-initial", metadata["x-grpc-test-echo-initial"])])
+        if "x-grpc-test-echo-trailing-bin" in metadata:
+            context.set_trailing_metadata([("x-grpc-test-echo-trailing-bin", metadata["x-grpc-test-echo-trailing-bin"])])
+        return test_pb2.SimpleResponse(payload=test_pb2.Payload(body=bytes(request.response_size)))
+
+    def StreamingInputCall(self, requests, context):
+        return test_pb2.StreamingInputCallResponse(
+            aggregated_payload_size=sum(len(r.payload.body) for r in requests))
+
+    def StreamingOutputCall(self, request, context):
+        for p in request.response_parameters:
+            yield test_pb2.StreamingOutputCallResponse(payload=test_pb2.Payload(body=bytes(p.size)))
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+test_pb2_grpc.add_TestServiceServicer_to_server(Service(), server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+server.wait_for_termination()
+"#;
+
+/// Generates the Python gRPC code for the interop service into `dir`.
+fn python_grpc_code(dir: &std::path::Path) {
+    let proto = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../samples/grpc/proto");
+    let out = Command::new("python3")
+        .args(["-m", "grpc_tools.protoc", "-I"])
+        .arg(&proto)
+        .arg(format!("--python_out={}", dir.display()))
+        .arg(format!("--grpc_python_out={}", dir.display()))
+        .arg("test.proto")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "grpcio-tools (scripts/install-python.sh installs it): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(dir.join("py_grpc.py"), PY_GRPC).unwrap();
+}
+
+/// Runs interop `cases` against the ingress as `authority`; panics with the report.
+fn interop_cases(ingress: std::net::SocketAddr, authority: &str, cases: &[&str]) {
+    let out = Command::new(interop())
+        .args(["client", "--server", &format!("http://{ingress}")])
+        .args(["--authority", authority])
+        .args(cases)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{authority}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn interop() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_dpumesh")).with_file_name("grpc-interop")
 }
@@ -62,12 +136,13 @@ fn unmodified_servers_join_through_a_bridge() {
     assert!(interop().is_file(), "cargo build -p dpumesh-sample-grpc");
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("legacy.py"), LEGACY).unwrap();
-    let (legacy, egress, grpc) = (free_port(), free_port(), free_port());
+    python_grpc_code(dir.path());
+    let (legacy, egress, grpc, py_grpc) = (free_port(), free_port(), free_port(), free_port());
     let edit_mesh = move |m: String| {
         m.replacen(
             "services:\n",
             &format!(
-                "services:\n  legacy: {{nodes: [node1], command: [python3, legacy.py, '{legacy}'], bridge: {{to: 127.0.0.1:{legacy}, protocol: http1, egress: 127.0.0.1:{egress}}}}}\n  dead: {{nodes: [node1], bridge: {{to: 127.0.0.1:1}}}}\n  grpc: {{nodes: [node2], command: [grpc-interop, serve, 127.0.0.1:{grpc}], bridge: {{to: 127.0.0.1:{grpc}, protocol: grpc}}}}\n"
+                "services:\n  legacy: {{nodes: [node1], command: [python3, legacy.py, '{legacy}'], bridge: {{to: 127.0.0.1:{legacy}, protocol: http1, egress: 127.0.0.1:{egress}}}}}\n  dead: {{nodes: [node1], bridge: {{to: 127.0.0.1:1}}}}\n  grpc: {{nodes: [node2], command: [grpc-interop, serve, 127.0.0.1:{grpc}], bridge: {{to: 127.0.0.1:{grpc}, protocol: grpc}}}}\n  py-grpc: {{nodes: [node2], command: [python3, py_grpc.py, '{py_grpc}'], bridge: {{to: 127.0.0.1:{py_grpc}, protocol: grpc}}}}\n"
             ),
             1,
         )
@@ -75,12 +150,12 @@ fn unmodified_servers_join_through_a_bridge() {
     let edit_policy = |p: String| {
         let p = p.replacen(
             "services:\n",
-            "services:\n  legacy: {chain: internal}\n  dead: {chain: internal}\n  grpc: {chain: internal}\n",
+            "services:\n  legacy: {chain: internal}\n  dead: {chain: internal}\n  grpc: {chain: internal}\n  py-grpc: {chain: internal}\n",
             1,
         );
         p.replacen(
             "routes:\n",
-            "routes:\n  - {host: legacy, service: legacy}\n  - {host: dead, service: dead}\n  - {host: grpc, service: grpc}\n",
+            "routes:\n  - {host: legacy, service: legacy}\n  - {host: dead, service: dead}\n  - {host: grpc, service: grpc}\n  - {host: py-grpc, service: py-grpc}\n",
             1,
         )
     };
@@ -135,10 +210,10 @@ fn unmodified_servers_join_through_a_bridge() {
     assert_eq!(get("legacy", "/hello", "").0, 200);
 
     // A gRPC server on TCP behind a `grpc` bridge: the interop cases pass.
-    let out = Command::new(interop())
-        .args(["client", "--server", &format!("http://{}", mesh.ingress)])
-        .args(["--authority", "grpc"])
-        .args([
+    interop_cases(
+        mesh.ingress,
+        "grpc",
+        &[
             "empty_unary",
             "large_unary",
             "client_streaming",
@@ -147,13 +222,21 @@ fn unmodified_servers_join_through_a_bridge() {
             "status_code_and_message",
             "custom_metadata",
             "unimplemented_method",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        ],
+    );
+    // A Python gRPC server (grpcio) the same way: its unary and one-way streaming
+    // methods, statuses, metadata both ways.
+    interop_cases(
+        mesh.ingress,
+        "py-grpc",
+        &[
+            "empty_unary",
+            "large_unary",
+            "client_streaming",
+            "server_streaming",
+            "custom_metadata",
+            "unimplemented_method",
+            "unary_unavailable",
+        ],
     );
 }
