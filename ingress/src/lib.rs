@@ -37,11 +37,10 @@ use dpumesh_config::{LoadedConfig, RouteTable};
 use dpumesh_dpa::fabric::Fabric;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
+use dpumesh_head::whole_body::WholeBody;
 use dpumesh_head::wire;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-
-use dpumesh_head::whole_body::WholeBody;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
