@@ -3,15 +3,16 @@
 
 use std::time::Duration;
 
+use tokio::sync::mpsc::Sender;
 use tokio_stream::StreamExt;
 use tonic::metadata::{MetadataKey, MetadataValue};
 use tonic::transport::Channel;
-use tonic::{Code, Request};
+use tonic::{Code, Request, Streaming};
 
 use crate::proto::test_service_client::TestServiceClient;
 use crate::proto::{
     EchoStatus, Empty, Payload, ResponseParameters, SimpleRequest, StreamingInputCallRequest,
-    StreamingOutputCallRequest,
+    StreamingOutputCallRequest, StreamingOutputCallResponse,
 };
 
 /// Every case, in the spec's order.
@@ -230,19 +231,34 @@ impl Client {
         check(&format!("sizes {got:?}, not {sizes:?}"), got == sizes)
     }
 
-    async fn ping_pong(&mut self) -> Outcome {
+    /// A duplex call whose request stream stays open (its sender), `first` sent.
+    async fn open_duplex(
+        &mut self,
+        first: StreamingOutputCallRequest,
+    ) -> Result<
+        (
+            Sender<StreamingOutputCallRequest>,
+            Streaming<StreamingOutputCallResponse>,
+        ),
+        String,
+    > {
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let r = self.request(tokio_stream::wrappers::ReceiverStream::new(rx));
-        let pairs = [(31_415, 27_182), (9, 8), (2_653, 1_828), (58_979, 45_904)];
-        tx.send(output_request(&[pairs[0].0], pairs[0].1))
-            .await
-            .map_err(|_| "the call ended early")?;
-        let mut stream = self
+        tx.send(first).await.map_err(|_| "the call ended early")?;
+        let stream = self
             .stub
             .full_duplex_call(r)
             .await
             .map_err(|s| s.to_string())?
             .into_inner();
+        Ok((tx, stream))
+    }
+
+    async fn ping_pong(&mut self) -> Outcome {
+        let pairs = [(31_415, 27_182), (9, 8), (2_653, 1_828), (58_979, 45_904)];
+        let (tx, mut stream) = self
+            .open_duplex(output_request(&[pairs[0].0], pairs[0].1))
+            .await?;
         for (i, (size, _)) in pairs.iter().enumerate() {
             if i > 0 {
                 tx.send(output_request(&[*size], pairs[i].1))
@@ -299,16 +315,7 @@ impl Client {
             response_status: status,
             ..Default::default()
         }]));
-        let outcome = match self.stub.full_duplex_call(r).await {
-            Err(e) => Err(e),
-            Ok(stream) => {
-                let mut stream = stream.into_inner();
-                match stream.next().await {
-                    Some(Err(e)) => Err(e),
-                    _ => Ok(()),
-                }
-            }
-        };
+        let outcome = duplex_failure(self.stub.clone(), r).await;
         let e = outcome.err().ok_or("duplex: no error")?;
         check(
             &format!("duplex: {e}"),
@@ -373,16 +380,7 @@ impl Client {
         let mut r = self.request(tokio_stream::wrappers::ReceiverStream::new(rx));
         r.set_timeout(deadline);
         let _ = tx.send(output_request(&[], 27_182)).await;
-        let mut stub = self.stub.clone();
-        let call = async move {
-            match stub.full_duplex_call(r).await {
-                Err(e) => Err(e),
-                Ok(stream) => match stream.into_inner().next().await {
-                    Some(Err(e)) => Err(e),
-                    _ => Ok(()),
-                },
-            }
-        };
+        let call = duplex_failure(self.stub.clone(), r);
         let outcome = tokio::time::timeout(deadline + Duration::from_secs(2), call)
             .await
             .unwrap_or_else(|_| Err(tonic::Status::deadline_exceeded("the client's deadline")));
@@ -471,17 +469,7 @@ impl Client {
     }
 
     async fn cancel_after_first_response(&mut self) -> Outcome {
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let r = self.request(tokio_stream::wrappers::ReceiverStream::new(rx));
-        tx.send(output_request(&[31_415], 27_182))
-            .await
-            .map_err(|_| "the call ended early")?;
-        let mut stream = self
-            .stub
-            .full_duplex_call(r)
-            .await
-            .map_err(|s| s.to_string())?
-            .into_inner();
+        let (tx, mut stream) = self.open_duplex(output_request(&[31_415], 27_182)).await?;
         let first = stream
             .next()
             .await
@@ -492,6 +480,27 @@ impl Client {
         drop(stream);
         drop(tx);
         self.empty_unary().await
+    }
+}
+
+/// The status a duplex call ends with before its first answer, if it fails: the
+/// call's own error, or the first message's.
+async fn duplex_failure<S>(
+    mut stub: TestServiceClient<Channel>,
+    request: Request<S>,
+) -> Result<(), tonic::Status>
+where
+    S: tokio_stream::Stream<Item = StreamingOutputCallRequest> + Send + 'static,
+{
+    match stub
+        .full_duplex_call(request)
+        .await?
+        .into_inner()
+        .next()
+        .await
+    {
+        Some(Err(e)) => Err(e),
+        _ => Ok(()),
     }
 }
 
