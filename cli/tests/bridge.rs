@@ -7,10 +7,10 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use common::free_port;
+use common::grpc::{interop, run_cases};
 use common::mesh::{Mesh, header, mesh_files_with};
 use common::token;
 
@@ -113,27 +113,13 @@ fn python_grpc_code(dir: &std::path::Path) {
 
 /// Runs interop `cases` against the ingress as `authority`; panics with the report.
 fn interop_cases(ingress: std::net::SocketAddr, authority: &str, cases: &[&str]) {
-    let out = Command::new(interop())
-        .args(["client", "--server", &format!("http://{ingress}")])
-        .args(["--authority", authority])
-        .args(cases)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{authority}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn interop() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_dpumesh")).with_file_name("grpc-interop")
+    let (ok, report) = run_cases(ingress, authority, None, cases);
+    assert!(ok, "{authority}: {report}");
 }
 
 #[test]
 fn unmodified_servers_join_through_a_bridge() {
-    assert!(interop().is_file(), "cargo build -p dpumesh-sample-grpc");
+    let _ = interop();
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("legacy.py"), LEGACY).unwrap();
     python_grpc_code(dir.path());

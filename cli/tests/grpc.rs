@@ -8,38 +8,15 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::Command;
 
+use common::grpc::{interop, run_cases};
 use common::mesh::{Mesh, mesh_files_with, metric_sum};
 use common::token;
 
-/// `grpc-interop`, built beside `dpumesh` (a member of the workspace).
-fn interop() -> PathBuf {
-    let path = PathBuf::from(env!("CARGO_BIN_EXE_dpumesh")).with_file_name("grpc-interop");
-    assert!(
-        path.is_file(),
-        "{} is missing: cargo build -p dpumesh-sample-grpc",
-        path.display()
-    );
-    path
-}
-
-/// Runs the interop client against the mesh's ingress: (all passed, its report).
+/// Runs the interop client against the mesh's ingress as the `grpc` service.
 fn client(ingress: SocketAddr, token: Option<&str>, cases: &[&str]) -> (bool, String) {
-    let mut cmd = Command::new(interop());
-    cmd.args(["client", "--server", &format!("http://{ingress}")])
-        .args(["--authority", "grpc"]);
-    if let Some(token) = token {
-        cmd.args(["--token", token]);
-    }
-    let out = cmd.args(cases).output().unwrap();
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), report)
+    run_cases(ingress, "grpc", token, cases)
 }
 
 /// The hotel mesh with the interop service on node2, reached at the virtual host

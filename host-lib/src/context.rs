@@ -125,10 +125,7 @@ impl ExecutionContext {
         E: std::fmt::Display,
     {
         let id = self.generated_id();
-        self.frame()
-            .steps
-            .push(Step::Internal(InternalStep::new(id, Vec::new(), func)));
-        InternalBuilder { ctx: self }
+        self.schedule(InternalStep::new(id, Vec::new(), func), false)
     }
 
     /// Schedules the step whose output answers the request (it runs after everything
@@ -143,10 +140,7 @@ impl ExecutionContext {
         E: std::fmt::Display,
     {
         let id = self.generated_id();
-        let step = InternalStep::new(id.clone(), Vec::new(), func).on_loop();
-        self.response = Some(id);
-        self.frame().steps.push(Step::Internal(step));
-        InternalBuilder { ctx: self }
+        self.schedule(InternalStep::new(id, Vec::new(), func).on_loop(), true)
     }
 
     /// Schedules a future (made from the results of the step's `inputs`) on the event
@@ -161,10 +155,7 @@ impl ExecutionContext {
         E: std::fmt::Display,
     {
         let id = self.generated_id();
-        self.frame()
-            .steps
-            .push(Step::Internal(InternalStep::future(id, Vec::new(), make)));
-        InternalBuilder { ctx: self }
+        self.schedule(InternalStep::future(id, Vec::new(), make), false)
     }
 
     /// [`ExecutionContext::run_future`] whose output answers the request (as
@@ -177,8 +168,14 @@ impl ExecutionContext {
         E: std::fmt::Display,
     {
         let id = self.generated_id();
-        let step = InternalStep::future(id.clone(), Vec::new(), make);
-        self.response = Some(id);
+        self.schedule(InternalStep::future(id, Vec::new(), make), true)
+    }
+
+    /// Adds `step` to the current block; with `responds`, its output answers.
+    fn schedule(&mut self, step: InternalStep, responds: bool) -> InternalBuilder<'_> {
+        if responds {
+            self.response = Some(step.id.clone());
+        }
         self.frame().steps.push(Step::Internal(step));
         InternalBuilder { ctx: self }
     }

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod grpc;
 pub mod mesh;
 
 /// The tests' HS256 key: written as each test mesh's demo token key (in its
