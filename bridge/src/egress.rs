@@ -102,6 +102,8 @@ async fn call(outbound: &Outbound, request: Request<Incoming>) -> Response<Whole
             headers,
             body,
             trailers,
+            // An egress call's answer arrives whole.
+            stream: _,
         })) => {
             let mut response = Response::new(WholeBody::new(body, trailers));
             *response.status_mut() =

@@ -6,12 +6,24 @@
 //! visible only after the body). Heads travel inline: they are small and the proxy
 //! needs them anyway.
 //!
+//! A streamed response (the body in parts, each forwarded as it comes, of any total
+//! size) answers `Stream`; its parts follow as `Chunk`s, each written first into one
+//! *window* of the reply buffer ([`StreamWindows`]: the buffer cut into windows of up
+//! to [`STREAM_WINDOW`] bytes). The receiver hands windows back with `Window` once it
+//! passed their bytes on, so the sender never has more in flight than the buffer
+//! holds: back-pressure from the slowest reader to the writer, with no memory growing
+//! on the way. `Cancel` says the receiver gave the stream up (its client left).
+//!
 //! ```text
 //! frame:    magic "DM" | version u8 | kind u8 | credits u16 | fields
 //! Request:  xid u32 | flags u8 | deadline_ms u32 | body? RemoteBuf | reply RemoteBuf |
 //!           head (u32 length + bytes)
-//! Response: xid u32 | body: 0 none, 1 written (u32 len), 2 inline (u32 len + bytes) |
-//!           head (u32 length + bytes)
+//! Response: xid u32 | body: 0 none, 1 written (u32 len), 2 inline (u32 len + bytes),
+//!           3 stream | head (u32 length + bytes)
+//! Chunk:    xid u32 | window u8 | len u32 | end: 0 more, 1 last, 2 abort |
+//!           tail (u32 length + bytes: the trailers' head when last, why when abort)
+//! Window:   xid u32 | count u8
+//! Cancel:   xid u32
 //! Credit:   (nothing: the frame's credits field is the message)
 //! RemoteBuf: addr u64 | rkey u32 | len u32
 //! ```
@@ -20,14 +32,49 @@ use crate::fabric::RemoteAddr;
 
 /// Frame magic.
 pub const MAGIC: [u8; 2] = *b"DM";
-/// The protocol version written and read.
-pub const FRAME_VERSION: u8 = 1;
+/// The protocol version written and read (2: streamed responses).
+pub const FRAME_VERSION: u8 = 2;
 /// The largest frame (a head of up to 64 KiB plus the fixed fields).
 pub const MAX_FRAME: usize = (64 << 10) + 256;
 
 const REQUEST: u8 = 1;
 const RESPONSE: u8 = 2;
 const CREDIT: u8 = 3;
+const CHUNK: u8 = 4;
+const WINDOW: u8 = 5;
+const CANCEL: u8 = 6;
+
+/// The largest window of a stream's reply buffer: a part larger than this crosses
+/// in several windows.
+pub const STREAM_WINDOW: u32 = 256 << 10;
+/// The most windows a stream has in flight (so at most 2 MiB per stream).
+pub const MAX_STREAM_WINDOWS: u32 = 8;
+
+/// How a reply buffer of `capacity` bytes is cut into windows for a stream: both
+/// sides compute it from the request's `reply` length alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamWindows {
+    /// Windows (0 when the buffer is empty: such a request cannot be streamed to).
+    pub count: u8,
+    /// Bytes each.
+    pub size: u32,
+}
+
+impl StreamWindows {
+    /// The windows of a reply buffer of `capacity` bytes.
+    pub fn of(capacity: u32) -> Self {
+        let size = capacity.min(STREAM_WINDOW);
+        let count = capacity
+            .checked_div(size)
+            .map_or(0, |n| n.min(MAX_STREAM_WINDOWS)) as u8;
+        Self { count, size }
+    }
+
+    /// Where window `i` starts in the buffer.
+    pub fn offset(&self, i: u8) -> u64 {
+        u64::from(i) * u64::from(self.size)
+    }
+}
 
 /// A buffer in the peer's registered memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -75,6 +122,33 @@ pub enum ResponseBody {
     Written(u32),
     /// Carried in the message (local replies: a few hundred bytes of text).
     Inline(Vec<u8>),
+    /// Streamed: [`Chunk`]s follow, through the reply buffer's windows.
+    Stream,
+}
+
+/// How a stream's part ends it, or not.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChunkEnd {
+    /// More follows.
+    More,
+    /// The last part; the trailers' head (wire form, a response head's fields), empty
+    /// when there are none.
+    Last(Vec<u8>),
+    /// The sender gave up (its service failed or left mid-stream): the body is
+    /// incomplete, and the receiver must say so to its client, not end it cleanly.
+    Abort(String),
+}
+
+/// A part of a streamed body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// The stream (the request's exchange id).
+    pub xid: u32,
+    /// The window its bytes were written into (meaningless when `len` is 0).
+    pub window: u8,
+    /// Bytes in the window.
+    pub len: u32,
+    pub end: ChunkEnd,
 }
 
 /// The answer to a request.
@@ -94,6 +168,18 @@ pub enum Message {
     Response(Response),
     /// Only returns credits.
     Credit,
+    /// A part of a streamed response.
+    Chunk(Chunk),
+    /// The receiver of stream `xid` passed `count` windows on: they may be written
+    /// again.
+    Window {
+        xid: u32,
+        count: u8,
+    },
+    /// The receiver of stream `xid` gave it up.
+    Cancel {
+        xid: u32,
+    },
 }
 
 /// A frame: a message and the receive credits it returns.
@@ -156,6 +242,9 @@ impl Frame {
             Message::Request(_) => REQUEST,
             Message::Response(_) => RESPONSE,
             Message::Credit => CREDIT,
+            Message::Chunk(_) => CHUNK,
+            Message::Window { .. } => WINDOW,
+            Message::Cancel { .. } => CANCEL,
         });
         out.extend_from_slice(&self.credits.to_le_bytes());
         match &self.message {
@@ -185,10 +274,35 @@ impl Frame {
                         out.push(2);
                         put_bytes(out, b);
                     }
+                    ResponseBody::Stream => out.push(3),
                 }
                 put_bytes(out, &r.head);
             }
             Message::Credit => {}
+            Message::Chunk(c) => {
+                out.extend_from_slice(&c.xid.to_le_bytes());
+                out.push(c.window);
+                out.extend_from_slice(&c.len.to_le_bytes());
+                match &c.end {
+                    ChunkEnd::More => {
+                        out.push(0);
+                        put_bytes(out, &[]);
+                    }
+                    ChunkEnd::Last(trailers) => {
+                        out.push(1);
+                        put_bytes(out, trailers);
+                    }
+                    ChunkEnd::Abort(why) => {
+                        out.push(2);
+                        put_bytes(out, why.as_bytes());
+                    }
+                }
+            }
+            Message::Window { xid, count } => {
+                out.extend_from_slice(&xid.to_le_bytes());
+                out.push(*count);
+            }
+            Message::Cancel { xid } => out.extend_from_slice(&xid.to_le_bytes()),
         }
         if out.len() > MAX_FRAME {
             return Err(FrameError::TooLarge(out.len()));
@@ -250,6 +364,7 @@ impl Frame {
                     0 => ResponseBody::None,
                     1 => ResponseBody::Written(r.u32("body length")?),
                     2 => ResponseBody::Inline(r.bytes("body")?.to_vec()),
+                    3 => ResponseBody::Stream,
                     tag => {
                         return Err(FrameError::Tag {
                             what: "body tag",
@@ -261,6 +376,41 @@ impl Frame {
                 Message::Response(Response { xid, body, head })
             }
             CREDIT => Message::Credit,
+            CHUNK => {
+                let xid = r.u32("xid")?;
+                let window = r.u8("window")?;
+                let len = r.u32("chunk length")?;
+                let tag = r.u8("chunk end")?;
+                let tail = r.bytes("chunk tail")?;
+                let end = match tag {
+                    0 if tail.is_empty() => ChunkEnd::More,
+                    0 => {
+                        return Err(FrameError::Tag {
+                            what: "tail of a chunk that does not end",
+                            tag,
+                        });
+                    }
+                    1 => ChunkEnd::Last(tail.to_vec()),
+                    2 => ChunkEnd::Abort(String::from_utf8_lossy(tail).into_owned()),
+                    tag => {
+                        return Err(FrameError::Tag {
+                            what: "chunk end",
+                            tag,
+                        });
+                    }
+                };
+                Message::Chunk(Chunk {
+                    xid,
+                    window,
+                    len,
+                    end,
+                })
+            }
+            WINDOW => Message::Window {
+                xid: r.u32("xid")?,
+                count: r.u8("window count")?,
+            },
+            CANCEL => Message::Cancel { xid: r.u32("xid")? },
             tag => {
                 return Err(FrameError::Tag {
                     what: "message kind",
@@ -386,6 +536,49 @@ mod tests {
                 credits: 64,
                 message: Message::Credit,
             },
+            Frame {
+                credits: 0,
+                message: Message::Response(Response {
+                    xid: 7,
+                    body: ResponseBody::Stream,
+                    head: b"h".to_vec(),
+                }),
+            },
+            Frame {
+                credits: 1,
+                message: Message::Chunk(Chunk {
+                    xid: 7,
+                    window: 3,
+                    len: STREAM_WINDOW,
+                    end: ChunkEnd::More,
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::Chunk(Chunk {
+                    xid: 7,
+                    window: 0,
+                    len: 0,
+                    end: ChunkEnd::Last(b"trailers".to_vec()),
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::Chunk(Chunk {
+                    xid: 7,
+                    window: 1,
+                    len: 10,
+                    end: ChunkEnd::Abort("the service left".into()),
+                }),
+            },
+            Frame {
+                credits: 2,
+                message: Message::Window { xid: 7, count: 2 },
+            },
+            Frame {
+                credits: 0,
+                message: Message::Cancel { xid: 7 },
+            },
         ]
     }
 
@@ -415,8 +608,8 @@ mod tests {
         }
         frames()[0].encode_into(&mut out).unwrap();
         let mut v = out.clone();
-        v[2] = 2;
-        assert_eq!(Frame::decode(&v), Err(FrameError::Version { found: 2 }));
+        v[2] = 1;
+        assert_eq!(Frame::decode(&v), Err(FrameError::Version { found: 1 }));
         let mut m = out.clone();
         m[0] = b'X';
         assert!(matches!(Frame::decode(&m), Err(FrameError::Magic(_))));
@@ -439,5 +632,45 @@ mod tests {
             big.encode_into(&mut out),
             Err(FrameError::TooLarge(_))
         ));
+        // A part that does not end carries no tail.
+        let mut c = vec![b'D', b'M', FRAME_VERSION, CHUNK, 0, 0];
+        c.extend_from_slice(&1u32.to_le_bytes());
+        c.push(0);
+        c.extend_from_slice(&0u32.to_le_bytes());
+        c.push(0);
+        c.extend_from_slice(&1u32.to_le_bytes());
+        c.push(b'x');
+        assert!(matches!(Frame::decode(&c), Err(FrameError::Tag { .. })));
+    }
+
+    #[test]
+    fn a_reply_buffer_is_cut_into_windows_both_sides_agree_on() {
+        assert_eq!(
+            StreamWindows::of(8 << 20),
+            StreamWindows {
+                count: 8,
+                size: STREAM_WINDOW
+            }
+        );
+        assert_eq!(
+            StreamWindows::of(1 << 20),
+            StreamWindows {
+                count: 4,
+                size: STREAM_WINDOW
+            }
+        );
+        // A small buffer is one window of its own size.
+        assert_eq!(
+            StreamWindows::of(4096),
+            StreamWindows {
+                count: 1,
+                size: 4096
+            }
+        );
+        assert_eq!(StreamWindows::of(0).count, 0);
+        assert_eq!(
+            StreamWindows::of(8 << 20).offset(3),
+            3 * u64::from(STREAM_WINDOW)
+        );
     }
 }

@@ -68,8 +68,11 @@ pub struct Outgoing<'a> {
     pub step_id: u32,
     /// A response (to the request with the same ids).
     pub response: bool,
-    /// HTTP status for responses.
+    /// HTTP status for responses (for a stream part, the part's code:
+    /// [`crate::StreamPart::code`] or the opening's HTTP status).
     pub status: u16,
+    /// A part of a streamed body.
+    pub stream: bool,
     /// The head (serialized).
     pub header: &'a [u8],
     pub body: &'a [u8],
@@ -90,12 +93,21 @@ pub enum Incoming {
         /// The body bytes.
         body: Vec<u8>,
     },
-    /// Something this pod sent could not be carried, or a delivery failed.
+    /// Something this pod sent could not be carried, or a delivery failed (or, for a
+    /// stream part, [`DescriptorStatus::Cancelled`]: its receiver gave the stream
+    /// up).
     Error {
         /// The descriptor that failed.
         descriptor: Descriptor,
         /// Why.
         status: DescriptorStatus,
+    },
+    /// The node is done with a stream part this pod sent (its body slot is free
+    /// again): the stream's sender may send another. Only parts with a body are
+    /// told.
+    Sent {
+        /// The part's completion (the stream's `(req_id, step_id)`).
+        descriptor: Descriptor,
     },
 }
 
@@ -350,6 +362,7 @@ impl HostPort {
         };
         let mut d = Descriptor::request(msg.case, msg.req_id, msg.step_id, self.pod_id(), msg.dst);
         d.kind.response = msg.response;
+        d.kind.stream = msg.stream;
         d.status = msg.status;
         d.lane = lane as u8;
         let (mut header_slot, mut body_slot) = (None, None);
@@ -438,6 +451,9 @@ impl HostPort {
                         status: d.error_status().unwrap_or(DescriptorStatus::Malformed),
                     }));
                 }
+                if d.kind.stream && !d.body.is_none() {
+                    return Ok(Some(Incoming::Sent { descriptor: d }));
+                }
                 continue;
             }
             let header = self.take(&self.rx_header, d.header)?;
@@ -490,6 +506,7 @@ impl HostPort {
             step_id: request.step_id,
             response: true,
             status,
+            stream: false,
             header,
             body,
             lane: request.lane,

@@ -43,7 +43,7 @@ pub mod traceroute;
 
 pub use descriptor::{
     BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,
-    Destination, Kind, RawDescriptor,
+    Destination, Kind, RawDescriptor, StreamPart,
 };
 pub use dpu::{Dpu, DpuConfig, DpuError, DpuShard, PodInfo, PodSizing};
 pub use host::{HostError, HostPort, Incoming, NodeWatch, Outgoing};

@@ -133,6 +133,7 @@ fn pod_entry() {
                     step_id: step as u32,
                     response: false,
                     status: 0,
+                    stream: false,
                     header: head.as_bytes(),
                     body: &sent,
                     lane: 0,

@@ -10,6 +10,11 @@
 //!   response, which the event loop matches to its step.
 //! - A full TX ring is back-pressure: what does not fit waits here, in order, and
 //!   goes out on the next turn.
+//! - A streamed answer ([`HttpResponse::streaming`]) leaves as an opening (the head
+//!   and what the body had ready) and then a part per piece of its body, each sent
+//!   once the body yields it and while fewer than [`crate::body::STREAM_WINDOW_PARTS`]
+//!   of its parts are in flight; a part comes back (`Sent`) when the node passed it
+//!   on. A stream its receiver gave up (`Cancelled`) drops its body.
 //! - A node that goes away (stopped, crashed, killed) is noticed at once (its control
 //!   connection hangs up): calls in flight fail, answers to requests it delivered are
 //!   dropped, and the pod registers again, with backoff, until the node (or its
@@ -25,7 +30,7 @@ use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Interrupter;
 use dpumesh_dpa::{
     Case, Descriptor, Destination, HostError, HostPort, Incoming, NodeWatch, Outgoing, Polling,
-    RingError, Spin,
+    RingError, Spin, StreamPart,
 };
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
@@ -34,6 +39,7 @@ use http::Method;
 use parking_lot::Mutex;
 
 use crate::http::{Caller, HttpRequest, HttpResponse};
+use crate::outstream::{OutStreams, Part};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
 
 /// How long a `Locate` answer is trusted.
@@ -71,6 +77,8 @@ struct Queued {
     step_id: u32,
     response: bool,
     status: u16,
+    /// A stream part (`status` is the part's code, or the opening's HTTP status).
+    stream: bool,
     header: Vec<u8>,
     body: Bytes,
     /// For egress calls: the tag to fail if it cannot be sent at all.
@@ -115,6 +123,24 @@ pub struct DataPathTransport {
     /// How the loop waits for the ring: polls a while after the last work (adapting),
     /// then sleeps until the node wakes it; `DPUMESH_POLL` sets the bounds.
     spin: Spin,
+    /// Streamed answers being sent.
+    streams: OutStreams,
+    /// Wakes `poll` when a streamed body has more (its producer is another thread or
+    /// task).
+    stream_waker: std::task::Waker,
+}
+
+/// A `std::task::Waker` that ends the transport's wait.
+struct WakeTransport(Arc<Mutex<Interrupter>>);
+
+impl std::task::Wake for WakeTransport {
+    fn wake(self: Arc<Self>) {
+        self.0.lock().interrupt();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.lock().interrupt();
+    }
 }
 
 impl std::fmt::Debug for DataPathTransport {
@@ -208,8 +234,11 @@ impl DataPathTransport {
 
     /// Over a registered port (that is not registered again if its node goes away).
     pub fn new(port: HostPort) -> Self {
+        let interrupter = Arc::new(Mutex::new(port.interrupter()));
         Self {
-            interrupter: Arc::new(Mutex::new(port.interrupter())),
+            stream_waker: std::task::Waker::from(Arc::new(WakeTransport(interrupter.clone()))),
+            streams: OutStreams::default(),
+            interrupter,
             port: Some(port),
             watch: None,
             registration: None,
@@ -268,6 +297,7 @@ impl DataPathTransport {
             }
         }
         self.incoming.waiting.clear();
+        self.streams.clear();
         self.incoming.lost_below = self.incoming.next;
         self.located.clear();
         let me = std::thread::current();
@@ -358,6 +388,7 @@ impl DataPathTransport {
                 step_id: q.step_id,
                 response: q.response,
                 status: q.status,
+                stream: q.stream,
                 header: &q.header,
                 body: &q.body,
                 lane: q.lane,
@@ -408,6 +439,7 @@ impl DataPathTransport {
                         headers: head.headers,
                         body: Bytes::from(body),
                         trailers: head.trailers,
+                        stream: None,
                     })
                     .map_err(|e| format!("malformed response head: {e}"));
                 out.push(Event::Completion { tag, outcome });
@@ -431,6 +463,18 @@ impl DataPathTransport {
                     self.answer(&descriptor, &head, body);
                 }
             },
+            Incoming::Sent { descriptor } => {
+                self.streams.sent((descriptor.req_id, descriptor.step_id));
+            }
+            Incoming::Error { descriptor, status } if descriptor.kind.stream => {
+                // The stream's receiver left (or its node gave it up): stop making it.
+                let key = (descriptor.req_id, descriptor.step_id);
+                if self.streams.cancel(key) {
+                    tracing::debug!(?status, req = key.0, "a streamed answer was cancelled");
+                }
+                self.out
+                    .retain(|q| !(q.stream && (q.req_id, q.step_id) == key));
+            }
             Incoming::Error { descriptor, status } => {
                 if descriptor.kind.response {
                     tracing::warn!(
@@ -453,6 +497,56 @@ impl DataPathTransport {
         }
     }
 
+    /// Sends what the streams have ready, as parts.
+    fn pump_streams(&mut self) {
+        if self.streams.len() == 0 {
+            return;
+        }
+        let mut parts = Vec::new();
+        self.streams.poll(&self.stream_waker, &mut parts);
+        for (request, part) in parts {
+            let (code, header, body) = match part {
+                Part::Data(b) => (StreamPart::Data.code(), Vec::new(), b),
+                Part::End(trailers) if trailers.is_empty() => {
+                    (StreamPart::End.code(), Vec::new(), Bytes::new())
+                }
+                Part::End(trailers) => {
+                    // The trailers ride as a head's trailer section.
+                    let head = ResponseHead {
+                        status: 200,
+                        headers: http::HeaderMap::new(),
+                        trailers,
+                    };
+                    match wire::encode_response(&head) {
+                        Ok(h) => (StreamPart::End.code(), h, Bytes::new()),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "a stream's trailers cannot be encoded");
+                            (StreamPart::Abort.code(), Vec::new(), Bytes::new())
+                        }
+                    }
+                }
+                Part::Abort(why) => {
+                    tracing::warn!(req = request.req_id, why, "a streamed answer failed");
+                    (StreamPart::Abort.code(), Vec::new(), Bytes::new())
+                }
+            };
+            let reply = HostPort::reply(&request, code, &[], &[]);
+            self.push(Queued {
+                case: reply.case,
+                dst: reply.dst,
+                req_id: reply.req_id,
+                step_id: reply.step_id,
+                response: true,
+                status: code,
+                stream: true,
+                header,
+                body,
+                tag: None,
+                lane: reply.lane,
+            });
+        }
+    }
+
     fn answer(&mut self, request: &Descriptor, head: &ResponseHead, body: Bytes) {
         let header = match wire::encode_response(head) {
             Ok(h) => h,
@@ -470,6 +564,7 @@ impl DataPathTransport {
             step_id: reply.step_id,
             response: true,
             status: head.status,
+            stream: false,
             header,
             body,
             tag: None,
@@ -568,6 +663,7 @@ impl Transport for DataPathTransport {
                 step_id: tag.step_id,
                 response: false,
                 status: 0,
+                stream: false,
                 header,
                 body: request.body,
                 tag: Some(tag),
@@ -599,6 +695,41 @@ impl Transport for DataPathTransport {
         let mut headers = response.headers;
         headers.remove(http::header::CONTENT_LENGTH);
         headers.remove(http::header::TRANSFER_ENCODING);
+        if let Some(body) = response.stream.as_ref().and_then(|s| s.take()) {
+            // The opening: the head, and what the body had ready; the rest follows
+            // as parts. (Its trailers come at the end, from the body.)
+            let head = ResponseHead {
+                status: response.status,
+                headers,
+                trailers: http::HeaderMap::new(),
+            };
+            let header = match wire::encode_response(&head) {
+                Ok(h) => h,
+                Err(e) => {
+                    let (head, body) = plain(500, &format!("response head cannot be sent: {e}"));
+                    self.answer(&request, &head, body);
+                    return Ok(());
+                }
+            };
+            let reply = HostPort::reply(&request, head.status, &[], &[]);
+            let first = !response.body.is_empty();
+            self.push(Queued {
+                case: reply.case,
+                dst: reply.dst,
+                req_id: reply.req_id,
+                step_id: reply.step_id,
+                response: true,
+                status: head.status,
+                stream: true,
+                header,
+                body: response.body,
+                tag: None,
+                lane: reply.lane,
+            });
+            self.streams.open(request, body, first);
+            self.pump_streams();
+            return Ok(());
+        }
         let head = ResponseHead {
             status: response.status,
             headers,
@@ -660,6 +791,7 @@ impl Transport for DataPathTransport {
                 None => break,
             }
         }
+        self.pump_streams();
         self.flush();
         out.append(&mut self.failed);
         Ok(())

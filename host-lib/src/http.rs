@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};
 
+use crate::body::BodyStream;
+
 /// Who sent a request a service received, as the mesh says it: taken from the head
 /// the node delivered, never from a header (`x-forwarded-for` is the client's word
 /// and any earlier proxy's; this is the mesh's).
@@ -117,6 +119,10 @@ pub struct HttpResponse {
     pub body: Bytes,
     /// Trailer fields sent after the body (gRPC's `grpc-status`); empty: none.
     pub trailers: HeaderMap,
+    /// The rest of the body, sent as it is made, after `body` (its trailers end it:
+    /// `trailers` is then not sent). Only a service's answer streams; an egress
+    /// call's response arrives whole.
+    pub stream: Option<BodyStream>,
 }
 
 impl HttpResponse {
@@ -127,6 +133,19 @@ impl HttpResponse {
             headers: HeaderMap::new(),
             body: body.into(),
             trailers: HeaderMap::new(),
+            stream: None,
+        }
+    }
+
+    /// A response whose body is sent as `body` makes it ([`crate::body`]).
+    pub fn streaming<B>(status: u16, body: B) -> Self
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<crate::body::BoxError>,
+    {
+        Self {
+            stream: Some(BodyStream::new(body)),
+            ..Self::new(status, Bytes::new())
         }
     }
 

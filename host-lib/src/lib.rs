@@ -26,12 +26,14 @@
 
 #![warn(missing_docs)]
 
+pub mod body;
 pub mod context;
 pub mod datapath;
 mod event_loop;
 pub mod graph;
 pub mod http;
 pub mod memory;
+mod outstream;
 mod pool;
 pub mod result;
 mod run;

@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::HeaderMap;
 
+use crate::body::BodyStream;
 use crate::http::HttpResponse;
 
 /// A step's name: given by the handler, or `step-N` in scheduling order.
@@ -80,6 +81,9 @@ pub struct StepResult {
     pub skipped: bool,
     /// Per-request results of a fan-out step.
     pub parts: Vec<StepResult>,
+    /// The rest of the body, streamed after `body` (a step that answers with
+    /// [`HttpResponse::streaming`]); shared by clones, sent once.
+    pub stream: Option<BodyStream>,
 }
 
 impl StepResult {
@@ -95,6 +99,7 @@ impl StepResult {
             ok: true,
             skipped: false,
             parts: Vec::new(),
+            stream: None,
         }
     }
 
@@ -114,6 +119,7 @@ impl StepResult {
             ok: false,
             skipped: false,
             parts: Vec::new(),
+            stream: None,
         }
     }
 
@@ -155,6 +161,7 @@ impl StepResult {
             headers: self.headers.clone(),
             body: self.body.clone(),
             trailers: self.trailers.clone(),
+            stream: self.stream.clone(),
         }
     }
 }
@@ -171,6 +178,8 @@ pub struct StepOutput {
     pub body: Bytes,
     /// Trailer fields.
     pub trailers: HeaderMap,
+    /// The rest of the body, streamed ([`HttpResponse::streaming`]).
+    pub stream: Option<BodyStream>,
 }
 
 impl From<String> for StepOutput {
@@ -219,6 +228,7 @@ impl From<HttpResponse> for StepOutput {
             headers: r.headers,
             body: r.body,
             trailers: r.trailers,
+            stream: r.stream,
         }
     }
 }

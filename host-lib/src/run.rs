@@ -401,6 +401,7 @@ impl Run {
         let result = match outcome {
             Ok(out) => StepResult {
                 trailers: out.trailers,
+                stream: out.stream,
                 ..StepResult::success(id, out.status.unwrap_or(200), out.headers, out.body)
             },
             Err(e) => StepResult::failure(id, e),

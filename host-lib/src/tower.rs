@@ -4,8 +4,10 @@
 //! socket and no copy of tonic.
 //!
 //! Each request becomes an `http::Request<WholeBody>` (its body and trailers whole,
-//! the mesh's [`Caller`] in its extensions); the service's `http::Response` is read
-//! whole (body and trailers, where gRPC keeps its status) and answers.
+//! the mesh's [`Caller`] in its extensions). The service's `http::Response` answers
+//! with what its body has ready at once (a unary call's message and its trailers,
+//! where gRPC keeps its status); a body that waits for more (server streaming,
+//! server-sent events) streams the rest as it comes ([`crate::body`]).
 //!
 //! **Where the future runs.** The service's future is an asynchronous step
 //! ([`ExecutionContext::respond_future`]): polled on the loop's thread when the
@@ -84,22 +86,54 @@ fn to_http(request: HttpRequest) -> http::Request<WholeBody> {
     out
 }
 
-/// The service's response, read whole.
+/// The service's response: what its body has ready when it answers goes whole (a
+/// unary call's message and trailers, in the first poll); a body that then waits (a
+/// server-streaming call, server-sent events) sends what it had and streams the rest
+/// as it comes.
 async fn from_http<B>(response: http::Response<B>) -> Result<HttpResponse, String>
 where
-    B: http_body::Body<Data = Bytes>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Display,
 {
+    use std::task::Poll;
     let (parts, body) = response.into_parts();
-    let collected = body
-        .collect()
-        .await
-        .map_err(|e| format!("the service's response body failed: {e}"))?;
-    let trailers = collected.trailers().cloned().unwrap_or_default();
+    let mut body = Box::pin(body);
+    let mut data = bytes::BytesMut::new();
+    let mut trailers = http::HeaderMap::new();
+    loop {
+        // Now or never: a frame that is not ready ends the whole part.
+        let next = std::future::poll_fn(|cx| match body.as_mut().poll_frame(cx) {
+            Poll::Ready(frame) => Poll::Ready(Some(frame)),
+            Poll::Pending => Poll::Ready(None),
+        })
+        .await;
+        match next {
+            Some(Some(Ok(frame))) => match frame.into_data() {
+                Ok(bytes) => data.extend_from_slice(&bytes),
+                Err(frame) => {
+                    if let Ok(t) = frame.into_trailers() {
+                        trailers.extend(t);
+                    }
+                }
+            },
+            Some(Some(Err(e))) => {
+                return Err(format!("the service's response body failed: {e}"));
+            }
+            Some(None) => break,
+            None => {
+                let rest = body.map_err(|e| crate::body::BoxError::from(e.to_string()));
+                let mut response = HttpResponse::streaming(parts.status.as_u16(), rest);
+                response.headers = parts.headers;
+                response.body = data.freeze();
+                return Ok(response);
+            }
+        }
+    }
     Ok(HttpResponse {
         status: parts.status.as_u16(),
         headers: parts.headers,
-        body: collected.to_bytes(),
+        body: data.freeze(),
         trailers,
+        stream: None,
     })
 }

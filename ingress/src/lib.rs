@@ -16,6 +16,7 @@
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
 pub mod admin;
+mod body;
 pub mod eject;
 pub mod fair;
 pub mod framing;
@@ -38,6 +39,8 @@ use dpumesh_dpa::fabric::Fabric;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
 use dpumesh_head::whole_body::WholeBody;
+
+use crate::body::ClientBody;
 use dpumesh_head::wire;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -441,7 +444,7 @@ async fn connection<F: Fabric, IO>(
 
 /// The client's answer for a request the mesh could not serve: as gRPC (a
 /// trailers-only answer, [`dpumesh_head::grpc::local_reply`]) to a gRPC caller.
-fn error_response(e: &ProxyError, grpc: bool) -> Response<WholeBody> {
+fn error_response(e: &ProxyError, grpc: bool) -> Response<ClientBody> {
     metrics::counter!(
         "dpumesh_ingress_errors_total",
         "source" => e.source().name(),
@@ -454,7 +457,7 @@ fn error_response(e: &ProxyError, grpc: bool) -> Response<WholeBody> {
     } else {
         (e.response_head(), Bytes::from(e.body()))
     };
-    let mut response = Response::new(WholeBody::bytes(body));
+    let mut response = Response::new(WholeBody::bytes(body).into());
     *response.status_mut() =
         StatusCode::from_u16(head.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     *response.headers_mut() = head.headers;
@@ -597,7 +600,7 @@ async fn handle<F: Fabric>(
     peer: SocketAddr,
     session: Option<&tls::Session>,
     refused: Option<framing::Refusal>,
-) -> Response<WholeBody> {
+) -> Response<ClientBody> {
     let grpc = dpumesh_head::grpc::is_grpc(req.headers());
     let answer = match refused {
         Some(why) => Err(ProxyError::new(ErrorKind::AmbiguousFraming, why.message())),
@@ -617,7 +620,7 @@ async fn forward<F: Fabric>(
     peer: SocketAddr,
     session: Option<&tls::Session>,
     grpc: bool,
-) -> Result<Response<WholeBody>, ProxyError> {
+) -> Result<Response<ClientBody>, ProxyError> {
     let settings = &state.routing.settings;
     if state
         .routing
@@ -801,7 +804,7 @@ async fn forward<F: Fabric>(
 
 /// The client's response from a node's answer. The service's head is checked again
 /// here: a pod is not trusted to write well-formed bytes.
-fn respond(answer: Answer) -> Result<Response<WholeBody>, ProxyError> {
+fn respond(answer: Answer) -> Result<Response<ClientBody>, ProxyError> {
     let head = wire::decode_response(&answer.head).map_err(|e| {
         ProxyError::new(
             ErrorKind::BadResponse,
@@ -817,7 +820,12 @@ fn respond(answer: Answer) -> Result<Response<WholeBody>, ProxyError> {
     let mut trailers = head.trailers;
     // A pod's trailers meet the same rule as a client's (`trailers::allowed`).
     dpumesh_head::trailers::keep_allowed(&mut trailers);
-    let mut response = Response::new(WholeBody::new(answer.body, trailers));
+    let body = match answer.stream {
+        // The head came first; the body follows as the service makes it.
+        Some(stream) => ClientBody::Stream(stream),
+        None => WholeBody::new(answer.body, trailers).into(),
+    };
+    let mut response = Response::new(body);
     *response.status_mut() = status;
     for (name, value) in &head.headers {
         if dpumesh_head::is_hop_by_hop(name.as_str()) {

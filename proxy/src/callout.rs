@@ -237,6 +237,10 @@ async fn mesh<F: Fabric>(
         .await
         .map_err(|_| "the call was dropped by the fabric".to_owned())?
         .map_err(|e| e.to_string())?;
+    if answer.stream.is_some() {
+        // A filter's call takes its answer whole (dropping the body cancels it).
+        return Err("the service streamed its answer; a filter's call takes answers whole".into());
+    }
     let response =
         wire::decode_response(&answer.head).map_err(|e| format!("response head: {e}"))?;
     Ok(CalloutReply::Response {

@@ -84,6 +84,7 @@ fn call(caller: &mut HostPort, to: u32, n: u32, head: &RequestHead) -> (u16, Str
             step_id: 0,
             response: false,
             status: 0,
+            stream: false,
             header: &header,
             body: &[],
             lane: 0,

@@ -106,6 +106,7 @@ fn two_shards_each_run_their_requests_to_completion() {
                 step_id: 0,
                 response: false,
                 status: 0,
+                stream: false,
                 header: &header,
                 body: &[],
                 lane: 0,

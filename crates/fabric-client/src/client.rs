@@ -26,19 +26,35 @@ use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_dpa::reconnect::Reconnect;
 
 use crate::health::Health;
+use crate::stream::{Piece, StreamBody, StreamSource};
+use dpumesh_dpa::frame::{Chunk, ChunkEnd, StreamWindows};
 use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_supervise::{RestartPolicy, Supervisor};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, oneshot};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 /// An answer from a node.
 #[derive(Debug)]
 pub struct Answer {
     /// The response head (wire form).
     pub head: Vec<u8>,
-    /// The body.
+    /// The body (empty when it streams).
     pub body: Bytes,
+    /// The body, streamed: its parts as the node sends them. Dropping it before its
+    /// end cancels the stream.
+    pub stream: Option<StreamBody>,
+}
+
+/// A streamed answer being received: where its parts go, or (cancelled) the slot it
+/// holds until the node's last frame.
+struct Receiving {
+    qp: u32,
+    windows: StreamWindows,
+    /// To the body; `None` once the reader gave the stream up.
+    tx: Option<mpsc::UnboundedSender<Piece>>,
+    /// The slot of a cancelled stream, freed by the node's last frame.
+    held: Option<Slot>,
 }
 
 /// A request slot: its index names a request body buffer and a response buffer. It
@@ -75,6 +91,8 @@ struct Links<F: Fabric> {
     /// down.
     reconnect: Reconnect<SocketAddr>,
     pending: HashMap<u32, Pending>,
+    /// Streamed answers being received, by xid.
+    streams: HashMap<u32, Receiving>,
 }
 
 /// A client's slots: request bodies are written into `requests` for the node to READ,
@@ -111,6 +129,54 @@ pub struct Client<F: Fabric> {
     pump_name: String,
     reconnects: metrics::Counter,
     links_lost: metrics::Counter,
+    /// Itself, for the bodies of streamed answers.
+    me: std::rc::Weak<Self>,
+    /// Windows read by streamed bodies, to hand back (link, xid), and streams their
+    /// readers gave up: sent by the pump at its next turn (a body may be dropped
+    /// while the pump holds the links).
+    stream_news: RefCell<Vec<StreamNews>>,
+}
+
+enum StreamNews {
+    Window { qp: u32, xid: u32 },
+    Cancel { qp: u32, xid: u32, slot: Slot },
+}
+
+impl<F: Fabric> StreamSource for Client<F> {
+    fn read_window(&self, slot: &Slot, window: u8, len: u32) -> Result<Bytes, ProxyError> {
+        let windows = StreamWindows::of(self.slots.size as u32);
+        if window >= windows.count || len > windows.size {
+            return Err(ProxyError::new(
+                ErrorKind::BadResponse,
+                format!("the node named window {window} of {len} bytes, past the reply buffer"),
+            ));
+        }
+        let at = u64::from(slot.index()) * self.slots.size + windows.offset(window);
+        self.slots
+            .responses
+            .read_vec(at, len as usize)
+            .map(Bytes::from)
+            .map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::Internal,
+                    format!("cannot read the stream's part: {e}"),
+                )
+            })
+    }
+
+    fn window_done(&self, qp: u32, xid: u32) {
+        self.stream_news
+            .borrow_mut()
+            .push(StreamNews::Window { qp, xid });
+        self.posted.notify_one();
+    }
+
+    fn cancel(&self, qp: u32, xid: u32, slot: Slot) {
+        self.stream_news
+            .borrow_mut()
+            .push(StreamNews::Cancel { qp, xid, slot });
+        self.posted.notify_one();
+    }
 }
 
 impl<F: Fabric> Client<F> {
@@ -140,7 +206,9 @@ impl<F: Fabric> Client<F> {
         )?);
         let req_mr = fabric.register(&pd, &requests, 0, len, Access::all())?;
         let resp_mr = fabric.register(&pd, &responses, 0, len, Access::all())?;
-        Ok(Rc::new(Self {
+        Ok(Rc::new_cyclic(|me| Self {
+            me: me.clone(),
+            stream_news: RefCell::new(Vec::new()),
             fabric,
             pd,
             cq,
@@ -158,6 +226,7 @@ impl<F: Fabric> Client<F> {
                 by_node: HashMap::new(),
                 reconnect: Reconnect::default(),
                 pending: HashMap::new(),
+                streams: HashMap::new(),
             }),
             completions: RefCell::new(Vec::with_capacity(64)),
             panic_next: Cell::new(false),
@@ -374,6 +443,70 @@ impl<F: Fabric> Client<F> {
                 format!("lost the link to the node at {node} ({why})"),
             )));
         }
+        // Streams over it end: their bodies fail, held slots are free (nothing can
+        // write into them any more).
+        state.streams.retain(|_, s| s.qp != qp);
+    }
+
+    /// Sends what streamed bodies did since the last turn: windows handed back,
+    /// streams given up.
+    fn stream_news(&self, state: &mut Links<F>) {
+        let news = std::mem::take(&mut *self.stream_news.borrow_mut());
+        for n in news {
+            let (qp, message) = match n {
+                StreamNews::Window { qp, xid } => (qp, Message::Window { xid, count: 1 }),
+                StreamNews::Cancel { qp, xid, slot } => {
+                    match state.streams.get_mut(&xid) {
+                        Some(s) if s.qp == qp => {
+                            s.tx = None;
+                            s.held = Some(slot);
+                        }
+                        // The stream already ended: nothing writes into the slot.
+                        _ => continue,
+                    }
+                    (qp, Message::Cancel { xid })
+                }
+            };
+            if let Some((_, link)) = state.links.get_mut(&qp)
+                && let Err(e) = link.send(message)
+                && link.is_down()
+            {
+                self.down(state, qp, &e.to_string());
+            }
+        }
+    }
+
+    /// A part of a streamed answer.
+    fn chunk(&self, state: &mut Links<F>, qp: u32, c: Chunk) {
+        let Some(s) = state.streams.get_mut(&c.xid) else {
+            return;
+        };
+        if s.qp != qp {
+            return;
+        }
+        let piece = match c.end {
+            ChunkEnd::More if c.window < s.windows.count && c.len <= s.windows.size => {
+                Piece::Data {
+                    window: c.window,
+                    len: c.len,
+                }
+            }
+            ChunkEnd::More => Piece::Abort(format!(
+                "the node named window {} of {} bytes, past the reply buffer",
+                c.window, c.len
+            )),
+            ChunkEnd::Last(trailers) => Piece::Last(trailers),
+            ChunkEnd::Abort(why) => Piece::Abort(why),
+        };
+        let ends = !matches!(piece, Piece::Data { .. });
+        if let Some(tx) = &s.tx {
+            let _ = tx.send(piece);
+        }
+        if ends {
+            // The body holds its slot until it has read the windows before this;
+            // a cancelled stream's slot is free now.
+            state.streams.remove(&c.xid);
+        }
     }
 
     /// Handles what completed; returns how many completions there were.
@@ -386,6 +519,7 @@ impl<F: Fabric> Client<F> {
         self.cq.poll(&mut completions, 64);
         let n = completions.len();
         let mut state = self.state.borrow_mut();
+        self.stream_news(&mut state);
         for wc in completions.iter() {
             let Some((_, link)) = state.links.get_mut(&wc.qp_num) else {
                 continue;
@@ -400,7 +534,39 @@ impl<F: Fabric> Client<F> {
                         state.pending.insert(r.xid, p);
                         continue;
                     }
+                    if matches!(r.body, ResponseBody::Stream) {
+                        let (tx, rx) = mpsc::unbounded_channel();
+                        state.streams.insert(
+                            r.xid,
+                            Receiving {
+                                qp: p.qp,
+                                windows: StreamWindows::of(self.slots.size as u32),
+                                tx: Some(tx),
+                                held: None,
+                            },
+                        );
+                        let source: Rc<dyn StreamSource> = match self.me.upgrade() {
+                            Some(me) => me,
+                            None => continue,
+                        };
+                        let body = StreamBody {
+                            source,
+                            qp: p.qp,
+                            xid: r.xid,
+                            slot: Some(p.slot),
+                            rx,
+                        };
+                        // A caller that left drops the body here: its cancel waits in
+                        // the news for the next turn.
+                        let _ = p.reply.send(Ok(Answer {
+                            head: r.head,
+                            body: Bytes::new(),
+                            stream: Some(body),
+                        }));
+                        continue;
+                    }
                     let body = match r.body {
+                        ResponseBody::Stream => unreachable!("streams are taken above"),
                         ResponseBody::None => Ok(Bytes::new()),
                         ResponseBody::Inline(b) => Ok(Bytes::from(b)),
                         ResponseBody::Written(len) if u64::from(len) <= self.slots.size => self
@@ -422,8 +588,15 @@ impl<F: Fabric> Client<F> {
                             ),
                         )),
                     };
-                    let _ = p.reply.send(body.map(|body| Answer { head: r.head, body }));
+                    let _ = p.reply.send(body.map(|body| Answer {
+                        head: r.head,
+                        body,
+                        stream: None,
+                    }));
                     drop(p.slot);
+                }
+                Ok(Some(LinkEvent::Message(Message::Chunk(c)))) => {
+                    self.chunk(&mut state, wc.qp_num, c);
                 }
                 Ok(Some(LinkEvent::Message(_))) | Ok(None) | Ok(Some(LinkEvent::OpDone(_))) => {}
                 Ok(Some(LinkEvent::OpFailed(_, status))) => {
@@ -448,6 +621,7 @@ impl<F: Fabric> Client<F> {
         }
         state.links.clear();
         state.by_node.clear();
+        state.streams.clear();
     }
 
     /// Requests waiting for their answer.

@@ -10,5 +10,7 @@
 pub mod health;
 
 mod client;
+mod stream;
 
 pub use client::{Answer, Client, Slot};
+pub use stream::StreamBody;

@@ -146,9 +146,15 @@ impl Flags {
     pub const COMPLETION: Flags = Flags(1 << 5);
     /// The operation failed; `status` holds a [`DescriptorStatus`] code.
     pub const ERROR: Flags = Flags(1 << 6);
+    /// Part of a streamed body: `status` says which part ([`StreamPart`]).
+    pub const STREAM: Flags = Flags(1 << 7);
     const CASES: u16 = Self::CASE_1.0 | Self::CASE_2.0 | Self::CASE_3.0;
-    const KNOWN: u16 =
-        Self::CASES | Self::DST_POD.0 | Self::RESPONSE.0 | Self::COMPLETION.0 | Self::ERROR.0;
+    const KNOWN: u16 = Self::CASES
+        | Self::DST_POD.0
+        | Self::RESPONSE.0
+        | Self::COMPLETION.0
+        | Self::ERROR.0
+        | Self::STREAM.0;
     /// The high byte: the lane (which of the node's shards the pod's ring pair
     /// belongs to) the descriptor travels on.
     const LANE_SHIFT: u16 = 8;
@@ -209,6 +215,9 @@ pub enum DescriptorStatus {
     CopyFailed = 6,
     /// The destination pod went away.
     PodGone = 7,
+    /// The stream was given up: its receiver left or stopped it (a client that
+    /// disconnected), or its idle time ran out. Its sender stops sending.
+    Cancelled = 8,
 }
 
 impl DescriptorStatus {
@@ -222,6 +231,7 @@ impl DescriptorStatus {
             5 => Self::RingFull,
             6 => Self::CopyFailed,
             7 => Self::PodGone,
+            8 => Self::Cancelled,
             _ => return None,
         })
     }
@@ -288,6 +298,49 @@ pub struct Kind {
     pub completion: bool,
     /// An error report.
     pub error: bool,
+    /// Part of a streamed body ([`Descriptor::stream_part`]).
+    pub stream: bool,
+}
+
+/// Which part of a streamed body a descriptor with [`Kind::stream`] carries, told by
+/// its `status`. A stream is its opening, any number of data parts and one end (or an
+/// abort), all with the opening's `(req_id, step_id)`, in order on one lane. Each part
+/// may carry a body buffer (at most a slot: the body in pieces, so a body of any
+/// size crosses in slot-sized parts and its first byte leaves before its last
+/// arrives).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StreamPart {
+    /// The head (status 100–599 is the HTTP status) and the body's first bytes, if
+    /// any. More follows.
+    Open,
+    /// Status 0: more of the body.
+    Data,
+    /// Status 1: the last of the body; the header buffer, if any, holds the trailers.
+    End,
+    /// Status 2: the sender gives the stream up; what was sent is incomplete.
+    Abort,
+}
+
+impl StreamPart {
+    /// The `status` a part of this kind carries (an opening carries its HTTP status).
+    pub fn code(self) -> u16 {
+        match self {
+            StreamPart::Data => 0,
+            StreamPart::End => 1,
+            StreamPart::Abort => 2,
+            StreamPart::Open => 200,
+        }
+    }
+
+    fn of(status: u16) -> Option<Self> {
+        match status {
+            0 => Some(StreamPart::Data),
+            1 => Some(StreamPart::End),
+            2 => Some(StreamPart::Abort),
+            100..=599 => Some(StreamPart::Open),
+            _ => None,
+        }
+    }
 }
 
 /// Why bytes are not a descriptor.
@@ -363,6 +416,11 @@ pub enum DescriptorError {
     /// An error report without a known code.
     #[error("error descriptor carries unknown status code {0}")]
     ErrorCode(u16),
+    /// A stream part whose status names no part.
+    #[error(
+        "stream descriptor carries status {0}: a part is 0 (data), 1 (end), 2 (abort) or an HTTP status (opening)"
+    )]
+    StreamStatus(u16),
 }
 
 impl Descriptor {
@@ -405,6 +463,9 @@ impl Descriptor {
         }
         if self.kind.error {
             flags = flags | Flags::ERROR;
+        }
+        if self.kind.stream {
+            flags = flags | Flags::STREAM;
         }
         let (dst, dst_port) = match self.dst {
             Destination::Pod(id) => {
@@ -524,12 +585,22 @@ impl Descriptor {
         if flags.contains(Flags::ERROR) && DescriptorStatus::from_code(raw.status).is_none() {
             return Err(DescriptorError::ErrorCode(raw.status));
         }
+        // A completion hands a part's buffers back and keeps its status (0 for the
+        // manager's own); only a part on its way says which part it is.
+        if flags.contains(Flags::STREAM)
+            && !flags.contains(Flags::ERROR)
+            && !flags.contains(Flags::COMPLETION)
+            && StreamPart::of(raw.status).is_none()
+        {
+            return Err(DescriptorError::StreamStatus(raw.status));
+        }
         Ok(Self {
             case,
             kind: Kind {
                 response: flags.contains(Flags::RESPONSE),
                 completion: flags.contains(Flags::COMPLETION),
                 error: flags.contains(Flags::ERROR),
+                stream: flags.contains(Flags::STREAM),
             },
             header,
             body,
@@ -540,6 +611,14 @@ impl Descriptor {
             status: raw.status,
             lane: (raw.flags >> Flags::LANE_SHIFT) as u8,
         })
+    }
+
+    /// Which part of a stream this is (`None` for anything but a stream part on its
+    /// way: a whole message, a completion, an error).
+    pub fn stream_part(&self) -> Option<StreamPart> {
+        (self.kind.stream && !self.kind.completion && !self.kind.error)
+            .then(|| StreamPart::of(self.status))
+            .flatten()
     }
 
     /// The error code, for error descriptors.

@@ -26,7 +26,7 @@ pub mod shm;
 
 pub use descriptor::{
     BufAddr, Buffer, Case, DESCRIPTOR_SIZE, Descriptor, DescriptorError, DescriptorStatus,
-    Destination, Kind, RawDescriptor,
+    Destination, Kind, RawDescriptor, StreamPart,
 };
 pub use poll::{Polling, Spin, Waited};
 pub use pool::{BufferPool, OwnerId, PoolError, PoolLayout, SlotRef};

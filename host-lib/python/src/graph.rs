@@ -189,6 +189,7 @@ fn step_output(value: &Bound<'_, PyAny>, step: &str) -> PyResult<StepOutput> {
         headers: header_map(&headers, &format!("internal step {step:?}"))?,
         body: Bytes::copy_from_slice(body.cast::<PyBytes>()?.as_bytes()),
         trailers: Default::default(),
+        stream: None,
     })
 }
 

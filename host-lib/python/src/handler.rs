@@ -130,5 +130,6 @@ fn response(value: &Bound<'_, PyAny>) -> PyResult<HttpResponse> {
         headers: header_map(&headers, "the response")?,
         body: bytes::Bytes::copy_from_slice(body.as_bytes()),
         trailers: Default::default(),
+        stream: None,
     })
 }

@@ -9,6 +9,7 @@ impl<F: Fabric> Reactor<F> {
     /// otherwise (rather than waiting for a timeout).
     pub(super) fn forget_departed_pods(&mut self) {
         let live = self.pods.forget_departed();
+        self.expire_streams(|pod| live.contains(&pod));
         for xid in self.table.at_departed_pods(|pod| live.contains(&pod)) {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,
@@ -270,6 +271,11 @@ impl<F: Fabric> Reactor<F> {
                 self.deliver(xid, pod, header, slot, attempt);
             }
             Transfer::Write { done, .. } => self.hand_back(&done),
+            Transfer::StreamWrite { done, .. } => {
+                if let Some(d) = done {
+                    self.hand_back(&d);
+                }
+            }
         }
     }
 }

@@ -153,12 +153,17 @@ pub(super) enum Transfer {
     },
     /// A response body written out of a pod's TX pool; `done` hands it back.
     Write { qp: u32, done: Descriptor },
+    /// A piece of a streamed answer's part written into a window; `done` (the part,
+    /// when this is its last piece) is handed back.
+    StreamWrite { qp: u32, done: Option<Descriptor> },
 }
 
 impl Transfer {
     fn qp(&self) -> u32 {
         match self {
-            Transfer::Read { qp, .. } | Transfer::Write { qp, .. } => *qp,
+            Transfer::Read { qp, .. }
+            | Transfer::Write { qp, .. }
+            | Transfer::StreamWrite { qp, .. } => *qp,
         }
     }
 }
@@ -479,6 +484,14 @@ impl ExchangeTable {
     /// Exchange `xid` was answered locally while its peer keeps what was lent to it.
     pub fn orphan(&mut self, xid: u32, o: Orphan) {
         self.orphans.insert(xid, o);
+    }
+
+    /// The orphan `xid` over link `qp`, whose peer is now done with what was lent.
+    pub fn take_orphan(&mut self, qp: u32, xid: u32) -> Option<Orphan> {
+        if self.orphans.get(&xid).is_some_and(|o| o.qp == qp) {
+            return self.orphans.remove(&xid);
+        }
+        None
     }
 
     /// Whose the peer's answer to `xid` over link `qp` is.

@@ -289,8 +289,14 @@ impl<F: Fabric> Reactor<F> {
                     let _ = self.pods.port.release_header(header);
                 }
                 Transfer::Write { done, .. } => self.hand_back(&done),
+                Transfer::StreamWrite { done, .. } => {
+                    if let Some(d) = done {
+                        self.hand_back(&d);
+                    }
+                }
             }
         }
+        self.streams_link_down(qp);
         for o in loss.orphans {
             self.release_rx(o.d.src_pod, o.reply_slot);
             self.hand_back(&o.d);

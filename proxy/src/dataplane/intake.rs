@@ -21,6 +21,11 @@ impl<F: Fabric> Reactor<F> {
             n += 1;
             if d.kind.error {
                 self.delivery_failed(d);
+            } else if d.kind.response
+                && d.kind.stream
+                && d.stream_part() != Some(dpumesh_dpa::StreamPart::Open)
+            {
+                self.stream_part(d);
             } else if d.kind.response {
                 self.pod_response(d);
             } else {
@@ -82,6 +87,18 @@ impl<F: Fabric> Reactor<F> {
             Message::Request(r) => self.link_request(qp, r),
             Message::Response(r) => self.peer_response(qp, r),
             Message::Credit => {}
+            Message::Window { xid, count } => self.stream_window(qp, xid, count),
+            Message::Cancel { xid } => self.stream_cancel(qp, xid),
+            Message::Chunk(c) => {
+                // A peer's stream to a pod's call was cancelled (`peer_response`):
+                // its last frame frees what the call lent it.
+                if !matches!(c.end, dpumesh_dpa::frame::ChunkEnd::More)
+                    && let Some(o) = self.table.take_orphan(qp, c.xid)
+                {
+                    self.release_rx(o.d.src_pod, o.reply_slot);
+                    self.hand_back(&o.d);
+                }
+            }
         }
     }
 

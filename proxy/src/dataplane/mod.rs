@@ -71,6 +71,7 @@ mod links;
 mod pods;
 mod respond;
 mod response_metrics;
+mod stream;
 mod wire_head;
 
 use exchange::{
@@ -371,6 +372,8 @@ struct Reactor<F: Fabric> {
     filters: Filters,
     /// The exchanges in flight and their timers (the sans-I/O core).
     table: ExchangeTable,
+    /// Streamed answers on their way to links.
+    streams: stream::Streams,
     topology: Topology,
     /// Where this node's own proxy is reached (mesh calls to services it runs).
     self_addr: SocketAddr,
@@ -546,6 +549,7 @@ impl<F: Fabric + Clone> Reactor<F> {
                 start_callouts: Box::new(move || Callouts::start(callout_fabric.clone())),
             },
             table: ExchangeTable::default(),
+            streams: stream::Streams::default(),
             topology,
             self_addr,
             waits,

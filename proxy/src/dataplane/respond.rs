@@ -22,7 +22,7 @@ impl<F: Fabric> Reactor<F> {
                 if answer == PodAnswer::Impostor {
                     tracing::warn!(pod = d.src_pod, "a pod answered a request it was not given");
                 }
-                self.hand_back(&d);
+                self.drop_answer(&d);
                 return;
             }
         };
@@ -41,7 +41,7 @@ impl<F: Fabric> Reactor<F> {
             _ => Failure::Status(d.status),
         };
         if self.table.tries_again(xid, failure, Instant::now()) {
-            self.hand_back(&d);
+            self.drop_answer(&d);
             self.retry(xid, d.status);
             return;
         }
@@ -51,13 +51,16 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let upstream = pod_upstream(&exchange.service, d.src_pod);
-        if exchange.traits.grpc {
+        // A streamed gRPC answer's status comes in its trailers, at its end.
+        if exchange.traits.grpc && !d.kind.stream {
             self.meter.response_metrics.record_grpc(
                 &exchange.service,
                 wire.get().map_or(2, dpumesh_head::grpc::status_of),
             );
         }
-        if let Some(pending) = exchange.cache.take()
+        // A streamed answer is not stored (the cache keeps whole bodies).
+        let pending = exchange.cache.take().filter(|_| !d.kind.stream);
+        if let Some(pending) = pending
             && let Some((head, body)) = self.cache_response(*pending, &d, &mut wire)
         {
             // The origin confirmed a stored response: the cache answers.
@@ -94,6 +97,25 @@ impl<F: Fabric> Reactor<F> {
             _ => header,
         };
         match exchange.origin {
+            Origin::Pod { d: request } if d.kind.stream => {
+                // A pod's call gets its answer whole: streams reach the ingress's
+                // clients only, for now.
+                self.refuse_stream(&d);
+                let e = ProxyError::new(
+                    ErrorKind::BadResponse,
+                    "the service streamed its answer, and a call from a pod takes answers whole",
+                );
+                self.reply_pod(&request, &e.response_head(), e.body());
+                self.hand_back(&request);
+            }
+            Origin::Link {
+                qp,
+                xid: peer_xid,
+                reply,
+            } if d.kind.stream => {
+                let grpc = exchange.traits.grpc.then(|| exchange.service.clone());
+                self.open_stream(qp, peer_xid, reply, d, header, grpc);
+            }
             Origin::Pod { d: request } => {
                 // Case 3: the DMA manager delivers B's reply to A (body B → A), under
                 // the ids A sent.
@@ -141,6 +163,15 @@ impl<F: Fabric> Reactor<F> {
                     }),
                 );
             }
+        }
+    }
+
+    /// An answer nobody takes: its buffers go back; a stream's pod is told to stop.
+    fn drop_answer(&mut self, d: &Descriptor) {
+        if d.kind.stream {
+            self.refuse_stream(d);
+        } else {
+            self.hand_back(d);
         }
     }
 
@@ -348,6 +379,19 @@ impl<F: Fabric> Reactor<F> {
                 self.release_rx(d.src_pod, reply_slot);
                 self.reply_pod(&d, &head, bytes);
                 self.hand_back(&d);
+                return;
+            }
+            ResponseBody::Stream => {
+                // A pod's call takes its answer whole (see `pod_response`): the
+                // peer is told to stop. Its reply slot may be written until the
+                // peer's last frame for the stream, which frees it (an orphan).
+                self.send_link(qp, Message::Cancel { xid: r.xid });
+                self.table.orphan(r.xid, Orphan { qp, d, reply_slot });
+                let e = ProxyError::new(
+                    ErrorKind::BadResponse,
+                    "the service streamed its answer, and a call from a pod takes answers whole",
+                );
+                self.reply_pod(&d, &e.response_head(), e.body());
                 return;
             }
         };

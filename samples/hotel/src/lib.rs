@@ -19,6 +19,8 @@
 //!   `GET /catalog-count` tells that count alone.
 //! - user `GET /user?id=ID`, reservation `GET /reservations?user=ID`.
 
+pub mod stream;
+
 use dpumesh_host::{ExecutionContext, HttpResponse, Inputs};
 
 /// The query parameter `key` of a URL.
@@ -81,6 +83,26 @@ pub fn frontend(ctx: &mut ExecutionContext) {
             ctx.respond(|_| Ok::<_, String>(HttpResponse::ok("pong\n")));
         }
         "/echo" => echo(ctx),
+        "/download" => {
+            let len = param(&url, "bytes")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            ctx.respond(move |_| Ok::<_, String>(stream::download(len)));
+        }
+        "/events" => {
+            let count = param(&url, "count")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(3);
+            let every = param(&url, "every_ms")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(10);
+            ctx.respond(move |_| {
+                Ok::<_, String>(stream::events(
+                    count,
+                    std::time::Duration::from_millis(every),
+                ))
+            });
+        }
         "/headers" => {
             let seen = received(ctx.request());
             ctx.respond(move |_| Ok::<_, String>(json(200, &seen)));

@@ -99,7 +99,13 @@ fn garbage_is_refused_with_the_reason() {
     };
     check(&|r| r.valid = 0, "not valid");
     check(&|r| r.version = 2, "version 2 is not supported");
-    check(&|r| r.flags |= 1 << 7, "unknown flag bits 0x0080");
+    check(
+        &|r| {
+            r.flags |= Flags::STREAM.0;
+            r.status = 700;
+        },
+        "stream descriptor carries status 700",
+    );
     check(&|r| r.flags &= !Flags::CASES, "exactly one of case");
     check(&|r| r.flags |= Flags::CASE_1.0, "exactly one of case");
     check(&|r| r.dst[7] = 1, "pod destination is malformed");
@@ -151,6 +157,49 @@ fn garbage_is_refused_with_the_reason() {
         Descriptor::decode(&[0u8; 63]).unwrap_err(),
         DescriptorError::Length(63)
     );
+}
+
+#[test]
+fn stream_parts_say_which_part_they_are_and_nothing_else() {
+    let part = |status| Descriptor {
+        kind: Kind {
+            response: true,
+            stream: true,
+            ..Kind::default()
+        },
+        status,
+        ..sample()
+    };
+    for (status, expected) in [
+        (200, StreamPart::Open),
+        (0, StreamPart::Data),
+        (1, StreamPart::End),
+        (2, StreamPart::Abort),
+    ] {
+        let d = part(status);
+        let back = Descriptor::decode(&d.encode(1)).unwrap();
+        assert_eq!(back, d);
+        assert_eq!(back.stream_part(), Some(expected));
+    }
+    // A status that names no part is refused.
+    assert_eq!(
+        Descriptor::decode(&part(3).encode(1)),
+        Err(DescriptorError::StreamStatus(3))
+    );
+    // A part's completion and a stream's cancel notice are no parts.
+    let mut done = part(0);
+    done.kind.completion = true;
+    assert_eq!(
+        Descriptor::decode(&done.encode(1)).unwrap().stream_part(),
+        None
+    );
+    let mut cancel = done;
+    cancel.kind.error = true;
+    cancel.status = DescriptorStatus::Cancelled as u16;
+    let back = Descriptor::decode(&cancel.encode(1)).unwrap();
+    assert_eq!(back.error_status(), Some(DescriptorStatus::Cancelled));
+    // A whole message is no part either.
+    assert_eq!(sample().stream_part(), None);
 }
 
 #[test]

@@ -25,6 +25,16 @@ impl<E: DmaEngine> DmaManager<E> {
     /// The ARM is done with what `d` names (a body it sent over the fabric, a header
     /// it consumed): buffers go back to their owners.
     pub(super) fn arm_completion(&mut self, d: &Descriptor) {
+        if d.kind.error && d.kind.stream && d.header.is_none() && d.body.is_none() {
+            // The ARM gave a stream up (its receiver left): its sender hears it and
+            // stops. Nothing is handed back: the parts it holds come back one by one.
+            if self.pods.contains_key(&d.src_pod) {
+                let mut notice = *d;
+                notice.dst = Destination::Pod(d.src_pod);
+                self.push_to_pod(d.src_pod, notice);
+            }
+            return;
+        }
         if !d.header.is_none()
             && let Ok((is_tx, slot)) = self.dpu_header_slot(d.header)
         {
@@ -75,6 +85,7 @@ impl<E: DmaEngine> DmaManager<E> {
             completion: true,
             error: true,
             response: false,
+            stream: d.kind.stream,
         };
         e.status = status as u16;
         e.dst = Destination::Pod(src_id);
@@ -91,8 +102,11 @@ impl<E: DmaEngine> DmaManager<E> {
         body: Buffer,
     ) {
         let mut c = *d;
+        // A stream part's completion says so: its sender counts what the receiver
+        // took (the stream's window).
         c.kind = Kind {
             completion: true,
+            stream: d.kind.stream,
             ..Kind::default()
         };
         c.header = header;
@@ -111,6 +125,7 @@ impl<E: DmaEngine> DmaManager<E> {
             completion: true,
             error: true,
             response: false,
+            stream: d.kind.stream,
         };
         e.status = refusal.status as u16;
         e.dst = Destination::Pod(pod_id);
@@ -146,6 +161,7 @@ impl<E: DmaEngine> DmaManager<E> {
             completion: true,
             error: true,
             response: d.kind.response,
+            stream: d.kind.stream,
         };
         e.status = status as u16;
         self.stats.errors.fetch_add(1, Ordering::Relaxed);

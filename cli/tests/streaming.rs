@@ -1,0 +1,110 @@
+//! Streamed answers end to end: the hotel frontend's `/download` (bytes made as the
+//! client reads them) and `/events` (server-sent events), through the ingress and
+//! the DPU proxy, read by curl over HTTP/1.1 and h2c, by a client that stops reading
+//! for a while, and by clients that leave mid-stream.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+mod common;
+use common::mesh::*;
+use common::token;
+
+/// curl's output for `path` with `args`, and its exit status.
+fn curl(mesh: &Mesh, token: &str, path: &str, args: &[&str]) -> (bool, Vec<u8>) {
+    let out = Command::new("curl")
+        .args(["-s", "--fail-with-body", "--max-time", "60", "-H"])
+        .arg(format!("authorization: Bearer {token}"))
+        .args(args)
+        .arg(format!("http://{}{path}", mesh.ingress))
+        .output()
+        .expect("curl runs");
+    (out.status.success(), out.stdout)
+}
+
+fn check_download(body: &[u8], len: usize) {
+    assert_eq!(body.len(), len, "the whole download arrives");
+    // The frontend's pattern (`samples/hotel/src/stream.rs`).
+    if let Some(i) = (0..len).find(|&i| body[i] != (i % 251) as u8) {
+        panic!("byte {i} of the download is wrong");
+    }
+}
+
+/// Opens `/download?bytes=len` on a raw connection and reads `take` bytes of it.
+fn start_download(mesh: &Mesh, token: &str, len: u64, take: usize) -> TcpStream {
+    let mut s = TcpStream::connect(mesh.ingress).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "GET /download?bytes={len} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\n\r\n"
+    )
+    .unwrap();
+    let mut got = vec![0u8; take];
+    s.read_exact(&mut got).unwrap();
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got[..64])
+    );
+    s
+}
+
+#[test]
+fn streamed_answers_flow_part_by_part_and_stop_when_their_client_leaves() {
+    let mesh = Mesh::up();
+    let alice = token("alice", &["user"]);
+
+    // A body eight times the ingress's buffers (max_body 8 MiB), over HTTP/1.1
+    // (chunked) and h2c.
+    let len = 64 << 20;
+    let (ok, body) = curl(&mesh, &alice, &format!("/download?bytes={len}"), &[]);
+    assert!(
+        ok,
+        "the download succeeds: {}",
+        String::from_utf8_lossy(&body[..body.len().min(300)])
+    );
+    check_download(&body, len);
+    let (ok, body) = curl(
+        &mesh,
+        &alice,
+        &format!("/download?bytes={len}"),
+        &["--http2-prior-knowledge"],
+    );
+    assert!(ok, "the download succeeds over h2c");
+    check_download(&body, len);
+
+    // Server-sent events arrive as the service makes them.
+    let (ok, body) = curl(&mesh, &alice, "/events?count=5&every_ms=20", &["-N"]);
+    assert!(ok);
+    let text = String::from_utf8(body).unwrap();
+    for i in 0..5 {
+        assert!(
+            text.contains(&format!("id: {i}\ndata: event {i}\n\n")),
+            "{text}"
+        );
+    }
+
+    // A client that stops reading holds the stream (back-pressure) and gets it
+    // whole when it reads again.
+    let mut slow = start_download(&mesh, &alice, 32 << 20, 4096);
+    std::thread::sleep(Duration::from_secs(2));
+    let mut rest = Vec::new();
+    slow.read_to_end(&mut rest).unwrap();
+    assert!(
+        rest.len() > 32 << 20,
+        "the rest of the stream arrives after the pause"
+    );
+
+    // Clients that leave mid-stream cancel it: the service's slots come back, so
+    // many more such streams than a pod has slots (32 bodies) leave it serving.
+    for _ in 0..40 {
+        drop(start_download(&mesh, &alice, 1 << 30, 256 << 10));
+    }
+    let (ok, body) = curl(&mesh, &alice, "/download?bytes=1000000", &[]);
+    assert!(ok, "the service still streams after 40 cancelled downloads");
+    check_download(&body, 1_000_000);
+    let (status, _, _) = mesh.get("/ping", Some(&alice));
+    assert_eq!(status, 200);
+}

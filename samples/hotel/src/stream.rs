@@ -1,0 +1,78 @@
+//! The frontend's streamed answers: `/download?bytes=N` (N bytes made as the client
+//! reads them, with no thread: the body is a generator the data path polls when its
+//! window has room) and `/events?count=N&every_ms=M` (server-sent events from a
+//! producer thread, ended with a trailer).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use dpumesh_host::{HttpResponse, body};
+use http_body::{Body, Frame, SizeHint};
+
+/// Bytes per part of a download.
+const PART: usize = 64 << 10;
+
+/// Byte `i` of every download: a pattern a client can check anywhere in the body.
+pub fn pattern(i: u64) -> u8 {
+    (i % 251) as u8
+}
+
+/// `len` bytes of [`pattern`], made a part at a time.
+struct Download {
+    at: u64,
+    len: u64,
+}
+
+impl Body for Download {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.at >= self.len {
+            return Poll::Ready(None);
+        }
+        let n = (self.len - self.at).min(PART as u64);
+        let part: Vec<u8> = (self.at..self.at + n).map(pattern).collect();
+        self.at += n;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(part)))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.len - self.at)
+    }
+}
+
+/// A download of `len` bytes.
+pub fn download(len: u64) -> HttpResponse {
+    HttpResponse::streaming(200, Download { at: 0, len })
+        .header("content-type", "application/octet-stream")
+}
+
+/// `count` server-sent events, one every `every`, then a trailer counting them.
+pub fn events(count: u32, every: Duration) -> HttpResponse {
+    let (mut tx, rx) = body::channel(4);
+    std::thread::spawn(move || {
+        for i in 0..count {
+            if i > 0 {
+                std::thread::sleep(every);
+            }
+            if tx
+                .blocking_send(format!("id: {i}\ndata: event {i}\n\n"))
+                .is_err()
+            {
+                return; // the client left: the stream was cancelled
+            }
+        }
+        let mut trailers = http::HeaderMap::new();
+        trailers.insert("x-events", count.into());
+        let _ = tx.blocking_finish(trailers);
+    });
+    HttpResponse::streaming(200, rx)
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+}
