@@ -75,6 +75,11 @@ fn streamed_answers_flow_part_by_part_and_stop_when_their_client_leaves() {
     assert!(ok, "the download succeeds over h2c");
     check_download(&body, len);
 
+    // A plain HTTP/1.1 client that closes after the answer reads it whole too.
+    let (status, _, body) = mesh.get("/download?bytes=100000", Some(&alice));
+    assert_eq!(status, 200);
+    check_download(&body, 100_000);
+
     // Server-sent events arrive as the service makes them.
     let (ok, body) = curl(&mesh, &alice, "/events?count=5&every_ms=20", &["-N"]);
     assert!(ok);

@@ -255,7 +255,8 @@ impl Drop for Mesh {
     }
 }
 
-/// Reads one HTTP/1.1 response (content-length framed, as the ingress writes them).
+/// Reads one HTTP/1.1 response: content-length framed (a whole answer) or chunked (a
+/// streamed one).
 pub fn read_response(s: &mut TcpStream) -> Option<Reply> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 65536];
@@ -277,12 +278,28 @@ pub fn read_response(s: &mut TcpStream) -> Option<Reply> {
         .filter_map(|l| l.split_once(':'))
         .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
+    let mut body = buf[head_end..].to_vec();
+    if headers
+        .iter()
+        .any(|(n, v)| n == "transfer-encoding" && v.eq_ignore_ascii_case("chunked"))
+    {
+        // A streamed answer: chunks until the last (empty) one.
+        loop {
+            if let Some(decoded) = dechunk(&body) {
+                return Some((status, headers, decoded));
+            }
+            let n = s.read(&mut chunk).ok()?;
+            if n == 0 {
+                return None;
+            }
+            body.extend_from_slice(&chunk[..n]);
+        }
+    }
     let len: usize = headers
         .iter()
         .find(|(n, _)| n == "content-length")
         .and_then(|(_, v)| v.parse().ok())
         .unwrap_or(0);
-    let mut body = buf[head_end..].to_vec();
     while body.len() < len {
         let n = s.read(&mut chunk).ok()?;
         if n == 0 {
@@ -291,6 +308,26 @@ pub fn read_response(s: &mut TcpStream) -> Option<Reply> {
         body.extend_from_slice(&chunk[..n]);
     }
     Some((status, headers, body))
+}
+
+/// A chunked body's bytes, once its last chunk (and trailer section) arrived.
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let line = b.windows(2).position(|w| w == b"\r\n")?;
+        let size = std::str::from_utf8(&b[..line]).ok()?;
+        let size = usize::from_str_radix(size.split(';').next()?.trim(), 16).ok()?;
+        b = &b[line + 2..];
+        if size == 0 {
+            // Trailer fields, then an empty line.
+            return b.windows(2).any(|w| w == b"\r\n").then_some(out);
+        }
+        if b.len() < size + 2 {
+            return None;
+        }
+        out.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
 }
 
 pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
