@@ -7,7 +7,8 @@
 //! the mesh's [`Caller`] in its extensions). The service's `http::Response` answers
 //! with what its body has ready at once (a unary call's message and its trailers,
 //! where gRPC keeps its status); a body that waits for more (server streaming,
-//! server-sent events) streams the rest as it comes ([`crate::body`]).
+//! server-sent events) streams the rest as it comes ([`crate::body`]). A body of a
+//! known length under 1 MiB is read whole.
 //!
 //! **Where the future runs.** The service's future is an asynchronous step
 //! ([`ExecutionContext::respond_future`]): polled on the loop's thread when the
@@ -86,6 +87,9 @@ fn to_http(request: HttpRequest) -> http::Request<WholeBody> {
     out
 }
 
+/// A body whose exact length is below this is read whole.
+const WHOLE_BELOW: usize = 1 << 20;
+
 /// The service's response: what its body has ready when it answers goes whole (a
 /// unary call's message and trailers, in the first poll); a body that then waits (a
 /// server-streaming call, server-sent events) sends what it had and streams the rest
@@ -97,6 +101,26 @@ where
 {
     use std::task::Poll;
     let (parts, body) = response.into_parts();
+    if body
+        .size_hint()
+        .exact()
+        .is_some_and(|n| n <= WHOLE_BELOW as u64)
+    {
+        // A body of a known, small length (a `content-length` a bridged server sent)
+        // is one answer: waiting for it costs less than three descriptors.
+        let collected = body
+            .collect()
+            .await
+            .map_err(|e| format!("the service's response body failed: {e}"))?;
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        return Ok(HttpResponse {
+            status: parts.status.as_u16(),
+            headers: parts.headers,
+            body: collected.to_bytes(),
+            trailers,
+            stream: None,
+        });
+    }
     let mut body = Box::pin(body);
     let mut data = bytes::BytesMut::new();
     let mut trailers = http::HeaderMap::new();
