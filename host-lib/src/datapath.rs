@@ -530,21 +530,33 @@ impl DataPathTransport {
                     (StreamPart::Abort.code(), Vec::new(), Bytes::new())
                 }
             };
-            let reply = HostPort::reply(&request, code, &[], &[]);
-            self.push(Queued {
-                case: reply.case,
-                dst: reply.dst,
-                req_id: reply.req_id,
-                step_id: reply.step_id,
-                response: true,
-                status: code,
-                stream: true,
-                header,
-                body,
-                tag: None,
-                lane: reply.lane,
-            });
+            self.push_reply(&request, code, true, header, body);
         }
+    }
+
+    /// Queues an answer (or a stream part) to `request`.
+    fn push_reply(
+        &mut self,
+        request: &Descriptor,
+        status: u16,
+        stream: bool,
+        header: Vec<u8>,
+        body: Bytes,
+    ) {
+        let reply = HostPort::reply(request, status, &[], &[]);
+        self.push(Queued {
+            case: reply.case,
+            dst: reply.dst,
+            req_id: reply.req_id,
+            step_id: reply.step_id,
+            response: true,
+            status,
+            stream,
+            header,
+            body,
+            tag: None,
+            lane: reply.lane,
+        });
     }
 
     fn answer(&mut self, request: &Descriptor, head: &ResponseHead, body: Bytes) {
@@ -556,20 +568,7 @@ impl DataPathTransport {
                 wire::encode_response(&h).expect("a plain head encodes")
             }
         };
-        let reply = HostPort::reply(request, head.status, &[], &[]);
-        self.push(Queued {
-            case: reply.case,
-            dst: reply.dst,
-            req_id: reply.req_id,
-            step_id: reply.step_id,
-            response: true,
-            status: head.status,
-            stream: false,
-            header,
-            body,
-            tag: None,
-            lane: reply.lane,
-        });
+        self.push_reply(request, head.status, false, header, body);
     }
 }
 
@@ -711,21 +710,8 @@ impl Transport for DataPathTransport {
                     return Ok(());
                 }
             };
-            let reply = HostPort::reply(&request, head.status, &[], &[]);
             let first = !response.body.is_empty();
-            self.push(Queued {
-                case: reply.case,
-                dst: reply.dst,
-                req_id: reply.req_id,
-                step_id: reply.step_id,
-                response: true,
-                status: head.status,
-                stream: true,
-                header,
-                body: response.body,
-                tag: None,
-                lane: reply.lane,
-            });
+            self.push_reply(&request, head.status, true, header, response.body);
             self.streams.open(request, body, first);
             self.pump_streams();
             return Ok(());

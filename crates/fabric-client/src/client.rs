@@ -476,6 +476,38 @@ impl<F: Fabric> Client<F> {
         }
     }
 
+    /// A streamed answer's head came: its body reads the parts that follow.
+    fn receive_stream(&self, state: &mut Links<F>, p: Pending, xid: u32, head: Vec<u8>) {
+        let Some(source) = self.me.upgrade() else {
+            // Only while the client is dropped, when nobody waits for answers.
+            return;
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        state.streams.insert(
+            xid,
+            Receiving {
+                qp: p.qp,
+                windows: StreamWindows::of(self.slots.size as u32),
+                tx: Some(tx),
+                held: None,
+            },
+        );
+        let body = StreamBody {
+            source,
+            qp: p.qp,
+            xid,
+            slot: Some(p.slot),
+            rx,
+        };
+        // A caller that left drops the body here: its cancel waits in the news for
+        // the next turn.
+        let _ = p.reply.send(Ok(Answer {
+            head,
+            body: Bytes::new(),
+            stream: Some(body),
+        }));
+    }
+
     /// A part of a streamed answer.
     fn chunk(&self, state: &mut Links<F>, qp: u32, c: Chunk) {
         let Some(s) = state.streams.get_mut(&c.xid) else {
@@ -491,10 +523,16 @@ impl<F: Fabric> Client<F> {
                     len: c.len,
                 }
             }
-            ChunkEnd::More => Piece::Abort(format!(
-                "the node named window {} of {} bytes, past the reply buffer",
-                c.window, c.len
-            )),
+            ChunkEnd::More => {
+                // The node breaks the protocol: it may write anywhere in the buffer,
+                // so nothing it lent is safe to reuse until the link is gone.
+                let why = format!(
+                    "the node named window {} of {} bytes, past the reply buffer",
+                    c.window, c.len
+                );
+                self.down(state, qp, &why);
+                return;
+            }
             ChunkEnd::Last(trailers) => Piece::Last(trailers),
             ChunkEnd::Abort(why) => Piece::Abort(why),
         };
@@ -534,39 +572,11 @@ impl<F: Fabric> Client<F> {
                         state.pending.insert(r.xid, p);
                         continue;
                     }
-                    if matches!(r.body, ResponseBody::Stream) {
-                        let (tx, rx) = mpsc::unbounded_channel();
-                        state.streams.insert(
-                            r.xid,
-                            Receiving {
-                                qp: p.qp,
-                                windows: StreamWindows::of(self.slots.size as u32),
-                                tx: Some(tx),
-                                held: None,
-                            },
-                        );
-                        let source: Rc<dyn StreamSource> = match self.me.upgrade() {
-                            Some(me) => me,
-                            None => continue,
-                        };
-                        let body = StreamBody {
-                            source,
-                            qp: p.qp,
-                            xid: r.xid,
-                            slot: Some(p.slot),
-                            rx,
-                        };
-                        // A caller that left drops the body here: its cancel waits in
-                        // the news for the next turn.
-                        let _ = p.reply.send(Ok(Answer {
-                            head: r.head,
-                            body: Bytes::new(),
-                            stream: Some(body),
-                        }));
-                        continue;
-                    }
                     let body = match r.body {
-                        ResponseBody::Stream => unreachable!("streams are taken above"),
+                        ResponseBody::Stream => {
+                            self.receive_stream(&mut state, p, r.xid, r.head);
+                            continue;
+                        }
                         ResponseBody::None => Ok(Bytes::new()),
                         ResponseBody::Inline(b) => Ok(Bytes::from(b)),
                         ResponseBody::Written(len) if u64::from(len) <= self.slots.size => self

@@ -43,7 +43,7 @@ pub(super) struct RelayStream {
     busy: u8,
     /// The pod sending it (its parts must come from it).
     pod: u32,
-    /// The opening, for the pod's cancel notice.
+    /// The opening (its ids and lane), for the pod's cancel notice.
     opening: Descriptor,
     queue: VecDeque<Waiting>,
     last_moved: Instant,
@@ -108,9 +108,6 @@ impl<F: Fabric> Reactor<F> {
             }),
         );
         let key = (to, d.req_id, d.step_id);
-        let mut opening = d;
-        opening.header = Buffer::NONE;
-        opening.body = Buffer::NONE;
         self.streams.by_link.insert((qp, peer_xid), key);
         self.streams.by_pod.insert(
             key,
@@ -122,7 +119,7 @@ impl<F: Fabric> Reactor<F> {
                 next: 0,
                 busy: 0,
                 pod: d.src_pod,
-                opening,
+                opening: d,
                 queue: VecDeque::new(),
                 last_moved: Instant::now(),
                 grpc_service,
@@ -304,15 +301,7 @@ impl<F: Fabric> Reactor<F> {
             };
             self.meter.response_metrics.record_grpc(service, status);
         }
-        self.send_link(
-            s.qp,
-            Message::Chunk(Chunk {
-                xid: s.xid,
-                window: 0,
-                len: 0,
-                end,
-            }),
-        );
+        self.send_end(s.qp, s.xid, end);
         // A part with a body goes back when its last piece is written (its write
         // holds it); one without goes back now.
         if last.body.is_none() {
@@ -350,28 +339,12 @@ impl<F: Fabric> Reactor<F> {
         for w in s.queue {
             self.hand_back(&w.d);
         }
-        let mut notice = s.opening;
-        notice.kind.completion = true;
-        notice.kind.error = true;
-        notice.kind.stream = true;
-        notice.kind.response = true;
-        notice.status = DescriptorStatus::Cancelled as u16;
-        notice.src_pod = s.pod;
-        notice.dst = Destination::Pod(s.pod);
-        self.forward(notice);
+        self.forward(cancel_notice(&s.opening));
         if let Some(service) = &s.grpc_service {
             self.meter.response_metrics.record_grpc(service, 2);
         }
         if tell_link {
-            self.send_link(
-                s.qp,
-                Message::Chunk(Chunk {
-                    xid: s.xid,
-                    window: 0,
-                    len: 0,
-                    end: ChunkEnd::Abort(why.to_owned()),
-                }),
-            );
+            self.send_end(s.qp, s.xid, ChunkEnd::Abort(why.to_owned()));
         }
     }
 
@@ -379,15 +352,19 @@ impl<F: Fabric> Reactor<F> {
     /// that cannot take streams): handed back, and the pod told to stop.
     pub(super) fn refuse_stream(&mut self, d: &Descriptor) {
         self.hand_back(d);
-        let mut notice = *d;
-        notice.header = Buffer::NONE;
-        notice.body = Buffer::NONE;
-        notice.kind.completion = true;
-        notice.kind.error = true;
-        notice.kind.stream = true;
-        notice.status = DescriptorStatus::Cancelled as u16;
-        notice.dst = Destination::Pod(d.src_pod);
-        self.forward(notice);
+        self.forward(cancel_notice(d));
+    }
+
+    /// The frame after which stream `xid` writes nothing more into its receiver's
+    /// buffer.
+    fn send_end(&mut self, qp: u32, xid: u32, end: ChunkEnd) {
+        let chunk = Chunk {
+            xid,
+            window: 0,
+            len: 0,
+            end,
+        };
+        self.send_link(qp, Message::Chunk(chunk));
     }
 
     /// Link `qp` is gone: its streams end (their pods hear it).
@@ -428,4 +405,20 @@ impl<F: Fabric> Reactor<F> {
             self.stream_abort(key, why, true);
         }
     }
+}
+
+/// What tells the pod that sent `part` (any part of a stream: its ids and lane) that
+/// the stream is over: an error with `Cancelled` and no buffers, which the DMA
+/// manager delivers to the pod instead of freeing anything.
+fn cancel_notice(part: &Descriptor) -> Descriptor {
+    let mut notice = *part;
+    notice.header = Buffer::NONE;
+    notice.body = Buffer::NONE;
+    notice.kind.completion = true;
+    notice.kind.error = true;
+    notice.kind.stream = true;
+    notice.kind.response = true;
+    notice.status = DescriptorStatus::Cancelled as u16;
+    notice.dst = Destination::Pod(part.src_pod);
+    notice
 }

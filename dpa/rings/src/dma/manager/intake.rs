@@ -20,6 +20,18 @@ impl<E: DmaEngine> DmaManager<E> {
             );
             return;
         }
+        if d.kind.stream && !d.kind.response {
+            // A request's body crosses whole for now: only answers stream.
+            self.refuse_to_pod(
+                pod_id,
+                &d,
+                Refusal::new(
+                    DescriptorStatus::Malformed,
+                    "only answers stream: a request's body crosses whole",
+                ),
+            );
+            return;
+        }
         match self.claim_and_copy_header(pod_id, &d) {
             Ok(forward) => self.send_to_arm(forward),
             Err(refusal) => self.refuse_to_pod(pod_id, &d, refusal),
