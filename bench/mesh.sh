@@ -25,6 +25,8 @@
 #       -m10 over h2c): the mesh with the interop service as a pod (a tonic server
 #       on the host library) behind the bench chain, against HAProxy with the same
 #       policy proxying h2 to the same tonic server on TCP,
+#   (l), (m) at the end: a streamed 1 GiB download through nginx proxy and through the
+#       mesh (bench/stream.sh, which also runs alone),
 #   (k) nginx (a), unmodified, joined to the mesh through a bridge (one mesh-file
 #       line), against nginx proxying to it (b): req/s and the host's CPU per request
 #       (the bridge + the server, against nginx proxying + serving: the sidecar cost),
@@ -293,3 +295,7 @@ IFS='|' read -r _ rk _ _ ck _ mk _ _ <<<"$k"
 IFS='|' read -r _ _ _ _ cb _ _ _ _ <<<"$b"
 echo "bridged nginx k/b req/s: $(echo "scale=2; $rk / $rb" | bc), host CPU per request (bridge + nginx vs nginx proxy + origin): $ck vs $cb us ($(echo "scale=2; $ck / $cb" | bc)), ingress + node $mk us"
 echo "gRPC unary j/j calls/s (mesh / HAProxy): $(echo "scale=2; $rdj / $rcj" | bc), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
+
+echo
+echo "==> (l), (m): a streamed 1 GiB download (bench/stream.sh)"
+./bench/stream.sh | sed -n '/^name|MB/,$p'

@@ -11,15 +11,23 @@ use bytes::Bytes;
 use dpumesh_host::{HttpResponse, body};
 use http_body::{Body, Frame, SizeHint};
 
-/// Bytes per part of a download.
-const PART: usize = 64 << 10;
+/// Bytes per part of a download: a multiple of the pattern's period, so every part
+/// is the same bytes and the body is made once, not per request.
+const PART: usize = 251 * 1044;
 
 /// Byte `i` of every download: a pattern a client can check anywhere in the body.
 pub fn pattern(i: u64) -> u8 {
     (i % 251) as u8
 }
 
-/// `len` bytes of [`pattern`], made a part at a time.
+/// One part of the pattern, made once; each part of a download is a slice of it (no
+/// copy: the transport copies it into a slot).
+fn part() -> &'static Bytes {
+    static PART_BYTES: std::sync::OnceLock<Bytes> = std::sync::OnceLock::new();
+    PART_BYTES.get_or_init(|| (0..PART as u64).map(pattern).collect::<Vec<u8>>().into())
+}
+
+/// `len` bytes of [`pattern`], a part at a time.
 struct Download {
     at: u64,
     len: u64,
@@ -37,9 +45,8 @@ impl Body for Download {
             return Poll::Ready(None);
         }
         let n = (self.len - self.at).min(PART as u64);
-        let part: Vec<u8> = (self.at..self.at + n).map(pattern).collect();
         self.at += n;
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from(part)))))
+        Poll::Ready(Some(Ok(Frame::data(part().slice(..n as usize)))))
     }
 
     fn size_hint(&self) -> SizeHint {
