@@ -32,13 +32,14 @@ fn check_download(body: &[u8], len: usize) {
     }
 }
 
-/// Opens `/download?bytes=len` on a raw connection and reads `take` bytes of it.
-fn start_download(mesh: &Mesh, token: &str, len: u64, take: usize) -> TcpStream {
+/// Opens `/download?bytes=len` on a raw connection (closed after the answer) and
+/// reads `take` bytes of it: the stream and those bytes.
+fn start_download(mesh: &Mesh, token: &str, len: u64, take: usize) -> (TcpStream, Vec<u8>) {
     let mut s = TcpStream::connect(mesh.ingress).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     write!(
         s,
-        "GET /download?bytes={len} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\n\r\n"
+        "GET /download?bytes={len} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n"
     )
     .unwrap();
     let mut got = vec![0u8; take];
@@ -48,12 +49,25 @@ fn start_download(mesh: &Mesh, token: &str, len: u64, take: usize) -> TcpStream 
         "{}",
         String::from_utf8_lossy(&got[..64])
     );
-    s
+    (s, got)
 }
 
 #[test]
 fn streamed_answers_flow_part_by_part_and_stop_when_their_client_leaves() {
-    let mesh = Mesh::up();
+    // Events sit idle at most a second on their route.
+    let mesh = Mesh::up_edited(
+        |m| m,
+        |p| {
+            let catch_all = "  - {path_prefix: /, service: frontend}";
+            assert!(p.contains(catch_all), "the sample's catch-all route");
+            p.replace(
+                catch_all,
+                &format!(
+                    "  - {{path_prefix: /events, service: frontend, stream_idle_timeout: 1s}}\n{catch_all}"
+                ),
+            )
+        },
+    );
     let alice = token("alice", &["user"]);
 
     // A body eight times the ingress's buffers (max_body 8 MiB), over HTTP/1.1
@@ -91,21 +105,27 @@ fn streamed_answers_flow_part_by_part_and_stop_when_their_client_leaves() {
         );
     }
 
+    // A stream with nothing moving past its route's idle limit is aborted: the client
+    // has what came, and the body is not ended as if it were whole.
+    let (ok, body) = curl(&mesh, &alice, "/events?count=3&every_ms=4000", &["-N"]);
+    let text = String::from_utf8(body).unwrap();
+    assert!(!ok, "an aborted stream is not a complete answer: {text}");
+    assert!(text.contains("data: event 0\n"), "{text}");
+    assert!(!text.contains("data: event 1\n"), "{text}");
+
     // A client that stops reading holds the stream (back-pressure) and gets it
     // whole when it reads again.
-    let mut slow = start_download(&mesh, &alice, 32 << 20, 4096);
+    let (mut slow, mut got) = start_download(&mesh, &alice, 32 << 20, 4096);
     std::thread::sleep(Duration::from_secs(2));
-    let mut rest = Vec::new();
-    slow.read_to_end(&mut rest).unwrap();
-    assert!(
-        rest.len() > 32 << 20,
-        "the rest of the stream arrives after the pause"
-    );
+    slow.read_to_end(&mut got).unwrap();
+    let head_end = got.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let body = dechunk(&got[head_end..]).expect("the whole chunked body after the pause");
+    check_download(&body, 32 << 20);
 
     // Clients that leave mid-stream cancel it: the service's slots come back, so
     // many more such streams than a pod has slots (32 bodies) leave it serving.
     for _ in 0..40 {
-        drop(start_download(&mesh, &alice, 1 << 30, 256 << 10));
+        drop(start_download(&mesh, &alice, 1 << 30, 256 << 10).0);
     }
     let (ok, body) = curl(&mesh, &alice, "/download?bytes=1000000", &[]);
     assert!(ok, "the service still streams after 40 cancelled downloads");

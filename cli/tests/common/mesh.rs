@@ -311,7 +311,7 @@ pub fn read_response(s: &mut TcpStream) -> Option<Reply> {
 }
 
 /// A chunked body's bytes, once its last chunk (and trailer section) arrived.
-fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+pub fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::new();
     loop {
         let line = b.windows(2).position(|w| w == b"\r\n")?;

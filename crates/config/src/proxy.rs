@@ -149,6 +149,9 @@ pub struct ServiceConfig {
     pub timeout: Option<Span>,
     /// Retries of failed tries.
     pub retries: Option<RetryConfig>,
+    /// How long a streamed answer may go with nothing moving (no part from the
+    /// service, no part taken by the client) before it is aborted (default 5m).
+    pub stream_idle_timeout: Option<Span>,
 }
 
 /// An upstream outside the mesh that filters' HTTP calls (proxy-wasm
@@ -197,6 +200,8 @@ pub struct RouteConfig {
     pub timeout: Option<Span>,
     /// Retries overriding the service's.
     pub retries: Option<RetryConfig>,
+    /// A streamed answer's idle limit overriding the service's.
+    pub stream_idle_timeout: Option<Span>,
     /// Cache its cacheable responses on the node (RFC 9111, shared cache) and answer
     /// from there; the node needs a `store` section in the mesh file.
     pub cache: Option<CacheConfig>,

@@ -17,6 +17,9 @@ pub struct RoutePolicy {
     pub grpc_retry_on: crate::GrpcCodes,
     /// The route's response cache (routes only; never a service's).
     pub cache: Option<CacheConfig>,
+    /// How long a streamed answer may sit with nothing moving (`None`: the mesh's
+    /// default).
+    pub stream_idle: Option<std::time::Duration>,
 }
 
 impl RoutePolicy {
@@ -31,12 +34,16 @@ impl RoutePolicy {
             },
             grpc_retry_on: retries.map_or(fallback.grpc_retry_on, |r| r.grpc_on),
             cache: None,
+            stream_idle: fallback.stream_idle,
         }
     }
 
     /// A service's own policy.
     pub fn of_service(service: &ServiceConfig) -> Self {
-        Self::new(service.timeout, service.retries, Self::default())
+        Self {
+            stream_idle: service.stream_idle_timeout.map(|s| s.0),
+            ..Self::new(service.timeout, service.retries, Self::default())
+        }
     }
 }
 
@@ -124,6 +131,7 @@ impl RouteTable {
                     chain: chain_index(chain_name)?,
                     policy: RoutePolicy {
                         cache: r.cache,
+                        stream_idle: r.stream_idle_timeout.map(|s| s.0).or(service.stream_idle),
                         ..RoutePolicy::new(r.timeout, r.retries, service)
                     },
                 })
@@ -192,5 +200,24 @@ routes:
         );
         assert_eq!(find("other", "/healthz"), Some(("web", 1)));
         assert_eq!(find("[::1]:80", "/x"), None);
+    }
+
+    #[test]
+    fn a_routes_stream_idle_limit_overrides_its_services() {
+        let text = r#"
+filters: {f: {component: f.wasm}}
+chains: {a: [f]}
+services: {api: {chain: a, stream_idle_timeout: 30s}, web: {chain: a}}
+routes:
+  - {path_prefix: /events, service: api, stream_idle_timeout: 2s}
+  - {path_prefix: /api, service: api}
+  - {service: web}
+"#;
+        let c = LoadedConfig::parse(Path::new("p.yaml"), text.to_owned()).unwrap();
+        let table = RouteTable::new(&c.config, |_| Some(0));
+        let idle = |path| table.find("h", path).and_then(|m| m.policy.stream_idle);
+        assert_eq!(idle("/events"), Some(std::time::Duration::from_secs(2)));
+        assert_eq!(idle("/api/x"), Some(std::time::Duration::from_secs(30)));
+        assert_eq!(idle("/"), None, "the mesh's default");
     }
 }

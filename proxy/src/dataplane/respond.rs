@@ -113,8 +113,7 @@ impl<F: Fabric> Reactor<F> {
                 xid: peer_xid,
                 reply,
             } if d.kind.stream => {
-                let grpc = exchange.traits.grpc.then(|| exchange.service.clone());
-                self.open_stream(qp, peer_xid, reply, d, header, grpc);
+                self.open_stream((qp, peer_xid, reply), &exchange, d, header);
             }
             Origin::Pod { d: request } => {
                 // Case 3: the DMA manager delivers B's reply to A (body B → A), under

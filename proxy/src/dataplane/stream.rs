@@ -7,7 +7,8 @@
 //!
 //! A stream ends with the pod's last part (its trailers go in the `Chunk` that ends
 //! it), with an abort (the pod's, or the proxy's when the pod leaves or the stream
-//! sits idle past [`STREAM_IDLE`]), or with the receiver's `Cancel` (its client
+//! sits idle past its route's `stream_idle_timeout`, [`STREAM_IDLE`] by default), or
+//! with the receiver's `Cancel` (its client
 //! left): the pod hears `Cancelled` and drops the body, and the receiver gets a last
 //! abort frame, after which nothing writes into its reply buffer any more.
 
@@ -19,7 +20,8 @@ use dpumesh_dpa::{DescriptorStatus, StreamPart};
 use super::*;
 
 /// How long a stream may go with nothing moving (no part from the pod, no window
-/// handed back) before it is aborted (Envoy's `stream_idle_timeout` default).
+/// handed back) before it is aborted, when its route does not say (Envoy's
+/// `stream_idle_timeout` default).
 pub(super) const STREAM_IDLE: Duration = Duration::from_secs(300);
 
 /// A pod's part waiting for (or being written into) the receiver's windows.
@@ -47,6 +49,8 @@ pub(super) struct RelayStream {
     opening: Descriptor,
     queue: VecDeque<Waiting>,
     last_moved: Instant,
+    /// Its route's idle limit.
+    idle: Duration,
     /// Counted by gRPC status when it ends (a gRPC call's service).
     grpc_service: Option<String>,
 }
@@ -74,17 +78,17 @@ impl Streams {
 use exchange::PodKey;
 
 impl<F: Fabric> Reactor<F> {
-    /// A pod opened a streamed answer to a request that came over link `qp`: the head
-    /// goes now, the body follows part by part.
+    /// A pod opened a streamed answer to `exchange`, whose request came over link
+    /// `qp`: the head goes now, the body follows part by part.
     pub(super) fn open_stream(
         &mut self,
-        qp: u32,
-        peer_xid: u32,
-        reply: RemoteBuf,
+        (qp, peer_xid, reply): (u32, u32, RemoteBuf),
+        exchange: &Exchange,
         d: Descriptor,
         header: Vec<u8>,
-        grpc_service: Option<String>,
     ) {
+        let grpc_service = exchange.traits.grpc.then(|| exchange.service.clone());
+        let idle = exchange.policy.stream_idle.unwrap_or(STREAM_IDLE);
         let windows = StreamWindows::of(reply.len);
         let Destination::Pod(to) = d.dst else {
             self.refuse_stream(&d);
@@ -122,6 +126,7 @@ impl<F: Fabric> Reactor<F> {
                 opening: d,
                 queue: VecDeque::new(),
                 last_moved: Instant::now(),
+                idle,
                 grpc_service,
             },
         );
@@ -381,7 +386,7 @@ impl<F: Fabric> Reactor<F> {
         }
     }
 
-    /// Housekeeping: streams whose pod left, and streams idle past [`STREAM_IDLE`].
+    /// Housekeeping: streams whose pod left, and streams idle past their limit.
     pub(super) fn expire_streams(&mut self, live: impl Fn(u32) -> bool) {
         if self.streams.len() == 0 {
             return;
@@ -394,7 +399,7 @@ impl<F: Fabric> Reactor<F> {
             .filter_map(|(k, s)| {
                 if !live(s.pod) {
                     Some((*k, "the service left mid-stream"))
-                } else if now.duration_since(s.last_moved) >= STREAM_IDLE {
+                } else if now.duration_since(s.last_moved) >= s.idle {
                     Some((*k, "the stream sat idle too long"))
                 } else {
                     None

@@ -23,6 +23,7 @@ fn policy(retries: u32, per_try_ms: Option<u32>) -> RoutePolicy {
         per_try_timeout: per_try_ms.map(|ms| ms * MS),
         cache: None,
         grpc_retry_on: Default::default(),
+        stream_idle: None,
     }
 }
 
