@@ -150,6 +150,13 @@ impl Sender {
             .map_err(|_| Closed)
     }
 
+    /// Aborts the body from a thread (blocking while the channel is full).
+    pub fn blocking_abort(&mut self, why: impl Into<String>) -> Result<(), Closed> {
+        self.tx
+            .blocking_send(Item::Abort(why.into()))
+            .map_err(|_| Closed)
+    }
+
     /// Aborts the body: the client sees it incomplete, not ended.
     pub async fn abort(self, why: impl Into<String>) {
         let _ = self.tx.send(Item::Abort(why.into())).await;

@@ -120,16 +120,65 @@ impl PyHandler {
     }
 }
 
-/// `(status, [(name, value)], bytes)` as a response.
+/// `(status, [(name, value)], bytes)` as a response, or `(status, headers, first,
+/// rest)`: a streamed answer whose parts after `first` come from the generator
+/// `rest` ([`stream_from`]).
 fn response(value: &Bound<'_, PyAny>) -> PyResult<HttpResponse> {
-    let (status, headers, body): (u16, Vec<(String, String)>, Bound<'_, PyAny>) =
-        value.extract()?;
-    let body = body.cast::<PyBytes>()?;
-    Ok(HttpResponse {
-        status,
-        headers: header_map(&headers, "the response")?,
-        body: bytes::Bytes::copy_from_slice(body.as_bytes()),
-        trailers: Default::default(),
-        stream: None,
-    })
+    type Whole<'py> = (u16, Vec<(String, String)>, Bound<'py, PyAny>);
+    type Streamed<'py> = (
+        u16,
+        Vec<(String, String)>,
+        Bound<'py, PyAny>,
+        Bound<'py, PyAny>,
+    );
+    let ((status, headers, body), rest) = match value.extract::<Streamed<'_>>() {
+        Ok((status, headers, body, rest)) => ((status, headers, body), Some(rest)),
+        Err(_) => (value.extract::<Whole<'_>>()?, None),
+    };
+    let body = bytes::Bytes::copy_from_slice(body.cast::<PyBytes>()?.as_bytes());
+    let headers = header_map(&headers, "the response")?;
+    let mut response = match rest {
+        Some(rest) => HttpResponse::streaming(status, stream_from(rest.unbind())),
+        None => HttpResponse::new(status, bytes::Bytes::new()),
+    };
+    response.headers = headers;
+    response.body = body;
+    Ok(response)
+}
+
+/// A body fed by a Python generator of bytes, from a thread of its own (it takes the
+/// GIL for each part and waits, released, while the client is slow). The generator
+/// is closed when the client leaves (its `finally` runs); an exception aborts the
+/// body.
+fn stream_from(rest: Py<PyAny>) -> dpumesh_host::body::Receiver {
+    let (mut tx, rx) = dpumesh_host::body::channel(2);
+    std::thread::spawn(move || {
+        loop {
+            let next = Python::attach(|py| match rest.bind(py).call_method0("__next__") {
+                Ok(part) => part
+                    .cast::<PyBytes>()
+                    .map(|b| Some(bytes::Bytes::copy_from_slice(b.as_bytes())))
+                    .map_err(|_| "the generator yielded something that is not bytes".to_owned()),
+                Err(e) if e.is_instance_of::<pyo3::exceptions::PyStopIteration>(py) => Ok(None),
+                Err(e) => Err(format!("the generator raised: {}", error_text(py, &e))),
+            });
+            match next {
+                Ok(Some(part)) => {
+                    if tx.blocking_send(part).is_err() {
+                        // The client left: the generator's `finally` runs now.
+                        Python::attach(|py| {
+                            let _ = rest.bind(py).call_method0("close");
+                        });
+                        return;
+                    }
+                }
+                Ok(None) => return,
+                Err(why) => {
+                    let _ = tx.blocking_abort(why);
+                    return;
+                }
+            }
+        }
+    });
+    rx
 }

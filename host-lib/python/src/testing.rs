@@ -158,10 +158,19 @@ impl TestMesh {
             .iter()
             .map(|(n, v)| (n.as_str().to_owned(), header_text(v)))
             .collect();
+        let mut body = response.body.to_vec();
+        if let Some(stream) = response.stream.as_ref().and_then(|s| s.take()) {
+            // A streamed answer, read to its end as a client would (its producer
+            // may need the interpreter: released meanwhile).
+            let rest = py
+                .detach(|| read_stream(stream))
+                .map_err(|e| PyRuntimeError::new_err(format!("the streamed answer failed: {e}")))?;
+            body.extend_from_slice(&rest);
+        }
         Ok((
             response.status,
             headers,
-            PyBytes::new(py, &response.body),
+            PyBytes::new(py, &body),
             ms(at.saturating_sub(started)),
         ))
     }
@@ -261,4 +270,34 @@ pub(crate) fn bench_rust(py: Python<'_>, kind: &str, n: usize) -> PyResult<f64> 
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     let total = batches(py, &mut service_loop, n, || HttpRequest::get("/"))?;
     Ok(total.as_nanos() as f64 / n.max(1) as f64)
+}
+
+/// A streamed body's bytes to its end, waiting on this thread (woken by the body's
+/// producer).
+fn read_stream(
+    mut body: std::pin::Pin<
+        Box<dyn http_body::Body<Data = bytes::Bytes, Error = dpumesh_host::body::BoxError> + Send>,
+    >,
+) -> Result<Vec<u8>, String> {
+    struct Unpark(std::thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(std::sync::Arc::new(Unpark(std::thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut out = Vec::new();
+    loop {
+        match body.as_mut().poll_frame(&mut cx) {
+            std::task::Poll::Pending => std::thread::park(),
+            std::task::Poll::Ready(None) => return Ok(out),
+            std::task::Poll::Ready(Some(Err(e))) => return Err(e.to_string()),
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
+                }
+            }
+        }
+    }
 }

@@ -86,6 +86,50 @@ def test_a_bare_wsgi_app_works_too():
     assert (r.status, r.headers["x-kind"], r.text) == (418, "bare", "short and stout")
 
 
+def test_a_generator_response_streams_and_a_sized_one_comes_whole():
+    from dpumesh.wsgi import call_wsgi
+    from flask import Response
+
+    app = Flask(__name__)
+    closed = []
+
+    @app.route("/events")
+    def events():
+        def gen():
+            try:
+                for i in range(3):
+                    yield f"data: {i}\n\n"
+            finally:
+                closed.append(True)
+
+        return Response(gen(), mimetype="text/event-stream")
+
+    @app.route("/whole")
+    def whole():
+        return "all at once"
+
+    env = environ_for("GET", "/events", [], b"", "svc", None)
+    status, headers, first, rest = call_wsgi(app, env)
+    assert (status, first) == (200, b"data: 0\n\n")
+    assert rest is not None, "a generator without a length streams"
+    assert list(rest) == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert closed == [True], "the app's generator is closed at the end"
+
+    # Dropped mid-stream (the client left): the app's generator is closed too.
+    closed.clear()
+    _, _, _, rest = call_wsgi(app, environ_for("GET", "/events", [], b"", "svc", None))
+    rest.close()
+    assert closed == [True]
+
+    _, _, body, rest = call_wsgi(app, environ_for("GET", "/whole", [], b"", "svc", None))
+    assert (body, rest) == (b"all at once", None), "a response with its length is whole"
+
+    # Through the service loop: the streamed parts arrive as one body.
+    r = TestMesh(app).get("/events")
+    assert (r.status, r.text) == (200, "data: 0\n\ndata: 1\n\ndata: 2\n\n")
+    assert r.headers["content-type"].startswith("text/event-stream")
+
+
 def test_the_server_loads_module_colon_attribute_and_says_what_is_wrong(tmp_path):
     (tmp_path / "svc.py").write_text("def app(environ, start_response):\n    pass\nnot_an_app = 3\n")
     assert load("svc:app", str(tmp_path)).__name__ == "app"

@@ -119,21 +119,66 @@ class _Start:
 
 
 def call_wsgi(app: Callable[..., Any], environ: dict) -> tuple:
-    """Runs ``app``: ``(status, [(name, value)], body bytes)``."""
+    """Runs ``app``: ``(status, [(name, value)], body bytes, rest)``.
+
+    ``rest`` is ``None`` when the body is whole: the app returned a list or tuple, or
+    said its length (``Content-Length``). Otherwise (a generator: server-sent events, a
+    large download) ``body`` is the first part and ``rest`` a generator of the parts
+    that follow, which the mesh streams as they come and closes when the client
+    leaves."""
     start = _Start()
     result = app(environ, start)
+    if isinstance(result, (list, tuple)):
+        try:
+            start.chunks.extend(c for c in result if c)
+        finally:
+            _close(result)
+        return _whole(start, None)
+    it = iter(result)
     try:
-        for chunk in result:
+        # The first part (start_response may be called only now, by a generator).
+        for chunk in it:
             if chunk:
                 start.chunks.append(chunk)
+                break
+        else:
+            _close(result)
+            return _whole(start, None)
+        if any(n.lower() == "content-length" for n, _ in start.headers):
+            for chunk in it:
+                if chunk:
+                    start.chunks.append(chunk)
+            _close(result)
+            return _whole(start, None)
+    except BaseException:
+        _close(result)
+        raise
+    return _whole(start, _rest(it, result))
+
+
+def _close(result: Any) -> None:
+    close = getattr(result, "close", None)
+    if close is not None:
+        close()
+
+
+def _rest(it: Any, result: Any) -> Any:
+    """The parts after the first; closing it (the client left) closes the app's."""
+    try:
+        for chunk in it:
+            if chunk:
+                yield bytes(chunk)
     finally:
-        close = getattr(result, "close", None)
-        if close is not None:
-            close()
+        _close(result)
+
+
+def _whole(start: _Start, rest: Any) -> tuple:
     if start.status is None:
+        if rest is not None:
+            rest.close()
         raise RuntimeError("the WSGI app returned without calling start_response")
     status = int(start.status.split(" ", 1)[0])
-    return status, list(start.headers), b"".join(start.chunks)
+    return status, list(start.headers), b"".join(start.chunks), rest
 
 
 class Dispatcher:
@@ -159,15 +204,20 @@ class Dispatcher:
         environ = environ_for(method, target, headers, body, self.service, caller)
         with current(ctx):
             try:
-                status, out_headers, out_body = call_wsgi(self.app, environ)
+                status, out_headers, out_body, rest = call_wsgi(self.app, environ)
             except Exception as e:
                 name = self.handler_name(environ)
                 log.error("handler %s (%s %s) raised", name, method, target, exc_info=True)
                 text = f"handler {name} raised {type(e).__name__}: {e}\n"
                 return (500, _TEXT, text.encode("utf-8", "replace"))
         if not ctx.used:
+            if rest is not None:
+                # Streamed: the first part now, the rest as the generator makes it.
+                return (status, out_headers, out_body, rest)
             return (status, out_headers, out_body)
-        if out_body:
+        if rest is not None:
+            rest.close()
+        if out_body or rest is not None:
             name = self.handler_name(environ)
             text = (
                 f"handler {name} scheduled steps and also returned a response body; "
