@@ -14,6 +14,15 @@
 //! holds: back-pressure from the slowest reader to the writer, with no memory growing
 //! on the way. `Cancel` says the receiver gave the stream up (its client left).
 //!
+//! A streamed request (`stream` in its flags: an upload, a gRPC client stream) works
+//! the same way the other way round: `body` is then the requester's whole request
+//! buffer, cut into windows by the same rule; the requester writes a part into a free
+//! window and announces it with `UpChunk`; the responder RDMA-READs it and hands the
+//! window back with `UpWindow` once the read is done; `UpCancel` says the responder
+//! wants no more of the body (the service answered, left or was never reached), and
+//! after it nothing of the requester's buffer is read. Every stream frame names the
+//! requester's exchange id, whichever side sends it.
+//!
 //! ```text
 //! frame:    magic "DM" | version u8 | kind u8 | credits u16 | fields
 //! Request:  xid u32 | flags u8 | deadline_ms u32 | body? RemoteBuf | reply RemoteBuf |
@@ -24,6 +33,7 @@
 //!           tail (u32 length + bytes: the trailers' head when last, why when abort)
 //! Window:   xid u32 | count u8
 //! Cancel:   xid u32
+//! UpChunk, UpWindow, UpCancel: as Chunk, Window and Cancel (the request's body)
 //! Credit:   (nothing: the frame's credits field is the message)
 //! RemoteBuf: addr u64 | rkey u32 | len u32
 //! ```
@@ -32,8 +42,9 @@ use crate::fabric::RemoteAddr;
 
 /// Frame magic.
 pub const MAGIC: [u8; 2] = *b"DM";
-/// The protocol version written and read (2: streamed responses).
-pub const FRAME_VERSION: u8 = 2;
+/// The protocol version written and read (2: streamed responses; 3: streamed
+/// requests).
+pub const FRAME_VERSION: u8 = 3;
 /// The largest frame (a head of up to 64 KiB plus the fixed fields).
 pub const MAX_FRAME: usize = (64 << 10) + 256;
 
@@ -43,6 +54,9 @@ const CREDIT: u8 = 3;
 const CHUNK: u8 = 4;
 const WINDOW: u8 = 5;
 const CANCEL: u8 = 6;
+const UP_CHUNK: u8 = 7;
+const UP_WINDOW: u8 = 8;
+const UP_CANCEL: u8 = 9;
 
 /// The largest window of a stream's reply buffer: a part larger than this crosses
 /// in several windows.
@@ -95,6 +109,9 @@ pub struct RequestFlags {
     /// Without it, a request from a link is one from outside, which only routes let
     /// in. Believed from nodes only.
     pub call: bool,
+    /// The body follows in parts (`UpChunk`s) through the windows of `body`, which
+    /// is the requester's whole request buffer rather than a body of that length.
+    pub stream: bool,
 }
 
 /// A request for a service on the receiver's node.
@@ -180,6 +197,19 @@ pub enum Message {
     Cancel {
         xid: u32,
     },
+    /// A part of a streamed request body (`xid` is the requester's).
+    UpChunk(Chunk),
+    /// The responder read `count` windows of request `xid`'s body: they may be
+    /// written again.
+    UpWindow {
+        xid: u32,
+        count: u8,
+    },
+    /// The responder wants no more of request `xid`'s body; nothing more of the
+    /// requester's buffer is read.
+    UpCancel {
+        xid: u32,
+    },
 }
 
 /// A frame: a message and the receive credits it returns.
@@ -245,12 +275,19 @@ impl Frame {
             Message::Chunk(_) => CHUNK,
             Message::Window { .. } => WINDOW,
             Message::Cancel { .. } => CANCEL,
+            Message::UpChunk(_) => UP_CHUNK,
+            Message::UpWindow { .. } => UP_WINDOW,
+            Message::UpCancel { .. } => UP_CANCEL,
         });
         out.extend_from_slice(&self.credits.to_le_bytes());
         match &self.message {
             Message::Request(r) => {
                 out.extend_from_slice(&r.xid.to_le_bytes());
-                out.push(u8::from(r.flags.policed) | u8::from(r.flags.call) << 1);
+                out.push(
+                    u8::from(r.flags.policed)
+                        | u8::from(r.flags.call) << 1
+                        | u8::from(r.flags.stream) << 2,
+                );
                 out.extend_from_slice(&r.deadline_ms.to_le_bytes());
                 match &r.body {
                     None => out.push(0),
@@ -279,7 +316,7 @@ impl Frame {
                 put_bytes(out, &r.head);
             }
             Message::Credit => {}
-            Message::Chunk(c) => {
+            Message::Chunk(c) | Message::UpChunk(c) => {
                 out.extend_from_slice(&c.xid.to_le_bytes());
                 out.push(c.window);
                 out.extend_from_slice(&c.len.to_le_bytes());
@@ -298,11 +335,13 @@ impl Frame {
                     }
                 }
             }
-            Message::Window { xid, count } => {
+            Message::Window { xid, count } | Message::UpWindow { xid, count } => {
                 out.extend_from_slice(&xid.to_le_bytes());
                 out.push(*count);
             }
-            Message::Cancel { xid } => out.extend_from_slice(&xid.to_le_bytes()),
+            Message::Cancel { xid } | Message::UpCancel { xid } => {
+                out.extend_from_slice(&xid.to_le_bytes())
+            }
         }
         if out.len() > MAX_FRAME {
             return Err(FrameError::TooLarge(out.len()));
@@ -330,9 +369,10 @@ impl Frame {
             REQUEST => {
                 let xid = r.u32("xid")?;
                 let flags = match r.u8("flags")? {
-                    bits @ 0..=3 => RequestFlags {
+                    bits @ 0..=7 => RequestFlags {
                         policed: bits & 1 != 0,
                         call: bits & 2 != 0,
+                        stream: bits & 4 != 0,
                     },
                     tag => return Err(FrameError::Tag { what: "flags", tag }),
                 };
@@ -376,7 +416,7 @@ impl Frame {
                 Message::Response(Response { xid, body, head })
             }
             CREDIT => Message::Credit,
-            CHUNK => {
+            CHUNK | UP_CHUNK => {
                 let xid = r.u32("xid")?;
                 let window = r.u8("window")?;
                 let len = r.u32("chunk length")?;
@@ -399,18 +439,28 @@ impl Frame {
                         });
                     }
                 };
-                Message::Chunk(Chunk {
+                let chunk = Chunk {
                     xid,
                     window,
                     len,
                     end,
-                })
+                };
+                if kind == CHUNK {
+                    Message::Chunk(chunk)
+                } else {
+                    Message::UpChunk(chunk)
+                }
             }
             WINDOW => Message::Window {
                 xid: r.u32("xid")?,
                 count: r.u8("window count")?,
             },
             CANCEL => Message::Cancel { xid: r.u32("xid")? },
+            UP_WINDOW => Message::UpWindow {
+                xid: r.u32("xid")?,
+                count: r.u8("window count")?,
+            },
+            UP_CANCEL => Message::UpCancel { xid: r.u32("xid")? },
             tag => {
                 return Err(FrameError::Tag {
                     what: "message kind",
@@ -490,6 +540,7 @@ mod tests {
                     flags: RequestFlags {
                         policed: true,
                         call: false,
+                        stream: false,
                     },
                     deadline_ms: 1500,
                     body: Some(buf(0x1000, 8 << 20)),
@@ -578,6 +629,47 @@ mod tests {
             Frame {
                 credits: 0,
                 message: Message::Cancel { xid: 7 },
+            },
+            Frame {
+                credits: 0,
+                message: Message::Request(Request {
+                    xid: 8,
+                    flags: RequestFlags {
+                        policed: false,
+                        call: false,
+                        stream: true,
+                    },
+                    deadline_ms: 0,
+                    body: Some(buf(0x1000, 8 << 20)),
+                    reply: buf(0x9000, 8 << 20),
+                    head: b"h".to_vec(),
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::UpChunk(Chunk {
+                    xid: 8,
+                    window: 2,
+                    len: 100,
+                    end: ChunkEnd::More,
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::UpChunk(Chunk {
+                    xid: 8,
+                    window: 0,
+                    len: 0,
+                    end: ChunkEnd::Last(Vec::new()),
+                }),
+            },
+            Frame {
+                credits: 0,
+                message: Message::UpWindow { xid: 8, count: 1 },
+            },
+            Frame {
+                credits: 0,
+                message: Message::UpCancel { xid: 8 },
             },
         ]
     }

@@ -173,12 +173,16 @@ impl<F: Fabric> Link<F> {
                 crate::frame::ResponseBody::Inline(b) => r.head.len() + b.len() + 64,
                 _ => r.head.len() + 64,
             },
-            Message::Chunk(c) => match &c.end {
+            Message::Chunk(c) | Message::UpChunk(c) => match &c.end {
                 crate::frame::ChunkEnd::Last(t) => t.len() + 64,
                 crate::frame::ChunkEnd::Abort(why) => why.len() + 64,
                 crate::frame::ChunkEnd::More => 64,
             },
-            Message::Credit | Message::Window { .. } | Message::Cancel { .. } => 0,
+            Message::Credit
+            | Message::Window { .. }
+            | Message::Cancel { .. }
+            | Message::UpWindow { .. }
+            | Message::UpCancel { .. } => 0,
         };
         if size > MAX_FRAME {
             return Err(LinkError::Encode(FrameError::TooLarge(size)));

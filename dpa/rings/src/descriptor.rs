@@ -308,10 +308,18 @@ pub struct Kind {
 /// may carry a body buffer (at most a slot: the body in pieces, so a body of any
 /// size crosses in slot-sized parts and its first byte leaves before its last
 /// arrives).
+///
+/// A response's body streams from the pod that answers; a request's body (an upload,
+/// a gRPC client stream) streams from the node to the pod it delivered the request
+/// to, opened by the request itself ([`StreamPart::OPEN_REQUEST`]). Its receiver,
+/// the pod, tells the node what it did with the parts on responses to the request:
+/// [`StreamPart::Taken`] for each part it passed on, [`StreamPart::Stop`] when it
+/// wants no more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StreamPart {
-    /// The head (status 100–599 is the HTTP status) and the body's first bytes, if
-    /// any. More follows.
+    /// The head (a response's status 100–599 is its HTTP status; a request's is
+    /// [`StreamPart::OPEN_REQUEST`]) and the body's first bytes, if any. More
+    /// follows.
     Open,
     /// Status 0: more of the body.
     Data,
@@ -319,15 +327,26 @@ pub enum StreamPart {
     End,
     /// Status 2: the sender gives the stream up; what was sent is incomplete.
     Abort,
+    /// Status 3: the receiver of a request's streamed body passed a part on: its
+    /// sender may deliver another.
+    Taken,
+    /// Status 4: the receiver of a request's streamed body wants no more of it.
+    Stop,
 }
 
 impl StreamPart {
-    /// The `status` a part of this kind carries (an opening carries its HTTP status).
+    /// The status of a streamed request's opening.
+    pub const OPEN_REQUEST: u16 = 5;
+
+    /// The `status` a part of this kind carries (a response's opening carries its
+    /// HTTP status; this is 200).
     pub fn code(self) -> u16 {
         match self {
             StreamPart::Data => 0,
             StreamPart::End => 1,
             StreamPart::Abort => 2,
+            StreamPart::Taken => 3,
+            StreamPart::Stop => 4,
             StreamPart::Open => 200,
         }
     }
@@ -337,7 +356,9 @@ impl StreamPart {
             0 => Some(StreamPart::Data),
             1 => Some(StreamPart::End),
             2 => Some(StreamPart::Abort),
-            100..=599 => Some(StreamPart::Open),
+            3 => Some(StreamPart::Taken),
+            4 => Some(StreamPart::Stop),
+            Self::OPEN_REQUEST | 100..=599 => Some(StreamPart::Open),
             _ => None,
         }
     }
@@ -418,7 +439,7 @@ pub enum DescriptorError {
     ErrorCode(u16),
     /// A stream part whose status names no part.
     #[error(
-        "stream descriptor carries status {0}: a part is 0 (data), 1 (end), 2 (abort) or an HTTP status (opening)"
+        "stream descriptor carries status {0}: a part is 0 (data), 1 (end), 2 (abort), 3 (taken), 4 (stop), 5 (a request's opening) or an HTTP status (a response's opening)"
     )]
     StreamStatus(u16),
 }

@@ -502,7 +502,7 @@ impl<F: Fabric> Reactor<F> {
                 xid,
                 flags: RequestFlags {
                     policed: true,
-                    call: false,
+                    ..RequestFlags::default()
                 },
                 deadline_ms,
                 body,

@@ -175,6 +175,9 @@ fn stream_parts_say_which_part_they_are_and_nothing_else() {
         (0, StreamPart::Data),
         (1, StreamPart::End),
         (2, StreamPart::Abort),
+        (3, StreamPart::Taken),
+        (4, StreamPart::Stop),
+        (StreamPart::OPEN_REQUEST, StreamPart::Open),
     ] {
         let d = part(status);
         let back = Descriptor::decode(&d.encode(1)).unwrap();
@@ -182,10 +185,12 @@ fn stream_parts_say_which_part_they_are_and_nothing_else() {
         assert_eq!(back.stream_part(), Some(expected));
     }
     // A status that names no part is refused.
-    assert_eq!(
-        Descriptor::decode(&part(3).encode(1)),
-        Err(DescriptorError::StreamStatus(3))
-    );
+    for bad in [6, 99, 600] {
+        assert_eq!(
+            Descriptor::decode(&part(bad).encode(1)),
+            Err(DescriptorError::StreamStatus(bad))
+        );
+    }
     // A part's completion and a stream's cancel notice are no parts.
     let mut done = part(0);
     done.kind.completion = true;
