@@ -10,6 +10,7 @@ impl<F: Fabric> Reactor<F> {
     pub(super) fn forget_departed_pods(&mut self) {
         let live = self.pods.forget_departed();
         self.expire_streams(|pod| live.contains(&pod));
+        self.expire_uploads(|pod| live.contains(&pod));
         for xid in self.table.at_departed_pods(|pod| live.contains(&pod)) {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,
@@ -123,6 +124,10 @@ impl<F: Fabric> Reactor<F> {
                     let _ = self.pods.port.release_header(original);
                 }
                 self.forward(out);
+            }
+            &Origin::Link { qp, xid: peer_xid, .. } if exchange.traits.streamed => {
+                let (attempt, idle) = (exchange.attempt, exchange.policy.stream_idle);
+                self.deliver_upload(xid, pod, header, attempt, (qp, peer_xid), idle);
             }
             &Origin::Link { qp, .. } => {
                 let attempt = exchange.attempt;
@@ -275,6 +280,9 @@ impl<F: Fabric> Reactor<F> {
                 if let Some(d) = done {
                     self.hand_back(&d);
                 }
+            }
+            Transfer::UpRead { qp, xid, pod, slot } => {
+                self.upload_read(qp, xid, pod, slot, failed.is_none());
             }
         }
     }

@@ -86,7 +86,8 @@ impl Exchange {
             // A pod's body is handed on by the first try; one at the ingress can be
             // read again.
             body_at_hand: match &self.origin {
-                Origin::Link { .. } => true,
+                // A streamed body went to the pod part by part: it is not at hand.
+                Origin::Link { .. } => !self.traits.streamed,
                 Origin::Pod { .. } => !self.traits.had_body,
             },
             at_pod: matches!(self.stage, Stage::Pod { .. }),
@@ -123,6 +124,8 @@ pub(super) struct RequestTraits {
     pub had_body: bool,
     /// A gRPC call: the proxy's own answers to it are trailers-only gRPC responses.
     pub grpc: bool,
+    /// Its body streams (an upload: `upload`), so it cannot be sent twice.
+    pub streamed: bool,
 }
 
 impl RequestTraits {
@@ -135,6 +138,7 @@ impl RequestTraits {
             ),
             had_body: false,
             grpc: dpumesh_head::grpc::is_grpc(head.headers()),
+            streamed: false,
         }
     }
 }
@@ -156,6 +160,14 @@ pub(super) enum Transfer {
     /// A piece of a streamed answer's part written into a window; `done` (the part,
     /// when this is its last piece) is handed back.
     StreamWrite { qp: u32, done: Option<Descriptor> },
+    /// A part of a streamed request body (of the requester's `xid` over `qp`) read
+    /// into pod `pod`'s RX slot `slot`.
+    UpRead {
+        qp: u32,
+        xid: u32,
+        pod: u32,
+        slot: Buffer,
+    },
 }
 
 impl Transfer {
@@ -163,7 +175,8 @@ impl Transfer {
         match self {
             Transfer::Read { qp, .. }
             | Transfer::Write { qp, .. }
-            | Transfer::StreamWrite { qp, .. } => *qp,
+            | Transfer::StreamWrite { qp, .. }
+            | Transfer::UpRead { qp, .. } => *qp,
         }
     }
 }

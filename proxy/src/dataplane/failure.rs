@@ -83,6 +83,7 @@ impl<F: Fabric> Reactor<F> {
         let Some(mut exchange) = self.table.close(xid) else {
             return;
         };
+        self.upload_exchange_over(&exchange, false);
         // A gRPC caller gets the reply as gRPC: a trailers-only answer whose
         // `grpc-status` stands for the HTTP status (Envoy's local reply mapping).
         let grpc;
@@ -139,7 +140,9 @@ impl<F: Fabric> Reactor<F> {
     }
 
     pub(super) fn drop_exchange(&mut self, xid: u32) {
-        self.table.close(xid);
+        if let Some(exchange) = self.table.close(xid) {
+            self.upload_exchange_over(&exchange, false);
+        }
     }
 
     pub(super) fn reply_origin_error(&mut self, origin: &Origin, e: &ProxyError) {
@@ -294,9 +297,11 @@ impl<F: Fabric> Reactor<F> {
                         self.hand_back(&d);
                     }
                 }
+                Transfer::UpRead { pod, slot, .. } => self.release_rx(pod, slot),
             }
         }
         self.streams_link_down(qp);
+        self.uploads_link_down(qp);
         for o in loss.orphans {
             self.release_rx(o.d.src_pod, o.reply_slot);
             self.hand_back(&o.d);

@@ -21,11 +21,14 @@ impl<F: Fabric> Reactor<F> {
             n += 1;
             if d.kind.error {
                 self.delivery_failed(d);
-            } else if d.kind.response
-                && d.kind.stream
-                && d.stream_part() != Some(dpumesh_dpa::StreamPart::Open)
-            {
-                self.stream_part(d);
+            } else if d.kind.response && d.kind.stream {
+                use dpumesh_dpa::StreamPart;
+                match d.stream_part() {
+                    Some(StreamPart::Open) => self.pod_response(d),
+                    // What the pod did with a request's streamed body.
+                    Some(StreamPart::Taken | StreamPart::Stop) => self.upload_ack(d),
+                    _ => self.stream_part(d),
+                }
             } else if d.kind.response {
                 self.pod_response(d);
             } else {
@@ -89,6 +92,9 @@ impl<F: Fabric> Reactor<F> {
             Message::Credit => {}
             Message::Window { xid, count } => self.stream_window(qp, xid, count),
             Message::Cancel { xid } => self.stream_cancel(qp, xid),
+            Message::UpChunk(c) => self.upload_chunk(qp, c),
+            // This node streams no request bodies to its peers.
+            Message::UpWindow { .. } | Message::UpCancel { .. } => {}
             Message::Chunk(c) => {
                 // A peer's stream to a pod's call was cancelled (`peer_response`):
                 // its last frame frees what the call lent it.
@@ -125,7 +131,24 @@ impl<F: Fabric> Reactor<F> {
         let mut flags = r.flags;
         self.trust_claims(qp, &mut head, &mut flags);
         let limit = (r.deadline_ms > 0).then(|| Duration::from_millis(u64::from(r.deadline_ms)));
-        self.admit(origin, head, r.body, flags, limit);
+        if !flags.stream {
+            self.admit(origin, head, r.body, flags, limit);
+            return;
+        }
+        // Its body streams through the requester's buffer: nothing is read until the
+        // chain let it through and a pod takes it.
+        let opened = r.body.is_some_and(|b| self.upload_open(qp, r.xid, b));
+        if !opened {
+            let e = ProxyError::new(
+                ErrorKind::MalformedRequest,
+                "a streamed request needs a buffer of at least one window",
+            );
+            self.reply_origin_error(&origin, &e);
+            return;
+        }
+        if self.admit(origin, head, None, flags, limit).is_none() {
+            self.upload_cancel((qp, r.xid), false);
+        }
     }
 
     /// What a request says of itself is believed as far as its link's proven peer
@@ -241,7 +264,8 @@ impl<F: Fabric> Reactor<F> {
         self.admit(origin, head, None, RequestFlags::default(), None);
     }
 
-    /// Routes a request and runs its chain (unless a peer proxy already did).
+    /// Routes a request and runs its chain (unless a peer proxy already did);
+    /// the exchange it opened, if it did (else it was answered).
     pub(super) fn admit(
         &mut self,
         origin: Origin,
@@ -249,7 +273,7 @@ impl<F: Fabric> Reactor<F> {
         body: Option<RemoteBuf>,
         flags: RequestFlags,
         limit: Option<Duration>,
-    ) {
+    ) -> Option<u32> {
         let snapshot = self.filters.policy.snapshot();
         let routed = if flags.policed {
             head.destination.clone().map(|s| {
@@ -278,13 +302,16 @@ impl<F: Fabric> Reactor<F> {
                 ),
             );
             self.reply_origin_error(&origin, &e);
-            return;
+            return None;
         };
         head.destination = Some(service.clone());
         let opening = Opening {
             origin,
             service,
-            traits: RequestTraits::of(&head),
+            traits: RequestTraits {
+                streamed: flags.stream,
+                ..RequestTraits::of(&head)
+            },
             body,
             policy,
             default_timeout: self.topology.timeout,
@@ -299,7 +326,7 @@ impl<F: Fabric> Reactor<F> {
             };
             let xid = self.table.open(decided, Instant::now());
             self.dispatch(xid);
-            return;
+            return Some(xid);
         }
         let xid = self.table.open(opening, Instant::now());
         let generation = &snapshot.generation;
@@ -307,7 +334,7 @@ impl<F: Fabric> Reactor<F> {
             // Run to completion here: the chain's instances are this thread's.
             let done = self.filters.chains.on_request(generation, chain, head);
             self.decided(xid, Ok(Box::new(done)));
-            return;
+            return Some(xid);
         }
         // A chain with a filter slow by nature runs on the pool; its verdict comes
         // back through the inbox and the bell.
@@ -327,6 +354,7 @@ impl<F: Fabric> Reactor<F> {
         if let Err(e) = submitted {
             self.fail(xid, pool_error(e));
         }
+        Some(xid)
     }
 
     /// Runs a response phase where its request phase ran: inline, or on the pool for

@@ -72,6 +72,7 @@ mod pods;
 mod respond;
 mod response_metrics;
 mod stream;
+mod upload;
 mod wire_head;
 
 use exchange::{
@@ -374,6 +375,8 @@ struct Reactor<F: Fabric> {
     table: ExchangeTable,
     /// Streamed answers on their way to links.
     streams: stream::Streams,
+    /// Streamed request bodies on their way from links to pods.
+    uploads: upload::Uploads,
     topology: Topology,
     /// Where this node's own proxy is reached (mesh calls to services it runs).
     self_addr: SocketAddr,
@@ -550,6 +553,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             },
             table: ExchangeTable::default(),
             streams: stream::Streams::default(),
+            uploads: upload::Uploads::default(),
             topology,
             self_addr,
             waits,

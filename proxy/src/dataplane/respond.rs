@@ -50,6 +50,10 @@ impl<F: Fabric> Reactor<F> {
             self.hand_back(&d);
             return;
         };
+        // A streamed request body goes on while the answer streams (gRPC's
+        // bidirectional calls), and is not wanted after a whole answer.
+        let answer_streams = d.kind.stream && matches!(exchange.origin, Origin::Link { .. });
+        self.upload_exchange_over(&exchange, answer_streams);
         let upstream = pod_upstream(&exchange.service, d.src_pod);
         // A streamed gRPC answer's status comes in its trailers, at its end.
         if exchange.traits.grpc && !d.kind.stream {

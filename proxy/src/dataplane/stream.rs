@@ -297,6 +297,7 @@ impl<F: Fabric> Reactor<F> {
         let Some(s) = self.streams.remove(key) else {
             return;
         };
+        self.upload_answer_over(s.qp, s.xid);
         if let Some(service) = &s.grpc_service {
             let status = match &end {
                 ChunkEnd::Last(trailers) => {
@@ -341,6 +342,9 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         tracing::debug!(pod = s.pod, why, "a streamed answer ended early");
+        if tell_link {
+            self.upload_answer_over(s.qp, s.xid);
+        }
         for w in s.queue {
             self.hand_back(&w.d);
         }
