@@ -22,6 +22,7 @@ pub mod fair;
 pub mod framing;
 mod header_timer;
 pub mod tls;
+mod upload;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -442,6 +443,22 @@ async fn connection<F: Fabric, IO>(
         .await;
 }
 
+/// A request body of a stated length below this is read whole before it is sent;
+/// a longer one, or one of no stated length that is not all there at once, streams.
+const WHOLE_BELOW: u64 = 1 << 20;
+
+/// The future's output if it is ready now (it is polled once, with a waker that
+/// does nothing: a future that was not ready is dropped, and whatever it registered
+/// is polled again by its next poll).
+pub(crate) fn futures_now<T>(fut: impl std::future::Future<Output = T>) -> Option<T> {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => Some(v),
+        std::task::Poll::Pending => None,
+    }
+}
+
 /// The client's answer for a request the mesh could not serve: as gRPC (a
 /// trailers-only answer, [`dpumesh_head::grpc::local_reply`]) to a gRPC caller.
 fn error_response(e: &ProxyError, grpc: bool) -> Response<ClientBody> {
@@ -552,12 +569,9 @@ impl Routing {
         &self,
         head: &RequestHead,
         reachable: impl Fn(SocketAddr) -> bool,
-    ) -> Option<(String, SocketAddr)> {
-        let service = self
-            .routes
-            .find(&head.authority, &head.path)?
-            .service
-            .to_owned();
+    ) -> Option<(String, SocketAddr, dpumesh_config::RoutePolicy)> {
+        let found = self.routes.find(&head.authority, &head.path)?;
+        let (service, policy) = (found.service.to_owned(), found.policy);
         let nodes = self.settings.services.get(&service)?;
         if nodes.is_empty() {
             return None;
@@ -568,7 +582,7 @@ impl Routing {
             .map(|i| nodes[(n + i) % nodes.len()])
             .find(|&a| reachable(a) && !avoid(a))
             .unwrap_or(nodes[n % nodes.len()]);
-        Some((service, node))
+        Some((service, node, policy))
     }
 }
 
@@ -647,7 +661,7 @@ async fn forward<F: Fabric>(
     let timeout = answer_timeout(req.headers(), settings.request_timeout)?;
     let mut head = head_of(&req, peer, session)?;
     normalize_path(&mut head, &settings.path)?;
-    let Some((service, node)) = state
+    let Some((service, node, policy)) = state
         .routing
         .route(&head, |node| state.fabric.reachable(node))
     else {
@@ -659,12 +673,17 @@ async fn forward<F: Fabric>(
             ),
         ));
     };
-    // Refuse what cannot fit before reading a byte of it.
-    if let Some(len) = req
+    let length = req
         .headers()
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    // A body streams unless its route buffers, or it says it is small (then it is
+    // read whole: one descriptor, and a retry has it at hand).
+    let may_stream = !policy.buffer_body && length.is_none_or(|n| n > WHOLE_BELOW);
+    // Refuse what cannot fit before reading a byte of it.
+    if let Some(len) = length
+        && !may_stream
         && len > settings.max_body as u64
     {
         return Err(ProxyError::new(
@@ -706,6 +725,55 @@ async fn forward<F: Fabric>(
     let mut body = req.into_body();
     let mut len: u64 = 0;
     let mut trailers = http::HeaderMap::new();
+    if may_stream {
+        // What came with the head is read now; a body that is all there (a unary
+        // gRPC call's message) goes whole; one that is not streams from here.
+        let window =
+            u64::from(dpumesh_dpa::frame::StreamWindows::of(settings.max_body as u32).size);
+        let mut carry = None;
+        let ended = loop {
+            let frame = match futures_now(body.frame()) {
+                None => break false,
+                Some(None) => break true,
+                Some(Some(frame)) => frame.map_err(|e| {
+                    ProxyError::new(
+                        ErrorKind::MalformedRequest,
+                        format!("bad request body: {e}"),
+                    )
+                })?,
+            };
+            match frame.into_data() {
+                Ok(data) if len + data.len() as u64 > window => {
+                    carry = Some(data);
+                    break false;
+                }
+                Ok(data) => {
+                    fabric.write(&slot, len, &data)?;
+                    len += data.len() as u64;
+                }
+                Err(frame) => {
+                    if let Ok(mut fields) = frame.into_trailers() {
+                        dpumesh_head::trailers::keep_allowed(&mut fields);
+                        trailers.extend(fields);
+                    }
+                }
+            }
+        };
+        if !ended {
+            metrics::counter!("dpumesh_ingress_streamed_requests_total").increment(1);
+            let (answer, upload) =
+                fabric.call_streamed(node, slot, head_bytes, len as u32, timeout);
+            if let Some(upload) = upload {
+                let idle = settings.body_timeout;
+                tokio::task::spawn_local(upload::send_body(upload, body, carry, idle));
+            }
+            return await_answer(answer, timeout, &service).await;
+        }
+        return send_whole(
+            fabric, node, slot, &mut head, head_bytes, len, trailers, timeout, settings, &service,
+        )
+        .await;
+    }
     let read = async {
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| {
@@ -764,13 +832,34 @@ async fn forward<F: Fabric>(
             )
         }
     })??;
+    send_whole(
+        fabric, node, slot, &mut head, head_bytes, len, trailers, timeout, settings, &service,
+    )
+    .await
+}
+
+/// A request whose body (`len` bytes) is in `slot`: sent to `node`, and its answer
+/// awaited.
+#[allow(clippy::too_many_arguments)]
+async fn send_whole<F: Fabric>(
+    fabric: &Client<F>,
+    node: SocketAddr,
+    slot: dpumesh_fabric_client::Slot,
+    head: &mut RequestHead,
+    head_bytes: Vec<u8>,
+    len: u64,
+    trailers: http::HeaderMap,
+    timeout: Duration,
+    settings: &Settings,
+    service: &str,
+) -> Result<Response<ClientBody>, ProxyError> {
     // Trailers come after the body, so the head was encoded without them: encoded
     // again, for the rare request that has them.
     let head_bytes = if trailers.is_empty() {
         head_bytes
     } else {
         head.trailers = trailers;
-        wire::encode_request(&head)
+        wire::encode_request(head)
             .ok()
             .filter(|b| b.len() <= settings.max_head)
             .ok_or_else(|| {
@@ -784,7 +873,16 @@ async fn forward<F: Fabric>(
             })?
     };
     let answer = fabric.call(node, slot, head_bytes, len as u32, timeout);
-    // The node answers 504 itself at the deadline; this is the guard if it cannot.
+    await_answer(answer, timeout, service).await
+}
+
+/// Waits for a node's answer: the node answers 504 itself at the deadline; this is
+/// the guard if it cannot.
+async fn await_answer(
+    answer: tokio::sync::oneshot::Receiver<Result<Answer, ProxyError>>,
+    timeout: Duration,
+    service: &str,
+) -> Result<Response<ClientBody>, ProxyError> {
     let answer = tokio::time::timeout(timeout + Duration::from_secs(2), answer)
         .await
         .map_err(|_| {

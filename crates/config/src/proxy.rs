@@ -152,6 +152,10 @@ pub struct ServiceConfig {
     /// How long a streamed answer may go with nothing moving (no part from the
     /// service, no part taken by the client) before it is aborted (default 5m).
     pub stream_idle_timeout: Option<Span>,
+    /// Read request bodies whole at the ingress before sending them (up to its
+    /// `max_body`, past it 413), so a request can be tried again; by default a body
+    /// that does not come at once streams (default false).
+    pub buffer_body: Option<bool>,
 }
 
 /// An upstream outside the mesh that filters' HTTP calls (proxy-wasm
@@ -202,6 +206,9 @@ pub struct RouteConfig {
     pub retries: Option<RetryConfig>,
     /// A streamed answer's idle limit overriding the service's.
     pub stream_idle_timeout: Option<Span>,
+    /// Whole request bodies (see the service's `buffer_body`), overriding the
+    /// service's.
+    pub buffer_body: Option<bool>,
     /// Cache its cacheable responses on the node (RFC 9111, shared cache) and answer
     /// from there; the node needs a `store` section in the mesh file.
     pub cache: Option<CacheConfig>,

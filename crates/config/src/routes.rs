@@ -20,6 +20,9 @@ pub struct RoutePolicy {
     /// How long a streamed answer may sit with nothing moving (`None`: the mesh's
     /// default).
     pub stream_idle: Option<std::time::Duration>,
+    /// Request bodies are read whole at the ingress before they are sent (up to its
+    /// `max_body`), rather than streamed when they do not come at once.
+    pub buffer_body: bool,
 }
 
 impl RoutePolicy {
@@ -35,6 +38,7 @@ impl RoutePolicy {
             grpc_retry_on: retries.map_or(fallback.grpc_retry_on, |r| r.grpc_on),
             cache: None,
             stream_idle: fallback.stream_idle,
+            buffer_body: fallback.buffer_body,
         }
     }
 
@@ -42,6 +46,7 @@ impl RoutePolicy {
     pub fn of_service(service: &ServiceConfig) -> Self {
         Self {
             stream_idle: service.stream_idle_timeout.map(|s| s.0),
+            buffer_body: service.buffer_body.unwrap_or(false),
             ..Self::new(service.timeout, service.retries, Self::default())
         }
     }
@@ -132,6 +137,7 @@ impl RouteTable {
                     policy: RoutePolicy {
                         cache: r.cache,
                         stream_idle: r.stream_idle_timeout.map(|s| s.0).or(service.stream_idle),
+                        buffer_body: r.buffer_body.unwrap_or(service.buffer_body),
                         ..RoutePolicy::new(r.timeout, r.retries, service)
                     },
                 })

@@ -27,6 +27,7 @@ use dpumesh_dpa::reconnect::Reconnect;
 
 use crate::health::Health;
 use crate::stream::{Piece, StreamBody, StreamSource};
+use crate::upload::{UpNews, UpSink, Upload};
 use dpumesh_dpa::frame::{Chunk, ChunkEnd, StreamWindows};
 use dpumesh_dpa::shm::SharedRegion;
 use dpumesh_error::{ErrorKind, ProxyError};
@@ -57,9 +58,24 @@ struct Receiving {
     held: Option<Slot>,
 }
 
+/// A request body being sent in parts: where the node's news go, or (ended) the slot
+/// it holds until the node handed back the windows it was lent.
+struct Sending {
+    qp: u32,
+    /// To the upload; `None` once it ended.
+    tx: Option<mpsc::UnboundedSender<UpNews>>,
+    /// The slot of an ended upload and the windows still with the node.
+    held: Option<(Slot, u8)>,
+}
+
 /// A request slot: its index names a request body buffer and a response buffer. It
-/// goes back to the free list when dropped.
-pub struct Slot {
+/// goes back to the free list when its last clone is dropped (a request whose body
+/// streams holds it from its sender and from its answer: whichever ends last frees
+/// it).
+#[derive(Clone)]
+pub struct Slot(Rc<Held>);
+
+struct Held {
     index: u32,
     free: Rc<RefCell<Vec<u32>>>,
     _permit: OwnedSemaphorePermit,
@@ -68,11 +84,11 @@ pub struct Slot {
 impl Slot {
     /// Its index.
     pub fn index(&self) -> u32 {
-        self.index
+        self.0.index
     }
 }
 
-impl Drop for Slot {
+impl Drop for Held {
     fn drop(&mut self) {
         self.free.borrow_mut().push(self.index);
     }
@@ -93,6 +109,8 @@ struct Links<F: Fabric> {
     pending: HashMap<u32, Pending>,
     /// Streamed answers being received, by xid.
     streams: HashMap<u32, Receiving>,
+    /// Request bodies being sent in parts, by xid.
+    uploads: HashMap<u32, Sending>,
 }
 
 /// A client's slots: request bodies are written into `requests` for the node to READ,
@@ -179,6 +197,50 @@ impl<F: Fabric> StreamSource for Client<F> {
     }
 }
 
+impl<F: Fabric> UpSink for Client<F> {
+    fn write_at(&self, slot: &Slot, at: u64, bytes: &[u8]) -> Result<(), ProxyError> {
+        self.write(slot, at, bytes)
+    }
+
+    fn send_up(&self, qp: u32, message: Message) -> Result<(), ProxyError> {
+        let mut state = self.state.borrow_mut();
+        let Some((_, link)) = state.links.get_mut(&qp) else {
+            return Err(ProxyError::new(
+                ErrorKind::LinkLost,
+                "the link carrying the request body was lost",
+            ));
+        };
+        if let Err(e) = link.send(message) {
+            if link.is_down() {
+                self.down(&mut state, qp, &e.to_string());
+            }
+            return Err(ProxyError::new(
+                ErrorKind::LinkLost,
+                format!("cannot send the request body's part: {e}"),
+            ));
+        }
+        drop(state);
+        self.posted.notify_one();
+        Ok(())
+    }
+
+    fn release(&self, qp: u32, xid: u32, slot: Slot, busy: u8) {
+        let mut state = self.state.borrow_mut();
+        match state.uploads.get_mut(&xid) {
+            Some(s) if s.qp == qp && busy > 0 => {
+                s.tx = None;
+                s.held = Some((slot, busy));
+            }
+            // Nothing of the buffer is with the node (or the link is gone): the
+            // slot goes with the upload.
+            Some(s) if s.qp == qp => {
+                state.uploads.remove(&xid);
+            }
+            _ => {}
+        }
+    }
+}
+
 impl<F: Fabric> Client<F> {
     /// A client with `slots` request slots of `slot_size` bytes each way; it reports
     /// its links' events to `health`. `role` names its regions, its pump and its
@@ -227,6 +289,7 @@ impl<F: Fabric> Client<F> {
                 reconnect: Reconnect::default(),
                 pending: HashMap::new(),
                 streams: HashMap::new(),
+                uploads: HashMap::new(),
             }),
             completions: RefCell::new(Vec::with_capacity(64)),
             panic_next: Cell::new(false),
@@ -266,11 +329,11 @@ impl<F: Fabric> Client<F> {
             .borrow_mut()
             .pop()
             .expect("a permit guarantees a free slot");
-        Slot {
+        Slot(Rc::new(Held {
             index,
             free: self.slots.free.clone(),
             _permit: permit,
-        }
+        }))
     }
 
     /// Writes body bytes at `at` in `slot`'s request buffer.
@@ -283,7 +346,7 @@ impl<F: Fabric> Client<F> {
         }
         self.slots
             .requests
-            .write(u64::from(slot.index) * self.slots.size + at, bytes)
+            .write(u64::from(slot.index()) * self.slots.size + at, bytes)
             .map_err(|e| {
                 ProxyError::new(
                     ErrorKind::Internal,
@@ -323,22 +386,80 @@ impl<F: Fabric> Client<F> {
         deadline: Duration,
         flags: RequestFlags,
     ) -> oneshot::Receiver<Result<Answer, ProxyError>> {
+        self.send_request(node, slot, head, body_len, deadline, flags)
+            .0
+    }
+
+    /// Sends a request whose body streams: its first `first` bytes are in the slot's
+    /// request buffer already (window 0); the returned [`Upload`] sends the rest, as
+    /// it comes, while the answer is awaited (it may come, and stream, before the
+    /// body ends). No upload when the request could not be sent (the answer says
+    /// why).
+    pub fn call_streamed(
+        &self,
+        node: SocketAddr,
+        slot: Slot,
+        head: Vec<u8>,
+        first: u32,
+        deadline: Duration,
+    ) -> (
+        oneshot::Receiver<Result<Answer, ProxyError>>,
+        Option<Upload>,
+    ) {
+        let flags = RequestFlags {
+            stream: true,
+            ..RequestFlags::default()
+        };
+        let (answer, qp) = self.send_request(node, slot.clone(), head, 0, deadline, flags);
+        let upload = qp.and_then(|qp| {
+            let sink = self.me.upgrade()?;
+            let (tx, news) = mpsc::unbounded_channel();
+            self.state.borrow_mut().uploads.insert(
+                slot.index(),
+                Sending {
+                    qp,
+                    tx: Some(tx),
+                    held: None,
+                },
+            );
+            let windows = StreamWindows::of(self.slots.size as u32);
+            Some(Upload::new(sink, qp, slot, windows, first, news))
+        });
+        (answer, upload)
+    }
+
+    /// Posts a request frame; the link it went on, when it went.
+    fn send_request(
+        &self,
+        node: SocketAddr,
+        slot: Slot,
+        head: Vec<u8>,
+        body_len: u32,
+        deadline: Duration,
+        flags: RequestFlags,
+    ) -> (oneshot::Receiver<Result<Answer, ProxyError>>, Option<u32>) {
         let (reply, answer) = oneshot::channel();
         if let Err(why) = self.ready() {
             // Nobody would hand the answer over: say so now.
             let _ = reply.send(Err(ProxyError::new(ErrorKind::ThreadLost, why)));
-            return answer;
+            return (answer, None);
         }
         let mut state = self.state.borrow_mut();
         let qp = match self.link(&mut state, node) {
             Ok(qp) => qp,
             Err(e) => {
                 let _ = reply.send(Err(e));
-                return answer;
+                return (answer, None);
             }
         };
-        let offset = u64::from(slot.index) * self.slots.size;
-        let xid = slot.index;
+        let offset = u64::from(slot.index()) * self.slots.size;
+        let xid = slot.index();
+        // A streamed body's buffer is the whole request buffer (its windows).
+        let body_len = if flags.stream {
+            self.slots.size as u32
+        } else {
+            body_len
+        };
         let request = Request {
             xid,
             flags,
@@ -362,11 +483,11 @@ impl<F: Fabric> Client<F> {
             if link.is_down() {
                 self.down(&mut state, qp, &e.to_string());
             }
-            return answer;
+            return (answer, None);
         }
         state.pending.insert(xid, Pending { qp, slot, reply });
         self.posted.notify_one();
-        answer
+        (answer, Some(qp))
     }
 
     /// Whether `node` is worth sending to now (not waiting out a failed connect).
@@ -446,6 +567,8 @@ impl<F: Fabric> Client<F> {
         // Streams over it end: their bodies fail, held slots are free (nothing can
         // write into them any more).
         state.streams.retain(|_, s| s.qp != qp);
+        // Uploads over it end (nothing reads their buffers any more).
+        state.uploads.retain(|_, s| s.qp != qp);
     }
 
     /// Sends what streamed bodies did since the last turn: windows handed back,
@@ -608,6 +731,12 @@ impl<F: Fabric> Client<F> {
                 Ok(Some(LinkEvent::Message(Message::Chunk(c)))) => {
                     self.chunk(&mut state, wc.qp_num, c);
                 }
+                Ok(Some(LinkEvent::Message(Message::UpWindow { xid, count }))) => {
+                    up_news(&mut state.uploads, wc.qp_num, xid, UpNews::Window(count));
+                }
+                Ok(Some(LinkEvent::Message(Message::UpCancel { xid }))) => {
+                    up_news(&mut state.uploads, wc.qp_num, xid, UpNews::Cancel);
+                }
                 Ok(Some(LinkEvent::Message(_))) | Ok(None) | Ok(Some(LinkEvent::OpDone(_))) => {}
                 Ok(Some(LinkEvent::OpFailed(_, status))) => {
                     self.down(&mut state, wc.qp_num, &format!("{status:?}"));
@@ -632,6 +761,7 @@ impl<F: Fabric> Client<F> {
         state.links.clear();
         state.by_node.clear();
         state.streams.clear();
+        state.uploads.clear();
     }
 
     /// Requests waiting for their answer.
@@ -739,5 +869,31 @@ impl<F: Fabric> Client<F> {
     /// Whether the pump is down (after repeated panics): calls are answered 503.
     pub fn ready(&self) -> Result<(), String> {
         self.supervisor.ready()
+    }
+}
+
+/// The node's news of upload `xid` over link `qp`: to the upload while it runs; for
+/// one that ended, windows coming back free its slot once all are back.
+fn up_news(uploads: &mut HashMap<u32, Sending>, qp: u32, xid: u32, news: UpNews) {
+    let Some(s) = uploads.get_mut(&xid) else {
+        return;
+    };
+    if s.qp != qp {
+        return;
+    }
+    let done = match (&news, &mut s.held) {
+        (UpNews::Cancel, _) => true,
+        (UpNews::Window(n), Some((_, busy))) => {
+            *busy = busy.saturating_sub(*n);
+            *busy == 0
+        }
+        (UpNews::Window(_), None) => false,
+    };
+    if let Some(tx) = &s.tx {
+        let _ = tx.send(news);
+    }
+    if done {
+        // An upload still running keeps its own clone of the slot.
+        uploads.remove(&xid);
     }
 }

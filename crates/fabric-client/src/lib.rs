@@ -11,6 +11,8 @@ pub mod health;
 
 mod client;
 mod stream;
+mod upload;
 
 pub use client::{Answer, Client, Slot};
 pub use stream::StreamBody;
+pub use upload::{Upload, UploadError};

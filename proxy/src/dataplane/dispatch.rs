@@ -125,7 +125,9 @@ impl<F: Fabric> Reactor<F> {
                 }
                 self.forward(out);
             }
-            &Origin::Link { qp, xid: peer_xid, .. } if exchange.traits.streamed => {
+            &Origin::Link {
+                qp, xid: peer_xid, ..
+            } if exchange.traits.streamed => {
                 let (attempt, idle) = (exchange.attempt, exchange.policy.stream_idle);
                 self.deliver_upload(xid, pod, header, attempt, (qp, peer_xid), idle);
             }

@@ -115,8 +115,9 @@ impl<F: Fabric> Reactor<F> {
         link: (u32, u32),
         idle: Option<Duration>,
     ) {
-        let mut d = Descriptor::request(Case::ExternalToHost, xid, attempt, 0, Destination::Pod(pod))
-            .with_header(header);
+        let mut d =
+            Descriptor::request(Case::ExternalToHost, xid, attempt, 0, Destination::Pod(pod))
+                .with_header(header);
         d.kind.stream = true;
         d.status = StreamPart::OPEN_REQUEST;
         self.table.at_pod(xid, (0, xid, attempt), pod);
@@ -265,7 +266,12 @@ impl<F: Fabric> Reactor<F> {
                             Ok(h) => h,
                             Err(e) => {
                                 tracing::warn!(error = %e, "no header slot for a request's trailers");
-                                self.deliver_part(to, StreamPart::Abort, Buffer::NONE, Buffer::NONE);
+                                self.deliver_part(
+                                    to,
+                                    StreamPart::Abort,
+                                    Buffer::NONE,
+                                    Buffer::NONE,
+                                );
                                 return;
                             }
                         }
@@ -338,7 +344,10 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         if u.to.is_none_or(|t| t.pod != d.src_pod) {
-            tracing::warn!(pod = d.src_pod, "a pod spoke of a request body it is not sent");
+            tracing::warn!(
+                pod = d.src_pod,
+                "a pod spoke of a request body it is not sent"
+            );
             return;
         }
         u.last_moved = Instant::now();
