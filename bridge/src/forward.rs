@@ -16,6 +16,7 @@ use bytes::Bytes;
 use dpumesh_config::BridgeProtocol;
 use dpumesh_head::whole_body::WholeBody;
 use dpumesh_host::Caller;
+use dpumesh_host::body::RequestBody;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::Either;
 use hyper::body::Incoming;
@@ -36,7 +37,7 @@ pub type Body = Either<Incoming, WholeBody>;
 /// Forwards to one server.
 #[derive(Clone)]
 pub struct Forward {
-    client: Client<HttpConnector, WholeBody>,
+    client: Client<HttpConnector, RequestBody>,
     to: String,
     protocol: BridgeProtocol,
 }
@@ -86,7 +87,7 @@ impl Forward {
     }
 }
 
-impl tower_service::Service<Request<WholeBody>> for Forward {
+impl tower_service::Service<Request<RequestBody>> for Forward {
     type Response = Response<Body>;
     type Error = Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
@@ -95,7 +96,7 @@ impl tower_service::Service<Request<WholeBody>> for Forward {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: Request<WholeBody>) -> Self::Future {
+    fn call(&mut self, request: Request<RequestBody>) -> Self::Future {
         let this = self.clone();
         Box::pin(async move {
             let request = match this.to_server(request) {
@@ -121,7 +122,7 @@ impl tower_service::Service<Request<WholeBody>> for Forward {
 impl Forward {
     /// The request as the server gets it: to its address, the caller in
     /// [`CLIENT_CERT`], the framing the client library's.
-    fn to_server(&self, request: Request<WholeBody>) -> Result<Request<WholeBody>, String> {
+    fn to_server(&self, request: Request<RequestBody>) -> Result<Request<RequestBody>, String> {
         let (mut parts, body) = request.into_parts();
         let target = parts
             .uri

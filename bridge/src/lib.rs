@@ -80,7 +80,8 @@ pub fn run(env: &PodEnv, settings: Settings) -> anyhow::Result<()> {
     let mut service_loop = EventLoop::new(
         transport,
         dpumesh_host::tower::handler(forward),
-        LoopConfig::default(),
+        // The server reads bodies as they come: an upload streams through.
+        LoopConfig::streaming(),
     )?;
     if let Some(addr) = settings.egress {
         let listener = runtime

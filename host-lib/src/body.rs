@@ -253,3 +253,52 @@ mod tests {
         assert_eq!(got.unwrap_err().to_string(), "the disk failed");
     }
 }
+
+/// A received request's body as a `tower::Service` gets it ([`crate::tower::handler`]):
+/// whole, or arriving in parts ([`crate::HttpRequest::stream`]).
+pub enum RequestBody {
+    /// All there (with its trailers).
+    Whole(dpumesh_head::whole_body::WholeBody),
+    /// Arriving as the client sends it.
+    Stream(Boxed),
+}
+
+impl std::fmt::Debug for RequestBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Whole(_) => f.write_str("RequestBody::Whole"),
+            Self::Stream(_) => f.write_str("RequestBody::Stream"),
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            Self::Whole(b) => Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|f| f.map_err(|never| match never {}))),
+            Self::Stream(b) => b.as_mut().poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Self::Whole(b) => b.is_end_stream(),
+            Self::Stream(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Self::Whole(b) => b.size_hint(),
+            Self::Stream(b) => b.size_hint(),
+        }
+    }
+}

@@ -39,6 +39,7 @@ use http::Method;
 use parking_lot::Mutex;
 
 use crate::http::{Caller, HttpRequest, HttpResponse};
+use crate::instream::{InStreams, Step};
 use crate::outstream::{OutStreams, Part};
 use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
 
@@ -126,8 +127,12 @@ pub struct DataPathTransport {
     /// Streamed answers being sent.
     streams: OutStreams,
     /// Wakes `poll` when a streamed body has more (its producer is another thread or
-    /// task).
+    /// task), or a request body arriving in parts was read.
     stream_waker: std::task::Waker,
+    /// Request bodies arriving in parts.
+    in_streams: InStreams,
+    /// Which requests' bodies stream to the handler.
+    wants_stream: fn(&HttpRequest) -> bool,
 }
 
 /// A `std::task::Waker` that ends the transport's wait.
@@ -235,8 +240,11 @@ impl DataPathTransport {
     /// Over a registered port (that is not registered again if its node goes away).
     pub fn new(port: HostPort) -> Self {
         let interrupter = Arc::new(Mutex::new(port.interrupter()));
+        let stream_waker = std::task::Waker::from(Arc::new(WakeTransport(interrupter.clone())));
         Self {
-            stream_waker: std::task::Waker::from(Arc::new(WakeTransport(interrupter.clone()))),
+            in_streams: InStreams::new(stream_waker.clone(), 8 << 20),
+            wants_stream: |_| false,
+            stream_waker,
             streams: OutStreams::default(),
             interrupter,
             port: Some(port),
@@ -298,6 +306,7 @@ impl DataPathTransport {
         }
         self.incoming.waiting.clear();
         self.streams.clear();
+        self.in_streams.clear();
         self.incoming.lost_below = self.incoming.next;
         self.located.clear();
         let me = std::thread::current();
@@ -448,6 +457,11 @@ impl DataPathTransport {
                 descriptor,
                 header,
                 body,
+            } if descriptor.kind.stream => self.in_part(descriptor, header, body, out),
+            Incoming::Message {
+                descriptor,
+                header,
+                body,
             } => match wire::decode_request(&header) {
                 Ok(head) => {
                     let id = self.incoming.next;
@@ -494,6 +508,125 @@ impl DataPathTransport {
                     });
                 }
             }
+        }
+    }
+
+    /// A streamed request's opening, or a part of its body.
+    fn in_part(
+        &mut self,
+        descriptor: Descriptor,
+        header: Vec<u8>,
+        body: Vec<u8>,
+        out: &mut Vec<Event>,
+    ) {
+        let key = (descriptor.req_id, descriptor.step_id);
+        let part = match descriptor.stream_part() {
+            Some(StreamPart::Open) => {
+                let mut request = match wire::decode_request(&header) {
+                    Ok(head) => to_request(head, Vec::new()),
+                    Err(e) => {
+                        let (head, body) = plain(400, &format!("malformed request head: {e}"));
+                        self.answer(&descriptor, &head, body);
+                        self.push_reply(
+                            &descriptor,
+                            StreamPart::Stop.code(),
+                            true,
+                            Vec::new(),
+                            Bytes::new(),
+                        );
+                        return;
+                    }
+                };
+                if (self.wants_stream)(&request) {
+                    let body = self.in_streams.stream(descriptor);
+                    request.stream = Some(crate::body::BodyStream::new(body));
+                    self.hand_over(descriptor, request, out);
+                } else {
+                    self.in_streams.collect(descriptor, request);
+                }
+                return;
+            }
+            Some(part) => part,
+            None => return,
+        };
+        let trailers = if header.is_empty() {
+            Ok(http::HeaderMap::new())
+        } else {
+            wire::decode_response(&header)
+                .map(|h| h.trailers)
+                .map_err(|e| format!("the request's trailers are malformed: {e}"))
+        };
+        match self.in_streams.part(key, part, body, trailers) {
+            Step::Nothing => {}
+            Step::Taken(opening) => {
+                self.push_reply(
+                    &opening,
+                    StreamPart::Taken.code(),
+                    true,
+                    Vec::new(),
+                    Bytes::new(),
+                );
+            }
+            Step::Whole(opening, request) => self.hand_over(opening, *request, out),
+            Step::TooLarge(opening) => {
+                let (head, body) = plain(
+                    413,
+                    &format!(
+                        "request body exceeds the {}-byte limit of a handler that takes whole bodies",
+                        self.in_streams.limit()
+                    ),
+                );
+                self.push_reply(
+                    &opening,
+                    StreamPart::Stop.code(),
+                    true,
+                    Vec::new(),
+                    Bytes::new(),
+                );
+                self.answer(&opening, &head, body);
+            }
+            Step::Aborted(opening, why) => {
+                let (head, body) = plain(400, &why);
+                self.answer(&opening, &head, body);
+            }
+        }
+    }
+
+    /// A request for the handler.
+    fn hand_over(&mut self, descriptor: Descriptor, request: HttpRequest, out: &mut Vec<Event>) {
+        let id = self.incoming.next;
+        self.incoming.next += 1;
+        self.incoming.waiting.insert(id, descriptor);
+        out.push(Event::Request {
+            id: IncomingId(id),
+            request,
+        });
+    }
+
+    /// Tells the node what handlers did with request bodies arriving in parts.
+    fn pump_in_streams(&mut self) {
+        if self.in_streams.len() == 0 {
+            return;
+        }
+        let (mut taken, mut stopped) = (Vec::new(), Vec::new());
+        self.in_streams.news(&mut taken, &mut stopped);
+        for opening in taken {
+            self.push_reply(
+                &opening,
+                StreamPart::Taken.code(),
+                true,
+                Vec::new(),
+                Bytes::new(),
+            );
+        }
+        for opening in stopped {
+            self.push_reply(
+                &opening,
+                StreamPart::Stop.code(),
+                true,
+                Vec::new(),
+                Bytes::new(),
+            );
         }
     }
 
@@ -610,6 +743,7 @@ fn to_request(mut head: RequestHead, body: Vec<u8>) -> HttpRequest {
             identity: head.source.identity.take(),
             scheme: std::mem::take(&mut head.scheme),
         }),
+        stream: None,
     }
 }
 
@@ -778,9 +912,15 @@ impl Transport for DataPathTransport {
             }
         }
         self.pump_streams();
+        self.pump_in_streams();
         self.flush();
         out.append(&mut self.failed);
         Ok(())
+    }
+
+    fn stream_requests(&mut self, wants: fn(&HttpRequest) -> bool, whole_limit: usize) {
+        self.wants_stream = wants;
+        self.in_streams.set_limit(whole_limit);
     }
 
     fn waker(&self) -> Waker {

@@ -93,6 +93,14 @@ pub struct LoopConfig {
     pub threads: usize,
     /// Most requests in flight (at most 65 535).
     pub max_in_flight: usize,
+    /// Which requests' bodies the handler reads as they arrive
+    /// ([`crate::HttpRequest::stream`]: uploads of any size, gRPC client streams);
+    /// the others' bodies are collected whole before the handler runs. By default
+    /// none: a handler written for whole bodies never sees part of one.
+    pub stream_requests: fn(&crate::HttpRequest) -> bool,
+    /// The largest body collected whole for a handler (past it, the request is
+    /// answered 413).
+    pub max_request_body: usize,
 }
 
 impl Default for LoopConfig {
@@ -100,6 +108,19 @@ impl Default for LoopConfig {
         Self {
             threads: 2,
             max_in_flight: MAX_SLOTS,
+            stream_requests: |_| false,
+            max_request_body: 8 << 20,
+        }
+    }
+}
+
+impl LoopConfig {
+    /// Every request's body streams to the handler (a `tower::Service` that reads
+    /// bodies as they come: a tonic server, a bridge).
+    pub fn streaming() -> Self {
+        Self {
+            stream_requests: |_| true,
+            ..Self::default()
         }
     }
 }
@@ -190,6 +211,8 @@ impl<T: Transport> EventLoop<T> {
         config: LoopConfig,
         scope: Option<WorkerScope>,
     ) -> std::io::Result<Self> {
+        let mut transport = transport;
+        transport.stream_requests(config.stream_requests, config.max_request_body);
         let (done_tx, done) = crossbeam_channel::unbounded();
         let pool = Pool::new(config.threads, done_tx, transport.waker(), scope)?;
         let tasks = Tasks::new(transport.waker());

@@ -39,6 +39,11 @@ pub struct HttpRequest {
     /// Who sent it, for a received request (the mesh's word); `None` on requests a
     /// service builds (its egress calls), where the node sets it.
     pub caller: Option<Caller>,
+    /// The body as it arrives, for a received request whose body streams to a
+    /// handler that reads bodies as they come (`LoopConfig::stream_requests`; `body`
+    /// is then empty and the trailers come at the stream's end). Take it with
+    /// [`BodyStream::take`] and read it as an `http_body::Body`.
+    pub stream: Option<BodyStream>,
 }
 
 impl HttpRequest {
@@ -51,6 +56,7 @@ impl HttpRequest {
             body: Bytes::new(),
             trailers: HeaderMap::new(),
             caller: None,
+            stream: None,
         }
     }
 

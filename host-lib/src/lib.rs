@@ -32,6 +32,7 @@ pub mod datapath;
 mod event_loop;
 pub mod graph;
 pub mod http;
+mod instream;
 pub mod memory;
 mod outstream;
 mod pool;

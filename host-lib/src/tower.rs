@@ -3,8 +3,9 @@
 //! event loop runs, so a tonic service joins the mesh over the data path, with no
 //! socket and no copy of tonic.
 //!
-//! Each request becomes an `http::Request<WholeBody>` (its body and trailers whole,
-//! the mesh's [`Caller`] in its extensions). The service's `http::Response` answers
+//! Each request becomes an `http::Request<RequestBody>` (its body and trailers whole,
+//! or, for requests the loop streams (`LoopConfig::stream_requests`), its body as it
+//! arrives; the mesh's [`Caller`] in its extensions). The service's `http::Response` answers
 //! with what its body has ready at once (a unary call's message and its trailers,
 //! where gRPC keeps its status); a body that waits for more (server streaming,
 //! server-sent events) streams the rest as it comes ([`crate::body`]). A body of a
@@ -29,6 +30,7 @@ use dpumesh_head::whole_body::WholeBody;
 use http_body_util::BodyExt;
 use tower_service::Service;
 
+use crate::body::RequestBody;
 use crate::context::ExecutionContext;
 use crate::http::{Caller, HttpRequest, HttpResponse};
 
@@ -36,7 +38,7 @@ use crate::http::{Caller, HttpRequest, HttpResponse};
 /// as tower servers do (tonic's and axum's clones share their state).
 pub fn handler<S, B>(service: S) -> impl Fn(&mut ExecutionContext) + Send + Sync + 'static
 where
-    S: Service<http::Request<WholeBody>, Response = http::Response<B>>
+    S: Service<http::Request<RequestBody>, Response = http::Response<B>>
         + Clone
         + Send
         + Sync
@@ -64,7 +66,7 @@ where
 
 /// The request as `http` types: the URL is the path and query; the caller rides in
 /// the extensions (a tonic method reads it with `request.extensions().get::<Caller>()`).
-fn to_http(request: HttpRequest) -> http::Request<WholeBody> {
+fn to_http(request: HttpRequest) -> http::Request<RequestBody> {
     let HttpRequest {
         method,
         url,
@@ -72,8 +74,13 @@ fn to_http(request: HttpRequest) -> http::Request<WholeBody> {
         body,
         trailers,
         caller,
+        stream,
     } = request;
-    let mut out = http::Request::new(WholeBody::new(body, trailers));
+    let body = match stream.and_then(|s| s.take()) {
+        Some(stream) => RequestBody::Stream(stream),
+        None => RequestBody::Whole(WholeBody::new(body, trailers)),
+    };
+    let mut out = http::Request::new(body);
     *out.method_mut() = method;
     // A received request's URL is its path and query, which the node checked; one
     // that is not a URI (never from the data path) becomes `/`.

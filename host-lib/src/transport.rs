@@ -86,4 +86,10 @@ pub trait Transport: Send {
 
     /// A function that makes a waiting `poll` return.
     fn waker(&self) -> Waker;
+
+    /// Which received requests' bodies stream to the handler as they arrive
+    /// ([`crate::HttpRequest::stream`]) rather than being collected whole first (up
+    /// to `whole_limit` bytes); a transport whose bodies always arrive whole ignores
+    /// it.
+    fn stream_requests(&mut self, _wants: fn(&HttpRequest) -> bool, _whole_limit: usize) {}
 }

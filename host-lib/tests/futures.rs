@@ -123,7 +123,7 @@ fn a_future_whose_step_times_out_is_dropped() {
 #[derive(Clone)]
 struct Echo;
 
-impl tower_service::Service<http::Request<WholeBody>> for Echo {
+impl tower_service::Service<http::Request<dpumesh_host::body::RequestBody>> for Echo {
     type Response = http::Response<WholeBody>;
     type Error = std::convert::Infallible;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
@@ -132,7 +132,7 @@ impl tower_service::Service<http::Request<WholeBody>> for Echo {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, request: http::Request<WholeBody>) -> Self::Future {
+    fn call(&mut self, request: http::Request<dpumesh_host::body::RequestBody>) -> Self::Future {
         Box::pin(async move {
             let caller = request.extensions().get::<dpumesh_host::Caller>().cloned();
             assert!(caller.is_none(), "an injected request has no caller");

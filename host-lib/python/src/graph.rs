@@ -76,6 +76,7 @@ fn request(item: &Bound<'_, PyAny>, step: &str) -> PyResult<HttpRequest> {
         body: Bytes::copy_from_slice(body.as_bytes()),
         trailers: Default::default(),
         caller: None,
+        stream: None,
     })
 }
 

@@ -131,6 +131,7 @@ impl TestMesh {
             body: body_bytes(Some(body))?,
             trailers: Default::default(),
             caller: None,
+            stream: None,
         };
         let mut service_loop = self
             .service_loop

@@ -146,8 +146,9 @@ impl<F: Fabric> Reactor<F> {
             self.reply_origin_error(&origin, &e);
             return;
         }
-        if self.admit(origin, head, None, flags, limit).is_none() {
-            self.upload_cancel((qp, r.xid), false);
+        match self.admit(origin, head, None, flags, limit) {
+            Some(xid) => self.upload_admitted(qp, r.xid, xid),
+            None => self.upload_cancel((qp, r.xid), false),
         }
     }
 

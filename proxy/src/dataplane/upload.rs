@@ -46,6 +46,8 @@ pub(super) struct Upload {
     end: Option<ChunkEnd>,
     /// Where the parts go, once the request is at a pod.
     to: Option<Target>,
+    /// Its exchange, once admitted.
+    exchange: Option<u32>,
     /// Reads in flight, and parts at the pod not taken yet.
     reading: u8,
     in_pod: u8,
@@ -94,6 +96,7 @@ impl<F: Fabric> Reactor<F> {
                 announced: VecDeque::new(),
                 end: None,
                 to: None,
+                exchange: None,
                 reading: 0,
                 in_pod: 0,
                 cancelling: false,
@@ -148,6 +151,13 @@ impl<F: Fabric> Reactor<F> {
         self.upload_pump(link);
     }
 
+    /// The exchange upload `(qp, xid)` belongs to.
+    pub(super) fn upload_admitted(&mut self, qp: u32, xid: u32, exchange: u32) {
+        if let Some(u) = self.uploads.by_link.get_mut(&(qp, xid)) {
+            u.exchange = Some(exchange);
+        }
+    }
+
     /// A part of a streamed request body was announced over link `qp`.
     pub(super) fn upload_chunk(&mut self, qp: u32, c: Chunk) {
         let key = (qp, c.xid);
@@ -182,6 +192,19 @@ impl<F: Fabric> Reactor<F> {
                     "the requester named a window outside its buffer".into(),
                 ));
                 u.announced.clear();
+            }
+            ChunkEnd::Abort(why) => {
+                // The client left (or failed, or stalled): the exchange is over
+                // (its local reply counts against nobody) and the pod hears the end.
+                u.end = Some(ChunkEnd::Abort(why.clone()));
+                if let Some(x) = u.exchange.filter(|x| self.table.get(*x).is_some()) {
+                    let e = ProxyError::new(
+                        ErrorKind::DownstreamLost,
+                        format!("the request body did not arrive whole: {why}"),
+                    );
+                    self.fail(x, e);
+                    return;
+                }
             }
             end => u.end = Some(end),
         }

@@ -49,7 +49,8 @@ fn pod() -> Result<()> {
     let runtime = runtime()?;
     let _entered = runtime.enter();
     let handler = dpumesh_host::tower::handler(dpumesh_sample_grpc::service());
-    let mut service_loop = EventLoop::new(transport, handler, LoopConfig::default())?;
+    // tonic reads request streams as they come (client and bidirectional streaming).
+    let mut service_loop = EventLoop::new(transport, handler, LoopConfig::streaming())?;
     service_loop
         .run(&Arc::new(AtomicBool::new(false)))
         .map_err(|e| anyhow::anyhow!("{}: {e}", env.service))

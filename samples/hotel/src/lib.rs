@@ -83,6 +83,8 @@ pub fn frontend(ctx: &mut ExecutionContext) {
             ctx.respond(|_| Ok::<_, String>(HttpResponse::ok("pong\n")));
         }
         "/echo" => echo(ctx),
+        "/echo-stream" => stream::echo_stream(ctx),
+        p if p.starts_with("/upload") => stream::upload(ctx),
         "/download" => {
             let len = param(&url, "bytes")
                 .and_then(|v| v.parse().ok())
@@ -225,6 +227,13 @@ pub fn reservation(ctx: &mut ExecutionContext) {
 }
 
 /// The handler of a service by name.
+/// The requests whose bodies the frontend reads as they arrive (the others come
+/// whole).
+pub fn streams_request(request: &dpumesh_host::HttpRequest) -> bool {
+    let p = path(&request.url);
+    p.starts_with("/upload") || p == "/echo-stream"
+}
+
 pub fn handler(service: &str) -> Option<fn(&mut ExecutionContext)> {
     Some(match service {
         "frontend" => frontend,

@@ -50,7 +50,11 @@ fn main() -> Result<()> {
         .connect()
         .with_context(|| format!("cannot register {} with its node", env.pod))?;
     let service = env.service;
-    let mut service_loop = EventLoop::new(transport, handler, LoopConfig::default())?;
+    let config = LoopConfig {
+        stream_requests: dpumesh_sample_hotel::streams_request,
+        ..LoopConfig::default()
+    };
+    let mut service_loop = EventLoop::new(transport, handler, config)?;
     let stop = Arc::new(AtomicBool::new(false));
     service_loop
         .run(&stop)

@@ -1,15 +1,18 @@
 //! The frontend's streamed answers: `/download?bytes=N` (N bytes made as the client
 //! reads them, with no thread: the body is a generator the data path polls when its
 //! window has room) and `/events?count=N&every_ms=M` (server-sent events from a
-//! producer thread, ended with a trailer).
+//! producer thread, ended with a trailer); and streamed requests: `/upload` (the
+//! body read as it arrives, answered with its length and CRC-32) and `/echo-stream`
+//! (the body sent back as it arrives: both ways at once).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dpumesh_host::{HttpResponse, body};
+use dpumesh_host::{ExecutionContext, HttpResponse, body};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::BodyExt;
 
 /// Bytes per part of a download: a multiple of the pattern's period, so every part
 /// is the same bytes and the body is made once, not per request.
@@ -82,4 +85,54 @@ pub fn events(count: u32, every: Duration) -> HttpResponse {
     HttpResponse::streaming(200, rx)
         .header("content-type", "text/event-stream")
         .header("cache-control", "no-cache")
+}
+
+/// `/upload`: reads the body as it arrives (a part at a time: nothing of it is kept)
+/// and answers its length, its CRC-32 and the client's `x-checksum` trailer, if any.
+pub fn upload(ctx: &mut ExecutionContext) {
+    let request = ctx.take_request();
+    let stream = request.stream.as_ref().and_then(|s| s.take());
+    let whole = request.body;
+    ctx.respond_future(move |_| async move {
+        let mut len = whole.len() as u64;
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&whole);
+        let mut trailer = None;
+        if let Some(mut body) = stream {
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| format!("the upload failed: {e}"))?;
+                match frame.into_data() {
+                    Ok(data) => {
+                        len += data.len() as u64;
+                        crc.update(&data);
+                    }
+                    Err(frame) => {
+                        trailer = frame.into_trailers().ok().and_then(|t| {
+                            t.get("x-checksum")
+                                .and_then(|v| v.to_str().ok())
+                                .map(str::to_owned)
+                        });
+                    }
+                }
+            }
+        }
+        let mut answer = HttpResponse::ok(format!("bytes={len} crc32={:08x}\n", crc.finalize()));
+        if let Some(t) = trailer {
+            answer = answer.header("x-trailer-checksum", &t);
+        }
+        Ok::<_, String>(answer)
+    });
+}
+
+/// `/echo-stream`: the body sent back as it arrives.
+pub fn echo_stream(ctx: &mut ExecutionContext) {
+    let request = ctx.take_request();
+    let stream = request.stream.as_ref().and_then(|s| s.take());
+    let whole = request.body;
+    ctx.respond(move |_| {
+        Ok::<_, String>(match stream {
+            Some(body) => HttpResponse::streaming(200, body),
+            None => HttpResponse::ok(whole),
+        })
+    });
 }

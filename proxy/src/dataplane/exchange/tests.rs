@@ -24,6 +24,7 @@ fn policy(retries: u32, per_try_ms: Option<u32>) -> RoutePolicy {
         cache: None,
         grpc_retry_on: Default::default(),
         stream_idle: None,
+        buffer_body: false,
     }
 }
 

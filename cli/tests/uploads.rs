@@ -1,0 +1,196 @@
+//! Streamed request bodies end to end: the hotel frontend's `/upload` (the body read
+//! as it arrives, answered with its length and CRC-32) and `/echo-stream` (the body
+//! sent back as it arrives), through the ingress and the DPU proxy, sent by curl over
+//! HTTP/1.1 and h2c, by a raw client with trailers, and by clients that leave
+//! mid-body; and a route that buffers bodies, where `max_body` still applies.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+mod common;
+use common::mesh::*;
+use common::token;
+
+/// curl's output for a POST of `file` to `path` with `args`, and its exit status.
+fn curl_post(
+    mesh: &Mesh,
+    token: &str,
+    path: &str,
+    file: &std::path::Path,
+    args: &[&str],
+) -> (bool, Vec<u8>) {
+    let out = Command::new("curl")
+        .args(["-s", "--fail-with-body", "--max-time", "120", "-H"])
+        .arg(format!("authorization: Bearer {token}"))
+        .arg("--data-binary")
+        .arg(format!("@{}", file.display()))
+        .args(args)
+        .arg(format!("http://{}{path}", mesh.ingress))
+        .output()
+        .expect("curl runs");
+    (out.status.success(), out.stdout)
+}
+
+/// `len` bytes that are not one repeated pattern (a part in the wrong place shows).
+fn payload(len: usize) -> Vec<u8> {
+    let mut x: u32 = 0x9e37_79b9;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+fn expected(body: &[u8]) -> String {
+    format!("bytes={} crc32={:08x}\n", body.len(), crc32fast::hash(body))
+}
+
+/// Starts a chunked POST to `path` and sends `send` bytes of its body: the stream
+/// (whose writes may fail once the mesh gave the request up).
+fn start_upload(mesh: &Mesh, token: &str, path: &str, send: usize) -> TcpStream {
+    let mut s = TcpStream::connect(mesh.ingress).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {token}\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    .unwrap();
+    let part = payload(64 << 10);
+    let mut sent = 0;
+    while sent < send {
+        let wrote = write!(s, "{:x}\r\n", part.len())
+            .and_then(|()| s.write_all(&part))
+            .and_then(|()| s.write_all(b"\r\n"));
+        assert!(wrote.is_ok() || sent > 0, "the upload starts: {wrote:?}");
+        if wrote.is_err() {
+            break;
+        }
+        sent += part.len();
+    }
+    s
+}
+
+#[test]
+fn streamed_uploads_arrive_whole_both_ways_and_clients_that_leave_free_their_slots() {
+    let mesh = Mesh::up_edited(
+        |m| m,
+        |p| {
+            let catch_all = "  - {path_prefix: /, service: frontend}";
+            assert!(p.contains(catch_all), "the sample's catch-all route");
+            p.replace(
+                catch_all,
+                &format!(
+                    "  - {{path_prefix: /upload/buffered, service: frontend, buffer_body: true}}\n{catch_all}"
+                ),
+            )
+        },
+    );
+    let alice = token("alice", &["user"]);
+    let dir = tempfile::tempdir().unwrap();
+
+    // A body eight times the ingress's buffers (max_body 8 MiB), sent with its
+    // length over h2c and chunked over HTTP/1.1: the service reads it as it comes.
+    let body = payload(64 << 20);
+    let file = dir.path().join("upload");
+    std::fs::write(&file, &body).unwrap();
+    let (ok, answer) = curl_post(
+        &mesh,
+        &alice,
+        "/upload",
+        &file,
+        &["--http2-prior-knowledge"],
+    );
+    assert!(
+        ok,
+        "the upload succeeds over h2c: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(String::from_utf8_lossy(&answer), expected(&body));
+    let (ok, answer) = curl_post(
+        &mesh,
+        &alice,
+        "/upload",
+        &file,
+        &["-H", "transfer-encoding: chunked"],
+    );
+    assert!(
+        ok,
+        "the chunked upload succeeds: {}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(String::from_utf8_lossy(&answer), expected(&body));
+
+    // Both ways at once: the body comes back as it goes.
+    let small = payload(3 << 20);
+    let echo_file = dir.path().join("echo");
+    std::fs::write(&echo_file, &small).unwrap();
+    let (ok, answer) = curl_post(
+        &mesh,
+        &alice,
+        "/echo-stream",
+        &echo_file,
+        &["--http2-prior-knowledge"],
+    );
+    assert!(ok, "the echo succeeds");
+    assert!(answer == small, "the echo is the body, byte for byte");
+
+    // A raw client's chunked body with a trailer: the trailer reaches the service
+    // after the body.
+    let mut s = start_upload(&mesh, &alice, "/upload", 256 << 10);
+    s.write_all(b"0\r\nx-checksum: abc123\r\n\r\n").unwrap();
+    let reply = read_response(&mut s).expect("an answer");
+    assert_eq!(reply.0, 200, "{}", String::from_utf8_lossy(&reply.2));
+    assert_eq!(
+        String::from_utf8_lossy(&reply.2),
+        expected(&payload(64 << 10).repeat(4))
+    );
+    assert_eq!(header(&reply.1, "x-trailer-checksum"), Some("abc123"));
+
+    // Clients that leave mid-body end their uploads: the slots come back, so many
+    // more of them than the ingress and the pod have slots leave the mesh serving.
+    for _ in 0..40 {
+        drop(start_upload(&mesh, &alice, "/upload", 1 << 20));
+    }
+    let (ok, answer) = curl_post(
+        &mesh,
+        &alice,
+        "/upload",
+        &echo_file,
+        &["-H", "transfer-encoding: chunked"],
+    );
+    assert!(
+        ok,
+        "the service still takes uploads after 40 abandoned ones"
+    );
+    assert_eq!(String::from_utf8_lossy(&answer), expected(&small));
+
+    // A small body with its length comes whole (the handler sees it all).
+    let reply = mesh.post("/upload", &alice, b"hello");
+    assert_eq!(reply.0, 200);
+    assert_eq!(String::from_utf8_lossy(&reply.2), expected(b"hello"));
+
+    // A route that buffers bodies keeps the ingress's limit: past 8 MiB, 413 before
+    // a byte is read; below it, the body arrives whole.
+    let big = dir.path().join("big");
+    std::fs::write(&big, payload(9 << 20)).unwrap();
+    let out = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-H"])
+        .arg(format!("authorization: Bearer {alice}"))
+        .arg("--data-binary")
+        .arg(format!("@{}", big.display()))
+        .arg(format!("http://{}/upload/buffered", mesh.ingress))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "413");
+    let (ok, answer) = curl_post(&mesh, &alice, "/upload/buffered", &echo_file, &[]);
+    assert!(ok);
+    assert_eq!(String::from_utf8_lossy(&answer), expected(&small));
+
+    let mut unused = Vec::new();
+    let _ = (&mut s).read_to_end(&mut unused);
+}

@@ -1,0 +1,407 @@
+//! Request bodies that arrive in parts (uploads of any size, gRPC client streams):
+//! the node delivers the request's head as the stream's opening, then its body part
+//! by part, then its end (with the client's trailers) or an abort.
+//!
+//! A handler that reads bodies as they come (the loop's `stream_requests` says which
+//! requests) gets the body as [`HttpRequest::stream`]: each part it takes is told to
+//! the node (`Taken`), which delivers no more than a few parts ahead of the reader, so
+//! a handler that reads slowly slows the client and nothing grows in the pod.
+//! Dropping the body before its end tells the node to stop (`Stop`). Other requests
+//! are collected whole before the handler runs (up to the loop's
+//! `max_request_body`, past it 413), so a handler written for whole bodies never sees
+//! half of one.
+//!
+//! [`HttpRequest::stream`]: crate::HttpRequest::stream
+
+use std::collections::VecDeque;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use dpumesh_dpa::{Descriptor, StreamPart};
+use foldhash::{HashMap, HashMapExt};
+use http::HeaderMap;
+use http_body::{Body, Frame};
+use parking_lot::Mutex;
+
+use crate::body::BoxError;
+use crate::http::HttpRequest;
+
+/// A stream's key: the ids its opening came with.
+pub(crate) type Key = (u32, u32);
+
+/// What a streamed body and the transport share.
+#[derive(Debug, Default)]
+struct Shared {
+    parts: VecDeque<Bytes>,
+    /// How the body ended, once the node said (trailers, or why it was aborted).
+    end: Option<Result<HeaderMap, String>>,
+    /// The reader waiting for a part.
+    reader: Option<std::task::Waker>,
+}
+
+/// What bodies tell the transport: parts taken, readers gone.
+#[derive(Debug, Default)]
+struct News {
+    taken: Vec<Key>,
+    dropped: Vec<Key>,
+}
+
+/// A request body arriving in parts, as a handler reads it.
+pub(crate) struct RequestStream {
+    key: Key,
+    shared: Arc<Mutex<Shared>>,
+    news: Arc<Mutex<News>>,
+    wake: std::task::Waker,
+    done: bool,
+}
+
+impl Body for RequestStream {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let mut shared = self.shared.lock();
+        if let Some(part) = shared.parts.pop_front() {
+            drop(shared);
+            self.news.lock().taken.push(self.key);
+            self.wake.wake_by_ref();
+            return Poll::Ready(Some(Ok(Frame::data(part))));
+        }
+        match shared.end.take() {
+            Some(Ok(trailers)) => {
+                drop(shared);
+                self.done = true;
+                if trailers.is_empty() {
+                    Poll::Ready(None)
+                } else {
+                    Poll::Ready(Some(Ok(Frame::trailers(trailers))))
+                }
+            }
+            Some(Err(why)) => {
+                drop(shared);
+                self.done = true;
+                Poll::Ready(Some(Err(why.into())))
+            }
+            None => {
+                shared.reader = Some(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            self.news.lock().dropped.push(self.key);
+            self.wake.wake_by_ref();
+        }
+    }
+}
+
+enum Mode {
+    /// Read by the handler as it comes.
+    Stream(Arc<Mutex<Shared>>),
+    /// Collected whole for a handler that takes whole bodies.
+    Collect {
+        request: Box<HttpRequest>,
+        body: BytesMut,
+    },
+}
+
+struct Entry {
+    opening: Descriptor,
+    mode: Mode,
+}
+
+/// What a part means for the transport.
+pub(crate) enum Step {
+    /// Nothing more to do.
+    Nothing,
+    /// Tell the node the part was taken (collected: taken at once).
+    Taken(Descriptor),
+    /// A collected request is whole: the handler gets it.
+    Whole(Descriptor, Box<HttpRequest>),
+    /// A collected request grew past the limit: answered 413, the rest refused.
+    TooLarge(Descriptor),
+    /// A collected request's body was aborted: answered 400.
+    Aborted(Descriptor, String),
+}
+
+/// The request bodies arriving in parts, by their opening's ids.
+pub(crate) struct InStreams {
+    open: HashMap<Key, Entry>,
+    news: Arc<Mutex<News>>,
+    wake: std::task::Waker,
+    /// The most a collected body may hold.
+    limit: usize,
+}
+
+impl InStreams {
+    /// Bodies that wake `wake` (the transport's wait) when read or dropped.
+    pub fn new(wake: std::task::Waker, limit: usize) -> Self {
+        Self {
+            open: HashMap::new(),
+            news: Arc::default(),
+            wake,
+            limit,
+        }
+    }
+
+    /// Sets the most a collected body may hold.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
+    /// The most a collected body may hold.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Streams open.
+    pub fn len(&self) -> usize {
+        self.open.len()
+    }
+
+    /// A streamed request opened, for a handler that reads it as it comes: its body.
+    pub fn stream(&mut self, opening: Descriptor) -> RequestStream {
+        let key = (opening.req_id, opening.step_id);
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        self.open.insert(
+            key,
+            Entry {
+                opening,
+                mode: Mode::Stream(shared.clone()),
+            },
+        );
+        RequestStream {
+            key,
+            shared,
+            news: self.news.clone(),
+            wake: self.wake.clone(),
+            done: false,
+        }
+    }
+
+    /// A streamed request opened, for a handler that takes whole bodies.
+    pub fn collect(&mut self, opening: Descriptor, request: HttpRequest) {
+        let key = (opening.req_id, opening.step_id);
+        self.open.insert(
+            key,
+            Entry {
+                opening,
+                mode: Mode::Collect {
+                    request: Box::new(request),
+                    body: BytesMut::new(),
+                },
+            },
+        );
+    }
+
+    /// A part of stream `key` came: `body` its bytes, `trailers` (for the end)
+    /// decoded by the caller.
+    pub fn part(
+        &mut self,
+        key: Key,
+        part: StreamPart,
+        body: Vec<u8>,
+        trailers: Result<HeaderMap, String>,
+    ) -> Step {
+        let Some(entry) = self.open.get_mut(&key) else {
+            // Its reader left (the node heard `Stop`), or it never opened.
+            return Step::Nothing;
+        };
+        let opening = entry.opening;
+        match (&mut entry.mode, part) {
+            (Mode::Stream(shared), StreamPart::Data) => {
+                let mut s = shared.lock();
+                s.parts.push_back(Bytes::from(body));
+                if let Some(w) = s.reader.take() {
+                    w.wake();
+                }
+                Step::Nothing
+            }
+            (Mode::Stream(shared), StreamPart::End | StreamPart::Abort) => {
+                let mut s = shared.lock();
+                s.end = Some(match part {
+                    StreamPart::End => trailers,
+                    _ => Err("the request body ended early (the client left or failed)".into()),
+                });
+                if let Some(w) = s.reader.take() {
+                    w.wake();
+                }
+                drop(s);
+                self.open.remove(&key);
+                Step::Nothing
+            }
+            (
+                Mode::Collect {
+                    body: collected, ..
+                },
+                StreamPart::Data,
+            ) => {
+                if collected.len() + body.len() > self.limit {
+                    self.open.remove(&key);
+                    return Step::TooLarge(opening);
+                }
+                collected.extend_from_slice(&body);
+                Step::Taken(opening)
+            }
+            (Mode::Collect { .. }, StreamPart::End) => {
+                let Some(Entry {
+                    mode: Mode::Collect { mut request, body },
+                    ..
+                }) = self.open.remove(&key)
+                else {
+                    return Step::Nothing;
+                };
+                match trailers {
+                    Ok(t) => {
+                        request.body = body.freeze();
+                        request.trailers = t;
+                        Step::Whole(opening, request)
+                    }
+                    Err(why) => Step::Aborted(opening, why),
+                }
+            }
+            (Mode::Collect { .. }, _) => {
+                self.open.remove(&key);
+                Step::Aborted(
+                    opening,
+                    "the request body ended early (the client left or failed)".into(),
+                )
+            }
+            // An opening or an acknowledgement is no part of a body coming in.
+            (Mode::Stream(_), _) => Step::Nothing,
+        }
+    }
+
+    /// What the readers did since the last look: for each part taken, the opening
+    /// to acknowledge it on; for each reader gone, the opening to say `Stop` on.
+    pub fn news(&mut self, taken: &mut Vec<Descriptor>, stopped: &mut Vec<Descriptor>) {
+        let news = std::mem::take(&mut *self.news.lock());
+        for key in news.taken {
+            if let Some(e) = self.open.get(&key) {
+                taken.push(e.opening);
+            }
+        }
+        for key in news.dropped {
+            if let Some(e) = self.open.remove(&key) {
+                stopped.push(e.opening);
+            }
+        }
+    }
+
+    /// The node went away: every body fails.
+    pub fn clear(&mut self) {
+        for (_, e) in self.open.drain() {
+            if let Mode::Stream(shared) = e.mode {
+                let mut s = shared.lock();
+                s.end = Some(Err("the node went away with the request".into()));
+                if let Some(w) = s.reader.take() {
+                    w.wake();
+                }
+            }
+        }
+        *self.news.lock() = News::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dpumesh_dpa::{Case, Destination};
+    use http_body_util::BodyExt;
+
+    fn opening() -> Descriptor {
+        Descriptor::request(Case::ExternalToHost, 7, 1, 0, Destination::Pod(3))
+    }
+
+    #[test]
+    fn a_streamed_body_gives_its_parts_in_order_and_each_taken_is_told() {
+        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 1 << 20);
+        let mut body = streams.stream(opening());
+        let key = (7, 1);
+        for p in ["ab", "cd"] {
+            let step = streams.part(key, StreamPart::Data, p.into(), Ok(HeaderMap::new()));
+            assert!(matches!(step, Step::Nothing));
+        }
+        let mut t = HeaderMap::new();
+        t.insert("x-sum", "9".parse().unwrap());
+        streams.part(key, StreamPart::End, Vec::new(), Ok(t));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let collected = rt.block_on(async { (&mut body).collect().await.unwrap() });
+        assert_eq!(collected.trailers().unwrap()["x-sum"], "9");
+        assert_eq!(&collected.to_bytes()[..], b"abcd");
+        let (mut taken, mut stopped) = (Vec::new(), Vec::new());
+        streams.news(&mut taken, &mut stopped);
+        // The end removed the stream: its acknowledgements are not needed.
+        assert!(taken.is_empty() && stopped.is_empty());
+        assert_eq!(streams.len(), 0);
+    }
+
+    #[test]
+    fn a_reader_that_leaves_early_stops_the_stream() {
+        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 1 << 20);
+        let body = streams.stream(opening());
+        streams.part(
+            (7, 1),
+            StreamPart::Data,
+            b"x".to_vec(),
+            Ok(HeaderMap::new()),
+        );
+        drop(body);
+        let (mut taken, mut stopped) = (Vec::new(), Vec::new());
+        streams.news(&mut taken, &mut stopped);
+        assert_eq!(stopped.len(), 1);
+        assert_eq!(streams.len(), 0);
+        // What comes after is nobody's.
+        let late = streams.part(
+            (7, 1),
+            StreamPart::Data,
+            b"y".to_vec(),
+            Ok(HeaderMap::new()),
+        );
+        assert!(matches!(late, Step::Nothing));
+    }
+
+    #[test]
+    fn a_collected_body_comes_whole_or_past_its_limit_is_refused() {
+        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 4);
+        streams.collect(opening(), HttpRequest::post("/up", ""));
+        let ok = Ok(HeaderMap::new());
+        assert!(matches!(
+            streams.part((7, 1), StreamPart::Data, b"ab".to_vec(), ok.clone()),
+            Step::Taken(_)
+        ));
+        match streams.part((7, 1), StreamPart::End, Vec::new(), ok.clone()) {
+            Step::Whole(_, r) => assert_eq!(&r.body[..], b"ab"),
+            _ => panic!("the body is whole"),
+        }
+        streams.collect(opening(), HttpRequest::post("/up", ""));
+        streams.part((7, 1), StreamPart::Data, b"abc".to_vec(), ok.clone());
+        assert!(matches!(
+            streams.part((7, 1), StreamPart::Data, b"de".to_vec(), ok.clone()),
+            Step::TooLarge(_)
+        ));
+        streams.collect(opening(), HttpRequest::post("/up", ""));
+        assert!(matches!(
+            streams.part((7, 1), StreamPart::Abort, Vec::new(), ok),
+            Step::Aborted(..)
+        ));
+    }
+}
