@@ -211,49 +211,6 @@ impl Body for Receiver {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use http_body_util::BodyExt;
-
-    #[test]
-    fn a_channel_body_gives_its_parts_then_its_trailers() {
-        let (mut tx, rx) = channel(2);
-        tx.try_send("a").unwrap();
-        tx.try_send("b").unwrap();
-        assert_eq!(tx.try_send("c"), Err(TrySendError::Full));
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let collected = rt.block_on(async move {
-            let reader = tokio::spawn(rx.collect());
-            let mut t = HeaderMap::new();
-            t.insert("grpc-status", "0".parse().unwrap());
-            tx.finish(t).await.unwrap();
-            reader.await.unwrap().unwrap()
-        });
-        assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
-        assert_eq!(collected.to_bytes(), "ab");
-    }
-
-    #[test]
-    fn a_gone_reader_refuses_more_and_an_abort_is_an_error() {
-        let (mut tx, rx) = channel(1);
-        drop(rx);
-        assert!(tx.is_closed());
-        assert_eq!(tx.try_send("x"), Err(TrySendError::Closed));
-        let (tx, rx) = channel(1);
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let got = rt.block_on(async move {
-            tx.abort("the disk failed").await;
-            rx.collect().await
-        });
-        assert_eq!(got.unwrap_err().to_string(), "the disk failed");
-    }
-}
-
 /// A received request's body as a `tower::Service` gets it ([`crate::tower::handler`]):
 /// whole, or arriving in parts ([`crate::HttpRequest::stream`]).
 pub enum RequestBody {
@@ -300,5 +257,48 @@ impl Body for RequestBody {
             Self::Whole(b) => b.size_hint(),
             Self::Stream(b) => b.size_hint(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    #[test]
+    fn a_channel_body_gives_its_parts_then_its_trailers() {
+        let (mut tx, rx) = channel(2);
+        tx.try_send("a").unwrap();
+        tx.try_send("b").unwrap();
+        assert_eq!(tx.try_send("c"), Err(TrySendError::Full));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let collected = rt.block_on(async move {
+            let reader = tokio::spawn(rx.collect());
+            let mut t = HeaderMap::new();
+            t.insert("grpc-status", "0".parse().unwrap());
+            tx.finish(t).await.unwrap();
+            reader.await.unwrap().unwrap()
+        });
+        assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
+        assert_eq!(collected.to_bytes(), "ab");
+    }
+
+    #[test]
+    fn a_gone_reader_refuses_more_and_an_abort_is_an_error() {
+        let (mut tx, rx) = channel(1);
+        drop(rx);
+        assert!(tx.is_closed());
+        assert_eq!(tx.try_send("x"), Err(TrySendError::Closed));
+        let (tx, rx) = channel(1);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let got = rt.block_on(async move {
+            tx.abort("the disk failed").await;
+            rx.collect().await
+        });
+        assert_eq!(got.unwrap_err().to_string(), "the disk failed");
     }
 }
