@@ -3,7 +3,7 @@
 //! (`grpc-interop pod`, served by the host library's tower adapter), over h2c to the
 //! ingress, through the node's chain and back with its trailers; a denial answered as
 //! gRPC; the gRPC statuses a route retries on; and what a proxy must refuse (a call
-//! without `te: trailers`, a message past `max_body`).
+//! without `te: trailers`, a message past the server's limit).
 
 mod common;
 
@@ -49,20 +49,20 @@ fn grpc_mesh() -> Mesh {
     Mesh::start(dir, &file, ingress)
 }
 
-/// The interop cases a mesh that buffers bodies carries: every message of a call's
-/// request before its first answer. `ping_pong` and `cancel_after_first_response`
-/// need the first answer while the request stream is open (streaming bodies).
-const BUFFERED_CASES: [&str; 10] = [
+/// gRPC's interop cases (`grpc-interop client`'s `CASES`).
+const INTEROP_CASES: [&str; 12] = [
     "empty_unary",
     "large_unary",
     "client_streaming",
     "server_streaming",
+    "ping_pong",
     "empty_stream",
     "status_code_and_message",
     "custom_metadata",
     "unimplemented_method",
     "timeout_on_sleeping_server",
     "cancel_after_begin",
+    "cancel_after_first_response",
 ];
 
 #[test]
@@ -72,8 +72,11 @@ fn grpc_through_the_mesh() {
     let user = token("alice", &["user"]);
     let node2 = mesh.admins[1];
 
-    // gRPC's interop cases, trailers and metadata both ways.
-    let (ok, report) = client(mesh.ingress, Some(&user), &BUFFERED_CASES);
+    // Every case of gRPC's interop suite, trailers and metadata both ways; the
+    // request streams of `client_streaming`, `ping_pong` and
+    // `cancel_after_first_response` flow as the client sends them (answers come
+    // while the request stream is open).
+    let (ok, report) = client(mesh.ingress, Some(&user), &INTEROP_CASES);
     assert!(ok, "{report}");
     let by_status = |code: u32| {
         metric_sum(
@@ -107,7 +110,9 @@ fn grpc_through_the_mesh() {
     assert!(ok, "{report}");
     assert_eq!(metric_sum(node2, "dpumesh_retries_total") - retries, 2.0);
 
-    // A message past max_body is RESOURCE_EXHAUSTED, and the mesh serves on.
+    // A message past the server's limit is refused with its reason (the mesh
+    // streams it: no ingress limit on a route that does not buffer), and the mesh
+    // serves on.
     let (ok, report) = client(
         mesh.ingress,
         Some(&user),

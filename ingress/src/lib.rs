@@ -447,6 +447,10 @@ async fn connection<F: Fabric, IO>(
 /// a longer one, or one of no stated length that is not all there at once, streams.
 const WHOLE_BELOW: u64 = 1 << 20;
 
+/// Turns of the runtime a body of no stated length is given to come whole with its
+/// head before it streams.
+const EAGER_TURNS: u32 = 2;
+
 /// The future's output if it is ready now (it is polled once, with a waker that
 /// does nothing: a future that was not ready is dropped, and whatever it registered
 /// is polled again by its next poll).
@@ -731,8 +735,17 @@ async fn forward<F: Fabric>(
         let window =
             u64::from(dpumesh_dpa::frame::StreamWindows::of(settings.max_body as u32).size);
         let mut carry = None;
+        // hyper reads what the client sent after the head only when the body is
+        // polled (and an h2 DATA frame may trail its HEADERS by a moment): a turn of
+        // the runtime lets it, so a body sent whole with its head is taken whole.
+        let mut turns = 0;
         let ended = loop {
             let frame = match futures_now(body.frame()) {
+                None if turns < EAGER_TURNS => {
+                    turns += 1;
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 None => break false,
                 Some(None) => break true,
                 Some(Some(frame)) => frame.map_err(|e| {

@@ -126,19 +126,27 @@ pub(super) struct RequestTraits {
     pub grpc: bool,
     /// Its body streams (an upload: `upload`), so it cannot be sent twice.
     pub streamed: bool,
+    /// A gRPC call's `grpc-timeout`: its deadline bounds a streamed answer too.
+    pub grpc_timeout: Option<Duration>,
 }
 
 impl RequestTraits {
     /// What `head` says: its method's idempotence, whether it is gRPC.
     pub fn of(head: &RequestHead) -> Self {
+        let grpc = dpumesh_head::grpc::is_grpc(head.headers());
         Self {
             idempotent: matches!(
                 head.method.as_str(),
                 "GET" | "HEAD" | "OPTIONS" | "PUT" | "DELETE" | "TRACE"
             ),
             had_body: false,
-            grpc: dpumesh_head::grpc::is_grpc(head.headers()),
+            grpc,
             streamed: false,
+            // A malformed one was refused at the ingress.
+            grpc_timeout: grpc
+                .then(|| head.headers().get("grpc-timeout")?.to_str().ok())
+                .flatten()
+                .and_then(|v| dpumesh_head::grpc::parse_timeout(v).ok()),
         }
     }
 }

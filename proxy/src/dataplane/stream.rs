@@ -24,6 +24,9 @@ use super::*;
 /// `stream_idle_timeout` default).
 pub(super) const STREAM_IDLE: Duration = Duration::from_secs(300);
 
+/// Why a gRPC call's stream ended at its deadline.
+const DEADLINE: &str = "the call's deadline passed";
+
 /// A pod's part waiting for (or being written into) the receiver's windows.
 #[derive(Debug)]
 struct Waiting {
@@ -51,6 +54,9 @@ pub(super) struct RelayStream {
     last_moved: Instant,
     /// Its route's idle limit.
     idle: Duration,
+    /// A gRPC call's deadline (`grpc-timeout`): past it, the stream ends with
+    /// DEADLINE_EXCEEDED in its trailers.
+    deadline: Option<Instant>,
     /// Counted by gRPC status when it ends (a gRPC call's service).
     grpc_service: Option<String>,
 }
@@ -89,6 +95,7 @@ impl<F: Fabric> Reactor<F> {
     ) {
         let grpc_service = exchange.traits.grpc.then(|| exchange.service.clone());
         let idle = exchange.policy.stream_idle.unwrap_or(STREAM_IDLE);
+        let deadline = exchange.traits.grpc_timeout.map(|t| exchange.started + t);
         let windows = StreamWindows::of(reply.len);
         let Destination::Pod(to) = d.dst else {
             self.refuse_stream(&d);
@@ -127,6 +134,7 @@ impl<F: Fabric> Reactor<F> {
                 queue: VecDeque::new(),
                 last_moved: Instant::now(),
                 idle,
+                deadline,
                 grpc_service,
             },
         );
@@ -403,6 +411,8 @@ impl<F: Fabric> Reactor<F> {
             .filter_map(|(k, s)| {
                 if !live(s.pod) {
                     Some((*k, "the service left mid-stream"))
+                } else if s.deadline.is_some_and(|d| now >= d) {
+                    Some((*k, DEADLINE))
                 } else if now.duration_since(s.last_moved) >= s.idle {
                     Some((*k, "the stream sat idle too long"))
                 } else {
@@ -411,8 +421,45 @@ impl<F: Fabric> Reactor<F> {
             })
             .collect();
         for (key, why) in ended {
-            self.stream_abort(key, why, true);
+            if why == DEADLINE {
+                self.stream_deadline(key);
+            } else {
+                self.stream_abort(key, why, true);
+            }
         }
+    }
+
+    /// A gRPC call's deadline passed mid-stream: the pod is told to stop, and the
+    /// client gets the end of the stream with DEADLINE_EXCEEDED, as its deadline
+    /// says (the head went already: the status rides in the trailers).
+    fn stream_deadline(&mut self, key: PodKey) {
+        let Some(s) = self.streams.remove(key) else {
+            return;
+        };
+        self.upload_answer_over(s.qp, s.xid);
+        for w in s.queue {
+            self.hand_back(&w.d);
+        }
+        self.forward(cancel_notice(&s.opening));
+        if let Some(service) = &s.grpc_service {
+            self.meter.response_metrics.record_grpc(service, 4);
+        }
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("4"));
+        trailers.insert(
+            "grpc-message",
+            HeaderValue::from_static("the call's deadline passed mid-stream"),
+        );
+        let head = ResponseHead {
+            status: 200,
+            headers: HeaderMap::new(),
+            trailers,
+        };
+        let end = match wire::encode_response(&head) {
+            Ok(t) => ChunkEnd::Last(t),
+            Err(_) => ChunkEnd::Abort(DEADLINE.to_owned()),
+        };
+        self.send_end(s.qp, s.xid, end);
     }
 }
 
