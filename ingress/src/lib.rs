@@ -713,8 +713,9 @@ async fn forward<F: Fabric>(
         Err(e) => return Err(ProxyError::new(ErrorKind::HeadTooLarge, e.to_string())),
     };
     let fabric = &state.fabric;
-    // Held until the answer is written, as the slot is.
-    let _share = state.routing.share.take(peer.ip()).map_err(|held| {
+    // Held until the answer is written, as the slot is (and, for a body that
+    // streams, until the body is done with).
+    let share = state.routing.share.take(peer.ip()).map_err(|held| {
         ProxyError::new(
             ErrorKind::ClientLimit,
             format!(
@@ -776,9 +777,16 @@ async fn forward<F: Fabric>(
             metrics::counter!("dpumesh_ingress_streamed_requests_total").increment(1);
             let (answer, upload) =
                 fabric.call_streamed(node, slot, head_bytes, len as u32, timeout);
-            if let Some(upload) = upload {
-                let idle = settings.body_timeout;
-                tokio::task::spawn_local(upload::send_body(upload, body, carry, idle));
+            match upload {
+                Some(upload) => {
+                    let idle = settings.body_timeout;
+                    tokio::task::spawn_local(upload::send_body(upload, body, carry, idle, share));
+                }
+                // Not sent (the node is unreachable): the answer says why, and the
+                // client, perhaps still sending, must be able to read it.
+                None => {
+                    tokio::task::spawn_local(upload::drain(body));
+                }
             }
             return await_answer(answer, timeout, &service).await;
         }

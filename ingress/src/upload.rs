@@ -16,18 +16,41 @@ use dpumesh_head::wire::{self, ResponseHead};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+/// What is read and dropped of a body nobody wants any more (the service answered,
+/// or the request failed, before it ended), and for how long: enough that a client
+/// still sending its body reads the answer (a connection closed with unread bytes is
+/// reset, and the answer with it), no more.
+const DRAIN_BYTES: usize = 16 << 20;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
 /// Sends the rest of `body` (after `carry`, a frame read ahead that did not fit the
-/// first window) through `upload`.
-pub(crate) async fn send_body(
+/// first window) through `upload`; `share` (the client's slot share) is held while
+/// the body is sent, and what the service no longer wants of it is drained after.
+pub(crate) async fn send_body<S>(
+    upload: Upload,
+    body: Incoming,
+    carry: Option<Bytes>,
+    idle: Duration,
+    share: S,
+) {
+    let rest = send(upload, body, carry, idle).await;
+    drop(share);
+    if let Some(body) = rest {
+        drain(body).await;
+    }
+}
+
+/// [`send_body`]'s sending; the body when what is left of it is to be drained.
+async fn send(
     mut upload: Upload,
     mut body: Incoming,
     carry: Option<Bytes>,
     idle: Duration,
-) {
+) -> Option<Incoming> {
     if let Some(data) = carry
         && upload.write(&data).await.is_err()
     {
-        return;
+        return Some(body);
     }
     let mut trailers = http::HeaderMap::new();
     loop {
@@ -36,7 +59,7 @@ pub(crate) async fn send_body(
             None => {
                 // The client paused: what came goes on now.
                 if upload.flush().is_err() {
-                    return;
+                    return Some(body);
                 }
                 tokio::select! {
                     frame = tokio::time::timeout(idle, body.frame()) => match frame {
@@ -45,11 +68,11 @@ pub(crate) async fn send_body(
                             let why = format!("the client sent nothing of its body for {} ms", idle.as_millis());
                             tracing::debug!(why, "request body aborted");
                             upload.abort(&why);
-                            return;
+                            return None;
                         }
                     },
-                    // The node wants no more: nothing more is read from the client.
-                    () = upload.cancelled_or_lost() => return,
+                    // The node wants no more: nothing more is sent on.
+                    () = upload.cancelled_or_lost() => return Some(body),
                 }
             }
         };
@@ -58,16 +81,16 @@ pub(crate) async fn send_body(
             Some(Ok(frame)) => frame,
             Some(Err(e)) => {
                 upload.abort(&format!("the client's body failed: {e}"));
-                return;
+                return None;
             }
         };
         match frame.into_data() {
             Ok(data) => match upload.write(&data).await {
                 Ok(()) => {}
-                Err(UploadError::Cancelled) => return,
+                Err(UploadError::Cancelled) => return Some(body),
                 Err(UploadError::Failed(e)) => {
                     tracing::debug!(error = %e, "request body not sent");
-                    return;
+                    return Some(body);
                 }
             },
             Err(frame) => {
@@ -93,11 +116,29 @@ pub(crate) async fn send_body(
             Ok(b) => b,
             Err(e) => {
                 upload.abort(&format!("the request's trailers cannot be carried: {e}"));
-                return;
+                return None;
             }
         }
     };
     if let Err(e) = upload.finish(tail) {
         tracing::debug!(error = %e, "request body's end not sent");
     }
+    None
+}
+
+/// Reads and drops what the client still sends of a body nobody wants, up to
+/// [`DRAIN_BYTES`] and [`DRAIN_TIME`]: the answer, written meanwhile, reaches a client
+/// that sends its whole body before it reads (then hyper closes the connection).
+pub(crate) async fn drain(mut body: Incoming) {
+    let mut left = DRAIN_BYTES;
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        while let Some(Ok(frame)) = body.frame().await {
+            let n = frame.data_ref().map_or(0, |d| d.len());
+            if n >= left {
+                return;
+            }
+            left -= n;
+        }
+    })
+    .await;
 }

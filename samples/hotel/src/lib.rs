@@ -84,7 +84,10 @@ pub fn frontend(ctx: &mut ExecutionContext) {
         }
         "/echo" => echo(ctx),
         "/echo-stream" => stream::echo_stream(ctx),
-        p if p.starts_with("/upload") => stream::upload(ctx),
+        p if p.starts_with("/upload") => {
+            let checksum = param(&url, "crc").is_none_or(|v| v != "0");
+            stream::upload(ctx, checksum)
+        }
         "/download" => {
             let len = param(&url, "bytes")
                 .and_then(|v| v.parse().ok())

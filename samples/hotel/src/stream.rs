@@ -88,8 +88,9 @@ pub fn events(count: u32, every: Duration) -> HttpResponse {
 }
 
 /// `/upload`: reads the body as it arrives (a part at a time: nothing of it is kept)
-/// and answers its length, its CRC-32 and the client's `x-checksum` trailer, if any.
-pub fn upload(ctx: &mut ExecutionContext) {
+/// and answers its length, its CRC-32 and the client's `x-checksum` trailer, if any;
+/// with `crc=0` only its length (what a benchmark's sink pays: nothing per byte).
+pub fn upload(ctx: &mut ExecutionContext, checksum: bool) {
     let request = ctx.take_request();
     let stream = request.stream.as_ref().and_then(|s| s.take());
     let whole = request.body;
@@ -104,7 +105,9 @@ pub fn upload(ctx: &mut ExecutionContext) {
                 match frame.into_data() {
                     Ok(data) => {
                         len += data.len() as u64;
-                        crc.update(&data);
+                        if checksum {
+                            crc.update(&data);
+                        }
                     }
                     Err(frame) => {
                         trailer = frame.into_trailers().ok().and_then(|t| {
@@ -116,7 +119,12 @@ pub fn upload(ctx: &mut ExecutionContext) {
                 }
             }
         }
-        let mut answer = HttpResponse::ok(format!("bytes={len} crc32={:08x}\n", crc.finalize()));
+        let text = if checksum {
+            format!("bytes={len} crc32={:08x}\n", crc.finalize())
+        } else {
+            format!("bytes={len}\n")
+        };
+        let mut answer = HttpResponse::ok(text);
         if let Some(t) = trailer {
             answer = answer.header("x-trailer-checksum", &t);
         }
