@@ -17,6 +17,9 @@ python3 -c "import fastapi" 2>/dev/null || "${pip[@]}" "fastapi>=0.100,<1"
 # grpcio: a Python gRPC server joined through the bridge (cli/tests/bridge.rs), its
 # code generated from samples/grpc/proto by grpcio-tools.
 python3 -c "import grpc, grpc_tools" 2>/dev/null || "${pip[@]}" "grpcio>=1.60,<2" "grpcio-tools>=1.60,<2"
+# websockets: an unmodified WebSocket server and client through the mesh
+# (cli/tests/bridge.rs).
+python3 -c "import websockets" 2>/dev/null || "${pip[@]}" "websockets>=12,<16"
 python3 -c "import maturin" 2>/dev/null || "${pip[@]}" "maturin>=1.9.4,<2"
 # No build isolation: maturin (installed above) builds with the workspace's Cargo.lock
 # and target directory, so the Rust dependencies are shared with the other builds.

@@ -1,6 +1,11 @@
 //! Forwarding the mesh's requests to the bridged server: a `tower::Service` the host
 //! library's adapter serves with (each request an asynchronous step on the loop).
 //!
+//! A WebSocket (the mesh delivers its upgrade request with `upgrade: websocket` and
+//! a streamed body) is upgraded with the server too: the bridge's `101` answers with
+//! a streamed body carrying what the server sends, and the request's body (what the
+//! client sends) is written to the server's connection ([`tunnel`]).
+//!
 //! What the server is told of the caller: the mesh's word, in
 //! `x-forwarded-client-cert` (`URI=<the caller's SPIFFE ID>`, as Envoy sets it for a
 //! verified peer). The header is always removed first, so a value a client sent
@@ -18,7 +23,7 @@ use dpumesh_head::whole_body::WholeBody;
 use dpumesh_host::Caller;
 use dpumesh_host::body::RequestBody;
 use http::{HeaderValue, Request, Response, StatusCode};
-use http_body_util::Either;
+use http_body_util::{BodyExt, Either};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -31,8 +36,9 @@ pub const CLIENT_CERT: &str = "x-forwarded-client-cert";
 /// caller sooner; this bounds what a server that never answers holds).
 const PATIENCE: Duration = Duration::from_secs(300);
 
-/// What the bridge answers with: the server's body, or its own.
-pub type Body = Either<Incoming, WholeBody>;
+/// What the bridge answers with: the server's body, or its own, or a WebSocket's
+/// bytes from the server.
+pub type Body = Either<Incoming, Either<WholeBody, dpumesh_host::body::Receiver>>;
 
 /// Forwards to one server.
 #[derive(Clone)]
@@ -80,7 +86,7 @@ impl Forward {
             );
             (status, h, Bytes::from(text))
         };
-        let mut response = Response::new(Either::Right(WholeBody::bytes(body)));
+        let mut response = Response::new(Either::Right(Either::Left(WholeBody::bytes(body))));
         *response.status_mut() = status;
         *response.headers_mut() = headers;
         response
@@ -99,10 +105,15 @@ impl tower_service::Service<Request<RequestBody>> for Forward {
     fn call(&mut self, request: Request<RequestBody>) -> Self::Future {
         let this = self.clone();
         Box::pin(async move {
+            let websocket = request.headers().contains_key(http::header::UPGRADE)
+                && this.protocol == BridgeProtocol::Http1;
             let request = match this.to_server(request) {
                 Ok(r) => r,
                 Err(why) => return Ok(this.failed(StatusCode::BAD_GATEWAY, why)),
             };
+            if websocket {
+                return Ok(this.tunnel(request).await);
+            }
             let answer = match tokio::time::timeout(PATIENCE, this.client.request(request)).await {
                 Ok(Ok(response)) => response.map(Either::Left),
                 Ok(Err(e)) => {
@@ -153,5 +164,82 @@ impl Forward {
             headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
         }
         Ok(Request::from_parts(parts, body))
+    }
+
+    /// A WebSocket: the upgrade asked of the server (its handshake with no body),
+    /// then bytes both ways between the request's streamed body, the server's
+    /// connection and the answer's streamed body, until either side closes.
+    async fn tunnel(&self, request: Request<RequestBody>) -> Response<Body> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        let (mut parts, body) = request.into_parts();
+        parts.headers.insert(
+            http::header::CONNECTION,
+            HeaderValue::from_static("upgrade"),
+        );
+        parts
+            .headers
+            .insert(http::header::UPGRADE, HeaderValue::from_static("websocket"));
+        let handshake = Request::from_parts(parts, RequestBody::Whole(WholeBody::default()));
+        let mut response =
+            match tokio::time::timeout(PATIENCE, self.client.request(handshake)).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    let why = format!("the server at {} failed the upgrade: {e}", self.to);
+                    return self.failed(StatusCode::BAD_GATEWAY, why);
+                }
+                Err(_) => {
+                    let why = format!("the server at {} did not answer the upgrade", self.to);
+                    return self.failed(StatusCode::GATEWAY_TIMEOUT, why);
+                }
+            };
+        if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+            // The server refused: its answer goes back as it is.
+            return response.map(Either::Left);
+        }
+        let upgraded = match hyper::upgrade::on(&mut response).await {
+            Ok(u) => u,
+            Err(e) => {
+                let why = format!("the server's connection was not upgraded: {e}");
+                return self.failed(StatusCode::BAD_GATEWAY, why);
+            }
+        };
+        let (mut rd, mut wr) = tokio::io::split(hyper_util::rt::TokioIo::new(upgraded));
+        // The client's bytes to the server.
+        tokio::spawn(async move {
+            let mut body = body;
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Some(data) = frame.data_ref()
+                    && wr.write_all(data).await.is_err()
+                {
+                    return;
+                }
+            }
+            let _ = wr.shutdown().await;
+        });
+        // The server's bytes to the client, a part at a time as they come.
+        let (mut tx, rx) = dpumesh_host::body::channel(dpumesh_host::body::STREAM_WINDOW_PARTS);
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                match rd.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        if tx
+                            .send(bytes::Bytes::copy_from_slice(&buf[..n]))
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        let (mut parts, _) = response.into_parts();
+        for name in dpumesh_head::HOP_BY_HOP {
+            parts.headers.remove(name);
+        }
+        Response::from_parts(parts, Either::Right(Either::Right(rx)))
     }
 }

@@ -77,8 +77,12 @@ fn start_upload(mesh: &Mesh, token: &str, path: &str, send: usize) -> TcpStream 
 
 #[test]
 fn streamed_uploads_arrive_whole_both_ways_and_clients_that_leave_free_their_slots() {
+    // A body with nothing moving for a second is cut off.
     let mesh = Mesh::up_edited(
-        |m| m,
+        |m| {
+            assert!(m.contains("body_timeout: 10s"), "the sample's body timeout");
+            m.replace("body_timeout: 10s", "body_timeout: 1s")
+        },
         |p| {
             let catch_all = "  - {path_prefix: /, service: frontend}";
             assert!(p.contains(catch_all), "the sample's catch-all route");
@@ -168,6 +172,20 @@ fn streamed_uploads_arrive_whole_both_ways_and_clients_that_leave_free_their_slo
         "the service still takes uploads after 40 abandoned ones"
     );
     assert_eq!(String::from_utf8_lossy(&answer), expected(&small));
+
+    // A client that stops sending its body mid-way is cut off after the body
+    // timeout (1 s here): an error answer saying why (not a wait for the request
+    // timeout), and the mesh serves on.
+    let mut s = start_upload(&mesh, &alice, "/upload", 128 << 10);
+    let started = std::time::Instant::now();
+    let reply = read_response(&mut s).expect("an answer to a stalled upload");
+    assert_eq!(reply.0, 502, "{}", String::from_utf8_lossy(&reply.2));
+    assert!(
+        String::from_utf8_lossy(&reply.2).contains("sent nothing"),
+        "{}",
+        String::from_utf8_lossy(&reply.2)
+    );
+    eprintln!("a stalled upload was cut off after {:?}", started.elapsed());
 
     // A small body with its length comes whole (the handler sees it all).
     let reply = mesh.post("/upload", &alice, b"hello");

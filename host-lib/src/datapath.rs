@@ -541,9 +541,19 @@ impl DataPathTransport {
                     let body = self.in_streams.stream(descriptor);
                     request.stream = Some(crate::body::BodyStream::new(body));
                     self.hand_over(descriptor, request, out);
-                } else {
-                    self.in_streams.collect(descriptor, request);
+                    return;
                 }
+                let stated = request
+                    .headers
+                    .get(http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok());
+                if stated.is_some_and(|n| n > self.in_streams.limit() as u64) {
+                    // Refused before a byte of it moves.
+                    self.too_large(&descriptor);
+                    return;
+                }
+                self.in_streams.collect(descriptor, request);
                 return;
             }
             Some(part) => part,
@@ -568,28 +578,31 @@ impl DataPathTransport {
                 );
             }
             Step::Whole(opening, request) => self.hand_over(opening, *request, out),
-            Step::TooLarge(opening) => {
-                let (head, body) = plain(
-                    413,
-                    &format!(
-                        "request body exceeds the {}-byte limit of a handler that takes whole bodies",
-                        self.in_streams.limit()
-                    ),
-                );
-                self.push_reply(
-                    &opening,
-                    StreamPart::Stop.code(),
-                    true,
-                    Vec::new(),
-                    Bytes::new(),
-                );
-                self.answer(&opening, &head, body);
-            }
+            Step::TooLarge(opening) => self.too_large(&opening),
             Step::Aborted(opening, why) => {
                 let (head, body) = plain(400, &why);
                 self.answer(&opening, &head, body);
             }
         }
+    }
+
+    /// A streamed request too large to collect whole: 413, and no more of it.
+    fn too_large(&mut self, opening: &Descriptor) {
+        let (head, body) = plain(
+            413,
+            &format!(
+                "request body exceeds the {}-byte limit of a handler that takes whole bodies",
+                self.in_streams.limit()
+            ),
+        );
+        self.push_reply(
+            opening,
+            StreamPart::Stop.code(),
+            true,
+            Vec::new(),
+            Bytes::new(),
+        );
+        self.answer(opening, &head, body);
     }
 
     /// A request for the handler.

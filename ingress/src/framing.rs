@@ -19,11 +19,10 @@
 //! Cost: fixed-length bodies are skipped by count; heads are scanned for their end and
 //! parsed once more with `httparse` (the parser hyper uses), chunked bodies scanned.
 
-use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::io;
 use std::pin::Pin;
-use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -119,11 +118,11 @@ pub struct Tracker {
     /// Heads seen so far.
     index: u64,
     max_head: usize,
-    found: Rc<RefCell<Ambiguous>>,
+    found: Arc<parking_lot::Mutex<Ambiguous>>,
 }
 
 impl Tracker {
-    pub fn new(max_head: usize, found: Rc<RefCell<Ambiguous>>) -> Self {
+    pub fn new(max_head: usize, found: Arc<parking_lot::Mutex<Ambiguous>>) -> Self {
         Self {
             state: State::Head,
             kept: Vec::new(),
@@ -136,7 +135,7 @@ impl Tracker {
     /// Stops following: no request from the `index`-th on is vouched for.
     fn lose(&mut self) {
         self.state = State::Off;
-        let mut found = self.found.borrow_mut();
+        let mut found = self.found.lock();
         found.lost_at = Some(found.lost_at.map_or(self.index, |at| at.min(self.index)));
     }
 
@@ -242,7 +241,7 @@ impl Tracker {
             .iter()
             .any(|f| f.name.eq_ignore_ascii_case("content-length"));
         if te && has_length {
-            self.found.borrow_mut().requests.insert(self.index);
+            self.found.lock().requests.insert(self.index);
         }
         self.index += 1;
         if te && req.version != Some(1) {
@@ -415,12 +414,12 @@ mod tests {
 
     /// The ambiguous request indexes of a stream fed in pieces of `step` bytes.
     fn found(stream: &[u8], step: usize) -> Vec<u64> {
-        let found = Rc::new(RefCell::new(Ambiguous::default()));
+        let found = Arc::new(parking_lot::Mutex::new(Ambiguous::default()));
         let mut t = Tracker::new(32 << 10, found.clone());
         for piece in stream.chunks(step) {
             t.feed(piece);
         }
-        found.borrow().requests.iter().copied().collect()
+        found.lock().requests.iter().copied().collect()
     }
 
     fn every_split(stream: &[u8], want: &[u64]) {
@@ -465,12 +464,12 @@ mod tests {
 
     /// Each request's verdict (indexes 0..n) after feeding `stream` whole.
     fn verdicts(stream: &[u8], n: u64, max_head: usize) -> Vec<Option<Refusal>> {
-        let found = Rc::new(RefCell::new(Ambiguous::default()));
+        let found = Arc::new(parking_lot::Mutex::new(Ambiguous::default()));
         let mut t = Tracker::new(max_head, found.clone());
         for piece in stream.chunks(5) {
             t.feed(piece);
         }
-        (0..n).map(|i| found.borrow_mut().verdict(i)).collect()
+        (0..n).map(|i| found.lock().verdict(i)).collect()
     }
 
     #[test]
@@ -538,12 +537,12 @@ mod tests {
             [Some(Unfollowed)]
         );
         // Both framings are said as such, once.
-        let found = Rc::new(RefCell::new(Ambiguous::default()));
+        let found = Arc::new(parking_lot::Mutex::new(Ambiguous::default()));
         let mut t = Tracker::new(1 << 15, found.clone());
         t.feed(
             b"POST / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
         );
-        assert_eq!(found.borrow_mut().verdict(0), Some(BothFramings));
-        assert_eq!(found.borrow_mut().verdict(0), None);
+        assert_eq!(found.lock().verdict(0), Some(BothFramings));
+        assert_eq!(found.lock().verdict(0), None);
     }
 }

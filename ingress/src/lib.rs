@@ -22,6 +22,7 @@ pub mod fair;
 pub mod framing;
 mod header_timer;
 pub mod tls;
+mod tunnel;
 mod upload;
 
 use std::collections::BTreeMap;
@@ -392,7 +393,7 @@ async fn connection<F: Fabric, IO>(
     peer: SocketAddr,
     session: Option<Rc<tls::Session>>,
 ) where
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + 'static,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let settings = &state.routing.settings;
     let (max_head, max_headers, header_timeout) = (
@@ -403,7 +404,9 @@ async fn connection<F: Fabric, IO>(
     let header_timer = state.header_timer.clone();
     // Which HTTP/1 requests on this connection had both framings (hyper drops the
     // Content-Length before the handler could see it).
-    let ambiguous = Rc::new(std::cell::RefCell::new(framing::Ambiguous::default()));
+    // Shared with the connection's reader, which an upgrade (a WebSocket) hands to
+    // hyper as a `Send` stream.
+    let ambiguous = Arc::new(parking_lot::Mutex::new(framing::Ambiguous::default()));
     let stream = framing::Sniff::new(stream, framing::Tracker::new(max_head, ambiguous.clone()));
     let alpn = session.as_ref().map_or(tls::Alpn::None, |s| s.alpn);
     let served = std::cell::Cell::new(0u64);
@@ -414,7 +417,7 @@ async fn connection<F: Fabric, IO>(
         // Every HTTP/1.x request is judged (1.0 too); HTTP/2's are framed by
         // their own protocol.
         let refused = if req.version() < http::Version::HTTP_2 {
-            ambiguous.borrow_mut().verdict(index)
+            ambiguous.lock().verdict(index)
         } else {
             None
         };
@@ -439,7 +442,7 @@ async fn connection<F: Fabric, IO>(
         tls::Alpn::None => builder,
     };
     let _ = builder
-        .serve_connection(TokioIo::new(stream), service)
+        .serve_connection_with_upgrades(TokioIo::new(stream), service)
         .await;
 }
 
@@ -634,7 +637,7 @@ async fn handle<F: Fabric>(
 /// answer.
 async fn forward<F: Fabric>(
     state: &State<F>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     peer: SocketAddr,
     session: Option<&tls::Session>,
     grpc: bool,
@@ -665,6 +668,12 @@ async fn forward<F: Fabric>(
     let timeout = answer_timeout(req.headers(), settings.request_timeout)?;
     let mut head = head_of(&req, peer, session)?;
     normalize_path(&mut head, &settings.path)?;
+    // A WebSocket's upgrade is asked for end to end (the service answers it): the
+    // one hop-by-hop field kept.
+    let websocket = tunnel::is_websocket(&req);
+    if websocket {
+        let _ = head.append_received("upgrade", "websocket");
+    }
     let Some((service, node, policy)) = state
         .routing
         .route(&head, |node| state.fabric.reachable(node))
@@ -698,6 +707,11 @@ async fn forward<F: Fabric>(
             ),
         ));
     }
+    if may_stream && let Some(len) = length {
+        // The length the client stated (hyper holds the body to it): a service that
+        // takes whole bodies refuses one past its limit before a byte of it moves.
+        let _ = head.append_received("content-length", &len.to_string());
+    }
     let head_bytes = match wire::encode_request(&head) {
         Ok(b) if b.len() <= settings.max_head => b,
         Ok(b) => {
@@ -726,6 +740,16 @@ async fn forward<F: Fabric>(
     let slot = tokio::time::timeout(settings.request_timeout, fabric.acquire())
         .await
         .map_err(|_| ProxyError::new(ErrorKind::Overloaded, "ingress is at capacity"))?;
+    if websocket {
+        // The handshake has no body; after a 101 the connection's bytes stream
+        // both ways (`tunnel`).
+        let on_upgrade = hyper::upgrade::on(&mut req);
+        drop(req);
+        let (answer, upload) = fabric.call_streamed(node, slot, head_bytes, 0, timeout);
+        let answer = wait_answer(answer, timeout, &service).await?;
+        let idle = policy.stream_idle.unwrap_or(Duration::from_secs(300));
+        return tunnel::answer(answer, upload, on_upgrade, idle, share);
+    }
     // The body goes straight into the slot's registered buffer.
     let mut body = req.into_body();
     let mut len: u64 = 0;
@@ -897,13 +921,22 @@ async fn send_whole<F: Fabric>(
     await_answer(answer, timeout, service).await
 }
 
-/// Waits for a node's answer: the node answers 504 itself at the deadline; this is
-/// the guard if it cannot.
+/// Waits for a node's answer and makes it the client's.
 async fn await_answer(
     answer: tokio::sync::oneshot::Receiver<Result<Answer, ProxyError>>,
     timeout: Duration,
     service: &str,
 ) -> Result<Response<ClientBody>, ProxyError> {
+    respond(wait_answer(answer, timeout, service).await?)
+}
+
+/// Waits for a node's answer: the node answers 504 itself at the deadline; this is
+/// the guard if it cannot.
+async fn wait_answer(
+    answer: tokio::sync::oneshot::Receiver<Result<Answer, ProxyError>>,
+    timeout: Duration,
+    service: &str,
+) -> Result<Answer, ProxyError> {
     let answer = tokio::time::timeout(timeout + Duration::from_secs(2), answer)
         .await
         .map_err(|_| {
@@ -918,12 +951,12 @@ async fn await_answer(
                 "the ingress shard stopped with the request in flight",
             )
         })??;
-    respond(answer)
+    Ok(answer)
 }
 
 /// The client's response from a node's answer. The service's head is checked again
 /// here: a pod is not trusted to write well-formed bytes.
-fn respond(answer: Answer) -> Result<Response<ClientBody>, ProxyError> {
+pub(crate) fn respond(answer: Answer) -> Result<Response<ClientBody>, ProxyError> {
     let head = wire::decode_response(&answer.head).map_err(|e| {
         ProxyError::new(
             ErrorKind::BadResponse,

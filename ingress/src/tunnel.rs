@@ -1,0 +1,149 @@
+//! WebSocket through the mesh: the upgrade request crosses as any request does (its
+//! route, its chain: a client without a token is refused before anything is
+//! upgraded), with `upgrade: websocket` kept in its head and its body streamed. The
+//! service answers `101` with a streamed body; then the client's connection becomes a
+//! tunnel: what the client sends goes to the service as the request's streamed body
+//! ([`Upload`]), what the service sends comes back as the answer's streamed body,
+//! each with the streams' back-pressure, until either side closes. The mesh reads no
+//! WebSocket frame: a huge frame flows through in windows like any bytes, and a
+//! connection with nothing moving ends at its route's `stream_idle_timeout`.
+//!
+//! HTTP/1.1 only (RFC 6455); HTTP/2's extended CONNECT (RFC 8441) is not offered.
+
+use std::time::Duration;
+
+use dpumesh_error::{ErrorKind, ProxyError};
+use dpumesh_fabric_client::{Answer, StreamBody, Upload, UploadError};
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::body::ClientBody;
+
+/// The most the client's side reads at once (one part for the service).
+const READ: usize = 64 << 10;
+
+/// Whether `req` asks for a WebSocket (HTTP/1.1 `Upgrade: websocket` with
+/// `Connection: upgrade`).
+pub(crate) fn is_websocket(req: &Request<Incoming>) -> bool {
+    let h = req.headers();
+    req.version() == http::Version::HTTP_11
+        && h.get(http::header::UPGRADE)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"))
+        && h.get_all(http::header::CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|s| {
+                s.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+        })
+}
+
+/// The client's answer to an upgrade request: a `101` that turns the connection into
+/// a tunnel (run on its own task until either side closes), or the service's (or the
+/// chain's) refusal as it came.
+pub(crate) fn answer<S: 'static>(
+    answer: Answer,
+    upload: Option<Upload>,
+    on_upgrade: hyper::upgrade::OnUpgrade,
+    idle: Duration,
+    share: S,
+) -> Result<Response<ClientBody>, ProxyError> {
+    let mut answer = answer;
+    let switching = dpumesh_head::wire::decode_response(&answer.head)
+        .is_ok_and(|h| h.status == StatusCode::SWITCHING_PROTOCOLS.as_u16());
+    let (true, Some(down), Some(upload)) = (switching, answer.stream.take(), upload) else {
+        if switching {
+            // A 101 without a stream to carry it: nothing can flow.
+            return Err(ProxyError::new(
+                ErrorKind::BadResponse,
+                "the service switched protocols without a stream to carry them",
+            ));
+        }
+        // Refused (401 from the chain, the service's own answer): the client reads
+        // it and nothing is upgraded.
+        return crate::respond(answer);
+    };
+    let mut response = crate::respond(Answer {
+        head: answer.head,
+        body: bytes::Bytes::new(),
+        stream: None,
+    })?;
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONNECTION,
+        HeaderValue::from_static("upgrade"),
+    );
+    headers.insert(http::header::UPGRADE, HeaderValue::from_static("websocket"));
+    metrics::counter!("dpumesh_ingress_websockets_total").increment(1);
+    tokio::task::spawn_local(async move {
+        let _share = share;
+        match on_upgrade.await {
+            Ok(upgraded) => run(upgraded, upload, down, idle).await,
+            Err(e) => tracing::debug!(error = %e, "the client's connection was not upgraded"),
+        }
+    });
+    Ok(response)
+}
+
+/// Carries bytes both ways until both directions are closed.
+async fn run(upgraded: hyper::upgrade::Upgraded, upload: Upload, down: StreamBody, idle: Duration) {
+    let (mut rd, mut wr) = tokio::io::split(TokioIo::new(upgraded));
+    let sent =
+        metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_service");
+    let received =
+        metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_client");
+    let up = async move {
+        let mut upload = upload;
+        let mut buf = vec![0u8; READ];
+        loop {
+            let n = tokio::select! {
+                n = tokio::time::timeout(idle, rd.read(&mut buf)) => match n {
+                    Ok(Ok(0)) => {
+                        // The client closed its side: the service's body ends.
+                        let _ = upload.finish(Vec::new());
+                        return;
+                    }
+                    Ok(Ok(n)) => n,
+                    Ok(Err(e)) => {
+                        upload.abort(&format!("the client's connection failed: {e}"));
+                        return;
+                    }
+                    Err(_) => {
+                        upload.abort("the client sent nothing for the idle limit");
+                        return;
+                    }
+                },
+                // The service's side is over: nothing more is read from the client.
+                () = upload.cancelled_or_lost() => return,
+            };
+            sent.increment(n as u64);
+            match upload.write(&buf[..n]).await.and_then(|()| upload.flush()) {
+                Ok(()) => {}
+                Err(UploadError::Cancelled) => return,
+                Err(UploadError::Failed(e)) => {
+                    tracing::debug!(error = %e, "a WebSocket's bytes could not be sent on");
+                    return;
+                }
+            }
+        }
+    };
+    let down = async move {
+        let mut down = down;
+        while let Some(frame) = down.frame().await {
+            let Ok(frame) = frame else {
+                break;
+            };
+            if let Some(data) = frame.data_ref() {
+                received.increment(data.len() as u64);
+                if wr.write_all(data).await.is_err() {
+                    break;
+                }
+            }
+        }
+        // The service closed (or its stream failed): so does the client's side.
+        let _ = wr.shutdown().await;
+    };
+    tokio::join!(up, down);
+}
