@@ -87,63 +87,67 @@ pub(crate) fn answer<S: 'static>(
     Ok(response)
 }
 
-/// Carries bytes both ways until both directions are closed.
+/// Carries bytes both ways until both directions are closed; counts them.
 async fn run(upgraded: hyper::upgrade::Upgraded, upload: Upload, down: StreamBody, idle: Duration) {
-    let (mut rd, mut wr) = tokio::io::split(TokioIo::new(upgraded));
-    let sent =
-        metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_service");
-    let received =
-        metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_client");
-    let up = async move {
-        let mut upload = upload;
-        let mut buf = vec![0u8; READ];
-        loop {
-            let n = tokio::select! {
-                n = tokio::time::timeout(idle, rd.read(&mut buf)) => match n {
-                    Ok(Ok(0)) => {
-                        // The client closed its side: the service's body ends.
-                        let _ = upload.finish(Vec::new());
-                        return;
-                    }
-                    Ok(Ok(n)) => n,
-                    Ok(Err(e)) => {
-                        upload.abort(&format!("the client's connection failed: {e}"));
-                        return;
-                    }
-                    Err(_) => {
-                        upload.abort("the client sent nothing for the idle limit");
-                        return;
-                    }
-                },
-                // The service's side is over: nothing more is read from the client.
-                () = upload.cancelled_or_lost() => return,
-            };
-            sent.increment(n as u64);
-            match upload.write(&buf[..n]).await.and_then(|()| upload.flush()) {
-                Ok(()) => {}
-                Err(UploadError::Cancelled) => return,
-                Err(UploadError::Failed(e)) => {
-                    tracing::debug!(error = %e, "a WebSocket's bytes could not be sent on");
-                    return;
+    let (rd, wr) = tokio::io::split(TokioIo::new(upgraded));
+    let (sent, received) = tokio::join!(to_service(rd, upload, idle), to_client(wr, down));
+    metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_service")
+        .increment(sent);
+    metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_client")
+        .increment(received);
+}
+
+type Reader = tokio::io::ReadHalf<TokioIo<hyper::upgrade::Upgraded>>;
+type Writer = tokio::io::WriteHalf<TokioIo<hyper::upgrade::Upgraded>>;
+
+/// The client's bytes to the service, until the client closes (the service's body
+/// ends), fails or idles (it is aborted), or the service's side is over; how many.
+async fn to_service(mut rd: Reader, mut upload: Upload, idle: Duration) -> u64 {
+    let mut buf = vec![0u8; READ];
+    let mut total = 0u64;
+    loop {
+        let n = tokio::select! {
+            n = tokio::time::timeout(idle, rd.read(&mut buf)) => match n {
+                Ok(Ok(0)) => {
+                    let _ = upload.finish(Vec::new());
+                    return total;
                 }
+                Ok(Ok(n)) => n,
+                Ok(Err(e)) => {
+                    upload.abort(&format!("the client's connection failed: {e}"));
+                    return total;
+                }
+                Err(_) => {
+                    upload.abort("the client sent nothing for the idle limit");
+                    return total;
+                }
+            },
+            () = upload.cancelled_or_lost() => return total,
+        };
+        total += n as u64;
+        match upload.write(&buf[..n]).await.and_then(|()| upload.flush()) {
+            Ok(()) => {}
+            Err(UploadError::Cancelled) => return total,
+            Err(UploadError::Failed(e)) => {
+                tracing::debug!(error = %e, "a WebSocket's bytes could not be sent on");
+                return total;
             }
         }
-    };
-    let down = async move {
-        let mut down = down;
-        while let Some(frame) = down.frame().await {
-            let Ok(frame) = frame else {
+    }
+}
+
+/// The service's bytes to the client, until its stream ends (then the client's side
+/// is shut down); how many.
+async fn to_client(mut wr: Writer, mut down: StreamBody) -> u64 {
+    let mut total = 0u64;
+    while let Some(Ok(frame)) = down.frame().await {
+        if let Some(data) = frame.data_ref() {
+            total += data.len() as u64;
+            if wr.write_all(data).await.is_err() {
                 break;
-            };
-            if let Some(data) = frame.data_ref() {
-                received.increment(data.len() as u64);
-                if wr.write_all(data).await.is_err() {
-                    break;
-                }
             }
         }
-        // The service closed (or its stream failed): so does the client's side.
-        let _ = wr.shutdown().await;
-    };
-    tokio::join!(up, down);
+    }
+    let _ = wr.shutdown().await;
+    total
 }
