@@ -36,6 +36,11 @@ file="/dev/shm/dpumesh-bench-1g.$$"
 head -c "$SIZE" /dev/zero > "$file"
 trap 'rm -f "$file"; cleanup' EXIT
 
+# The proxy's request buffers spill to a temporary file (as shipped), written by its
+# worker (not root): a directory it may write.
+mkdir -p "$work/nginx-body"
+chmod 755 "$work"
+chmod 777 "$work/nginx-body"
 for role in origin proxy; do
     if [ "$role" = origin ]; then
         server="listen 127.0.0.1:18180; client_max_body_size 0; location /big { alias $file; } location /up { return 200 \"ok\\n\"; }"
@@ -70,7 +75,7 @@ download() { # name url who [also]
     before=$(cpu $($who)); before2=$(cpu $($also)); t0=$(date +%s.%N)
     for _ in $(seq 1 "$RUNS"); do
         bytes=$(curl -s -o /dev/null -w '%{size_download}' -H "authorization: Bearer $TOKEN" "$url")
-        [ "$bytes" = "$SIZE" ] || { echo "$name: $bytes bytes, not $SIZE"; exit 1; }
+        [ "$bytes" = "$SIZE" ] || { echo "$name: $bytes bytes, not $SIZE" >&2; exit 1; }
     done
     t1=$(date +%s.%N); after=$(cpu $($who)); after2=$(cpu $($also))
     local mb=$((RUNS * SIZE / 1000000))
@@ -84,7 +89,7 @@ upload() { # name url who [also]
     before=$(cpu $($who)); before2=$(cpu $($also)); t0=$(date +%s.%N)
     for _ in $(seq 1 "$RUNS"); do
         bytes=$(curl -s -o /dev/null -w '%{size_upload} %{http_code}' -H "authorization: Bearer $TOKEN" -T "$file" "$url")
-        [ "$bytes" = "$SIZE 200" ] || { echo "$name: $bytes (bytes sent, status), not $SIZE 200"; exit 1; }
+        [ "$bytes" = "$SIZE 200" ] || { echo "$name: $bytes (bytes sent, status), not $SIZE 200" >&2; exit 1; }
     done
     t1=$(date +%s.%N); after=$(cpu $($who)); after2=$(cpu $($also))
     local mb=$((RUNS * SIZE / 1000000))

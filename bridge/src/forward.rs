@@ -149,8 +149,17 @@ impl Forward {
             http::Version::HTTP_2
         };
         let headers = &mut parts.headers;
+        // A streamed body's length, as its client stated it (the ingress held the
+        // body to it): kept, so the server gets the length it may need rather than a
+        // chunked body. A whole body's length is its own.
+        let stated = matches!(body, RequestBody::Stream(_))
+            .then(|| headers.get(http::header::CONTENT_LENGTH).cloned())
+            .flatten();
         for name in dpumesh_head::HOP_BY_HOP {
             headers.remove(name);
+        }
+        if let Some(len) = stated {
+            headers.insert(http::header::CONTENT_LENGTH, len);
         }
         headers.remove(CLIENT_CERT);
         let identity = parts

@@ -166,6 +166,20 @@ fn unmodified_servers_join_through_a_bridge() {
         b"POST /upload HTTP/1.1\r\nhost: legacy\r\ncontent-length: 11\r\nconnection: close\r\n\r\nhello world",
     );
     assert_eq!((status, body.as_slice()), (200, &b"11 bytes\n"[..]));
+    // A body past 1 MiB streams through the mesh and reaches the server with the
+    // length its client stated (a server that reads `content-length` gets it all).
+    let big = vec![b'x'; 3 << 20];
+    let mut request = format!(
+        "POST /upload HTTP/1.1\r\nhost: legacy\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        big.len()
+    )
+    .into_bytes();
+    request.extend_from_slice(&big);
+    let (status, _, body) = client.raw(&request);
+    assert_eq!(
+        (status, String::from_utf8_lossy(&body).as_ref()),
+        (200, "3145728 bytes\n")
+    );
 
     // The caller's identity comes from the mesh only: a client's forged one is gone.
     let (_, _, body) = get(

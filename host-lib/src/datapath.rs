@@ -478,16 +478,17 @@ impl DataPathTransport {
                 }
             },
             Incoming::Sent { descriptor } => {
-                self.streams.sent((descriptor.req_id, descriptor.step_id));
+                self.streams
+                    .sent((descriptor.req_id, descriptor.step_id, descriptor.lane));
             }
             Incoming::Error { descriptor, status } if descriptor.kind.stream => {
                 // The stream's receiver left (or its node gave it up): stop making it.
-                let key = (descriptor.req_id, descriptor.step_id);
+                let key = (descriptor.req_id, descriptor.step_id, descriptor.lane);
                 if self.streams.cancel(key) {
                     tracing::debug!(?status, req = key.0, "a streamed answer was cancelled");
                 }
                 self.out
-                    .retain(|q| !(q.stream && (q.req_id, q.step_id) == key));
+                    .retain(|q| !(q.stream && (q.req_id, q.step_id, q.lane) == key));
             }
             Incoming::Error { descriptor, status } => {
                 if descriptor.kind.response {
@@ -519,7 +520,7 @@ impl DataPathTransport {
         body: Vec<u8>,
         out: &mut Vec<Event>,
     ) {
-        let key = (descriptor.req_id, descriptor.step_id);
+        let key = (descriptor.req_id, descriptor.step_id, descriptor.lane);
         let part = match descriptor.stream_part() {
             Some(StreamPart::Open) => {
                 let mut request = match wire::decode_request(&header) {

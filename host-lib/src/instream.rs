@@ -28,8 +28,9 @@ use parking_lot::Mutex;
 use crate::body::BoxError;
 use crate::http::HttpRequest;
 
-/// A stream's key: the ids its opening came with.
-pub(crate) type Key = (u32, u32);
+/// A stream's key: the ids its opening came with, and its lane (each of the node's
+/// shards numbers its exchanges on its own).
+pub(crate) type Key = (u32, u32, u8);
 
 /// What a streamed body and the transport share.
 #[derive(Debug, Default)]
@@ -177,7 +178,7 @@ impl InStreams {
 
     /// A streamed request opened, for a handler that reads it as it comes: its body.
     pub fn stream(&mut self, opening: Descriptor) -> RequestStream {
-        let key = (opening.req_id, opening.step_id);
+        let key = (opening.req_id, opening.step_id, opening.lane);
         let shared = Arc::new(Mutex::new(Shared::default()));
         self.open.insert(
             key,
@@ -197,7 +198,7 @@ impl InStreams {
 
     /// A streamed request opened, for a handler that takes whole bodies.
     pub fn collect(&mut self, opening: Descriptor, request: HttpRequest) {
-        let key = (opening.req_id, opening.step_id);
+        let key = (opening.req_id, opening.step_id, opening.lane);
         self.open.insert(
             key,
             Entry {
@@ -333,7 +334,7 @@ mod tests {
     fn a_streamed_body_gives_its_parts_in_order_and_each_taken_is_told() {
         let mut streams = InStreams::new(std::task::Waker::noop().clone(), 1 << 20);
         let mut body = streams.stream(opening());
-        let key = (7, 1);
+        let key = (7, 1, 0);
         for p in ["ab", "cd"] {
             let step = streams.part(key, StreamPart::Data, p.into(), Ok(HeaderMap::new()));
             assert!(matches!(step, Step::Nothing));
@@ -359,7 +360,7 @@ mod tests {
         let mut streams = InStreams::new(std::task::Waker::noop().clone(), 1 << 20);
         let body = streams.stream(opening());
         streams.part(
-            (7, 1),
+            (7, 1, 0),
             StreamPart::Data,
             b"x".to_vec(),
             Ok(HeaderMap::new()),
@@ -371,7 +372,7 @@ mod tests {
         assert_eq!(streams.len(), 0);
         // What comes after is nobody's.
         let late = streams.part(
-            (7, 1),
+            (7, 1, 0),
             StreamPart::Data,
             b"y".to_vec(),
             Ok(HeaderMap::new()),
@@ -385,22 +386,22 @@ mod tests {
         streams.collect(opening(), HttpRequest::post("/up", ""));
         let ok = Ok(HeaderMap::new());
         assert!(matches!(
-            streams.part((7, 1), StreamPart::Data, b"ab".to_vec(), ok.clone()),
+            streams.part((7, 1, 0), StreamPart::Data, b"ab".to_vec(), ok.clone()),
             Step::Taken(_)
         ));
-        match streams.part((7, 1), StreamPart::End, Vec::new(), ok.clone()) {
+        match streams.part((7, 1, 0), StreamPart::End, Vec::new(), ok.clone()) {
             Step::Whole(_, r) => assert_eq!(&r.body[..], b"ab"),
             _ => panic!("the body is whole"),
         }
         streams.collect(opening(), HttpRequest::post("/up", ""));
-        streams.part((7, 1), StreamPart::Data, b"abc".to_vec(), ok.clone());
+        streams.part((7, 1, 0), StreamPart::Data, b"abc".to_vec(), ok.clone());
         assert!(matches!(
-            streams.part((7, 1), StreamPart::Data, b"de".to_vec(), ok.clone()),
+            streams.part((7, 1, 0), StreamPart::Data, b"de".to_vec(), ok.clone()),
             Step::TooLarge(_)
         ));
         streams.collect(opening(), HttpRequest::post("/up", ""));
         assert!(matches!(
-            streams.part((7, 1), StreamPart::Abort, Vec::new(), ok),
+            streams.part((7, 1, 0), StreamPart::Abort, Vec::new(), ok),
             Step::Aborted(..)
         ));
     }

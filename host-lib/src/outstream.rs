@@ -40,10 +40,14 @@ struct OutStream {
     in_flight: usize,
 }
 
-/// The streams a pod is sending, by their request's `(req_id, step_id)`.
+/// A stream's key: its request's ids and the lane it came on (each of the node's
+/// shards numbers its exchanges on its own: the lane tells two apart).
+pub(crate) type Key = (u32, u32, u8);
+
+/// The streams a pod is sending, by [`Key`].
 #[derive(Default)]
 pub(crate) struct OutStreams {
-    streams: HashMap<(u32, u32), OutStream>,
+    streams: HashMap<Key, OutStream>,
 }
 
 impl OutStreams {
@@ -51,7 +55,7 @@ impl OutStreams {
     /// `first_part` says so.
     pub fn open(&mut self, request: Descriptor, body: Boxed, first_part: bool) {
         self.streams.insert(
-            (request.req_id, request.step_id),
+            (request.req_id, request.step_id, request.lane),
             OutStream {
                 request,
                 body,
@@ -61,7 +65,7 @@ impl OutStreams {
     }
 
     /// The node handed a part of stream `key` back.
-    pub fn sent(&mut self, key: (u32, u32)) {
+    pub fn sent(&mut self, key: Key) {
         if let Some(s) = self.streams.get_mut(&key) {
             s.in_flight = s.in_flight.saturating_sub(1);
         }
@@ -69,7 +73,7 @@ impl OutStreams {
 
     /// The stream's receiver gave it up: its body is dropped (its producer sees the
     /// channel close). Whether it was open.
-    pub fn cancel(&mut self, key: (u32, u32)) -> bool {
+    pub fn cancel(&mut self, key: Key) -> bool {
         self.streams.remove(&key).is_some()
     }
 
@@ -148,8 +152,8 @@ mod tests {
         out.clear();
         streams.poll(&waker(), &mut out);
         assert!(out.is_empty(), "a full window sends nothing");
-        streams.sent((7, 1));
-        streams.sent((7, 1));
+        streams.sent((7, 1, 0));
+        streams.sent((7, 1, 0));
         streams.poll(&waker(), &mut out);
         assert_eq!(
             out.iter().map(|(_, p)| p).collect::<Vec<_>>(),
@@ -183,8 +187,8 @@ mod tests {
         t.insert("grpc-status", "0".parse().unwrap());
         rt.block_on(tx.finish(t.clone())).unwrap();
         out.clear();
-        streams.sent((8, 1));
-        streams.sent((8, 1));
+        streams.sent((8, 1, 0));
+        streams.sent((8, 1, 0));
         streams.poll(&waker(), &mut out);
         assert_eq!(out.pop().map(|(_, p)| p), Some(Part::End(t)));
         assert_eq!(streams.len(), 0, "an ended stream leaves");
@@ -205,7 +209,7 @@ mod tests {
 
         let (tx, rx) = body::channel(1);
         streams.open(request(10), Box::pin(rx), false);
-        assert!(streams.cancel((10, 1)));
+        assert!(streams.cancel((10, 1, 0)));
         assert!(tx.is_closed(), "the producer hears the client left");
     }
 }
