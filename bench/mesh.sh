@@ -25,8 +25,8 @@
 #       -m10 over h2c): the mesh with the interop service as a pod (a tonic server
 #       on the host library) behind the bench chain, against HAProxy with the same
 #       policy proxying h2 to the same tonic server on TCP,
-#   (l), (m) at the end: a streamed 1 GiB download through nginx proxy and through the
-#       mesh (bench/stream.sh, which also runs alone),
+#   (l)–(o) at the end: a streamed 1 GiB download and upload through nginx proxy and
+#       through the mesh (bench/stream.sh, which also runs alone),
 #   (k) nginx (a), unmodified, joined to the mesh through a bridge (one mesh-file
 #       line), against nginx proxying to it (b): req/s and the host's CPU per request
 #       (the bridge + the server, against nginx proxying + serving: the sidecar cost),
@@ -297,5 +297,5 @@ echo "bridged nginx k/b req/s: $(echo "scale=2; $rk / $rb" | bc), host CPU per r
 echo "gRPC unary j/j calls/s (mesh / HAProxy): $(echo "scale=2; $rdj / $rcj" | bc), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
 
 echo
-echo "==> (l), (m): a streamed 1 GiB download (bench/stream.sh)"
+echo "==> (l)-(o): a streamed 1 GiB download and upload (bench/stream.sh)"
 ./bench/stream.sh | sed -n '/^name|MB/,$p'

@@ -544,6 +544,20 @@ impl DataPathTransport {
                     self.hand_over(descriptor, request, out);
                     return;
                 }
+                if request.headers.contains_key(http::header::UPGRADE) {
+                    // An upgrade's handshake (a WebSocket) has no body, and a handler
+                    // that takes whole bodies answers it as a plain request: nothing
+                    // of the stream is wanted.
+                    self.push_reply(
+                        &descriptor,
+                        StreamPart::Stop.code(),
+                        true,
+                        Vec::new(),
+                        Bytes::new(),
+                    );
+                    self.hand_over(descriptor, request, out);
+                    return;
+                }
                 let stated = request
                     .headers
                     .get(http::header::CONTENT_LENGTH)
