@@ -528,13 +528,7 @@ impl DataPathTransport {
                     Err(e) => {
                         let (head, body) = plain(400, &format!("malformed request head: {e}"));
                         self.answer(&descriptor, &head, body);
-                        self.push_reply(
-                            &descriptor,
-                            StreamPart::Stop.code(),
-                            true,
-                            Vec::new(),
-                            Bytes::new(),
-                        );
+                        self.tell_node(&descriptor, StreamPart::Stop);
                         return;
                     }
                 };
@@ -548,13 +542,7 @@ impl DataPathTransport {
                     // An upgrade's handshake (a WebSocket) has no body, and a handler
                     // that takes whole bodies answers it as a plain request: nothing
                     // of the stream is wanted.
-                    self.push_reply(
-                        &descriptor,
-                        StreamPart::Stop.code(),
-                        true,
-                        Vec::new(),
-                        Bytes::new(),
-                    );
+                    self.tell_node(&descriptor, StreamPart::Stop);
                     self.hand_over(descriptor, request, out);
                     return;
                 }
@@ -584,13 +572,7 @@ impl DataPathTransport {
         match self.in_streams.part(key, part, body, trailers) {
             Step::Nothing => {}
             Step::Taken(opening) => {
-                self.push_reply(
-                    &opening,
-                    StreamPart::Taken.code(),
-                    true,
-                    Vec::new(),
-                    Bytes::new(),
-                );
+                self.tell_node(&opening, StreamPart::Taken);
             }
             Step::Whole(opening, request) => self.hand_over(opening, *request, out),
             Step::TooLarge(opening) => self.too_large(&opening),
@@ -599,6 +581,12 @@ impl DataPathTransport {
                 self.answer(&opening, &head, body);
             }
         }
+    }
+
+    /// Tells the node what the pod did with a request's streamed body (`Taken`,
+    /// `Stop`), on the request's ids.
+    fn tell_node(&mut self, opening: &Descriptor, part: StreamPart) {
+        self.push_reply(opening, part.code(), true, Vec::new(), Bytes::new());
     }
 
     /// A streamed request too large to collect whole: 413, and no more of it.
@@ -610,13 +598,7 @@ impl DataPathTransport {
                 self.in_streams.limit()
             ),
         );
-        self.push_reply(
-            opening,
-            StreamPart::Stop.code(),
-            true,
-            Vec::new(),
-            Bytes::new(),
-        );
+        self.tell_node(opening, StreamPart::Stop);
         self.answer(opening, &head, body);
     }
 
@@ -639,22 +621,10 @@ impl DataPathTransport {
         let (mut taken, mut stopped) = (Vec::new(), Vec::new());
         self.in_streams.news(&mut taken, &mut stopped);
         for opening in taken {
-            self.push_reply(
-                &opening,
-                StreamPart::Taken.code(),
-                true,
-                Vec::new(),
-                Bytes::new(),
-            );
+            self.tell_node(&opening, StreamPart::Taken);
         }
         for opening in stopped {
-            self.push_reply(
-                &opening,
-                StreamPart::Stop.code(),
-                true,
-                Vec::new(),
-                Bytes::new(),
-            );
+            self.tell_node(&opening, StreamPart::Stop);
         }
     }
 
