@@ -328,6 +328,32 @@ fn slow_uploads_from_one_client_cannot_hold_every_slot() {
     wait("the share comes back", Duration::from_secs(30), &|| {
         from("127.0.0.1").is_some_and(|r| r.0 == 200)
     });
+    // Streamed answers the client does not read hold its share too (each holds a
+    // slot until its body is done with): two paused downloads, and its next request
+    // is refused.
+    let mut paused = Vec::new();
+    for _ in 0..2 {
+        let mut s = connect_from("127.0.0.1", mesh.ingress);
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(
+            s,
+            "GET /download?bytes={} HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\nconnection: close\r\n\r\n",
+            1u64 << 30
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).unwrap();
+        assert_eq!(&head, b"HTTP/1.1 200");
+        paused.push(s);
+    }
+    let (status, _, body) = from("127.0.0.1").unwrap();
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(&body));
+    drop(paused);
+    wait(
+        "the share comes back after the downloads",
+        Duration::from_secs(30),
+        &|| from("127.0.0.1").is_some_and(|r| r.0 == 200),
+    );
 }
 
 /// The status an HTTP/2 (prior knowledge) request for `path` gets, or the error code

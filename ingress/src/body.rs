@@ -17,8 +17,10 @@ use http_body::{Body, Frame, SizeHint};
 pub enum ClientBody {
     /// Whole (with its trailers).
     Whole(WholeBody),
-    /// Streamed.
-    Stream(StreamBody),
+    /// Streamed; with the client's share of the ingress's slots, held until the
+    /// body is done with (a client that does not read its streams holds no more
+    /// slots than its share).
+    Stream(StreamBody, Option<crate::fair::Held>),
 }
 
 impl From<WholeBody> for ClientBody {
@@ -39,7 +41,7 @@ impl Body for ClientBody {
             ClientBody::Whole(b) => Pin::new(b)
                 .poll_frame(cx)
                 .map(|f| f.map(|r| r.map_err(|never| match never {}))),
-            ClientBody::Stream(s) => {
+            ClientBody::Stream(s, _) => {
                 let polled = Pin::new(s).poll_frame(cx);
                 if let Poll::Ready(Some(Err(e))) = &polled {
                     // hyper resets the h2 stream (or closes the HTTP/1.1 connection
@@ -54,7 +56,7 @@ impl Body for ClientBody {
     fn is_end_stream(&self) -> bool {
         match self {
             ClientBody::Whole(b) => b.is_end_stream(),
-            ClientBody::Stream(s) => s.is_end_stream(),
+            ClientBody::Stream(s, _) => s.is_end_stream(),
         }
     }
 
@@ -62,7 +64,7 @@ impl Body for ClientBody {
         match self {
             ClientBody::Whole(b) => b.size_hint(),
             // Its length is not known: chunked on HTTP/1.1.
-            ClientBody::Stream(_) => SizeHint::default(),
+            ClientBody::Stream(..) => SizeHint::default(),
         }
     }
 }

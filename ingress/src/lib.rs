@@ -805,19 +805,23 @@ async fn forward<F: Fabric>(
                 Some(upload) => {
                     let idle = settings.body_timeout;
                     tokio::task::spawn_local(upload::send_body(upload, body, carry, idle, share));
+                    return await_answer(answer, timeout, &service).await;
                 }
                 // Not sent (the node is unreachable): the answer says why, and the
                 // client, perhaps still sending, must be able to read it.
                 None => {
                     tokio::task::spawn_local(upload::drain(body));
+                    return await_answer(answer, timeout, &service)
+                        .await
+                        .map(|r| holding(r, share));
                 }
             }
-            return await_answer(answer, timeout, &service).await;
         }
         return send_whole(
             fabric, node, slot, &mut head, head_bytes, len, trailers, timeout, settings, &service,
         )
-        .await;
+        .await
+        .map(|r| holding(r, share));
     }
     let read = async {
         while let Some(frame) = body.frame().await {
@@ -881,6 +885,16 @@ async fn forward<F: Fabric>(
         fabric, node, slot, &mut head, head_bytes, len, trailers, timeout, settings, &service,
     )
     .await
+    .map(|r| holding(r, share))
+}
+
+/// `response` with the client's `share` held by its streamed body until the body is
+/// done with (a whole body is written at once: the share goes with this request).
+fn holding(mut response: Response<ClientBody>, share: fair::Held) -> Response<ClientBody> {
+    if let ClientBody::Stream(_, held) = response.body_mut() {
+        *held = Some(share);
+    }
+    response
 }
 
 /// A request whose body (`len` bytes) is in `slot`: sent to `node`, and its answer
@@ -974,7 +988,7 @@ pub(crate) fn respond(answer: Answer) -> Result<Response<ClientBody>, ProxyError
     dpumesh_head::trailers::keep_allowed(&mut trailers);
     let body = match answer.stream {
         // The head came first; the body follows as the service makes it.
-        Some(stream) => ClientBody::Stream(stream),
+        Some(stream) => ClientBody::Stream(stream, None),
         None => WholeBody::new(answer.body, trailers).into(),
     };
     let mut response = Response::new(body);
