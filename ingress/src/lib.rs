@@ -757,8 +757,7 @@ async fn forward<F: Fabric>(
     if may_stream {
         // What came with the head is read now; a body that is all there (a unary
         // gRPC call's message) goes whole; one that is not streams from here.
-        let window =
-            u64::from(dpumesh_dpa::frame::StreamWindows::of(settings.max_body as u32).size);
+        let window = u64::from(fabric.stream_window());
         let mut carry = None;
         // hyper reads what the client sent after the head only when the body is
         // polled (and an h2 DATA frame may trail its HEADERS by a moment): a turn of

@@ -390,6 +390,12 @@ impl<F: Fabric> Client<F> {
             .0
     }
 
+    /// The most bytes one window of a streamed body takes (what a caller may read
+    /// ahead into window 0 before [`Self::call_streamed`]).
+    pub fn stream_window(&self) -> u32 {
+        StreamWindows::of(self.slots.size as u32).size
+    }
+
     /// Sends a request whose body streams: its first `first` bytes are in the slot's
     /// request buffer already (window 0); the returned [`Upload`] sends the rest, as
     /// it comes, while the answer is awaited (it may come, and stream, before the

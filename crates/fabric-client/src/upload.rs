@@ -99,12 +99,6 @@ impl Upload {
         }
     }
 
-    /// The most bytes one window takes (what a caller may have read ahead into
-    /// window 0 before the upload began).
-    pub fn window_size(&self) -> u32 {
-        self.windows.size
-    }
-
     /// Sends `data` (announcing each window it fills), waiting for windows while
     /// all are with the node.
     pub async fn write(&mut self, mut data: &[u8]) -> Result<(), UploadError> {
