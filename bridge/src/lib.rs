@@ -8,17 +8,16 @@
 //! One mesh-file line makes one (`services.<name>.bridge: {to: 127.0.0.1:8080,
 //! protocol: http1}`); `dpumesh up` runs `dpumesh bridge` as the service's pod.
 //!
-//! **Threads.** The host library's loop runs on the main thread and polls each
-//! forwarded request's future there (an asynchronous step); a tokio runtime's one
-//! worker thread drives the sockets to the server and the egress port. A request thus
-//! crosses two threads in the bridge: the price of a socket to a server that is not in
-//! the mesh, which is what the bridge is for.
+//! **One thread.** The host library's loop and a current-thread tokio runtime share
+//! the main thread ([`dpumesh_host::reactor`]): the runtime's reactor watches the
+//! pod's bell beside the sockets to the server and the egress port, and the loop polls
+//! each forwarded request's future (an asynchronous step) where the connections' tasks
+//! run. A request crosses no thread in the bridge.
 
 pub mod egress;
 pub mod forward;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
@@ -59,13 +58,10 @@ fn server_up(to: &str, patience: Duration) -> bool {
 
 /// Runs the bridge as the pod `env` names until the process ends.
 pub fn run(env: &PodEnv, settings: Settings) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .thread_name("dpumesh-bridge-io")
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    // The forwarded requests' futures are polled on this thread: their sockets and
-    // timers belong to the runtime.
+    // The forwarded requests' futures make their sockets and timers in the runtime.
     let _entered = runtime.enter();
     // Registered only once the server answers: the node sends requests from then on.
     if let Some(patience) = settings.wait
@@ -95,7 +91,10 @@ pub fn run(env: &PodEnv, settings: Settings) -> anyhow::Result<()> {
         protocol = settings.protocol.name(),
         "bridging"
     );
-    service_loop
-        .run(&Arc::new(AtomicBool::new(false)))
+    runtime
+        .block_on(dpumesh_host::reactor::drive(
+            &mut service_loop,
+            &AtomicBool::new(false),
+        ))
         .map_err(|e| anyhow::anyhow!("{}: {e}", env.service))
 }

@@ -147,6 +147,8 @@ pub struct HostPort {
     tx: Vec<Producer>,
     /// One RX SQ per lane; the pod sleeps on the first one's wake words for all.
     rx: Vec<Consumer>,
+    /// The pod's bell (see [`HostPort::bell`]).
+    bell: Bell,
     /// The lane the next request goes on (requests take turns).
     next_lane: usize,
     /// The lane `try_recv` looks at first (lanes take turns being first).
@@ -245,6 +247,15 @@ impl HostPort {
             tx.push(producer.with_bell(Bell::from_parts(region, bell)?));
             rx.push(Ring::attach(map(&lane.rx_sq, &mut fds)?)?.consumer());
         }
+        let bell_region = map(&exports.bell, &mut fds)?;
+        let bell = Bell::from_parts(
+            bell_region,
+            fds.next().ok_or(HostError::Lanes {
+                lanes,
+                bells: 0,
+                why: "the pod's bell came without its eventfd",
+            })?,
+        )?;
         let port = Self {
             owner: OwnerId(exports.pod_id),
             tx_header,
@@ -253,6 +264,7 @@ impl HostPort {
             rx_body,
             tx,
             rx,
+            bell,
             next_lane: 0,
             first_rx: 0,
             in_flight: 0,
@@ -315,7 +327,36 @@ impl HostPort {
     /// A handle that makes a waiting [`HostPort::recv`] return early (from another
     /// thread of this process).
     pub fn interrupter(&self) -> crate::fabric::Interrupter {
-        self.rx[0].interrupter()
+        let futex = self.rx[0].interrupter();
+        let bell = self.bell.clone();
+        // Whichever the pod sleeps on: each costs nothing unless it is slept on.
+        crate::fabric::Interrupter::new(move || {
+            futex.interrupt();
+            bell.ring();
+        })
+    }
+
+    /// The pod's bell: its eventfd turns readable when a shard pushes to an RX lane,
+    /// or an interrupter fires, while the pod sleeps on it
+    /// ([`HostPort::sleep_begins`]). For a pod that waits in a reactor of its own,
+    /// with its sockets, instead of in [`HostPort::recv`].
+    pub fn bell(&self) -> &Bell {
+        &self.bell
+    }
+
+    /// Announces a sleep on the bell. True when something is there already (an RX
+    /// descriptor, an interrupt, which this consumes): then do not sleep. Either way
+    /// [`HostPort::sleep_ends`] follows.
+    pub fn sleep_begins(&self) -> bool {
+        self.bell.sleep_begins();
+        self.rx[0].take_interrupted() || self.rx.iter().any(|r| r.has_next())
+    }
+
+    /// Ends a sleep announced with [`HostPort::sleep_begins`] and consumes the bell's
+    /// rings.
+    pub fn sleep_ends(&self) {
+        self.bell.sleep_ends();
+        self.bell.drain();
     }
 
     /// TX slots the DPU has not handed back yet.

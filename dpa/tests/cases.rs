@@ -81,6 +81,33 @@ fn recv(port: &mut HostPort) -> Incoming {
         .expect("a message within 20 s")
 }
 
+/// As [`recv`], sleeping in `poll` on the pod's bell instead of on the ring's futex.
+fn recv_on_bell(port: &mut HostPort) -> Incoming {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(incoming) = port.try_recv().unwrap() {
+            return incoming;
+        }
+        let left = deadline
+            .checked_duration_since(Instant::now())
+            .expect("a message within 20 s: the node rings the bell of a pod asleep on it");
+        if !port.sleep_begins() {
+            let fd = port.bell().fd();
+            let mut fds = [rustix::event::PollFd::new(
+                &fd,
+                rustix::event::PollFlags::IN,
+            )];
+            let ts = rustix::fs::Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: 0,
+            };
+            let rung = rustix::event::poll(&mut fds, Some(&ts)).unwrap();
+            assert!(rung > 0, "the node rings the bell of a pod asleep on it");
+        }
+        port.sleep_ends();
+    }
+}
+
 /// The pods' side. Ignored in normal runs; the tests start it.
 #[test]
 #[ignore = "entry point of the pod processes the other tests spawn"]
@@ -88,15 +115,21 @@ fn pod_entry() {
     let role = std::env::var(ROLE).expect("run by the case tests");
     let control = Endpoint::Unix(std::env::var(CONTROL).unwrap().into());
     match role.as_str() {
-        // Answers every request with the reversed body and the CRC it saw.
-        "server" => {
+        // Answers every request with the reversed body and the CRC it saw; sleeping on
+        // its ring's futex, or on its bell's eventfd as a pod in a reactor does.
+        "server" | "bell-server" => {
             let mut port = HostPort::connect(&control, "pod-b", "svc-b").unwrap();
             loop {
+                let incoming = if role == "bell-server" {
+                    recv_on_bell(&mut port)
+                } else {
+                    recv(&mut port)
+                };
                 let Incoming::Message {
                     descriptor,
                     header,
                     body,
-                } = recv(&mut port)
+                } = incoming
                 else {
                     continue;
                 };
@@ -282,8 +315,9 @@ fn pod_entry() {
             let fds = control.take_fds();
             assert_eq!(fds.len(), exports.descriptors());
             let lanes = exports.lanes.len();
-            // The regions (after the bells' eventfds): none can change size.
-            for fd in &fds[lanes..] {
+            // The regions (after the lanes' bell eventfds, before the pod bell's):
+            // none can change size.
+            for fd in &fds[lanes..fds.len() - 1] {
                 let file = std::fs::File::from(fd.try_clone().unwrap());
                 let e = file.set_len(0).unwrap_err();
                 assert_eq!(e.raw_os_error(), Some(libc::EPERM), "truncate: {e}");
@@ -383,6 +417,8 @@ fn proxy_until(
         }
         port.forward(&d).unwrap();
         if until(&d) {
+            // The last delivery's wake-up: a shard batches them until it sleeps.
+            port.wake_pods();
             return;
         }
     }
@@ -436,6 +472,22 @@ fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     until_pods_left(&node, &mut [&mut port], Duration::from_secs(10));
     assert!(node.pods().is_empty());
     assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
+}
+
+#[test]
+fn a_pod_asleep_on_its_bell_is_woken_by_each_delivery() {
+    // The case-3 exchange, with a server that sleeps where a pod in a reactor does:
+    // had the node not rung its bell, it would wait out its 20 s and fail.
+    let dir = tempfile::tempdir().unwrap();
+    let node = node(dir.path(), "bell");
+    let mut port = node.take_shards().remove(0);
+    let socket = dir.path().join("control.sock");
+    let mut server = spawn_pod("bell-server", &socket);
+    let mut client = spawn_pod("client", &socket);
+    proxy(&mut port, |d| d.req_id == 9);
+    pods_passed(&mut client, &mut server);
+    until_pods_left(&node, &mut [&mut port], Duration::from_secs(10));
+    assert!(node.pods().is_empty());
 }
 
 #[test]

@@ -349,6 +349,42 @@ impl DataPathTransport {
         }
     }
 
+    /// The pod's bell's eventfd, for a loop that waits in a reactor of its own
+    /// ([`crate::reactor`]): readable when the node has something for the pod, or a
+    /// waker fired, while the pod sleeps on it. None while the node is away. A new
+    /// one comes with each registration ([`DataPathTransport::reregistered`] counts
+    /// them).
+    pub fn bell_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.port.as_ref().map(|p| p.bell().fd())
+    }
+
+    /// Announces a sleep on the bell (see [`DataPathTransport::bell_fd`]); true when
+    /// something is there already: then do not sleep. [`DataPathTransport::sleep_ends`]
+    /// follows either way.
+    pub fn sleep_begins(&self) -> bool {
+        self.port.as_ref().is_some_and(HostPort::sleep_begins)
+    }
+
+    /// Ends a sleep announced with [`DataPathTransport::sleep_begins`].
+    pub fn sleep_ends(&self) {
+        if let Some(port) = &self.port {
+            port.sleep_ends();
+        }
+    }
+
+    /// How long a reactor may sleep before this transport needs a turn although its
+    /// bell did not ring: sends waiting for ring room (the completions that make room
+    /// do not ring), or the next registration try while the node is away.
+    pub fn wait_limit(&self) -> Option<Duration> {
+        if self.port.is_none() {
+            let next = self.away.as_ref().map_or(REGISTER_CAP, |a| {
+                a.next_try.saturating_duration_since(Instant::now())
+            });
+            return Some(next.min(REGISTER_CAP));
+        }
+        (!self.out.is_empty()).then_some(Duration::from_millis(1))
+    }
+
     /// Requests received and not answered yet.
     pub fn unanswered(&self) -> usize {
         self.incoming.waiting.len()

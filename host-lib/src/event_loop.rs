@@ -292,6 +292,15 @@ impl<T: Transport> EventLoop<T> {
         self.requests.slots.len()
     }
 
+    /// Time until the earliest timer is due, if one is armed (for a loop driven by a
+    /// reactor that does its own waiting: [`crate::reactor`]).
+    pub fn next_timer(&self) -> Option<Duration> {
+        let now = self.transport.now();
+        self.timers
+            .peek()
+            .map(|Reverse((at, ..))| at.saturating_sub(now))
+    }
+
     /// One turn: finished internal steps, due timers, then whatever the transport has
     /// (waiting at most `max_wait`). Returns how many things happened.
     pub fn turn(&mut self, max_wait: Option<Duration>) -> Result<usize, TransportError> {

@@ -36,6 +36,7 @@ mod instream;
 pub mod memory;
 mod outstream;
 mod pool;
+pub mod reactor;
 pub mod result;
 mod run;
 pub mod store;

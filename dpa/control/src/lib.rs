@@ -152,8 +152,9 @@ pub enum Role {
 /// Everything a registered pod maps. The regions come as descriptors with the answer
 /// (`SCM_RIGHTS` on the node's Unix socket), never by a name another process could
 /// open: first each lane's bell eventfd, then each lane's bell region, the four pools
-/// (`tx_header`, `tx_body`, `rx_header`, `rx_body`), and each lane's TX SQ and RX SQ
-/// ([`PodExports::descriptors`] of them in all).
+/// (`tx_header`, `tx_body`, `rx_header`, `rx_body`), each lane's TX SQ and RX SQ, and
+/// last the pod's own bell, its region then its eventfd ([`PodExports::descriptors`]
+/// of them in all).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PodExports {
     /// The id the DPU assigned (goes in descriptors as `src_pod`/`dst`).
@@ -170,12 +171,17 @@ pub struct PodExports {
     /// completion on the shard that took it, so each shard reaches every pod on a
     /// lane of its own (as a multi-queue NIC gives each core its own queues).
     pub lanes: Vec<LaneExport>,
+    /// The pod's bell, rung after a shard pushes to any of its RX SQs when the pod
+    /// said it sleeps on it: a pod that waits in an event loop of its own (a reactor's
+    /// `epoll`, with its sockets) puts the eventfd in its wait set instead of sleeping
+    /// on its first RX lane's futex.
+    pub bell: RegionExport,
 }
 
 impl PodExports {
     /// How many descriptors come with these exports.
     pub fn descriptors(&self) -> usize {
-        4 + 4 * self.lanes.len()
+        4 + 4 * self.lanes.len() + 2
     }
 }
 

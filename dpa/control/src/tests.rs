@@ -43,6 +43,10 @@ fn exports() -> PodExports {
             };
             2
         ],
+        bell: RegionExport {
+            kind: RegionKind::Bell,
+            ..export(8)
+        },
     }
 }
 

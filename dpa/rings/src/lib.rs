@@ -21,6 +21,8 @@ pub mod fdpass;
 pub mod peercred;
 pub mod poll;
 pub mod pool;
+#[cfg(feature = "reactor")]
+pub mod reactor_bell;
 pub mod ring;
 pub mod shm;
 

@@ -407,13 +407,25 @@ impl Consumer {
         let flag = self.interrupted.clone();
         crate::bell::Interrupter::new(move || {
             flag.store(true, Ordering::SeqCst);
-            ring.wake_seq().fetch_add(1, Ordering::Release);
-            let _ = rustix::thread::futex::wake(
-                ring.wake_seq(),
-                rustix::thread::futex::Flags::empty(),
-                i32::MAX as u32,
-            );
+            // Pairs with the waiter's fence between raising `waiting` and its last look
+            // at the flag: either it sees the flag, or we see it waiting. A consumer
+            // that is awake costs an interrupt no system call.
+            fence(Ordering::SeqCst);
+            if ring.waiting().load(Ordering::Relaxed) != 0 {
+                ring.wake_seq().fetch_add(1, Ordering::Release);
+                let _ = rustix::thread::futex::wake(
+                    ring.wake_seq(),
+                    rustix::thread::futex::Flags::empty(),
+                    i32::MAX as u32,
+                );
+            }
         })
+    }
+
+    /// Whether an interrupter fired since the last look (consuming it): for a consumer
+    /// that sleeps elsewhere than [`Consumer::wait`] (a reactor, on a bell).
+    pub fn take_interrupted(&self) -> bool {
+        self.take_interrupt()
     }
 
     fn take_interrupt(&self) -> bool {

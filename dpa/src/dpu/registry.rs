@@ -138,6 +138,7 @@ impl Shared {
                 Ring::create_sealed(&format!("{}-{tag}-l{k}-rxsq", self.prefix), s.ring_capacity)?;
             lanes.push((tx, rx));
         }
+        let bell = Bell::create_sealed(&format!("{}-{tag}-bell", self.prefix))?;
         let pool_export = |p: &BufferPool| RegionExport {
             id: p.id(),
             path: shown(p.region()),
@@ -178,13 +179,20 @@ impl Shared {
                     },
                 })
                 .collect(),
+            bell: RegionExport {
+                id: 0,
+                path: shown(bell.region()),
+                len: BELL_LEN as u64,
+                kind: RegionKind::Bell,
+                hw_export: Vec::new(),
+            },
         };
         // What the pod maps, as descriptors: its regions are anonymous (no other pod
         // can open them by a name) and sealed (no one can truncate them).
         let dup = |region: &crate::shm::SharedRegion| {
             rustix::io::fcntl_dupfd_cloexec(region.fd(), 0).map_err(std::io::Error::from)
         };
-        let mut fds = Vec::with_capacity(4 + 3 * lanes.len());
+        let mut fds = Vec::with_capacity(exports.descriptors());
         for shard in &self.shards {
             fds.push(dup(shard.bell.region())?);
         }
@@ -195,12 +203,15 @@ impl Shared {
             fds.push(dup(tx.region())?);
             fds.push(dup(rx.region())?);
         }
+        fds.push(dup(bell.region())?);
+        fds.push(rustix::io::fcntl_dupfd_cloexec(bell.fd(), 0).map_err(std::io::Error::from)?);
         // Every shard's DMA manager knows the pod before the proxy can see it in the
         // table: a proxy that routed to a pod its manager did not know yet had the
         // delivery refused (unknown pod) with the body slot it had reserved in the
         // pod's pool, which the manager could not give back (it has no port for the
         // pod), so the slot leaked. Commands come before descriptors in a pass.
-        // The pod sleeps on its first RX lane's futex for all of them.
+        // The pod sleeps on its first RX lane's futex for all of them, or on its bell
+        // (whichever it announced sleeping on: the other costs the push nothing).
         let wake = lanes[0].1.clone();
         for (k, ((tx, rx), handle)) in lanes.iter().zip(&self.shards).enumerate() {
             let port = PodPort {
@@ -210,7 +221,10 @@ impl Shared {
                 rx_header: rx_header.clone(),
                 rx_body: rx_body.clone(),
                 tx_sq: tx.consumer(),
-                rx_sq: rx.producer().wakes_through(wake.clone()),
+                rx_sq: rx
+                    .producer()
+                    .wakes_through(wake.clone())
+                    .with_bell(bell.clone()),
                 lane: k as u8,
             };
             let _ = handle.commands.send(Command::AddPod(Box::new(port)));
