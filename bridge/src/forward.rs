@@ -6,6 +6,11 @@
 //! a streamed body carrying what the server sends, and the request's body (what the
 //! client sends) is written to the server's connection ([`tunnel`]).
 //!
+//! A `CONNECT` (a client's tunnel to this service, `CONNECT <service>:<port>`)
+//! opens a TCP connection to the server, whatever the port named: the mesh's route
+//! chose the service, and the bridge reaches its own server only (never an address
+//! the client names). The bridge answers `200` and the bytes flow as a WebSocket's.
+//!
 //! What the server is told of the caller: the mesh's word, in
 //! `x-forwarded-client-cert` (`URI=<the caller's SPIFFE ID>`, as Envoy sets it for a
 //! verified peer). The header is always removed first, so a value a client sent
@@ -105,6 +110,9 @@ impl tower_service::Service<Request<RequestBody>> for Forward {
     fn call(&mut self, request: Request<RequestBody>) -> Self::Future {
         let this = self.clone();
         Box::pin(async move {
+            if request.method() == http::Method::CONNECT {
+                return Ok(this.connect(request).await);
+            }
             let websocket = request.headers().contains_key(http::header::UPGRADE)
                 && this.protocol == BridgeProtocol::Http1;
             let request = match this.to_server(request) {
@@ -179,8 +187,6 @@ impl Forward {
     /// then bytes both ways between the request's streamed body, the server's
     /// connection and the answer's streamed body, until either side closes.
     async fn tunnel(&self, request: Request<RequestBody>) -> Response<Body> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
         let (mut parts, body) = request.into_parts();
         parts.headers.insert(
             http::header::CONNECTION,
@@ -213,42 +219,81 @@ impl Forward {
                 return self.failed(StatusCode::BAD_GATEWAY, why);
             }
         };
-        let (mut rd, mut wr) = tokio::io::split(hyper_util::rt::TokioIo::new(upgraded));
-        // The client's bytes to the server.
-        tokio::spawn(async move {
-            let mut body = body;
-            while let Some(Ok(frame)) = body.frame().await {
-                if let Some(data) = frame.data_ref()
-                    && wr.write_all(data).await.is_err()
-                {
-                    return;
-                }
-            }
-            let _ = wr.shutdown().await;
-        });
-        // The server's bytes to the client, a part at a time as they come.
-        let (mut tx, rx) = dpumesh_host::body::channel(dpumesh_host::body::STREAM_WINDOW_PARTS);
-        tokio::spawn(async move {
-            let mut buf = vec![0u8; 64 << 10];
-            loop {
-                match rd.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if tx
-                            .send(bytes::Bytes::copy_from_slice(&buf[..n]))
-                            .await
-                            .is_err()
-                        {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
+        let (rd, wr) = tokio::io::split(hyper_util::rt::TokioIo::new(upgraded));
         let (mut parts, _) = response.into_parts();
         for name in dpumesh_head::HOP_BY_HOP {
             parts.headers.remove(name);
         }
-        Response::from_parts(parts, Either::Right(Either::Right(rx)))
+        Response::from_parts(parts, Either::Right(Either::Right(carry(rd, wr, body))))
     }
+
+    /// A `CONNECT`: a TCP connection to the server, then bytes both ways as a
+    /// WebSocket's (the request's streamed body to the server, the server's bytes as
+    /// the answer's streamed body) until either side closes.
+    async fn connect(&self, request: Request<RequestBody>) -> Response<Body> {
+        let connection =
+            tokio::time::timeout(PATIENCE, tokio::net::TcpStream::connect(&self.to)).await;
+        let stream = match connection {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                let why = format!("cannot connect to the server at {}: {e}", self.to);
+                return self.failed(StatusCode::BAD_GATEWAY, why);
+            }
+            Err(_) => {
+                let why = format!("the server at {} did not take the connection", self.to);
+                return self.failed(StatusCode::GATEWAY_TIMEOUT, why);
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (rd, wr) = stream.into_split();
+        Response::new(Either::Right(Either::Right(carry(
+            rd,
+            wr,
+            request.into_body(),
+        ))))
+    }
+}
+
+/// Carries a tunnel's bytes: the request's body (what the client sends) is written to
+/// `wr` until it ends (then `wr` is shut down), and what `rd` gives comes back as the
+/// returned body, a part at a time as it comes, until `rd` ends.
+fn carry<R, W>(mut rd: R, mut wr: W, body: RequestBody) -> dpumesh_host::body::Receiver
+where
+    R: tokio::io::AsyncRead + Unpin + Send + 'static,
+    W: tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    // The client's bytes to the server.
+    tokio::spawn(async move {
+        let mut body = body;
+        while let Some(Ok(frame)) = body.frame().await {
+            if let Some(data) = frame.data_ref()
+                && wr.write_all(data).await.is_err()
+            {
+                return;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    // The server's bytes to the client, a part at a time as they come.
+    let (mut tx, rx) = dpumesh_host::body::channel(dpumesh_host::body::STREAM_WINDOW_PARTS);
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match rd.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if tx
+                        .send(bytes::Bytes::copy_from_slice(&buf[..n]))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    rx
 }

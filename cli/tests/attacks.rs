@@ -51,10 +51,35 @@ fn a_host_naming_a_service_is_no_way_in_only_routes_are() {
             .as_bytes(),
     );
     assert_ne!(code, 200, "{}", String::from_utf8_lossy(&body));
-    // Authority form (CONNECT): nothing is tunnelled.
+    // CONNECT is a tunnel to what the route names, never to the host the client
+    // names: without a token the `/` route's chain refuses it, and the connection
+    // closes (what the client sends next is not read as requests).
+    let ping = "GET /ping HTTP/1.1\r\nhost: hotel\r\nconnection: close\r\n\r\n";
     assert_eq!(
-        status(&mesh, "CONNECT user:80 HTTP/1.1\r\nhost: user:80\r\n\r\n"),
-        501
+        two_on_one_connection(
+            mesh.ingress,
+            "CONNECT user:80 HTTP/1.1\r\nhost: user:80\r\n\r\n",
+            ping
+        ),
+        (401, 0)
+    );
+    // With a token it reaches the frontend, which opens no tunnel: not the user
+    // service, not a port on the ingress's host (the mesh is no open proxy).
+    for target in ["user:80", "127.0.0.1:22", "localhost:18090"] {
+        let (code, _, body) = mesh.raw(
+            format!("CONNECT {target} HTTP/1.1\r\nhost: {target}\r\nauthorization: Bearer {alice}\r\n\r\n")
+                .as_bytes(),
+        );
+        assert!(
+            !(200..300).contains(&code),
+            "{target}: {code} {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+    // A CONNECT that names no port: 400.
+    assert_eq!(
+        status(&mesh, "CONNECT user HTTP/1.1\r\nhost: user\r\n\r\n"),
+        400
     );
     // `Host: frontend` used to run the frontend's own chain on `/limited` (1e9/s);
     // the route's chain is `strict` (3 a minute): the fourth is 429.

@@ -111,6 +111,47 @@ fn python_grpc_code(dir: &std::path::Path) {
     std::fs::write(dir.join("py_grpc.py"), PY_GRPC).unwrap();
 }
 
+/// An HTTP/2 `CONNECT authority` through the ingress (h2c): the answer's status and,
+/// when it opened a tunnel, what came back through it for `send` until it closed.
+fn h2_connect(ingress: std::net::SocketAddr, authority: &str, send: &[u8]) -> (u16, Vec<u8>) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(ingress).await.unwrap();
+        let (mut sender, connection) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        let request = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(authority)
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .unwrap();
+        let mut response = sender.send_request(request).await.unwrap();
+        let status = response.status().as_u16();
+        if !response.status().is_success() {
+            return (status, Vec::new());
+        }
+        let mut tunnel = TokioIo::new(hyper::upgrade::on(&mut response).await.unwrap());
+        tunnel.write_all(send).await.unwrap();
+        let mut back = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            tunnel.read_to_end(&mut back),
+        )
+        .await
+        .expect("the tunnel closes once the server closed")
+        .unwrap();
+        (status, back)
+    })
+}
+
 /// Runs interop `cases` against the ingress as `authority`; panics with the report.
 fn interop_cases(ingress: std::net::SocketAddr, authority: &str, cases: &[&str]) {
     let (ok, report) = run_cases(ingress, authority, None, cases);
@@ -208,6 +249,36 @@ fn unmodified_servers_join_through_a_bridge() {
     assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
     assert!(String::from_utf8_lossy(&body).contains("bridge:"));
     assert_eq!(get("legacy", "/hello", "").0, 200);
+
+    // A CONNECT to the service is a tunnel to its server: curl through the ingress
+    // as its HTTP proxy (HTTP/1.1 CONNECT), then HTTP inside the tunnel.
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "30", "-p", "-x"])
+        .arg(format!("http://{}", mesh.ingress))
+        .arg(format!("http://legacy:{legacy}/hello"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello from an unmodified server\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The same over HTTP/2 (a CONNECT stream), and the port the client names is the
+    // service's business: the bridge reaches its own server only.
+    let (status, inner) = h2_connect(
+        mesh.ingress,
+        "legacy:9",
+        b"GET /hello HTTP/1.1\r\nhost: legacy\r\nconnection: close\r\n\r\n",
+    );
+    let inner = String::from_utf8_lossy(&inner);
+    assert_eq!(status, 200);
+    assert!(
+        inner.ends_with("hello from an unmodified server\n"),
+        "{inner}"
+    );
+    // A server that is not there refuses the tunnel with the bridge's 502.
+    assert_eq!(h2_connect(mesh.ingress, "dead:80", b"").0, 502);
 
     // A gRPC server on TCP behind a `grpc` bridge: the interop cases pass.
     interop_cases(

@@ -501,8 +501,8 @@ fn answer_timeout(headers: &http::HeaderMap, limit: Duration) -> Result<Duration
 }
 
 /// Request targets the ingress refuses (RFC 9112 §3.2, RFC 9113 §8.3.1):
-/// - authority-form (`CONNECT host:port`): nothing is tunnelled, 501 (and the
-///   connection closes);
+/// - a `CONNECT` without an authority (`host:port`) to tunnel to: 400 (with one, it
+///   is a tunnel to the service its route names: [`tunnel`]);
 /// - a path that does not start with `/` (HTTP/2's `:path: admin`, HTTP/1's
 ///   `GET host:80`): 400. Origin-form is what routes, filters and services read, and a
 ///   path without its slash would miss a `path_prefix: /` rule that a service,
@@ -513,10 +513,13 @@ fn answer_timeout(headers: &http::HeaderMap, limit: Duration) -> Result<Duration
 /// for the host ([`RequestHead::from_request`] replaces `Host` with it, §3.2.2).
 fn target_error(req: &Request<Incoming>) -> Option<ProxyError> {
     if req.method() == http::Method::CONNECT {
-        return Some(ProxyError::new(
-            ErrorKind::UnsupportedMethod,
-            "CONNECT is not served: the ingress tunnels nothing",
-        ));
+        return match req.uri().authority() {
+            Some(a) if a.port_u16().is_some() => None,
+            _ => Some(ProxyError::new(
+                ErrorKind::MalformedRequest,
+                "a CONNECT names the host:port to tunnel to",
+            )),
+        };
     }
     let path = req.uri().path();
     if path.starts_with('/') || (path == "*" && req.method() == http::Method::OPTIONS) {
@@ -623,14 +626,24 @@ async fn handle<F: Fabric>(
     refused: Option<framing::Refusal>,
 ) -> Response<ClientBody> {
     let grpc = dpumesh_head::grpc::is_grpc(req.headers());
+    // A client may send its tunnel's bytes right after its CONNECT: when no tunnel
+    // opens, the rest of an HTTP/1 connection cannot be read as requests.
+    let connect_h1 = req.method() == http::Method::CONNECT && req.version() < http::Version::HTTP_2;
     let answer = match refused {
         Some(why) => Err(ProxyError::new(ErrorKind::AmbiguousFraming, why.message())),
         None => forward(state, req, peer, session, grpc).await,
     };
-    match answer {
+    let mut response = match answer {
         Ok(response) => response,
         Err(e) => error_response(&e, grpc),
+    };
+    if connect_h1 && !response.status().is_success() {
+        response.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
     }
+    response
 }
 
 /// Routes `req`, reads its body into a slot, sends it to the node and waits for the
@@ -670,8 +683,8 @@ async fn forward<F: Fabric>(
     normalize_path(&mut head, &settings.path)?;
     // A WebSocket's upgrade is asked for end to end (the service answers it): the
     // one hop-by-hop field kept.
-    let websocket = tunnel::is_websocket(&req);
-    if websocket {
+    let tunnel = tunnel::Kind::of(&req);
+    if tunnel == Some(tunnel::Kind::WebSocket) {
         let _ = head.append_received("upgrade", "websocket");
     }
     let Some((service, node, policy)) = state
@@ -740,15 +753,15 @@ async fn forward<F: Fabric>(
     let slot = tokio::time::timeout(settings.request_timeout, fabric.acquire())
         .await
         .map_err(|_| ProxyError::new(ErrorKind::Overloaded, "ingress is at capacity"))?;
-    if websocket {
-        // The handshake has no body; after a 101 the connection's bytes stream
-        // both ways (`tunnel`).
+    if let Some(kind) = tunnel {
+        // The handshake has no body; after a 101 (a CONNECT's 2xx) the connection's
+        // bytes stream both ways (`tunnel`).
         let on_upgrade = hyper::upgrade::on(&mut req);
         drop(req);
         let (answer, upload) = fabric.call_streamed(node, slot, head_bytes, 0, timeout);
         let answer = wait_answer(answer, timeout, &service).await?;
         let idle = policy.stream_idle.unwrap_or(Duration::from_secs(300));
-        return tunnel::answer(answer, upload, on_upgrade, idle, share);
+        return tunnel::answer(kind, answer, upload, on_upgrade, idle, share);
     }
     // The body goes straight into the slot's registered buffer.
     let mut body = req.into_body();

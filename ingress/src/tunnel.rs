@@ -9,6 +9,13 @@
 //! connection with nothing moving ends at its route's `stream_idle_timeout`.
 //!
 //! HTTP/1.1 only (RFC 6455); HTTP/2's extended CONNECT (RFC 8441) is not offered.
+//!
+//! `CONNECT <service>:<port>` (RFC 9110 §9.3.6, over HTTP/1.1 or HTTP/2) is a tunnel
+//! the same way: the authority is the request's host, so the route and its chain
+//! decide as for any request to that host (no route, 404; no token, 401). The
+//! service answers `2xx` with a streamed body, then bytes flow both ways. The mesh
+//! is no open proxy: the port is the service's business (a bridge connects to its
+//! own server whatever it says), and a host no route serves reaches nothing.
 
 use std::time::Duration;
 
@@ -25,6 +32,59 @@ use crate::body::ClientBody;
 /// The most the client's side reads at once (one part for the service).
 const READ: usize = 64 << 10;
 
+/// What a tunnel carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// An upgraded WebSocket connection.
+    WebSocket,
+    /// A `CONNECT` tunnel.
+    Connect,
+}
+
+impl Kind {
+    /// The tunnel `req` asks for, if any.
+    pub(crate) fn of(req: &Request<Incoming>) -> Option<Self> {
+        if req.method() == http::Method::CONNECT {
+            Some(Self::Connect)
+        } else if is_websocket(req) {
+            Some(Self::WebSocket)
+        } else {
+            None
+        }
+    }
+
+    /// Whether the service's answer opens the tunnel.
+    fn opens(self, status: u16) -> bool {
+        match self {
+            Self::WebSocket => status == StatusCode::SWITCHING_PROTOCOLS.as_u16(),
+            Self::Connect => (200..300).contains(&status),
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Self::WebSocket => "switched protocols",
+            Self::Connect => "accepted the CONNECT",
+        }
+    }
+
+    /// The tunnels opened (`dpumesh_ingress_websockets_total`,
+    /// `dpumesh_ingress_connects_total`) and their bytes by direction
+    /// (`…_bytes_total`).
+    fn metrics(self) -> (&'static str, &'static str) {
+        match self {
+            Self::WebSocket => (
+                "dpumesh_ingress_websockets_total",
+                "dpumesh_ingress_websocket_bytes_total",
+            ),
+            Self::Connect => (
+                "dpumesh_ingress_connects_total",
+                "dpumesh_ingress_connect_bytes_total",
+            ),
+        }
+    }
+}
+
 /// Whether `req` asks for a WebSocket (HTTP/1.1 `Upgrade: websocket` with
 /// `Connection: upgrade`).
 pub(crate) fn is_websocket(req: &Request<Incoming>) -> bool {
@@ -40,10 +100,11 @@ pub(crate) fn is_websocket(req: &Request<Incoming>) -> bool {
         })
 }
 
-/// The client's answer to an upgrade request: a `101` that turns the connection into
-/// a tunnel (run on its own task until either side closes), or the service's (or the
-/// chain's) refusal as it came.
+/// The client's answer to an upgrade request or a `CONNECT`: a `101` (a `200`) that
+/// turns the connection into a tunnel (run on its own task until either side closes),
+/// or the service's (or the chain's) refusal as it came.
 pub(crate) fn answer<S: 'static>(
+    kind: Kind,
     answer: Answer,
     upload: Option<Upload>,
     on_upgrade: hyper::upgrade::OnUpgrade,
@@ -51,14 +112,17 @@ pub(crate) fn answer<S: 'static>(
     share: S,
 ) -> Result<Response<ClientBody>, ProxyError> {
     let mut answer = answer;
-    let switching = dpumesh_head::wire::decode_response(&answer.head)
-        .is_ok_and(|h| h.status == StatusCode::SWITCHING_PROTOCOLS.as_u16());
-    let (true, Some(down), Some(upload)) = (switching, answer.stream.take(), upload) else {
-        if switching {
-            // A 101 without a stream to carry it: nothing can flow.
+    let opens =
+        dpumesh_head::wire::decode_response(&answer.head).is_ok_and(|h| kind.opens(h.status));
+    let (true, Some(down), Some(upload)) = (opens, answer.stream.take(), upload) else {
+        if opens {
+            // A 101 (a 2xx) without a stream to carry it: nothing can flow.
             return Err(ProxyError::new(
                 ErrorKind::BadResponse,
-                "the service switched protocols without a stream to carry them",
+                format!(
+                    "the service {} without a stream to carry the bytes",
+                    kind.what()
+                ),
             ));
         }
         // Refused (401 from the chain, the service's own answer): the client reads
@@ -71,16 +135,27 @@ pub(crate) fn answer<S: 'static>(
         stream: None,
     })?;
     let headers = response.headers_mut();
-    headers.insert(
-        http::header::CONNECTION,
-        HeaderValue::from_static("upgrade"),
-    );
-    headers.insert(http::header::UPGRADE, HeaderValue::from_static("websocket"));
-    metrics::counter!("dpumesh_ingress_websockets_total").increment(1);
+    match kind {
+        Kind::WebSocket => {
+            headers.insert(
+                http::header::CONNECTION,
+                HeaderValue::from_static("upgrade"),
+            );
+            headers.insert(http::header::UPGRADE, HeaderValue::from_static("websocket"));
+        }
+        Kind::Connect => {
+            // A 2xx to a CONNECT has no content, and says no framing (RFC 9110
+            // §9.3.6): what follows is the tunnel's.
+            headers.remove(http::header::CONTENT_LENGTH);
+            headers.remove(http::header::TRANSFER_ENCODING);
+        }
+    }
+    let (opened, bytes) = kind.metrics();
+    metrics::counter!(opened).increment(1);
     tokio::task::spawn_local(async move {
         let _share = share;
         match on_upgrade.await {
-            Ok(upgraded) => run(upgraded, upload, down, idle).await,
+            Ok(upgraded) => run(upgraded, upload, down, idle, bytes).await,
             Err(e) => tracing::debug!(error = %e, "the client's connection was not upgraded"),
         }
     });
@@ -88,13 +163,17 @@ pub(crate) fn answer<S: 'static>(
 }
 
 /// Carries bytes both ways until both directions are closed; counts them.
-async fn run(upgraded: hyper::upgrade::Upgraded, upload: Upload, down: StreamBody, idle: Duration) {
+async fn run(
+    upgraded: hyper::upgrade::Upgraded,
+    upload: Upload,
+    down: StreamBody,
+    idle: Duration,
+    bytes: &'static str,
+) {
     let (rd, wr) = tokio::io::split(TokioIo::new(upgraded));
     let (sent, received) = tokio::join!(to_service(rd, upload, idle), to_client(wr, down));
-    metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_service")
-        .increment(sent);
-    metrics::counter!("dpumesh_ingress_websocket_bytes_total", "direction" => "to_client")
-        .increment(received);
+    metrics::counter!(bytes, "direction" => "to_service").increment(sent);
+    metrics::counter!(bytes, "direction" => "to_client").increment(received);
 }
 
 type Reader = tokio::io::ReadHalf<TokioIo<hyper::upgrade::Upgraded>>;
@@ -129,7 +208,7 @@ async fn to_service(mut rd: Reader, mut upload: Upload, idle: Duration) -> u64 {
             Ok(()) => {}
             Err(UploadError::Cancelled) => return total,
             Err(UploadError::Failed(e)) => {
-                tracing::debug!(error = %e, "a WebSocket's bytes could not be sent on");
+                tracing::debug!(error = %e, "a tunnel's bytes could not be sent on");
                 return total;
             }
         }

@@ -72,9 +72,8 @@ pub enum ErrorKind {
     BodyTimeout,
     /// The client has its share of the proxy's request slots in flight already.
     ClientLimit,
-    /// A method the mesh does not serve (`CONNECT`: nothing is tunnelled). The
-    /// connection is closed after the answer: a client that went on to send tunnel
-    /// bytes would have them read as requests.
+    /// A method the mesh does not serve. The connection is closed after the answer:
+    /// what the client sends next may not be a request (a tunnel's bytes).
     UnsupportedMethod,
     /// The client's side of the mesh failed while the request was under way (its link
     /// went, its memory could not be read or written).
