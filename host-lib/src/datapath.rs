@@ -120,7 +120,7 @@ pub struct DataPathTransport {
     failed: Vec<Event>,
     /// What wakes a waiting `poll`: the RX ring's interrupter, or the loop thread
     /// while the node is away (swapped when the pod registers again).
-    interrupter: Arc<Mutex<Interrupter>>,
+    wake: Arc<Wake>,
     /// How the loop waits for the ring: polls a while after the last work (adapting),
     /// then sleeps until the node wakes it; `DPUMESH_POLL` sets the bounds.
     spin: Spin,
@@ -135,16 +135,37 @@ pub struct DataPathTransport {
     wants_stream: fn(&HttpRequest) -> bool,
 }
 
+/// What ends the transport's wait: the interrupter, or on a reactor's own thread
+/// ([`DataPathTransport::wake_locally`]) its task's notification.
+struct Wake {
+    interrupter: Mutex<Interrupter>,
+    local: std::sync::OnceLock<(std::thread::ThreadId, Arc<tokio::sync::Notify>)>,
+}
+
+impl Wake {
+    fn wake(&self) {
+        match self.local.get() {
+            // A waker that fires on the loop's thread (a socket's task the reactor
+            // ran): the loop is not asleep in the kernel, its task is pending in the
+            // same runtime; telling it costs no system call.
+            Some((thread, notify)) if *thread == std::thread::current().id() => {
+                notify.notify_one();
+            }
+            _ => self.interrupter.lock().interrupt(),
+        }
+    }
+}
+
 /// A `std::task::Waker` that ends the transport's wait.
-struct WakeTransport(Arc<Mutex<Interrupter>>);
+struct WakeTransport(Arc<Wake>);
 
 impl std::task::Wake for WakeTransport {
     fn wake(self: Arc<Self>) {
-        self.0.lock().interrupt();
+        self.0.wake();
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.0.lock().interrupt();
+        self.0.wake();
     }
 }
 
@@ -239,14 +260,17 @@ impl DataPathTransport {
 
     /// Over a registered port (that is not registered again if its node goes away).
     pub fn new(port: HostPort) -> Self {
-        let interrupter = Arc::new(Mutex::new(port.interrupter()));
-        let stream_waker = std::task::Waker::from(Arc::new(WakeTransport(interrupter.clone())));
+        let wake = Arc::new(Wake {
+            interrupter: Mutex::new(port.interrupter()),
+            local: std::sync::OnceLock::new(),
+        });
+        let stream_waker = std::task::Waker::from(Arc::new(WakeTransport(wake.clone())));
         Self {
             in_streams: InStreams::new(stream_waker.clone(), 8 << 20),
             wants_stream: |_| false,
             stream_waker,
             streams: OutStreams::default(),
-            interrupter,
+            wake,
             port: Some(port),
             watch: None,
             registration: None,
@@ -310,7 +334,7 @@ impl DataPathTransport {
         self.incoming.lost_below = self.incoming.next;
         self.located.clear();
         let me = std::thread::current();
-        *self.interrupter.lock() = Interrupter::new(move || me.unpark());
+        *self.wake.interrupter.lock() = Interrupter::new(move || me.unpark());
         self.away = Some(Away {
             next_try: Instant::now(),
             delay: REGISTER_FIRST,
@@ -335,7 +359,7 @@ impl DataPathTransport {
         match registered {
             Ok((watch, port)) => {
                 tracing::info!(pod = port.pod_id(), "registered again");
-                *self.interrupter.lock() = port.interrupter();
+                *self.wake.interrupter.lock() = port.interrupter();
                 self.port = Some(port);
                 self.watch = Some(watch);
                 self.away = None;
@@ -356,6 +380,12 @@ impl DataPathTransport {
     /// them).
     pub fn bell_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         self.port.as_ref().map(|p| p.bell().fd())
+    }
+
+    /// Wakers that fire on this thread notify `notify` instead of ringing the bell:
+    /// for a loop driven by a reactor on this thread, which waits on both. Set once.
+    pub fn wake_locally(&self, notify: Arc<tokio::sync::Notify>) {
+        let _ = self.wake.local.set((std::thread::current().id(), notify));
     }
 
     /// Announces a sleep on the bell (see [`DataPathTransport::bell_fd`]); true when
@@ -958,8 +988,8 @@ impl Transport for DataPathTransport {
     }
 
     fn waker(&self) -> Waker {
-        let interrupter = self.interrupter.clone();
-        Arc::new(move || interrupter.lock().interrupt())
+        let wake = self.wake.clone();
+        Arc::new(move || wake.wake())
     }
 }
 

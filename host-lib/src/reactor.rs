@@ -7,11 +7,15 @@
 //! request then crosses between them twice, a wake-up and a context switch each way.
 //! Here the loop sleeps where the runtime does: the pod's bell (an eventfd the node
 //! rings when it pushes to the pod's rings, and every waker of the loop rings too) is
-//! in the reactor's wait set beside the sockets. Run [`drive`] with `block_on` on a
-//! current-thread runtime; tasks spawned from the handlers' futures run on that same
-//! thread.
+//! in the reactor's wait set beside the sockets. A waker that fires on this thread
+//! (a socket's task finished what a handler's future awaits) notifies the loop's task
+//! instead: no system call. Run [`drive`] with `block_on` on a current-thread
+//! runtime; tasks spawned from the handlers' futures run on that same thread.
 
+use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::Poll;
 use std::time::Duration;
 
 use dpumesh_rings::reactor_bell::ReactorBell;
@@ -37,6 +41,8 @@ pub async fn drive(
     stop: &AtomicBool,
 ) -> Result<(), TransportError> {
     let mut watched: Option<Watched> = None;
+    let woken = Arc::new(tokio::sync::Notify::new());
+    service_loop.transport().wake_locally(woken.clone());
     while !stop.load(Ordering::Relaxed) {
         if service_loop.turn(Some(Duration::ZERO))? > 0 {
             // Let the runtime's tasks run and its reactor look at the sockets (one
@@ -77,11 +83,23 @@ pub async fn drive(
             transport.sleep_ends();
             continue;
         }
-        // Rung or timed out, the next turn looks (`sleep_ends` reads the eventfd, so
-        // its next ring is a new edge).
-        let rung = tokio::time::timeout(wait, w.bell.rung()).await;
+        // Rung, woken or timed out, the next turn looks (`sleep_ends` reads the
+        // eventfd, so its next ring is a new edge).
+        let mut rung = std::pin::pin!(w.bell.rung());
+        let mut notified = std::pin::pin!(woken.notified());
+        let mut nap = std::pin::pin!(tokio::time::sleep(wait));
+        let rung = std::future::poll_fn(|cx| {
+            if let Poll::Ready(r) = rung.as_mut().poll(cx) {
+                return Poll::Ready(r);
+            }
+            if notified.as_mut().poll(cx).is_ready() || nap.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Ok(()));
+            }
+            Poll::Pending
+        })
+        .await;
         service_loop.transport().sleep_ends();
-        if let Ok(Err(e)) = rung {
+        if let Err(e) = rung {
             return Err(TransportError::Other(format!(
                 "the reactor cannot watch the pod's bell: {e}"
             )));
