@@ -37,6 +37,8 @@
 # and the DPUs carry), context switches per request summed over every mesh process,
 # and the ratios the goals are stated in. Installs wrk, nginx, haproxy and h2load
 # (Debian packages) when missing.
+# ROWS="b j k" runs only those rows (letters as above; "l" for (l)-(o)) and prints
+# the ratios it has both sides of ("-" for the others): to repeat a few rows quickly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
@@ -165,78 +167,111 @@ h2() { # name url: 2xx answers per second under h2load -c32 -m10, and their coun
     echo "$2|$(echo "scale=2; ${ok:-0} / $DURATION" | bc)|${ok:-0}"
 }
 
+want() { # row: whether this run measures it (ROWS, default all)
+    [ -z "${ROWS:-}" ] || [[ " $ROWS " == *" $1 "* ]]
+}
+ratio() { # x y: x / y to two places, "-" when either was not measured
+    if [ -n "$1" ] && [ -n "$2" ]; then echo "scale=2; $1 / $2" | bc; else echo "-"; fi
+}
+a="" b="" c="" ch2="" ci="" cin="" d="" dh2="" e="" f="" g="" h="" di="" din="" k="" cj="" dj=""
+idle_nodes="-" idle_quiet="-"
+
 echo "==> measuring (wrk -t1 -c32 -d${DURATION}s each, after ${WARMUP}s unmeasured)"
 check http://127.0.0.1:18080/ping; check http://127.0.0.1:18081/ping; check http://127.0.0.1:18082/ping
 check_policy http://127.0.0.1:18082/ping
-a=$(run "a nginx direct" http://127.0.0.1:18080/ping "pgrep -x nginx")
-b=$(run "b nginx proxy" http://127.0.0.1:18081/ping "pgrep -x nginx")
-c=$(run "c haproxy nbthread 2, jwt/rbac/ratelimit" http://127.0.0.1:18082/ping haproxy_pids)
-ch2=$(h2 http://127.0.0.1:18083/ping "c haproxy h2")
-CURL_CA_BUNDLE="$work/tls/cert.pem" check https://127.0.0.1:18084/ping
-ci=$(run "i haproxy https keep-alive" https://127.0.0.1:18084/ping haproxy_pids)
-cin=$(WRK_CLOSE=1 run "i haproxy https new connections" https://127.0.0.1:18084/ping haproxy_pids)
+if want a; then a=$(run "a nginx direct" http://127.0.0.1:18080/ping "pgrep -x nginx"); fi
+if want b || want k; then b=$(run "b nginx proxy" http://127.0.0.1:18081/ping "pgrep -x nginx"); fi
+if want c || want d; then
+    c=$(run "c haproxy nbthread 2, jwt/rbac/ratelimit" http://127.0.0.1:18082/ping haproxy_pids)
+    ch2=$(h2 http://127.0.0.1:18083/ping "c haproxy h2")
+fi
+if want i; then
+    CURL_CA_BUNDLE="$work/tls/cert.pem" check https://127.0.0.1:18084/ping
+    ci=$(run "i haproxy https keep-alive" https://127.0.0.1:18084/ping haproxy_pids)
+    cin=$(WRK_CLOSE=1 run "i haproxy https new connections" https://127.0.0.1:18084/ping haproxy_pids)
+fi
 
-start_mesh shm
-check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
-# Idle first (after the checks' requests have settled): what a node costs doing nothing.
-sleep 2
-idle_nodes=$(idle "$((DURATION > 5 ? DURATION : 5))")
-d=$(run "d dpumesh (shm fabric)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-dh2=$(h2 http://127.0.0.1:18090/ping "d dpumesh h2 (shm fabric)")
-stop_mesh
+if want d; then
+    start_mesh shm
+    check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
+    # Idle first (after the checks' requests have settled): what a node costs doing
+    # nothing.
+    sleep 2
+    idle_nodes=$(idle "$((DURATION > 5 ? DURATION : 5))")
+    d=$(run "d dpumesh (shm fabric)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    dh2=$(h2 http://127.0.0.1:18090/ping "d dpumesh h2 (shm fabric)")
+    stop_mesh
+fi
 
-start_mesh shm component
-check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
-g=$(run "g dpumesh (shm fabric, component calls, fused)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-stop_mesh
+if want g; then
+    start_mesh shm component
+    check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
+    g=$(run "g dpumesh (shm fabric, component calls, fused)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    stop_mesh
+fi
 
-start_mesh shm cores2
-check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
-h=$(run "h dpumesh (shm fabric, two shards a node)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-stop_mesh
+if want h; then
+    start_mesh shm cores2
+    check http://127.0.0.1:18090/ping; check_policy http://127.0.0.1:18090/ping
+    h=$(run "h dpumesh (shm fabric, two shards a node)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    stop_mesh
+fi
 
 # The idle node again without the Pingmesh agent (its probes and uploads are work the
 # agent does on purpose): what the node's own threads cost doing nothing.
-start_mesh shm nopingmesh
-check http://127.0.0.1:18090/ping
-sleep 2
-idle_quiet=$(idle "$((DURATION > 5 ? DURATION : 5))")
-stop_mesh
+if want d; then
+    start_mesh shm nopingmesh
+    check http://127.0.0.1:18090/ping
+    sleep 2
+    idle_quiet=$(idle "$((DURATION > 5 ? DURATION : 5))")
+    stop_mesh
+fi
 
-start_mesh shm tls
-CURL_CA_BUNDLE="$work/tls/cert.pem" check https://127.0.0.1:18090/ping
-di=$(run "i dpumesh https keep-alive" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-din=$(WRK_CLOSE=1 run "i dpumesh https new connections" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-stop_mesh
+if want i; then
+    start_mesh shm tls
+    CURL_CA_BUNDLE="$work/tls/cert.pem" check https://127.0.0.1:18090/ping
+    di=$(run "i dpumesh https keep-alive" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    din=$(WRK_CLOSE=1 run "i dpumesh https new connections" https://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    stop_mesh
+fi
 
 grpc_check() { # url: gRPC calls pass, with the token
     ./target/release/grpc-interop client --server "$1" --token "$TOKEN" empty_unary large_unary >/dev/null ||
         { echo "$1: gRPC calls fail"; exit 1; }
 }
-grpc_check http://127.0.0.1:18085
-cj=$(grpc_run "j haproxy grpc unary" http://127.0.0.1:18085/grpc.testing.TestService/UnaryCall haproxy_grpc_pids)
-start_mesh shm grpc
-grpc_check http://127.0.0.1:18090
-dj=$(grpc_run "j dpumesh grpc unary" http://127.0.0.1:18090/grpc.testing.TestService/UnaryCall grpc_pod_pids mesh_pids)
-stop_mesh
+if want j; then
+    grpc_check http://127.0.0.1:18085
+    cj=$(grpc_run "j haproxy grpc unary" http://127.0.0.1:18085/grpc.testing.TestService/UnaryCall haproxy_grpc_pids)
+    start_mesh shm grpc
+    grpc_check http://127.0.0.1:18090
+    dj=$(grpc_run "j dpumesh grpc unary" http://127.0.0.1:18090/grpc.testing.TestService/UnaryCall grpc_pod_pids mesh_pids)
+    stop_mesh
+fi
 
-start_mesh shm bridge
-check http://127.0.0.1:18090/legacy/ping; check_policy http://127.0.0.1:18090/legacy/ping
-k=$(run "k dpumesh bridge to nginx" http://127.0.0.1:18090/legacy/ping bridge_pids mesh_pids all_mesh_pids)
-stop_mesh
+if want k; then
+    start_mesh shm bridge
+    check http://127.0.0.1:18090/legacy/ping; check_policy http://127.0.0.1:18090/legacy/ping
+    k=$(run "k dpumesh bridge to nginx" http://127.0.0.1:18090/legacy/ping bridge_pids mesh_pids all_mesh_pids)
+    stop_mesh
+fi
 
-start_mesh tcp
-check http://127.0.0.1:18090/ping
-e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-stop_mesh
+if want e; then
+    start_mesh tcp
+    check http://127.0.0.1:18090/ping
+    e=$(run "e dpumesh (tcp fabric, mutual TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    stop_mesh
+fi
 
-start_mesh tcp plain
-check http://127.0.0.1:18090/ping
-f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
-stop_mesh
+if want f || want e; then
+    start_mesh tcp plain
+    check http://127.0.0.1:18090/ping
+    f=$(run "f dpumesh (tcp fabric, no TLS)" http://127.0.0.1:18090/ping service_pids mesh_pids all_mesh_pids)
+    stop_mesh
+fi
 
 printf '\n%-42s %10s %9s %9s %14s %14s %10s %7s\n' target req/s p50 p99 "CPU us/req" "mesh us/req" "cs/req" "idle"
 for row in "$a" "$b" "$c" "$d" "$e" "$f" "$g" "$h" "$ci" "$di" "$cin" "$din" "$k"; do
+    [ -n "$row" ] || continue
     IFS='|' read -r name rps p50 p99 cpu non mesh sw idle <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     case "$name" in
@@ -251,6 +286,7 @@ echo " cs/req: context switches summed over every thread of the ingress, nodes a
 echo " idle: the share of the machine's cores nobody used during the run)"
 printf '\n%-42s %10s %10s\n' "HTTP/2 (h2load -c32 -m10)" "2xx/s" 2xx
 for row in "$ch2" "$dh2"; do
+    [ -n "$row" ] || continue
     IFS='|' read -r name rps ok <<<"$row"
     printf '%-42s %10s %10s\n' "$name" "$rps" "$ok"
 done
@@ -270,21 +306,22 @@ IFS='|' read -r _ rdin _ _ _ _ _ _ _ <<<"$din"
 IFS='|' read -r _ rch2 _ <<<"$ch2"
 IFS='|' read -r _ rdh2 _ <<<"$dh2"
 echo
-echo "d/c req/s: $(echo "scale=2; $rd / $rc" | bc)   d/b req/s: $(echo "scale=2; $rd / $rb" | bc)   p99 d $pd vs c $pc"
-echo "service CPU per request vs nginx direct: $(echo "scale=2; $cd / $ca" | bc)"
-echo "ingress + node CPU per request vs HAProxy + nginx: $(echo "scale=2; $md / $cc" | bc)"
+echo "d/c req/s: $(ratio "$rd" "$rc")   d/b req/s: $(ratio "$rd" "$rb")   p99 d $pd vs c $pc"
+echo "service CPU per request vs nginx direct: $(ratio "$cd" "$ca")"
+echo "ingress + node CPU per request vs HAProxy + nginx: $(ratio "$md" "$cc")"
 echo "context switches per request across the mesh: $swd"
 echo "cores left idle under load: d $id% vs c $ic%"
-echo "tcp fabric e/c req/s: $(echo "scale=2; $re / $rc" | bc)"
-echo "mutual TLS on the tcp fabric: req/s e/f $(echo "scale=2; $re / $rf" | bc), ingress + node CPU per request e $me vs f $mf us"
-echo "HTTP/2 d/c req/s: $(echo "scale=2; $rdh2 / $rch2" | bc)"
-echo "core instances: req/s d/g $(echo "scale=2; $rd / $rg" | bc), ingress + node CPU per request d $md vs g $mg us"
-echo "shards: req/s d/h $(echo "scale=2; $rd / $rh" | bc), p99 d $pd vs h $ph, ingress + node CPU per request d $md vs h $mh us, cs/req d $swd vs h $swh"
+echo "tcp fabric e/c req/s: $(ratio "$re" "$rc")"
+echo "mutual TLS on the tcp fabric: req/s e/f $(ratio "$re" "$rf"), ingress + node CPU per request e $me vs f $mf us"
+echo "HTTP/2 d/c req/s: $(ratio "$rdh2" "$rch2")"
+echo "core instances: req/s d/g $(ratio "$rd" "$rg"), ingress + node CPU per request d $md vs g $mg us"
+echo "shards: req/s d/h $(ratio "$rd" "$rh"), p99 d $pd vs h $ph, ingress + node CPU per request d $md vs h $mh us, cs/req d $swd vs h $swh"
 echo "idle node CPU (each node, % of a core):$idle_nodes; without the Pingmesh agent:$idle_quiet"
-echo "HTTPS keep-alive i/i req/s (mesh / HAProxy): $(echo "scale=2; $rdi / $rci" | bc), ingress + node CPU per request $mdi us vs HAProxy + nginx $cci us"
-echo "HTTPS new connections/s (mesh / HAProxy): $(echo "scale=2; $rdin / $rcin" | bc) ($rdin vs $rcin)"
+echo "HTTPS keep-alive i/i req/s (mesh / HAProxy): $(ratio "$rdi" "$rci"), ingress + node CPU per request $mdi us vs HAProxy + nginx $cci us"
+echo "HTTPS new connections/s (mesh / HAProxy): $(ratio "$rdin" "$rcin") ($rdin vs $rcin)"
 printf '\n%-42s %10s %10s %14s %14s\n' "gRPC unary (h2load -c32 -m10)" calls/s answered "CPU us/call" "mesh us/call"
 for row in "$cj" "$dj"; do
+    [ -n "$row" ] || continue
     IFS='|' read -r name rps ok cpu mesh <<<"$row"
     printf '%-42s %10s %10s %14s %14s\n' "$name" "$rps" "$ok" "$cpu" "$mesh"
 done
@@ -293,9 +330,11 @@ IFS='|' read -r _ rcj _ ccj _ <<<"$cj"
 IFS='|' read -r _ rdj _ cdj mdj <<<"$dj"
 IFS='|' read -r _ rk _ _ ck _ mk _ _ <<<"$k"
 IFS='|' read -r _ _ _ _ cb _ _ _ _ <<<"$b"
-echo "bridged nginx k/b req/s: $(echo "scale=2; $rk / $rb" | bc), host CPU per request (bridge + nginx vs nginx proxy + origin): $ck vs $cb us ($(echo "scale=2; $ck / $cb" | bc)), ingress + node $mk us"
-echo "gRPC unary j/j calls/s (mesh / HAProxy): $(echo "scale=2; $rdj / $rcj" | bc), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
+echo "bridged nginx k/b req/s: $(ratio "$rk" "$rb"), host CPU per request (bridge + nginx vs nginx proxy + origin): $ck vs $cb us ($(ratio "$ck" "$cb")), ingress + node $mk us"
+echo "gRPC unary j/j calls/s (mesh / HAProxy): $(ratio "$rdj" "$rcj"), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
 
-echo
-echo "==> (l)-(o): a streamed 1 GiB download and upload (bench/stream.sh)"
-./bench/stream.sh | sed -n '/^name|MB/,$p'
+if want l; then
+    echo
+    echo "==> (l)-(o): a streamed 1 GiB download and upload (bench/stream.sh)"
+    ./bench/stream.sh | sed -n '/^name|MB/,$p'
+fi
