@@ -407,12 +407,16 @@ impl DataPathTransport {
     /// do not ring), or the next registration try while the node is away.
     pub fn wait_limit(&self) -> Option<Duration> {
         if self.port.is_none() {
-            let next = self.away.as_ref().map_or(REGISTER_CAP, |a| {
-                a.next_try.saturating_duration_since(Instant::now())
-            });
-            return Some(next.min(REGISTER_CAP));
+            return Some(self.next_try_in().min(REGISTER_CAP));
         }
         (!self.out.is_empty()).then_some(Duration::from_millis(1))
+    }
+
+    /// Time until the next registration try while the node is away.
+    fn next_try_in(&self) -> Duration {
+        self.away.as_ref().map_or(REGISTER_CAP, |a| {
+            a.next_try.saturating_duration_since(Instant::now())
+        })
     }
 
     /// Requests received and not answered yet.
@@ -941,10 +945,7 @@ impl Transport for DataPathTransport {
         let Some(port) = self.port.as_mut() else {
             if out.is_empty() {
                 // Nothing to do until the next try (or a waker: an internal step ended).
-                let next = self.away.as_ref().map_or(REGISTER_CAP, |a| {
-                    a.next_try.saturating_duration_since(Instant::now())
-                });
-                std::thread::park_timeout(next.min(timeout.unwrap_or(REGISTER_CAP)));
+                std::thread::park_timeout(self.next_try_in().min(timeout.unwrap_or(REGISTER_CAP)));
             }
             return Ok(());
         };

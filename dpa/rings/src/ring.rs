@@ -422,13 +422,9 @@ impl Consumer {
         })
     }
 
-    /// Whether an interrupter fired since the last look (consuming it): for a consumer
-    /// that sleeps elsewhere than [`Consumer::wait`] (a reactor, on a bell).
+    /// Whether an interrupter fired since the last look (consuming it); also for a
+    /// consumer that sleeps elsewhere than [`Consumer::wait`] (a reactor, on a bell).
     pub fn take_interrupted(&self) -> bool {
-        self.take_interrupt()
-    }
-
-    fn take_interrupt(&self) -> bool {
         self.interrupted.load(Ordering::Relaxed) && self.interrupted.swap(false, Ordering::SeqCst)
     }
 
@@ -532,7 +528,7 @@ impl Consumer {
                 }
                 std::hint::spin_loop();
             }
-            if self.take_interrupt() {
+            if self.take_interrupted() {
                 return ready();
             }
             rounds += 1;
@@ -559,7 +555,7 @@ impl Consumer {
                 self.ring.waiting().store(0, Ordering::Relaxed);
                 return true;
             }
-            if self.take_interrupt() {
+            if self.take_interrupted() {
                 self.ring.waiting().store(0, Ordering::Relaxed);
                 return ready();
             }

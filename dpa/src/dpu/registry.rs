@@ -204,7 +204,7 @@ impl Shared {
             fds.push(dup(rx.region())?);
         }
         fds.push(dup(bell.region())?);
-        fds.push(rustix::io::fcntl_dupfd_cloexec(bell.fd(), 0).map_err(std::io::Error::from)?);
+        fds.push(bell.fd().try_clone_to_owned()?);
         // Every shard's DMA manager knows the pod before the proxy can see it in the
         // table: a proxy that routed to a pod its manager did not know yet had the
         // delivery refused (unknown pod) with the body slot it had reserved in the
