@@ -343,6 +343,13 @@ fn a_pods_regions_come_as_sealed_descriptors_it_cannot_truncate_under_the_node()
     let mut port = node.take_shards().remove(0);
     // A well-behaved pod first, then the hostile one beside it.
     let mut idle = spawn_pod("idle", &dir.path().join("control.sock"));
+    // Registered before the hostile one starts (under qemu a pod takes seconds to):
+    // what is left at the end is judged against a node that had both.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !node.pods().iter().any(|p| p.name == "pod-c") {
+        assert!(Instant::now() < deadline, "the idle pod registers");
+        let _ = port.recv(Duration::from_millis(20));
+    }
     let mut hostile = spawn_pod("hostile", &dir.path().join("control.sock"));
     assert!(hostile.wait().success(), "the hostile pod's checks held");
     // The node (which maps every one of those regions) is alive and reclaims it.
