@@ -34,6 +34,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
+use crate::h1;
+
 /// The header the caller's identity is given in.
 pub const CLIENT_CERT: &str = "x-forwarded-client-cert";
 
@@ -41,14 +43,17 @@ pub const CLIENT_CERT: &str = "x-forwarded-client-cert";
 /// caller sooner; this bounds what a server that never answers holds).
 const PATIENCE: Duration = Duration::from_secs(300);
 
-/// What the bridge answers with: the server's body, or its own, or a WebSocket's
-/// bytes from the server.
-pub type Body = Either<Incoming, Either<WholeBody, dpumesh_host::body::Receiver>>;
+/// What the bridge answers with: the server's body (through hyper, or the lean
+/// HTTP/1.1 client), or its own, or a WebSocket's bytes from the server.
+pub type Body = Either<Either<Incoming, h1::Body>, Either<WholeBody, dpumesh_host::body::Receiver>>;
 
 /// Forwards to one server.
 #[derive(Clone)]
 pub struct Forward {
+    /// Streamed uploads, WebSockets, h2c and gRPC.
     client: Client<HttpConnector, RequestBody>,
+    /// HTTP/1.1 requests with whole bodies (most): [`h1`].
+    lean: h1::Client,
     to: String,
     protocol: BridgeProtocol,
 }
@@ -65,6 +70,7 @@ impl Forward {
         }
         Self {
             client: builder.build(connector),
+            lean: h1::Client::new(to),
             to: to.to_owned(),
             protocol,
         }
@@ -122,8 +128,16 @@ impl tower_service::Service<Request<RequestBody>> for Forward {
             if websocket {
                 return Ok(this.tunnel(request).await);
             }
+            let (parts, body) = request.into_parts();
+            let body = match body {
+                RequestBody::Whole(whole) if this.protocol == BridgeProtocol::Http1 => {
+                    return Ok(this.lean(parts, whole).await);
+                }
+                other => other,
+            };
+            let request = Request::from_parts(parts, body);
             let answer = match tokio::time::timeout(PATIENCE, this.client.request(request)).await {
-                Ok(Ok(response)) => response.map(Either::Left),
+                Ok(Ok(response)) => response.map(|b| Either::Left(Either::Left(b))),
                 Ok(Err(e)) => {
                     let why = format!("the server at {} failed: {e}", this.to);
                     this.failed(StatusCode::BAD_GATEWAY, why)
@@ -139,6 +153,22 @@ impl tower_service::Service<Request<RequestBody>> for Forward {
 }
 
 impl Forward {
+    /// An HTTP/1.1 request with a whole body, through the lean client.
+    async fn lean(&self, parts: http::request::Parts, body: WholeBody) -> Response<Body> {
+        let (data, trailers) = body.into_parts();
+        match tokio::time::timeout(PATIENCE, self.lean.send(&parts, data, &trailers)).await {
+            Ok(Ok(response)) => response.map(|b| Either::Left(Either::Right(b))),
+            Ok(Err(e)) => {
+                let why = format!("the server at {} failed: {e}", self.to);
+                self.failed(StatusCode::BAD_GATEWAY, why)
+            }
+            Err(_) => {
+                let why = format!("the server at {} did not answer in {PATIENCE:?}", self.to);
+                self.failed(StatusCode::GATEWAY_TIMEOUT, why)
+            }
+        }
+    }
+
     /// The request as the server gets it: to its address, the caller in
     /// [`CLIENT_CERT`], the framing the client library's.
     fn to_server(&self, request: Request<RequestBody>) -> Result<Request<RequestBody>, String> {
@@ -210,7 +240,7 @@ impl Forward {
             };
         if response.status() != StatusCode::SWITCHING_PROTOCOLS {
             // The server refused: its answer goes back as it is.
-            return response.map(Either::Left);
+            return response.map(|b| Either::Left(Either::Left(b)));
         }
         let upgraded = match hyper::upgrade::on(&mut response).await {
             Ok(u) => u,

@@ -16,6 +16,7 @@
 
 pub mod egress;
 pub mod forward;
+pub mod h1;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicBool;

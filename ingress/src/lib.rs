@@ -421,7 +421,12 @@ async fn connection<F: Fabric, IO>(
         } else {
             None
         };
-        async move { Ok::<_, Infallible>(handle(&state, req, peer, session.as_deref(), refused).await) }
+        // Boxed: hyper moves the service's future into each HTTP/2 stream's task
+        // (and HTTP/1's dispatcher holds it inline), and `handle`'s future is
+        // 3 KiB: one allocation costs less than copying it on every move.
+        Box::pin(async move {
+            Ok::<_, Infallible>(handle(&state, req, peer, session.as_deref(), refused).await)
+        })
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
     builder

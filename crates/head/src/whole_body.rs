@@ -31,6 +31,14 @@ impl WholeBody {
     pub fn bytes(data: impl Into<Bytes>) -> Self {
         Self::new(data.into(), HeaderMap::new())
     }
+
+    /// Its bytes and trailers (what was not read yet).
+    pub fn into_parts(self) -> (Bytes, HeaderMap) {
+        (
+            self.data.unwrap_or_default(),
+            self.trailers.unwrap_or_default(),
+        )
+    }
 }
 
 impl Body for WholeBody {
