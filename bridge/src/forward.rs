@@ -136,18 +136,8 @@ impl tower_service::Service<Request<RequestBody>> for Forward {
                 other => other,
             };
             let request = Request::from_parts(parts, body);
-            let answer = match tokio::time::timeout(PATIENCE, this.client.request(request)).await {
-                Ok(Ok(response)) => response.map(|b| Either::Left(Either::Left(b))),
-                Ok(Err(e)) => {
-                    let why = format!("the server at {} failed: {e}", this.to);
-                    this.failed(StatusCode::BAD_GATEWAY, why)
-                }
-                Err(_) => {
-                    let why = format!("the server at {} did not answer in {PATIENCE:?}", this.to);
-                    this.failed(StatusCode::GATEWAY_TIMEOUT, why)
-                }
-            };
-            Ok(answer)
+            let answer = tokio::time::timeout(PATIENCE, this.client.request(request)).await;
+            Ok(this.answer(answer, |b| Either::Left(Either::Left(b))))
         })
     }
 }
@@ -156,8 +146,19 @@ impl Forward {
     /// An HTTP/1.1 request with a whole body, through the lean client.
     async fn lean(&self, parts: http::request::Parts, body: WholeBody) -> Response<Body> {
         let (data, trailers) = body.into_parts();
-        match tokio::time::timeout(PATIENCE, self.lean.send(&parts, data, &trailers)).await {
-            Ok(Ok(response)) => response.map(|b| Either::Left(Either::Right(b))),
+        let answer = tokio::time::timeout(PATIENCE, self.lean.send(&parts, data, &trailers)).await;
+        self.answer(answer, |b| Either::Left(Either::Right(b)))
+    }
+
+    /// The server's answer (its body as `body` makes it ours), or why there is none:
+    /// 502 when it failed, 504 when it did not answer within [`PATIENCE`].
+    fn answer<B, E: std::fmt::Display>(
+        &self,
+        answer: Result<Result<Response<B>, E>, tokio::time::error::Elapsed>,
+        body: impl FnOnce(B) -> Body,
+    ) -> Response<Body> {
+        match answer {
+            Ok(Ok(response)) => response.map(body),
             Ok(Err(e)) => {
                 let why = format!("the server at {} failed: {e}", self.to);
                 self.failed(StatusCode::BAD_GATEWAY, why)

@@ -3,14 +3,13 @@
 //! bytes were split into reads.
 #![no_main]
 
-use std::cell::RefCell;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use dpumesh_ingress::framing::{Ambiguous, Tracker};
 use libfuzzer_sys::fuzz_target;
 
 fn found(stream: &[u8], cuts: &[u8]) -> Vec<u64> {
-    let found = Rc::new(RefCell::new(Ambiguous::default()));
+    let found = Arc::new(parking_lot::Mutex::new(Ambiguous::default()));
     let mut tracker = Tracker::new(4096, found.clone());
     let mut rest = stream;
     for &cut in cuts {
@@ -19,7 +18,7 @@ fn found(stream: &[u8], cuts: &[u8]) -> Vec<u64> {
         rest = &rest[n..];
     }
     tracker.feed(rest);
-    let indexes = found.borrow().indexes();
+    let indexes = found.lock().indexes();
     indexes
 }
 

@@ -5,9 +5,8 @@
 //! path normalizes carries a canonical path.
 #![no_main]
 
-use std::cell::RefCell;
 use std::convert::Infallible;
-use std::rc::Rc;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use dpumesh_head::path::{PathConfig, normalize};
@@ -26,7 +25,7 @@ thread_local! {
 
 async fn serve(data: &[u8]) {
     let (client, server) = tokio::io::duplex(64 << 10);
-    let found = Rc::new(RefCell::new(Ambiguous::default()));
+    let found = Arc::new(parking_lot::Mutex::new(Ambiguous::default()));
     let io = Sniff::new(server, Tracker::new(32 << 10, found.clone()));
     let service =
         hyper::service::service_fn(|req: http::Request<hyper::body::Incoming>| async move {

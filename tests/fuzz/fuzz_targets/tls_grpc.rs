@@ -29,8 +29,18 @@ fuzz_target!(|data: &[u8]| {
         headers.insert(http::header::CONTENT_TYPE, v);
         let _ = is_grpc(&headers);
     }
-    let status = u16::from_le_bytes([data.first().copied().unwrap_or(0), data.get(1).copied().unwrap_or(0)]);
-    let reply = local_reply(&ResponseHead { status, headers }, data);
+    let status = u16::from_le_bytes([
+        data.first().copied().unwrap_or(0),
+        data.get(1).copied().unwrap_or(0),
+    ]);
+    let reply = local_reply(
+        &ResponseHead {
+            status,
+            headers,
+            ..Default::default()
+        },
+        data,
+    );
     if reply.headers.get("grpc-status").is_some() {
         let code = reply.headers["grpc-status"].to_str().unwrap();
         assert!(code.parse::<u32>().is_ok(), "{code}");
