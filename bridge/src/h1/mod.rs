@@ -115,8 +115,10 @@ impl Client {
                 continue;
             }
             // Readable while idle: closed by the server (or it sent what nobody asked
-            // for). Tokio answers from the readiness it knows, without a system call
-            // when the socket was not readable.
+            // for). Tokio answers from the readiness it knows; after the read that
+            // ended the last answer it still says readable, so this costs one `recv`
+            // that finds nothing (as hyper's connection task polls its read for the
+            // same reason): a request sent on a closed connection would be sent twice.
             match conn.io.try_read(&mut [0u8; 1]) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(conn),
                 _ => continue,
