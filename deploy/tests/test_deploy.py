@@ -386,6 +386,48 @@ def test_the_host_manifests_render_with_kustomize_and_validate(tmp_path):
     assert deny["spec"]["podSelector"] == {} and "ingress" not in deny["spec"]
 
 
+def secret_readers(pod):
+    """The pod's user can read each Secret volume it mounts: the files are root-owned
+    (as the kubelet lays them out), so a mode without "others" read needs the pod's
+    fsGroup to be the user's group."""
+    context = pod.get("securityContext", {})
+    for volume in pod.get("volumes", []):
+        secret = volume.get("secret")
+        if secret is None:
+            continue
+        mode = secret.get("defaultMode", 0o644)
+        if mode & 0o004:
+            continue
+        assert mode & 0o040, f"{volume['name']}: mode {mode:o} lets no group read"
+        assert context.get("fsGroup") == context.get("runAsGroup"), (
+            f"{volume['name']} (mode {mode:o}) is root-owned without fsGroup: "
+            f"uid {context.get('runAsUser')} cannot read it"
+        )
+
+
+def test_every_pod_can_read_its_keys_and_asks_for_no_hugepages(helm):
+    pods = [
+        o["spec"]["template"]["spec"]
+        for o in docs(kustomize(K8S)) + docs(render(helm).stdout)
+        if o["kind"] in ("Deployment", "DaemonSet")
+    ]
+    assert len(pods) == 5
+    for pod in pods:
+        secret_readers(pod)
+        for c in pod["containers"]:
+            for side in ("requests", "limits"):
+                asked = c.get("resources", {}).get(side, {})
+                assert not any(k.startswith("hugepages-") for k in asked), (c["name"], asked)
+        assert not any("emptyDir" in v and "HugePages" in str(v["emptyDir"]) for v in pod.get("volumes", []))
+    # A pod without fsGroup is refused by the check.
+    bare = {
+        "securityContext": {"runAsUser": 65532, "runAsGroup": 65532},
+        "volumes": [{"name": "key", "secret": {"secretName": "k", "defaultMode": 0o440}}],
+    }
+    with pytest.raises(AssertionError, match="cannot read it"):
+        secret_readers(bare)
+
+
 def test_the_ingress_and_the_dpus_read_the_same_mesh():
     values = manifest("DPUServiceConfiguration")["spec"]["serviceConfiguration"]
     mesh = values["helmChart"]["values"]["mesh"]
