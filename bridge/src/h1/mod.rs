@@ -34,6 +34,9 @@ pub const MAX_IDLE: usize = 64;
 /// How long an idle connection is kept.
 pub const IDLE_FOR: Duration = Duration::from_secs(90);
 
+/// A connection idle for longer is checked for a close before it is used.
+const CHECK_AFTER: Duration = Duration::from_secs(1);
+
 /// How much is read from the socket at a time (at least).
 const READ_SIZE: usize = 16 << 10;
 
@@ -111,14 +114,21 @@ impl Client {
     fn checkout(&self) -> Option<Conn> {
         let mut idle = self.idle.lock();
         while let Some(conn) = idle.pop() {
-            if conn.idle_since.elapsed() > IDLE_FOR {
+            let idle_for = conn.idle_since.elapsed();
+            if idle_for > IDLE_FOR {
                 continue;
             }
+            // A server closes an idle connection after seconds (its keep-alive
+            // timeout); one closing sooner says `connection: close`, and the
+            // connection was not kept. A connection idle for less is taken as it is:
+            // checking costs a `recv` that finds nothing (tokio's readiness still
+            // says readable after the read that ended the last answer), and should
+            // it be closed after all, the request goes again on a new connection.
+            if idle_for < CHECK_AFTER {
+                return Some(conn);
+            }
             // Readable while idle: closed by the server (or it sent what nobody asked
-            // for). Tokio answers from the readiness it knows; after the read that
-            // ended the last answer it still says readable, so this costs one `recv`
-            // that finds nothing (as hyper's connection task polls its read for the
-            // same reason): a request sent on a closed connection would be sent twice.
+            // for).
             match conn.io.try_read(&mut [0u8; 1]) {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(conn),
                 _ => continue,

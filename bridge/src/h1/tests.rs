@@ -187,14 +187,16 @@ fn a_kept_connection_the_server_closed_is_replaced_and_close_is_honoured() {
     });
     let client = Client::new(&addr);
     runtime().block_on(async {
-        for _ in 0..3 {
+        // Taken at once (sent, found closed, sent again), then checked at checkout
+        // (idle past `CHECK_AFTER`).
+        for pause in [20, 1_100, 0] {
             let parts = request("POST", "/", &[]);
             let r = client
                 .send(&parts, Bytes::from_static(b"x"), &HeaderMap::new())
                 .await;
             let (data, _) = body_of(r.expect("sent again on a new connection")).await;
             assert_eq!(&data[..], b"ok");
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(Duration::from_millis(pause)).await;
         }
     });
     assert_eq!(accepted.load(Ordering::SeqCst), 3);
