@@ -51,16 +51,15 @@ pub enum Error {
     Decode(#[from] DecodeError),
     #[error("the server switched protocols though none was asked for")]
     UnaskedUpgrade,
+    #[error("the server closed the connection before answering")]
+    ClosedBeforeAnswer,
 }
 
 impl Error {
     /// Whether the server may have seen nothing of the request: the connection
     /// failed or closed before any byte of an answer.
     fn before_answer(&self) -> bool {
-        matches!(
-            self,
-            Self::Io(_) | Self::Decode(DecodeError::Closed("before answering"))
-        )
+        matches!(self, Self::Io(_) | Self::ClosedBeforeAnswer)
     }
 }
 
@@ -161,13 +160,15 @@ impl Client {
     /// goes back at once), else read as it comes.
     fn answer(&self, mut conn: Conn, head: decode::Head) -> Response<Body> {
         let mut decoder = BodyDecoder::new(head.framing);
-        let mut data = BytesMut::new();
+        // One part (the common answer) is kept as it came; only more are joined.
+        let mut data = Bytes::new();
         let mut trailers = HeaderMap::new();
         let whole = loop {
             // Errors and a body not all there yet go to the streaming body, which
             // meets them again.
             match decoder.decode(&mut conn.buf) {
-                Ok(Some(Event::Data(d))) => data.extend_from_slice(&d),
+                Ok(Some(Event::Data(d))) if data.is_empty() => data = d,
+                Ok(Some(Event::Data(d))) => data = [data, d].concat().into(),
                 Ok(Some(Event::Trailers(t))) => trailers = t,
                 Ok(Some(Event::End)) => break true,
                 Ok(None) | Err(_) => break false,
@@ -182,12 +183,12 @@ impl Client {
             if head.keep_alive && conn.buf.is_empty() {
                 self.release(conn);
             }
-            Body::Whole(WholeBody::new(data.freeze(), trailers))
+            Body::Whole(WholeBody::new(data, trailers))
         } else {
             Body::Streaming(Box::new(Streaming {
                 conn: Some(conn),
                 decoder,
-                first: (!data.is_empty()).then(|| data.freeze()),
+                first: (!data.is_empty()).then_some(data),
                 keep_alive: head.keep_alive,
                 client: self.clone(),
             }))
@@ -273,7 +274,7 @@ async fn exchange(conn: &mut Conn, wire: &[u8], head_request: bool) -> Result<de
         conn.buf.reserve(READ_SIZE);
         match conn.io.read_buf(&mut conn.buf).await {
             Ok(0) if conn.buf.is_empty() && !answered => {
-                return Err(DecodeError::Closed("before answering").into());
+                return Err(Error::ClosedBeforeAnswer);
             }
             Ok(0) => return Err(DecodeError::Closed("in the middle of the head").into()),
             Ok(_) => answered = true,
