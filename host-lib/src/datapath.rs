@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use dpumesh_dpa::control::ControlError;
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::fabric::Interrupter;
 use dpumesh_dpa::{
@@ -53,8 +54,33 @@ const REGISTER_CAP: Duration = Duration::from_millis(500);
 
 /// How long a starting pod keeps trying to register before it gives up (less than a
 /// supervisor's "ran long enough to count as healthy", so a pod whose node never
-/// comes counts as crash-looping).
+/// comes counts as crash-looping). `DPUMESH_REGISTER_PATIENCE` overrides it: on a
+/// cluster the pod waits for its node instead (the manifests say `forever`), as a
+/// host pod may start long before its DPU's proxy is Ready.
 pub const REGISTER_PATIENCE: Duration = Duration::from_secs(5);
+
+/// `DPUMESH_REGISTER_PATIENCE`'s value: `forever` (None), or a duration written
+/// `500ms`, `30s` or `10m`.
+pub fn parse_patience(text: &str) -> Result<Option<Duration>, String> {
+    let text = text.trim();
+    if text == "forever" {
+        return Ok(None);
+    }
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .filter(|&i| i > 0)
+        .ok_or_else(|| format!("{text:?} is neither `forever` nor a duration like 30s"))?;
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is too large"))?;
+    match unit {
+        "ms" => Ok(Some(Duration::from_millis(n))),
+        "s" => Ok(Some(Duration::from_secs(n))),
+        "m" => Ok(Some(Duration::from_secs(n.saturating_mul(60)))),
+        other => Err(format!("unknown unit {other:?} in {text:?} (use ms, s or m)")),
+    }
+}
 
 /// Who this pod is, to register again when its node comes back.
 #[derive(Debug, Clone)]
@@ -180,7 +206,8 @@ impl std::fmt::Debug for DataPathTransport {
 
 /// Where and as what a pod registers, from the environment `dpumesh up` (and the
 /// chart) start it with: `DPUMESH_CONTROL` (the node's control socket, or
-/// `tcp:HOST:PORT`), `DPUMESH_SERVICE` and `DPUMESH_POD`.
+/// `tcp:HOST:PORT`), `DPUMESH_SERVICE`, `DPUMESH_POD` and
+/// `DPUMESH_REGISTER_PATIENCE`.
 #[derive(Debug, Clone)]
 pub struct PodEnv {
     /// The node's control endpoint.
@@ -189,6 +216,8 @@ pub struct PodEnv {
     pub service: String,
     /// The pod's name (`<service>-<pid>` when not given).
     pub pod: String,
+    /// How long registering is tried at start (None: until the node takes it).
+    pub patience: Option<Duration>,
 }
 
 impl PodEnv {
@@ -210,16 +239,21 @@ impl PodEnv {
         };
         let pod = std::env::var("DPUMESH_POD")
             .unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
+        let patience = match std::env::var("DPUMESH_REGISTER_PATIENCE") {
+            Ok(text) => parse_patience(&text).map_err(|e| format!("DPUMESH_REGISTER_PATIENCE: {e}"))?,
+            Err(_) => Some(REGISTER_PATIENCE),
+        };
         Ok(Self {
             control,
             service,
             pod,
+            patience,
         })
     }
 
     /// Registers the pod ([`DataPathTransport::connect`]).
     pub fn connect(&self) -> Result<DataPathTransport, HostError> {
-        DataPathTransport::connect(&self.control, &self.pod, &self.service)
+        DataPathTransport::connect_patiently(&self.control, &self.pod, &self.service, self.patience)
     }
 }
 
@@ -232,20 +266,48 @@ impl DataPathTransport {
     /// name (killed a moment ago). Registration is tried again, after 50 ms doubling
     /// to 0.5 s, for up to [`REGISTER_PATIENCE`]; the last refusal is the error.
     pub fn connect(control: &Endpoint, pod: &str, service: &str) -> Result<Self, HostError> {
+        Self::connect_patiently(control, pod, service, Some(REGISTER_PATIENCE))
+    }
+
+    /// [`Self::connect`], waiting for an absent node for `patience` (None: until it
+    /// comes). A node that is there and refuses the pod (a bad token, another
+    /// release) is tried for [`REGISTER_PATIENCE`] at most: only a predecessor's
+    /// reclaim makes that refusal pass.
+    pub fn connect_patiently(
+        control: &Endpoint,
+        pod: &str,
+        service: &str,
+        patience: Option<Duration>,
+    ) -> Result<Self, HostError> {
         // A pod `dpumesh up` started ends with it (a service is a child like a node).
         dpumesh_supervise::parent::die_with_parent();
-        let deadline = Instant::now() + REGISTER_PATIENCE;
+        let start = Instant::now();
+        let absent_until = patience.map(|p| start + p);
+        let refused_until = start + patience.unwrap_or(REGISTER_PATIENCE).min(REGISTER_PATIENCE);
         let mut delay = REGISTER_FIRST;
+        let mut told = false;
         let port = loop {
-            match HostPort::connect(control, pod, service) {
+            let e = match HostPort::connect(control, pod, service) {
                 Ok(port) => break port,
-                Err(e) if Instant::now() + delay < deadline => {
-                    tracing::debug!(error = %e, "the node does not take the pod yet");
-                    std::thread::sleep(delay);
-                    delay = (delay * 2).min(REGISTER_CAP);
-                }
-                Err(e) => return Err(e),
+                Err(e) => e,
+            };
+            let absent = matches!(
+                e,
+                HostError::Control(ControlError::Io(_) | ControlError::Closed)
+            );
+            let until = if absent { absent_until } else { Some(refused_until) };
+            if until.is_some_and(|d| Instant::now() + delay >= d) {
+                return Err(e);
             }
+            // Said once at info (a pod waiting minutes for its DPU's proxy should say
+            // why it does not serve), then at debug.
+            if !told && delay >= REGISTER_CAP {
+                tracing::info!(error = %e, %control, "waiting for the node to take the pod");
+                told = true;
+            }
+            tracing::debug!(error = %e, "the node does not take the pod yet");
+            std::thread::sleep(delay);
+            delay = (delay * 2).min(REGISTER_CAP);
         };
         let watch = port.watch_node()?;
         let mut transport = Self::new(port);

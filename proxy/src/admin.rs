@@ -47,31 +47,31 @@ pub async fn serve(
     access: AdminAccess,
     policy: Arc<Policy>,
     threads: Vec<Arc<Supervisor>>,
-    checks: Vec<Check>,
+    awaited: Vec<Awaited>,
     store: Option<Arc<dpumesh_store::Agent>>,
     cache: Option<Arc<crate::http_cache::HttpCache>>,
 ) {
     let threads = Arc::new(threads);
-    let checks = Arc::new(checks);
+    let awaited = Arc::new(awaited);
     let access = Arc::new(access);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let (policy, threads, checks, store, cache, access) = (
+        let (policy, threads, awaited, store, cache, access) = (
             policy.clone(),
             threads.clone(),
-            checks.clone(),
+            awaited.clone(),
             store.clone(),
             cache.clone(),
             access.clone(),
         );
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let (policy, threads, checks, store, cache, access) = (
+                let (policy, threads, awaited, store, cache, access) = (
                     policy.clone(),
                     threads.clone(),
-                    checks.clone(),
+                    awaited.clone(),
                     store.clone(),
                     cache.clone(),
                     access.clone(),
@@ -84,7 +84,7 @@ pub async fn serve(
                         store: store.as_deref(),
                         cache: cache.as_deref(),
                     };
-                    Ok::<_, Infallible>(handle(&policy, &threads, &checks, parts, req).await)
+                    Ok::<_, Infallible>(handle(&policy, &threads, &awaited, parts, req).await)
                 }
             });
             let _ = hyper::server::conn::http1::Builder::new()
@@ -179,18 +179,20 @@ fn reply(status: StatusCode, content_type: &'static str, body: String) -> Respon
     response
 }
 
-/// One more condition of readiness (a node's: its pods registered), saying why not.
-pub type Check = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+/// Something the server waits for without being unready for it (a node's pods
+/// registering), saying what is missing. `/readyz` names it and stays 200: a DPU
+/// proxy is Ready when it can serve. Under DPF (25.7 and later) the host stays
+/// NotReady until its DPU's service pods are Ready, so a proxy that waited for the
+/// host's pods would wait for ever. Until they come, what the node gets for their
+/// service is answered 503 naming it.
+pub type Awaited = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
 
 /// Ready when no supervised thread is down, every check passes and every worker runs
 /// the published generation; otherwise why not.
-fn readiness(policy: &Policy, threads: &[Arc<Supervisor>], checks: &[Check]) -> Result<(), String> {
+fn readiness(policy: &Policy, threads: &[Arc<Supervisor>]) -> Result<(), String> {
     policy.pool().supervisor().ready()?;
     for supervisor in threads {
         supervisor.ready()?;
-    }
-    for check in checks {
-        check()?;
     }
     if !policy.settled() {
         return Err("workers are switching to the new generation".to_owned());
@@ -198,10 +200,23 @@ fn readiness(policy: &Policy, threads: &[Arc<Supervisor>], checks: &[Check]) -> 
     Ok(())
 }
 
+/// `/readyz`'s answer: 503 with the reason when the server cannot serve; otherwise
+/// 200, listing what it still waits for (one line each).
+fn readyz(policy: &Policy, threads: &[Arc<Supervisor>], awaited: &[Awaited]) -> (StatusCode, String) {
+    if let Err(why) = readiness(policy, threads) {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n"));
+    }
+    let mut body = "ready\n".to_owned();
+    for missing in awaited.iter().filter_map(|a| a().err()) {
+        body.push_str(&format!("waiting: {missing}\n"));
+    }
+    (StatusCode::OK, body)
+}
+
 async fn handle(
     policy: &Arc<Policy>,
     threads: &[Arc<Supervisor>],
-    checks: &[Check],
+    awaited: &[Awaited],
     parts: Parts<'_>,
     req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
@@ -211,14 +226,10 @@ async fn handle(
         (_, "/store") => store_endpoint(store, &req),
         (_, "/cache") => cache_endpoint(parts.cache, &req),
         (&Method::GET, "/healthz") => reply(StatusCode::OK, "text/plain", "ok\n".to_owned()),
-        (&Method::GET, "/readyz") => match readiness(policy, threads, checks) {
-            Ok(()) => reply(StatusCode::OK, "text/plain", "ready\n".to_owned()),
-            Err(why) => reply(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "text/plain",
-                format!("not ready: {why}\n"),
-            ),
-        },
+        (&Method::GET, "/readyz") => {
+            let (status, body) = readyz(policy, threads, awaited);
+            reply(status, "text/plain", body)
+        }
         (&Method::GET, "/metrics") => {
             refresh_gauges(policy);
             if let Some(store) = store {

@@ -218,9 +218,10 @@ fn expected_pods(mesh: &MeshFile, name: &str) -> BTreeMap<String, usize> {
         .collect()
 }
 
-/// Readiness: a node whose pods have not (all) registered, after a start or while a
-/// crashed one comes back, cannot serve what the ingress sends it.
-fn pods_registered(expected: BTreeMap<String, usize>, dpu: Arc<Dpu>) -> crate::admin::Check {
+/// What `/readyz` says the node waits for: the pods the mesh file places here that
+/// have not (all) registered, after a start or while a crashed one comes back. It
+/// does not make the node unready ([`crate::admin::Awaited`] says why).
+fn pods_registered(expected: BTreeMap<String, usize>, dpu: Arc<Dpu>) -> crate::admin::Awaited {
     Arc::new(move || {
         let pods = dpu.pods();
         for (service, want) in &expected {

@@ -108,11 +108,28 @@ fn creator(name: &str) -> Option<u32> {
 /// orchestrator, takes its predecessor's leftovers with it. Returns how many it
 /// removed.
 ///
-/// Mappings others still hold stay valid: only the names go. A region is judged by
-/// the pid in its name (`/proc/PID` gone); a directory shared with another pid
-/// namespace must not be swept (set `DPUMESH_SHM_DIR` per namespace).
+/// Mappings others still hold stay valid: only the names go. A region goes when the
+/// pid in its name is gone (`/proc/PID`) *and* no process holds the shared `flock`
+/// its creator takes on it for its life (the kernel drops it when the creator dies,
+/// however it dies). The lock is what makes a directory shared across pid namespaces
+/// (a host's `/dev/shm` mounted into a container) safe to sweep: a pid from another
+/// namespace looks dead here, its lock does not. A region younger than
+/// [`SWEEP_MIN_AGE`] is left alone (its creator may not have locked it yet).
 pub fn sweep_orphans() -> usize {
     sweep_orphans_in(&shm_dir())
+}
+
+/// How old a region must be before a sweep may take it (see [`sweep_orphans`]).
+pub const SWEEP_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether some process holds `path`'s creator lock (or it cannot be checked).
+fn held(path: &Path) -> bool {
+    use rustix::fs::{FlockOperation, flock};
+    let Ok(file) = File::open(path) else {
+        return true;
+    };
+    // The lock is released when `file` closes, right after.
+    flock(&file, FlockOperation::NonBlockingLockExclusive).is_err()
 }
 
 fn sweep_orphans_in(dir: &Path) -> usize {
@@ -130,8 +147,15 @@ fn sweep_orphans_in(dir: &Path) -> usize {
         }
         let Some(pid) = creator(name) else { continue };
         let alive = Path::new("/proc").join(pid.to_string()).exists();
-        let mine = entry.metadata().is_ok_and(|m| m.uid() == me && m.is_file());
-        if !alive && mine && std::fs::remove_file(entry.path()).is_ok() {
+        let mine = entry.metadata().is_ok_and(|m| {
+            m.uid() == me
+                && m.is_file()
+                && m.modified()
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age >= SWEEP_MIN_AGE)
+        });
+        if !alive && mine && !held(&entry.path()) && std::fs::remove_file(entry.path()).is_ok() {
             removed += 1;
         }
     }
@@ -199,6 +223,10 @@ impl SharedRegion {
                 path: path.clone(),
                 source,
             })?;
+        // The creator's lock, held while `file` is open (the region's life): what a
+        // sweep in another pid namespace sees (see `sweep_orphans`). A filesystem
+        // without flock leaves it off; the pid check still applies there.
+        let _ = rustix::fs::flock(&file, rustix::fs::FlockOperation::LockShared);
         let map_err = |source: std::io::Error| ShmError::Map {
             path: path.clone(),
             len,
@@ -657,9 +685,13 @@ mod tests {
             "dpumesh-no-pid".to_owned(),
         ];
         for n in &names {
-            std::fs::write(dir.path().join(n), b"x").unwrap();
+            write_old(&dir.path().join(n));
         }
+        // Too young to be judged: a creator may not have locked it yet.
+        let young = format!("dpumesh-link-{dead_pid}-1");
+        std::fs::write(dir.path().join(&young), b"x").unwrap();
         assert_eq!(sweep_orphans_in(dir.path()), 2);
+        std::fs::remove_file(dir.path().join(&young)).unwrap();
         let mut left: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())
@@ -668,6 +700,43 @@ mod tests {
         let mut want = names[2..].to_vec();
         want.sort();
         assert_eq!(left, want);
+    }
+
+    /// A region file as a sweep finds it a while after its creation.
+    fn write_old(path: &Path) {
+        std::fs::write(path, b"x").unwrap();
+        let then = std::time::SystemTime::now() - SWEEP_MIN_AGE * 2;
+        File::options().write(true).open(path).unwrap().set_modified(then).unwrap();
+    }
+
+    #[test]
+    fn a_region_whose_creator_lives_in_another_pid_namespace_is_kept() {
+        // Its pid means nothing here (it looks dead), but its creator holds the lock.
+        let dir = tempfile::tempdir().unwrap();
+        let mut other = std::process::Command::new("true").spawn().unwrap();
+        let pid = other.id();
+        other.wait().unwrap();
+        let path = dir.path().join(format!("dpumesh-pod-{pid}-0"));
+        write_old(&path);
+        let creator = File::open(&path).unwrap();
+        rustix::fs::flock(&creator, rustix::fs::FlockOperation::LockShared).unwrap();
+        assert_eq!(sweep_orphans_in(dir.path()), 0);
+        assert!(path.exists());
+        // The creator dies (its descriptor closes): the next sweep takes it.
+        drop(creator);
+        assert_eq!(sweep_orphans_in(dir.path()), 1);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_created_region_is_held_while_it_lives() {
+        let region = SharedRegion::create_unique("dpumesh-test-held", 4096).unwrap();
+        assert!(held(region.path()));
+        let path = region.path().to_owned();
+        let kept = File::open(&path).unwrap();
+        drop(region);
+        // Unlinked by its creator; a descriptor still open elsewhere holds no lock.
+        rustix::fs::flock(&kept, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
     }
 
     use super::*;

@@ -45,9 +45,14 @@ pub(crate) fn serve(
     init_logging();
     let endpoint = Endpoint::from_str(control)
         .map_err(|e| PyValueError::new_err(format!("control endpoint {control:?}: {e}")))?;
+    let patience = match std::env::var("DPUMESH_REGISTER_PATIENCE") {
+        Ok(text) => dpumesh_host::datapath::parse_patience(&text)
+            .map_err(|e| PyValueError::new_err(format!("DPUMESH_REGISTER_PATIENCE: {e}")))?,
+        Err(_) => Some(dpumesh_host::datapath::REGISTER_PATIENCE),
+    };
     let handler = PyHandler::new(py, dispatch)?;
     let transport = py
-        .detach(|| DataPathTransport::connect(&endpoint, pod, service))
+        .detach(|| DataPathTransport::connect_patiently(&endpoint, pod, service, patience))
         .map_err(|e| {
             PyRuntimeError::new_err(format!("cannot register {pod} with its node: {e}"))
         })?;
