@@ -167,6 +167,16 @@ enum Command {
             value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096)
         )]
         colocated: usize,
+        /// How the node reaches its pods' memory: `software` (shared memory on this
+        /// kernel, descriptors passed on the Unix control socket) or `doca` (DOCA DMA
+        /// from a BlueField to its host: builds with the `doca` feature only).
+        #[arg(
+            long,
+            env = "DPUMESH_DATA_PATH",
+            default_value = "software",
+            value_parser = parse_data_path
+        )]
+        data_path: String,
     },
     /// R-Pingmesh: `server` runs the controller and analyzer of a mesh (what `dpumesh
     /// up` starts when the mesh file has a `pingmesh` section); `agent` runs an agent
@@ -413,6 +423,7 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             transport,
             certs,
             colocated,
+            data_path: _,
         } => {
             let options = dpumesh_proxy::node::NodeOptions {
                 run_dir,
@@ -533,6 +544,17 @@ fn from_environment(error: &clap::Error) -> Option<String> {
 }
 
 /// `--transport`: the mesh file's names for the fabric backends.
+fn parse_data_path(s: &str) -> Result<String, String> {
+    match s {
+        "software" => Ok(s.to_owned()),
+        "doca" => Err(
+            "this build has no DOCA data path: build dpumesh with `--features doca` on a machine with the DOCA SDK (BlueField images), or use `software`"
+                .to_owned(),
+        ),
+        other => Err(format!("{other:?} is not a data path: software or doca")),
+    }
+}
+
 fn parse_transport(s: &str) -> Result<Transport, String> {
     match s {
         "tcp" => Ok(Transport::Tcp),
