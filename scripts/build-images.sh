@@ -133,12 +133,16 @@ for arch in "${arches[@]}"; do
     done
     s="$stage/$arch"
     rm -rf "$s"
-    # node and ingress: the binary, its libraries, the filters, the writable folders.
+    # node and ingress: the binary, its libraries, the filters; and in rootfs-rw the
+    # folders the process writes, which the Containerfile copies owned by 65532 (the
+    # image then runs as that user without a volume over them).
     for role in node ingress; do
         r="$s/$role/rootfs"
         stage_base "$r"
         stage_binary "$bin/dpumesh" "$r"
-        mkdir -p "$r/usr/share/dpumesh/filters" "$r/var/cache/dpumesh" "$r/run/dpumesh" "$r/etc/dpumesh"
+        mkdir -p "$r/usr/share/dpumesh/filters" "$r/etc/dpumesh"
+        mkdir -p "$s/$role/rootfs-rw/var/cache/dpumesh" "$s/$role/rootfs-rw/run/dpumesh"
+        chmod 0750 "$s/$role/rootfs-rw/var/cache/dpumesh" "$s/$role/rootfs-rw/run/dpumesh"
         for f in trace jwt rbac ratelimit circuit_breaker; do
             cp "$filters/dpumesh_filter_$f.wasm" "$r/usr/share/dpumesh/filters/${f//_/-}.wasm"
         done

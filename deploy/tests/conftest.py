@@ -1,0 +1,76 @@
+"""What the deployment checks share: where things are, a real Helm, rendering and
+validating (see each test module's docstring for what it checks)."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "dpumesh-node"
+DPF = ROOT / "deploy" / "dpf"
+K8S = ROOT / "deploy" / "k8s"
+# The Kubernetes version the manifests are validated for (inside DPF's supported range).
+KUBERNETES = "1.32.0"
+
+
+def crds_dir():
+    given = os.environ.get("DPUMESH_DPF_CRDS")
+    candidates = [Path(given)] if given else []
+    candidates += [p / "shared" / "reference" / "dpf-crds" for p in ROOT.parents]
+    for c in candidates:
+        if (c / "svc.dpu.nvidia.com_dpudeployments.yaml").is_file():
+            return c
+    pytest.fail(
+        "the DPF CRDs are not at ../shared/reference/dpf-crds (set DPUMESH_DPF_CRDS)"
+    )
+
+
+@pytest.fixture(scope="session")
+def helm():
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "install-deploy-tools.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, **kw)
+
+
+def render(helm, *args, values=None, tmp=None):
+    cmd = [helm, "template", "dpumesh-node", str(CHART), "--namespace", "dpumesh"]
+    if values is not None:
+        path = tmp / "values.yaml"
+        path.write_text(yaml.safe_dump(values))
+        cmd += ["-f", str(path)]
+    return run(cmd + list(args))
+
+
+def docs(text):
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def kubernetes_validate(tmp, text):
+    path = tmp / "rendered.yaml"
+    path.write_text(text)
+    return run(
+        ["kubernetes-validate", "--strict", "--quiet", "-k", KUBERNETES, str(path)]
+    )
+
+
+def the(objects, kind):
+    found = [o for o in objects if o["kind"] == kind]
+    assert len(found) == 1, f"one {kind}: {[o['kind'] for o in objects]}"
+    return found[0]
+
+
+def kustomize(path):
+    out = run(["kubectl", "kustomize", str(path)])
+    assert out.returncode == 0, out.stderr
+    return out.stdout

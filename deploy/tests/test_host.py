@@ -1,0 +1,164 @@
+"""The host cluster's manifests (deploy/k8s), rendered with `kubectl kustomize` and
+validated (kubernetes-validate, strict, pinned version); and, for every pod the
+project ships (the host's and the chart's under each value set), what no pod may
+need: root, a capability, a hostPath it does not use, or a resource the code does
+not use; and each pod's user can read its keys. Each check is also shown failing."""
+
+import shutil
+
+import pytest
+
+from conftest import K8S, docs, kubernetes_validate, kustomize, render
+from test_chart import VALUES
+
+
+def test_the_host_manifests_render_with_kustomize_and_validate(tmp_path):
+    text = kustomize(K8S)
+    objects = docs(text)
+    kinds = sorted({o["kind"] for o in objects})
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "Namespace",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceAccount",
+    ]
+    valid = kubernetes_validate(tmp_path, text)
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    deployments = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Deployment"}
+    assert set(deployments) == {
+        "dpumesh-ingress",
+        "hotel-frontend",
+        "hotel-user",
+        "hotel-reservation",
+    }
+    assert deployments["hotel-user"]["spec"]["replicas"] == 2
+    ingress = deployments["dpumesh-ingress"]["spec"]["template"]["spec"]["containers"][0]
+    assert ingress["image"] == "dpumesh/ingress:0.1.0"
+    for name in ("frontend", "user", "reservation"):
+        pod = deployments[f"hotel-{name}"]["spec"]["template"]["spec"]
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["DPUMESH_SERVICE"]["value"] == name
+        token = env["DPUMESH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert token == {"name": f"dpumesh-token-{name}", "key": "token"}
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    deny = next(p for p in policies if p["metadata"]["name"] == "hotel-default-deny")
+    assert deny["spec"]["podSelector"] == {} and "ingress" not in deny["spec"]
+
+
+def test_a_broken_host_manifest_is_refused(tmp_path):
+    broken = tmp_path / "k8s"
+    shutil.copytree(K8S, broken)
+    text = (broken / "ingress.yaml").read_text()
+    (broken / "ingress.yaml").write_text(text.replace("replicas: 2", "replicas: two"))
+    valid = kubernetes_validate(tmp_path, kustomize(broken))
+    assert valid.returncode != 0
+    assert "replicas" in valid.stdout + valid.stderr
+
+
+def secret_readers(pod):
+    """The pod's user can read each Secret volume it mounts: the files are root-owned
+    (as the kubelet lays them out), so a mode without "others" read needs the pod's
+    fsGroup to be the user's group."""
+    context = pod.get("securityContext", {})
+    for volume in pod.get("volumes", []):
+        secret = volume.get("secret")
+        if secret is None:
+            continue
+        mode = secret.get("defaultMode", 0o644)
+        if mode & 0o004:
+            continue
+        assert mode & 0o040, f"{volume['name']}: mode {mode:o} lets no group read"
+        assert context.get("fsGroup") == context.get("runAsGroup"), (
+            f"{volume['name']} (mode {mode:o}) is root-owned without fsGroup: "
+            f"uid {context.get('runAsUser')} cannot read it"
+        )
+
+
+# What the code uses: cores and memory, and on a DPU the chained SF.
+USED_RESOURCES = {"cpu", "memory", "nvidia.com/bf_sf"}
+
+
+def least_privilege(pod):
+    context = pod.get("securityContext", {})
+    assert context.get("runAsNonRoot") is True and context.get("runAsUser", 0) != 0
+    secret_readers(pod)
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        assert not sc.get("privileged"), c["name"]
+        assert sc.get("allowPrivilegeEscalation") is False, c["name"]
+        # A non-root user's added capabilities take no effect: none is asked for.
+        assert sc.get("capabilities") == {"drop": ["ALL"]}, (c["name"], sc)
+        for side in ("requests", "limits"):
+            asked = set(c.get("resources", {}).get(side, {}))
+            assert asked <= USED_RESOURCES, (c["name"], side, asked - USED_RESOURCES)
+    for v in pod.get("volumes", []):
+        assert "HugePages" not in str(v.get("emptyDir", "")), v
+        if "hostPath" in v:
+            # The software data path's control socket folder, and nothing else.
+            assert v["hostPath"]["path"] == "/run/dpumesh", v
+    mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+    unused = {v["name"] for v in pod.get("volumes", [])} - mounted
+    assert not unused, f"volumes no container mounts: {unused}"
+
+
+def every_pod(helm, tmp_path):
+    pods = [o for o in docs(kustomize(K8S)) if o["kind"] == "Deployment"]
+    for name, values in VALUES.items():
+        out = render(helm, values=values, tmp=tmp_path)
+        assert out.returncode == 0, out.stderr
+        pods += [o for o in docs(out.stdout) if o["kind"] == "DaemonSet"]
+    return [p["spec"]["template"]["spec"] for p in pods]
+
+
+def test_no_pod_needs_root_or_what_it_does_not_use(helm, tmp_path):
+    pods = every_pod(helm, tmp_path)
+    assert len(pods) == 7
+    for pod in pods:
+        least_privilege(pod)
+
+
+@pytest.mark.parametrize(
+    "breaks, message",
+    [
+        (lambda p: p["securityContext"].pop("fsGroup"), "cannot read it"),
+        (lambda p: p["containers"][0]["securityContext"]["capabilities"].update(add=["IPC_LOCK"]), "IPC_LOCK"),
+        (lambda p: p["containers"][0]["resources"]["limits"].update({"hugepages-2Mi": "1Gi"}), "hugepages-2Mi"),
+        (lambda p: p["volumes"].append({"name": "shm", "hostPath": {"path": "/dev/shm"}}), "/dev/shm"),
+        (lambda p: p["securityContext"].update(runAsNonRoot=False), "runAsNonRoot"),
+    ],
+)
+def test_a_pod_that_asks_for_too_much_is_caught(helm, tmp_path, breaks, message):
+    import copy
+
+    pod = copy.deepcopy(every_pod(helm, tmp_path)[-1])
+    breaks(pod)
+    with pytest.raises(AssertionError, match=message):
+        least_privilege(pod)
+
+
+def test_each_service_registers_with_the_node_the_mesh_file_places_it_on(helm):
+    import yaml
+
+    mesh = yaml.safe_load((K8S / "mesh" / "mesh.yaml").read_text())
+    placed = mesh["services"]
+    # The chart's node serves its control socket in the same host folder.
+    (proxy,) = [
+        o for o in docs(render(helm).stdout) if o["kind"] == "DaemonSet"
+    ][0]["spec"]["template"]["spec"]["containers"]
+    served = {e["name"]: e.get("value") for e in proxy["env"]}["DPUMESH_NODE_CONTROL"]
+    assert served == "unix:/run/dpumesh/$(NODE_NAME).sock"
+    for o in docs(kustomize(K8S)):
+        if o["kind"] != "Deployment" or not o["metadata"]["name"].startswith("hotel-"):
+            continue
+        service = o["metadata"]["name"].removeprefix("hotel-")
+        pod = o["spec"]["template"]["spec"]
+        node = pod["nodeSelector"]["dpumesh.io/dpu"]
+        assert placed[service]["nodes"] == [node], service
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["DPUMESH_CONTROL"] == served.replace("$(NODE_NAME)", node), service
+        assert env["DPUMESH_REGISTER_PATIENCE"] == "forever", service
+        mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert "/run/dpumesh" in mounts, service
