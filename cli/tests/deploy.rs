@@ -143,7 +143,10 @@ fn bad_settings_from_the_environment_are_refused_with_what_is_wrong() {
     assert!(err.contains("1..=4096"), "says the range: {err}");
     // The chart's `dataPath.backend: doca` on a build without DOCA: refused, saying
     // what build it needs (never a silent software path on a DPU).
-    let err = run(&[("DPUMESH_NODE_NAME", "node1"), ("DPUMESH_DATA_PATH", "doca")]);
+    let err = run(&[
+        ("DPUMESH_NODE_NAME", "node1"),
+        ("DPUMESH_DATA_PATH", "doca"),
+    ]);
     assert!(err.contains("DPUMESH_DATA_PATH"), "{err}");
     assert!(err.contains("--features doca"), "{err}");
     // A Downward-API name the mesh file does not list.

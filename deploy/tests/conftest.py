@@ -2,6 +2,7 @@
 validating (see each test module's docstring for what it checks)."""
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -74,3 +75,16 @@ def kustomize(path):
     out = run(["kubectl", "kustomize", str(path)])
     assert out.returncode == 0, out.stderr
     return out.stdout
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    for b in ("dpumesh", "hotel"):
+        if not (ROOT / "target" / "debug" / b).is_file():
+            pytest.fail(f"target/debug/{b} is not built: the test command's cargo test builds it")
+    subprocess.run([str(ROOT / "scripts" / "install-deploy-tools.sh")], check=True, capture_output=True)
+    out = tmp_path_factory.mktemp("images")
+    cmd = [str(ROOT / "scripts" / "build-images.sh"), "--arch", "amd64", "--profile", "dev", "--no-build", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, shlex.join(cmd) + "\n" + done.stdout + done.stderr
+    return out

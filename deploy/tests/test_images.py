@@ -8,8 +8,6 @@ binary from the staged root through the image's own loader before it builds.
 
 import io
 import json
-import shlex
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -78,19 +76,6 @@ def image(path):
             with tarfile.open(fileobj=io.BytesIO(blob(archive, layer["digest"]))) as t:
                 files |= {n.lstrip("./") for n in t.getnames()}
         return entry, config, files
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    for b in ("dpumesh", "hotel"):
-        if not (ROOT / "target" / "debug" / b).is_file():
-            pytest.fail(f"target/debug/{b} is not built: the test command's cargo test builds it")
-    subprocess.run([str(ROOT / "scripts" / "install-deploy-tools.sh")], check=True, capture_output=True)
-    out = tmp_path_factory.mktemp("images")
-    cmd = [str(ROOT / "scripts" / "build-images.sh"), "--arch", "amd64", "--profile", "dev", "--no-build", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0, shlex.join(cmd) + "\n" + done.stdout + done.stderr
-    return out
 
 
 def test_the_script_builds_each_image_as_an_oci_archive(built):

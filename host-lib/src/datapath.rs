@@ -78,7 +78,9 @@ pub fn parse_patience(text: &str) -> Result<Option<Duration>, String> {
         "ms" => Ok(Some(Duration::from_millis(n))),
         "s" => Ok(Some(Duration::from_secs(n))),
         "m" => Ok(Some(Duration::from_secs(n.saturating_mul(60)))),
-        other => Err(format!("unknown unit {other:?} in {text:?} (use ms, s or m)")),
+        other => Err(format!(
+            "unknown unit {other:?} in {text:?} (use ms, s or m)"
+        )),
     }
 }
 
@@ -240,7 +242,9 @@ impl PodEnv {
         let pod = std::env::var("DPUMESH_POD")
             .unwrap_or_else(|_| format!("{service}-{}", std::process::id()));
         let patience = match std::env::var("DPUMESH_REGISTER_PATIENCE") {
-            Ok(text) => parse_patience(&text).map_err(|e| format!("DPUMESH_REGISTER_PATIENCE: {e}"))?,
+            Ok(text) => {
+                parse_patience(&text).map_err(|e| format!("DPUMESH_REGISTER_PATIENCE: {e}"))?
+            }
             Err(_) => Some(REGISTER_PATIENCE),
         };
         Ok(Self {
@@ -295,7 +299,11 @@ impl DataPathTransport {
                 e,
                 HostError::Control(ControlError::Io(_) | ControlError::Closed)
             );
-            let until = if absent { absent_until } else { Some(refused_until) };
+            let until = if absent {
+                absent_until
+            } else {
+                Some(refused_until)
+            };
             if until.is_some_and(|d| Instant::now() + delay >= d) {
                 return Err(e);
             }

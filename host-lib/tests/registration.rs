@@ -51,7 +51,11 @@ fn a_bounded_patience_ends_with_the_reason() {
     )
     .map(|_| ())
     .unwrap_err();
-    assert!(start.elapsed() < Duration::from_secs(3), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
     assert!(
         matches!(e, HostError::Control(ControlError::Io(_))),
         "the error says the node is not there: {e}"
@@ -81,11 +85,17 @@ fn a_node_that_refuses_the_pod_is_not_waited_on_for_ever() {
 #[test]
 fn patience_is_written_forever_or_as_a_duration() {
     assert_eq!(parse_patience("forever"), Ok(None));
-    assert_eq!(parse_patience("750ms"), Ok(Some(Duration::from_millis(750))));
+    assert_eq!(
+        parse_patience("750ms"),
+        Ok(Some(Duration::from_millis(750)))
+    );
     assert_eq!(parse_patience("30s"), Ok(Some(Duration::from_secs(30))));
     assert_eq!(parse_patience(" 10m "), Ok(Some(Duration::from_secs(600))));
     for bad in ["", "s", "10", "10h", "-1s", "always"] {
         let e = parse_patience(bad).unwrap_err();
-        assert!(e.contains(bad.trim()) || bad.trim().is_empty(), "{bad}: {e}");
+        assert!(
+            e.contains(bad.trim()) || bad.trim().is_empty(),
+            "{bad}: {e}"
+        );
     }
 }

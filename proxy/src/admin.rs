@@ -202,9 +202,16 @@ fn readiness(policy: &Policy, threads: &[Arc<Supervisor>]) -> Result<(), String>
 
 /// `/readyz`'s answer: 503 with the reason when the server cannot serve; otherwise
 /// 200, listing what it still waits for (one line each).
-fn readyz(policy: &Policy, threads: &[Arc<Supervisor>], awaited: &[Awaited]) -> (StatusCode, String) {
+fn readyz(
+    policy: &Policy,
+    threads: &[Arc<Supervisor>],
+    awaited: &[Awaited],
+) -> (StatusCode, String) {
     if let Err(why) = readiness(policy, threads) {
-        return (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {why}\n"));
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        );
     }
     let mut body = "ready\n".to_owned();
     for missing in awaited.iter().filter_map(|a| a().err()) {

@@ -224,13 +224,18 @@ fn expected_pods(mesh: &MeshFile, name: &str) -> BTreeMap<String, usize> {
 fn pods_registered(expected: BTreeMap<String, usize>, dpu: Arc<Dpu>) -> crate::admin::Awaited {
     Arc::new(move || {
         let pods = dpu.pods();
-        for (service, want) in &expected {
-            let have = pods.iter().filter(|p| &p.service == service).count();
-            if have < *want {
-                return Err(format!("{have} of {want} pods of {service:?} registered"));
-            }
+        let missing: Vec<String> = expected
+            .iter()
+            .filter_map(|(service, want)| {
+                let have = pods.iter().filter(|p| &p.service == service).count();
+                (have < *want).then(|| format!("{have} of {want} pods of {service:?} registered"))
+            })
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(missing.join(", "))
         }
-        Ok(())
     })
 }
 

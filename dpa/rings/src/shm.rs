@@ -706,7 +706,12 @@ mod tests {
     fn write_old(path: &Path) {
         std::fs::write(path, b"x").unwrap();
         let then = std::time::SystemTime::now() - SWEEP_MIN_AGE * 2;
-        File::options().write(true).open(path).unwrap().set_modified(then).unwrap();
+        File::options()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_modified(then)
+            .unwrap();
     }
 
     #[test]
