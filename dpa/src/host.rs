@@ -319,6 +319,12 @@ impl HostPort {
         self.in_flight = 0;
     }
 
+    /// What the node answered its registration with: the pod's regions as exported
+    /// (their `hw_export`s are a DMA engine's across PCIe, empty on the software path).
+    pub fn exports(&self) -> &PodExports {
+        &self.exports
+    }
+
     /// The id the DPU gave this pod.
     pub fn pod_id(&self) -> u32 {
         self.exports.pod_id

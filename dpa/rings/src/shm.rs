@@ -113,13 +113,15 @@ fn creator(name: &str) -> Option<u32> {
 /// its creator takes on it for its life (the kernel drops it when the creator dies,
 /// however it dies). The lock is what makes a directory shared across pid namespaces
 /// (a host's `/dev/shm` mounted into a container) safe to sweep: a pid from another
-/// namespace looks dead here, its lock does not. A region younger than
-/// [`SWEEP_MIN_AGE`] is left alone (its creator may not have locked it yet).
+/// namespace looks dead here, its lock does not. A creator locks its file before it
+/// sizes it, so an empty file younger than [`SWEEP_MIN_AGE`] is left alone (its
+/// creator may not have locked it yet).
 pub fn sweep_orphans() -> usize {
     sweep_orphans_in(&shm_dir())
 }
 
-/// How old a region must be before a sweep may take it (see [`sweep_orphans`]).
+/// How old an empty region file must be before a sweep may take it (see
+/// [`sweep_orphans`]).
 pub const SWEEP_MIN_AGE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Whether some process holds `path`'s creator lock (or it cannot be checked).
@@ -150,10 +152,11 @@ fn sweep_orphans_in(dir: &Path) -> usize {
         let mine = entry.metadata().is_ok_and(|m| {
             m.uid() == me
                 && m.is_file()
-                && m.modified()
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|age| age >= SWEEP_MIN_AGE)
+                && (m.len() > 0
+                    || m.modified()
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .is_some_and(|age| age >= SWEEP_MIN_AGE))
         });
         if !alive && mine && !held(&entry.path()) && std::fs::remove_file(entry.path()).is_ok() {
             removed += 1;
@@ -687,9 +690,9 @@ mod tests {
         for n in &names {
             write_old(&dir.path().join(n));
         }
-        // Too young to be judged: a creator may not have locked it yet.
+        // Empty and young: its creator may not have locked it yet.
         let young = format!("dpumesh-link-{dead_pid}-1");
-        std::fs::write(dir.path().join(&young), b"x").unwrap();
+        std::fs::write(dir.path().join(&young), b"").unwrap();
         assert_eq!(sweep_orphans_in(dir.path()), 2);
         std::fs::remove_file(dir.path().join(&young)).unwrap();
         let mut left: Vec<String> = std::fs::read_dir(dir.path())
@@ -702,7 +705,8 @@ mod tests {
         assert_eq!(left, want);
     }
 
-    /// A region file as a sweep finds it a while after its creation.
+    /// A region file as a sweep finds it a while after its creation (sized: a
+    /// region is never empty once made).
     fn write_old(path: &Path) {
         std::fs::write(path, b"x").unwrap();
         let then = std::time::SystemTime::now() - SWEEP_MIN_AGE * 2;

@@ -90,6 +90,10 @@ pub struct DpuConfig {
     /// What a service's name is appended to for its workload's SPIFFE ID: a peer that
     /// proved an identity (over TCP) acts only for the service of that identity.
     pub workload_prefix: Option<String>,
+    /// Exports each pod's regions for a DMA engine across PCIe (on a BlueField host:
+    /// `DocaExporter`); their descriptors go in the pod's `hw_export`s. `None`: the
+    /// software path, whose regions both sides map.
+    pub exporter: Option<Arc<parking_lot::Mutex<dyn crate::dma::export::RegionExporter>>>,
 }
 
 impl DpuConfig {
@@ -106,6 +110,7 @@ impl DpuConfig {
             store: None,
             control_tls: None,
             workload_prefix: None,
+            exporter: None,
         }
     }
 }
@@ -129,6 +134,9 @@ pub enum DpuError {
     /// The node's limits.
     #[error("{0}")]
     Limit(String),
+    /// Exporting a pod's regions for DMA across PCIe.
+    #[error(transparent)]
+    Export(#[from] crate::dma::DmaError),
     /// The operating system.
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -35,6 +35,8 @@ pub struct PodInfo {
     pub(super) peer: u64,
     /// Its four pools' region ids (recycled when it leaves).
     pub(super) regions: [u16; 4],
+    /// Its regions' exports for DMA across PCIe (withdrawn when it leaves).
+    pub(super) exports: Vec<crate::dma::export::PciExport>,
     /// Its control connection closed: it is being let go (the shards may still hold
     /// bodies it sent), and its name is free for the process that replaces it.
     pub(super) leaving: bool,
@@ -158,7 +160,7 @@ impl Shared {
             },
             hw_export: Vec::new(),
         };
-        let exports = PodExports {
+        let mut exports = PodExports {
             pod_id: id,
             tx_header: pool_export(&tx_header),
             tx_body: pool_export(&tx_body),
@@ -187,6 +189,12 @@ impl Shared {
                 hw_export: Vec::new(),
             },
         };
+        let hw = self.export(
+            &mut exports,
+            [&tx_header, &tx_body, &rx_header, &rx_body],
+            &lanes,
+            &bell,
+        )?;
         // What the pod maps, as descriptors: its regions are anonymous (no other pod
         // can open them by a name) and sealed (no one can truncate them).
         let dup = |region: &crate::shm::SharedRegion| {
@@ -241,10 +249,47 @@ impl Shared {
                 tx_body: tx_body.clone(),
                 peer: peer.id,
                 regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
+                exports: hw,
                 leaving: false,
             },
         );
         Ok((exports, fds))
+    }
+
+    /// With an exporter, exports the pod's pools, rings and bell (the shards' bells
+    /// are the node's own, not the pod's) and writes each descriptor into its
+    /// `hw_export`; all of them or none (the error names the region that failed).
+    fn export(
+        &self,
+        exports: &mut PodExports,
+        pools: [&BufferPool; 4],
+        lanes: &[(Ring, Ring)],
+        bell: &Bell,
+    ) -> Result<Vec<crate::dma::export::PciExport>, DpuError> {
+        let Some(exporter) = &self.config.exporter else {
+            return Ok(Vec::new());
+        };
+        let mut regions: Vec<&crate::shm::SharedRegion> =
+            pools.iter().map(|p| &**p.region()).collect();
+        for (tx, rx) in lanes {
+            regions.extend([&**tx.region(), &**rx.region()]);
+        }
+        regions.push(&**bell.region());
+        let done = crate::dma::export::export_all(&mut *exporter.lock(), &regions)?;
+        let mut slots: Vec<&mut RegionExport> = vec![
+            &mut exports.tx_header,
+            &mut exports.tx_body,
+            &mut exports.rx_header,
+            &mut exports.rx_body,
+        ];
+        for lane in &mut exports.lanes {
+            slots.extend([&mut lane.tx_sq, &mut lane.rx_sq]);
+        }
+        slots.push(&mut exports.bell);
+        for (slot, export) in slots.into_iter().zip(&done) {
+            slot.hw_export = export.encode();
+        }
+        Ok(done)
     }
 
     /// Removes a pod: the manager stops polling it and drops its port (its regions are
@@ -279,6 +324,12 @@ impl Shared {
         // ids can name a new pod's pools.
         if let Some(info) = self.pods.lock().remove(&id) {
             self.free_regions.lock().extend(info.regions);
+            if let Some(exporter) = &self.config.exporter {
+                let mut exporter = exporter.lock();
+                for export in &info.exports {
+                    exporter.unexport(export);
+                }
+            }
         }
         tracing::info!(pod = id, %name, "pod removed");
         true

@@ -4,8 +4,9 @@
 //! mapping in this process; a copy batch becomes one memcpy task per job, submitted
 //! together and progressed until every task has completed. This covers memory mapped
 //! where the manager runs (DPU-local pools, or host-side DOCA DMA between host pools).
-//! Host pools seen from the DPU would be imported from their PCI export
-//! (`RegionExport::hw_export`, `doca_mmap_create_from_export`) instead: not done yet.
+//! Host regions seen from the DPU are imported from their PCI export
+//! ([`DocaDma::import`]: `RegionExport::hw_export`, `doca_mmap_create_from_export`)
+//! and copied to and from with [`DocaDma::transfer`].
 //!
 //! Compiled (type-checked) wherever the feature is enabled; it needs a BlueField and
 //! the DOCA libraries to link and run, and has not been run on hardware.
@@ -17,9 +18,10 @@ use std::ptr;
 
 use doca_sys as sys;
 
+use super::export::PciExport;
 use super::{CopyJob, DmaEngine, DmaError};
 
-fn err(call: &str, code: sys::doca_error_t) -> DmaError {
+pub(super) fn err(call: &str, code: sys::doca_error_t) -> DmaError {
     // SAFETY: doca_error_get_name returns a static NUL-terminated string for any code.
     let name = unsafe {
         let p = sys::doca_error_get_name(code);
@@ -35,7 +37,7 @@ fn err(call: &str, code: sys::doca_error_t) -> DmaError {
     }
 }
 
-fn check(call: &str, code: sys::doca_error_t) -> Result<(), DmaError> {
+pub(super) fn check(call: &str, code: sys::doca_error_t) -> Result<(), DmaError> {
     if code == sys::DOCA_SUCCESS {
         Ok(())
     } else {
@@ -67,6 +69,54 @@ unsafe extern "C" fn on_done(
     }
 }
 
+/// Opens the DOCA device at PCI address `pci` that `capable` accepts (it returns
+/// `DOCA_SUCCESS` for a device with the capability named `what`).
+pub(super) fn open_device(
+    pci: &str,
+    what: &str,
+    capable: impl Fn(*const sys::doca_devinfo) -> sys::doca_error_t,
+) -> Result<*mut sys::doca_dev, DmaError> {
+    let pci_c = std::ffi::CString::new(pci).map_err(|_| DmaError::Engine {
+        engine: "doca",
+        detail: format!("{pci:?} is not a PCI address"),
+    })?;
+    let mut list: *mut *mut sys::doca_devinfo = ptr::null_mut();
+    let mut count = 0u32;
+    // SAFETY: out-pointers to locals; the list is destroyed below on every path.
+    check("doca_devinfo_create_list", unsafe {
+        sys::doca_devinfo_create_list(&mut list, &mut count)
+    })?;
+    let mut dev = ptr::null_mut();
+    for i in 0..count as usize {
+        // SAFETY: `list` has `count` entries.
+        let info = unsafe { *list.add(i) };
+        let mut equal = 0u8;
+        // SAFETY: valid devinfo and NUL-terminated string.
+        let same = unsafe { sys::doca_devinfo_is_equal_pci_addr(info, pci_c.as_ptr(), &mut equal) };
+        if same == sys::DOCA_SUCCESS && equal == 1 && capable(info) == sys::DOCA_SUCCESS {
+            // SAFETY: valid devinfo; `dev` is an out-pointer.
+            let opened = unsafe { sys::doca_dev_open(info, &mut dev) };
+            if opened != sys::DOCA_SUCCESS {
+                // SAFETY: the list is ours.
+                unsafe { sys::doca_devinfo_destroy_list(list) };
+                return Err(err("doca_dev_open", opened));
+            }
+            break;
+        }
+    }
+    // SAFETY: the list is ours; an opened device outlives it.
+    unsafe { sys::doca_devinfo_destroy_list(list) };
+    if dev.is_null() {
+        return Err(DmaError::Engine {
+            engine: "doca",
+            detail: format!(
+                "no DOCA device with {what} support at PCI address {pci} ({count} devices found)"
+            ),
+        });
+    }
+    Ok(dev)
+}
+
 /// The DOCA DMA engine of one device.
 pub struct DocaDma {
     dev: *mut sys::doca_dev,
@@ -94,47 +144,10 @@ impl DocaDma {
     /// Opens the device at PCI address `pci` (e.g. `03:00.0`) and starts its DMA
     /// context.
     pub fn open(pci: &str) -> Result<Self, DmaError> {
-        let pci_c = std::ffi::CString::new(pci).map_err(|_| DmaError::Engine {
-            engine: "doca",
-            detail: format!("{pci:?} is not a PCI address"),
+        // SAFETY: the capability query only reads the devinfo it is given.
+        let dev = open_device(pci, "DMA memcpy", |info| unsafe {
+            sys::doca_dma_cap_task_memcpy_is_supported(info)
         })?;
-        let mut list: *mut *mut sys::doca_devinfo = ptr::null_mut();
-        let mut count = 0u32;
-        // SAFETY: out-pointers to locals; the list is destroyed below on every path.
-        check("doca_devinfo_create_list", unsafe {
-            sys::doca_devinfo_create_list(&mut list, &mut count)
-        })?;
-        let mut dev = ptr::null_mut();
-        for i in 0..count as usize {
-            // SAFETY: `list` has `count` entries.
-            let info = unsafe { *list.add(i) };
-            let mut equal = 0u8;
-            // SAFETY: valid devinfo and NUL-terminated string.
-            let same =
-                unsafe { sys::doca_devinfo_is_equal_pci_addr(info, pci_c.as_ptr(), &mut equal) };
-            // SAFETY: valid devinfo.
-            let memcpy = unsafe { sys::doca_dma_cap_task_memcpy_is_supported(info) };
-            if same == sys::DOCA_SUCCESS && equal == 1 && memcpy == sys::DOCA_SUCCESS {
-                // SAFETY: valid devinfo; `dev` is an out-pointer.
-                let opened = unsafe { sys::doca_dev_open(info, &mut dev) };
-                if opened != sys::DOCA_SUCCESS {
-                    // SAFETY: the list is ours.
-                    unsafe { sys::doca_devinfo_destroy_list(list) };
-                    return Err(err("doca_dev_open", opened));
-                }
-                break;
-            }
-        }
-        // SAFETY: the list is ours; an opened device outlives it.
-        unsafe { sys::doca_devinfo_destroy_list(list) };
-        if dev.is_null() {
-            return Err(DmaError::Engine {
-                engine: "doca",
-                detail: format!(
-                    "no DOCA device with DMA memcpy support at PCI address {pci} ({count} devices found)"
-                ),
-            });
-        }
         let mut engine = Self {
             dev,
             dma: ptr::null_mut(),
@@ -209,15 +222,116 @@ impl DocaDma {
     }
 }
 
-impl DmaEngine for DocaDma {
-    fn name(&self) -> &'static str {
-        "doca"
+/// A region the host exported, imported into a [`DocaDma`] on the DPU
+/// (`doca_mmap_create_from_export`): DMA tasks name it by the host's addresses.
+#[derive(Debug)]
+pub struct RemoteRegion {
+    addr: u64,
+    len: u64,
+    mmap: *mut sys::doca_mmap,
+}
+
+// SAFETY: the mmap handle is used by the engine's thread only, during `transfer`.
+unsafe impl Send for RemoteRegion {}
+
+impl RemoteRegion {
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
     }
 
-    fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError> {
-        for chunk in jobs.chunks(TASKS as usize) {
-            let mut done: Vec<Done> = chunk
-                .iter()
+    /// Whether it is empty (never, once imported).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for RemoteRegion {
+    fn drop(&mut self) {
+        // SAFETY: the mmap is this region's own, destroyed once; no task names it
+        // once the region is gone (a transfer borrows it).
+        unsafe {
+            sys::doca_mmap_destroy(self.mmap);
+        }
+    }
+}
+
+/// One end of a transfer: memory mapped here, or a region imported from the host.
+#[derive(Debug, Clone, Copy)]
+pub enum End<'a> {
+    Local(&'a crate::shm::SharedRegion, u64),
+    Remote(&'a RemoteRegion, u64),
+}
+
+/// One copy between any two ends.
+#[derive(Debug, Clone, Copy)]
+pub struct Transfer<'a> {
+    pub src: End<'a>,
+    pub dst: End<'a>,
+    pub len: u64,
+}
+
+impl DocaDma {
+    /// Imports a region the host exported ([`PciExport`]) through this engine's device.
+    pub fn import(&self, export: &PciExport) -> Result<RemoteRegion, DmaError> {
+        let mut mmap = ptr::null_mut();
+        // SAFETY: the descriptor bytes are live for the call; DOCA checks them (a
+        // descriptor it cannot read is an error, not a fault); `mmap` is an out-pointer.
+        check("doca_mmap_create_from_export", unsafe {
+            sys::doca_mmap_create_from_export(
+                ptr::null(),
+                export.descriptor.as_ptr().cast(),
+                export.descriptor.len(),
+                self.dev,
+                &mut mmap,
+            )
+        })?;
+        Ok(RemoteRegion {
+            addr: export.addr,
+            len: export.len,
+            mmap,
+        })
+    }
+
+    /// The mmap and address of `len` bytes at an end, bounds checked.
+    fn resolve(&mut self, end: End<'_>, len: u64) -> Result<(*mut sys::doca_mmap, u64), DmaError> {
+        let (mmap, base, offset, size) = match end {
+            End::Local(region, offset) => (
+                self.mmap(region)?,
+                region.base_addr(),
+                offset,
+                region.len() as u64,
+            ),
+            End::Remote(remote, offset) => (remote.mmap, remote.addr, offset, remote.len),
+        };
+        // Bounds first: DOCA would fault on a bad range.
+        if offset.checked_add(len).is_none_or(|e| e > size) {
+            return Err(DmaError::Engine {
+                engine: "doca",
+                detail: format!("copy of {len} bytes at {offset} outside its {size}-byte region"),
+            });
+        }
+        Ok((mmap, base + offset))
+    }
+
+    /// Copies every transfer (host to host, host to DPU, DPU to host, local); returns
+    /// when all have landed, or the first error. The DMA manager's copies on imported
+    /// regions come through here (docs/data-path.md, "On a BlueField", layer 2).
+    pub fn transfer(&mut self, jobs: &[Transfer<'_>]) -> Result<(), DmaError> {
+        self.run(jobs.len(), |i| jobs[i])
+    }
+
+    /// Submits `count` jobs (`job(i)`) in chunks the context takes, progressing each
+    /// chunk to completion.
+    fn run<'j>(
+        &mut self,
+        count: usize,
+        job: impl Fn(usize) -> Transfer<'j>,
+    ) -> Result<(), DmaError> {
+        let mut start = 0;
+        while start < count {
+            let chunk = (count - start).min(TASKS as usize);
+            let mut done: Vec<Done> = (0..chunk)
                 .map(|_| Done {
                     finished: false,
                     status: sys::DOCA_SUCCESS,
@@ -226,42 +340,31 @@ impl DmaEngine for DocaDma {
             let mut bufs: Vec<*mut sys::doca_buf> = Vec::new();
             let mut submitted = 0usize;
             let mut first_error = None;
-            for (job, slot) in chunk.iter().zip(done.iter_mut()) {
-                // Bounds first: DOCA would fault on a bad range.
-                let inside = |offset: u64, len: usize| {
-                    offset
-                        .checked_add(job.len)
-                        .is_some_and(|end| end <= len as u64)
-                };
-                if !inside(job.src_offset, job.src.len()) || !inside(job.dst_offset, job.dst.len())
-                {
-                    first_error = Some(DmaError::Engine {
-                        engine: "doca",
-                        detail: "copy range outside its region".to_owned(),
-                    });
-                    break;
-                }
-                let (src_mmap, dst_mmap) = match (self.mmap(job.src), self.mmap(job.dst)) {
-                    (Ok(s), Ok(d)) => (s, d),
-                    (Err(e), _) | (_, Err(e)) => {
+            for (k, slot) in done.iter_mut().enumerate() {
+                let t = job(start + k);
+                let ends = self
+                    .resolve(t.src, t.len)
+                    .and_then(|src| Ok((src, self.resolve(t.dst, t.len)?)));
+                let ((src_mmap, src_addr), (dst_mmap, dst_addr)) = match ends {
+                    Ok(ends) => ends,
+                    Err(e) => {
                         first_error = Some(e);
                         break;
                     }
                 };
-                let src_addr = (job.src.base_addr() + job.src_offset) as *mut c_void;
-                let dst_addr = (job.dst.base_addr() + job.dst_offset) as *mut c_void;
                 let (mut src_buf, mut dst_buf) = (ptr::null_mut(), ptr::null_mut());
                 let mut task = ptr::null_mut();
                 // SAFETY: ranges checked above lie in mmaps registered over live
-                // mappings; `slot` outlives the task (we progress until it finishes).
+                // mappings or imported host regions; `slot` outlives the task (we
+                // progress until it finishes).
                 let result = unsafe {
                     check(
                         "doca_buf_inventory_buf_get_by_data",
                         sys::doca_buf_inventory_buf_get_by_data(
                             self.inventory,
                             src_mmap,
-                            src_addr,
-                            job.len as usize,
+                            src_addr as *mut c_void,
+                            t.len as usize,
                             &mut src_buf,
                         ),
                     )
@@ -271,8 +374,8 @@ impl DmaEngine for DocaDma {
                             sys::doca_buf_inventory_buf_get_by_addr(
                                 self.inventory,
                                 dst_mmap,
-                                dst_addr,
-                                job.len as usize,
+                                dst_addr as *mut c_void,
+                                t.len as usize,
                                 &mut dst_buf,
                             ),
                         )
@@ -326,8 +429,23 @@ impl DmaEngine for DocaDma {
             if let Some(d) = done.iter().find(|d| d.status != sys::DOCA_SUCCESS) {
                 return Err(err("DMA memcpy task", d.status));
             }
+            start += chunk;
         }
         Ok(())
+    }
+}
+
+impl DmaEngine for DocaDma {
+    fn name(&self) -> &'static str {
+        "doca"
+    }
+
+    fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError> {
+        self.run(jobs.len(), |i| Transfer {
+            src: End::Local(jobs[i].src, jobs[i].src_offset),
+            dst: End::Local(jobs[i].dst, jobs[i].dst_offset),
+            len: jobs[i].len,
+        })
     }
 }
 

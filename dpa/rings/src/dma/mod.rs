@@ -9,6 +9,9 @@
 
 #[cfg(feature = "doca")]
 pub mod doca;
+#[cfg(feature = "doca")]
+pub mod doca_export;
+pub mod export;
 pub mod manager;
 
 use crate::shm::{SharedRegion, ShmError};
