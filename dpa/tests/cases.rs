@@ -378,9 +378,14 @@ fn node(dir: &Path, name: &str) -> Dpu {
 }
 
 fn node_with_shards(dir: &Path, name: &str, shards: usize) -> Dpu {
+    node_with(dir, name, shards, false)
+}
+
+fn node_with(dir: &Path, name: &str, shards: usize, across_pcie: bool) -> Dpu {
     let mut config = DpuConfig::new(name);
     config.pod.body_slots = 8;
     config.shards = shards;
+    config.across_pcie = across_pcie;
     Dpu::start(config, &Endpoint::Unix(dir.join("control.sock"))).unwrap()
 }
 
@@ -461,8 +466,14 @@ fn head_bytes(s: &str) -> Vec<u8> {
 
 /// Case 3 between the "client" pod and pod-b in role `server`, checked end to end.
 fn case_3(server: &str) {
+    case_3_with(server, false);
+}
+
+/// [`case_3`], the node's shards reaching the pods' regions only across an emulated
+/// PCIe (`across_pcie`) when asked.
+fn case_3_with(server: &str, across_pcie: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let node = node(dir.path(), server);
+    let node = node_with(dir.path(), server, 1, across_pcie);
     let mut port = node.take_shards().remove(0);
     let socket = dir.path().join("control.sock");
     let mut server = spawn_pod(server, &socket);
@@ -484,6 +495,19 @@ fn case_3(server: &str) {
 #[test]
 fn case_3_moves_heads_through_the_proxy_and_bodies_pod_to_pod() {
     case_3("server");
+}
+
+#[test]
+fn case_3_across_pcie_keeps_rings_and_words_in_step_by_dma_alone() {
+    // The BlueField split in software: the shard works on mirrors of the pods' rings
+    // and ownership words, moved by its engine's pulls and pushes, and copies slot
+    // bytes host to host through aliases. Three 8 MiB round trips, slots reused.
+    case_3_with("server", true);
+}
+
+#[test]
+fn across_pcie_a_pod_asleep_on_its_bell_is_woken_by_the_host_side() {
+    case_3_with("bell-server", true);
 }
 
 #[test]

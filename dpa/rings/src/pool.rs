@@ -284,7 +284,13 @@ impl BufferPool {
         &self.region
     }
 
-    fn words(&self) -> &[AtomicU64] {
+    /// The byte range (offset, length) of the slots' ownership words.
+    pub(crate) fn words_range(&self) -> (u64, u64) {
+        (HEADER, self.layout.slot_count as u64 * 8)
+    }
+
+    /// The slots' ownership words (`generation << 32 | owner`).
+    pub(crate) fn words(&self) -> &[AtomicU64] {
         // Checked at create/attach: the words are in bounds and aligned.
         self.region
             .atomic_u64s(HEADER, self.layout.slot_count as usize)

@@ -27,10 +27,10 @@ use crate::shm::{SharedRegion, ShmError};
 const MAGIC: u32 = u32::from_le_bytes(*b"DPRG");
 const VERSION: u32 = 1;
 /// Header lines: [magic/version/capacity], [tail], [head], [waiting, wake].
-const LINE: u64 = 64;
-const TAIL: u64 = LINE;
-const HEAD: u64 = 2 * LINE;
-const WAKE: u64 = 3 * LINE;
+pub(crate) const LINE: u64 = 64;
+pub(crate) const TAIL: u64 = LINE;
+pub(crate) const HEAD: u64 = 2 * LINE;
+pub(crate) const WAKE: u64 = 3 * LINE;
 const ENTRIES: u64 = 4 * LINE;
 
 /// How a consumer waits for entries.
@@ -206,6 +206,24 @@ impl Ring {
             .expect("checked at attach")
     }
 
+    /// The byte ranges (offset, length) of `count` entries from `position` on, in
+    /// order: one range, or two where they wrap.
+    pub(crate) fn entry_ranges(&self, position: u64, count: u32) -> [(u64, u64); 2] {
+        let count = u64::from(count.min(self.capacity));
+        let first = position & self.mask;
+        let before_wrap = count.min(self.capacity as u64 - first);
+        let size = DESCRIPTOR_SIZE as u64;
+        [
+            (ENTRIES + first * size, before_wrap * size),
+            (ENTRIES, (count - before_wrap) * size),
+        ]
+    }
+
+    /// Whether the consumer said it sleeps (its `waiting` word).
+    pub(crate) fn consumer_waits(&self) -> bool {
+        self.waiting().load(Ordering::Acquire) != 0
+    }
+
     fn waiting(&self) -> &AtomicU32 {
         &self.region.atomic_u32s(WAKE, 2).expect("checked at attach")[0]
     }
@@ -290,6 +308,11 @@ impl Producer {
 
     pub fn ring(&self) -> &Ring {
         &self.ring
+    }
+
+    /// How many descriptors it has published so far (its write position).
+    pub(crate) fn position(&self) -> u64 {
+        self.tail
     }
 
     /// Room for more descriptors right now (none if the consumer's position is not
@@ -430,6 +453,11 @@ impl Consumer {
 
     pub fn ring(&self) -> &Ring {
         &self.ring
+    }
+
+    /// How many descriptors it has taken so far (its read position).
+    pub(crate) fn position(&self) -> u64 {
+        self.head
     }
 
     /// Whether a descriptor is published and waiting (without taking it).

@@ -94,6 +94,12 @@ pub struct DpuConfig {
     /// `DocaExporter`); their descriptors go in the pod's `hw_export`s. `None`: the
     /// software path, whose regions both sides map.
     pub exporter: Option<Arc<parking_lot::Mutex<dyn crate::dma::export::RegionExporter>>>,
+    /// The shards reach their pods' regions only through their engine, as a DPU reaches
+    /// host memory across PCIe: they work on mirrors kept in step by it
+    /// (`dma::manager::MirrorPort`), the engine `dma::reach::Loopback`. The software
+    /// emulation of the BlueField split, for tests; bodies from the fabric into such a
+    /// pod (case 2) are refused (they need the pools' RDMA registration).
+    pub across_pcie: bool,
 }
 
 impl DpuConfig {
@@ -111,6 +117,7 @@ impl DpuConfig {
             control_tls: None,
             workload_prefix: None,
             exporter: None,
+            across_pcie: false,
         }
     }
 }
@@ -161,6 +168,11 @@ impl std::fmt::Debug for Dpu {
 impl Dpu {
     /// Starts a node with the software DMA engine, listening for pods on `control`.
     pub fn start(config: DpuConfig, control: &Endpoint) -> Result<Self, DpuError> {
+        if config.across_pcie {
+            return Self::start_with(config, control, || {
+                Box::new(crate::dma::reach::Loopback::new())
+            });
+        }
         Self::start_with(config, control, || Box::new(SoftwareDma))
     }
 

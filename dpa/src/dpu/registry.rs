@@ -37,6 +37,8 @@ pub struct PodInfo {
     pub(super) regions: [u16; 4],
     /// Its regions' exports for DMA across PCIe (withdrawn when it leaves).
     pub(super) exports: Vec<crate::dma::export::PciExport>,
+    /// Its regions are across PCIe from the shards (`DpuConfig::across_pcie`).
+    pub across_pcie: bool,
     /// Its control connection closed: it is being let go (the shards may still hold
     /// bodies it sent), and its name is free for the process that replaces it.
     pub(super) leaving: bool,
@@ -221,19 +223,31 @@ impl Shared {
         // The pod sleeps on its first RX lane's futex for all of them, or on its bell
         // (whichever it announced sleeping on: the other costs the push nothing).
         let wake = lanes[0].1.clone();
+        let pools = [&tx_header, &tx_body, &rx_header, &rx_body];
+        let mirrors = if self.config.across_pcie {
+            Some(self.mirror_pools(pools)?)
+        } else {
+            None
+        };
         for (k, ((tx, rx), handle)) in lanes.iter().zip(&self.shards).enumerate() {
-            let port = PodPort {
-                id,
-                tx_header: tx_header.clone(),
-                tx_body: tx_body.clone(),
-                rx_header: rx_header.clone(),
-                rx_body: rx_body.clone(),
-                tx_sq: tx.consumer(),
-                rx_sq: rx
-                    .producer()
-                    .wakes_through(wake.clone())
-                    .with_bell(bell.clone()),
-                lane: k as u8,
+            let port = match &mirrors {
+                None => PodPort {
+                    id,
+                    tx_header: tx_header.clone(),
+                    tx_body: tx_body.clone(),
+                    rx_header: rx_header.clone(),
+                    rx_body: rx_body.clone(),
+                    tx_sq: tx.consumer(),
+                    rx_sq: rx
+                        .producer()
+                        .wakes_through(wake.clone())
+                        .with_bell(bell.clone()),
+                    lane: k as u8,
+                    mirror: None,
+                },
+                Some((mirror, known)) => {
+                    self.mirrored_port(id, k, pools, mirror, known, (tx, rx), (&wake, &bell))?
+                }
             };
             let _ = handle.commands.send(Command::AddPod(Box::new(port)));
             handle.bell.ring();
@@ -245,15 +259,91 @@ impl Shared {
                 name,
                 service,
                 pid,
-                rx_body: rx_body.clone(),
-                tx_body: tx_body.clone(),
+                // Across PCIe the ownership words the proxy would use are the mirrors'.
+                rx_body: mirrors.as_ref().map_or(&rx_body, |(m, _)| &m[3]).clone(),
+                tx_body: mirrors.as_ref().map_or(&tx_body, |(m, _)| &m[1]).clone(),
                 peer: peer.id,
                 regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
                 exports: hw,
+                across_pcie: self.config.across_pcie,
                 leaving: false,
             },
         );
         Ok((exports, fds))
+    }
+
+    /// Mirrors of a pod's four pools (same layout and ids), and the host words each
+    /// shard's port agrees on.
+    #[allow(clippy::type_complexity)]
+    fn mirror_pools(
+        &self,
+        pools: [&BufferPool; 4],
+    ) -> Result<([BufferPool; 4], [Arc<crate::dma::manager::Known>; 4]), DpuError> {
+        let mirror = |p: &BufferPool| {
+            BufferPool::create_sealed(&format!("{}-mirror", self.prefix), p.id(), p.layout())
+        };
+        let known = |p: &BufferPool| crate::dma::manager::Known::new(p.layout().slot_count);
+        Ok((
+            [
+                mirror(pools[0])?,
+                mirror(pools[1])?,
+                mirror(pools[2])?,
+                mirror(pools[3])?,
+            ],
+            [
+                known(pools[0]),
+                known(pools[1]),
+                known(pools[2]),
+                known(pools[3]),
+            ],
+        ))
+    }
+
+    /// Lane `k`'s port of a pod across PCIe: mirror rings and pools, the host's
+    /// regions as the other side, and how the host wakes the pod (what a host agent
+    /// does when the DPU asks).
+    #[allow(clippy::too_many_arguments)]
+    fn mirrored_port(
+        &self,
+        id: u32,
+        k: usize,
+        host_pools: [&BufferPool; 4],
+        mirrors: &[BufferPool; 4],
+        known: &[Arc<crate::dma::manager::Known>; 4],
+        (tx, rx): (&Ring, &Ring),
+        (wake, bell): (&Ring, &Bell),
+    ) -> Result<PodPort, DpuError> {
+        use crate::dma::manager::{MirrorPort, MirrorSides};
+        use crate::dma::reach::RemoteSide;
+        let capacity = tx.capacity();
+        let tag = format!("{}-pod{id}-l{k}-mirror", self.prefix);
+        let mirror_tx = Ring::create_sealed(&format!("{tag}-txsq"), capacity)?;
+        let mirror_rx = Ring::create_sealed(&format!("{tag}-rxsq"), rx.capacity())?;
+        let side = |r: &Arc<crate::shm::SharedRegion>| RemoteSide::Loopback(r.clone());
+        let host_wake = parking_lot::Mutex::new(
+            rx.producer()
+                .wakes_through(wake.clone())
+                .with_bell(bell.clone()),
+        );
+        let sides = MirrorSides {
+            pools: host_pools.map(|p| side(p.region())),
+            tx_sq: side(tx.region()),
+            rx_sq: side(rx.region()),
+            bell: side(bell.region()),
+            host_wake: Some(Arc::new(move || host_wake.lock().wake())),
+        };
+        let port = MirrorPort::new(sides, mirrors.each_ref(), known.clone())?;
+        Ok(PodPort {
+            id,
+            tx_header: mirrors[0].clone(),
+            tx_body: mirrors[1].clone(),
+            rx_header: mirrors[2].clone(),
+            rx_body: mirrors[3].clone(),
+            tx_sq: mirror_tx.consumer(),
+            rx_sq: mirror_rx.producer(),
+            lane: k as u8,
+            mirror: Some(Box::new(port)),
+        })
     }
 
     /// With an exporter, exports the pod's pools, rings and bell (the shards' bells

@@ -161,6 +161,13 @@ impl DpuShard {
         let info = self
             .pod(pod)
             .ok_or_else(|| PoolError::Layout(format!("pod {pod} is not registered")))?;
+        if info.across_pcie {
+            // The fabric would write into the mirror, not the host's pool: that needs
+            // the pool registered with the RDMA device (docs/data-path.md, layer 4).
+            return Err(PoolError::Layout(format!(
+                "pod {pod} is across PCIe: bodies from the fabric into its pools need their RDMA registration (not built)"
+            )));
+        }
         let slot = info.rx_body.alloc(OwnerId::FABRIC)?;
         info.rx_body.buffer(slot, len).inspect_err(|_| {
             let _ = info.rx_body.release(slot, OwnerId::FABRIC);

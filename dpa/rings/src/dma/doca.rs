@@ -19,6 +19,7 @@ use std::ptr;
 use doca_sys as sys;
 
 use super::export::PciExport;
+use super::reach::{Reach, RemoteId, RemoteSide, SyncRange};
 use super::{CopyJob, DmaEngine, DmaError};
 
 pub(super) fn err(call: &str, code: sys::doca_error_t) -> DmaError {
@@ -124,6 +125,13 @@ pub struct DocaDma {
     pe: *mut sys::doca_pe,
     inventory: *mut sys::doca_buf_inventory,
     mmaps: HashMap<(u64, usize), *mut sys::doca_mmap>,
+    /// Host regions adopted ([`Reach`]), by id.
+    remotes: HashMap<RemoteId, RemoteRegion>,
+    /// Mirror regions (by base address) whose copies act on a host region.
+    aliases: HashMap<u64, RemoteId>,
+    next_remote: u32,
+    /// Whether the missing wake channel was reported (once).
+    told_wake: bool,
 }
 
 // SAFETY: the handles are used only by the thread that owns the engine (the DMA
@@ -154,6 +162,10 @@ impl DocaDma {
             pe: ptr::null_mut(),
             inventory: ptr::null_mut(),
             mmaps: HashMap::new(),
+            remotes: HashMap::new(),
+            aliases: HashMap::new(),
+            next_remote: 0,
+            told_wake: false,
         };
         // SAFETY: each call gets valid handles created just before; failures leave
         // the partially built engine to `Drop`, which frees what exists.
@@ -435,9 +447,89 @@ impl DocaDma {
     }
 }
 
+impl DocaDma {
+    fn remote(&self, id: RemoteId) -> Result<&RemoteRegion, DmaError> {
+        self.remotes.get(&id).ok_or_else(|| DmaError::Engine {
+            engine: "doca",
+            detail: format!("no imported region {}", id.0),
+        })
+    }
+
+    /// Runs `ranges` as transfers, remote to local (`pull`) or local to remote.
+    fn sync(&mut self, ranges: &[SyncRange<'_>], pull: bool) -> Result<(), DmaError> {
+        let mut ends = Vec::with_capacity(ranges.len());
+        for r in ranges {
+            let remote: *const RemoteRegion = self.remote(r.remote)?;
+            ends.push((remote, r));
+        }
+        self.run(ends.len(), |i| {
+            let (remote, r) = ends[i];
+            // SAFETY: the regions stay in `self.remotes` for the whole call: `run`
+            // adopts and releases nothing.
+            let remote = unsafe { &*remote };
+            let (far, near) = (End::Remote(remote, r.offset), End::Local(r.local, r.offset));
+            let (src, dst) = if pull { (far, near) } else { (near, far) };
+            Transfer {
+                src,
+                dst,
+                len: r.len,
+            }
+        })
+    }
+}
+
+impl Reach for DocaDma {
+    fn adopt(&mut self, side: &RemoteSide) -> Result<RemoteId, DmaError> {
+        let RemoteSide::Pci(export) = side else {
+            return Err(DmaError::Engine {
+                engine: "doca",
+                detail: "a region of this machine is not on the other side of PCIe".to_owned(),
+            });
+        };
+        let region = self.import(export)?;
+        self.next_remote += 1;
+        let id = RemoteId(self.next_remote);
+        self.remotes.insert(id, region);
+        Ok(id)
+    }
+
+    fn release(&mut self, id: RemoteId) {
+        self.aliases.retain(|_, r| *r != id);
+        self.remotes.remove(&id);
+    }
+
+    fn pull(&mut self, ranges: &[SyncRange<'_>]) -> Result<(), DmaError> {
+        self.sync(ranges, true)
+    }
+
+    fn push(&mut self, ranges: &[SyncRange<'_>]) -> Result<(), DmaError> {
+        self.sync(ranges, false)
+    }
+
+    fn alias(&mut self, mirror: &crate::shm::SharedRegion, remote: RemoteId) {
+        self.aliases.insert(mirror.base_addr(), remote);
+    }
+
+    fn wake(&mut self, pod: u32) {
+        // The wake event to the host agent travels over Comch (layer 3, not written):
+        // until then a pod on a BlueField host must poll its ring.
+        if !self.told_wake {
+            self.told_wake = true;
+            tracing::warn!(
+                pod,
+                "no wake channel to the host yet: host pods must poll their rings"
+            );
+        }
+    }
+}
+
 impl DmaEngine for DocaDma {
     fn name(&self) -> &'static str {
         "doca"
+    }
+
+    fn reach(&mut self) -> Option<&mut dyn Reach> {
+        Some(self)
     }
 
     fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError> {
@@ -451,6 +543,9 @@ impl DmaEngine for DocaDma {
 
 impl Drop for DocaDma {
     fn drop(&mut self) {
+        // Imported regions first: their mmaps name the device.
+        self.aliases.clear();
+        self.remotes.clear();
         // SAFETY: every handle is ours and freed once, in reverse order of creation.
         unsafe {
             for (_, m) in self.mmaps.drain() {

@@ -13,6 +13,7 @@ pub mod doca;
 pub mod doca_export;
 pub mod export;
 pub mod manager;
+pub mod reach;
 
 use crate::shm::{SharedRegion, ShmError};
 
@@ -50,6 +51,12 @@ pub trait DmaEngine: Send + 'static {
 
     /// Copies every job; returns when all have landed, or the first error.
     fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError>;
+
+    /// Its reach across PCIe, if it has one (see [`reach`]): what a manager whose
+    /// pods' regions are on the other side needs.
+    fn reach(&mut self) -> Option<&mut dyn reach::Reach> {
+        None
+    }
 }
 
 /// The software engine: bounds-checked `memcpy` between mapped regions.
@@ -78,6 +85,10 @@ impl DmaEngine for Box<dyn DmaEngine> {
 
     fn copy(&mut self, jobs: &[CopyJob<'_>]) -> Result<(), DmaError> {
         (**self).copy(jobs)
+    }
+
+    fn reach(&mut self) -> Option<&mut dyn reach::Reach> {
+        (**self).reach()
     }
 }
 

@@ -43,6 +43,9 @@ use crate::ring::{Consumer, Producer, RingError};
 
 mod complete;
 mod intake;
+mod mirror;
+
+pub use mirror::{Known, MirrorPort, MirrorSides};
 
 /// Descriptors taken from one ring per pass, so one busy pod cannot starve others.
 const BUDGET: usize = 32;
@@ -80,6 +83,9 @@ pub struct PodPort {
     /// The lane these rings are (the shard's index): stamped on every descriptor
     /// delivered, so the pod answers on the same lane.
     pub lane: u8,
+    /// The pod's regions are on the other side of PCIe: the pools and rings above are
+    /// local mirrors, kept in step through the engine's reach ([`MirrorPort`]).
+    pub mirror: Option<Box<MirrorPort>>,
 }
 
 /// What the node tells the manager.
@@ -312,9 +318,53 @@ impl<E: DmaEngine> DmaManager<E> {
     /// for this call sees them anyway if it polls.
     pub fn wake_pods(&mut self) {
         for (id, _) in self.unwoken.drain(..) {
-            if let Some(pod) = self.pods.get(&id) {
+            if let Some(pod) = self.pods.get(&id)
+                && pod.mirror.is_none()
+            {
                 pod.rx_sq.wake();
             }
+        }
+        // Pods across PCIe: what the batch gave them goes over now (and wakes them).
+        for i in 0..self.order.len() {
+            let id = self.order[i];
+            self.push_mirror(id);
+        }
+    }
+
+    /// Brings mirrored pod `id`'s mirrors up to its host regions.
+    fn pull_mirror(&mut self, id: u32) {
+        let Some(pod) = self.pods.get_mut(&id) else {
+            return;
+        };
+        let (Some(mirror), Some(reach)) = (pod.mirror.as_mut(), self.engine.reach()) else {
+            return;
+        };
+        let pools = [&pod.tx_header, &pod.tx_body, &pod.rx_header, &pod.rx_body];
+        if let Err(e) = mirror.pull(reach, &pod.tx_sq, &pod.rx_sq, pools) {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pod = id, error = %e, "cannot read the pod's rings and words across PCIe");
+        }
+    }
+
+    /// Brings mirrored pod `id`'s host regions up to its mirrors.
+    fn push_mirror(&mut self, id: u32) {
+        let Some(pod) = self.pods.get_mut(&id) else {
+            return;
+        };
+        let (Some(mirror), Some(reach)) = (pod.mirror.as_mut(), self.engine.reach()) else {
+            return;
+        };
+        let pools = [&pod.tx_header, &pod.tx_body, &pod.rx_header, &pod.rx_body];
+        if let Err(e) = mirror.push(reach, id, &pod.tx_sq, &pod.rx_sq, pools) {
+            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pod = id, error = %e, "cannot write the pod's rings and words across PCIe");
+        }
+    }
+
+    /// Lets go of a dropped port's regions across PCIe.
+    fn forget(&mut self, port: PodPort) {
+        if let (Some(mut mirror), Some(reach)) = (port.mirror, self.engine.reach()) {
+            mirror.release(reach);
         }
     }
 
@@ -330,7 +380,7 @@ impl<E: DmaEngine> DmaManager<E> {
         // batch's end (or for deliveries) instead of counting toward an early wake.
         let urgent = !d.kind.completion || d.kind.error;
         match self.unwoken.iter_mut().find(|(p, _)| *p == id) {
-            Some((_, n)) if urgent && *n + 1 >= WAKE_BATCH => {
+            Some((_, n)) if urgent && *n + 1 >= WAKE_BATCH && pod.mirror.is_none() => {
                 *n = 0;
                 pod.rx_sq.wake();
             }
@@ -347,14 +397,33 @@ impl<E: DmaEngine> DmaManager<E> {
         }
         loop {
             match self.commands.try_recv() {
-                Ok(Command::AddPod(port)) => {
+                Ok(Command::AddPod(mut port)) => {
+                    let p = &mut *port;
+                    if let Some(mirror) = p.mirror.as_mut() {
+                        let pools = [&p.tx_header, &p.tx_body, &p.rx_header, &p.rx_body];
+                        let adopted = match self.engine.reach() {
+                            Some(reach) => mirror.adopt(reach, pools),
+                            None => Err(crate::dma::DmaError::Engine {
+                                engine: self.engine.name(),
+                                detail: "this engine does not reach across PCIe".to_owned(),
+                            }),
+                        };
+                        if let Err(e) = adopted {
+                            self.stats.errors.fetch_add(1, Ordering::Relaxed);
+                            tracing::error!(pod = p.id, error = %e, "cannot reach the pod's regions: it gets nothing from this shard");
+                            continue;
+                        }
+                    }
                     self.order.push(port.id);
                     self.pods.insert(port.id, *port);
                 }
                 Ok(Command::RemovePod(id, done)) => self.remove_pod(id, done),
                 Ok(Command::Stop) | Err(TryRecvError::Disconnected) => {
                     self.stopped = true;
-                    self.pods.clear();
+                    let ports: Vec<PodPort> = self.pods.drain().map(|(_, p)| p).collect();
+                    for port in ports {
+                        self.forget(port);
+                    }
                     self.order.clear();
                     return false;
                 }
@@ -394,6 +463,7 @@ impl<E: DmaEngine> DmaManager<E> {
     fn remove_pod(&mut self, id: u32, done: crossbeam_channel::Sender<()>) {
         // What the pod published before it went still goes out (a pod may send and
         // exit at once); then it is polled no more.
+        self.pull_mirror(id);
         while let Some(pod) = self.pods.get_mut(&id) {
             match pod.tx_sq.try_pop() {
                 Ok(Some(d)) => {
@@ -432,6 +502,7 @@ impl<E: DmaEngine> DmaManager<E> {
     /// grace period is over).
     fn drop_departed(&mut self) {
         let pods = &mut self.pods;
+        let mut dropped = Vec::new();
         self.leaving.retain(|l| {
             let busy = pods
                 .get(&l.id)
@@ -439,10 +510,13 @@ impl<E: DmaEngine> DmaManager<E> {
             if busy && l.since.elapsed() < LEAVE_GRACE {
                 return true;
             }
-            pods.remove(&l.id);
+            dropped.extend(pods.remove(&l.id));
             let _ = l.done.send(());
             false
         });
+        for port in dropped {
+            self.forget(port);
+        }
     }
 
     fn is_leaving(&self, id: u32) -> bool {
@@ -468,6 +542,7 @@ impl<E: DmaEngine> DmaManager<E> {
         let mut work = self.retry_held();
         for i in 0..self.order.len() {
             let id = self.order[i];
+            self.pull_mirror(id);
             for _ in 0..BUDGET {
                 // Back-pressure: leave descriptors in the pod's ring while the proxy
                 // has not taken what came before.
