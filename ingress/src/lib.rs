@@ -459,6 +459,13 @@ const WHOLE_BELOW: u64 = 1 << 20;
 /// head before it streams.
 const EAGER_TURNS: u32 = 2;
 
+/// How long a body of which nothing came in those turns is waited for, once. A unary
+/// gRPC call sends its message right after its head, but on a loaded machine the
+/// frame can trail it past a couple of turns; streamed, the call could not be retried
+/// (its body is no longer at hand). A call that sends nothing before the server's
+/// first message pays this once, at its start.
+const EAGER_WAIT: Duration = Duration::from_millis(5);
+
 /// The future's output if it is ready now (it is polled once, with a waker that
 /// does nothing: a future that was not ready is dropped, and whatever it registered
 /// is polled again by its next poll).
@@ -781,13 +788,24 @@ async fn forward<F: Fabric>(
         // polled (and an h2 DATA frame may trail its HEADERS by a moment): a turn of
         // the runtime lets it, so a body sent whole with its head is taken whole.
         let mut turns = 0;
+        let mut waited = false;
         let ended = loop {
-            let frame = match futures_now(body.frame()) {
+            let polled = match futures_now(body.frame()) {
                 None if turns < EAGER_TURNS => {
                     turns += 1;
                     tokio::task::yield_now().await;
                     continue;
                 }
+                None if !waited && len == 0 => {
+                    waited = true;
+                    match tokio::time::timeout(EAGER_WAIT, body.frame()).await {
+                        Ok(polled) => Some(polled),
+                        Err(_) => None,
+                    }
+                }
+                polled => polled,
+            };
+            let frame = match polled {
                 None => break false,
                 Some(None) => break true,
                 Some(Some(frame)) => frame.map_err(|e| {
