@@ -202,9 +202,15 @@ fn bad_capacities_and_foreign_regions_are_refused() {
 fn entry_ranges_split_where_the_ring_wraps() {
     let r = ring(8);
     let size = DESCRIPTOR_SIZE as u64;
-    assert_eq!(r.entry_ranges(2, 3), [(ENTRIES + 2 * size, 3 * size), (ENTRIES, 0)]);
+    assert_eq!(
+        r.entry_ranges(2, 3),
+        [(ENTRIES + 2 * size, 3 * size), (ENTRIES, 0)]
+    );
     // Positions 14, 15 are slots 6, 7; 16, 17 wrap to 0, 1.
-    assert_eq!(r.entry_ranges(14, 4), [(ENTRIES + 6 * size, 2 * size), (ENTRIES, 2 * size)]);
+    assert_eq!(
+        r.entry_ranges(14, 4),
+        [(ENTRIES + 6 * size, 2 * size), (ENTRIES, 2 * size)]
+    );
     // Never more than the ring.
     assert_eq!(r.entry_ranges(0, 100), [(ENTRIES, 8 * size), (ENTRIES, 0)]);
 }
