@@ -56,6 +56,14 @@ fn node(dir: &std::path::Path, fake: &Arc<Mutex<Fake>>, shards: usize) -> Dpu {
     Dpu::start(config, &Endpoint::Unix(dir.join("control.sock"))).unwrap()
 }
 
+/// A port's four pool region ids, sorted.
+fn pool_ids(port: &HostPort) -> Vec<u16> {
+    let e = port.exports();
+    let mut ids = vec![e.tx_header.id, e.tx_body.id, e.rx_header.id, e.rx_body.id];
+    ids.sort();
+    ids
+}
+
 fn eventually(what: &str, check: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !check() {
@@ -116,7 +124,7 @@ fn a_pod_whose_regions_cannot_all_be_exported_is_not_registered() {
         fail: true,
         ..Fake::default()
     }));
-    let node = node(dir.path(), &fake, 1);
+    let dpu = node(dir.path(), &fake, 1);
     let endpoint = Endpoint::Unix(dir.path().join("control.sock"));
     let e = HostPort::connect(&endpoint, "unexported-0", "svc").unwrap_err();
     assert!(e.to_string().contains("no more memory keys"), "{e}");
@@ -124,7 +132,21 @@ fn a_pod_whose_regions_cannot_all_be_exported_is_not_registered() {
         fake.lock().live.is_empty(),
         "the region exported first was withdrawn"
     );
-    assert!(node.pods().is_empty());
+    assert!(dpu.pods().is_empty());
+    // The failed pod's region ids name the next pod's pools, as on a node that
+    // never failed.
+    fake.lock().fail = false;
+    let port = HostPort::connect(&endpoint, "exported-1", "svc").unwrap();
+    let fresh = tempfile::tempdir().unwrap();
+    let _fresh_node = node(fresh.path(), &Arc::new(Mutex::new(Fake::default())), 1);
+    let first = HostPort::connect(
+        &Endpoint::Unix(fresh.path().join("control.sock")),
+        "p-0",
+        "svc",
+    )
+    .unwrap();
+    assert_eq!(pool_ids(&port), pool_ids(&first));
+    drop((port, first));
     // The software path (no exporter) carries no hardware exports.
     let plain = tempfile::tempdir().unwrap();
     let mut config = DpuConfig::new(format!("plain-{}", std::process::id()));

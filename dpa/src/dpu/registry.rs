@@ -191,12 +191,22 @@ impl Shared {
                 hw_export: Vec::new(),
             },
         };
-        let hw = self.export(
-            &mut exports,
-            [&tx_header, &tx_body, &rx_header, &rx_body],
-            &lanes,
-            &bell,
-        )?;
+        let hw = self
+            .export(
+                &mut exports,
+                [&tx_header, &tx_body, &rx_header, &rx_body],
+                &lanes,
+                &bell,
+            )
+            .inspect_err(|_| {
+                // The pools go with this error: their region ids can name others'.
+                self.free_regions.lock().extend([
+                    tx_header.id(),
+                    tx_body.id(),
+                    rx_header.id(),
+                    rx_body.id(),
+                ]);
+            })?;
         // What the pod maps, as descriptors: its regions are anonymous (no other pod
         // can open them by a name) and sealed (no one can truncate them).
         let dup = |region: &crate::shm::SharedRegion| {
