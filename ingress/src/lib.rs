@@ -798,10 +798,7 @@ async fn forward<F: Fabric>(
                 }
                 None if !waited && len == 0 => {
                     waited = true;
-                    match tokio::time::timeout(EAGER_WAIT, body.frame()).await {
-                        Ok(polled) => Some(polled),
-                        Err(_) => None,
-                    }
+                    tokio::time::timeout(EAGER_WAIT, body.frame()).await.ok()
                 }
                 polled => polled,
             };
