@@ -15,6 +15,8 @@
 //! - [`fabric`]: the RDMA fabric between nodes (verbs semantics; shared memory between
 //!   processes of one host, software over TCP between hosts, libibverbs behind
 //!   `verbs`).
+//! - [`agent`]: the host agent of the BlueField split (pods register there; it makes
+//!   their regions in host memory and registers them with the DPU).
 //! - [`dpu`]: a node's DPU side (pod registration, pools, rings, the shards' DMA work).
 //! - [`host`]: a host pod's port (registration, TX/RX, completions).
 //! - [`frame`]: the messages ingress and DPU proxies exchange over the fabric.
@@ -33,6 +35,7 @@ pub use dpumesh_control as control;
 pub use dpumesh_fabric as fabric;
 pub use dpumesh_rings::{bell, descriptor, dma, fdpass, peercred, poll, pool, ring, shm};
 
+pub mod agent;
 pub mod dpu;
 pub mod frame;
 pub mod host;

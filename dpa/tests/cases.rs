@@ -398,15 +398,25 @@ fn proxy(port: &mut DpuShard, until: impl FnMut(&Descriptor) -> bool) {
 /// As [`proxy`], and also returns once `stop` says so.
 fn proxy_until(
     port: &mut DpuShard,
+    until: impl FnMut(&Descriptor) -> bool,
+    stop: impl Fn() -> bool,
+) {
+    proxy_sleeping(port, until, stop, Duration::from_millis(20));
+}
+
+/// As [`proxy_until`], the shard sleeping up to `sleep` on its bell between passes.
+fn proxy_sleeping(
+    port: &mut DpuShard,
     mut until: impl FnMut(&Descriptor) -> bool,
     stop: impl Fn() -> bool,
+    sleep: Duration,
 ) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
         if stop() {
             return;
         }
-        let Some(d) = port.recv(Duration::from_millis(20)).unwrap() else {
+        let Some(d) = port.recv(sleep).unwrap() else {
             continue;
         };
         if d.kind.error {
@@ -508,6 +518,109 @@ fn case_3_across_pcie_keeps_rings_and_words_in_step_by_dma_alone() {
 #[test]
 fn across_pcie_a_pod_asleep_on_its_bell_is_woken_by_the_host_side() {
     case_3_with("bell-server", true);
+}
+
+const AGENT_NODE: &str = "DPUMESH_DPA_AGENT_NODE";
+const AGENT_LISTEN: &str = "DPUMESH_DPA_AGENT_LISTEN";
+
+/// The host agent's process. Ignored in normal runs; the agent tests start it. It
+/// serves until the node goes away.
+#[test]
+#[ignore = "entry point of the host agent process the agent tests spawn"]
+fn agent_entry() {
+    use dpumesh_dpa::agent::{AgentConfig, HostAgent, PushSink};
+    let node = std::path::PathBuf::from(std::env::var(AGENT_NODE).expect("run by a test"));
+    let listen = std::path::PathBuf::from(std::env::var(AGENT_LISTEN).unwrap());
+    let sink = PushSink::default();
+    let pushes = sink.clone();
+    let link = dpumesh_dpa::control::transport::MuxClient::connect(&node, "host-0", move |r| {
+        pushes.deliver(r)
+    })
+    .unwrap();
+    let node_name = link.node().to_owned();
+    let config = AgentConfig {
+        name: "host-0".to_owned(),
+        listen,
+        exporter: None,
+    };
+    let agent = HostAgent::start(config, std::sync::Arc::new(link), &sink, node_name).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while agent.closed().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(agent.closed().is_some(), "the node went away within 120 s");
+}
+
+/// Case 3 with the BlueField split as processes: the node reaches the pods' regions
+/// only through its engine, the pods register with a host agent in another process
+/// (which made their regions and passed them to the node), wake-ups cross as
+/// `Wake` and `Doorbell` messages. The shard sleeps up to `sleep` between passes.
+fn case_3_through_a_host_agent(server: &str, sleep: Duration) {
+    let dir = tempfile::tempdir().unwrap();
+    let node = node_with(dir.path(), server, 1, true);
+    let mut port = node.take_shards().remove(0);
+    let agent_socket = dir.path().join("agent.sock");
+    let mut agent = Pod(common::this_test_binary()
+        .args([
+            "--exact",
+            "agent_entry",
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(AGENT_NODE, dir.path().join("control.sock"))
+        .env(AGENT_LISTEN, &agent_socket)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn the host agent"));
+    let up = Instant::now() + Duration::from_secs(20);
+    while !agent_socket.exists() && Instant::now() < up {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(agent_socket.exists(), "the host agent listens within 20 s");
+    let mut server = spawn_pod(server, &agent_socket);
+    let mut client = spawn_pod("client", &agent_socket);
+    proxy_sleeping(&mut port, |d| d.req_id == 9, || false, sleep);
+    pods_passed(&mut client, &mut server);
+    let stats = node.stats();
+    use std::sync::atomic::Ordering::Relaxed;
+    assert!(stats.delivered.load(Relaxed) >= 8);
+    assert!(stats.bytes.load(Relaxed) >= 2 * (8 << 20));
+    assert_eq!(stats.errors.load(Relaxed), 0);
+    // The pods exited: the agent unregistered them at the node.
+    until_pods_left(&node, &mut [&mut port], Duration::from_secs(15));
+    assert!(
+        node.pods().is_empty(),
+        "the agent unregistered the pods that left"
+    );
+    assert_eq!(node.dpu_pool_use(), (0, 0), "no DPU header slot leaked");
+    // The node goes: the agent hears it and exits.
+    drop(port);
+    drop(node);
+    assert!(
+        agent.wait().success(),
+        "the agent saw the node go and exited cleanly"
+    );
+}
+
+#[test]
+fn through_a_host_agent_pods_register_unchanged_and_case_3_runs_across_pcie() {
+    case_3_through_a_host_agent("server", Duration::from_millis(20));
+}
+
+#[test]
+fn through_a_host_agent_a_pod_asleep_on_its_bell_is_woken_by_the_agent() {
+    // The server sleeps on its bell's eventfd, which only the agent can write (told
+    // by the node's `Wake`): without it the pod waits out its 20 s and fails.
+    case_3_through_a_host_agent("bell-server", Duration::from_millis(20));
+}
+
+#[test]
+fn through_a_host_agent_a_pods_doorbell_wakes_the_sleeping_shard() {
+    // The shard sleeps up to a minute: only the agent's doorbells (a pod rang the
+    // agent's lane bell) wake it for each request within the proxy's 60 s.
+    case_3_through_a_host_agent("server", Duration::from_secs(60));
 }
 
 #[test]

@@ -478,6 +478,14 @@ impl ComchServer {
                         self.store(connection, id, message);
                         None
                     }
+                    Ok(Frame::Request(_, Request::Doorbell { lane })) => {
+                        if let Some((_, Some(peer))) =
+                            self.peers.iter().find(|(c, _)| *c == connection)
+                        {
+                            self.handler.doorbell(peer, lane);
+                        }
+                        None
+                    }
                     Ok(Frame::Request(id, request)) => Some((id, self.answer(connection, request))),
                     Ok(Frame::Response(..)) => None,
                     Err(ControlError::Version { theirs, .. }) => {
@@ -528,12 +536,16 @@ impl ComchServer {
             (_, Request::Hello { role, name }) => {
                 let id = self.next_peer;
                 self.next_peer += 1;
+                // Pushes go out from the progress loop, the only thread on Comch.
+                let tx = self.deferred.0.clone();
+                let at = connection as usize;
                 self.peers[index].1 = Some(Peer {
                     id,
                     role,
                     name,
                     service: None,
                     identity: None,
+                    push: super::transport::Pusher::new(move |r| tx.send((at, 0, r)).is_ok()),
                 });
                 Response::Hello {
                     node: self.handler.node_name(),

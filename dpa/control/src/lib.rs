@@ -30,8 +30,9 @@ use serde::{Deserialize, Serialize};
 /// `DPMC`, little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"DPMC");
 /// The protocol version this build speaks.
-/// 3: registrations carry a token. 4: BlueCache store messages.
-pub const PROTOCOL_VERSION: u16 = 6;
+/// 3: registrations carry a token. 4: BlueCache store messages. 7: host agents
+/// (`PodShape`, `AdoptPod`, `Doorbell`, `Wake`).
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Largest body accepted.
 pub const MAX_BODY: u32 = 64 << 10;
 const HEADER: usize = 16;
@@ -83,6 +84,24 @@ pub enum Request {
         service: String,
         token: Option<String>,
     },
+    /// A host agent asks how to lay out a pod's regions (the DOCA split: the agent
+    /// makes them in host memory, the DPU reaches them across PCIe).
+    PodShape,
+    /// A host agent registers a pod whose regions it made: [`AgentRegions`], with
+    /// their export descriptors (`hw_export`, DOCA) or, on the node's Unix socket in
+    /// software, the regions themselves as descriptors in the order
+    /// [`AgentRegions::descriptors`] says. Checked as a registration is (the token),
+    /// and every region against the node's [`PodShape`].
+    AdoptPod {
+        name: String,
+        service: String,
+        pid: u32,
+        token: Option<String>,
+        regions: Box<AgentRegions>,
+    },
+    /// A pod rang the host agent's bell of `lane` (it published to a TX SQ of that
+    /// lane): the shard of that lane looks at its pods. Not answered.
+    Doorbell { lane: u32 },
 }
 
 /// What the DPU answers.
@@ -121,6 +140,49 @@ pub enum Response {
     },
     /// The BlueCache agent's answer to [`Request::Store`].
     Store(Vec<u8>),
+    /// Answer to [`Request::PodShape`].
+    PodShape(PodShape),
+    /// Answer to [`Request::AdoptPod`]: the pod's id and its four pools' region ids
+    /// (what the agent lays the pools out with, in [`AgentRegions::pools`] order).
+    PodAdopted { pod_id: u32, pools: [u16; 4] },
+    /// Unsolicited (id 0), to a host agent: the DPU delivered to pod `pod`, which said
+    /// it sleeps; the agent rings its bell and futex (the DPU cannot write a host
+    /// eventfd).
+    Wake { pod: u32 },
+}
+
+/// How a node's pods are laid out, for a host agent that makes their regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodShape {
+    /// Ring pairs per pod (the node's shards).
+    pub lanes: u32,
+    /// Bytes per header slot, and header slots per direction.
+    pub header_slot: u32,
+    pub header_slots: u32,
+    /// Bytes per body slot, and body slots per direction.
+    pub body_slot: u32,
+    pub body_slots: u32,
+    /// Entries of each TX and RX SQ.
+    pub ring_capacity: u32,
+}
+
+/// A pod's regions as a host agent made them (before the DPU named their ids): the
+/// four pools (`tx_header`, `tx_body`, `rx_header`, `rx_body`, region id 0 in each
+/// export), each lane's TX SQ and RX SQ, and the pod's bell.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentRegions {
+    pub pools: [RegionExport; 4],
+    /// (TX SQ, RX SQ) per lane, in lane order.
+    pub lanes: Vec<(RegionExport, RegionExport)>,
+    pub bell: RegionExport,
+}
+
+impl AgentRegions {
+    /// How many descriptors come with them on a Unix socket: the four pools, each
+    /// lane's two rings, the bell's region.
+    pub fn descriptors(&self) -> usize {
+        4 + 2 * self.lanes.len() + 1
+    }
 }
 
 /// Classes of control errors.

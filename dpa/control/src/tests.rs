@@ -90,11 +90,11 @@ fn bad_frames_are_refused_with_the_reason() {
     assert!(matches!(decode(&bytes), Err(ControlError::Magic { .. })));
 
     let mut bytes = encode(&Frame::Request(1, Request::Ping));
-    bytes[4..6].copy_from_slice(&7u16.to_le_bytes());
+    bytes[4..6].copy_from_slice(&99u16.to_le_bytes());
     let err = decode(&bytes).unwrap_err().to_string();
     assert!(
         err.contains(&format!(
-            "this side speaks version {PROTOCOL_VERSION}, the peer speaks version 7"
+            "this side speaks version {PROTOCOL_VERSION}, the peer speaks version 99"
         )),
         "{err}"
     );

@@ -22,7 +22,9 @@ use super::{
 };
 
 mod client;
+mod mux;
 pub use client::ControlClient;
+pub use mux::MuxClient;
 
 /// Where a control channel listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,6 +136,61 @@ pub struct Peer {
     /// The identity its TLS certificate proved (a TCP peer; `None` on the Unix
     /// socket, where the peer's user is checked instead).
     pub identity: Option<dpumesh_identity::SpiffeId>,
+    /// Sends it unsolicited frames (a host agent's [`Response::Wake`]s).
+    pub push: Pusher,
+}
+
+/// Sends one peer unsolicited frames (id 0), from any thread.
+#[derive(Clone)]
+pub struct Pusher(Arc<dyn Fn(Response) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for Pusher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pusher")
+    }
+}
+
+impl Pusher {
+    /// A pusher that hands each frame to `send` (false: the peer is gone).
+    pub fn new(send: impl Fn(Response) -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(send))
+    }
+
+    /// One that drops everything (a peer that takes no pushes).
+    pub fn none() -> Self {
+        Self::new(|_| false)
+    }
+
+    /// Sends `response` as an unsolicited frame; false if the peer is gone.
+    pub fn push(&self, response: Response) -> bool {
+        (self.0)(response)
+    }
+}
+
+/// Writes an unsolicited frame on connection `id`. It is called from a shard's
+/// thread (a `Wake` after a batch), so it tries a non-blocking send first: a frame
+/// is 21 bytes and the socket buffer has room unless the peer stopped reading, and
+/// only then does it wait (up to the write timeout) for the rest.
+fn push_frame(conns: &Mutex<HashMap<u64, Writer>>, id: u64, response: Response) -> bool {
+    let Some(writer) = conns.lock().get(&id).cloned() else {
+        return false;
+    };
+    let bytes = super::encode(&Frame::Response(0, response));
+    let mut stream = writer.lock();
+    let fd = match &*stream {
+        Stream::Unix(s) => s.as_fd().try_clone_to_owned(),
+        Stream::Tcp(s) => s.as_fd().try_clone_to_owned(),
+    };
+    let sent = fd.ok().and_then(|fd| {
+        rustix::net::send(
+            &fd,
+            &bytes,
+            rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+        )
+        .ok()
+    });
+    let sent = sent.unwrap_or(0);
+    sent == bytes.len() || stream.write_all(&bytes[sent..]).is_ok()
 }
 
 /// What the DPU side does with requests. `Hello` is handled by the server.
@@ -149,6 +206,17 @@ pub trait Handler: Send + Sync + 'static {
     /// peer gets the answer without them.
     fn handle_with_fds(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
         (self.handle(peer, request), Vec::new())
+    }
+
+    /// [`Self::handle_with_fds`] for a request that came with descriptors (a host
+    /// agent's pod regions, on a Unix socket); by default they are closed unread.
+    fn handle_with_incoming(
+        &self,
+        peer: &Peer,
+        request: Request,
+        _incoming: Vec<OwnedFd>,
+    ) -> (Response, Vec<OwnedFd>) {
+        self.handle_with_fds(peer, request)
     }
 
     /// A BlueCache store message: answered through `reply`, at once or when its
@@ -174,6 +242,9 @@ pub trait Handler: Send + Sync + 'static {
 
     /// `peer` went away (closed, crashed, or the server is stopping).
     fn disconnected(&self, _peer: &Peer) {}
+
+    /// A host agent's [`Request::Doorbell`] (not answered).
+    fn doorbell(&self, _peer: &Peer, _lane: u32) {}
 }
 
 /// What serves store messages on a node (the BlueCache agent, `dpumesh-store`).
@@ -498,18 +569,24 @@ fn serve_frames(
         };
         let response = match (&*peer, request) {
             (_, Request::Hello { role, name }) => {
+                let pushes = conns.clone();
                 *peer = Some(Peer {
                     id,
                     role,
                     name,
                     service: None,
                     identity: identity.clone(),
+                    push: Pusher::new(move |r| push_frame(&pushes, id, r)),
                 });
                 Response::Hello {
                     node: handler.node_name(),
                 }
             }
             (None, _) => error(ErrorCode::BadRequest, "say Hello first"),
+            (Some(p), Request::Doorbell { lane }) => {
+                handler.doorbell(p, lane);
+                continue;
+            }
             (Some(p), Request::Store(message)) => {
                 let conns = conns.clone();
                 let reply = StoreReply::new(move |response| {
@@ -534,7 +611,8 @@ fn serve_frames(
                     Request::RegisterPod { service, .. } => Some(service.clone()),
                     _ => None,
                 };
-                let (response, out) = handler.handle_with_fds(p, request);
+                let (response, out) =
+                    handler.handle_with_incoming(p, request, std::mem::take(&mut fds));
                 // A connection that registered a pod acts for its service.
                 if let (Some(service), Response::PodRegistered(_)) = (registering, &response)
                     && let Some(p) = peer.as_mut()

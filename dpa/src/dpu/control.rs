@@ -25,6 +25,37 @@ impl Handler for ControlHandler {
         self.answer(peer, request)
     }
 
+    fn handle_with_incoming(
+        &self,
+        peer: &Peer,
+        request: Request,
+        incoming: Vec<OwnedFd>,
+    ) -> (Response, Vec<OwnedFd>) {
+        match request {
+            Request::AdoptPod {
+                name,
+                service,
+                pid,
+                token,
+                regions,
+            } => (
+                self.adopt(peer, name, service, pid, token, *regions, incoming),
+                Vec::new(),
+            ),
+            other => self.answer(peer, other),
+        }
+    }
+
+    fn doorbell(&self, peer: &Peer, lane: u32) {
+        // Only an agent's pods ring through it; anyone else's doorbell is a no-op
+        // (ringing a bell costs a shard at most one look at its pods).
+        if peer.role == Role::Host
+            && let Some(shard) = self.0.shards.get(lane as usize)
+        {
+            shard.bell.ring();
+        }
+    }
+
     fn handle_store(&self, peer: &Peer, message: Vec<u8>, fds: Vec<OwnedFd>, reply: StoreReply) {
         let Some(store) = &self.0.config.store else {
             return reply.refuse(
@@ -71,6 +102,49 @@ impl Handler for ControlHandler {
 }
 
 impl ControlHandler {
+    /// A host agent's pod: its token checked as a registration's, then its regions.
+    #[allow(clippy::too_many_arguments)]
+    fn adopt(
+        &self,
+        peer: &Peer,
+        name: String,
+        service: String,
+        pid: u32,
+        token: Option<String>,
+        regions: crate::control::AgentRegions,
+        incoming: Vec<OwnedFd>,
+    ) -> Response {
+        if let Err(refusal) = self.check_token(peer, &name, &service, token.as_deref()) {
+            tracing::warn!(pod = name, service, pid, agent = %peer.name, "refused a host agent's pod");
+            return refusal;
+        }
+        let pod = super::adopt::Adoption {
+            name,
+            service,
+            pid,
+            regions,
+        };
+        match self.0.adopt(peer, pod, incoming) {
+            Ok((pod_id, pools)) => Response::PodAdopted { pod_id, pools },
+            Err(DpuError::Limit(message)) => Response::Error {
+                code: if message.contains("registered already") {
+                    ErrorCode::AlreadyRegistered
+                } else {
+                    ErrorCode::Exhausted
+                },
+                message,
+            },
+            Err(e @ (DpuError::Adopt(_) | DpuError::Shm(_))) => Response::Error {
+                code: ErrorCode::BadRequest,
+                message: e.to_string(),
+            },
+            Err(e) => Response::Error {
+                code: ErrorCode::Internal,
+                message: e.to_string(),
+            },
+        }
+    }
+
     /// Ids of the pods serving `service` here, in order.
     fn pods_of(&self, service: &str) -> Vec<u32> {
         let mut pods: Vec<u32> = self
@@ -200,6 +274,21 @@ impl ControlHandler {
                 message: "a store message took the wrong path".to_owned(),
             },
             Request::Ping => Response::Pong,
+            Request::PodShape => Response::PodShape(self.0.shape()),
+            // Adoptions come with their descriptors (`handle_with_incoming`); over
+            // Comch they come here, with their exports.
+            Request::AdoptPod {
+                name,
+                service,
+                pid,
+                token,
+                regions,
+            } => self.adopt(peer, name, service, pid, token, *regions, Vec::new()),
+            // Not answered (the transports route it to `doorbell`).
+            Request::Doorbell { lane } => {
+                self.doorbell(peer, lane);
+                Response::Ok
+            }
             Request::Resolve { service } => Response::Resolved {
                 pods: self.pods_of(&service),
             },

@@ -7,11 +7,13 @@
 //! reclaimed.
 //!
 //! - `registry`: the pods' table, registering and letting go of a pod, region ids;
+//! - `adopt`: pods a host agent registers, their regions across PCIe;
 //! - `control`: the control channel's handler over the registry;
 //! - `shard`: the façade a proxy shard drives ([`DpuShard`]);
 //! - here: the node's configuration and [`Dpu`], which starts them and hands out the
 //!   shards.
 
+mod adopt;
 mod control;
 mod registry;
 mod shard;
@@ -144,6 +146,9 @@ pub enum DpuError {
     /// Exporting a pod's regions for DMA across PCIe.
     #[error(transparent)]
     Export(#[from] crate::dma::DmaError),
+    /// A host agent's pod that cannot be taken in (its regions do not match).
+    #[error("cannot adopt the host agent's pod: {0}")]
+    Adopt(String),
     /// The operating system.
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -98,6 +98,27 @@ impl Shared {
         )?)
     }
 
+    /// Whether pod `name` may come in (with `registering` held, so the answer holds
+    /// until it is in the table).
+    pub(super) fn admit(&self, name: &str) -> Result<(), DpuError> {
+        let pods = self.pods.lock();
+        // A pod that is leaving holds its name no longer: its restarted process
+        // registers while the shards still let go of the old one (up to
+        // `LEAVE_GRACE`), and a refusal then would make it exit and crash-loop.
+        if pods.values().any(|p| p.name == name && !p.leaving) {
+            return Err(DpuError::Limit(format!(
+                "a pod named {name:?} is registered already"
+            )));
+        }
+        if pods.len() as u32 >= self.config.max_pods {
+            return Err(DpuError::Limit(format!(
+                "the node serves at most {} pods",
+                self.config.max_pods
+            )));
+        }
+        Ok(())
+    }
+
     /// Makes pod `name`'s regions and takes it in: what it maps, and the regions'
     /// descriptors in the order [`PodExports`] gives (the bells' eventfds aside).
     pub(super) fn register(
@@ -108,23 +129,7 @@ impl Shared {
         pid: u32,
     ) -> Result<(PodExports, Vec<OwnedFd>), DpuError> {
         let _one_at_a_time = self.registering.lock();
-        {
-            let pods = self.pods.lock();
-            // A pod that is leaving holds its name no longer: its restarted process
-            // registers while the shards still let go of the old one (up to
-            // `LEAVE_GRACE`), and a refusal then would make it exit and crash-loop.
-            if pods.values().any(|p| p.name == name && !p.leaving) {
-                return Err(DpuError::Limit(format!(
-                    "a pod named {name:?} is registered already"
-                )));
-            }
-            if pods.len() as u32 >= self.config.max_pods {
-                return Err(DpuError::Limit(format!(
-                    "the node serves at most {} pods",
-                    self.config.max_pods
-                )));
-            }
-        }
+        self.admit(&name)?;
         let id = self.next_pod.fetch_add(1, Ordering::Relaxed);
         let s = self.config.pod;
         let tag = format!("pod{id}");
