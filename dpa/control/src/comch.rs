@@ -158,6 +158,8 @@ pub struct ComchClient {
     connection: *mut sys::doca_comch_connection,
     inbox: Inbox,
     next_id: u32,
+    /// Frames the server sent unasked (a host agent's `Wake`s), not taken yet.
+    pushed: VecDeque<Response>,
 }
 
 impl std::fmt::Debug for ComchClient {
@@ -186,6 +188,7 @@ impl ComchClient {
             connection: ptr::null_mut(),
             inbox: Inbox::default(),
             next_id: 1,
+            pushed: VecDeque::new(),
         };
         // SAFETY: handles created here are freed by Drop on every path.
         unsafe {
@@ -248,11 +251,60 @@ impl ComchClient {
         }
     }
 
-    /// Sends a request and progresses until its answer arrives.
+    /// Sends a request and progresses until its answer arrives (keeping what the
+    /// server pushes meanwhile: [`Self::take_pushes`]).
     pub fn request(&mut self, request: Request) -> Result<Response, ControlError> {
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1).max(1);
-        let bytes = encode(&Frame::Request(id, request));
+        self.submit(&encode(&Frame::Request(id, request)))?;
+        loop {
+            while let Some((bytes, _)) = self.inbox.messages.pop_front() {
+                match decode(&bytes)? {
+                    Frame::Response(got, response) if got == id => {
+                        return match response {
+                            Response::Error { code, message } => {
+                                Err(ControlError::Refused { code, message })
+                            }
+                            r => Ok(r),
+                        };
+                    }
+                    Frame::Response(0, Response::Teardown { reason }) => {
+                        return Err(ControlError::Refused {
+                            code: ErrorCode::Internal,
+                            message: format!("torn down: {reason}"),
+                        });
+                    }
+                    Frame::Response(0, push) => self.pushed.push_back(push),
+                    _ => {}
+                }
+            }
+            progress(self.pe, &mut self.inbox);
+        }
+    }
+
+    /// Sends a request that is not answered (a doorbell).
+    pub fn notify(&mut self, request: Request) -> Result<(), ControlError> {
+        self.submit(&encode(&Frame::Request(0, request)))
+    }
+
+    /// Progresses once, keeping what the server pushed; whether anything happened.
+    pub fn poll(&mut self) -> Result<bool, ControlError> {
+        let progressed = progress(self.pe, &mut self.inbox);
+        while let Some((bytes, _)) = self.inbox.messages.pop_front() {
+            if let Frame::Response(0, push) = decode(&bytes)? {
+                self.pushed.push_back(push);
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// What the server pushed since the last call.
+    pub fn take_pushes(&mut self) -> Vec<Response> {
+        self.pushed.drain(..).collect()
+    }
+
+    /// Hands one message to Comch (it copies it at submit).
+    fn submit(&mut self, bytes: &[u8]) -> Result<(), ControlError> {
         let mut task = ptr::null_mut();
         // SAFETY: live client and connection; Comch copies the message at submit.
         unsafe {
@@ -273,28 +325,7 @@ impl ComchClient {
                 return Err(doca_err("doca_task_submit", submitted));
             }
         }
-        loop {
-            while let Some((bytes, _)) = self.inbox.messages.pop_front() {
-                match decode(&bytes)? {
-                    Frame::Response(got, response) if got == id => {
-                        return match response {
-                            Response::Error { code, message } => {
-                                Err(ControlError::Refused { code, message })
-                            }
-                            r => Ok(r),
-                        };
-                    }
-                    Frame::Response(0, Response::Teardown { reason }) => {
-                        return Err(ControlError::Refused {
-                            code: ErrorCode::Internal,
-                            message: format!("torn down: {reason}"),
-                        });
-                    }
-                    _ => {}
-                }
-            }
-            progress(self.pe, &mut self.inbox);
-        }
+        Ok(())
     }
 }
 
