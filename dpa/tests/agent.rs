@@ -201,6 +201,46 @@ fn the_dpu_adopts_only_regions_that_match_its_shape_and_came_whole() {
 }
 
 #[test]
+fn an_agents_pod_needs_its_services_token_as_a_registration_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dpumesh_identity::registration::RegistrationKey::load_or_create(dir.path()).unwrap();
+    let mut config = DpuConfig::new("n1");
+    config.pod.body_slots = 4;
+    config.pod.body_slot = 64 << 10;
+    config.across_pcie = true;
+    config.registration = Some(key.clone());
+    let _node = Dpu::start(config, &Endpoint::Unix(dir.path().join("node.sock"))).unwrap();
+    let link = link(dir.path());
+    let (good, made) = regions(&shape(&link));
+    let fds: Vec<_> = made.iter().map(|r| r.fd()).collect();
+    let ask = |token: Option<String>| {
+        link.request_with_fds(
+            Request::AdoptPod {
+                name: "p".into(),
+                service: "svc".into(),
+                pid: 1,
+                token,
+                regions: Box::new(good.clone()),
+            },
+            &fds,
+        )
+    };
+    for token in [None, Some(key.token("other"))] {
+        match ask(token) {
+            Err(ControlError::Refused {
+                code: ErrorCode::Unauthorized,
+                ..
+            }) => {}
+            other => panic!("adopted without svc's token: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        ask(Some(key.token("svc"))),
+        Ok((Response::PodAdopted { .. }, _))
+    ));
+}
+
+#[test]
 fn a_node_that_maps_its_pods_itself_adopts_none() {
     let dir = tempfile::tempdir().unwrap();
     let _node = node(dir.path(), false);
