@@ -52,7 +52,12 @@ impl Handler for ControlHandler {
         if peer.role == Role::Host
             && let Some(shard) = self.0.shards.get(lane as usize)
         {
-            shard.bell.ring();
+            // Always the eventfd, not `ring` (which writes only to a shard that said it
+            // sleeps): the shard judges whether it may sleep by its mirrors, which do
+            // not show what the pod published until its next pull, so a doorbell that
+            // came between that pull and its `sleep_begins` would otherwise be lost
+            // and the shard sleep with work waiting. The eventfd keeps it.
+            shard.bell.interrupt();
         }
     }
 
