@@ -48,6 +48,8 @@ lints() {
     cargo clippy --locked --target wasm32-wasip1 -p dpumesh-proxy-wasm-test -- -D warnings
     echo "==> cargo clippy (data path with the DOCA backends: type-checked, linked only on BlueField)"
     cargo clippy --locked -p dpumesh-dpa -p dpumesh-rings -p dpumesh-control --features dpumesh-dpa/doca --all-targets -- -D warnings
+    echo "==> cargo clippy (dpumesh node --data-path doca, dpumesh host on Comch: the commands, x86_64)"
+    cargo clippy --locked -p dpumesh-proxy -p dpumesh --features dpumesh/doca -- -D warnings
     echo "==> cargo clippy (the same for aarch64, the BlueField's Arm cores)"
     cargo clippy --locked --target aarch64-unknown-linux-gnu -p dpumesh-dpa -p dpumesh-rings -p dpumesh-control --features dpumesh-dpa/doca --all-targets -- -D warnings
     echo "==> cargo clippy (data path with the verbs backend)"

@@ -128,6 +128,23 @@ enum Command {
         #[arg(long)]
         wait: Option<u64>,
     },
+    /// The host agent of the BlueField split: this host's pods register on its socket
+    /// (where they look for their node); it makes their memory and registers them
+    /// with the node, which reaches that memory only by DMA (`dpumesh node
+    /// --data-path split` here).
+    Host {
+        /// The node's control socket, or on a BlueField (`doca` builds)
+        /// `comch:PCI,SERVER`: the host's BlueField function and the node's Comch
+        /// server.
+        #[arg(long, env = "DPUMESH_HOST_NODE")]
+        node: String,
+        /// Where this host's pods register (their `DPUMESH_CONTROL`).
+        #[arg(long, env = "DPUMESH_HOST_LISTEN")]
+        listen: PathBuf,
+        /// A name for logs and memory names.
+        #[arg(long, env = "DPUMESH_HOST_NAME", default_value = "host")]
+        name: String,
+    },
     /// Run one worker node of a mesh (what `dpumesh up` starts, and the DPU proxy's
     /// container runs). Every flag has an environment variable, so a Kubernetes
     /// manifest can set them from the Downward API (`--name $(NODE_NAME)` works too).
@@ -168,8 +185,11 @@ enum Command {
         )]
         colocated: usize,
         /// How the node reaches its pods' memory: `software` (shared memory on this
-        /// kernel, descriptors passed on the Unix control socket) or `doca` (DOCA DMA
-        /// from a BlueField to its host: builds with the `doca` feature only).
+        /// kernel, descriptors passed on the Unix control socket), `split` (the
+        /// BlueField split in software: the node touches its pods' rings and pools
+        /// only through a DMA engine, as a DPU reaches host memory, and takes pods a
+        /// `dpumesh host` agent registers) or `doca` (DOCA DMA from a BlueField to its
+        /// host: builds with the `doca` feature only).
         #[arg(
             long,
             env = "DPUMESH_DATA_PATH",
@@ -177,6 +197,11 @@ enum Command {
             value_parser = parse_data_path
         )]
         data_path: String,
+        /// With `--data-path doca`: the Comch server host agents register pods with,
+        /// `PCI,REP_PCI,NAME` (the DPU's device, the host function's representor, the
+        /// server's name).
+        #[arg(long, env = "DPUMESH_COMCH")]
+        comch: Option<String>,
     },
     /// R-Pingmesh: `server` runs the controller and analyzer of a mesh (what `dpumesh
     /// up` starts when the mesh file has a `pingmesh` section); `agent` runs an agent
@@ -423,8 +448,17 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
             transport,
             certs,
             colocated,
-            data_path: _,
+            data_path,
+            comch,
         } => {
+            let comch = match (data_path.as_str(), comch) {
+                ("doca", Some(address)) => Some(address),
+                ("doca", None) => anyhow::bail!(
+                    "--data-path doca takes its pods from the host agent over Comch: give --comch PCI,REP_PCI,NAME (DPUMESH_COMCH)"
+                ),
+                (_, Some(_)) => anyhow::bail!("--comch goes with --data-path doca"),
+                (_, None) => None,
+            };
             let options = dpumesh_proxy::node::NodeOptions {
                 run_dir,
                 control,
@@ -432,6 +466,8 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
                 admin,
                 transport,
                 colocated,
+                across_pcie: data_path != "software",
+                comch,
             };
             roles::node(&mesh, &name, certs, &options).map(|()| ExitCode::SUCCESS)
         }
@@ -449,6 +485,9 @@ next: dpumesh filter build {0} && dpumesh filter test {0}/build/{name}.wasm {0}/
                 certs,
             };
             roles::ingress(&mesh, &options).map(|()| ExitCode::SUCCESS)
+        }
+        Command::Host { node, listen, name } => {
+            roles::host(&node, &listen, &name).map(|()| ExitCode::SUCCESS)
         }
         Command::Bridge {
             to,
@@ -546,12 +585,15 @@ fn from_environment(error: &clap::Error) -> Option<String> {
 /// `--transport`: the mesh file's names for the fabric backends.
 fn parse_data_path(s: &str) -> Result<String, String> {
     match s {
-        "software" => Ok(s.to_owned()),
+        "software" | "split" => Ok(s.to_owned()),
+        "doca" if cfg!(feature = "doca") => Ok(s.to_owned()),
         "doca" => Err(
             "this build has no DOCA data path: build dpumesh with `--features doca` on a machine with the DOCA SDK (BlueField images), or use `software`"
                 .to_owned(),
         ),
-        other => Err(format!("{other:?} is not a data path: software or doca")),
+        other => Err(format!(
+            "{other:?} is not a data path: software, split or doca"
+        )),
     }
 }
 

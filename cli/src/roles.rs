@@ -47,12 +47,112 @@ pub fn node(mesh: &Path, name: &str, certs: Option<PathBuf>, options: &NodeOptio
     say!(
         "{READY} node {name} fabric {} control {} admin {}",
         node.fabric_addr(),
-        node.control(),
+        node.control_name(),
         node.admin_addr().map_or("-".to_owned(), |a| a.to_string())
     );
     wait_for_signal()?;
     drop(node);
     Ok(())
+}
+
+/// `dpumesh host`: the host agent of the BlueField split, until a signal or until its
+/// node goes (then it fails, for its supervisor to start it again once the node is
+/// back: its pods' memory is of no use without one).
+pub fn host(node: &str, listen: &Path, name: &str) -> Result<()> {
+    use dpumesh_dpa::agent::{AgentConfig, HostAgent, PushSink};
+    let sink = PushSink::default();
+    let (link, exporter, node_name) = match node.strip_prefix("comch:") {
+        Some(address) => comch_link(address, name, &sink)?,
+        None => {
+            let pushes = sink.clone();
+            let path = node.strip_prefix("unix:").unwrap_or(node);
+            let link = dpumesh_dpa::control::transport::MuxClient::connect(
+                Path::new(path),
+                name,
+                move |r| pushes.deliver(r),
+            )
+            .with_context(|| format!("cannot reach the node at {path}"))?;
+            let node_name = link.node().to_owned();
+            let link: std::sync::Arc<dyn dpumesh_dpa::agent::DpuLink> = std::sync::Arc::new(link);
+            (link, None, node_name)
+        }
+    };
+    if let Some(dir) = listen.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let config = AgentConfig {
+        name: name.to_owned(),
+        listen: listen.to_owned(),
+        exporter,
+    };
+    let agent = HostAgent::start(config, link, &sink, node_name.clone())
+        .context("the host agent cannot start")?;
+    say!(
+        "{READY} host {name} node {node_name} pods {}",
+        listen.display()
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let closed = rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => return r.map(|()| None),
+                _ = term.recv() => return Ok(None),
+                _ = tick.tick() => {
+                    if let Some(why) = agent.closed() {
+                        return Ok::<_, std::io::Error>(Some(why));
+                    }
+                }
+            }
+        }
+    })?;
+    drop(agent);
+    match closed {
+        Some(why) => anyhow::bail!("the node went away: {why}"),
+        None => Ok(()),
+    }
+}
+
+/// What a host agent on a BlueField host uses: the link over Comch, and the exporter
+/// of its pods' regions (`doca` feature).
+type AgentParts = (
+    std::sync::Arc<dyn dpumesh_dpa::agent::DpuLink>,
+    Option<std::sync::Arc<parking_lot::Mutex<dyn dpumesh_dpa::dma::export::RegionExporter>>>,
+    String,
+);
+
+#[cfg(feature = "doca")]
+fn comch_link(
+    address: &str,
+    name: &str,
+    sink: &dpumesh_dpa::agent::PushSink,
+) -> Result<AgentParts> {
+    let (pci, server) = address
+        .split_once(',')
+        .with_context(|| format!("{address:?} is not PCI,SERVER"))?;
+    let link = dpumesh_dpa::agent::link::ComchLink::connect(pci, server, name, sink.clone())
+        .with_context(|| format!("cannot reach the Comch server {server} through {pci}"))?;
+    let exporter = dpumesh_dpa::dma::doca_export::DocaExporter::open(pci)
+        .with_context(|| format!("cannot open the DOCA device at {pci} to export memory"))?;
+    Ok((
+        std::sync::Arc::new(link),
+        Some(std::sync::Arc::new(parking_lot::Mutex::new(exporter))),
+        server.to_owned(),
+    ))
+}
+
+#[cfg(not(feature = "doca"))]
+fn comch_link(
+    address: &str,
+    _name: &str,
+    _sink: &dpumesh_dpa::agent::PushSink,
+) -> Result<AgentParts> {
+    anyhow::bail!(
+        "the node on Comch ({address}) needs a build with `--features doca` (BlueField hosts)"
+    )
 }
 
 /// `dpumesh pingmesh`: the controller and the analyzer.

@@ -112,7 +112,10 @@ def test_on_a_dpu_the_pod_takes_what_dpf_gives_it(helm, tmp_path, name):
     assert not [v for v in pod["volumes"] if "hostPath" in v]
     env = {e["name"]: e.get("value") for e in proxy["env"]}
     assert env["DPUMESH_DATA_PATH"] == "doca"
-    assert env["DPUMESH_NODE_CONTROL"] == "tcp:0.0.0.0:7120"
+    # Host agents register the host's pods over Comch; no control port is open.
+    assert env["DPUMESH_COMCH"] == "03:00.0,b1:00.0,dpumesh"
+    assert "DPUMESH_NODE_CONTROL" not in env
+    assert "control" not in {p["name"] for p in proxy["ports"]}
     # The proxy finds its own certificate folder by its DPU node's name.
     assert env["DPUMESH_CERTS"] == "/etc/dpumesh/certs/$(NODE_NAME)"
 

@@ -54,6 +54,14 @@ pub struct NodeOptions {
     /// the default count of shards (0 or 1: the node is alone; `dpumesh up` runs every
     /// node of its mesh file here).
     pub colocated: usize,
+    /// The BlueField split in software: the node's shards reach their pods' rings and
+    /// pools only through their DMA engine, as a DPU reaches host memory, and it takes
+    /// the pods a host agent (`dpumesh host`) registers.
+    pub across_pcie: bool,
+    /// On a BlueField (`doca` feature): the Comch server host agents register pods
+    /// with (`PCI,REP_PCI,NAME`), in place of the control socket; the shards' engines
+    /// are then DOCA DMA.
+    pub comch: Option<String>,
 }
 
 impl NodeOptions {
@@ -70,7 +78,7 @@ impl std::fmt::Debug for Node {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Node")
             .field("fabric", &self.dataplane.addr())
-            .field("control", self.dpu.control_endpoint())
+            .field("control", &self.dpu.control_endpoint())
             .finish_non_exhaustive()
     }
 }
@@ -239,6 +247,22 @@ fn pods_registered(expected: BTreeMap<String, usize>, dpu: Arc<Dpu>) -> crate::a
     })
 }
 
+/// A node on Comch with DOCA DMA (`doca` feature).
+#[cfg(feature = "doca")]
+fn start_on_comch(config: DpuConfig, address: &str) -> anyhow::Result<Dpu> {
+    let address: dpumesh_dpa::dpu::comch::ComchAddress =
+        address.parse().map_err(anyhow::Error::msg)?;
+    Ok(Dpu::start_on_comch(config, &address)?)
+}
+
+/// Without the `doca` feature there is no Comch.
+#[cfg(not(feature = "doca"))]
+fn start_on_comch(_config: DpuConfig, address: &str) -> anyhow::Result<Dpu> {
+    anyhow::bail!(
+        "the control channel on Comch ({address}) needs a build with `--features doca` (BlueField images)"
+    )
+}
+
 /// Where node `name`'s pods register.
 pub fn control_socket(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join(format!("{name}.sock"))
@@ -265,6 +289,7 @@ impl Node {
         let mut config = DpuConfig::new(format!("{name}-{}", std::process::id()));
         config.registration = crate::trust::registration_key(mesh)?;
         config.shards = entry.shards(options.colocated);
+        config.across_pcie = options.across_pcie;
         config.pod = PodSizing {
             header_slot: 64 << 10,
             header_slots: 256,
@@ -327,7 +352,10 @@ impl Node {
             );
         }
         config.workload_prefix = Some(crate::trust::workload_prefix(mesh));
-        let dpu = Arc::new(Dpu::start(config, &control)?);
+        let dpu = Arc::new(match &options.comch {
+            None => Dpu::start(config, &control)?,
+            Some(address) => start_on_comch(config, address)?,
+        });
         let listen = options.fabric_listen.unwrap_or(entry.fabric);
         let topology = Topology {
             node: name.to_owned(),
@@ -425,8 +453,16 @@ impl Node {
         self.admin
     }
 
-    /// Where pods register.
+    /// Where pods register, for a node on a control socket (tests and tools: a node
+    /// on Comch has none, see [`Self::control_name`]).
     pub fn control(&self) -> &Endpoint {
+        self.dpu
+            .control_socket()
+            .expect("a node on Comch has no control socket")
+    }
+
+    /// Where pods register (or, on a BlueField, host agents: `comch:NAME`).
+    pub fn control_name(&self) -> String {
         self.dpu.control_endpoint()
     }
 

@@ -151,14 +151,22 @@ impl Up {
             }
             up.processes.push(server);
         }
+        // The BlueField split in software (`DPUMESH_DATA_PATH=split`, which the nodes
+        // read too): each node listens beside its pods' socket, and a host agent on
+        // that socket makes the pods' memory and registers them with the node.
+        let split = std::env::var("DPUMESH_DATA_PATH").is_ok_and(|v| v == "split");
         for (name, entry) in &mesh.config.nodes {
-            let spec = in_netns(format!("node {name}"), name, &me)
+            let mut spec = in_netns(format!("node {name}"), name, &me)
                 .args(["node", "--mesh"])
                 .args([file])
                 .args(["--name", name, "--run-dir"])
                 .args([&run])
                 // Every node runs on this machine: they share its cores.
                 .args(["--colocated", &mesh.config.nodes.len().to_string()]);
+            let dpu_socket = run.join(format!("{name}-dpu.sock"));
+            if split {
+                spec = spec.args([format!("--control=unix:{}", dpu_socket.display())]);
+            }
             let mut node = Process::start(spec, policy)?;
             // A node that cannot start is the supervisor's to start again (or give up
             // on): the rest of the mesh comes up without it.
@@ -167,6 +175,19 @@ impl Up {
                 up.down.insert(name.clone());
             }
             up.processes.push(node);
+            if split {
+                let spec = in_netns(format!("host {name}"), name, &me)
+                    .args(["host", "--node"])
+                    .args([&dpu_socket])
+                    .args(["--listen"])
+                    .args([control_socket(&run, name)])
+                    .args(["--name", name]);
+                let mut host = Process::start(spec, policy)?;
+                if let Err(e) = host.wait_ready(START_TIMEOUT) {
+                    say_err!("dpumesh up: {e:#}");
+                }
+                up.processes.push(host);
+            }
             if let Some(a) = entry.admin {
                 up.admins.insert(name.clone(), format!("http://{a}/"));
             }

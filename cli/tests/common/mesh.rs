@@ -121,9 +121,20 @@ impl Mesh {
     /// `dpumesh up --config <file>` (a mesh file in `dir`, its ingress on `ingress`),
     /// ready when it says so.
     pub fn start(dir: tempfile::TempDir, file: &Path, ingress: SocketAddr) -> Self {
+        Self::start_env(dir, file, ingress, &[])
+    }
+
+    /// [`Self::start`] with `env` set for `dpumesh up` (and so for what it starts).
+    pub fn start_env(
+        dir: tempfile::TempDir,
+        file: &Path,
+        ingress: SocketAddr,
+        env: &[(&str, &str)],
+    ) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
             .args(["up", "--config"])
             .arg(file)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

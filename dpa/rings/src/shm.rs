@@ -323,6 +323,13 @@ impl SharedRegion {
         if len == 0 {
             return Err(ShmError::Empty(path));
         }
+        // Reachable by the software fabric's peers as a region this process made is
+        // (a host agent's pod pools, which a split node registers with its fabric).
+        let path = PathBuf::from(format!(
+            "/proc/{}/fd/{}",
+            std::process::id(),
+            std::os::fd::AsRawFd::as_raw_fd(&file)
+        ));
         let mut region = Self::map(file, len, path, false)?;
         region.name = name.to_owned();
         Ok(region)

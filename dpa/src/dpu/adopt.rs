@@ -106,6 +106,12 @@ impl Shared {
                 regions: ids,
                 exports: Vec::new(),
                 across_pcie: true,
+                host_bodies: match (&sides.pools[3], &sides.pools[1]) {
+                    (RemoteSide::Loopback(rx), RemoteSide::Loopback(tx)) => {
+                        Some([rx.clone(), tx.clone()])
+                    }
+                    _ => None,
+                },
                 leaving: false,
             },
         );

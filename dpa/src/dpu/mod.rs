@@ -14,6 +14,8 @@
 //!   shards.
 
 mod adopt;
+#[cfg(feature = "doca")]
+pub mod comch;
 mod control;
 mod registry;
 mod shard;
@@ -158,6 +160,9 @@ pub enum DpuError {
 pub struct Dpu {
     shared: Arc<Shared>,
     control: Option<ControlServer>,
+    /// The control channel on Comch, on a BlueField.
+    #[cfg(feature = "doca")]
+    comch: Option<comch::ComchThread>,
     /// Shards not taken by a proxy yet.
     shards: Mutex<Vec<DpuShard>>,
 }
@@ -185,8 +190,54 @@ impl Dpu {
     pub fn start_with(
         config: DpuConfig,
         control: &Endpoint,
-        mut engine: impl FnMut() -> Box<dyn DmaEngine>,
+        engine: impl FnMut() -> Box<dyn DmaEngine>,
     ) -> Result<Self, DpuError> {
+        let (shared, shards) = Self::build(config, engine)?;
+        let control = ControlServer::start_with_tls(
+            control,
+            Arc::new(ControlHandler(shared.clone())),
+            shared.config.control_tls.clone(),
+        )?;
+        Ok(Self {
+            shared,
+            control: Some(control),
+            #[cfg(feature = "doca")]
+            comch: None,
+            shards: Mutex::new(shards),
+        })
+    }
+
+    /// Starts a node on a BlueField (`doca` feature): its shards' engines are DOCA DMA
+    /// on the device at `comch.pci`, it reaches its pods only across PCIe, and host
+    /// agents register their pods with it over Comch (server `comch.name`, for the
+    /// host function whose representor is `comch.rep_pci`). Written and compiled; it
+    /// needs a BlueField to run.
+    #[cfg(feature = "doca")]
+    pub fn start_on_comch(
+        mut config: DpuConfig,
+        comch: &comch::ComchAddress,
+    ) -> Result<Self, DpuError> {
+        config.across_pcie = true;
+        let mut engines = (0..config.shards)
+            .map(|_| crate::dma::doca::DocaDma::open(&comch.pci))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (shared, shards) = Self::build(config, move || {
+            Box::new(engines.pop().expect("one engine per shard"))
+        })?;
+        let server = comch::ComchThread::start(comch, Arc::new(ControlHandler(shared.clone())))?;
+        Ok(Self {
+            shared,
+            control: None,
+            comch: Some(server),
+            shards: Mutex::new(shards),
+        })
+    }
+
+    /// The shards and what they share.
+    fn build(
+        config: DpuConfig,
+        mut engine: impl FnMut() -> Box<dyn DmaEngine>,
+    ) -> Result<(Arc<Shared>, Vec<DpuShard>), DpuError> {
         if config.shards == 0 || config.shards > usize::from(u8::MAX) + 1 {
             return Err(DpuError::Limit(format!(
                 "a node runs 1 to 256 shards (a descriptor names its lane in a byte), not {}",
@@ -248,21 +299,27 @@ impl Dpu {
         for shard in &mut shards {
             shard.shared = Some(shared.clone());
         }
-        let control = ControlServer::start_with_tls(
-            control,
-            Arc::new(ControlHandler(shared.clone())),
-            shared.config.control_tls.clone(),
-        )?;
-        Ok(Self {
-            shared,
-            control: Some(control),
-            shards: Mutex::new(shards),
-        })
+        Ok((shared, shards))
     }
 
-    /// Where pods register.
-    pub fn control_endpoint(&self) -> &Endpoint {
-        self.control.as_ref().expect("running").endpoint()
+    /// Where pods register: the control socket's endpoint, or (on Comch) the Comch
+    /// server's name.
+    pub fn control_endpoint(&self) -> String {
+        match &self.control {
+            Some(server) => server.endpoint().to_string(),
+            #[cfg(feature = "doca")]
+            None => self
+                .comch
+                .as_ref()
+                .map_or_else(String::new, |c| format!("comch:{}", c.name())),
+            #[cfg(not(feature = "doca"))]
+            None => String::new(),
+        }
+    }
+
+    /// The control socket's endpoint (`None` on Comch).
+    pub fn control_socket(&self) -> Option<&Endpoint> {
+        self.control.as_ref().map(ControlServer::endpoint)
     }
 
     /// The node's name.
@@ -313,6 +370,8 @@ impl Drop for Dpu {
     fn drop(&mut self) {
         // Pods first hear Teardown; then the shards drop their pods.
         self.control.take();
+        #[cfg(feature = "doca")]
+        self.comch.take();
         for s in &self.shared.shards {
             let _ = s.commands.send(Command::Stop);
             s.bell.interrupt();

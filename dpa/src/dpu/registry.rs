@@ -13,8 +13,9 @@ use parking_lot::Mutex;
 use crate::bell::{BELL_LEN, Bell};
 use crate::control::transport::Peer;
 use crate::control::{LaneExport, PodExports, RegionExport, RegionKind};
+use crate::descriptor::Buffer;
 use crate::dma::manager::{Command, DmaStats, PodPort};
-use crate::pool::{BufferPool, PoolLayout};
+use crate::pool::{BufferPool, PoolError, PoolLayout, SlotRef};
 use crate::ring::{Ring, ring_len};
 
 use super::{DpuConfig, DpuError};
@@ -39,6 +40,11 @@ pub struct PodInfo {
     pub(super) exports: Vec<crate::dma::export::PciExport>,
     /// Its regions are across PCIe from the shards (`DpuConfig::across_pcie`).
     pub across_pcie: bool,
+    /// Across PCIe: the host's memory of its RX and TX body pools as the fabric
+    /// reaches it (on a BlueField, the imported regions registered with the RDMA
+    /// device: not built; in the software split, the host regions themselves).
+    /// `None` across PCIe: the fabric cannot reach its bodies on this build.
+    pub(super) host_bodies: Option<[Arc<crate::shm::SharedRegion>; 2]>,
     /// Its control connection closed: it is being let go (the shards may still hold
     /// bodies it sent), and its name is free for the process that replaces it.
     pub(super) leaving: bool,
@@ -49,6 +55,51 @@ impl PodInfo {
     pub fn is_leaving(&self) -> bool {
         self.leaving
     }
+
+    /// The memory the fabric writes the pod's RX bodies into: its pool's region, or
+    /// across PCIe the host's (`None`: not reachable by the fabric on this build).
+    pub fn rx_body_memory(&self) -> Option<&Arc<crate::shm::SharedRegion>> {
+        if !self.across_pcie {
+            return Some(self.rx_body.region());
+        }
+        self.host_bodies.as_ref().map(|b| &b[0])
+    }
+
+    /// The memory the fabric reads the pod's TX bodies from, as
+    /// [`Self::rx_body_memory`].
+    pub fn tx_body_memory(&self) -> Option<&Arc<crate::shm::SharedRegion>> {
+        if !self.across_pcie {
+            return Some(self.tx_body.region());
+        }
+        self.host_bodies.as_ref().map(|b| &b[1])
+    }
+
+    /// Writes `bytes` into RX body slot `slot` where the pod reads them (across PCIe,
+    /// the host's memory: the mirror holds no bytes).
+    pub fn write_rx_body(&self, slot: SlotRef, bytes: &[u8]) -> Result<Buffer, PoolError> {
+        let buffer = self
+            .rx_body
+            .buffer(slot, u32::try_from(bytes.len()).unwrap_or(u32::MAX))?;
+        let memory = self
+            .rx_body_memory()
+            .ok_or_else(|| unreachable_bodies(self.id))?;
+        memory.write(self.rx_body.offset_of(buffer)?, bytes)?;
+        Ok(buffer)
+    }
+
+    /// Reads a TX body the pod sent (across PCIe, from the host's memory).
+    pub fn read_tx_body(&self, buffer: Buffer) -> Result<Vec<u8>, PoolError> {
+        let memory = self
+            .tx_body_memory()
+            .ok_or_else(|| unreachable_bodies(self.id))?;
+        Ok(memory.read_vec(self.tx_body.offset_of(buffer)?, buffer.len as usize)?)
+    }
+}
+
+fn unreachable_bodies(pod: u32) -> PoolError {
+    PoolError::Layout(format!(
+        "pod {pod} is across PCIe and its body pools are not reachable from this node's memory (their RDMA registration is not built for DOCA)"
+    ))
 }
 
 /// What the node keeps of a shard it handed out.
@@ -281,6 +332,10 @@ impl Shared {
                 regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
                 exports: hw,
                 across_pcie: self.config.across_pcie,
+                // The emulation maps the host's pools in this process.
+                host_bodies: mirrors
+                    .is_some()
+                    .then(|| [rx_body.region().clone(), tx_body.region().clone()]),
                 leaving: false,
             },
         );

@@ -161,11 +161,12 @@ impl DpuShard {
         let info = self
             .pod(pod)
             .ok_or_else(|| PoolError::Layout(format!("pod {pod} is not registered")))?;
-        if info.across_pcie {
+        if info.rx_body_memory().is_none() {
             // The fabric would write into the mirror, not the host's pool: that needs
-            // the pool registered with the RDMA device (docs/data-path.md, layer 4).
+            // the host pool registered with the RDMA device (docs/data-path.md, layer 4;
+            // the software split reaches the host's memory itself).
             return Err(PoolError::Layout(format!(
-                "pod {pod} is across PCIe: bodies from the fabric into its pools need their RDMA registration (not built)"
+                "pod {pod} is across PCIe: bodies from the fabric into its pools need their RDMA registration (not built for DOCA)"
             )));
         }
         let slot = info.rx_body.alloc(OwnerId::FABRIC)?;

@@ -270,7 +270,7 @@ impl<F: Fabric> Reactor<F> {
             match self
                 .pods
                 .get(d.src_pod)
-                .map(|info| info.tx_body.read(d.body))
+                .map(|info| info.read_tx_body(d.body))
             {
                 Some(Ok(bytes)) => bytes,
                 _ => return,

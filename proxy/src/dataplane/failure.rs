@@ -197,7 +197,7 @@ impl<F: Fabric> Reactor<F> {
                     let written = self.pods.get(pod).map(|info| {
                         info.rx_body
                             .slot_of(slot)
-                            .and_then(|s| info.rx_body.write(s, &body))
+                            .and_then(|s| info.write_rx_body(s, &body))
                     });
                     match written {
                         Some(Ok(b)) => body_buf = b,

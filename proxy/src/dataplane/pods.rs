@@ -60,16 +60,26 @@ impl<F: Fabric> Pods<F> {
             return Some(known.clone());
         }
         let info = self.get(pod)?.clone();
-        let register = |pool: &BufferPool| {
+        // The bytes' memory, which across PCIe is the host's, not the mirror pool's
+        // (the offsets are the same: a mirror has its pool's layout).
+        let (Some(rx_memory), Some(tx_memory)) = (info.rx_body_memory(), info.tx_body_memory())
+        else {
+            tracing::error!(
+                pod,
+                "the pod is across PCIe and its body pools are not reachable by the fabric on this build"
+            );
+            return None;
+        };
+        let register = |memory: &Arc<dpumesh_dpa::SharedRegion>| {
             fabric.register(
                 pd,
-                pool.region(),
+                memory,
                 0,
-                pool.region().len() as u64,
+                memory.len() as u64,
                 dpumesh_dpa::fabric::Access::all(),
             )
         };
-        let (rx, tx) = match (register(&info.rx_body), register(&info.tx_body)) {
+        let (rx, tx) = match (register(rx_memory), register(tx_memory)) {
             (Ok(rx), Ok(tx)) => (rx, tx),
             (Err(e), _) | (_, Err(e)) => {
                 tracing::error!(pod, error = %e, "cannot register a pod's body pools");
