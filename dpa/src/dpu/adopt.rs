@@ -13,10 +13,10 @@ use crate::bell::BELL_LEN;
 use crate::control::transport::Peer;
 use crate::control::{AgentRegions, PodShape, RegionExport, RegionKind, Response};
 use crate::dma::export::PciExport;
-use crate::dma::manager::{Command, Known, MirrorPort, MirrorSides, PodPort};
+use crate::dma::manager::{Command, Known, MirrorSides, PodPort};
 use crate::dma::reach::RemoteSide;
 use crate::pool::{BufferPool, PoolLayout};
-use crate::ring::{Ring, ring_len};
+use crate::ring::ring_len;
 use crate::shm::SharedRegion;
 
 use super::DpuError;
@@ -232,12 +232,8 @@ impl Shared {
         let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
             push.push(Response::Wake { pod: id });
         });
-        let capacity = self.config.pod.ring_capacity;
         let mut ports = Vec::with_capacity(sides.lanes.len());
         for (k, (tx, rx)) in sides.lanes.iter().enumerate() {
-            let tag = format!("{}-pod{id}-l{k}-mirror", self.prefix);
-            let mirror_tx = Ring::create_sealed(&format!("{tag}-txsq"), capacity)?;
-            let mirror_rx = Ring::create_sealed(&format!("{tag}-rxsq"), capacity)?;
             let port_sides = MirrorSides {
                 pools: sides.pools.clone(),
                 tx_sq: tx.clone(),
@@ -245,18 +241,7 @@ impl Shared {
                 bell: sides.bell.clone(),
                 host_wake: Some(wake.clone()),
             };
-            let port = MirrorPort::new(port_sides, mirrors.each_ref(), known.clone())?;
-            ports.push(PodPort {
-                id,
-                tx_header: mirrors[0].clone(),
-                tx_body: mirrors[1].clone(),
-                rx_header: mirrors[2].clone(),
-                rx_body: mirrors[3].clone(),
-                tx_sq: mirror_tx.consumer(),
-                rx_sq: mirror_rx.producer(),
-                lane: k as u8,
-                mirror: Some(Box::new(port)),
-            });
+            ports.push(self.lane_port(id, k, &mirrors, &known, port_sides)?);
         }
         Ok((mirrors, ports))
     }

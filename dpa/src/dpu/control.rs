@@ -213,6 +213,10 @@ impl ControlHandler {
 
     /// The answer, and the serving shard's bell eventfd with a registration.
     fn answer(&self, peer: &Peer, request: Request) -> (Response, Vec<OwnedFd>) {
+        if matches!(request, Request::AdoptPod { .. }) {
+            // Over Comch (no descriptors: the regions come as their exports).
+            return self.handle_with_incoming(peer, request, Vec::new());
+        }
         if let Request::RegisterPod {
             name,
             service,
@@ -280,15 +284,11 @@ impl ControlHandler {
             },
             Request::Ping => Response::Pong,
             Request::PodShape => Response::PodShape(self.0.shape()),
-            // Adoptions come with their descriptors (`handle_with_incoming`); over
-            // Comch they come here, with their exports.
-            Request::AdoptPod {
-                name,
-                service,
-                pid,
-                token,
-                regions,
-            } => self.adopt(peer, name, service, pid, token, *regions, Vec::new()),
+            // Answered above (over Comch: with no descriptors, their exports).
+            Request::AdoptPod { .. } => Response::Error {
+                code: ErrorCode::Internal,
+                message: "an adoption took the wrong path".to_owned(),
+            },
             // Not answered (the transports route it to `doorbell`).
             Request::Doorbell { lane } => {
                 self.doorbell(peer, lane);

@@ -383,12 +383,8 @@ impl Shared {
         (tx, rx): (&Ring, &Ring),
         (wake, bell): (&Ring, &Bell),
     ) -> Result<PodPort, DpuError> {
-        use crate::dma::manager::{MirrorPort, MirrorSides};
+        use crate::dma::manager::MirrorSides;
         use crate::dma::reach::RemoteSide;
-        let capacity = tx.capacity();
-        let tag = format!("{}-pod{id}-l{k}-mirror", self.prefix);
-        let mirror_tx = Ring::create_sealed(&format!("{tag}-txsq"), capacity)?;
-        let mirror_rx = Ring::create_sealed(&format!("{tag}-rxsq"), rx.capacity())?;
         let side = |r: &Arc<crate::shm::SharedRegion>| RemoteSide::Loopback(r.clone());
         let host_wake = parking_lot::Mutex::new(
             rx.producer()
@@ -402,7 +398,24 @@ impl Shared {
             bell: side(bell.region()),
             host_wake: Some(Arc::new(move || host_wake.lock().wake())),
         };
-        let port = MirrorPort::new(sides, mirrors.each_ref(), known.clone())?;
+        self.lane_port(id, k, mirrors, known, sides)
+    }
+
+    /// Lane `k`'s port of pod `id` across PCIe, over `sides`: mirror rings of the
+    /// node's capacity, the pod's mirror pools, and a `MirrorPort` keeping them in step.
+    pub(super) fn lane_port(
+        &self,
+        id: u32,
+        k: usize,
+        mirrors: &[BufferPool; 4],
+        known: &[Arc<crate::dma::manager::Known>; 4],
+        sides: crate::dma::manager::MirrorSides,
+    ) -> Result<PodPort, DpuError> {
+        let capacity = self.config.pod.ring_capacity;
+        let tag = format!("{}-pod{id}-l{k}-mirror", self.prefix);
+        let mirror_tx = Ring::create_sealed(&format!("{tag}-txsq"), capacity)?;
+        let mirror_rx = Ring::create_sealed(&format!("{tag}-rxsq"), capacity)?;
+        let port = crate::dma::manager::MirrorPort::new(sides, mirrors.each_ref(), known.clone())?;
         Ok(PodPort {
             id,
             tx_header: mirrors[0].clone(),
