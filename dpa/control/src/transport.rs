@@ -178,18 +178,15 @@ fn push_frame(conns: &Mutex<HashMap<u64, Writer>>, id: u64, response: Response) 
     let bytes = super::encode(&Frame::Response(0, response));
     let mut stream = writer.lock();
     let fd = match &*stream {
-        Stream::Unix(s) => s.as_fd().try_clone_to_owned(),
-        Stream::Tcp(s) => s.as_fd().try_clone_to_owned(),
+        Stream::Unix(s) => s.as_fd(),
+        Stream::Tcp(s) => s.as_fd(),
     };
-    let sent = fd.ok().and_then(|fd| {
-        rustix::net::send(
-            &fd,
-            &bytes,
-            rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
-        )
-        .ok()
-    });
-    let sent = sent.unwrap_or(0);
+    let sent = rustix::net::send(
+        fd,
+        &bytes,
+        rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+    )
+    .unwrap_or(0);
     sent == bytes.len() || stream.write_all(&bytes[sent..]).is_ok()
 }
 
