@@ -1,6 +1,6 @@
 //! The admin API: `/healthz`, `/readyz`, `/metrics` (Prometheus text), `/filters`
-//! (what runs where) and `POST /reload`, `/store` and `/cache` (stats, and `DELETE` to
-//! purge). Reads are open; the mutations (`POST /reload`, `DELETE /store`,
+//! (what runs where), `POST /reload`, `/store` and `/cache` (stats, and `DELETE` to
+//! purge), and `/tap` (the live tap, [`crate::admin_tap`]). Reads are open; the mutations (`POST /reload`, `DELETE /store`,
 //! `DELETE /cache`) need the admin token, and every request's `Host` must name the
 //! admin address ([`dpumesh_identity::admin`]).
 
@@ -11,7 +11,7 @@ use bytes::Bytes;
 use dpumesh_runtime::HealthState;
 use dpumesh_supervise::Supervisor;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -32,6 +32,16 @@ pub fn prometheus() -> &'static PrometheusHandle {
                     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 0.1, 1.0,
                 ],
             )
+            .expect("bucket list is not empty")
+            // The golden latency covers whole exchanges: microseconds to seconds
+            // (`histogram_quantile` reads p50/p95/p99 from these).
+            .set_buckets_for_metric(
+                Matcher::Full("dpumesh_request_latency_seconds".to_owned()),
+                &[
+                    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                    0.5, 1.0, 2.5, 5.0, 10.0,
+                ],
+            )
             .expect("bucket list is not empty");
         // Another recorder may already be installed (e.g. by an embedding program);
         // then /metrics shows only what this handle records.
@@ -50,41 +60,59 @@ pub async fn serve(
     awaited: Vec<Awaited>,
     store: Option<Arc<dpumesh_store::Agent>>,
     cache: Option<Arc<crate::http_cache::HttpCache>>,
+    observer: Option<Arc<crate::observe::Observer>>,
 ) {
     let threads = Arc::new(threads);
     let awaited = Arc::new(awaited);
     let access = Arc::new(access);
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
-        let (policy, threads, awaited, store, cache, access) = (
+        let (policy, threads, awaited, store, cache, access, observer) = (
             policy.clone(),
             threads.clone(),
             awaited.clone(),
             store.clone(),
             cache.clone(),
             access.clone(),
+            observer.clone(),
         );
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let (policy, threads, awaited, store, cache, access) = (
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let (policy, threads, awaited, store, cache, access, observer) = (
                     policy.clone(),
                     threads.clone(),
                     awaited.clone(),
                     store.clone(),
                     cache.clone(),
                     access.clone(),
+                    observer.clone(),
                 );
                 async move {
                     if let Err(refused) = allowed(&access, &req) {
-                        return Ok::<_, Infallible>(refusal(&refused));
+                        return Ok::<_, Infallible>(refusal(&refused).map(BodyExt::boxed_unsync));
+                    }
+                    if req.uri().path() == "/tap" {
+                        if req.method() != Method::GET {
+                            let r = reply(
+                                StatusCode::METHOD_NOT_ALLOWED,
+                                "text/plain",
+                                "method not allowed\n".to_owned(),
+                            );
+                            return Ok(r.map(BodyExt::boxed_unsync));
+                        }
+                        if let Err(refused) = crate::admin_tap::allowed(&access, &req, peer) {
+                            return Ok(refusal(&refused).map(BodyExt::boxed_unsync));
+                        }
+                        return Ok(crate::admin_tap::tap(observer.as_deref(), &query(&req)));
                     }
                     let parts = Parts {
                         store: store.as_deref(),
                         cache: cache.as_deref(),
                     };
-                    Ok::<_, Infallible>(handle(&policy, &threads, &awaited, parts, req).await)
+                    let response = handle(&policy, &threads, &awaited, parts, req).await;
+                    Ok::<_, Infallible>(response.map(BodyExt::boxed_unsync))
                 }
             });
             let _ = hyper::server::conn::http1::Builder::new()
@@ -292,7 +320,7 @@ async fn handle(
             StatusCode::NOT_FOUND,
             "text/plain",
             format!(
-                "no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload /store /cache\n"
+                "no admin endpoint {path}; try /healthz /readyz /metrics /filters /reload /store /cache /tap\n"
             ),
         ),
     }

@@ -17,12 +17,14 @@
 #![deny(unsafe_code)]
 
 pub mod admin;
+mod admin_tap;
 mod callout;
 pub mod dataplane;
 pub mod http_cache;
 pub mod listener;
 pub mod logging;
 pub mod node;
+pub mod observe;
 pub mod policy;
 pub mod trust;
 
@@ -88,6 +90,7 @@ impl Proxy {
                     policy.clone(),
                     Vec::new(),
                     Vec::new(),
+                    None,
                     None,
                     None,
                 ));

@@ -357,6 +357,22 @@ impl Node {
             Some(address) => start_on_comch(config, address)?,
         });
         let listen = options.fabric_listen.unwrap_or(entry.fabric);
+        let observer = Arc::new(crate::observe::Observer::new(name));
+        observer
+            .access_log
+            .configure(&policy.snapshot().config, name)
+            .map_err(|e| anyhow::anyhow!("access_log: {e}"))?;
+        {
+            // A reload may turn the access log on, off, or point it elsewhere.
+            let (observer, name) = (Arc::downgrade(&observer), name.to_owned());
+            policy.on_publish(move |config| {
+                if let Some(observer) = observer.upgrade()
+                    && let Err(e) = observer.access_log.configure(config, &name)
+                {
+                    tracing::error!(error = %e, "access_log: not applied");
+                }
+            });
+        }
         let topology = Topology {
             node: name.to_owned(),
             peers: mesh
@@ -372,6 +388,8 @@ impl Node {
             require_identity: mesh.config.identity.mtls == dpumesh_config::Mtls::Mutual,
             cache: cache.clone(),
             path: mesh.config.ingress.path,
+            observer: observer.clone(),
+            labels: Arc::default(),
         };
         let tls = crate::trust::load(mesh, &crate::trust::node_id(mesh, name)?)?;
         // The agent proves the node's identity to the Pingmesh server (`pingmesh.tls`).
@@ -427,6 +445,7 @@ impl Node {
                     vec![pods_registered(expected_pods(mesh, name), dpu.clone())],
                     store.clone(),
                     cache.clone(),
+                    Some(observer.clone()),
                 ));
                 Some(local)
             }

@@ -45,35 +45,51 @@ pub struct Snapshot {
     pub durations: Vec<metrics::Histogram>,
 }
 
+/// Where a request goes.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub service: String,
+    /// Its chain's index in the generation.
+    pub chain: usize,
+    pub policy: RoutePolicy,
+    /// The route's label for metrics, logs and taps ([`CALL_ROUTE`] for a mesh call
+    /// that named its service).
+    pub route: Arc<str>,
+}
+
+/// The route label of a pod's call that named its service (no route matched it).
+pub static CALL_ROUTE: std::sync::LazyLock<Arc<str>> =
+    std::sync::LazyLock::new(|| Arc::from("call"));
+
 impl Snapshot {
     /// The service and chain for a request from outside the mesh (through the
     /// ingress) to `authority` and `path`: the routes alone decide. A host that names a
     /// service gives no way in: only a route (which may match on the host, a virtual
     /// host) exposes a service, with the route's chain.
-    pub fn resolve_route(
-        &self,
-        authority: &str,
-        path: &str,
-    ) -> Option<(String, usize, RoutePolicy)> {
-        self.routes
-            .find(authority, path)
-            .map(|m| (m.service.to_owned(), m.chain, m.policy))
+    pub fn resolve_route(&self, authority: &str, path: &str) -> Option<Routed> {
+        self.routes.find(authority, path).map(|m| Routed {
+            service: m.service.to_owned(),
+            chain: m.chain,
+            policy: m.policy,
+            route: m.label.clone(),
+        })
     }
 
     /// The service and chain for a call from a pod of the mesh: a call names its
     /// service as the host (`http://user/...`, port ignored) and meets that service's
     /// own chain; any other host goes through the routes, as a request from outside
     /// would.
-    pub fn resolve_call(
-        &self,
-        authority: &str,
-        path: &str,
-    ) -> Option<(String, usize, RoutePolicy)> {
+    pub fn resolve_call(&self, authority: &str, path: &str) -> Option<Routed> {
         let host = strip_port(authority);
         if let Some(service) = self.config.config.services.get(host) {
             let chain = self.generation.chain_index(&service.chain)?;
             let policy = RoutePolicy::of_service(service);
-            return Some((host.to_owned(), chain, policy));
+            return Some(Routed {
+                service: host.to_owned(),
+                chain,
+                policy,
+                route: Arc::clone(&CALL_ROUTE),
+            });
         }
         self.resolve_route(authority, path)
     }
@@ -132,7 +148,12 @@ pub struct Policy {
     attempted: Mutex<Fingerprint>,
     /// Generations of the runners outside the pool (data-plane shards).
     runners: Mutex<Vec<Arc<std::sync::atomic::AtomicU64>>>,
+    /// Told of each config published ([`Policy::on_publish`]).
+    listeners: Mutex<Vec<PublishListener>>,
 }
+
+/// Something told of each published config.
+type PublishListener = Box<dyn Fn(&LoadedConfig) + Send + Sync>;
 
 /// A hash of the config file's text (two saves within one timestamp tick must still
 /// differ), and size, modification time and file identity (device, inode) of every
@@ -262,7 +283,15 @@ impl Policy {
             last_error: Mutex::new(None),
             attempted: Mutex::new(attempted),
             runners: Mutex::new(Vec::new()),
+            listeners: Mutex::new(Vec::new()),
         }))
+    }
+
+    /// Calls `listener` with the config now, and again with each one a reload
+    /// publishes (on the reloading thread, after the publish).
+    pub fn on_publish(&self, listener: impl Fn(&LoadedConfig) + Send + Sync + 'static) {
+        listener(&self.snapshot().config);
+        self.listeners.lock().push(Box::new(listener));
     }
 
     /// The config file.
@@ -363,7 +392,11 @@ impl Policy {
         self.pool
             .publish(built.generation.clone())
             .map_err(|e| ReloadError::Start(e.to_string()))?;
-        self.snapshot.store(Arc::new(Snapshot::new(built, config)));
+        let snapshot = Arc::new(Snapshot::new(built, config));
+        self.snapshot.store(snapshot.clone());
+        for listener in self.listeners.lock().iter() {
+            listener(&snapshot.config);
+        }
         Ok(Reloaded {
             generation: number,
             build: build_time,

@@ -43,6 +43,7 @@ pub mod queues;
 mod runtime;
 mod stamp;
 mod stderr;
+pub mod timing;
 mod worker;
 
 pub use bindings::{FailureKind, ResponseInfo};

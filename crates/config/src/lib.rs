@@ -10,6 +10,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod access_log;
 pub mod error;
 pub mod grpc_codes;
 pub mod ingress_tls;
@@ -20,6 +21,7 @@ pub mod routes;
 pub mod store;
 pub mod units;
 
+pub use access_log::AccessLogConfig;
 pub use error::ConfigError;
 pub use grpc_codes::GrpcCodes;
 pub use ingress_tls::{ClientCerts, IngressTls, TlsVersion};

@@ -283,6 +283,8 @@ pub struct ProxyConfig {
     /// Upstreams outside the mesh that filters' HTTP calls may name.
     #[serde(default)]
     pub upstreams: BTreeMap<String, UpstreamConfig>,
+    /// A JSON line per request (sampled), with a configurable field list.
+    pub access_log: Option<crate::access_log::AccessLogConfig>,
 }
 
 fn fuse_by_default() -> bool {
@@ -335,6 +337,9 @@ impl LoadedConfig {
         let c = &self.config;
         if c.workers == Some(0) {
             return Err(self.error("workers", "must be at least 1"));
+        }
+        if let Some(log) = &c.access_log {
+            log.check().map_err(|e| self.error("access_log", e))?;
         }
         for (name, source) in &c.key_sets {
             let sources = [

@@ -55,6 +55,9 @@ impl RoutePolicy {
 /// One route, with its chain resolved to an index in the generation it was built for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Route {
+    /// What metrics, logs and taps call it: its host pattern and path prefix
+    /// (`*/api`, `hotel.example.com/`), bounded by the configuration.
+    label: std::sync::Arc<str>,
     host: HostMatch,
     path_prefix: String,
     service: String,
@@ -100,6 +103,8 @@ impl HostMatch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RouteMatch<'a> {
     pub service: &'a str,
+    /// The route's label (its host pattern and path prefix).
+    pub label: &'a std::sync::Arc<str>,
     /// The chain's index in the generation.
     pub chain: usize,
     /// Timeout and retries.
@@ -130,6 +135,7 @@ impl RouteTable {
                     .map(RoutePolicy::of_service)
                     .unwrap_or_default();
                 Some(Route {
+                    label: format!("{}{}", r.host.as_deref().unwrap_or("*"), r.path_prefix).into(),
                     host: HostMatch::new(r.host.as_deref()),
                     path_prefix: r.path_prefix.clone(),
                     service: r.service.clone(),
@@ -154,6 +160,7 @@ impl RouteTable {
             .find(|r| r.host.matches(host) && path.starts_with(&r.path_prefix))
             .map(|r| RouteMatch {
                 service: &r.service,
+                label: &r.label,
                 chain: r.chain,
                 policy: r.policy,
             })
@@ -206,6 +213,13 @@ routes:
         );
         assert_eq!(find("other", "/healthz"), Some(("web", 1)));
         assert_eq!(find("[::1]:80", "/x"), None);
+        let label = |host, path| table.find(host, path).map(|m| m.label.to_string());
+        assert_eq!(
+            label("api.example.com", "/admin/x").unwrap(),
+            "api.example.com/admin"
+        );
+        assert_eq!(label("www.example.com", "/").unwrap(), "*.example.com/");
+        assert_eq!(label("other", "/healthz").unwrap(), "*/health");
     }
 
     #[test]

@@ -73,6 +73,21 @@ pub(super) struct Exchange {
     pub traits: RequestTraits,
     /// What the response cache does with its answer.
     pub cache: Option<Box<super::cache::Pending>>,
+    /// What this node observes of it ([`Opening::route`]).
+    pub seen: Seen,
+}
+
+/// What the node's metrics, tap and access log say of an exchange beyond its head.
+#[derive(Debug, Default)]
+pub(super) struct Seen {
+    /// Its route's label; `None` when another node ran its chain (and observes it).
+    pub route: Option<std::sync::Arc<str>>,
+    /// The filter that denied it.
+    pub denied_by: Option<std::sync::Arc<str>>,
+    /// A gRPC call's status, when its answer carried one.
+    pub grpc_status: Option<u32>,
+    /// Each filter's time, while someone looks ([`dpumesh_runtime::timing`]).
+    pub filters: Vec<dpumesh_runtime::timing::FilterTime>,
 }
 
 impl Exchange {
@@ -113,6 +128,8 @@ pub(super) struct Opening {
     /// The head, when it arrives decided (a request a peer's proxy policed); `None`
     /// while the chain has it.
     pub head: Option<RequestHead>,
+    /// Its route's label, when this node runs its chain (and so observes it).
+    pub route: Option<std::sync::Arc<str>>,
 }
 
 /// What an exchange knows of its request beyond the head, fixed when it opens.
@@ -328,6 +345,10 @@ impl ExchangeTable {
                 try_deadline: None,
                 traits,
                 cache: None,
+                seen: Seen {
+                    route: o.route,
+                    ..Seen::default()
+                },
             },
         );
         xid

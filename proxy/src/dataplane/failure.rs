@@ -99,6 +99,7 @@ impl<F: Fabric> Reactor<F> {
             self.meter
                 .response_metrics
                 .record_grpc(&exchange.service, code);
+            exchange.seen.grpc_status = Some(code);
             (&grpc, Vec::new())
         } else {
             (head, body)

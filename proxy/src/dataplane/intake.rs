@@ -279,10 +279,11 @@ impl<F: Fabric> Reactor<F> {
         let routed = if flags.policed {
             head.destination.clone().map(|s| {
                 let policy = snapshot.service_policy(&s);
-                (s, usize::MAX, policy)
+                // Observed where its chain ran (the node that sent it), not again here.
+                (s, usize::MAX, policy, None)
             })
         } else {
-            match origin {
+            let routed = match origin {
                 // A pod's call, or a node's (a filter's callout), names its service; it
                 // meets that service's chain.
                 Origin::Pod { .. } => snapshot.resolve_call(&head.authority, &head.path),
@@ -292,9 +293,10 @@ impl<F: Fabric> Reactor<F> {
                 // From a link otherwise: the ingress (or a peer whose claim was not
                 // believed). Only routes let a request in.
                 Origin::Link { .. } => snapshot.resolve_route(&head.authority, &head.path),
-            }
+            };
+            routed.map(|r| (r.service, r.chain, r.policy, Some(r.route)))
         };
-        let Some((service, chain, policy)) = routed else {
+        let Some((service, chain, policy, route)) = routed else {
             let e = ProxyError::new(
                 ErrorKind::NoRoute,
                 format!(
@@ -318,6 +320,7 @@ impl<F: Fabric> Reactor<F> {
             default_timeout: self.topology.timeout,
             limit,
             head: None,
+            route,
         };
         if flags.policed {
             // Decided by the proxy that sent it: no chain here.
@@ -406,6 +409,9 @@ impl<F: Fabric> Reactor<F> {
         exchange.ticket = Some(done.ticket);
         exchange.park = None;
         let outcome = done.outcome;
+        if !outcome.times.is_empty() {
+            exchange.seen.filters = outcome.times;
+        }
         match outcome.decision {
             Decision::Pause { park, callouts } => self.park(xid, park, callouts),
             Decision::Deny { filter, reply, .. } => {
@@ -417,6 +423,7 @@ impl<F: Fabric> Reactor<F> {
                 )
                 .increment(1);
                 exchange.head = Some(outcome.head);
+                exchange.seen.denied_by = Some(filter);
                 let mut headers = HeaderMap::new();
                 for (name, value) in &reply.headers {
                     if let (Ok(n), Ok(v)) = (

@@ -68,9 +68,10 @@ mod failure;
 mod intake;
 mod layers;
 mod links;
+mod observing;
 mod pods;
 mod respond;
-mod response_metrics;
+pub mod response_metrics;
 mod stream;
 mod upload;
 mod wire_head;
@@ -103,6 +104,10 @@ pub struct Topology {
     /// How pods' call paths are normalized: the mesh's `ingress.path`, so a pod's
     /// call is read as a client's request would be.
     pub path: dpumesh_config::PathConfig,
+    /// The node's taps and access log.
+    pub observer: Arc<crate::observe::Observer>,
+    /// The golden metrics' label budget, node-wide.
+    pub labels: Arc<response_metrics::LabelBudget>,
 }
 
 /// Counters, readable from any thread.
@@ -496,6 +501,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             polling,
         } = parts;
         let bell = port.bell().clone();
+        let labels = topology.labels.clone();
         let shard_requests =
             metrics::counter!("dpumesh_shard_requests_total", "shard" => port.index().to_string());
         let mut waits = WaitSet::new()?;
@@ -563,7 +569,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             meter: Meter {
                 stats,
                 shard_requests,
-                response_metrics: response_metrics::ResponseMetrics::default(),
+                response_metrics: response_metrics::ResponseMetrics::with_budget(labels),
                 in_flight_reported: 0,
             },
         })

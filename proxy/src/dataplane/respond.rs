@@ -57,10 +57,11 @@ impl<F: Fabric> Reactor<F> {
         let upstream = pod_upstream(&exchange.service, d.src_pod);
         // A streamed gRPC answer's status comes in its trailers, at its end.
         if exchange.traits.grpc && !d.kind.stream {
-            self.meter.response_metrics.record_grpc(
-                &exchange.service,
-                wire.get().map_or(2, dpumesh_head::grpc::status_of),
-            );
+            let code = wire.get().map_or(2, dpumesh_head::grpc::status_of);
+            self.meter
+                .response_metrics
+                .record_grpc(&exchange.service, code);
+            exchange.seen.grpc_status = Some(code);
         }
         // A streamed answer is not stored (the cache keeps whole bodies).
         let pending = exchange.cache.take().filter(|_| !d.kind.stream);
@@ -251,6 +252,7 @@ impl<F: Fabric> Reactor<F> {
         self.meter
             .response_metrics
             .record(&exchange.service, status, latency.as_secs_f64());
+        self.observe(exchange, status, failure, upstream.as_deref(), latency);
         let info = ResponseInfo {
             status,
             latency_ns: latency.as_nanos() as u64,
@@ -334,10 +336,11 @@ impl<F: Fabric> Reactor<F> {
         let decoded = wire::decode_response(&r.head).ok();
         let status = decoded.as_ref().map_or(502, |h| h.status);
         if exchange.traits.grpc {
-            self.meter.response_metrics.record_grpc(
-                &exchange.service,
-                decoded.as_ref().map_or(2, dpumesh_head::grpc::status_of),
-            );
+            let code = decoded.as_ref().map_or(2, dpumesh_head::grpc::status_of);
+            self.meter
+                .response_metrics
+                .record_grpc(&exchange.service, code);
+            exchange.seen.grpc_status = Some(code);
         }
         let upstream = self.links.upstream(qp);
         if status >= 500 {

@@ -85,6 +85,9 @@ pub struct ChainOutcome {
     pub ran: usize,
     /// Faults met on the way, including those a fail-open policy skipped.
     pub faults: Vec<FilterFault>,
+    /// Each filter's time for this request, in order, while [`crate::timing::wanted`]
+    /// (empty otherwise; after a pause, the filters from the one that paused).
+    pub times: Vec<crate::timing::FilterTime>,
 }
 
 pub(super) fn fault_reply(fault: &FilterFault) -> LocalReply {

@@ -217,6 +217,7 @@ impl ChainRunner {
                                 decision: Decision::Continue,
                                 ran: n,
                                 faults,
+                                times: std::mem::take(&mut self.times),
                             });
                         }
                         Some((k, retry_in_ms)) => {
@@ -273,12 +274,20 @@ impl ChainRunner {
 
     /// Each entered filter's invocation and time: from its entry to the next one's
     /// (the last one's to `end`).
-    fn record_entries(&self, entered: &[(u32, Stamp)], end: Stamp) {
+    fn record_entries(&mut self, entered: &[(u32, Stamp)], end: Stamp) {
+        let wanted = crate::timing::wanted();
         for (i, (k, at)) in entered.iter().enumerate() {
             let until = entered.get(i + 1).map_or(end, |(_, next)| *next);
             let slot = &self.slots[*k as usize];
             slot.invocations.increment(1);
-            slot.duration.record((until - *at).as_secs_f64());
+            let took = until - *at;
+            slot.duration.record(took.as_secs_f64());
+            if wanted {
+                self.times.push(crate::timing::FilterTime {
+                    filter: slot.filter.tag.name.clone(),
+                    ns: took.as_nanos() as u64,
+                });
+            }
         }
     }
 

@@ -167,6 +167,8 @@ pub struct ChainRunner {
     fused: Option<fused::Fused>,
     /// Filters the last fused call entered, with their times (kept for its capacity).
     entered: Vec<(u32, Stamp)>,
+    /// The current request's filter times, while they are wanted.
+    times: Vec<crate::timing::FilterTime>,
     /// The box a request's head travels in between the runner and its instances
     /// (see [`Self::lend`]), kept from one request to the next.
     spare: Option<Box<RequestHead>>,
@@ -244,6 +246,7 @@ impl ChainRunner {
             wake,
             fused,
             entered: Vec::new(),
+            times: Vec::new(),
             spare: None,
         }
     }
@@ -350,6 +353,7 @@ impl ChainRunner {
     /// Runs the request phase.
     pub fn on_request(&mut self, head: RequestHead) -> ChainOutcome {
         self.wake_epochs();
+        self.times.clear();
         let head = self.lend(head);
         let head = if self.fused.is_some() {
             match self.request_fused(head) {
@@ -378,6 +382,7 @@ impl ChainRunner {
     ) -> Option<ChainOutcome> {
         let parked = self.parked.remove(&park)?;
         self.wake_epochs();
+        self.times.clear();
         let Parked {
             head,
             index,
@@ -506,6 +511,7 @@ impl ChainRunner {
             decision: Decision::Continue,
             ran: self.slots.len(),
             faults,
+            times: std::mem::take(&mut self.times),
         }
     }
 
@@ -550,6 +556,7 @@ impl ChainRunner {
                     decision: Decision::Pause { park, callouts },
                     ran: index + 1,
                     faults: std::mem::take(faults),
+                    times: Vec::new(),
                 });
             }
             Step::Deny(reply) => (reply, DenyCause::Policy),
@@ -573,6 +580,7 @@ impl ChainRunner {
             },
             ran: index + 1,
             faults: std::mem::take(faults),
+            times: std::mem::take(&mut self.times),
         })
     }
 
@@ -737,7 +745,14 @@ impl ChainRunner {
         };
         let result = instance.on_request(line, head);
         let now = crate::stamp::now();
-        slot.duration.record((now - *mark).as_secs_f64());
+        let took = now - *mark;
+        slot.duration.record(took.as_secs_f64());
+        if crate::timing::wanted() {
+            self.times.push(crate::timing::FilterTime {
+                filter: slot.filter.tag.name.clone(),
+                ns: took.as_nanos() as u64,
+            });
+        }
         *mark = now;
         result
     }

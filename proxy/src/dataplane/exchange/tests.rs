@@ -50,6 +50,7 @@ fn from_link(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         default_timeout: 5000 * MS,
         limit: None,
         head: None,
+        route: None,
     }
 }
 
@@ -68,6 +69,7 @@ fn from_pod(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         default_timeout: 5000 * MS,
         limit: None,
         head: None,
+        route: None,
     }
 }
 
