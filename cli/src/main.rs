@@ -42,6 +42,7 @@ mod roles;
 mod scaffold;
 mod secrets;
 mod store;
+mod tap;
 mod up;
 
 use std::net::SocketAddr;
@@ -284,6 +285,9 @@ enum Command {
         #[command(subcommand)]
         command: store::StoreCommand,
     },
+    /// Stream the live requests of every node that match a query (service, path,
+    /// status, method, source, route), with their filters' times and verdicts.
+    Tap(tap::TapArgs),
     /// Load a filter component and validate its configuration.
     Check {
         /// The filter component (`.wasm`).
@@ -401,6 +405,7 @@ fn main() -> Result<ExitCode> {
             token,
             command,
         } => store::run(&control, &service, token.as_deref(), command),
+        Command::Tap(args) => tap::run(args),
         Command::Bench { command } => match command {
             BenchCommand::Dpa { quick, json, only } => {
                 bench::dpa::run(quick, json, only.as_deref()).map(|()| ExitCode::SUCCESS)

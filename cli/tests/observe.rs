@@ -1,0 +1,238 @@
+//! What an operator sees of the hotel mesh under `dpumesh up`: the golden metrics per
+//! edge against the load generator's own counts, `dpumesh tap` showing a 5xx as it
+//! happens, the access log's lines, and the tap's door (token, redaction).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::mesh::*;
+use common::token;
+
+/// The sum of `dpumesh_requests_total` samples over every node whose labels
+/// include all of `labels`.
+fn edge_count(admins: &[SocketAddr], labels: &[(&str, &str)]) -> f64 {
+    admins
+        .iter()
+        .map(|admin| {
+            let (_, text) = admin_get(*admin, "/metrics");
+            text.lines()
+                .filter(|l| l.starts_with("dpumesh_requests_total{"))
+                .filter(|l| {
+                    labels
+                        .iter()
+                        .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>()
+        })
+        .sum()
+}
+
+#[test]
+fn golden_metrics_match_the_load_tap_shows_a_5xx_within_a_second_and_the_access_log_has_each_request()
+ {
+    let mesh = Mesh::up_edited(
+        |m| m,
+        |p| format!("{p}\naccess_log: {{path: 'access-{{node}}.jsonl', sample: 1}}\n"),
+    );
+    let dir = mesh._dir.path().to_owned();
+    let user = token("alice", &["user"]);
+
+    // The tap first: 5xx only, from every node of the mesh file.
+    let mut tap = Command::new(env!("CARGO_BIN_EXE_dpumesh"))
+        .args(["tap", "--json", "--status", "5xx", "--mesh"])
+        .arg(dir.join("mesh.yaml"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("dpumesh tap starts");
+    let (lines_tx, lines) = mpsc::channel::<(Instant, String)>();
+    let out = tap.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = lines_tx.send((Instant::now(), line));
+        }
+    });
+    let admins = mesh.admins();
+    wait(
+        "the tap to open on every node",
+        Duration::from_secs(20),
+        &|| {
+            admins
+                .iter()
+                .all(|a| metric_sum(*a, "dpumesh_taps_open") >= 1.0)
+        },
+    );
+
+    // The load: hotels (ingress → frontend, and frontend's calls to user and
+    // reservation), denials (no token), one failing request.
+    let client = mesh.client();
+    let (mut hotels, mut denied) = (0, 0);
+    for i in 0..150 {
+        if client.status(&format!("/hotels?user={}", i % 7), Some(&user)) == 200 {
+            hotels += 1;
+        }
+        if i % 3 == 0 && client.status("/hotels?user=1", None) == 401 {
+            denied += 1;
+        }
+    }
+    assert_eq!(hotels, 150);
+    assert_eq!(denied, 50);
+    let (status, _, _) = client.get("/flaky?fail=1&access_token=leaked", Some(&user));
+    let answered = Instant::now();
+    assert_eq!(status, 500);
+
+    // The 5xx on the tap, within a second of its answer, with nothing secret in it.
+    let (at, line) = loop {
+        let (at, line) = lines
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the 5xx reaches the tap");
+        if !line.trim().is_empty() {
+            break (at, line);
+        }
+    };
+    assert!(
+        at.saturating_duration_since(answered) < Duration::from_secs(1),
+        "the tap showed it {:?} after the answer",
+        at - answered
+    );
+    let record: serde_json::Value = serde_json::from_str(&line).unwrap();
+    assert_eq!(record["status"], 500, "{record}");
+    assert_eq!(record["service"], "flaky");
+    assert_eq!(record["source"], "ingress");
+    assert_eq!(record["verdict"], "allowed");
+    assert_eq!(record["path"], "/flaky?fail=1&access_token=[redacted]");
+    assert!(
+        !line.contains(&user),
+        "the token leaked into the tap: {line}"
+    );
+    assert!(!line.contains("leaked"), "{line}");
+    let filters: Vec<&str> = record["filters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["filter"].as_str())
+        .collect();
+    assert_eq!(filters, ["trace", "jwt", "rbac", "ratelimit", "breaker"]);
+    // Only the 5xx matched.
+    assert!(lines.try_iter().all(|(_, l)| l.trim().is_empty()));
+    let _ = tap.kill();
+    let _ = tap.wait();
+    wait("the tap to close", Duration::from_secs(10), &|| {
+        admins
+            .iter()
+            .all(|a| metric_sum(*a, "dpumesh_taps_open") == 0.0)
+    });
+
+    // Each edge counted as the load generator counted it (within 2 %: here exactly).
+    let within = |got: f64, want: f64| (got - want).abs() <= want * 0.02;
+    let into_frontend_ok = edge_count(
+        &admins,
+        &[
+            ("source", "ingress"),
+            ("destination", "frontend"),
+            ("class", "2xx"),
+        ],
+    );
+    let into_frontend_denied = edge_count(
+        &admins,
+        &[
+            ("source", "ingress"),
+            ("destination", "frontend"),
+            ("class", "4xx"),
+        ],
+    );
+    let to_user = edge_count(&admins, &[("source", "frontend"), ("destination", "user")]);
+    let to_reservation = edge_count(
+        &admins,
+        &[("source", "frontend"), ("destination", "reservation")],
+    );
+    let flaky = edge_count(
+        &admins,
+        &[
+            ("source", "ingress"),
+            ("destination", "flaky"),
+            ("class", "5xx"),
+        ],
+    );
+    assert!(within(into_frontend_ok, 150.0), "{into_frontend_ok}");
+    assert!(within(into_frontend_denied, 50.0), "{into_frontend_denied}");
+    assert!(within(to_user, 150.0), "frontend → user: {to_user}");
+    assert!(
+        within(to_reservation, 150.0),
+        "frontend → reservation: {to_reservation}"
+    );
+    assert_eq!(flaky, 1.0);
+    // Mesh calls name their route `call`; the ingress's, their route.
+    assert!(edge_count(&admins, &[("destination", "user"), ("route", "call")]) >= 150.0);
+    assert!(edge_count(&admins, &[("destination", "frontend"), ("route", "*/")]) >= 200.0);
+
+    // The access log: a line per request where its chain ran (node1), none secret.
+    let log = dir.join("access-node1.jsonl");
+    let mut text = String::new();
+    wait("the access log", Duration::from_secs(10), &|| {
+        let t = std::fs::read_to_string(&log).unwrap_or_default();
+        t.lines().count() >= 150 + 50 + 1 + 300
+    });
+    text.push_str(&std::fs::read_to_string(&log).unwrap());
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    let count = |f: &dyn Fn(&serde_json::Value) -> bool| lines.iter().filter(|l| f(l)).count();
+    assert_eq!(
+        count(&|l| l["service"] == "frontend" && l["response_code"] == 200),
+        150
+    );
+    assert_eq!(
+        count(&|l| l["response_code"] == 401 && l["denied_by"] == "jwt"),
+        50
+    );
+    assert_eq!(count(&|l| l["service"] == "user"), 150);
+    assert!(!text.contains(&user), "a token in the access log");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l["start_time"].as_str().is_some_and(|t| t.ends_with('Z')))
+    );
+}
+
+#[test]
+fn a_tap_needs_the_admin_token_and_refuses_bad_queries() {
+    let mesh = Mesh::up();
+    let admin = mesh.admins()[0];
+    let (status, body) = admin_get(admin, "/tap");
+    assert_eq!(status, 401, "{body}");
+    let token = mesh.admin_token();
+    let call = |path: &str| try_admin_call_with_token(admin, path, &token);
+    let (status, body) = call("/tap?status=6xx");
+    assert_eq!(status, 400);
+    assert!(body.contains("status"), "{body}");
+    let (status, body) = call("/tap?colour=red");
+    assert_eq!(status, 400);
+    assert!(body.contains("colour"), "{body}");
+}
+
+/// GET `path` with the admin token, the whole answer (not a stream).
+fn try_admin_call_with_token(admin: SocketAddr, path: &str, token: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(admin).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: {admin}\r\nauthorization: Bearer {token}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, text)
+}
