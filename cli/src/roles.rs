@@ -190,6 +190,10 @@ pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr
             .iter()
             .filter_map(|(n, e)| e.admin.map(|a| (n.clone(), format!("http://{a}"))))
             .collect(),
+        // The dashboard's tap page taps the nodes with the mesh's admin token.
+        admin_token: dpumesh_proxy::trust::registration_key(&mesh)?
+            .as_ref()
+            .map(dpumesh_identity::admin::admin_token),
         known: mesh
             .config
             .nodes

@@ -64,7 +64,7 @@ pub fn run(args: TapArgs) -> Result<ExitCode> {
             let result = stream(admin, &query, token.as_deref(), &mut |line| {
                 tx.send((admin, Ok(line))).is_ok()
             });
-            let _ = tx.send((admin, result.map(|()| String::new()).map_err(Into::into)));
+            let _ = tx.send((admin, result.map(|()| String::new())));
         });
     }
     drop(tx);

@@ -236,3 +236,85 @@ fn try_admin_call_with_token(admin: SocketAddr, path: &str, token: &str) -> (u16
         .unwrap_or(0);
     (status, text)
 }
+
+/// The dashboard under load, in headless Chromium: the service graph with the
+/// ingress → frontend edge, a chart per service with points, and a tap stream of 5xx.
+#[test]
+fn the_dashboard_draws_the_graph_the_charts_and_a_tap_stream_under_load() {
+    let mesh = Mesh::up();
+    let pm = mesh.pingmesh.expect("the hotel mesh runs the dashboard");
+    let user = token("bob", &["user"]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let load = load(&mesh, "/hotels?user=3", &user, 2, &stop, &served);
+    // 5xx beside it: the flaky service failing (then its breaker answering 503).
+    let failing = {
+        let (client, stop, user) = (mesh.client(), stop.clone(), user.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = client.try_raw(
+                    format!("GET /flaky?fail=1 HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {user}\r\nconnection: close\r\n\r\n").as_bytes(),
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+    // The tap the page will show, opened through the dashboard's API first so its
+    // records are there when the page loads.
+    let dashboard = |path: &str| {
+        let (status, body) = common::http_get(pm, path);
+        assert_eq!(status, 200, "{path}: {body}");
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()
+    };
+    wait(
+        "5xx on the dashboard's tap",
+        Duration::from_secs(20),
+        &|| {
+            dashboard("/v1/tap?status=5xx")["records"]
+                .as_array()
+                .is_some_and(|r| !r.is_empty())
+        },
+    );
+    wait(
+        "a few samples for the charts",
+        Duration::from_secs(30),
+        &|| {
+            dashboard("/v1/history")["services"]["frontend"]
+                .as_array()
+                .is_some_and(|p| p.len() >= 3)
+        },
+    );
+    let url = format!("http://{pm}/?tap=1&status=5xx");
+    let dom = common::browser_dom(&url, 3_000);
+    let shot = common::browser_screenshot(&url, 3_000);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for l in load {
+        let _ = l.join();
+    }
+    let _ = failing.join();
+    let Some(dom) = dom else {
+        return;
+    };
+    assert!(dom.contains("data-errors=\"0\""), "no script errors: {dom}");
+    let rps: f64 = dom
+        .split("class=\"edge\" data-src=\"ingress\" data-dst=\"frontend\" data-rps=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("the graph has ingress → frontend: {dom}"));
+    assert!(rps > 0.0, "{dom}");
+    assert!(dom.contains("data-node=\"reservation\""), "{dom}");
+    assert!(
+        dom.contains("class=\"chart-row\" data-service=\"frontend\""),
+        "a chart row for frontend: {dom}"
+    );
+    assert!(
+        dom.contains("data-status=\"50"),
+        "a 5xx in the tap table: {dom}"
+    );
+    if let Some(png) = shot {
+        assert!(png.len() > 10_000, "a screenshot of the page");
+        let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+        std::fs::write(&out, png).unwrap();
+        eprintln!("dashboard screenshot: {}", out.display());
+    }
+}

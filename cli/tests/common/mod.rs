@@ -178,6 +178,29 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 /// time); `None` where Chromium is not installed (a failure in CI, see
 /// [`dpumesh_test_support::cannot_run`]).
 pub fn browser_dom(url: &str, budget_ms: u32) -> Option<String> {
+    let out = chromium(url, budget_ms, &["--dump-dom"])?;
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// A PNG of `url` after its scripts ran (headless Chromium, a tall window); `None`
+/// where Chromium is not installed.
+pub fn browser_screenshot(url: &str, budget_ms: u32) -> Option<Vec<u8>> {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("page.png");
+    chromium(
+        url,
+        budget_ms,
+        &[
+            &format!("--screenshot={}", file.display()),
+            "--window-size=1400,2600",
+            "--hide-scrollbars",
+        ],
+    )?;
+    Some(std::fs::read(&file).expect("chromium wrote the screenshot"))
+}
+
+/// Runs headless Chromium on `url` with `extra` flags; its standard output.
+fn chromium(url: &str, budget_ms: u32, extra: &[&str]) -> Option<Vec<u8>> {
     let chromium = ["/usr/bin/chromium", "/usr/bin/chromium-browser"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists());
@@ -201,9 +224,9 @@ pub fn browser_dom(url: &str, budget_ms: u32) -> Option<String> {
             "--disable-sync",
             &format!("--user-data-dir={}", profile.path().display()),
             &format!("--virtual-time-budget={budget_ms}"),
-            "--dump-dom",
-            url,
         ])
+        .args(extra)
+        .arg(url)
         .output()
         .expect("chromium runs");
     assert!(
@@ -211,5 +234,5 @@ pub fn browser_dom(url: &str, budget_ms: u32) -> Option<String> {
         "chromium: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+    Some(out.stdout)
 }

@@ -89,6 +89,7 @@ fn server(inter_tor_targets: usize, ecmp_paths: u32) -> Server {
             ..AnalyzerPolicy::default()
         },
         nodes: Vec::new(),
+        admin_token: None,
         tls: None,
         known: Default::default(),
         clock: Arc::new(SystemClock::new()),

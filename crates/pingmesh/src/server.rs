@@ -35,6 +35,9 @@ pub struct ServerConfig {
     /// The mesh's nodes and their admin APIs (`http://HOST:PORT`), for the
     /// dashboard's mesh overview.
     pub nodes: Vec<(String, String)>,
+    /// The nodes' admin token, which the dashboard's tap page needs (None: taps
+    /// work only on nodes without one).
+    pub admin_token: Option<String>,
     /// Mutual TLS on the gRPC port with the Pingmesh identity (None: plain).
     pub tls: Option<Arc<dpumesh_identity::MeshTls>>,
     /// With TLS, the RNIC each node may register (the mesh file's); empty: any.
@@ -133,6 +136,10 @@ impl Server {
         let overview = Arc::new(crate::dashboard::overview::Overview::new(
             config.nodes.clone(),
         ));
+        let relay = Arc::new(crate::dashboard::tap::TapRelay::new(
+            config.nodes.clone(),
+            config.admin_token.clone(),
+        ));
         let thread = std::thread::Builder::new()
             .name("pingmesh-server".into())
             .spawn(move || {
@@ -165,7 +172,7 @@ impl Server {
                         r = grpc => if let Err(e) = r {
                             tracing::error!(error = %e, "pingmesh gRPC server failed");
                         },
-                        () = crate::dashboard::serve(http, for_http, overview) => {}
+                        () = crate::dashboard::serve(http, for_http, overview, relay) => {}
                     }
                 });
             })

@@ -33,6 +33,7 @@ fn server(dir: &std::path::Path) -> Server {
             ..AnalyzerPolicy::default()
         },
         nodes: Vec::new(),
+        admin_token: None,
         tls: None,
         known: Default::default(),
         clock: Arc::new(SystemClock::new()),

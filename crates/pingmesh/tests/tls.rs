@@ -64,6 +64,7 @@ fn server(dir: &Path, identity: SpiffeId) -> Server {
         ttl: Duration::from_secs(3),
         analyzer: AnalyzerPolicy::default(),
         nodes: Vec::new(),
+        admin_token: None,
         tls: Some(tls(dir, identity)),
         known: known(),
         clock: Arc::new(SystemClock::new()),

@@ -102,13 +102,107 @@ async function getJson(path) {
   return r.json();
 }
 
+function drawGraph(mesh) {
+  const wrap = document.getElementById("graph");
+  if (!mesh.graph || mesh.graph.edges.length === 0) {
+    wrap.replaceChildren(el("p", { class: "none" }, "no requests yet"));
+    return;
+  }
+  wrap.replaceChildren(serviceGraph(mesh.graph));
+}
+
+function drawCharts(history) {
+  const wrap = document.getElementById("charts");
+  const rows = Object.entries(history.services).map(([service, points]) => {
+    const series = (f) => points.map((p) => ({ t: p.t_ms, v: f(p) }));
+    return el("div", { class: "chart-row", "data-service": service }, el("h3", {}, service),
+      lineChart(series((p) => p.rps), { title: "req/s" }),
+      lineChart(series((p) => p.success_rate * 100), { title: "success %", min: 0, max: 100, fmt: (v) => v.toFixed(1) }),
+      lineChart(series((p) => p.p99_ms), { title: "p99 ms", fmt: (v) => v.toFixed(2) }));
+  });
+  wrap.replaceChildren(...(rows.length ? rows : [el("p", { class: "none" }, "no samples yet")]));
+  const select = document.getElementById("pair");
+  const pairs = Object.keys(history.pairs);
+  const chosen = select.value || pairs[0] || "";
+  select.replaceChildren(...pairs.map((p) => el("option", { value: p, selected: p === chosen }, p)));
+  const points = history.pairs[chosen] || [];
+  document.getElementById("pair-charts").replaceChildren(
+    lineChart(points.map((p) => ({ t: p.t_ms, v: p.rtt_p50_us })), { title: `${chosen} RTT p50 µs` }),
+    lineChart(points.map((p) => ({ t: p.t_ms, v: p.drop_rate * 100 })), { title: "drops %", fmt: (v) => v.toFixed(2) }));
+}
+
+// The tap: the form's query polled every half second while it runs.
+const tap = { query: null, since: 0, timer: null };
+
+function tapQuery() {
+  const form = new FormData(document.getElementById("tap-form"));
+  const q = new URLSearchParams();
+  for (const [k, v] of form) if (v) q.set(k, v);
+  return q.toString();
+}
+
+function startTap(query) {
+  tap.query = query;
+  tap.since = 0;
+  document.querySelector("#tap tbody").replaceChildren();
+  clearInterval(tap.timer);
+  tap.timer = setInterval(pollTap, 500);
+  pollTap();
+}
+
+async function pollTap() {
+  if (tap.query === null) return;
+  const page = await getJson(`/v1/tap?${tap.query}&since=${tap.since}`);
+  tap.since = page.next;
+  document.getElementById("tap-state").textContent =
+    `tapping ${page.query}${page.errors.length ? " · " + page.errors.join("; ") : ""}`;
+  const body = document.querySelector("#tap tbody");
+  for (const r of page.records) {
+    const filters = (r.filters || []).map((f) => `${f.filter} ${f.us.toFixed(0)}`).join(", ");
+    body.prepend(el("tr", { class: `tap-row s${Math.floor(r.status / 100)}xx`, "data-status": r.status },
+      el("td", {}, new Date(r.start_ms).toLocaleTimeString()),
+      el("td", {}, r.node),
+      el("td", {}, `${r.source} → ${r.service}`),
+      el("td", {}, `${r.method} ${r.path}`),
+      el("td", {}, r.status),
+      el("td", {}, (r.duration_us / 1000).toFixed(2)),
+      el("td", {}, r.denied_by ? `denied by ${r.denied_by}` : r.verdict),
+      el("td", {}, filters)));
+  }
+  while (body.children.length > 200) body.lastChild.remove();
+}
+
+document.getElementById("tap-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  startTap(tapQuery());
+});
+document.getElementById("tap-stop").addEventListener("click", () => {
+  clearInterval(tap.timer);
+  tap.query = null;
+  document.getElementById("tap-state").textContent = "off";
+});
+// `?tap=1&status=5xx` opens the page tapping (links from alerts, the headless test).
+{
+  const params = new URLSearchParams(location.search);
+  if (params.get("tap")) {
+    params.delete("tap");
+    for (const [k, v] of params) {
+      const input = document.querySelector(`#tap-form [name="${k}"]`);
+      if (input) input.value = v;
+    }
+    startTap(tapQuery());
+  }
+}
+
 async function refresh() {
   const status = document.getElementById("status");
   try {
-    const [report, mesh] = await Promise.all([getJson("/v1/report"), getJson("/v1/mesh")]);
+    const [report, mesh, history] = await Promise.all([getJson("/v1/report"), getJson("/v1/mesh"), getJson("/v1/history")]);
     drawProblems(report);
     drawHeatmap(report);
     drawMesh(mesh);
+    drawGraph(mesh);
+    drawCharts(history);
     document.body.dataset.updates = String(Number(document.body.dataset.updates) + 1);
     status.textContent = `updated ${new Date(report.at_ms).toLocaleTimeString()} · ${report.probes} probes in the window`;
   } catch (e) {

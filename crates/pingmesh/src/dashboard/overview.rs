@@ -1,6 +1,8 @@
 //! The mesh overview: each node's admin API (`/filters`, `/metrics`) read and
 //! summed up — pods, chains and filter generations, request and denial rates,
-//! per-filter latency. Rates are the difference from the previous look.
+//! per-filter latency — and the golden metrics of every node summed into the service
+//! graph ([`super::golden`]). Rates are the difference from the previous look; the
+//! dashboard's sampler looks every two seconds and keeps the charts' window.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -10,6 +12,7 @@ use hyper::body::Bytes;
 use parking_lot::Mutex;
 use serde::Serialize;
 
+use super::golden::{self, Graph, History, Totals};
 use super::prometheus::{self, Sample};
 
 /// One node as the dashboard shows it.
@@ -38,7 +41,12 @@ pub struct NodeView {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct MeshView {
     pub nodes: Vec<NodeView>,
+    /// Who calls whom, how often and how well.
+    pub graph: Graph,
 }
+
+/// How long the charts look back.
+pub const HISTORY: Duration = Duration::from_secs(15 * 60);
 
 #[derive(Debug, Clone)]
 struct Previous {
@@ -52,6 +60,10 @@ struct Previous {
 pub struct Overview {
     nodes: Vec<(String, String)>,
     previous: Mutex<HashMap<String, Previous>>,
+    /// The golden totals of the previous look, and when.
+    golden: Mutex<Option<(Instant, Totals)>>,
+    history: Mutex<History>,
+    latest: Mutex<Option<MeshView>>,
 }
 
 impl Overview {
@@ -60,12 +72,16 @@ impl Overview {
         Self {
             nodes,
             previous: Mutex::new(HashMap::new()),
+            golden: Mutex::new(None),
+            history: Mutex::new(History::new(HISTORY)),
+            latest: Mutex::new(None),
         }
     }
 
     /// Looks at every node (at once, each with a one-second limit).
     pub async fn collect(&self) -> MeshView {
         let mut nodes = Vec::new();
+        let mut totals = Totals::new();
         // A few nodes, a second's limit each: one after the other keeps it simple.
         for (name, admin) in &self.nodes {
             let filters = get(admin, "/filters").await;
@@ -83,13 +99,66 @@ impl Overview {
                         view.generation = v["generation"].as_u64();
                         view.chains = v["chains"].clone();
                     }
-                    self.read_metrics(&mut view, &prometheus::parse(&m));
+                    let samples = prometheus::parse(&m);
+                    golden::add(&mut totals, &samples);
+                    self.read_metrics(&mut view, &samples);
                 }
                 (Err(e), _) | (_, Err(e)) => view.error = Some(e),
             }
             nodes.push(view);
         }
-        MeshView { nodes }
+        let now = Instant::now();
+        let mut previous = self.golden.lock();
+        let graph = match previous.as_ref() {
+            Some((at, before)) => {
+                let secs = now.duration_since(*at).as_secs_f64();
+                let t_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                self.history
+                    .lock()
+                    .add_services(t_ms, &totals, before, secs);
+                golden::graph(&totals, Some((before, secs)))
+            }
+            None => golden::graph(&totals, None),
+        };
+        *previous = Some((now, totals));
+        let view = MeshView { nodes, graph };
+        *self.latest.lock() = Some(view.clone());
+        view
+    }
+
+    /// The last look (taking one if there was none yet).
+    pub async fn latest(&self) -> MeshView {
+        let last = self.latest.lock().clone();
+        match last {
+            Some(view) => view,
+            None => self.collect().await,
+        }
+    }
+
+    /// The charts' window.
+    pub fn history(&self) -> History {
+        self.history.lock().clone()
+    }
+
+    /// Adds the network heatmap's pairs to the window.
+    pub fn add_heatmap(&self, t_ms: u64, heatmap: &crate::analyzer::Heatmap) {
+        let mut history = self.history.lock();
+        for (i, prober) in heatmap.nodes.iter().enumerate() {
+            for (j, target) in heatmap.nodes.iter().enumerate() {
+                if let Some(Some(cell)) = heatmap.cells.get(i).and_then(|r| r.get(j)) {
+                    history.add_pair(
+                        format!("{prober}→{target}"),
+                        golden::PairPoint {
+                            t_ms,
+                            rtt_p50_us: cell.rtt_p50_us,
+                            drop_rate: cell.drop_rate,
+                        },
+                    );
+                }
+            }
+        }
     }
 
     fn read_metrics(&self, view: &mut NodeView, samples: &[Sample]) {
