@@ -318,3 +318,181 @@ fn the_dashboard_draws_the_graph_the_charts_and_a_tap_stream_under_load() {
         eprintln!("dashboard screenshot: {}", out.display());
     }
 }
+
+/// Spans received, with their resource's `service.name`.
+type Received =
+    std::sync::Arc<std::sync::Mutex<Vec<(String, opentelemetry_proto::tonic::trace::v1::Span)>>>;
+
+/// A minimal OTLP/HTTP receiver: decodes each `POST /v1/traces` body as an
+/// `ExportTraceServiceRequest` and keeps its spans.
+fn otlp_receiver() -> (SocketAddr, Received) {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message;
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let spans = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let kept = spans.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { continue };
+            let kept = kept.clone();
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut length = 0;
+                let mut request_line = String::new();
+                reader.read_line(&mut request_line).unwrap();
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap() == 0 || line == "\r\n" {
+                        break;
+                    }
+                    if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                }
+                let mut body = vec![0; length];
+                reader.read_exact(&mut body).unwrap();
+                let mut conn = conn;
+                let decoded = ExportTraceServiceRequest::decode(&body[..]);
+                let status = if request_line.starts_with("POST /v1/traces ") && decoded.is_ok() {
+                    "200 OK"
+                } else {
+                    "400 Bad Request"
+                };
+                let _ = conn.write_all(
+                    format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n").as_bytes(),
+                );
+                if let Ok(request) = decoded {
+                    for rs in request.resource_spans {
+                        let service = rs
+                            .resource
+                            .iter()
+                            .flat_map(|r| &r.attributes)
+                            .find(|a| a.key == "service.name")
+                            .and_then(|a| match a.value.as_ref()?.value.as_ref()? {
+                                opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(s) => Some(s.clone()),
+                                _ => None,
+                            })
+                            .unwrap_or_default();
+                        for ss in rs.scope_spans {
+                            for span in ss.spans {
+                                kept.lock().unwrap().push((service.clone(), span));
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, spans)
+}
+
+#[test]
+fn a_hotel_request_leaves_one_span_tree_from_the_ingress_through_proxies_and_services() {
+    let (collector, spans) = otlp_receiver();
+    let dir = tempfile::tempdir().unwrap();
+    let (file, ingress) = mesh_files(dir.path(), |m| m);
+    let endpoint = format!("http://{collector}");
+    let mesh = Mesh::start_env(
+        dir,
+        &file,
+        ingress,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint),
+            // New traces unsampled: only the client's sampled trace is exported.
+            ("OTEL_TRACES_SAMPLER_ARG", "0"),
+        ],
+    );
+    let user = token("carol", &["user"]);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let request = format!(
+        "GET /hotels?user=4 HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {user}\r\ntraceparent: 00-{trace}-{client_span}-01\r\nconnection: close\r\n\r\n"
+    );
+    let (status, _, _) = mesh.raw(request.as_bytes());
+    assert_eq!(status, 200);
+    // Unsampled traffic beside it leaves no span.
+    for _ in 0..20 {
+        assert_eq!(mesh.client().status("/hotels?user=5", Some(&user)), 200);
+    }
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let want = [
+        "dpumesh.ingress GET",
+        "dpumesh.proxy frontend */",
+        "GET /hotels",
+        "dpumesh.proxy user call",
+        "dpumesh.proxy reservation call",
+        "GET /user",
+        "GET /reservations",
+    ];
+    wait(
+        "the request's spans at the collector",
+        Duration::from_secs(20),
+        &|| {
+            let got = spans.lock().unwrap();
+            want.iter().all(|w| got.iter().any(|(_, s)| s.name == *w))
+        },
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let got = spans.lock().unwrap().clone();
+    assert!(
+        got.iter().all(|(_, s)| hex(&s.trace_id) == trace),
+        "only the sampled trace is exported: {:?}",
+        got.iter()
+            .map(|(_, s)| (&s.name, hex(&s.trace_id)))
+            .collect::<Vec<_>>()
+    );
+    let find = |name: &str| {
+        got.iter()
+            .find(|(_, s)| s.name == name)
+            .map(|(svc, s)| (svc.clone(), s.clone()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no span {name}: {:?}",
+                    got.iter().map(|(_, s)| &s.name).collect::<Vec<_>>()
+                )
+            })
+    };
+    let (ingress_svc, ingress) = find("dpumesh.ingress GET");
+    let (node_svc, proxy) = find("dpumesh.proxy frontend */");
+    let (frontend_svc, frontend) = find("GET /hotels");
+    assert_eq!(ingress_svc, "dpumesh-ingress");
+    assert_eq!(node_svc, "dpumesh-node");
+    assert_eq!(frontend_svc, "frontend");
+    assert_eq!(hex(&ingress.parent_span_id), client_span);
+    assert_eq!(proxy.parent_span_id, ingress.span_id);
+    assert_eq!(frontend.parent_span_id, proxy.span_id);
+    // The chain's filters are events of the proxy's span.
+    let events: Vec<&str> = proxy.events.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(
+        events,
+        [
+            "filter trace",
+            "filter jwt",
+            "filter rbac",
+            "filter ratelimit",
+            "filter breaker"
+        ]
+    );
+    // Each call: the frontend's client span → the node's span for it → the service.
+    for (call, server) in [("user", "GET /user"), ("reservation", "GET /reservations")] {
+        let (_, hop) = find(&format!("dpumesh.proxy {call} call"));
+        let egress = got
+            .iter()
+            .map(|(_, s)| s)
+            .find(|s| s.span_id == hop.parent_span_id)
+            .unwrap_or_else(|| panic!("the {call} hop's parent is a span of the trace"));
+        assert!(egress.name.starts_with("egress"), "{}", egress.name);
+        assert_eq!(egress.parent_span_id, frontend.span_id);
+        let (svc, served) = find(server);
+        assert_eq!(svc, call);
+        assert_eq!(served.parent_span_id, hop.span_id);
+    }
+    // The frontend's internal step (the merge) is a child of its span too.
+    assert!(
+        got.iter()
+            .any(|(_, s)| s.name.starts_with("internal") && s.parent_span_id == frontend.span_id),
+        "an internal step span"
+    );
+}

@@ -147,6 +147,8 @@ struct Context {
     incoming: IncomingId,
     run: Run,
     pending: HashMap<u32, (usize, usize)>,
+    /// Its spans, when the loop exports them.
+    trace: Option<Box<crate::spans::RequestTrace>>,
 }
 
 /// The requests a loop has in flight: a slot each (its Execution Graph's context),
@@ -183,6 +185,8 @@ pub struct EventLoop<T: Transport> {
     actions: Vec<Action>,
     queue: VecDeque<Action>,
     stats: LoopStats,
+    /// The span exporter, when OpenTelemetry's environment names a collector.
+    spans: Option<dpumesh_traces::Exporter>,
 }
 
 impl<T: Transport> std::fmt::Debug for EventLoop<T> {
@@ -244,6 +248,7 @@ impl<T: Transport> EventLoop<T> {
             actions: Vec::new(),
             queue: VecDeque::new(),
             stats: LoopStats::default(),
+            spans: crate::spans::exporter(),
         })
     }
 
@@ -374,6 +379,10 @@ impl<T: Transport> EventLoop<T> {
             let _ = self.transport.send_response(id, answer);
             return;
         }
+        let trace = self
+            .spans
+            .as_ref()
+            .map(|e| Box::new(crate::spans::RequestTrace::begin(e, &request)));
         let mut ctx = ExecutionContext::new(request);
         let handler = self.handler.clone();
         let run = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(&mut ctx)))
@@ -401,6 +410,7 @@ impl<T: Transport> EventLoop<T> {
             incoming: id,
             run,
             pending: HashMap::new(),
+            trace,
         });
         self.requests.live += 1;
         let mut actions = std::mem::take(&mut self.actions);
@@ -455,6 +465,9 @@ impl<T: Transport> EventLoop<T> {
         };
         let mut actions = std::mem::take(&mut self.actions);
         if let Some(ctx) = self.requests.slots[slot as usize].as_mut() {
+            if let (Some(trace), Some(spans)) = (ctx.trace.as_mut(), self.spans.as_ref()) {
+                trace.on_answer(spans, node, part, ctx.run.step_id(node), &outcome);
+            }
             ctx.run.on_egress(node, part, outcome, &mut actions);
         }
         self.apply(slot, actions);
@@ -494,6 +507,9 @@ impl<T: Transport> EventLoop<T> {
             return;
         };
         let mut actions = std::mem::take(&mut self.actions);
+        if let (Some(trace), Some(spans)) = (ctx.trace.as_mut(), self.spans.as_ref()) {
+            trace.on_step_done(spans, key.node, ctx.run.step_id(key.node));
+        }
         ctx.run.on_internal(key.node, outcome, &mut actions);
         self.apply(key.slot, actions);
     }
@@ -554,8 +570,11 @@ impl<T: Transport> EventLoop<T> {
                 Action::Send {
                     node,
                     part,
-                    request,
+                    mut request,
                 } => {
+                    if let Some(trace) = ctx.trace.as_mut() {
+                        trace.on_send(node, part, &mut request);
+                    }
                     let step_id = self.next_step;
                     self.next_step = self.next_step.wrapping_add(1);
                     ctx.pending.insert(step_id, (node, part));
@@ -569,8 +588,13 @@ impl<T: Transport> EventLoop<T> {
                             .as_mut()
                             .expect("checked above");
                         ctx.pending.remove(&step_id);
-                        ctx.run
-                            .on_egress(node, part, Err(e.to_string()), &mut actions);
+                        let failed = Err(e.to_string());
+                        if let (Some(trace), Some(spans)) =
+                            (ctx.trace.as_mut(), self.spans.as_ref())
+                        {
+                            trace.on_answer(spans, node, part, ctx.run.step_id(node), &failed);
+                        }
+                        ctx.run.on_egress(node, part, failed, &mut actions);
                         queue.extend(actions.drain(..));
                     }
                 }
@@ -582,13 +606,22 @@ impl<T: Transport> EventLoop<T> {
                 } => {
                     // Quick work (answering): here, now, no hand-off.
                     self.stats.internal += 1;
+                    if let Some(trace) = ctx.trace.as_mut() {
+                        trace.on_step(node);
+                    }
                     let outcome = crate::pool::run_step(func, &inputs);
+                    if let (Some(trace), Some(spans)) = (ctx.trace.as_mut(), self.spans.as_ref()) {
+                        trace.on_step_done(spans, node, ctx.run.step_id(node));
+                    }
                     ctx.run.on_internal(node, outcome, &mut actions);
                     queue.extend(actions.drain(..));
                 }
                 Action::Internal {
                     node, func, inputs, ..
                 } => {
+                    if let Some(trace) = ctx.trace.as_mut() {
+                        trace.on_step(node);
+                    }
                     self.stats.internal += 1;
                     self.internal_running += 1;
                     let key = JobKey {
@@ -600,6 +633,9 @@ impl<T: Transport> EventLoop<T> {
                 }
                 Action::Spawn { node, future } => {
                     self.stats.internal += 1;
+                    if let Some(trace) = ctx.trace.as_mut() {
+                        trace.on_step(node);
+                    }
                     let key = JobKey {
                         slot,
                         generation: ctx.generation as u32,
@@ -607,6 +643,11 @@ impl<T: Transport> EventLoop<T> {
                     };
                     if let Some(done) = self.tasks.spawn(key, future) {
                         // Finished in its first poll: no wake-up, no hand-off.
+                        if let (Some(trace), Some(spans)) =
+                            (ctx.trace.as_mut(), self.spans.as_ref())
+                        {
+                            trace.on_step_done(spans, node, ctx.run.step_id(node));
+                        }
                         ctx.run.on_internal(node, done.outcome, &mut actions);
                         queue.extend(actions.drain(..));
                     }
@@ -622,10 +663,15 @@ impl<T: Transport> EventLoop<T> {
         }
         self.actions = actions;
         self.queue = queue;
-        let finished = self.requests.slots[slot as usize]
-            .as_mut()
-            .and_then(|c| c.run.take_response().map(|r| (c.incoming, r)));
-        if let Some((incoming, response)) = finished {
+        let finished = self.requests.slots[slot as usize].as_mut().and_then(|c| {
+            c.run
+                .take_response()
+                .map(|r| (c.incoming, r, c.trace.take()))
+        });
+        if let Some((incoming, response, trace)) = finished {
+            if let (Some(trace), Some(spans)) = (trace, self.spans.as_ref()) {
+                trace.end(spans, response.status);
+            }
             // What still runs for it (an asynchronous step that timed out) is dropped.
             self.tasks
                 .cancel(slot, self.requests.generations[slot as usize] as u32);

@@ -39,6 +39,7 @@ mod pool;
 pub mod reactor;
 pub mod result;
 mod run;
+mod spans;
 pub mod store;
 mod tasks;
 pub mod tower;

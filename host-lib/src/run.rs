@@ -307,6 +307,15 @@ impl Run {
         }
     }
 
+    /// The id of the step at `node` (egress and internal steps), for its span.
+    pub(crate) fn step_id(&self, node: usize) -> Option<&str> {
+        match &self.nodes.get(node)?.kind {
+            Kind::Egress(e) => Some(&e.id),
+            Kind::Internal(i) => Some(&i.id),
+            _ => None,
+        }
+    }
+
     /// A response (or a transport failure) for request `part` of egress node `node`.
     pub(crate) fn on_egress(
         &mut self,

@@ -22,6 +22,7 @@ pub mod fair;
 pub mod framing;
 mod header_timer;
 pub mod tls;
+mod traced;
 mod tunnel;
 mod upload;
 
@@ -111,6 +112,8 @@ struct Routing {
     draining: std::sync::atomic::AtomicBool,
     /// TLS for clients, when configured.
     tls: Option<Arc<tls::Terminator>>,
+    /// The span exporter, when OpenTelemetry's environment names a collector.
+    traces: Option<Arc<dpumesh_traces::Exporter>>,
 }
 
 /// A shard's view: the shared routing and its own fabric side.
@@ -215,6 +218,7 @@ impl Ingress {
             next_node: AtomicUsize::new(0),
             ejected,
             draining: std::sync::atomic::AtomicBool::new(false),
+            traces: dpumesh_traces::Exporter::from_env("dpumesh-ingress").map(Arc::new),
         });
         let mut stops = Vec::new();
         let mut handles = Vec::new();
@@ -632,11 +636,16 @@ fn framing_error(req: &Request<Incoming>) -> Option<ProxyError> {
 
 async fn handle<F: Fabric>(
     state: &State<F>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
     peer: SocketAddr,
     session: Option<&tls::Session>,
     refused: Option<framing::Refusal>,
 ) -> Response<ClientBody> {
+    let traced = state
+        .routing
+        .traces
+        .as_deref()
+        .map(|traces| traced::Traced::begin(traces, &mut req, peer));
     let grpc = dpumesh_head::grpc::is_grpc(req.headers());
     // A client may send its tunnel's bytes right after its CONNECT: when no tunnel
     // opens, the rest of an HTTP/1 connection cannot be read as requests.
@@ -654,6 +663,9 @@ async fn handle<F: Fabric>(
             http::header::CONNECTION,
             http::HeaderValue::from_static("close"),
         );
+    }
+    if let (Some(traced), Some(traces)) = (traced, state.routing.traces.as_deref()) {
+        traced.end(traces, response.status().as_u16());
     }
     response
 }

@@ -357,7 +357,10 @@ impl Node {
             Some(address) => start_on_comch(config, address)?,
         });
         let listen = options.fabric_listen.unwrap_or(entry.fabric);
-        let observer = Arc::new(crate::observe::Observer::new(name));
+        let observer = Arc::new(
+            crate::observe::Observer::new(name)
+                .with_traces(dpumesh_traces::Exporter::from_env("dpumesh-node")),
+        );
         observer
             .access_log
             .configure(&policy.snapshot().config, name)

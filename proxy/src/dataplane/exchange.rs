@@ -88,6 +88,8 @@ pub(super) struct Seen {
     pub grpc_status: Option<u32>,
     /// Each filter's time, while someone looks ([`dpumesh_runtime::timing`]).
     pub filters: Vec<dpumesh_runtime::timing::FilterTime>,
+    /// The trace context the request came with (read only while spans are exported).
+    pub trace_parent: Option<dpumesh_traces::TraceContext>,
 }
 
 impl Exchange {
@@ -130,6 +132,8 @@ pub(super) struct Opening {
     pub head: Option<RequestHead>,
     /// Its route's label, when this node runs its chain (and so observes it).
     pub route: Option<std::sync::Arc<str>>,
+    /// The trace context it came with, while spans are exported.
+    pub trace_parent: Option<dpumesh_traces::TraceContext>,
 }
 
 /// What an exchange knows of its request beyond the head, fixed when it opens.
@@ -347,6 +351,7 @@ impl ExchangeTable {
                 cache: None,
                 seen: Seen {
                     route: o.route,
+                    trace_parent: o.trace_parent,
                     ..Seen::default()
                 },
             },

@@ -320,6 +320,15 @@ impl<F: Fabric> Reactor<F> {
             default_timeout: self.topology.timeout,
             limit,
             head: None,
+            // Before the chain gives this hop its own span id: the caller's span.
+            trace_parent: match (&self.topology.observer.traces, &route) {
+                (Some(_), Some(_)) => head
+                    .headers()
+                    .get("traceparent")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(dpumesh_traces::TraceContext::parse),
+                _ => None,
+            },
             route,
         };
         if flags.policed {

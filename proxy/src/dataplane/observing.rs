@@ -45,6 +45,9 @@ impl<F: Fabric> Reactor<F> {
             latency.as_secs_f64(),
         );
         let observer = &self.topology.observer;
+        if let Some(traces) = &observer.traces {
+            span(traces, exchange, source, route, status, failure, latency);
+        }
         if !observer.watching() {
             return;
         }
@@ -121,6 +124,93 @@ impl<F: Fabric> Reactor<F> {
         };
         observer.emit(record, wanted);
     }
+}
+
+/// Exports this hop's span when its trace is sampled: a child of the caller's span,
+/// named by the id the chain's `trace` filter gave this hop (the one the service sees
+/// as its parent), with each filter's time as an event.
+fn span(
+    traces: &dpumesh_traces::Exporter,
+    exchange: &Exchange,
+    source: &str,
+    route: &str,
+    status: u16,
+    failure: FailureKind,
+    latency: Duration,
+) {
+    use dpumesh_traces::{Event, SpanKind, SpanRecord, TraceContext, Value};
+    let Some(head) = exchange.head.as_ref() else {
+        return;
+    };
+    let parent = exchange.seen.trace_parent;
+    let out = head
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceContext::parse);
+    let ctx = match (out, parent) {
+        // The chain gave this hop a span id (the `trace` filter).
+        (Some(out), Some(p)) if out.span_id != p.span_id => out,
+        // A trace the chain started (no caller's context): sampled at the ratio.
+        (Some(out), None) => TraceContext {
+            sampled: dpumesh_traces::context::ratio_samples(&out.trace_id, traces.ratio()),
+            ..out
+        },
+        // No filter made this hop a span: a span id of its own, not propagated.
+        (Some(_), Some(p)) => p.child(),
+        (None, Some(p)) => p.child(),
+        (None, None) => dpumesh_traces::context::start(None, traces.ratio()),
+    };
+    if !ctx.sampled {
+        return;
+    }
+    let end = SystemTime::now();
+    let start = end.checked_sub(latency).unwrap_or(end);
+    let mut at = start;
+    let events = exchange
+        .seen
+        .filters
+        .iter()
+        .map(|t| {
+            at += Duration::from_nanos(t.ns);
+            Event {
+                name: format!("filter {}", t.filter),
+                time: at,
+                attributes: vec![(
+                    "dpumesh.filter.duration_us",
+                    Value::Float(t.ns as f64 / 1e3),
+                )],
+            }
+        })
+        .collect();
+    let mut attributes = vec![
+        ("http.request.method", Value::from(head.method.as_str())),
+        ("url.path", Value::from(head.path.as_str())),
+        ("http.response.status_code", Value::Int(i64::from(status))),
+        ("http.route", Value::from(route)),
+        ("dpumesh.source", Value::from(source)),
+        ("dpumesh.service", Value::from(exchange.service.as_str())),
+        ("dpumesh.failure", Value::from(failure_name(failure))),
+        ("dpumesh.attempts", Value::Int(i64::from(exchange.attempt))),
+    ];
+    if let Some(filter) = &exchange.seen.denied_by {
+        attributes.push(("dpumesh.denied_by", Value::from(&**filter)));
+    }
+    if let Some(code) = exchange.seen.grpc_status {
+        attributes.push(("rpc.grpc.status_code", Value::Int(i64::from(code))));
+    }
+    traces.record(SpanRecord {
+        trace_id: ctx.trace_id,
+        span_id: ctx.span_id,
+        parent: parent.map(|p| p.span_id),
+        name: format!("dpumesh.proxy {} {}", exchange.service, route),
+        kind: SpanKind::Server,
+        start,
+        end,
+        attributes,
+        events,
+        error: (status >= 500).then(|| format!("{status} ({})", failure_name(failure))),
+    });
 }
 
 /// Envoy's response flags, in words.

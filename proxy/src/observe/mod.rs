@@ -19,6 +19,10 @@ pub struct Observer {
     pub node: Arc<str>,
     pub taps: tap::Taps,
     pub access_log: access_log::AccessLogs,
+    /// The span exporter, when OpenTelemetry's environment names a collector.
+    pub traces: Option<dpumesh_traces::Exporter>,
+    /// Filters' per-request times are taken while spans are exported (their events).
+    _timing: Option<dpumesh_runtime::timing::TimingGuard>,
 }
 
 /// Who wants a request's record.
@@ -46,7 +50,16 @@ impl Observer {
             node: Arc::from(node),
             taps: tap::Taps::default(),
             access_log: access_log::AccessLogs::default(),
+            traces: None,
+            _timing: None,
         }
+    }
+
+    /// Exports spans with `traces`.
+    pub fn with_traces(mut self, traces: Option<dpumesh_traces::Exporter>) -> Self {
+        self._timing = traces.as_ref().map(|_| dpumesh_runtime::timing::want());
+        self.traces = traces;
+        self
     }
 
     /// Whether anything may want records at all (one load each; the fast way out).

@@ -51,6 +51,7 @@ fn from_link(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         limit: None,
         head: None,
         route: None,
+        trace_parent: None,
     }
 }
 
@@ -70,6 +71,7 @@ fn from_pod(method: &str, with_body: bool, policy: RoutePolicy) -> Opening {
         limit: None,
         head: None,
         route: None,
+        trace_parent: None,
     }
 }
 

@@ -1,0 +1,72 @@
+//! The ingress's span: the mesh's first hop. It continues the client's trace (a valid
+//! `traceparent`, its sampling decision kept) or starts one sampled at the configured
+//! ratio, and hands the next hop its context in `traceparent` (flags say whether the
+//! trace is sampled, so every hop decides alike).
+
+use std::net::SocketAddr;
+use std::time::SystemTime;
+
+use dpumesh_traces::context::{self, TraceContext};
+use dpumesh_traces::{Exporter, SpanKind, SpanRecord, Value};
+use http::{HeaderValue, Request};
+
+/// A request's span while it runs.
+pub(crate) struct Traced {
+    ctx: TraceContext,
+    parent: Option<TraceContext>,
+    start: SystemTime,
+    method: String,
+    path: String,
+    peer: SocketAddr,
+}
+
+impl Traced {
+    /// Starts the span of `req` and gives the request its context.
+    pub(crate) fn begin<B>(traces: &Exporter, req: &mut Request<B>, peer: SocketAddr) -> Self {
+        let parent = req
+            .headers()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .and_then(TraceContext::parse);
+        let ctx = context::start(parent.as_ref(), traces.ratio());
+        if let Ok(value) = HeaderValue::from_str(&ctx.traceparent()) {
+            req.headers_mut().insert("traceparent", value);
+        }
+        if parent.is_none() {
+            // `tracestate` belongs to a valid parent only (W3C Trace Context).
+            req.headers_mut().remove("tracestate");
+        }
+        Self {
+            ctx,
+            parent,
+            start: SystemTime::now(),
+            method: req.method().as_str().to_owned(),
+            path: req.uri().path().to_owned(),
+            peer,
+        }
+    }
+
+    /// Ends the span with the answer's status (its head: a streamed body goes on).
+    pub(crate) fn end(self, traces: &Exporter, status: u16) {
+        if !self.ctx.sampled {
+            return;
+        }
+        traces.record(SpanRecord {
+            trace_id: self.ctx.trace_id,
+            span_id: self.ctx.span_id,
+            parent: self.parent.map(|p| p.span_id),
+            name: format!("dpumesh.ingress {}", self.method),
+            kind: SpanKind::Server,
+            start: self.start,
+            end: SystemTime::now(),
+            attributes: vec![
+                ("http.request.method", Value::from(self.method.as_str())),
+                ("url.path", Value::from(self.path.as_str())),
+                ("http.response.status_code", Value::Int(i64::from(status))),
+                ("client.address", Value::from(self.peer.ip().to_string())),
+            ],
+            events: Vec::new(),
+            error: (status >= 500).then(|| status.to_string()),
+        });
+    }
+}
