@@ -171,6 +171,21 @@ def test_an_existing_configmap_replaces_the_charts_own(helm):
     assert config["configMap"]["name"] == "my-mesh"
 
 
+def test_tracing_sets_opentelemetrys_environment_only_when_asked(helm):
+    def env_of(*args):
+        objects = docs(render(helm, *args).stdout)
+        container = the(objects, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+        return {e["name"]: e.get("value") for e in container["env"]}
+
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of()
+    env = env_of(
+        "--set", "tracing.otlpEndpoint=http://otel-collector.observability:4318",
+        "--set-json", "tracing.sampleRatio=0.1",
+    )
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4318"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+
+
 @pytest.mark.parametrize(
     "setting, key",
     [
@@ -195,6 +210,9 @@ def test_an_existing_configmap_replaces_the_charts_own(helm):
         ("serviceDaemonSet.updateStrategy.type=Sometimes", "type"),
         ("rdma.enabled=true", "rdma"),
         ("hugepages.amount=1Gi", "hugepages"),
+        # The proxies speak OTLP/HTTP in plaintext to a collector beside them.
+        ("tracing.otlpEndpoint=https://collector:4318", "otlpEndpoint"),
+        ("tracing.sampleRatio=2", "sampleRatio"),
     ],
 )
 def test_the_values_schema_refuses_what_would_not_run(helm, setting, key):
