@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use dpumesh_pingmesh::dashboard::tap::escape;
 
 /// What to tap.
 #[derive(Debug, Clone, Args)]
@@ -148,19 +149,6 @@ fn query(args: &TapArgs) -> String {
     }
     q.push(format!("rate={}", args.rate));
     q.join("&")
-}
-
-/// `value` percent-encoded for a query.
-fn escape(value: &str) -> String {
-    value
-        .bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' | b'*' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 /// Reads `admin`'s tap stream, handing each line to `line` until it says stop or the

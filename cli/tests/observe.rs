@@ -288,10 +288,31 @@ fn the_dashboard_draws_the_graph_the_charts_and_a_tap_stream_under_load() {
     let dom = common::browser_dom(&url, 3_000);
     let shot = common::browser_screenshot(&url, 3_000);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut ok = 0;
     for l in load {
-        let _ = l.join();
+        let (n, failed, _) = l.join().unwrap();
+        assert!(failed.is_empty(), "{failed:?}");
+        ok += n;
     }
     let _ = failing.join();
+    // The graph's edge counts what the load generator counted (within 2 %), once the
+    // dashboard looked again after the load stopped.
+    let edge = |graph: &serde_json::Value| {
+        graph["graph"]["edges"]
+            .as_array()
+            .and_then(|edges| {
+                edges
+                    .iter()
+                    .find(|e| e["source"] == "ingress" && e["destination"] == "frontend")
+            })
+            .and_then(|e| e["requests_total"].as_f64())
+            .unwrap_or(0.0)
+    };
+    wait(
+        "the graph to count every request",
+        Duration::from_secs(20),
+        &|| (edge(&dashboard("/v1/mesh")) - ok as f64).abs() <= ok as f64 * 0.02,
+    );
     let Some(dom) = dom else {
         return;
     };

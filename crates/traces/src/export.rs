@@ -196,7 +196,10 @@ impl Exporter {
 /// The exporting thread: batches until every sender is gone.
 fn post_batches(rx: Receiver<SpanRecord>, settings: Settings) {
     let resource = Resource {
-        attributes: attributes(&[("service.name", Value::from(settings.service.as_str()))]),
+        attributes: attributes(vec![(
+            "service.name",
+            Value::from(settings.service.as_str()),
+        )]),
         ..Resource::default()
     };
     let mut batch = Vec::with_capacity(BATCH);
@@ -206,11 +209,11 @@ fn post_batches(rx: Receiver<SpanRecord>, settings: Settings) {
             Ok(span) => span,
             Err(_) => return,
         };
-        batch.push(first.to_proto());
+        batch.push(first.into_proto());
         let until = Instant::now() + LINGER;
         while batch.len() < BATCH {
             match rx.recv_deadline(until) {
-                Ok(span) => batch.push(span.to_proto()),
+                Ok(span) => batch.push(span.into_proto()),
                 Err(RecvTimeoutError::Timeout) => break,
                 Err(RecvTimeoutError::Disconnected) => break,
             }

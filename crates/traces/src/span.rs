@@ -77,12 +77,12 @@ fn nanos(t: SystemTime) -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-fn key_value(key: &str, value: &Value) -> KeyValue {
+fn key_value(key: &str, value: Value) -> KeyValue {
     let value = match value {
-        Value::Str(s) => any_value::Value::StringValue(s.clone()),
-        Value::Int(n) => any_value::Value::IntValue(*n),
-        Value::Float(n) => any_value::Value::DoubleValue(*n),
-        Value::Bool(b) => any_value::Value::BoolValue(*b),
+        Value::Str(s) => any_value::Value::StringValue(s),
+        Value::Int(n) => any_value::Value::IntValue(n),
+        Value::Float(n) => any_value::Value::DoubleValue(n),
+        Value::Bool(b) => any_value::Value::BoolValue(b),
     };
     KeyValue {
         key: key.to_owned(),
@@ -91,18 +91,21 @@ fn key_value(key: &str, value: &Value) -> KeyValue {
 }
 
 /// `attributes` in OTLP's form.
-pub fn attributes(attributes: &[(&'static str, Value)]) -> Vec<KeyValue> {
-    attributes.iter().map(|(k, v)| key_value(k, v)).collect()
+pub fn attributes(attributes: Vec<(&'static str, Value)>) -> Vec<KeyValue> {
+    attributes
+        .into_iter()
+        .map(|(k, v)| key_value(k, v))
+        .collect()
 }
 
 impl SpanRecord {
-    /// The OTLP span.
-    pub fn to_proto(&self) -> Span {
+    /// The OTLP span (on the exporter's thread: the strings move, none is copied).
+    pub fn into_proto(self) -> Span {
         Span {
             trace_id: self.trace_id.to_vec(),
             span_id: self.span_id.to_vec(),
             parent_span_id: self.parent.map(|p| p.to_vec()).unwrap_or_default(),
-            name: self.name.clone(),
+            name: self.name,
             kind: match self.kind {
                 SpanKind::Server => span::SpanKind::Server,
                 SpanKind::Client => span::SpanKind::Client,
@@ -110,20 +113,20 @@ impl SpanRecord {
             } as i32,
             start_time_unix_nano: nanos(self.start),
             end_time_unix_nano: nanos(self.end),
-            attributes: attributes(&self.attributes),
+            attributes: attributes(self.attributes),
             events: self
                 .events
-                .iter()
+                .into_iter()
                 .map(|e| span::Event {
                     time_unix_nano: nanos(e.time),
-                    name: e.name.clone(),
-                    attributes: attributes(&e.attributes),
+                    name: e.name,
+                    attributes: attributes(e.attributes),
                     dropped_attributes_count: 0,
                 })
                 .collect(),
-            status: Some(match &self.error {
+            status: Some(match self.error {
                 Some(message) => Status {
-                    message: message.clone(),
+                    message,
                     code: status::StatusCode::Error as i32,
                 },
                 None => Status {

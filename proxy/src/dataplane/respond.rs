@@ -251,7 +251,7 @@ impl<F: Fabric> Reactor<F> {
         let latency = exchange.started.elapsed();
         self.meter
             .response_metrics
-            .record(&exchange.service, status, latency.as_secs_f64());
+            .record(&exchange.service, status);
         self.observe(exchange, status, failure, upstream.as_deref(), latency);
         let info = ResponseInfo {
             status,

@@ -116,9 +116,11 @@ impl Edge {
     }
 }
 
-/// `dpumesh_mesh_responses_total{service,status}`,
-/// `dpumesh_mesh_request_duration_seconds{service}` and, for gRPC calls,
-/// `dpumesh_mesh_grpc_responses_total{service,grpc_status}`, by service.
+/// `dpumesh_mesh_responses_total{service,status}` and, for gRPC calls,
+/// `dpumesh_mesh_grpc_responses_total{service,grpc_status}`, by service, and the
+/// golden metrics by edge. A service's latency is its edges' (one histogram sample a
+/// response: a second one per service cost the node 5 % of its requests a second in
+/// `bench/mesh.sh`).
 #[derive(Default)]
 pub(super) struct ResponseMetrics {
     services: HashMap<String, ServiceMetrics, foldhash::fast::RandomState>,
@@ -130,7 +132,6 @@ pub(super) struct ResponseMetrics {
 }
 
 struct ServiceMetrics {
-    duration: metrics::Histogram,
     /// Few statuses per service in practice: a short list beats a map.
     responses: Vec<(u16, metrics::Counter)>,
     /// gRPC calls' answers by gRPC status (0–16), looked up when first seen.
@@ -140,13 +141,12 @@ struct ServiceMetrics {
 }
 
 impl ResponseMetrics {
-    /// Counts one response of `service` with `status` that took `seconds`.
-    pub(super) fn record(&mut self, service: &str, status: u16, seconds: f64) {
+    /// Counts one response of `service` with `status`.
+    pub(super) fn record(&mut self, service: &str, status: u16) {
         let full = self.services.len() >= MAX_SERVICES;
         let metrics = match self.services.get_mut(service) {
             Some(m) => m,
             None if full => {
-                duration_of(service).record(seconds);
                 responses_of(service, status).increment(1);
                 return;
             }
@@ -154,13 +154,11 @@ impl ResponseMetrics {
                 .services
                 .entry(service.to_owned())
                 .or_insert_with(|| ServiceMetrics {
-                    duration: duration_of(service),
                     responses: Vec::new(),
                     grpc: Vec::new(),
                     edges: Vec::new(),
                 }),
         };
-        metrics.duration.record(seconds);
         match metrics.responses.iter().find(|(s, _)| *s == status) {
             Some((_, counter)) => counter.increment(1),
             None => {
@@ -230,7 +228,7 @@ impl ResponseMetrics {
     }
 
     /// Counts one answer to a gRPC call of `service` with gRPC status `code` (its
-    /// HTTP status and duration are counted by [`ResponseMetrics::record`]).
+    /// HTTP status is counted by [`ResponseMetrics::record`]).
     pub(super) fn record_grpc(&mut self, service: &str, code: u32) {
         let Some(metrics) = self.services.get_mut(service) else {
             // Not kept (past the cap, or not recorded yet): counted without keeping.
@@ -256,11 +254,7 @@ fn grpc_responses_of(service: &str, code: u32) -> metrics::Counter {
     )
 }
 
-/// The registry lookups the kept handles save.
-fn duration_of(service: &str) -> metrics::Histogram {
-    metrics::histogram!("dpumesh_mesh_request_duration_seconds", "service" => service.to_owned())
-}
-
+/// The registry lookup the kept handles save.
 fn responses_of(service: &str, status: u16) -> metrics::Counter {
     metrics::counter!(
         "dpumesh_mesh_responses_total",
@@ -281,10 +275,10 @@ mod tests {
         let snapshotter = recorder.snapshotter();
         metrics::with_local_recorder(&recorder, || {
             let mut m = ResponseMetrics::default();
-            m.record("frontend", 200, 0.001);
-            m.record("frontend", 200, 0.002);
-            m.record("frontend", 503, 0.003);
-            m.record("user", 200, 0.004);
+            m.record("frontend", 200);
+            m.record("frontend", 200);
+            m.record("frontend", 503);
+            m.record("user", 200);
             m.record_grpc("frontend", 14);
             m.record_grpc("frontend", 14);
             m.record_grpc("nobody", 0);
@@ -293,15 +287,14 @@ mod tests {
             assert_eq!(m.services["frontend"].responses.len(), 2);
             // Past the cap, responses are still counted, their handles not kept.
             for i in 0..MAX_SERVICES {
-                m.record(&format!("s{i}"), 200, 0.0);
+                m.record(&format!("s{i}"), 200);
             }
-            m.record("s-late", 200, 0.0);
-            m.record("s-late", 200, 0.0);
+            m.record("s-late", 200);
+            m.record("s-late", 200);
             assert_eq!(m.services.len(), MAX_SERVICES);
             assert!(!m.services.contains_key("s-late"));
         });
         let mut counts = Vec::new();
-        let mut durations = Vec::new();
         for (key, _, _, value) in snapshotter.snapshot().into_vec() {
             let labels: Vec<String> = key
                 .key()
@@ -310,18 +303,14 @@ mod tests {
                 .collect();
             match value {
                 DebugValue::Counter(n) => counts.push((labels.join(","), n)),
-                DebugValue::Histogram(v) => durations.push((labels.join(","), v.len())),
-                DebugValue::Gauge(_) => {}
+                DebugValue::Histogram(_) | DebugValue::Gauge(_) => {}
             }
         }
-        // The service past the cap: both its responses counted and timed.
+        // The service past the cap: both its responses counted.
         assert!(counts.contains(&("service=s-late,status=200".to_owned(), 2)));
-        assert!(durations.contains(&("service=s-late".to_owned(), 2)));
         // The rest (the services that filled the cap aside).
         counts.retain(|(labels, _)| !labels.starts_with("service=s"));
-        durations.retain(|(labels, _)| !labels.starts_with("service=s"));
         counts.sort();
-        durations.sort();
         assert_eq!(
             counts,
             [
@@ -330,13 +319,6 @@ mod tests {
                 ("service=frontend,status=503".to_owned(), 1),
                 ("service=nobody,grpc_status=0".to_owned(), 1),
                 ("service=user,status=200".to_owned(), 1),
-            ]
-        );
-        assert_eq!(
-            durations,
-            [
-                ("service=frontend".to_owned(), 3),
-                ("service=user".to_owned(), 1)
             ]
         );
     }
@@ -354,12 +336,12 @@ mod tests {
                 ("ingress", 503),
                 ("search", 200),
             ] {
-                m.record("frontend", status, 0.001);
+                m.record("frontend", status);
                 m.record_edge(source, "frontend", &route, status, 0.001);
             }
             // Sources past the node's budget are labelled overflow.
             for i in 0..MAX_SOURCES + 5 {
-                m.record("geo", 200, 0.001);
+                m.record("geo", 200);
                 m.record_edge(&format!("client-{i}"), "geo", &route, 200, 0.001);
             }
         });

@@ -69,7 +69,8 @@ pub fn node_query(params: &[(String, String)]) -> String {
     q.join("&")
 }
 
-fn escape(value: &str) -> String {
+/// `value` percent-encoded for a tap's query (`dpumesh tap` builds its query so too).
+pub fn escape(value: &str) -> String {
     value
         .bytes()
         .map(|b| match b {
