@@ -17,7 +17,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::InstrumentationScope;
 use opentelemetry_proto::tonic::resource::v1::Resource;
@@ -204,19 +204,29 @@ fn post_batches(rx: Receiver<SpanRecord>, settings: Settings) {
     };
     let mut batch = Vec::with_capacity(BATCH);
     let mut last_warning: Option<Instant> = None;
+    let mut gone = false;
     loop {
-        let first = match rx.recv() {
-            Ok(span) => span,
-            Err(_) => return,
-        };
-        batch.push(first.into_proto());
-        let until = Instant::now() + LINGER;
-        while batch.len() < BATCH {
-            match rx.recv_deadline(until) {
-                Ok(span) => batch.push(span.into_proto()),
-                Err(RecvTimeoutError::Timeout) => break,
-                Err(RecvTimeoutError::Disconnected) => break,
+        // The thread sleeps rather than waiting on the queue: a hop's `try_send` then
+        // never wakes it (a wake-up per span doubled the mesh's context switches), and
+        // a span waits at most one `LINGER` for its post.
+        if batch.is_empty() {
+            if gone {
+                return;
             }
+            std::thread::sleep(LINGER);
+        }
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(span) => batch.push(span.into_proto()),
+                Err(crossbeam_channel::TryRecvError::Empty) => break,
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    gone = true;
+                    break;
+                }
+            }
+        }
+        if batch.is_empty() {
+            continue;
         }
         let request = ExportTraceServiceRequest {
             resource_spans: vec![ResourceSpans {

@@ -24,6 +24,8 @@ use super::redact;
 const QUEUE: usize = 16 * 1024;
 /// Bytes gathered before a write (a write also happens when the queue is empty).
 const BATCH: usize = 64 * 1024;
+/// How long the writer sleeps between looks at its queue.
+const LINGER: Duration = Duration::from_millis(100);
 
 /// The node's access log, replaced when a reload changes its settings.
 #[derive(Debug, Default)]
@@ -140,27 +142,42 @@ fn write_lines(
     node: Arc<str>,
 ) {
     let mut batch = Vec::with_capacity(BATCH);
-    while let Ok(first) = rx.recv() {
-        let mut next = Some(first);
-        while let Some(record) = next {
-            let line = Value::Object(line(&fields, &record, &node));
-            if serde_json::to_writer(&mut batch, &line).is_ok() {
-                batch.push(b'\n');
-            }
-            next = if batch.len() < BATCH {
-                rx.try_recv().ok()
-            } else {
-                None
+    loop {
+        // Asleep, not waiting on the queue: a shard's `try_send` never wakes this
+        // thread (a wake-up per request would double the node's context switches);
+        // a line waits at most `LINGER` for its write.
+        std::thread::sleep(LINGER);
+        loop {
+            let (drained, gone) = match rx.try_recv() {
+                Ok(record) => {
+                    let line = Value::Object(line(&fields, &record, &node));
+                    if serde_json::to_writer(&mut batch, &line).is_ok() {
+                        batch.push(b'\n');
+                    }
+                    if batch.len() < BATCH {
+                        continue;
+                    }
+                    (false, false)
+                }
+                Err(crossbeam_channel::TryRecvError::Empty) => (true, false),
+                Err(crossbeam_channel::TryRecvError::Disconnected) => (true, true),
             };
+            // Whole lines per write: with O_APPEND, writers of one file (two
+            // generations for a moment) never interleave within a line.
+            if !batch.is_empty() {
+                if let Err(e) = sink.write_all(&batch).and_then(|()| sink.flush()) {
+                    tracing::warn!(error = %e, "access log write failed; lines lost");
+                    metrics::counter!("dpumesh_access_log_dropped_total").increment(1);
+                }
+                batch.clear();
+            }
+            if gone {
+                return;
+            }
+            if drained {
+                break;
+            }
         }
-        // Whole lines per write: with O_APPEND, writers of one file (two generations
-        // for a moment) never interleave within a line.
-        if let Err(e) = sink.write_all(&batch).and_then(|()| sink.flush()) {
-            tracing::warn!(error = %e, "access log write failed; lines lost");
-            metrics::counter!("dpumesh_access_log_dropped_total").increment(1);
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        batch.clear();
     }
 }
 
