@@ -29,7 +29,7 @@ use crate::span::{SpanRecord, Value, attributes};
 /// Spans queued for the exporter at most (past it, new ones are dropped and counted).
 const QUEUE: usize = 8192;
 /// Spans per post at most.
-const BATCH: usize = 512;
+const BATCH: usize = 2048;
 /// How long a span may wait for its batch.
 const LINGER: Duration = Duration::from_millis(500);
 
@@ -205,22 +205,29 @@ fn post_batches(rx: Receiver<SpanRecord>, settings: Settings) {
     let mut batch = Vec::with_capacity(BATCH);
     let mut last_warning: Option<Instant> = None;
     let mut gone = false;
+    let mut drained = true;
     loop {
         // The thread sleeps rather than waiting on the queue: a hop's `try_send` then
         // never wakes it (a wake-up per span doubled the mesh's context switches), and
-        // a span waits at most one `LINGER` for its post.
-        if batch.is_empty() {
+        // a span waits at most one `LINGER` for its post. It sleeps only after it
+        // found the queue empty: under load it posts batch after batch.
+        if drained {
             if gone {
                 return;
             }
             std::thread::sleep(LINGER);
         }
+        drained = false;
         while batch.len() < BATCH {
             match rx.try_recv() {
                 Ok(span) => batch.push(span.into_proto()),
-                Err(crossbeam_channel::TryRecvError::Empty) => break,
+                Err(crossbeam_channel::TryRecvError::Empty) => {
+                    drained = true;
+                    break;
+                }
                 Err(crossbeam_channel::TryRecvError::Disconnected) => {
                     gone = true;
+                    drained = true;
                     break;
                 }
             }
