@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&str] = &[
     "error",
     "stamp",
+    "timing",
     "stderr",
     "limits",
     "epoch",
