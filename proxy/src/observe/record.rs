@@ -88,11 +88,6 @@ impl Record {
         (trace.len() == 32 && trace.bytes().all(|b| b.is_ascii_hexdigit()))
             .then(|| trace.to_owned())
     }
-
-    /// The status class label: `2xx` ... `5xx`.
-    pub fn class(status: u16) -> &'static str {
-        status_class(status)
-    }
 }
 
 /// `1xx` ... `5xx` (anything else: `other`).

@@ -14,7 +14,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use parking_lot::RwLock;
 use tokio::sync::mpsc;
 
-use super::record::{Probe, Record, status_class};
+use super::record::{Probe, Record};
 
 /// Records a second one tap gets at most, unless it asks for another rate.
 pub const DEFAULT_RATE: u32 = 100;
@@ -293,11 +293,6 @@ pub struct TapStream {
 }
 
 impl TapStream {
-    /// The next record (waits).
-    pub async fn next(&mut self) -> Option<Arc<Record>> {
-        self.rx.recv().await
-    }
-
     /// The next record, polled.
     pub fn poll_next(
         &mut self,
@@ -316,11 +311,6 @@ impl Drop for TapStream {
     fn drop(&mut self) {
         self.taps.close(self.id);
     }
-}
-
-/// The class a status falls in, as taps and metrics name it.
-pub fn class_of(status: u16) -> &'static str {
-    status_class(status)
 }
 
 #[cfg(test)]
