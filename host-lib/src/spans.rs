@@ -147,22 +147,16 @@ impl RequestTrace {
         if !self.server.sampled {
             return;
         }
-        exporter.record(SpanRecord {
-            trace_id: self.server.trace_id,
-            span_id: self.server.span_id,
-            parent: self.parent.map(|p| p.span_id),
-            name: format!("{} {}", self.method, self.path),
-            kind: SpanKind::Server,
-            start: self.start,
-            end: SystemTime::now(),
-            attributes: vec![
-                ("http.request.method", Value::from(self.method.as_str())),
-                ("url.path", Value::from(self.path.as_str())),
-                ("http.response.status_code", Value::Int(i64::from(status))),
-            ],
-            events: Vec::new(),
-            error: (status >= 500).then(|| status.to_string()),
-        });
+        exporter.record(SpanRecord::http_server(
+            &self.server,
+            self.parent.as_ref(),
+            format!("{} {}", self.method, self.path),
+            self.start,
+            &self.method,
+            &self.path,
+            status,
+            Vec::new(),
+        ));
     }
 }
 

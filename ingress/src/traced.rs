@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::SystemTime;
 
 use dpumesh_traces::context::{self, TraceContext};
-use dpumesh_traces::{Exporter, SpanKind, SpanRecord, Value};
+use dpumesh_traces::{Exporter, SpanRecord, Value};
 use http::{HeaderValue, Request};
 
 /// A request's span while it runs.
@@ -51,22 +51,15 @@ impl Traced {
         if !self.ctx.sampled {
             return;
         }
-        traces.record(SpanRecord {
-            trace_id: self.ctx.trace_id,
-            span_id: self.ctx.span_id,
-            parent: self.parent.map(|p| p.span_id),
-            name: format!("dpumesh.ingress {}", self.method),
-            kind: SpanKind::Server,
-            start: self.start,
-            end: SystemTime::now(),
-            attributes: vec![
-                ("http.request.method", Value::from(self.method.as_str())),
-                ("url.path", Value::from(self.path.as_str())),
-                ("http.response.status_code", Value::Int(i64::from(status))),
-                ("client.address", Value::from(self.peer.ip().to_string())),
-            ],
-            events: Vec::new(),
-            error: (status >= 500).then(|| status.to_string()),
-        });
+        traces.record(SpanRecord::http_server(
+            &self.ctx,
+            self.parent.as_ref(),
+            format!("dpumesh.ingress {}", self.method),
+            self.start,
+            &self.method,
+            &self.path,
+            status,
+            vec![("client.address", Value::from(self.peer.ip().to_string()))],
+        ));
     }
 }

@@ -99,6 +99,40 @@ pub fn attributes(attributes: Vec<(&'static str, Value)>) -> Vec<KeyValue> {
 }
 
 impl SpanRecord {
+    /// A server span of an HTTP request `ctx` names (a child of `parent`), from
+    /// `start` to now, with the request's method, path and answer's status (5xx is an
+    /// error), and `more` attributes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn http_server(
+        ctx: &crate::TraceContext,
+        parent: Option<&crate::TraceContext>,
+        name: String,
+        start: SystemTime,
+        method: &str,
+        path: &str,
+        status: u16,
+        more: Vec<(&'static str, Value)>,
+    ) -> Self {
+        let mut attributes = vec![
+            ("http.request.method", Value::from(method)),
+            ("url.path", Value::from(path)),
+            ("http.response.status_code", Value::Int(i64::from(status))),
+        ];
+        attributes.extend(more);
+        Self {
+            trace_id: ctx.trace_id,
+            span_id: ctx.span_id,
+            parent: parent.map(|p| p.span_id),
+            name,
+            kind: SpanKind::Server,
+            start,
+            end: SystemTime::now(),
+            attributes,
+            events: Vec::new(),
+            error: (status >= 500).then(|| status.to_string()),
+        }
+    }
+
     /// The OTLP span (on the exporter's thread: the strings move, none is copied).
     pub fn into_proto(self) -> Span {
         Span {
