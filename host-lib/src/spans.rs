@@ -8,7 +8,7 @@
 use std::time::SystemTime;
 
 use dpumesh_traces::context::{self, TraceContext};
-use dpumesh_traces::{Exporter, SpanKind, SpanRecord, Value};
+use dpumesh_traces::{Exporter, SpanHead, SpanKind, Value};
 use http::HeaderValue;
 
 use crate::http::{HttpRequest, HttpResponse};
@@ -57,7 +57,7 @@ impl RequestTrace {
     /// An egress call leaves: it carries its own span's context.
     pub(crate) fn on_send(&mut self, node: usize, part: usize, request: &mut HttpRequest) {
         let ctx = self.server.child();
-        if let Ok(value) = HeaderValue::from_str(&ctx.traceparent()) {
+        if let Ok(value) = HeaderValue::from_bytes(&ctx.traceparent_bytes()) {
             request.headers.insert("traceparent", value);
         }
         if !self.server.sampled {
@@ -90,28 +90,30 @@ impl RequestTrace {
             return;
         };
         let call = self.calls.swap_remove(i);
-        let mut attributes = vec![
-            ("http.request.method", Value::from(call.method.as_str())),
-            ("url.full", Value::from(call.url.as_str())),
-        ];
-        let error = match outcome {
-            Ok(r) => {
-                attributes.push(("http.response.status_code", Value::Int(i64::from(r.status))));
-                (r.status >= 500).then(|| r.status.to_string())
-            }
-            Err(e) => Some(e.clone()),
-        };
-        exporter.record(SpanRecord {
+        let head = SpanHead {
             trace_id: call.ctx.trace_id,
             span_id: call.ctx.span_id,
             parent: Some(self.server.span_id),
-            name: format!("egress {}", step.unwrap_or("call")),
             kind: SpanKind::Client,
             start: call.start,
             end: SystemTime::now(),
-            attributes,
-            events: Vec::new(),
-            error,
+        };
+        exporter.record(&head, |w| {
+            match outcome {
+                Ok(r) if r.status >= 500 => {
+                    w.error(format_args!("{}", r.status));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    w.error(format_args!("{e}"));
+                }
+            }
+            w.name(format_args!("egress {}", step.unwrap_or("call")))
+                .attr("http.request.method", Value::Str(&call.method))
+                .attr("url.full", Value::Str(&call.url));
+            if let Ok(r) = outcome {
+                w.attr("http.response.status_code", Value::Int(i64::from(r.status)));
+            }
         });
     }
 
@@ -128,17 +130,16 @@ impl RequestTrace {
             return;
         };
         let (_, start) = self.steps.swap_remove(i);
-        exporter.record(SpanRecord {
+        let head = SpanHead {
             trace_id: self.server.trace_id,
             span_id: context::new_span_id(),
             parent: Some(self.server.span_id),
-            name: format!("internal {}", step.unwrap_or("step")),
             kind: SpanKind::Internal,
             start,
             end: SystemTime::now(),
-            attributes: Vec::new(),
-            events: Vec::new(),
-            error: None,
+        };
+        exporter.record(&head, |w| {
+            w.name(format_args!("internal {}", step.unwrap_or("step")));
         });
     }
 
@@ -147,16 +148,13 @@ impl RequestTrace {
         if !self.server.sampled {
             return;
         }
-        exporter.record(SpanRecord::http_server(
-            &self.server,
-            self.parent.as_ref(),
-            format!("{} {}", self.method, self.path),
-            self.start,
-            &self.method,
-            &self.path,
-            status,
-            Vec::new(),
-        ));
+        exporter.record(
+            &SpanHead::server(&self.server, self.parent.as_ref(), self.start),
+            |w| {
+                w.name(format_args!("{} {}", self.method, self.path))
+                    .http_server(&self.method, &self.path, status);
+            },
+        );
     }
 }
 

@@ -7,16 +7,17 @@ use std::net::SocketAddr;
 use std::time::SystemTime;
 
 use dpumesh_traces::context::{self, TraceContext};
-use dpumesh_traces::{Exporter, SpanRecord, Value};
-use http::{HeaderValue, Request};
+use dpumesh_traces::{Exporter, SpanHead};
+use http::{HeaderValue, Method, Request, Uri};
 
 /// A request's span while it runs.
 pub(crate) struct Traced {
     ctx: TraceContext,
     parent: Option<TraceContext>,
     start: SystemTime,
-    method: String,
-    path: String,
+    method: Method,
+    // The request's URI (a shared-bytes clone, not a copy): its path names the span.
+    uri: Uri,
     peer: SocketAddr,
 }
 
@@ -29,7 +30,7 @@ impl Traced {
             .and_then(|v| v.to_str().ok())
             .and_then(TraceContext::parse);
         let ctx = context::start(parent.as_ref(), traces.ratio());
-        if let Ok(value) = HeaderValue::from_str(&ctx.traceparent()) {
+        if let Ok(value) = HeaderValue::from_bytes(&ctx.traceparent_bytes()) {
             req.headers_mut().insert("traceparent", value);
         }
         if parent.is_none() {
@@ -40,8 +41,8 @@ impl Traced {
             ctx,
             parent,
             start: SystemTime::now(),
-            method: req.method().as_str().to_owned(),
-            path: req.uri().path().to_owned(),
+            method: req.method().clone(),
+            uri: req.uri().clone(),
             peer,
         }
     }
@@ -51,15 +52,13 @@ impl Traced {
         if !self.ctx.sampled {
             return;
         }
-        traces.record(SpanRecord::http_server(
-            &self.ctx,
-            self.parent.as_ref(),
-            format!("dpumesh.ingress {}", self.method),
-            self.start,
-            &self.method,
-            &self.path,
-            status,
-            vec![("client.address", Value::from(self.peer.ip().to_string()))],
-        ));
+        traces.record(
+            &SpanHead::server(&self.ctx, self.parent.as_ref(), self.start),
+            |w| {
+                w.name(format_args!("dpumesh.ingress {}", self.method))
+                    .http_server(self.method.as_str(), self.uri.path(), status)
+                    .attr_fmt("client.address", format_args!("{}", self.peer.ip()));
+            },
+        );
     }
 }

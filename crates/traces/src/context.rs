@@ -16,26 +16,46 @@ pub struct TraceContext {
     pub sampled: bool,
 }
 
+/// One hex digit's value (either case).
+fn nibble(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
 fn hex_into(text: &str, out: &mut [u8]) -> Option<()> {
+    let text = text.as_bytes();
     if text.len() != out.len() * 2 {
         return None;
     }
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(text.get(2 * i..2 * i + 2)?, 16).ok()?;
+    for (byte, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
+        *byte = (nibble(pair[0])? << 4) | nibble(pair[1])?;
     }
     Some(())
 }
 
+const DIGITS: &[u8; 16] = b"0123456789abcdef";
+
+fn hex_to(bytes: &[u8], out: &mut [u8]) {
+    for (b, pair) in bytes.iter().zip(out.chunks_exact_mut(2)) {
+        pair[0] = DIGITS[(b >> 4) as usize];
+        pair[1] = DIGITS[(b & 15) as usize];
+    }
+}
+
 /// Lowercase hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
-    s
+    let mut out = vec![0; bytes.len() * 2];
+    hex_to(bytes, &mut out);
+    // Hex digits are ASCII.
+    String::from_utf8(out).unwrap_or_default()
 }
+
+/// The length of a version-00 `traceparent`.
+pub const TRACEPARENT_LEN: usize = 55;
 
 impl TraceContext {
     /// A `traceparent` value (`00-TRACEID-SPANID-FLAGS`); `None` when malformed or
@@ -64,14 +84,21 @@ impl TraceContext {
         })
     }
 
+    /// The `traceparent` value naming this context, as bytes (no allocation: a hop
+    /// makes its header value from them).
+    pub fn traceparent_bytes(&self) -> [u8; TRACEPARENT_LEN] {
+        let mut out = *b"00-00000000000000000000000000000000-0000000000000000-00";
+        hex_to(&self.trace_id, &mut out[3..35]);
+        hex_to(&self.span_id, &mut out[36..52]);
+        if self.sampled {
+            out[54] = b'1';
+        }
+        out
+    }
+
     /// The `traceparent` value naming this context.
     pub fn traceparent(&self) -> String {
-        format!(
-            "00-{}-{}-{}",
-            hex(&self.trace_id),
-            hex(&self.span_id),
-            if self.sampled { "01" } else { "00" }
-        )
+        String::from_utf8_lossy(&self.traceparent_bytes()).into_owned()
     }
 
     /// A child of `self` with a new span id (the same trace and decision).
@@ -171,6 +198,14 @@ mod tests {
         let c = TraceContext::parse(tp).unwrap();
         assert!(c.sampled);
         assert_eq!(c.traceparent(), tp);
+        let unsampled = TraceContext {
+            sampled: false,
+            ..c
+        };
+        assert_eq!(
+            &unsampled.traceparent_bytes()[..],
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+        );
         let child = c.child();
         assert_eq!(child.trace_id, c.trace_id);
         assert_ne!(child.span_id, c.span_id);
@@ -183,6 +218,8 @@ mod tests {
             "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
             "00-xyz",
+            // from_str_radix would take "+6" for a byte.
+            "00-4bf92f3577b34da6a3ce929d0e0e47+6-00f067aa0ba902b7-01",
         ] {
             assert_eq!(TraceContext::parse(bad), None, "{bad}");
         }

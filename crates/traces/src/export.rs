@@ -1,5 +1,5 @@
-//! The exporter: spans queued by the hops (one `try_send` each), batched and posted
-//! to the collector as OTLP/HTTP protobuf by a thread of their own.
+//! The exporter: spans written by the hops, already in protobuf, into one batch, and
+//! posted to the collector as OTLP/HTTP by a thread of their own.
 //!
 //! Settings are OpenTelemetry's environment variables, so a collector set up for any
 //! OpenTelemetry SDK is set up for the mesh:
@@ -13,23 +13,21 @@
 //! | `OTEL_SERVICE_NAME` | the resource's `service.name` |
 //! | `OTEL_SDK_DISABLED` | `true`: no spans |
 
+use std::cell::RefCell;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TrySendError};
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::InstrumentationScope;
+use opentelemetry_proto::tonic::common::v1::{AnyValue, InstrumentationScope, KeyValue, any_value};
 use opentelemetry_proto::tonic::resource::v1::Resource;
-use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans};
+use parking_lot::Mutex;
 use prost::Message;
 
-use crate::span::{SpanRecord, Value, attributes};
+use crate::span::{SpanHead, SpanWriter, put_raw_varint, varint_len};
 
-/// Spans queued for the exporter at most (past it, new ones are dropped and counted).
-const QUEUE: usize = 8192;
-/// Spans per post at most.
-const BATCH: usize = 2048;
 /// How long a span may wait for its batch.
 const LINGER: Duration = Duration::from_millis(500);
 
@@ -137,24 +135,66 @@ impl Settings {
     }
 }
 
+/// Bytes of encoded spans waiting at most (past it, new spans are dropped and counted).
+const QUEUE_BYTES: usize = 8 << 20;
+/// Bytes of encoded spans that wake the exporter before its `LINGER` is up.
+const POST_BYTES: usize = 1 << 20;
+
+/// Spans written and not yet posted: each one a `spans` field of `ScopeSpans`, ready
+/// to follow the request's prefix.
+#[derive(Default)]
+struct Pending {
+    bytes: Vec<u8>,
+    spans: u64,
+}
+
+/// What the hops and the exporting thread share.
+#[derive(Default)]
+struct Shared {
+    pending: Mutex<Pending>,
+    closed: AtomicBool,
+}
+
+thread_local! {
+    /// A hop thread's span being written, and text being formatted for it.
+    static SCRATCH: RefCell<(Vec<u8>, String)> = const { RefCell::new((Vec::new(), String::new())) };
+}
+
 /// The process's exporter.
-#[derive(Debug)]
 pub struct Exporter {
-    tx: Sender<SpanRecord>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
     ratio: f64,
     service: String,
+}
+
+impl std::fmt::Debug for Exporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exporter")
+            .field("ratio", &self.ratio)
+            .field("service", &self.service)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Exporter {
     /// Starts the exporting thread.
     pub fn start(settings: Settings) -> std::io::Result<Self> {
-        let (tx, rx) = crossbeam_channel::bounded(QUEUE);
+        let shared = Arc::new(Shared::default());
         let ratio = settings.ratio;
         let service = settings.service.clone();
-        std::thread::Builder::new()
-            .name("dpumesh-otlp".to_owned())
-            .spawn(move || post_batches(rx, settings))?;
-        Ok(Self { tx, ratio, service })
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("dpumesh-otlp".to_owned())
+                .spawn(move || post_batches(&shared, &settings))?
+        };
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+            ratio,
+            service,
+        })
     }
 
     /// The exporter the environment asks for, if any (a bad setting is logged and no
@@ -185,88 +225,138 @@ impl Exporter {
         &self.service
     }
 
-    /// Queues a finished span (dropped and counted when the queue is full).
-    pub fn record(&self, span: SpanRecord) {
-        if let Err(TrySendError::Full(_)) = self.tx.try_send(span) {
-            metrics::counter!("dpumesh_spans_dropped_total").increment(1);
+    /// Records a finished span: `head`, then what `body` writes. The span is encoded
+    /// on the calling thread into its scratch buffer, then appended to the batch under
+    /// a lock held for one copy (dropped and counted when the batch is full). The
+    /// exporter is woken only when a batch is worth posting early.
+    pub fn record(&self, head: &SpanHead, body: impl FnOnce(&mut SpanWriter<'_>)) {
+        SCRATCH.with_borrow_mut(|(buf, text)| {
+            let mut writer = SpanWriter::start(head, buf, text);
+            body(&mut writer);
+            writer.finish();
+            let full = {
+                let mut pending = self.shared.pending.lock();
+                let before = pending.bytes.len();
+                if before + buf.len() + 8 > QUEUE_BYTES {
+                    drop(pending);
+                    metrics::counter!("dpumesh_spans_dropped_total").increment(1);
+                    return;
+                }
+                put_len_field(SCOPE_SPANS_SPANS, buf.len(), &mut pending.bytes);
+                pending.bytes.extend_from_slice(buf);
+                pending.spans += 1;
+                before < POST_BYTES && pending.bytes.len() >= POST_BYTES
+            };
+            if full && let Some(thread) = &self.thread {
+                thread.thread().unpark();
+            }
+            // A rare huge span must not pin its size in every hop thread.
+            if buf.capacity() > 64 << 10 {
+                *buf = Vec::new();
+            }
+        });
+    }
+}
+
+impl Drop for Exporter {
+    /// Posts what is waiting, then the thread ends.
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        if let Some(thread) = self.thread.take() {
+            thread.thread().unpark();
+            let _ = thread.join();
         }
     }
 }
 
-/// The exporting thread: batches until every sender is gone.
-fn post_batches(rx: Receiver<SpanRecord>, settings: Settings) {
+// Field numbers of OTLP's request messages (collector/trace/v1/trace_service.proto,
+// trace/v1/trace.proto).
+const REQUEST_RESOURCE_SPANS: u32 = 1;
+const RESOURCE_SPANS_RESOURCE: u32 = 1;
+const RESOURCE_SPANS_SCOPE_SPANS: u32 = 2;
+const SCOPE_SPANS_SCOPE: u32 = 1;
+const SCOPE_SPANS_SPANS: u32 = 2;
+
+/// A length-delimited field's key (tags here are below 16) and length.
+fn put_len_field(tag: u32, len: usize, out: &mut Vec<u8>) {
+    out.push(((tag << 3) as u8) | 2);
+    put_raw_varint(len as u64, out);
+}
+
+/// An `ExportTraceServiceRequest`'s bytes before its spans: one `ResourceSpans` (the
+/// process's resource) holding one `ScopeSpans` (the mesh's scope) whose `spans` are
+/// `spans_len` bytes of encoded `spans` fields.
+fn request_prefix(resource: &[u8], scope: &[u8], spans_len: usize) -> Vec<u8> {
+    let len = |n: usize| 1 + varint_len(n as u64) + n;
+    let scope_spans = len(scope.len()) + spans_len;
+    let resource_spans = len(resource.len()) + len(scope_spans);
+    let mut out = Vec::with_capacity(32 + resource.len() + scope.len());
+    put_len_field(REQUEST_RESOURCE_SPANS, resource_spans, &mut out);
+    put_len_field(RESOURCE_SPANS_RESOURCE, resource.len(), &mut out);
+    out.extend_from_slice(resource);
+    put_len_field(RESOURCE_SPANS_SCOPE_SPANS, scope_spans, &mut out);
+    put_len_field(SCOPE_SPANS_SCOPE, scope.len(), &mut out);
+    out.extend_from_slice(scope);
+    out
+}
+
+/// The exporting thread: posts what the hops wrote every `LINGER` (or sooner when a
+/// batch is full), until the exporter is dropped.
+fn post_batches(shared: &Shared, settings: &Settings) {
     let resource = Resource {
-        attributes: attributes(vec![(
-            "service.name",
-            Value::from(settings.service.as_str()),
-        )]),
+        attributes: vec![KeyValue {
+            key: "service.name".to_owned(),
+            value: Some(AnyValue {
+                value: Some(any_value::Value::StringValue(settings.service.clone())),
+            }),
+        }],
         ..Resource::default()
-    };
-    let mut batch = Vec::with_capacity(BATCH);
+    }
+    .encode_to_vec();
+    let scope = InstrumentationScope {
+        name: "dpumesh".to_owned(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        ..InstrumentationScope::default()
+    }
+    .encode_to_vec();
+    let mut batch = Pending::default();
     let mut last_warning: Option<Instant> = None;
-    let mut gone = false;
-    let mut drained = true;
     loop {
-        // The thread sleeps rather than waiting on the queue: a hop's `try_send` then
-        // never wakes it (a wake-up per span doubled the mesh's context switches), and
-        // a span waits at most one `LINGER` for its post. It sleeps only after it
-        // found the queue empty: under load it posts batch after batch.
-        if drained {
-            if gone {
-                return;
-            }
-            std::thread::sleep(LINGER);
+        // The thread sleeps rather than waiting on each span: a hop never wakes it but
+        // for a full batch, and a span waits at most one `LINGER` for its post.
+        let closed = shared.closed.load(Ordering::Acquire);
+        if !closed {
+            std::thread::park_timeout(LINGER);
         }
-        drained = false;
-        while batch.len() < BATCH {
-            match rx.try_recv() {
-                Ok(span) => batch.push(span.into_proto()),
-                Err(crossbeam_channel::TryRecvError::Empty) => {
-                    drained = true;
-                    break;
-                }
-                Err(crossbeam_channel::TryRecvError::Disconnected) => {
-                    gone = true;
-                    drained = true;
-                    break;
+        std::mem::swap(&mut batch, &mut *shared.pending.lock());
+        if batch.spans > 0 {
+            let prefix = request_prefix(&resource, &scope, batch.bytes.len());
+            match post(settings, &prefix, &batch.bytes) {
+                // Counted here, not per span: the handles are looked up once a post.
+                Ok(()) => metrics::counter!("dpumesh_spans_exported_total").increment(batch.spans),
+                Err(e) => {
+                    metrics::counter!("dpumesh_spans_dropped_total").increment(batch.spans);
+                    // Once a minute at most: a collector that is down must not flood the log.
+                    if last_warning.is_none_or(|at| at.elapsed() > Duration::from_secs(60)) {
+                        tracing::warn!(collector = %settings.authority, error = %e, "spans not exported");
+                        last_warning = Some(Instant::now());
+                    }
                 }
             }
         }
-        if batch.is_empty() {
-            continue;
+        batch.bytes.clear();
+        batch.spans = 0;
+        if batch.bytes.capacity() > 2 * POST_BYTES {
+            batch.bytes = Vec::new();
         }
-        let request = ExportTraceServiceRequest {
-            resource_spans: vec![ResourceSpans {
-                resource: Some(resource.clone()),
-                scope_spans: vec![ScopeSpans {
-                    scope: Some(InstrumentationScope {
-                        name: "dpumesh".to_owned(),
-                        version: env!("CARGO_PKG_VERSION").to_owned(),
-                        ..InstrumentationScope::default()
-                    }),
-                    spans: std::mem::take(&mut batch),
-                    schema_url: String::new(),
-                }],
-                schema_url: String::new(),
-            }],
-        };
-        let n = request.resource_spans[0].scope_spans[0].spans.len();
-        match post(&settings, &request.encode_to_vec()) {
-            Ok(()) => metrics::counter!("dpumesh_spans_exported_total").increment(n as u64),
-            Err(e) => {
-                metrics::counter!("dpumesh_spans_dropped_total").increment(n as u64);
-                // Once a minute at most: a collector that is down must not flood the log.
-                if last_warning.is_none_or(|at| at.elapsed() > Duration::from_secs(60)) {
-                    tracing::warn!(collector = %settings.authority, error = %e, "spans not exported");
-                    last_warning = Some(Instant::now());
-                }
-            }
+        if closed {
+            return;
         }
     }
 }
 
-/// POSTs one protobuf body; Ok when the collector answered 2xx.
-fn post(settings: &Settings, body: &[u8]) -> std::io::Result<()> {
+/// POSTs one protobuf body (`prefix` then `spans`); Ok when the collector answered 2xx.
+fn post(settings: &Settings, prefix: &[u8], spans: &[u8]) -> std::io::Result<()> {
     let addr: SocketAddr = settings
         .authority
         .to_socket_addrs()?
@@ -279,10 +369,11 @@ fn post(settings: &Settings, body: &[u8]) -> std::io::Result<()> {
         "POST {} HTTP/1.1\r\nhost: {}\r\ncontent-type: application/x-protobuf\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         settings.path,
         settings.authority,
-        body.len()
+        prefix.len() + spans.len()
     );
     s.write_all(head.as_bytes())?;
-    s.write_all(body)?;
+    s.write_all(prefix)?;
+    s.write_all(spans)?;
     let mut reader = BufReader::new(s);
     let mut status = String::new();
     reader.read_line(&mut status)?;
@@ -304,6 +395,8 @@ fn post(settings: &Settings, body: &[u8]) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+
     use super::*;
 
     fn settings(vars: &[(&str, &str)]) -> Result<Option<Settings>, SettingsError> {
@@ -386,18 +479,29 @@ mod tests {
         })
         .unwrap();
         let now = std::time::SystemTime::now();
-        exporter.record(SpanRecord {
+        let head = SpanHead {
             trace_id: [1; 16],
             span_id: [2; 8],
             parent: Some([3; 8]),
-            name: "hop".into(),
             kind: crate::SpanKind::Server,
             start: now,
             end: now,
-            attributes: vec![("http.response.status_code", Value::Int(200))],
-            events: Vec::new(),
-            error: None,
+        };
+        exporter.record(&head, |w| {
+            w.name(format_args!("hop"))
+                .attr("http.response.status_code", crate::Value::Int(200));
         });
+        exporter.record(
+            &SpanHead {
+                span_id: [4; 8],
+                ..head
+            },
+            |w| {
+                w.name(format_args!("second {}", 2));
+            },
+        );
+        // Dropping the exporter posts what waits.
+        let closing = std::thread::spawn(move || drop(exporter));
         let (mut s, _) = listener.accept().unwrap();
         let mut reader = BufReader::new(s.try_clone().unwrap());
         let mut length = 0;
@@ -418,10 +522,26 @@ mod tests {
         reader.read_exact(&mut body).unwrap();
         s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
             .unwrap();
+        closing.join().unwrap();
         let request = ExportTraceServiceRequest::decode(&body[..]).unwrap();
-        let span = &request.resource_spans[0].scope_spans[0].spans[0];
-        assert_eq!(span.name, "hop");
+        let resource = &request.resource_spans[0];
+        let service = &resource.resource.as_ref().unwrap().attributes[0];
+        assert_eq!(service.key, "service.name");
+        assert_eq!(
+            service.value.as_ref().unwrap().value,
+            Some(
+                opentelemetry_proto::tonic::common::v1::any_value::Value::StringValue(
+                    "test".into()
+                )
+            )
+        );
+        let scope = &resource.scope_spans[0];
+        assert_eq!(scope.scope.as_ref().unwrap().name, "dpumesh");
+        let names: Vec<&str> = scope.spans.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["hop", "second 2"]);
+        let span = &scope.spans[0];
         assert_eq!(span.parent_span_id, vec![3; 8]);
         assert_eq!(span.trace_id, vec![1; 16]);
+        assert_eq!(scope.spans[1].span_id, vec![4; 8]);
     }
 }

@@ -4,8 +4,8 @@
 //!
 //! A hop records its span when the exchange ends, from what it already knows (times,
 //! status, the filters' times): nothing is built for a request that is not sampled,
-//! and a sampled one costs one `try_send` on the data path. A thread batches the spans
-//! and posts them ([`export`]). Configuration is OpenTelemetry's own environment
+//! and a sampled one is encoded in protobuf on the hop's thread ([`span`]) and
+//! appended to the process's batch. A thread posts the batches ([`export`]). Configuration is OpenTelemetry's own environment
 //! ([`Settings::from_env`]); sampling is parent-based with a trace-id ratio
 //! ([`context`]), so every hop of one trace decides alike.
 
@@ -17,4 +17,4 @@ pub mod span;
 
 pub use context::{SpanId, TraceContext, TraceId};
 pub use export::{Exporter, Settings, SettingsError};
-pub use span::{Event, SpanKind, SpanRecord, Value};
+pub use span::{SpanHead, SpanKind, SpanWriter, Value};

@@ -138,7 +138,7 @@ fn span(
     failure: FailureKind,
     latency: Duration,
 ) {
-    use dpumesh_traces::{Event, SpanKind, SpanRecord, TraceContext, Value};
+    use dpumesh_traces::{SpanHead, SpanKind, TraceContext, Value};
     let Some(head) = exchange.head.as_ref() else {
         return;
     };
@@ -166,50 +166,44 @@ fn span(
     }
     let end = SystemTime::now();
     let start = end.checked_sub(latency).unwrap_or(end);
-    let mut at = start;
-    let events = exchange
-        .seen
-        .filters
-        .iter()
-        .map(|t| {
-            at += Duration::from_nanos(t.ns);
-            Event {
-                name: format!("filter {}", t.filter),
-                time: at,
-                attributes: vec![(
-                    "dpumesh.filter.duration_us",
-                    Value::Float(t.ns as f64 / 1e3),
-                )],
-            }
-        })
-        .collect();
-    let mut attributes = vec![
-        ("http.request.method", Value::from(head.method.as_str())),
-        ("url.path", Value::from(head.path.as_str())),
-        ("http.response.status_code", Value::Int(i64::from(status))),
-        ("http.route", Value::from(route)),
-        ("dpumesh.source", Value::from(source)),
-        ("dpumesh.service", Value::from(exchange.service.as_str())),
-        ("dpumesh.failure", Value::from(failure_name(failure))),
-        ("dpumesh.attempts", Value::Int(i64::from(exchange.attempt))),
-    ];
-    if let Some(filter) = &exchange.seen.denied_by {
-        attributes.push(("dpumesh.denied_by", Value::from(&**filter)));
-    }
-    if let Some(code) = exchange.seen.grpc_status {
-        attributes.push(("rpc.grpc.status_code", Value::Int(i64::from(code))));
-    }
-    traces.record(SpanRecord {
+    let head_of_span = SpanHead {
         trace_id: ctx.trace_id,
         span_id: ctx.span_id,
         parent: parent.map(|p| p.span_id),
-        name: format!("dpumesh.proxy {} {}", exchange.service, route),
         kind: SpanKind::Server,
         start,
         end,
-        attributes,
-        events,
-        error: (status >= 500).then(|| format!("{status} ({})", failure_name(failure))),
+    };
+    traces.record(&head_of_span, |w| {
+        if status >= 500 {
+            // Before `http_server`'s bare status: a span's first error is the one kept.
+            w.error(format_args!("{status} ({})", failure_name(failure)));
+        }
+        w.name(format_args!("dpumesh.proxy {} {}", exchange.service, route))
+            .http_server(&head.method, &head.path, status)
+            .attr("http.route", Value::Str(route))
+            .attr("dpumesh.source", Value::Str(source))
+            .attr("dpumesh.service", Value::Str(&exchange.service))
+            .attr("dpumesh.failure", Value::Str(failure_name(failure)))
+            .attr("dpumesh.attempts", Value::Int(i64::from(exchange.attempt)));
+        if let Some(filter) = &exchange.seen.denied_by {
+            w.attr("dpumesh.denied_by", Value::Str(filter));
+        }
+        if let Some(code) = exchange.seen.grpc_status {
+            w.attr("rpc.grpc.status_code", Value::Int(i64::from(code)));
+        }
+        let mut at = Duration::ZERO;
+        for t in &exchange.seen.filters {
+            at += Duration::from_nanos(t.ns);
+            w.event(
+                format_args!("filter {}", t.filter),
+                at,
+                &[(
+                    "dpumesh.filter.duration_us",
+                    Value::Float(t.ns as f64 / 1e3),
+                )],
+            );
+        }
     });
 }
 
