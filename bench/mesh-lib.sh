@@ -89,7 +89,7 @@ start_mesh() { # transport [plain|component|cores2|nopingmesh|tls|grpc]
     # the nodes ran filters before core instances).
     local core=on
     [ "${2:-}" = component ] && core=off
-    DPUMESH_CORE_CALLS=$core ./target/release/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
+    DPUMESH_CORE_CALLS=$core "${BIN:-./target/release}"/dpumesh up --config "$work/mesh-$1.yaml" > "$work/up-$1.log" 2>&1 &
     up_pid=$!
     for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up-$1.log" && break; sleep 0.2; done
     grep -q "Ctrl-C stops" "$work/up-$1.log" || { cat "$work/up-$1.log"; echo "the mesh did not start"; exit 1; }

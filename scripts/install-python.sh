@@ -20,6 +20,8 @@ python3 -c "import grpc, grpc_tools" 2>/dev/null || "${pip[@]}" "grpcio>=1.60,<2
 # websockets: an unmodified WebSocket server and client through the mesh
 # (cli/tests/bridge.rs).
 python3 -c "import websockets" 2>/dev/null || "${pip[@]}" "websockets>=12,<16"
+# matplotlib: bench/scale.sh's plots (one PNG per dimension).
+python3 -c "import matplotlib" 2>/dev/null || "${pip[@]}" "matplotlib>=3.7,<4"
 python3 -c "import maturin" 2>/dev/null || "${pip[@]}" "maturin>=1.9.4,<2"
 # No build isolation: maturin (installed above) builds with the workspace's Cargo.lock
 # and target directory, so the Rust dependencies are shared with the other builds.

@@ -199,6 +199,16 @@ fn put_key_value(tag: u32, key: &str, value: &Value<'_>, buf: &mut Vec<u8>) {
     }
 }
 
+/// One span alone in OTLP's `Span` encoding (what [`crate::Exporter::record`] appends to
+/// its batch): for tests and fuzzing, which decode it.
+pub fn encoded(head: &SpanHead, body: impl FnOnce(&mut SpanWriter<'_>)) -> Vec<u8> {
+    let (mut buf, mut text) = (Vec::new(), String::new());
+    let mut writer = SpanWriter::start(head, &mut buf, &mut text);
+    body(&mut writer);
+    writer.finish();
+    buf
+}
+
 /// Writes one span's fields after its head; see [`crate::Exporter::record`].
 pub struct SpanWriter<'w> {
     buf: &'w mut Vec<u8>,
@@ -330,11 +340,7 @@ mod tests {
     use super::*;
 
     fn written(head: &SpanHead, body: impl FnOnce(&mut SpanWriter<'_>)) -> Span {
-        let (mut buf, mut text) = (Vec::new(), String::new());
-        let mut w = SpanWriter::start(head, &mut buf, &mut text);
-        body(&mut w);
-        w.finish();
-        Span::decode(&buf[..]).expect("the span decodes")
+        Span::decode(&encoded(head, body)[..]).expect("the span decodes")
     }
 
     fn kv(key: &str, value: any_value::Value) -> KeyValue {
