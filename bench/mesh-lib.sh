@@ -3,7 +3,7 @@
 # `dpumesh up`, the processes of its parts, and one wrk run measured with the CPU and
 # context switches of chosen processes.
 # Needs: TOKEN, DURATION (WARMUP optional), and the release build of dpumesh and
-# the hotel sample.
+# the hotel sample (or another build's folder in BIN, e.g. ./target/debug).
 
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
