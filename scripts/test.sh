@@ -98,6 +98,10 @@ tests() {
         python3 -m pytest -q host-lib/python/tests
     step "deploy/ (Helm chart rendered by Helm, DPF manifests against the DPF CRDs, kustomize, Kubernetes schemas)" \
         python3 -m pytest -q deploy/tests
+    # A benchmark, not a test: this runs it so it cannot rot (its build is the debug
+    # one cargo test just made: no new compile). Its figures are not judged.
+    step "bench/scale.sh --quick (the scaling sweep runs: two short steps a dimension)" \
+        ./bench/scale.sh --quick
 }
 
 ./scripts/install-toolchain.sh
