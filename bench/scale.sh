@@ -88,25 +88,12 @@ chmod 777 "$work/nginx-body"
 
 # The peers: an nginx origin (drops what it is sent, answers "pong"), nginx proxying
 # to it, and HAProxy proxying to it; each one process, restartable on its own.
-cat > "$work/origin.conf" <<NGINX
+nginx_conf() { # name http-block: one nginx process of its own (pid, log, config)
+    cat > "$work/$1.conf" <<NGINX
 worker_processes 1;
 worker_rlimit_nofile 30000;
-pid $work/origin.pid;
-error_log $work/origin-error.log;
-events { worker_connections 30000; }
-http {
-    access_log off;
-    keepalive_requests 1000000;
-    client_max_body_size 16m;
-    client_body_temp_path $work/nginx-body;
-    server { listen 127.0.0.1:18280; location / { return 200 "pong\n"; } }
-}
-NGINX
-cat > "$work/proxy.conf" <<NGINX
-worker_processes 1;
-worker_rlimit_nofile 30000;
-pid $work/proxy.pid;
-error_log $work/proxy-error.log;
+pid $work/$1.pid;
+error_log $work/$1-error.log;
 events { worker_connections 30000; }
 http {
     access_log off;
@@ -114,13 +101,16 @@ http {
     keepalive_timeout 300s;
     client_max_body_size 16m;
     client_body_temp_path $work/nginx-body;
-    upstream origin { server 127.0.0.1:18280; keepalive 64; }
+$2
+}
+NGINX
+}
+nginx_conf origin '    server { listen 127.0.0.1:18280; location / { return 200 "pong\n"; } }'
+nginx_conf proxy '    upstream origin { server 127.0.0.1:18280; keepalive 64; }
     server {
         listen 127.0.0.1:18281;
         location / { proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection ""; }
-    }
-}
-NGINX
+    }'
 cat > "$work/haproxy.cfg" <<CFG
 global
     nbthread 2

@@ -16,23 +16,15 @@ pub struct TraceContext {
     pub sampled: bool,
 }
 
-/// One hex digit's value (either case).
-fn nibble(c: u8) -> Option<u8> {
-    match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    }
-}
-
 fn hex_into(text: &str, out: &mut [u8]) -> Option<()> {
     let text = text.as_bytes();
     if text.len() != out.len() * 2 {
         return None;
     }
+    // `to_digit` takes either case and no sign (`from_str_radix` took "+6").
+    let digit = |c: u8| char::from(c).to_digit(16).map(|d| d as u8);
     for (byte, pair) in out.iter_mut().zip(text.chunks_exact(2)) {
-        *byte = (nibble(pair[0])? << 4) | nibble(pair[1])?;
+        *byte = (digit(pair[0])? << 4) | digit(pair[1])?;
     }
     Some(())
 }

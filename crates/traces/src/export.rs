@@ -26,7 +26,7 @@ use opentelemetry_proto::tonic::resource::v1::Resource;
 use parking_lot::Mutex;
 use prost::Message;
 
-use crate::span::{SpanHead, SpanWriter, put_raw_varint, varint_len};
+use crate::span::{SpanHead, SpanWriter, field_len, put_len};
 
 /// How long a span may wait for its batch.
 const LINGER: Duration = Duration::from_millis(500);
@@ -242,7 +242,7 @@ impl Exporter {
                     metrics::counter!("dpumesh_spans_dropped_total").increment(1);
                     return;
                 }
-                put_len_field(SCOPE_SPANS_SPANS, buf.len(), &mut pending.bytes);
+                put_len(SCOPE_SPANS_SPANS, buf.len(), &mut pending.bytes);
                 pending.bytes.extend_from_slice(buf);
                 pending.spans += 1;
                 before < POST_BYTES && pending.bytes.len() >= POST_BYTES
@@ -277,25 +277,18 @@ const RESOURCE_SPANS_SCOPE_SPANS: u32 = 2;
 const SCOPE_SPANS_SCOPE: u32 = 1;
 const SCOPE_SPANS_SPANS: u32 = 2;
 
-/// A length-delimited field's key (tags here are below 16) and length.
-fn put_len_field(tag: u32, len: usize, out: &mut Vec<u8>) {
-    out.push(((tag << 3) as u8) | 2);
-    put_raw_varint(len as u64, out);
-}
-
 /// An `ExportTraceServiceRequest`'s bytes before its spans: one `ResourceSpans` (the
 /// process's resource) holding one `ScopeSpans` (the mesh's scope) whose `spans` are
 /// `spans_len` bytes of encoded `spans` fields.
 fn request_prefix(resource: &[u8], scope: &[u8], spans_len: usize) -> Vec<u8> {
-    let len = |n: usize| 1 + varint_len(n as u64) + n;
-    let scope_spans = len(scope.len()) + spans_len;
-    let resource_spans = len(resource.len()) + len(scope_spans);
+    let scope_spans = field_len(scope.len()) + spans_len;
+    let resource_spans = field_len(resource.len()) + field_len(scope_spans);
     let mut out = Vec::with_capacity(32 + resource.len() + scope.len());
-    put_len_field(REQUEST_RESOURCE_SPANS, resource_spans, &mut out);
-    put_len_field(RESOURCE_SPANS_RESOURCE, resource.len(), &mut out);
+    put_len(REQUEST_RESOURCE_SPANS, resource_spans, &mut out);
+    put_len(RESOURCE_SPANS_RESOURCE, resource.len(), &mut out);
     out.extend_from_slice(resource);
-    put_len_field(RESOURCE_SPANS_SCOPE_SPANS, scope_spans, &mut out);
-    put_len_field(SCOPE_SPANS_SCOPE, scope.len(), &mut out);
+    put_len(RESOURCE_SPANS_SCOPE_SPANS, scope_spans, &mut out);
+    put_len(SCOPE_SPANS_SCOPE, scope.len(), &mut out);
     out.extend_from_slice(scope);
     out
 }

@@ -129,7 +129,7 @@ fn put_key(tag: u32, wire: u8, buf: &mut Vec<u8>) {
 /// A varint (written here rather than with `prost::encoding`, whose generic writer
 /// was a third of a span's cost).
 #[inline]
-pub(crate) fn put_raw_varint(mut n: u64, buf: &mut Vec<u8>) {
+fn put_raw_varint(mut n: u64, buf: &mut Vec<u8>) {
     while n >= 0x80 {
         buf.push((n as u8) | 0x80);
         n >>= 7;
@@ -139,18 +139,19 @@ pub(crate) fn put_raw_varint(mut n: u64, buf: &mut Vec<u8>) {
 
 /// The length of `n` as a varint.
 #[inline]
-pub(crate) fn varint_len(n: u64) -> usize {
+fn varint_len(n: u64) -> usize {
     // 1 byte per 7 bits, at least one.
     (64 - (n | 1).leading_zeros() as usize).div_ceil(7)
 }
 
 /// The length of a length-delimited field of `len` bytes, key included.
-fn field_len(len: usize) -> usize {
+pub(crate) fn field_len(len: usize) -> usize {
     1 + varint_len(len as u64) + len
 }
 
+/// A length-delimited field's key and length (its bytes follow).
 #[inline]
-fn put_len(tag: u32, len: usize, buf: &mut Vec<u8>) {
+pub(crate) fn put_len(tag: u32, len: usize, buf: &mut Vec<u8>) {
     put_key(tag, LEN, buf);
     put_raw_varint(len as u64, buf);
 }
