@@ -428,6 +428,7 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         max_body: i.max_body(),
         body_timeout: i.body_timeout(),
         header_timeout: i.header_timeout(),
+        idle_timeout: i.idle_timeout(),
         max_headers: i.max_headers(),
         request_timeout: i.request_timeout(),
         slots: i.slots(),

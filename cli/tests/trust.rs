@@ -160,7 +160,7 @@ fn slow_clients_are_cut_off_and_do_not_hold_the_ingress() {
     let mesh = Mesh::up_with(|m| {
         m.replace(
             "body_timeout: 10s",
-            "body_timeout: 1s\n  header_timeout: 1s",
+            "body_timeout: 1s\n  header_timeout: 1s\n  idle_timeout: 3s",
         )
     });
     let alice = token("alice", &["user"]);
@@ -230,6 +230,43 @@ fn slow_clients_are_cut_off_and_do_not_hold_the_ingress() {
         trickle.elapsed() < Duration::from_secs(3),
         "{:?}",
         trickle.elapsed()
+    );
+
+    // A kept-alive connection quiet for longer than the head limit is still served:
+    // between requests the idle limit (3 s here) applies, not the head's (1 s).
+    let request =
+        format!("GET /ping HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\n\r\n");
+    let mut kept = TcpStream::connect(mesh.ingress).unwrap();
+    kept.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    for quiet in [Duration::ZERO, Duration::from_millis(2_000)] {
+        std::thread::sleep(quiet);
+        kept.write_all(request.as_bytes()).unwrap();
+        let n = kept.read(&mut buf).unwrap();
+        let answer = String::from_utf8_lossy(&buf[..n]);
+        assert!(
+            answer.starts_with("HTTP/1.1 200"),
+            "after {quiet:?} quiet: {answer}"
+        );
+    }
+    // Past the idle limit it is closed, as if the client had closed it: no answer.
+    let quiet = Instant::now();
+    let rest = read_all(&mut kept, Duration::from_secs(10));
+    assert_eq!(rest, "", "nothing is sent on an idle connection");
+    assert!(
+        (Duration::from_millis(2_500)..Duration::from_secs(6)).contains(&quiet.elapsed()),
+        "closed at the idle limit: {:?}",
+        quiet.elapsed()
+    );
+    // A connection that says nothing at all has the head limit from its accept.
+    let mut silent = TcpStream::connect(mesh.ingress).unwrap();
+    let opened = Instant::now();
+    assert_eq!(read_all(&mut silent, Duration::from_secs(10)), "");
+    assert!(
+        opened.elapsed() < Duration::from_millis(2_500),
+        "a silent connection is cut off at the head limit: {:?}",
+        opened.elapsed()
     );
 }
 

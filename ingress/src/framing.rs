@@ -354,6 +354,33 @@ impl Chunk {
     }
 }
 
+/// Where a connection's reader is between messages, as its [`Tracker`] sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// No byte of the next head yet.
+    Between,
+    /// Part of a head came, not its end.
+    InHead,
+    /// In a body, or not followed any more (HTTP/2, a tunnel, a head hyper refuses).
+    Other,
+}
+
+impl Tracker {
+    /// Where the reader is.
+    pub fn phase(&self) -> Phase {
+        match self.state {
+            State::Head if self.kept.is_empty() => Phase::Between,
+            State::Head => Phase::InHead,
+            _ => Phase::Other,
+        }
+    }
+
+    /// Heads seen so far.
+    pub fn heads(&self) -> u64 {
+        self.index
+    }
+}
+
 /// A connection whose reads are watched by a [`Tracker`].
 pub struct Sniff<T> {
     inner: T,
@@ -363,6 +390,11 @@ pub struct Sniff<T> {
 impl<T> Sniff<T> {
     pub fn new(inner: T, tracker: Tracker) -> Self {
         Self { inner, tracker }
+    }
+
+    /// The connection's tracker.
+    pub fn tracker(&self) -> &Tracker {
+        &self.tracker
     }
 }
 

@@ -1,19 +1,19 @@
-//! hyper's header-read timeout on one deadline list per ingress thread.
+//! The client connections' head and idle clocks (`idle`) on one deadline list per
+//! ingress thread.
 //!
-//! hyper arms its header-read timer each time a keep-alive connection waits for its
-//! next request head, and drops it once the head is in: once per request. With
-//! `TokioTimer` each arming is a new timer in tokio's wheel, and one due earlier than
-//! the deadline the runtime last parked for makes tokio wake its own driver: an
-//! eventfd write, a system call on the request path. Under `bench/mesh.sh`'s load that
-//! was about one request in five (the ingress's only `write` besides the fabric's
-//! doorbells).
+//! A connection moves its clock about once per request (a head's limit, then the
+//! idle limit after its answer). With `TokioTimer` each arming is a new timer in
+//! tokio's wheel, and one due earlier than the deadline the runtime last parked for
+//! makes tokio wake its own driver: an eventfd write, a system call on the request
+//! path. Under `bench/mesh.sh`'s load that was about one request in five with hyper's
+//! own header timer (the ingress's only `write` besides the fabric's doorbells).
 //!
 //! Here each such sleep is an entry in a list the thread keeps, and one tokio timer,
 //! armed for the earliest entry, fires them. Deadlines of one timeout only move later,
-//! so an entry is added without touching tokio; the timer is armed again when it fires
-//! (at most about once per timeout under load, finding the entries it was armed for
-//! long gone) or when an entry comes due before it (the first one after an idle
-//! spell). An idle thread has no entry and no timer.
+//! so an entry is added or moved without touching tokio; the timer is armed again
+//! when it fires (finding most of the entries it was armed for moved on) or when an
+//! entry comes due before it (the first one after an idle spell, a head's limit below
+//! an idle one). An idle thread has no entry and no timer.
 
 use std::future::Future;
 use std::pin::Pin;

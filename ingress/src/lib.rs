@@ -21,6 +21,7 @@ pub mod eject;
 pub mod fair;
 pub mod framing;
 mod header_timer;
+mod idle;
 pub mod tls;
 mod traced;
 mod tunnel;
@@ -65,8 +66,11 @@ pub struct Settings {
     pub max_body: usize,
     /// Time to receive a request body.
     pub body_timeout: Duration,
-    /// Time to receive a request head once its first byte came (slow clients).
+    /// Time to receive a request head once its first byte came (slow clients), and
+    /// the first one from the accept.
     pub header_timeout: Duration,
+    /// How long a client connection with no request open is kept.
+    pub idle_timeout: Duration,
     /// Most header fields in a request head (more: 431).
     pub max_headers: usize,
     /// Time to get an answer.
@@ -400,18 +404,26 @@ async fn connection<F: Fabric, IO>(
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let settings = &state.routing.settings;
-    let (max_head, max_headers, header_timeout) = (
-        settings.max_head,
-        settings.max_headers,
-        settings.header_timeout,
-    );
-    let header_timer = state.header_timer.clone();
+    let (max_head, max_headers) = (settings.max_head, settings.max_headers);
+    let timeouts = idle::Timeouts {
+        head: settings.header_timeout,
+        idle: settings.idle_timeout,
+    };
     // Which HTTP/1 requests on this connection had both framings (hyper drops the
     // Content-Length before the handler could see it).
     // Shared with the connection's reader, which an upgrade (a WebSocket) hands to
     // hyper as a `Send` stream.
     let ambiguous = Arc::new(parking_lot::Mutex::new(framing::Ambiguous::default()));
     let stream = framing::Sniff::new(stream, framing::Tracker::new(max_head, ambiguous.clone()));
+    // The reader times heads and idle spells (hyper's own header timer would also
+    // close a kept-alive connection between requests).
+    let activity = idle::Activity::new();
+    let stream = idle::Watched::new(
+        stream,
+        activity.clone(),
+        state.header_timer.clone(),
+        timeouts,
+    );
     let alpn = session.as_ref().map_or(tls::Alpn::None, |s| s.alpn);
     let served = std::cell::Cell::new(0u64);
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -425,20 +437,28 @@ async fn connection<F: Fabric, IO>(
         } else {
             None
         };
+        let open = activity.open();
+        let activity = activity.clone();
+        let connect = req.method() == http::Method::CONNECT;
         // Boxed: hyper moves the service's future into each HTTP/2 stream's task
         // (and HTTP/1's dispatcher holds it inline), and `handle`'s future is
         // 3 KiB: one allocation costs less than copying it on every move.
         Box::pin(async move {
-            Ok::<_, Infallible>(handle(&state, req, peer, session.as_deref(), refused).await)
+            let response = handle(&state, req, peer, session.as_deref(), refused).await;
+            let status = response.status();
+            if status == StatusCode::SWITCHING_PROTOCOLS || (connect && status.is_success()) {
+                activity.tunnel();
+            }
+            Ok::<_, Infallible>(response.map(|body| idle::Answered::new(body, open)))
         })
     });
     let mut builder = hyper_util::server::conn::auto::Builder::new(LocalExec);
     builder
         .http1()
-        .timer(header_timer.clone())
         .max_buf_size(max_head)
         .max_headers(max_headers)
-        .header_read_timeout(header_timeout);
+        // Timed by the reader (`idle`).
+        .header_read_timeout(None);
     builder
         .http2()
         .timer(TokioTimer::new())

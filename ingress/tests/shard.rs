@@ -177,6 +177,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
             max_body: 4096,
             body_timeout: Duration::from_secs(5),
             header_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
             max_headers: 100,
             request_timeout: Duration::from_secs(1),
             slots: 4,

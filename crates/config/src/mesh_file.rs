@@ -11,6 +11,7 @@
 //!   max_body: 8MiB                 # larger bodies: 413
 //!   body_timeout: 10s              # a body not received in time: 408
 //!   header_timeout: 10s            # a head not received in time: connection closed
+//!   idle_timeout: 60s              # a connection with no request open: closed
 //!   max_headers: 100               # more header fields: 431
 //!   request_timeout: 30s           # no answer in time: 504
 //!   slots: 128                     # requests in flight
@@ -51,6 +52,9 @@ pub struct IngressConfig {
     /// Time to receive a head once it started (default 10 s): slow clients
     /// (slowloris) are cut off.
     pub header_timeout: Option<Span>,
+    /// How long a client connection with no request open is kept (default 60 s):
+    /// HTTP/1 between requests, HTTP/2 with no stream.
+    pub idle_timeout: Option<Span>,
     /// Most header fields in a head (default 100; more: 431).
     pub max_headers: Option<usize>,
     /// Time to get an answer (default 30 s).
@@ -91,6 +95,9 @@ impl IngressConfig {
     }
     pub fn header_timeout(&self) -> Duration {
         self.header_timeout.map_or(Duration::from_secs(10), |s| s.0)
+    }
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout.map_or(Duration::from_secs(60), |s| s.0)
     }
     pub fn max_headers(&self) -> usize {
         self.max_headers.unwrap_or(100)
