@@ -17,6 +17,7 @@ pub mod ingress_tls;
 pub mod mesh_file;
 pub mod pingmesh;
 pub mod proxy;
+mod route_index;
 pub mod routes;
 pub mod store;
 pub mod units;

@@ -1,7 +1,8 @@
 //! Routing: host and path prefix → service and chain. First match wins, in config
-//! order.
+//! order (found through `route_index`, not by a scan).
 
 use crate::proxy::{CacheConfig, ProxyConfig, RetryConfig, ServiceConfig};
+use crate::route_index::{HostKey, RouteIndex};
 use crate::units::Span;
 
 /// Timeout and retries of a route (or of a service, for mesh calls).
@@ -85,6 +86,8 @@ impl HostMatch {
         }
     }
 
+    /// Whether `host` matches (the index's oracle in tests: what a scan would ask).
+    #[cfg(test)]
     fn matches(&self, host: &str) -> bool {
         match self {
             Self::Any => true,
@@ -115,13 +118,14 @@ pub struct RouteMatch<'a> {
 #[derive(Debug, Clone, Default)]
 pub struct RouteTable {
     routes: Vec<Route>,
+    index: RouteIndex,
 }
 
 impl RouteTable {
     /// Builds the table; `chain_index` maps chain names to their index in the
     /// generation (a checked config names only existing chains).
     pub fn new(config: &ProxyConfig, chain_index: impl Fn(&str) -> Option<usize>) -> Self {
-        let routes = config
+        let routes: Vec<Route> = config
             .routes
             .iter()
             .filter_map(|r| {
@@ -149,21 +153,39 @@ impl RouteTable {
                 })
             })
             .collect();
-        Self { routes }
+        let mut index = RouteIndex::default();
+        for (number, r) in routes.iter().enumerate() {
+            let host = match &r.host {
+                HostMatch::Any => HostKey::Any,
+                HostMatch::Exact(h) => HostKey::Exact(h),
+                HostMatch::Suffix(s) => HostKey::Suffix(s),
+            };
+            // A policy of more than 4 billion routes is not one a file holds.
+            index.add(host, &r.path_prefix, number as u32);
+        }
+        Self { routes, index }
     }
 
     /// The first route matching `host` (port ignored) and `path`.
     pub fn find(&self, host: &str, path: &str) -> Option<RouteMatch<'_>> {
-        let host = strip_port(host);
-        self.routes
-            .iter()
-            .find(|r| r.host.matches(host) && path.starts_with(&r.path_prefix))
-            .map(|r| RouteMatch {
-                service: &r.service,
-                label: &r.label,
-                chain: r.chain,
-                policy: r.policy,
-            })
+        let number = self.index.find(strip_port(host), path)?;
+        let r = &self.routes[number as usize];
+        Some(RouteMatch {
+            service: &r.service,
+            label: &r.label,
+            chain: r.chain,
+            policy: r.policy,
+        })
+    }
+
+    /// How many routes the table has.
+    pub fn len(&self) -> usize {
+        self.routes.len()
+    }
+
+    /// Whether it has none.
+    pub fn is_empty(&self) -> bool {
+        self.routes.is_empty()
     }
 }
 
@@ -220,6 +242,70 @@ routes:
         );
         assert_eq!(label("www.example.com", "/").unwrap(), "*.example.com/");
         assert_eq!(label("other", "/healthz").unwrap(), "*/health");
+    }
+
+    /// The index finds what a scan in config order finds, over random tables with
+    /// shared, nested and multibyte prefixes and every kind of host pattern.
+    #[test]
+    fn the_index_finds_what_a_scan_finds() {
+        let hosts = [
+            "",
+            "a.example.com",
+            "*.example.com",
+            "B.example.com",
+            "*",
+            "*ample.com",
+        ];
+        let prefixes = ["/", "/a", "/ab", "/a/b", "/é", "/éa", "/b"];
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for round in 0..200 {
+            let mut text = String::from(
+                "filters: {f: {component: f.wasm}}\nchains: {a: [f]}\nservices: {s: {chain: a}}\nroutes:\n",
+            );
+            for _ in 0..1 + next(12) {
+                let host = hosts[next(hosts.len())];
+                let host = if host.is_empty() {
+                    String::new()
+                } else {
+                    format!("host: \"{host}\", ")
+                };
+                text += &format!(
+                    "  - {{{host}path_prefix: \"{}\", service: s}}\n",
+                    prefixes[next(prefixes.len())]
+                );
+            }
+            let c = LoadedConfig::parse(Path::new("p.yaml"), text.clone()).unwrap();
+            let table = RouteTable::new(&c.config, |_| Some(0));
+            for host in [
+                "a.example.com",
+                "A.EXAMPLE.com:80",
+                "b.example.com",
+                "example.com",
+                "xample.com",
+                "other",
+            ] {
+                for path in ["/", "/a", "/ab/c", "/a/b", "/éa", "/é", "/x", ""] {
+                    let scan = table
+                        .routes
+                        .iter()
+                        .find(|r| {
+                            r.host.matches(strip_port(host)) && path.starts_with(&r.path_prefix)
+                        })
+                        .map(|r| &r.label);
+                    assert_eq!(
+                        table.find(host, path).map(|m| m.label),
+                        scan,
+                        "round {round}, {host}{path} in\n{text}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
