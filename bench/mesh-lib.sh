@@ -8,7 +8,8 @@
 # The mesh on its own ports, from a mesh file in the run's temporary folder (the
 # sample's policy by absolute path; nothing is written into the repository).
 mesh_file() { # transport [plain|component|cores2|nopingmesh|tls|grpc|bridge]
-    local policy="$PWD/samples/hotel/policy.yaml"
+    # POLICY: another policy file (bench/scale.sh's generated ones).
+    local policy="${POLICY:-$PWD/samples/hotel/policy.yaml}"
     case "${2:-}" in grpc|bridge) policy=$(bench_policy) ;; esac
     sed -e 's/127.0.0.1:8000/127.0.0.1:18090/' -e 's/127.0.0.1:7101/127.0.0.1:18091/' \
         -e 's/127.0.0.1:7102/127.0.0.1:18092/' -e 's/127.0.0.1:9101/127.0.0.1:18093/' \

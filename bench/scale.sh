@@ -20,6 +20,32 @@
 #                proxy on the DPU), nginx proxy (its worker, buffering bodies as
 #                shipped) and HAProxy (both in front of an nginx origin that drops
 #                the body); the mesh's ingress + nodes' CPU per MB apart.
+#   routes       the policy's routes, 100 -> 50 000, over routes/50 services of their
+#                own (a tenth of the routes on hosts of their own, the rest under
+#                /sN/rM prefixes), all before the hotel's own routes, so /ping, the
+#                loaded one, is found past every other (wrk -t1 -c32): req/s, p99 and
+#                CPU per request of the ingress and nodes, their RSS, the mesh's
+#                start-up time, and a reload under load (one route added): the time
+#                until every worker of both nodes runs it (bench/scale/published.py;
+#                the nodes look at the file every 250 ms) and the requests that failed
+#                meanwhile. HAProxy beside it with the same prefixes in a map_beg map
+#                (its way to route by many prefixes), /ping last.
+#   subjects     rate-limit subjects, 1 -> 1 000 000: the bench chain's rate limit keyed
+#                on an x-subject header that wrk draws at random among N for each
+#                request: req/s and CPU per request of the ingress and nodes, node1's
+#                RSS and its shared-state entries (bounded at 1 000 000), and the
+#                requests whose bucket the store had no room for (let through).
+#   filters      filters in the bench chain, 1 -> 16 (jwt, then copies of rbac): req/s,
+#                CPU per request, node1's RSS and its filters' live instances.
+#   keys         HS256 keys in the JWKS the tokens are checked with, 1 -> 100, with
+#                100 000 distinct tokens (each signed by key i % K, cycled in order,
+#                so the JWT filter's 1 000-entry cache never hits): chain CPU per
+#                request on a miss. HAProxy beside it checks each token's kid
+#                against one rule per key (its jwt_verify takes one secret).
+#   tokens       distinct tokens, 1 -> 100 000, with one key: from all cache hits to
+#                all misses. HAProxy beside it (no cache: every token verified).
+#                Both keys and tokens run the chain jwt + rbac, and HAProxy JWT +
+#                expiry + role, without rate limits.
 # HAProxy and nginx here proxy without a policy; the mesh runs the hotel's chain
 # (jwt, rbac, ratelimit, breaker) with the bench's token.
 #
@@ -34,23 +60,35 @@ dims=()
 for arg in "$@"; do
     case "$arg" in
         --quick) quick=1 ;;
-        connections | bodies) dims+=("$arg") ;;
+        connections | bodies | routes | subjects | filters | keys | tokens) dims+=("$arg") ;;
         *)
-            echo "usage: $0 [--quick] [connections] [bodies]" >&2
+            echo "usage: $0 [--quick] [connections] [bodies] [routes] [subjects] [filters] [keys] [tokens]" >&2
             exit 2
             ;;
     esac
 done
-[ ${#dims[@]} -gt 0 ] || dims=(connections bodies)
+[ ${#dims[@]} -gt 0 ] || dims=(connections bodies routes subjects filters keys tokens)
 
 if [ "$quick" = 1 ]; then
     DURATION="${DURATION:-2}"; WARMUP="${WARMUP:-1}"; IDLE="${IDLE:-1}"; PROFILE=debug
     conn_steps=(100 500)
     body_steps=(1024 65536)
+    route_steps=(100 1000)
+    subject_steps=(1 1000)
+    filter_steps=(1 4)
+    key_steps=(1 10)
+    key_tokens=2000
+    token_steps=(1 2000)
 else
     DURATION="${DURATION:-10}"; WARMUP="${WARMUP:-2}"; IDLE="${IDLE:-5}"; PROFILE=release
     conn_steps=(100 1000 3000 10000)
     body_steps=(0 1024 65536 1048576 8388608)
+    route_steps=(100 1000 10000 50000)
+    subject_steps=(1 1000 100000 1000000)
+    filter_steps=(1 2 4 8 16)
+    key_steps=(1 10 100)
+    key_tokens=100000
+    token_steps=(1 100 10000 100000)
 fi
 OUT="${OUT:-target/scale}"
 export BIN="./target/$PROFILE"
@@ -130,6 +168,24 @@ backend origin
     http-reuse always
     server origin 127.0.0.1:18280 maxconn 512
 CFG
+# The routes dimension's HAProxy: every path looked up in a map of prefixes.
+cat > "$work/haproxy-routes.cfg" <<CFG
+global
+    nbthread 2
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+frontend fe
+    bind 127.0.0.1:18283
+    use_backend %[path,map_beg($work/routes.map,none)]
+backend origin
+    http-reuse always
+    server origin 127.0.0.1:18280 maxconn 512
+backend none
+    http-request return status 404
+CFG
 nginx -c "$work/origin.conf"
 nginx -c "$work/proxy.conf"
 # Stopped with the run however it ends (common.sh's cleanup kills `pids`).
@@ -144,6 +200,12 @@ start_haproxy() {
 stop_haproxy() {
     kill "$haproxy_pid" 2>/dev/null || true
     wait "$haproxy_pid" 2>/dev/null || true
+}
+start_haproxy_routes() {
+    haproxy -f "$work/haproxy-routes.cfg" -db > "$work/haproxy-routes.log" 2>&1 &
+    haproxy_pid=$!
+    pids+=("$haproxy_pid")
+    check http://127.0.0.1:18283/ping
 }
 nginx_proxy_pids() { pgrep -P "$(cat "$work/proxy.pid")"; }
 haproxy_pids() { echo "$haproxy_pid"; }
@@ -218,7 +280,134 @@ bodies_step() { # size target url who [also]
     [ -z "$non2xx" ] || echo "  ($non2xx answers to $target were not 2xx)"
 }
 
+# The hotel's policy reshaped for a step (bench/scale/policy.py): the mesh started next
+# runs it (mesh-lib's mesh_file reads POLICY; each dimension starts without).
+scale_policy() { # kind [args]
+    python3 bench/scale/policy.py "$PWD" "$work/policy-scale.yaml" "$@"
+    export POLICY="$work/policy-scale.yaml"
+}
+
+# One wrk run against the mesh's /ping and its figures: req/s, p99, CPU per request of
+# the ingress and nodes, their RSS.
+mesh_step() { # step [lua script]
+    local rps p99 reqs non2xx c1
+    IFS='|' read -r rps p99 reqs non2xx c1 _ <<<"$(measure http://127.0.0.1:18090/ping 32 mesh_pids none "${2:-}")"
+    emit "$1" mesh "req/s" "$rps"
+    emit "$1" mesh "p99 (ms)" "$p99"
+    emit "$1" mesh "ingress + nodes CPU per request (us)" "$(echo "scale=2; $c1 * 1000000 / $reqs" | bc)"
+    emit "$1" mesh "ingress + nodes RSS (MiB)" "$(echo "scale=1; $(rss_kib $(mesh_pids)) / 1024" | bc)"
+    [ -z "$non2xx" ] || echo "  ($non2xx answers of the mesh were not 2xx)"
+}
+haproxy_step() { # step port [lua script]
+    local rps p99 reqs non2xx c1
+    IFS='|' read -r rps p99 reqs non2xx c1 _ <<<"$(measure "http://127.0.0.1:$2/ping" 32 haproxy_pids none "${3:-}")"
+    emit "$1" haproxy "req/s" "$rps"
+    emit "$1" haproxy "p99 (ms)" "$p99"
+    emit "$1" haproxy "CPU per request (us)" "$(echo "scale=2; $c1 * 1000000 / $reqs" | bc)"
+    emit "$1" haproxy "RSS (MiB)" "$(echo "scale=1; $(rss_kib $(haproxy_pids)) / 1024" | bc)"
+    [ -z "$non2xx" ] || echo "  ($non2xx answers of HAProxy were not 2xx)"
+}
+node1_pid() { pgrep -P "$up_pid" -f "dpumesh node" | while read -r p; do tr '\0' ' ' < "/proc/$p/cmdline" | grep -q "node1" && echo "$p"; done | head -1; }
+node1_metric() { # name [label="value" ...]: summed over node1's /metrics series that have them
+    curl -s http://127.0.0.1:18093/metrics | awk -v m="$1" -v want="${*:2}" '
+        index($0, m "{") == 1 || index($0, m " ") == 1 {
+            n = split(want, w, " "); ok = 1
+            for (i = 1; i <= n; i++) if (index($0, w[i]) == 0) ok = 0
+            if (ok) s += $NF
+        }
+        END { print s + 0 }'
+}
+
+# wrk scripts: a random x-subject among N; tokens from a file, cycled in order.
+subjects_lua() { # n
+    cat > "$work/subjects.lua" <<LUA
+local h = {}
+for k, v in pairs(wrk.headers) do h[k] = v end
+request = function()
+    h["x-subject"] = tostring(math.random($1))
+    return wrk.format(nil, nil, h)
+end
+LUA
+}
+tokens_lua() { # file
+    cat > "$work/tokens.lua" <<LUA
+local tokens = {}
+for line in io.lines("$1") do tokens[#tokens + 1] = "Bearer " .. line end
+local h = {}
+for k, v in pairs(wrk.headers) do h[k] = v end
+local i = 0
+request = function()
+    i = i % #tokens + 1
+    h["authorization"] = tokens[i]
+    return wrk.format(nil, nil, h)
+end
+LUA
+}
+# HAProxy checking JWTs of the key set in SECRETS: one jwt_verify rule per kid.
+start_haproxy_jwt() { # secrets file
+    {
+        cat <<CFG
+global
+    nbthread 2
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+frontend fe
+    bind 127.0.0.1:18284
+    http-request deny deny_status 401 unless { req.hdr(authorization) -m beg "Bearer " }
+    http-request set-var(txn.bearer) http_auth_bearer
+    http-request set-var(txn.alg) var(txn.bearer),jwt_header_query('\$.alg')
+    http-request deny deny_status 401 unless { var(txn.alg) -m str HS256 }
+    http-request set-var(txn.kid) var(txn.bearer),jwt_header_query('\$.kid')
+CFG
+        while read -r kid secret; do
+            echo "    http-request set-var(txn.ok) var(txn.bearer),jwt_verify(txn.alg,\"$secret\") if { var(txn.kid) -m str $kid }"
+        done < "$1"
+        cat <<CFG
+    http-request deny deny_status 401 unless { var(txn.ok) -m int 1 }
+    http-request set-var(txn.exp) var(txn.bearer),jwt_payload_query('\$.exp','int')
+    http-request set-var(txn.now) date()
+    http-request deny deny_status 401 if { var(txn.exp),sub(txn.now) -m int lt 0 }
+    http-request set-var(txn.role) var(txn.bearer),jwt_payload_query('\$.role')
+    http-request deny deny_status 403 unless { var(txn.role) -m str user }
+    default_backend origin
+backend origin
+    http-reuse always
+    server origin 127.0.0.1:18280 maxconn 512
+CFG
+    } > "$work/haproxy-jwt.cfg"
+    haproxy -f "$work/haproxy-jwt.cfg" -db > "$work/haproxy-jwt.log" 2>&1 &
+    haproxy_pid=$!
+    pids+=("$haproxy_pid")
+    TOKEN=$(head -1 "$work/tokens.txt") check http://127.0.0.1:18284/ping
+}
+
+# A reload under load: the policy rewritten (a route added) while wrk runs; prints
+# publish seconds|failed requests.
+reload_step() {
+    local out pub failed
+    coproc PUB { python3 bench/scale/published.py 127.0.0.1:18093,127.0.0.1:18094; }
+    read -r ready <&"${PUB[0]}"
+    [ "$ready" = ready ] || { echo "bench/scale/published.py: $ready" >&2; exit 1; }
+    wrk -t1 -c32 -d"$((DURATION > 4 ? DURATION : 4))s" -H "authorization: Bearer $TOKEN" http://127.0.0.1:18090/ping > "$work/reload-wrk.txt" &
+    local wrk_pid=$!
+    sleep 1
+    cp "$POLICY" "$POLICY.new"
+    printf '  - {path_prefix: /added, service: frontend}\n' >> "$POLICY.new"
+    mv "$POLICY.new" "$POLICY"
+    echo >&"${PUB[1]}"
+    read -r pub <&"${PUB[0]}"
+    wait "$PUB_PID" 2>/dev/null || true
+    wait "$wrk_pid"
+    out=$(cat "$work/reload-wrk.txt")
+    failed=$(( $(awk '/Non-2xx/ { print $5 }' <<<"$out" | grep . || echo 0) + $(awk '/Socket errors/ { gsub(",", ""); print $4 + $6 + $8 + $10 }' <<<"$out" | grep . || echo 0) ))
+    echo "$pub|$failed"
+}
+
 for dim in "${dims[@]}"; do
+    unset POLICY
     csv="$OUT/$dim.csv"
     echo "dimension,step,target,metric,value" > "$csv"
     echo "==> $dim (DURATION=${DURATION}s a step)"
@@ -245,6 +434,66 @@ for dim in "${dims[@]}"; do
             done
             stop_haproxy
             stop_mesh
+            ;;
+        routes)
+            for n in "${route_steps[@]}"; do
+                scale_policy routes "$n" "$work/routes.map"
+                t0=$(date +%s.%N)
+                start_mesh shm
+                check http://127.0.0.1:18090/ping
+                emit "$n" mesh "start-up (s)" "$(echo "$(date +%s.%N) - $t0" | bc)"
+                mesh_step "$n"
+                IFS='|' read -r pub failed <<<"$(reload_step)"
+                emit "$n" mesh "reload: publish to every worker (s)" "$pub"
+                emit "$n" mesh "reload: requests failed" "$failed"
+                stop_mesh
+                start_haproxy_routes
+                haproxy_step "$n" 18283
+                stop_haproxy
+            done
+            ;;
+        subjects)
+            scale_policy subjects
+            start_mesh shm
+            check http://127.0.0.1:18090/ping
+            for n in "${subject_steps[@]}"; do
+                subjects_lua "$n"
+                allowed0=$(node1_metric ratelimit_requests_total 'filter="ratelimit"' 'result="allowed"')
+                full0=$(node1_metric ratelimit_requests_total 'filter="ratelimit"' 'result="state_error"')
+                mesh_step "$n" "$work/subjects.lua"
+                emit "$n" mesh "node1 RSS (MiB)" "$(echo "scale=1; $(rss_kib $(node1_pid)) / 1024" | bc)"
+                emit "$n" mesh "node1 shared-state entries" "$(node1_metric dpumesh_shared_state_entries)"
+                emit "$n" mesh "requests the rate limit let through" "$(( $(node1_metric ratelimit_requests_total 'filter="ratelimit"' 'result="allowed"') - allowed0 ))"
+                emit "$n" mesh "requests the store had no room for" "$(( $(node1_metric ratelimit_requests_total 'filter="ratelimit"' 'result="state_error"') - full0 ))"
+            done
+            stop_mesh
+            ;;
+        filters)
+            for n in "${filter_steps[@]}"; do
+                scale_policy filters "$n"
+                start_mesh shm
+                check http://127.0.0.1:18090/ping
+                mesh_step "$n"
+                emit "$n" mesh "node1 RSS (MiB)" "$(echo "scale=1; $(rss_kib $(node1_pid)) / 1024" | bc)"
+                emit "$n" mesh "node1 filter instances" "$(curl -s http://127.0.0.1:18093/filters | python3 -c 'import json, sys; print(sum(f["instances"] for c in json.load(sys.stdin)["chains"] for f in c["filters"]))')"
+                stop_mesh
+            done
+            ;;
+        keys | tokens)
+            if [ "$dim" = keys ]; then steps=("${key_steps[@]}"); else steps=("${token_steps[@]}"); fi
+            for n in "${steps[@]}"; do
+                if [ "$dim" = keys ]; then k=$n; t=$key_tokens; else k=1; t=$n; fi
+                python3 bench/scale/tokens.py "$k" "$t" "$work/jwks.json" "$work/tokens.txt" "$work/secrets.txt"
+                tokens_lua "$work/tokens.txt"
+                scale_policy jwks "$work/jwks.json"
+                start_mesh shm
+                TOKEN=$(head -1 "$work/tokens.txt") check http://127.0.0.1:18090/ping
+                mesh_step "$n" "$work/tokens.lua"
+                stop_mesh
+                start_haproxy_jwt "$work/secrets.txt"
+                haproxy_step "$n" 18284 "$work/tokens.lua"
+                stop_haproxy
+            done
             ;;
     esac
     python3 bench/scale/plot.py "$csv" "$OUT/$dim.png"
