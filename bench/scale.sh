@@ -33,7 +33,7 @@
 #   subjects     rate-limit subjects, 1 -> 1 000 000: the bench chain's rate limit keyed
 #                on an x-subject header that wrk draws at random among N for each
 #                request: req/s and CPU per request of the ingress and nodes, node1's
-#                RSS and its shared-state entries (bounded at 1 000 000), and the
+#                RSS and its shared-state entries (bounded at 100 000 here), and the
 #                requests whose bucket the store had no room for (let through).
 #   filters      filters in the bench chain, 1 -> 16 (jwt, then copies of rbac): req/s,
 #                CPU per request, node1's RSS and its filters' live instances.

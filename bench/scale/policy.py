@@ -7,7 +7,9 @@ demo key made absolute, as bench/mesh-lib.sh's bench_policy does).
         their own; MAP gets the same prefixes for HAProxy's map_beg, /ping last.
     python3 bench/scale/policy.py ROOT OUT subjects
         The bench chain's rate limit keyed on the x-subject header, not the token's
-        subject (a load generator cannot sign a million tokens a run).
+        subject (a load generator cannot sign a million tokens a run), its buckets
+        refilled each minute (so a bucket lives up to a minute), and the node's
+        shared state bounded at 100 000 entries: a step's subjects outnumber it.
     python3 bench/scale/policy.py ROOT OUT filters N
         The bench chain of N filters: jwt, then N - 1 copies of rbac (each its own
         filter, with its own instances).
@@ -54,8 +56,9 @@ def main():
     if kind == "routes":
         text = routes(text, int(sys.argv[4]), sys.argv[5])
     elif kind == "subjects":
-        text = replace(text, "{name: per-user, entries: [{claim: sub}], bucket: {max_tokens: 1000000000",
-                       "{name: per-user, entries: [{header: x-subject}], bucket: {max_tokens: 1000000000")
+        text = replace(text, "{name: per-user, entries: [{claim: sub}], bucket: {max_tokens: 1000000000, fill_interval_ms: 1000}",
+                       "{name: per-user, entries: [{header: x-subject}], bucket: {max_tokens: 1000000000, fill_interval_ms: 60000}")
+        text = replace(text, "\nworkers: 1\n", "\nworkers: 1\nshared_state: {max_entries: 100000}\n")
     elif kind == "filters":
         n = int(sys.argv[4])
         start = text.index("  rbac:\n")

@@ -263,6 +263,9 @@ impl Policy {
                 .map(|d| config.resolve(d))
                 .or_else(dpumesh_runtime::default_cache_dir),
             max_instances: pool_capacity(&config, workers),
+            state_limits: dpumesh_shared_state::StateLimits {
+                max_entries: config.config.shared_state.max_entries(),
+            },
             ..RuntimeConfig::default()
         })
         .map_err(|e| ReloadError::Start(e.to_string()))?;
@@ -359,6 +362,7 @@ impl Policy {
             ("admin", old.admin != new.admin),
             ("listener", old.listener != new.listener),
             ("cache_dir", old.cache_dir != new.cache_dir),
+            ("shared_state", old.shared_state != new.shared_state),
             ("log", old.log != new.log),
         ] {
             if changed {

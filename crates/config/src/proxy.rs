@@ -239,6 +239,25 @@ fn root() -> String {
     "/".to_owned()
 }
 
+/// `shared_state`: what bounds the filters' node-wide state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedStateConfig {
+    /// Most live entries (a rate-limit subject's bucket is one; about 100 bytes
+    /// each). Default 1 000 000. A full store refuses new keys until some expire: a
+    /// rate limit lets such requests through, or denies them with
+    /// `deny_on_state_error`. Changing it needs a restart.
+    pub max_entries: Option<usize>,
+}
+
+impl SharedStateConfig {
+    pub const DEFAULT_MAX_ENTRIES: usize = 1_000_000;
+
+    pub fn max_entries(&self) -> usize {
+        self.max_entries.unwrap_or(Self::DEFAULT_MAX_ENTRIES)
+    }
+}
+
 /// The whole file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -259,6 +278,9 @@ pub struct ProxyConfig {
     pub log: LogConfig,
     /// `.cwasm` cache directory (default: the user cache dir).
     pub cache_dir: Option<PathBuf>,
+    /// The node's shared state (rate-limit buckets, breaker counters): its size.
+    #[serde(default)]
+    pub shared_state: SharedStateConfig,
     /// Key sets by name.
     #[serde(default)]
     pub key_sets: BTreeMap<String, KeySetSource>,
@@ -337,6 +359,9 @@ impl LoadedConfig {
         let c = &self.config;
         if c.workers == Some(0) {
             return Err(self.error("workers", "must be at least 1"));
+        }
+        if c.shared_state.max_entries == Some(0) {
+            return Err(self.error("shared_state.max_entries", "must be at least 1"));
         }
         if let Some(log) = &c.access_log {
             log.check().map_err(|e| self.error("access_log", e))?;
@@ -542,6 +567,20 @@ routes:
             PathBuf::from("/etc/dpumesh/guard.wasm")
         );
         assert_eq!(c.referenced_files().len(), 2);
+    }
+
+    #[test]
+    fn the_shared_state_bound_is_checked() {
+        assert_eq!(
+            parse(GOOD).unwrap().config.shared_state.max_entries(),
+            SharedStateConfig::DEFAULT_MAX_ENTRIES
+        );
+        let sized = parse(&format!("shared_state: {{max_entries: 5000}}\n{GOOD}")).unwrap();
+        assert_eq!(sized.config.shared_state.max_entries(), 5000);
+        let e = parse(&format!("shared_state: {{max_entries: 0}}\n{GOOD}")).unwrap_err();
+        assert_eq!(e.path, "shared_state.max_entries");
+        let e = parse(&format!("shared_state: {{entries: 10}}\n{GOOD}")).unwrap_err();
+        assert!(e.to_string().contains("entries"), "{e}");
     }
 
     #[test]

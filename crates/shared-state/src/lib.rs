@@ -15,11 +15,15 @@
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry as MapEntry;
 use dpumesh_clock::SharedClock;
+
+/// A full store sweeps at most this often (see [`SharedState::sweep_expired`]'s
+/// callers): a sweep of a million entries takes milliseconds.
+pub const FULL_SWEEP_GAP_MS: u64 = 250;
 
 /// Longest key a filter may use, in bytes.
 pub const MAX_KEY_LEN: usize = 256;
@@ -110,6 +114,11 @@ pub struct SharedState {
     /// The next version handed out; never 0 (0 means "no version" to proxy-wasm).
     next_cas: AtomicU32,
     live: AtomicUsize,
+    /// When a full store may sweep again (monotonic ms): no sooner than the earliest
+    /// expiry the last sweep kept, and [`FULL_SWEEP_GAP_MS`] after it.
+    next_sweep: AtomicU64,
+    /// Sweeps done so far.
+    sweeps: AtomicU64,
     namespaces: DashMap<Box<str>, u32>,
     next_namespace: AtomicU32,
     clock: SharedClock,
@@ -124,6 +133,8 @@ impl SharedState {
             bytes: DashMap::new(),
             next_cas: AtomicU32::new(1),
             live: AtomicUsize::new(0),
+            next_sweep: AtomicU64::new(0),
+            sweeps: AtomicU64::new(0),
             namespaces: DashMap::new(),
             next_namespace: AtomicU32::new(0),
             clock,
@@ -157,15 +168,46 @@ impl SharedState {
     pub fn sweep_expired(&self) -> usize {
         let now = self.clock.monotonic_ms();
         let mut removed = 0;
+        let mut earliest = u64::MAX;
         self.entries.retain(|_, slot| {
             let keep = slot.live(now);
             if !keep {
                 removed += 1;
+            } else if slot.expires_at_ms != 0 {
+                earliest = earliest.min(slot.expires_at_ms);
             }
             keep
         });
         self.live.fetch_sub(removed, Ordering::Relaxed);
+        self.sweeps.fetch_add(1, Ordering::Relaxed);
+        self.next_sweep.store(
+            earliest.max(now.saturating_add(FULL_SWEEP_GAP_MS)),
+            Ordering::Relaxed,
+        );
         removed
+    }
+
+    /// Sweeps done so far (by [`SharedState::sweep_expired`], whoever called it).
+    pub fn sweeps(&self) -> u64 {
+        self.sweeps.load(Ordering::Relaxed)
+    }
+
+    /// A full store's sweep, if one is due: a sweep visits every entry, and a store
+    /// full of live entries would otherwise be swept by every request for a new key
+    /// (a million entries, milliseconds a request). Until the next is due, a new key
+    /// is refused at once.
+    fn sweep_if_due(&self) {
+        let due = self.next_sweep.load(Ordering::Relaxed);
+        let now = self.now_ms();
+        if now >= due
+            && self
+                .next_sweep
+                .compare_exchange(due, u64::MAX, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            // One caller sweeps; the others refuse meanwhile.
+            self.sweep_expired();
+        }
     }
 
     fn now_ms(&self) -> u64 {
@@ -222,7 +264,7 @@ impl Namespace {
         let state = &*self.state;
         if state.len() >= state.limits.max_entries {
             // Sweep before taking a shard lock: sweeping visits every shard.
-            state.sweep_expired();
+            state.sweep_if_due();
         }
         let now = state.now_ms();
         match state.entries.entry(key) {

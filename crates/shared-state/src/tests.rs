@@ -79,9 +79,42 @@ fn full_store_sweeps_expired_entries_before_refusing() {
     ns.increment("x", 1, 10).unwrap();
     ns.increment("y", 1, 0).unwrap();
     assert_eq!(ns.increment("z", 1, 0), Err(StateError::Full));
-    clock.advance_ms(10);
+    clock.advance_ms(FULL_SWEEP_GAP_MS);
     assert_eq!(ns.increment("z", 1, 0), Ok(1));
     assert_eq!(state.len(), 2);
+}
+
+/// A store full of live entries refuses new keys at once: it is not swept again for
+/// each of them (a sweep visits every entry), only once the gap has passed, and no
+/// sooner than its first entry can expire.
+#[test]
+fn a_full_store_of_live_entries_is_not_swept_for_every_new_key() {
+    let (clock, state) = store(100);
+    let ns = state.namespace("a");
+    for i in 0..100 {
+        ns.increment(&format!("k{i}"), 1, 60_000).unwrap();
+    }
+    let before = state.sweeps();
+    for i in 0..1_000 {
+        assert_eq!(
+            ns.increment(&format!("new{i}"), 1, 60_000),
+            Err(StateError::Full)
+        );
+    }
+    assert_eq!(
+        state.sweeps() - before,
+        1,
+        "one sweep for a thousand refusals"
+    );
+    // Past the gap, but before anything expires: still no sweep.
+    clock.advance_ms(FULL_SWEEP_GAP_MS * 4);
+    assert_eq!(ns.increment("later", 1, 0), Err(StateError::Full));
+    assert_eq!(state.sweeps() - before, 1);
+    // Once the entries expired, the next new key sweeps them and gets in.
+    clock.advance_ms(60_000);
+    assert_eq!(ns.increment("after", 1, 0), Ok(1));
+    assert_eq!(state.sweeps() - before, 2);
+    assert_eq!(state.len(), 1);
 }
 
 #[test]
