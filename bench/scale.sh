@@ -49,7 +49,7 @@
 # HAProxy and nginx here proxy without a policy; the mesh runs the hotel's chain
 # (jwt, rbac, ratelimit, breaker) with the bench's token.
 #
-# --quick: two steps a dimension, 2 s each, on the debug build the test suite
+# --quick: two steps a dimension, 1 s each, on the debug build the test suite
 # already made (the suite runs it so the script cannot rot; its figures mean
 # nothing). Without it: the release build, every step, DURATION (10 s) each.
 set -euo pipefail
@@ -70,7 +70,7 @@ done
 [ ${#dims[@]} -gt 0 ] || dims=(connections bodies routes subjects filters keys tokens)
 
 if [ "$quick" = 1 ]; then
-    DURATION="${DURATION:-2}"; WARMUP="${WARMUP:-1}"; IDLE="${IDLE:-1}"; PROFILE=debug
+    DURATION="${DURATION:-1}"; WARMUP="${WARMUP:-1}"; IDLE="${IDLE:-1}"; PROFILE=debug
     conn_steps=(100 500)
     body_steps=(1024 65536)
     route_steps=(100 1000)
@@ -307,7 +307,11 @@ haproxy_step() { # step port [lua script]
     emit "$1" haproxy "RSS (MiB)" "$(echo "scale=1; $(rss_kib $(haproxy_pids)) / 1024" | bc)"
     [ -z "$non2xx" ] || echo "  ($non2xx answers of HAProxy were not 2xx)"
 }
-node1_pid() { pgrep -P "$up_pid" -f "dpumesh node" | while read -r p; do tr '\0' ' ' < "/proc/$p/cmdline" | grep -q "node1" && echo "$p"; done | head -1; }
+node1_pid() { # (the loop's last grep fails for the other nodes: not an error)
+    pgrep -P "$up_pid" -f "dpumesh node" | while read -r p; do
+        if tr '\0' ' ' < "/proc/$p/cmdline" | grep -q "node1"; then echo "$p"; fi
+    done | head -1
+}
 node1_metric() { # name [label="value" ...]: summed over node1's /metrics series that have them
     curl -s http://127.0.0.1:18093/metrics | awk -v m="$1" -v want="${*:2}" '
         index($0, m "{") == 1 || index($0, m " ") == 1 {
@@ -391,7 +395,7 @@ reload_step() {
     coproc PUB { python3 bench/scale/published.py 127.0.0.1:18093,127.0.0.1:18094; }
     read -r ready <&"${PUB[0]}"
     [ "$ready" = ready ] || { echo "bench/scale/published.py: $ready" >&2; exit 1; }
-    wrk -t1 -c32 -d"$((DURATION > 4 ? DURATION : 4))s" -H "authorization: Bearer $TOKEN" http://127.0.0.1:18090/ping > "$work/reload-wrk.txt" &
+    wrk -t1 -c32 -d"$((DURATION > 4 ? DURATION : quick ? 3 : 4))s" -H "authorization: Bearer $TOKEN" http://127.0.0.1:18090/ping > "$work/reload-wrk.txt" &
     local wrk_pid=$!
     sleep 1
     cp "$POLICY" "$POLICY.new"

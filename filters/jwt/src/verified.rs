@@ -38,7 +38,15 @@ pub struct VerifiedTokens {
     max: usize,
     entries: HashTable<(Box<str>, Rc<Verified>)>,
     hasher: foldhash::fast::RandomState,
+    /// When a full cache next looks for expired entries (seconds, the filter's
+    /// clock): no sooner than the earliest expiry the last look kept, and
+    /// [`SWEEP_GAP`] after it. Looking visits every entry; a full cache under a
+    /// stream of new tokens looked on every insert (a thousand entries per miss).
+    next_sweep: f64,
 }
+
+/// Seconds between two looks of a full cache for expired entries.
+const SWEEP_GAP: f64 = 1.0;
 
 impl VerifiedTokens {
     /// A cache of at most `max` entries (0 disables it).
@@ -47,6 +55,7 @@ impl VerifiedTokens {
             max,
             entries: HashTable::new(),
             hasher: foldhash::fast::RandomState::default(),
+            next_sweep: f64::NEG_INFINITY,
         }
     }
 
@@ -79,8 +88,16 @@ impl VerifiedTokens {
         if self.max == 0 {
             return;
         }
-        if self.entries.len() >= self.max {
-            self.entries.retain(|(_, v)| now < v.window.1);
+        if self.entries.len() >= self.max && now >= self.next_sweep {
+            let mut earliest = f64::INFINITY;
+            self.entries.retain(|(_, v)| {
+                let live = now < v.window.1;
+                if live {
+                    earliest = earliest.min(v.window.1);
+                }
+                live
+            });
+            self.next_sweep = earliest.max(now + SWEEP_GAP);
         }
         while self.entries.len() >= self.max {
             let Some(victim) = self.entries.iter().next().map(|(k, _)| k.clone()) else {
@@ -174,6 +191,39 @@ mod tests {
             cache.get("token-a.payload.sig", 0, 1, 100.0).is_none(),
             "expired"
         );
+    }
+
+    /// A full cache under new tokens evicts one entry a miss; it looks for expired
+    /// ones again only once its earliest entry can have expired.
+    #[test]
+    fn a_full_cache_looks_for_expired_entries_only_when_one_can_be() {
+        let mut cache = VerifiedTokens::new(3);
+        let until = |end: f64| Verified {
+            window: (0.0, end),
+            ..verified(0)
+        };
+        cache.insert("a", until(10.0), 1.0);
+        cache.insert("b", until(50.0), 1.0);
+        cache.insert("c", until(50.0), 1.0);
+        cache.insert("d", until(50.0), 2.0);
+        assert_eq!(cache.len(), 3, "one evicted for d");
+        assert_eq!(cache.next_sweep, 10.0, "nothing can expire before a's end");
+        let a_left = cache.get("a", 0, 1, 2.0).is_some();
+        let kept: Vec<&str> = ["b", "c", "d"]
+            .into_iter()
+            .filter(|t| cache.get(t, 0, 1, 2.0).is_some())
+            .collect();
+        // At 11 s `a` (if it is still there) has expired: the look drops it, and no
+        // live entry is evicted for `e`.
+        cache.insert("e", until(50.0), 11.0);
+        assert_eq!(cache.len(), 3);
+        assert!(cache.get("e", 0, 1, 11.0).is_some());
+        if a_left {
+            for t in kept {
+                assert!(cache.get(t, 0, 1, 11.0).is_some(), "{t} was live: kept");
+            }
+        }
+        assert_eq!(cache.next_sweep, 50.0);
     }
 
     #[test]
