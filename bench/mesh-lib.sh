@@ -55,6 +55,8 @@ PY
         sed -i -e 's/\(rnic: 127\.0\.0\.1[12]:4791\)}/\1, cores: 2}/' "$work/mesh-$1.yaml"
         [ "$(grep -c 'cores: 2}' "$work/mesh-$1.yaml")" = 2 ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
     fi
+    # MESH_EXTRA: a command given the file last (bench/scale.sh adds nodes with it).
+    if [ -n "${MESH_EXTRA:-}" ]; then "$MESH_EXTRA" "$work/mesh-$1.yaml"; fi
 }
 # The sample's policy with gRPC's interop service (at its path) and a bridged server
 # (at /legacy) behind the bench chain (jwt, rbac, ratelimit: the policy HAProxy

@@ -46,6 +46,14 @@
 #                all misses. HAProxy beside it (no cache: every token verified).
 #                Both keys and tokens run the chain jwt + rbac, and HAProxy JWT +
 #                expiry + role, without rate limits.
+#   nodes        nodes in one local mesh, 2 -> 16: the hotel's two and N - 2 more with no
+#                pod (each a proxy, its DMA manager and its Pingmesh agent), four to
+#                a ToR (a rack's size stays as a mesh grows by racks). Idle first
+#                (IDLE_NODES s after a settling pause): each node's CPU (schedstat,
+#                all its threads) as % of a core, the Pingmesh server's (controller
+#                and analyzer), the whole mesh's, and Pingmesh's probes a node a
+#                second (the analyzer's count); then wrk -c32 on /ping: req/s, the ingress's CPU per request
+#                and the ingress + nodes', and the nodes the ingress links to.
 # HAProxy and nginx here proxy without a policy; the mesh runs the hotel's chain
 # (jwt, rbac, ratelimit, breaker) with the bench's token.
 #
@@ -60,14 +68,14 @@ dims=()
 for arg in "$@"; do
     case "$arg" in
         --quick) quick=1 ;;
-        connections | bodies | routes | subjects | filters | keys | tokens) dims+=("$arg") ;;
+        connections | bodies | routes | subjects | filters | keys | tokens | nodes) dims+=("$arg") ;;
         *)
-            echo "usage: $0 [--quick] [connections] [bodies] [routes] [subjects] [filters] [keys] [tokens]" >&2
+            echo "usage: $0 [--quick] [connections] [bodies] [routes] [subjects] [filters] [keys] [tokens] [nodes]" >&2
             exit 2
             ;;
     esac
 done
-[ ${#dims[@]} -gt 0 ] || dims=(connections bodies routes subjects filters keys tokens)
+[ ${#dims[@]} -gt 0 ] || dims=(connections bodies routes subjects filters keys tokens nodes)
 
 if [ "$quick" = 1 ]; then
     DURATION="${DURATION:-1}"; WARMUP="${WARMUP:-1}"; IDLE="${IDLE:-1}"; PROFILE=debug
@@ -79,6 +87,8 @@ if [ "$quick" = 1 ]; then
     key_steps=(1 10)
     key_tokens=2000
     token_steps=(1 2000)
+    node_steps=(2 4)
+    IDLE_NODES="${IDLE_NODES:-2}"
 else
     DURATION="${DURATION:-10}"; WARMUP="${WARMUP:-2}"; IDLE="${IDLE:-5}"; PROFILE=release
     conn_steps=(100 1000 3000 10000)
@@ -89,6 +99,8 @@ else
     key_steps=(1 10 100)
     key_tokens=100000
     token_steps=(1 100 10000 100000)
+    node_steps=(2 4 8 16)
+    IDLE_NODES="${IDLE_NODES:-10}"
 fi
 OUT="${OUT:-target/scale}"
 export BIN="./target/$PROFILE"
@@ -388,6 +400,30 @@ CFG
     TOKEN=$(head -1 "$work/tokens.txt") check http://127.0.0.1:18284/ping
 }
 
+# The mesh file with NODES nodes: the hotel's two, then node3.. with no pod.
+more_nodes() { # mesh file
+    local i tor lines=""
+    for ((i = 3; i <= NODES; i++)); do
+        tor=tor-$(((i - 3) / 4 + 1))
+        lines+="  node$i: {fabric: 127.0.0.1:$((18300 + i)), admin: 127.0.0.1:$((18400 + i)), tor: $tor, rnic: 127.0.0.$((10 + i)):4791}\n"
+    done
+    sed -i -e "s/^\(  node2: .*\)$/\1\n${lines%\\n}/" "$1"
+    [ "$(grep -c '^  node[0-9]*: {fabric' "$1")" = "$NODES" ] || { echo "samples/hotel/mesh.yaml: node lines not as expected"; exit 1; }
+}
+node_pids() { pgrep -P "$up_pid" -f "dpumesh node"; }
+pingmesh_pid() { pgrep -P "$up_pid" -f "dpumesh pingmesh server"; }
+ingress_only() { pgrep -P "$up_pid" -f "dpumesh ingress"; }
+cpu_ns() { # CPU time of every thread of the pids, ns (schedstat: finer than /proc's ticks)
+    local t=0 p f a
+    for p in "$@"; do
+        for f in /proc/"$p"/task/*/schedstat; do
+            read -r a _ < "$f" 2>/dev/null && t=$((t + a))
+        done
+    done
+    echo "$t"
+}
+pingmesh_probes() { curl -s http://127.0.0.1:9471/metrics | awk 'index($0, "pingmesh_probes_total{") == 1 { s += $NF } END { print s + 0 }'; }
+
 # A reload under load: the policy rewritten (a route added) while wrk runs; prints
 # publish seconds|failed requests.
 reload_step() {
@@ -482,6 +518,43 @@ for dim in "${dims[@]}"; do
                 emit "$n" mesh "node1 filter instances" "$(curl -s http://127.0.0.1:18093/filters | python3 -c 'import json, sys; print(sum(f["instances"] for c in json.load(sys.stdin)["chains"] for f in c["filters"]))')"
                 stop_mesh
             done
+            ;;
+        nodes)
+            export MESH_EXTRA=more_nodes
+            for n in "${node_steps[@]}"; do
+                export NODES=$n
+                t0=$(date +%s.%N)
+                start_mesh shm
+                check http://127.0.0.1:18090/ping
+                emit "$n" mesh "start-up (s)" "$(echo "$(date +%s.%N) - $t0" | bc)"
+                # Pingmesh registers and gets its pinglists; the nodes settle.
+                sleep $((IDLE_NODES / 2 + 2))
+                mapfile -t nodes < <(node_pids)
+                declare -A before=()
+                for p in "${nodes[@]}"; do before[$p]=$(cpu_ns "$p"); done
+                all0=$(cpu_ns $(all_mesh_pids)); probes0=$(pingmesh_probes); pm0=$(cpu_ns $(pingmesh_pid))
+                sleep "$IDLE_NODES"
+                max=0; sum=0
+                for p in "${nodes[@]}"; do
+                    d=$(($(cpu_ns "$p") - before[$p]))
+                    sum=$((sum + d)); ((d > max)) && max=$d
+                done
+                emit "$n" mesh "idle CPU of the busiest node (% of a core)" "$(echo "scale=3; $max * 100 / ($IDLE_NODES * 1000000000)" | bc)"
+                emit "$n" mesh "mean idle CPU of a node (% of a core)" "$(echo "scale=3; $sum * 100 / (${#nodes[@]} * $IDLE_NODES * 1000000000)" | bc)"
+                emit "$n" mesh "idle CPU of the Pingmesh server (% of a core)" "$(echo "scale=3; ($(cpu_ns $(pingmesh_pid)) - pm0) * 100 / ($IDLE_NODES * 1000000000)" | bc)"
+                emit "$n" mesh "idle CPU of the whole mesh (% of a core)" "$(echo "scale=3; ($(cpu_ns $(all_mesh_pids)) - all0) * 100 / ($IDLE_NODES * 1000000000)" | bc)"
+                emit "$n" mesh "Pingmesh probes a node a second" "$(echo "scale=1; ($(pingmesh_probes) - probes0) / ($n * $IDLE_NODES)" | bc)"
+                unset before
+                IFS='|' read -r rps p99 reqs non2xx c1 c2 <<<"$(measure http://127.0.0.1:18090/ping 32 ingress_only mesh_pids)"
+                emit "$n" mesh "req/s" "$rps"
+                emit "$n" mesh "p99 (ms)" "$p99"
+                emit "$n" mesh "ingress CPU per request (us)" "$(echo "scale=2; $c1 * 1000000 / $reqs" | bc)"
+                emit "$n" mesh "ingress + nodes CPU per request (us)" "$(echo "scale=2; $c2 * 1000000 / $reqs" | bc)"
+                emit "$n" mesh "nodes the ingress links to" "$(curl -s http://127.0.0.1:9110/nodes | grep -c .)"
+                [ -z "$non2xx" ] || echo "  ($non2xx answers were not 2xx)"
+                stop_mesh
+            done
+            unset MESH_EXTRA NODES
             ;;
         keys | tokens)
             if [ "$dim" = keys ]; then steps=("${key_steps[@]}"); else steps=("${token_steps[@]}"); fi
