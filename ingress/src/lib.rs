@@ -22,6 +22,7 @@ pub mod fair;
 pub mod framing;
 mod header_timer;
 mod idle;
+mod routes;
 pub mod tls;
 mod traced;
 mod tunnel;
@@ -38,7 +39,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dpumesh_config::{LoadedConfig, RouteTable};
+
 use dpumesh_dpa::fabric::Fabric;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
@@ -103,8 +104,9 @@ pub use dpumesh_head::path::ORIGINAL_PATH_METADATA;
 /// What every shard reads: settings and routes.
 struct Routing {
     settings: Settings,
-    /// The policy's routes: the only way in (a host naming a service is no route).
-    routes: RouteTable,
+    /// The policy's routes: the only way in (a host naming a service is no route);
+    /// reloaded when the policy file changes.
+    routes: Arc<routes::Routes>,
     /// Round robin over a service's nodes.
     next_node: AtomicUsize,
     /// Nodes the Pingmesh analyzer judges unreachable (opted-in services avoid them).
@@ -138,6 +140,8 @@ pub struct Ingress {
     threads: Vec<JoinHandle<()>>,
     /// The certificate reloader's stop and thread.
     reloader: Option<(crossbeam_channel::Sender<()>, JoinHandle<()>)>,
+    /// The policy file's watcher (routes): its stop and thread.
+    route_watcher: Option<(crossbeam_channel::Sender<()>, JoinHandle<()>)>,
 }
 
 impl std::fmt::Debug for Ingress {
@@ -172,8 +176,7 @@ impl Ingress {
     /// Starts the shard threads; requests go out over `fabric` (each thread makes its
     /// own links with it).
     pub fn start<F: Fabric + Clone>(fabric: F, settings: Settings) -> anyhow::Result<Self> {
-        let loaded = LoadedConfig::read(&settings.policy)?;
-        let routes = RouteTable::new(&loaded.config, |_| Some(0));
+        let routes = Arc::new(routes::Routes::load(&settings.policy)?);
         let threads = settings
             .threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -214,6 +217,7 @@ impl Ingress {
             Some(t) => Some(tls::spawn_reloader(t.clone())?),
             None => None,
         };
+        let route_watcher = Some(routes::spawn_watcher(routes.clone())?);
         let routing = Arc::new(Routing {
             tls: terminator,
             share: fair::ClientShare::new(settings.slots_per_client),
@@ -285,6 +289,7 @@ impl Ingress {
             stops,
             threads: handles,
             reloader,
+            route_watcher,
         })
     }
 
@@ -312,7 +317,10 @@ impl Drop for Ingress {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        if let Some((stop, thread)) = self.reloader.take() {
+        for (stop, thread) in [self.reloader.take(), self.route_watcher.take()]
+            .into_iter()
+            .flatten()
+        {
             let _ = stop.send(());
             let _ = thread.join();
         }
@@ -616,7 +624,8 @@ impl Routing {
         head: &RequestHead,
         reachable: impl Fn(SocketAddr) -> bool,
     ) -> Option<(String, SocketAddr, dpumesh_config::RoutePolicy)> {
-        let found = self.routes.find(&head.authority, &head.path)?;
+        let table = self.routes.table();
+        let found = table.find(&head.authority, &head.path)?;
         let (service, policy) = (found.service.to_owned(), found.policy);
         let nodes = self.settings.services.get(&service)?;
         if nodes.is_empty() {

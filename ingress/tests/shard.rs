@@ -4,7 +4,8 @@
 //! naming it at once; a request in flight when the ingress stops gets 503 "shutting
 //! down" once the drain grace is over.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::rc::Rc;
@@ -13,62 +14,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dpumesh_dpa::fabric::shm::ShmFabric;
-use dpumesh_dpa::fabric::{CompletionQueue, Fabric, QpCaps, QpListener};
-use dpumesh_dpa::frame::{Message, Response, ResponseBody};
-use dpumesh_dpa::link::{Link, LinkEvent};
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_fabric_client::health::Health;
 use dpumesh_fabric_client::{Answer, Client};
-use dpumesh_head::wire::{self, ResponseHead};
-use dpumesh_ingress::{Ingress, Settings};
-
-/// A node that answers every request 200, or holds them while `hold` is set; it
-/// counts the requests it got in `got`.
-fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
-    let fabric = ShmFabric::new();
-    let pd = fabric.alloc_pd().unwrap();
-    let cq = fabric.create_cq(4096).unwrap();
-    let listener = fabric
-        .listen(&pd, "127.0.0.1:0".parse().unwrap(), &cq, QpCaps::default())
-        .unwrap();
-    let addr = listener.local_addr();
-    std::thread::spawn(move || {
-        let mut links: Vec<Link<ShmFabric>> = Vec::new();
-        let mut completions = Vec::new();
-        loop {
-            if let Ok(Some(qp)) = listener.accept(Duration::from_millis(1)) {
-                links.push(Link::new(&fabric, &pd, qp).unwrap());
-            }
-            completions.clear();
-            cq.poll(&mut completions, 64);
-            for wc in &completions {
-                let Some(link) = links.iter_mut().find(|l| l.qp_num() == wc.qp_num) else {
-                    continue;
-                };
-                let Ok(Some(LinkEvent::Message(Message::Request(r)))) = link.on_completion(wc)
-                else {
-                    continue;
-                };
-                got.fetch_add(1, Ordering::SeqCst);
-                if hold.load(Ordering::SeqCst) {
-                    continue;
-                }
-                let head = wire::encode_response(&ResponseHead {
-                    status: 200,
-                    ..Default::default()
-                })
-                .unwrap();
-                let _ = link.send(Message::Response(Response {
-                    xid: r.xid,
-                    body: ResponseBody::Inline(b"ok".to_vec()),
-                    head,
-                }));
-            }
-            links.retain(|l| !l.is_down());
-        }
-    });
-    addr
-}
+use dpumesh_head::wire;
 
 async fn call(shard: &Client<ShmFabric>, node: SocketAddr) -> Result<Answer, ProxyError> {
     let slot = shard.acquire().await;
@@ -86,7 +35,7 @@ async fn a_panicking_pump_answers_what_it_held_and_serves_again() {
         .run_until(async {
             let hold = Arc::new(AtomicBool::new(false));
             let got = Arc::new(AtomicUsize::new(0));
-            let node = fake_node(hold.clone(), got.clone());
+            let node = common::fake_node(hold.clone(), got.clone());
             let shard: Rc<Client<ShmFabric>> = Client::new(
                 "ingress",
                 ShmFabric::new(),
@@ -130,7 +79,7 @@ async fn a_pump_that_keeps_panicking_is_left_down_and_calls_get_503() {
     let local = tokio::task::LocalSet::new();
     local
         .run_until(async {
-            let node = fake_node(Arc::new(AtomicBool::new(false)), Arc::default());
+            let node = common::fake_node(Arc::new(AtomicBool::new(false)), Arc::default());
             let shard: Rc<Client<ShmFabric>> = Client::new(
                 "ingress",
                 ShmFabric::new(),
@@ -161,7 +110,7 @@ async fn a_pump_that_keeps_panicking_is_left_down_and_calls_get_503() {
 fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
     let hold = Arc::new(AtomicBool::new(true));
     let got = Arc::new(AtomicUsize::new(0));
-    let node = fake_node(hold, got.clone());
+    let node = common::fake_node(hold, got.clone());
     let dir = tempfile::tempdir().unwrap();
     let policy = dir.path().join("policy.yaml");
     std::fs::write(
@@ -169,29 +118,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
         "chains: {open: []}\nservices: {svc: {chain: open}}\nroutes: [{service: svc}]\n",
     )
     .unwrap();
-    let ingress = Ingress::start(
-        ShmFabric::new(),
-        Settings {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            max_head: 32 << 10,
-            max_body: 4096,
-            body_timeout: Duration::from_secs(5),
-            header_timeout: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(60),
-            max_headers: 100,
-            request_timeout: Duration::from_secs(1),
-            slots: 4,
-            slots_per_client: 4,
-            threads: Some(1),
-            policy,
-            services: BTreeMap::from([("svc".to_owned(), vec![node])]),
-            admin: None,
-            path: Default::default(),
-            eject: None,
-            tls: None,
-        },
-    )
-    .unwrap();
+    let ingress = common::ingress(policy, node);
     let addr = ingress.addr();
     let client = std::thread::spawn(move || {
         let mut s = TcpStream::connect(addr).unwrap();
