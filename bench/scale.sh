@@ -180,8 +180,9 @@ backend origin
     http-reuse always
     server origin 127.0.0.1:18280 maxconn 512
 CFG
-# The routes dimension's HAProxy: every path looked up in a map of prefixes.
-cat > "$work/haproxy-routes.cfg" <<CFG
+# The head of the dimensions' own HAProxy configurations (two threads, as above).
+haproxy_head() {
+    cat <<CFG
 global
     nbthread 2
 defaults
@@ -189,6 +190,10 @@ defaults
     timeout connect 5s
     timeout client 300s
     timeout server 300s
+CFG
+}
+# The routes dimension's HAProxy: every path looked up in a map of prefixes.
+{ haproxy_head; cat <<CFG; } > "$work/haproxy-routes.cfg"
 frontend fe
     bind 127.0.0.1:18283
     use_backend %[path,map_beg($work/routes.map,none)]
@@ -362,14 +367,8 @@ LUA
 # HAProxy checking JWTs of the key set in SECRETS: one jwt_verify rule per kid.
 start_haproxy_jwt() { # secrets file
     {
+        haproxy_head
         cat <<CFG
-global
-    nbthread 2
-defaults
-    mode http
-    timeout connect 5s
-    timeout client 300s
-    timeout server 300s
 frontend fe
     bind 127.0.0.1:18284
     http-request deny deny_status 401 unless { req.hdr(authorization) -m beg "Bearer " }

@@ -15,6 +15,45 @@
 //! parses HTTP again: the proxy and the service get the head as fields and the body
 //! with its exact length, so a request cannot be read two ways (no smuggling).
 
+/// `AsyncWrite` for a reader's wrapper (`framing::Sniff`, `idle::Watched`): writes go
+/// through to its `inner` unchanged.
+macro_rules! write_through {
+    ($wrapper:ident) => {
+        impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for $wrapper<T> {
+            fn poll_write(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                buf: &[u8],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+            }
+            fn poll_write_vectored(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> std::task::Poll<std::io::Result<usize>> {
+                std::pin::Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+            }
+            fn is_write_vectored(&self) -> bool {
+                self.inner.is_write_vectored()
+            }
+            fn poll_flush(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+            }
+            fn poll_shutdown(
+                mut self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+            }
+        }
+    };
+}
+pub(crate) use write_through;
+
 pub mod admin;
 mod body;
 pub mod eject;
