@@ -78,7 +78,6 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
-
 use dpumesh_dpa::fabric::Fabric;
 use dpumesh_error::{ErrorKind, ProxyError};
 use dpumesh_head::RequestHead;
