@@ -24,6 +24,7 @@ pub mod http_cache;
 pub mod listener;
 pub mod logging;
 pub mod node;
+mod nudge;
 pub mod observe;
 pub mod policy;
 pub mod trust;

@@ -166,35 +166,51 @@ type Fingerprint = (u64, Vec<(PathBuf, Option<Stamp>)>);
 /// Modification time, size, device, inode.
 type Stamp = (SystemTime, u64, u64, u64);
 
-/// `last`, when given, is the previous fingerprint of the same file: if the text did
-/// not change, the files it names are stamped again without parsing it.
-fn fingerprint(file: &Path, last: Option<&Fingerprint>) -> Fingerprint {
-    use std::hash::{Hash, Hasher};
-
-    let Ok(text) = std::fs::read_to_string(file) else {
-        return (0, Vec::new());
+/// Reads the config file once: the fingerprint of its text and of the files the
+/// text names, and the config parsed from that same text. A reload parses its text
+/// once (at 50 000 routes the YAML is most of a reload's time).
+fn read_config(file: &Path) -> (Fingerprint, Result<LoadedConfig, ConfigError>) {
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
+        Err(e) => {
+            let error = ConfigError::file(file, format!("cannot read: {e}"));
+            return ((0, Vec::new()), Err(error));
+        }
     };
+    let hash = text_hash(&text);
+    match LoadedConfig::parse(file, text) {
+        Ok(config) => {
+            let files = config.referenced_files().into_iter().map(stamp);
+            ((hash, files.collect()), Ok(config))
+        }
+        Err(e) => ((hash, Vec::new()), Err(e)),
+    }
+}
+
+/// The file's fingerprint as of now, for a watcher that last saw `last`: the text's
+/// hash and the stamps of the files `last` named, without parsing the text (the
+/// watcher looks four times a second; an idle node should not parse YAML that often).
+/// When the text changed the files it names may have too, and the reload that follows
+/// stamps them anew.
+fn look(file: &Path, last: &Fingerprint) -> Fingerprint {
+    let hash = std::fs::read_to_string(file).map_or(0, |text| text_hash(&text));
+    let files = last.1.iter().map(|(f, _)| stamp(f.clone()));
+    (hash, files.collect())
+}
+
+fn text_hash(text: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     text.hash(&mut hasher);
-    let hash = hasher.finish();
-    let stamp = |f: PathBuf| {
-        use std::os::unix::fs::MetadataExt as _;
-        let meta = std::fs::metadata(&f)
-            .ok()
-            .and_then(|m| Some((m.modified().ok()?, m.len(), m.dev(), m.ino())));
-        (f, meta)
-    };
-    if let Some(last) = last.filter(|l| l.0 == hash) {
-        // The same text names the same files: no need to parse it again (the watcher
-        // looks four times a second; an idle node should not parse YAML that often).
-        let files = last.1.iter().map(|(f, _)| f.clone());
-        return (hash, files.map(stamp).collect());
-    }
-    let stamps = match LoadedConfig::parse(file, text) {
-        Ok(config) => config.referenced_files().into_iter().map(stamp).collect(),
-        Err(_) => Vec::new(),
-    };
-    (hash, stamps)
+    hasher.finish()
+}
+
+fn stamp(f: PathBuf) -> (PathBuf, Option<Stamp>) {
+    use std::os::unix::fs::MetadataExt as _;
+    let meta = std::fs::metadata(&f)
+        .ok()
+        .and_then(|m| Some((m.modified().ok()?, m.len(), m.dev(), m.ino())));
+    (f, meta)
 }
 
 impl std::fmt::Debug for Policy {
@@ -252,8 +268,8 @@ fn default_workers() -> usize {
 impl Policy {
     /// Loads `file`, starts the runtime and the workers on generation 1.
     pub fn start(file: &Path) -> Result<Arc<Self>, ReloadError> {
-        let attempted = fingerprint(file, None);
-        let config = LoadedConfig::read(file)?;
+        let (attempted, config) = read_config(file);
+        let config = config?;
         let workers = config.config.workers.unwrap_or_else(default_workers);
         let runtime = Runtime::new(RuntimeConfig {
             cache_dir: config
@@ -351,8 +367,9 @@ impl Policy {
 
     fn try_reload(&self) -> Result<Reloaded, ReloadError> {
         let started = Instant::now();
-        *self.attempted.lock() = fingerprint(&self.file, None);
-        let config = LoadedConfig::read(&self.file)?;
+        let (attempted, config) = read_config(&self.file);
+        *self.attempted.lock() = attempted;
+        let config = config?;
         let current = self.snapshot();
         let old = &current.config.config;
         let new = &config.config;
@@ -436,19 +453,26 @@ impl Policy {
         std::thread::Builder::new()
             .name("dpumesh-watch".to_owned())
             .spawn(move || {
+                let mut nudge = crate::nudge::Nudge::new();
                 loop {
-                    std::thread::sleep(every);
+                    nudge.wait(every);
                     let Some(policy) = policy.upgrade() else {
                         return;
                     };
                     let last = policy.attempted.lock().clone();
-                    let now = fingerprint(&policy.file, Some(&last));
+                    let files = std::iter::once(policy.file.as_path());
+                    nudge.watch(files.chain(last.1.iter().map(|(f, _)| f.as_path())));
+                    let now = look(&policy.file, &last);
                     if now == last {
                         continue;
                     }
-                    // Let a writer finish: reload once the files stop changing.
-                    std::thread::sleep(every);
-                    if fingerprint(&policy.file, Some(&now)) != now {
+                    // Let a writer finish: reload once the files stop changing. A
+                    // fifth of the period: editors and `kubectl` replace a file in
+                    // one step, and a reload that read a half-written file fails and
+                    // is tried again when the rest lands, so a longer wait would
+                    // only delay every reload.
+                    std::thread::sleep(every / 5);
+                    if look(&policy.file, &last) != now {
                         continue;
                     }
                     tracing::info!("config or a file it names changed; reloading");
