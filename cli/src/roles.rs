@@ -173,6 +173,8 @@ pub fn pingmesh(mesh: &Path, listen: Option<SocketAddr>, http: Option<SocketAddr
             interval: pm.interval(),
             timeout: pm.timeout(),
             inter_tor_targets: pm.inter_tor_targets(),
+            inter_tor_probers: pm.inter_tor_probers(),
+            inter_tor_tors: pm.inter_tor_tors(),
             ecmp_paths: pm.ecmp_paths(),
             coverage: pm.coverage(),
             rotate_every: pm.rotate_every(),

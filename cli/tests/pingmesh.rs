@@ -521,6 +521,8 @@ fn mesh_file(dir: &Path, t: &Topology, grpc: u16, http: u16) -> PathBuf {
             "  {host}: {{fabric: \"{ip}:7000\", tor: {tor}, rnic: \"{ip}:4791\"}}\n"
         ));
     }
+    // Every host probes every host under the other ToR (`inter_tor_targets` and
+    // `inter_tor_probers` as large as a ToR), so the heatmap is full.
     let text = format!(
         "policy: policy.yaml\n\
          ingress: {{listen: \"127.0.0.1:1\"}}\n\
@@ -532,6 +534,7 @@ fn mesh_file(dir: &Path, t: &Topology, grpc: u16, http: u16) -> PathBuf {
          \x20 interval: 50ms\n\
          \x20 timeout: 300ms\n\
          \x20 inter_tor_targets: 3\n\
+         \x20 inter_tor_probers: 3\n\
          \x20 ecmp_paths: 1\n\
          \x20 ttl: 3s\n\
          \x20 window: 4s\n\

@@ -743,5 +743,16 @@ mod tests {
         // One GID, one RNIC.
         let e = load(&pm("").replace("127.0.0.12:4791", "127.0.0.11:4792")).unwrap_err();
         assert_eq!(e.path, "nodes.n2.rnic");
+        // The inter-ToR list's bounds.
+        let m = load(&pm("")).unwrap();
+        let p = m.config.pingmesh.as_ref().unwrap();
+        assert_eq!((p.inter_tor_probers(), p.inter_tor_tors()), (2, 16));
+        let m = load(&pm(", inter_tor_probers: 3, inter_tor_tors: 8")).unwrap();
+        let p = m.config.pingmesh.as_ref().unwrap();
+        assert_eq!((p.inter_tor_probers(), p.inter_tor_tors()), (3, 8));
+        let e = load(&pm(", inter_tor_probers: 0")).unwrap_err();
+        assert_eq!(e.path, "pingmesh.inter_tor_probers");
+        let e = load(&pm(", inter_tor_tors: 0")).unwrap_err();
+        assert_eq!(e.path, "pingmesh.inter_tor_tors");
     }
 }

@@ -35,6 +35,12 @@ pub struct PingmeshConfig {
     pub timeout: Option<Span>,
     /// RNICs probed under each other ToR (default 2).
     pub inter_tor_targets: Option<u32>,
+    /// RNICs of a ToR that probe each other ToR (default 2): a ToR's RNICs share the
+    /// other ToRs out.
+    pub inter_tor_probers: Option<u32>,
+    /// Other ToRs one RNIC probes in a rotation, at most (default 16): past it the
+    /// ToRs take turns over rotations.
+    pub inter_tor_tors: Option<u32>,
     /// Equal-cost paths between two ToRs (default 4).
     pub ecmp_paths: Option<u32>,
     /// Probability that an inter-ToR target's 5-tuples cover every path (default 0.99).
@@ -64,6 +70,12 @@ impl PingmeshConfig {
     }
     pub fn inter_tor_targets(&self) -> usize {
         self.inter_tor_targets.unwrap_or(2) as usize
+    }
+    pub fn inter_tor_probers(&self) -> usize {
+        self.inter_tor_probers.unwrap_or(2) as usize
+    }
+    pub fn inter_tor_tors(&self) -> usize {
+        self.inter_tor_tors.unwrap_or(16) as usize
     }
     pub fn ecmp_paths(&self) -> u32 {
         self.ecmp_paths.unwrap_or(4)
@@ -128,6 +140,12 @@ impl PingmeshConfig {
         }
         if self.inter_tor_targets() > 1024 {
             return Err(("pingmesh.inter_tor_targets", "at most 1024".into()));
+        }
+        if !(1..=1024).contains(&self.inter_tor_probers()) {
+            return Err(("pingmesh.inter_tor_probers", "must be 1 to 1024".into()));
+        }
+        if !(1..=4096).contains(&self.inter_tor_tors()) {
+            return Err(("pingmesh.inter_tor_tors", "must be 1 to 4096".into()));
         }
         if self.ttl() < self.upload_every() * 2 || self.ttl() < ms(300) {
             return Err((

@@ -82,6 +82,7 @@ fn server(inter_tor_targets: usize, ecmp_paths: u32) -> Server {
             ecmp_paths,
             coverage: 0.5,
             rotate_every: Duration::from_secs(3600),
+            ..PinglistPolicy::default()
         },
         ttl: Duration::from_secs(30),
         analyzer: AnalyzerPolicy {

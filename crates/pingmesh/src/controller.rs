@@ -458,9 +458,19 @@ mod tests {
         let mesh = c.pinglist(&me, ListKind::TorMesh).unwrap();
         assert_eq!(mesh.targets.len(), 2);
         assert_eq!(mesh.interval, PinglistPolicy::default().interval);
-        let inter = c.pinglist(&me, ListKind::InterTor).unwrap();
-        assert!(inter.targets.iter().all(|t| t.rnic.tor_id == "b"));
-        assert!(!inter.targets.is_empty());
+        // Two of a's three RNICs probe b (`inter_tor_probers`), and both of b's probe a.
+        let probing = |tor: &str, range: std::ops::RangeInclusive<u8>| {
+            range
+                .filter(|&n| {
+                    let gid = rnic(n, tor, 0).gid.to_string();
+                    let inter = c.pinglist(&gid, ListKind::InterTor).unwrap();
+                    assert!(inter.targets.iter().all(|t| t.rnic.tor_id != tor));
+                    !inter.targets.is_empty()
+                })
+                .count()
+        };
+        assert_eq!(probing("a", 1..=3), 2);
+        assert_eq!(probing("b", 4..=5), 2);
     }
 
     #[test]

@@ -2,9 +2,14 @@
 //!
 //! - ToR-mesh: every other RNIC under the prober's ToR, one tuple each — a fault
 //!   there involves one host link, one RNIC or the ToR.
-//! - Inter-ToR: under every other ToR, a sample of RNICs (different probers pick
-//!   different ones, and the pick rotates), each with as many tuples as formula (1)
-//!   asks for the configured ECMP paths and coverage.
+//! - Inter-ToR: a ToR's RNICs share out the other ToRs, `inter_tor_probers` of them
+//!   probing each; an RNIC probes at most `inter_tor_tors` other ToRs in a rotation
+//!   (past that the ToRs take turns over rotations), so its list is bounded by
+//!   configuration, not by the number of racks, and the mesh's probing grows with
+//!   its RNICs, not with its size squared. Under each of its ToRs the RNIC probes a
+//!   sample of RNICs (different probers pick different ones, and the pick rotates),
+//!   each with as many tuples as formula (1) asks for the configured ECMP paths and
+//!   coverage.
 //!
 //! Tuples differ by flow label (the entropy a RoCEv2 NIC turns into the UDP source
 //! port). Labels and samples derive from the rotation generation, so every
@@ -28,6 +33,13 @@ pub struct PinglistPolicy {
     pub timeout: Duration,
     /// RNICs probed under each other ToR.
     pub inter_tor_targets: usize,
+    /// RNICs of a ToR that probe each other ToR in a rotation (all of them when the
+    /// ToR has fewer).
+    pub inter_tor_probers: usize,
+    /// Other ToRs one RNIC probes in a rotation, at most: the bound on its inter-ToR
+    /// list. A mesh with more than `RNICs a ToR × inter_tor_tors / inter_tor_probers`
+    /// other ToRs covers them over several rotations.
+    pub inter_tor_tors: usize,
     /// Equal-cost paths between two ToRs.
     pub ecmp_paths: u32,
     /// Probability that an inter-ToR target's tuples cover every path.
@@ -42,6 +54,8 @@ impl Default for PinglistPolicy {
             interval: Duration::from_millis(100),
             timeout: Duration::from_millis(500),
             inter_tor_targets: 2,
+            inter_tor_probers: 2,
+            inter_tor_tors: 16,
             ecmp_paths: 4,
             coverage: 0.99,
             rotate_every: Duration::from_secs(300),
@@ -77,6 +91,13 @@ fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
+}
+
+/// A ToR's name as a word (FNV-1a), for orders every RNIC of the mesh agrees on.
+fn tor_word(tor: &str) -> u64 {
+    tor.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 fn gid_word(g: &Gid) -> u64 {
@@ -135,12 +156,40 @@ pub fn inter_tor_grouped<'a>(
 ) -> Vec<Target> {
     let tuples = ecmp::tuples_needed(policy.ecmp_paths, policy.coverage);
     let me = gid_word(&prober.gid);
+    let mine = tor_word(&prober.tor_id);
+    let mut peers: &[Rnic] = &[];
+    // The other ToRs in an order of this ToR's: every RNIC of the ToR computes the
+    // same one, so they share the ToRs out without talking.
+    let mut others: Vec<(u64, &str, &[Rnic])> = Vec::new();
+    for rnics in tors {
+        let Some(first) = rnics.first() else { continue };
+        if first.tor_id == prober.tor_id {
+            peers = rnics;
+        } else {
+            let key = mix(mine ^ mix(tor_word(&first.tor_id)));
+            others.push((key, &first.tor_id, rnics));
+        }
+    }
+    others.sort_unstable_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
+    let (rank, size) = duty(prober, peers, generation);
+    let probers = policy.inter_tor_probers.clamp(1, size);
+    // The ToRs this ToR covers in a rotation: each of its RNICs probes at most
+    // `inter_tor_tors`, so `window` of them in all. The window moves on by itself
+    // each rotation, so every ToR pair is probed within ⌈ToRs / window⌉ rotations.
+    let window = (policy.inter_tor_tors.max(1) * size / probers).max(1);
+    let turn = if others.is_empty() {
+        0
+    } else {
+        let k = others.len() as u64;
+        ((generation % k) * (window as u64 % k) % k) as usize
+    };
+    let mine = (0..window.min(others.len()))
+        // ToR j is probed by the ranks j·probers … j·probers + probers − 1 (mod size).
+        .filter(|j| (rank + size - (j * probers) % size) % size < probers)
+        .map(|j| others[(turn + j) % others.len()]);
     let mut out = Vec::new();
     let mut keyed: Vec<(u64, usize)> = Vec::new();
-    for rnics in tors {
-        if rnics.first().is_none_or(|r| r.tor_id == prober.tor_id) {
-            continue;
-        }
+    for (_, _, rnics) in mine {
         // A different order per prober and generation: the sample spreads over the
         // ToR's hosts and moves with the rotation. Only the first few are needed,
         // so they are selected, not sorted.
@@ -172,6 +221,22 @@ pub fn inter_tor_grouped<'a>(
         }
     }
     out
+}
+
+/// The prober's rank among its ToR's RNICs in this rotation, and their number (the
+/// prober counted when it is not registered yet).
+fn duty(prober: &Rnic, peers: &[Rnic], generation: u64) -> (usize, usize) {
+    let key = |g: &Gid| (mix(gid_word(g) ^ mix(generation ^ 0x9e37_79b9)), g.0);
+    let me = key(&prober.gid);
+    let others = peers.iter().filter(|r| r.gid != prober.gid);
+    let (mut below, mut size) = (0, 1);
+    for r in others {
+        size += 1;
+        if key(&r.gid) < me {
+            below += 1;
+        }
+    }
+    (below, size)
 }
 
 #[cfg(test)]
@@ -215,6 +280,8 @@ mod tests {
         let all = topology();
         let policy = PinglistPolicy {
             inter_tor_targets: 2,
+            // Every RNIC of tor-a (three) probes every other ToR.
+            inter_tor_probers: 3,
             ecmp_paths: 4,
             coverage: 0.99,
             ..PinglistPolicy::default()
@@ -261,6 +328,109 @@ mod tests {
             }
         }
         assert!((104..=109).all(|q| seen.contains(&q)), "{seen:?}");
+    }
+
+    /// `tors` ToRs of `size` RNICs each.
+    fn racks(tors: usize, size: usize) -> Vec<Rnic> {
+        let mut all = Vec::new();
+        for t in 0..tors {
+            for n in 0..size {
+                let mut r = rnic(1, &format!("tor-{t}"), 0);
+                let ip = std::net::Ipv4Addr::from(0x0a00_0000 + (t * 64 + n) as u32);
+                r.gid = Gid::from_ip(ip.into());
+                r.rnic_ip = ip.into();
+                all.push(r);
+            }
+        }
+        all
+    }
+
+    /// For each ToR pair (prober's ToR, target's ToR): how many of the prober's ToR's
+    /// RNICs probe the target's, over one generation.
+    fn pairs(
+        all: &[Rnic],
+        policy: &PinglistPolicy,
+        generation: u64,
+    ) -> BTreeMap<(String, String), usize> {
+        let mut pairs = BTreeMap::new();
+        for prober in all {
+            let mut tors: Vec<_> = inter_tor(prober, all, policy, generation)
+                .into_iter()
+                .map(|t| t.rnic.tor_id)
+                .collect();
+            tors.dedup();
+            for tor in tors {
+                *pairs.entry((prober.tor_id.clone(), tor)).or_default() += 1;
+            }
+        }
+        pairs
+    }
+
+    #[test]
+    fn a_tors_rnics_share_out_the_other_tors() {
+        let all = racks(6, 4);
+        let policy = PinglistPolicy {
+            ecmp_paths: 1,
+            ..PinglistPolicy::default()
+        };
+        for generation in [1, 2, 3] {
+            let pairs = pairs(&all, &policy, generation);
+            // Every ordered pair of the 6 ToRs, each by exactly two probers.
+            assert_eq!(pairs.len(), 6 * 5, "generation {generation}");
+            assert!(pairs.values().all(|&n| n == 2), "{pairs:?}");
+        }
+        // Each RNIC probes 5 × 2 / 4 = 2 or 3 ToRs, not all 5.
+        for prober in &all {
+            let mut tors: Vec<_> = inter_tor(prober, &all, &policy, 1)
+                .into_iter()
+                .map(|t| t.rnic.tor_id)
+                .collect();
+            tors.dedup();
+            assert!((2..=3).contains(&tors.len()), "{}: {tors:?}", prober.tor_id);
+        }
+    }
+
+    #[test]
+    fn an_rnics_list_is_bounded_by_configuration_not_by_the_racks() {
+        let policy = PinglistPolicy {
+            ecmp_paths: 1,
+            inter_tor_tors: 4,
+            ..PinglistPolicy::default()
+        };
+        let longest = |tors: usize| {
+            let all = racks(tors, 4);
+            all.iter()
+                .map(|p| inter_tor(p, &all, &policy, 1).len())
+                .max()
+                .unwrap()
+        };
+        // Two targets under each of at most four ToRs.
+        assert_eq!(longest(3), 2, "two other ToRs between four RNICs: one each");
+        assert_eq!(longest(40), 2 * 4);
+        assert_eq!(longest(200), 2 * 4);
+        // Past the bound the ToRs take turns: a ToR's four RNICs cover 4 × 4 / 2 = 8
+        // ToRs a rotation, so every pair is probed within ⌈39 / 8⌉ = 5 rotations.
+        let all = racks(40, 4);
+        let mut seen = std::collections::BTreeSet::new();
+        for generation in 100..105 {
+            seen.extend(pairs(&all, &policy, generation).into_keys());
+        }
+        assert_eq!(seen.len(), 40 * 39);
+    }
+
+    #[test]
+    fn a_tor_of_one_rnic_probes_every_other_tor_up_to_the_bound() {
+        let all = racks(5, 1);
+        let policy = PinglistPolicy {
+            ecmp_paths: 1,
+            ..PinglistPolicy::default()
+        };
+        let list = inter_tor(&all[0], &all, &policy, 9);
+        assert_eq!(
+            list.len(),
+            4,
+            "one target under each of the other four ToRs"
+        );
     }
 
     #[test]

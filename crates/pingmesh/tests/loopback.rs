@@ -25,6 +25,7 @@ fn server(dir: &std::path::Path) -> Server {
             ecmp_paths: 2,
             coverage: 0.9,
             rotate_every: Duration::from_secs(60),
+            ..PinglistPolicy::default()
         },
         ttl: Duration::from_secs(3),
         analyzer: AnalyzerPolicy {
