@@ -33,6 +33,8 @@ pub struct Nudge {
     /// `None` when inotify cannot be had: the watcher only polls.
     fd: Option<OwnedFd>,
     folders: BTreeMap<PathBuf, Folder>,
+    /// Whether every folder asked for is watched.
+    covered: bool,
 }
 
 struct Folder {
@@ -48,12 +50,20 @@ impl Nudge {
         Self {
             fd,
             folders: BTreeMap::new(),
+            covered: false,
         }
+    }
+
+    /// Whether inotify watches the folder of every file last given to
+    /// [`Nudge::watch`]: the watcher may then poll less often.
+    pub fn covers(&self) -> bool {
+        self.covered
     }
 
     /// Watches the folders of `files` (and no others).
     pub fn watch<'a>(&mut self, files: impl IntoIterator<Item = &'a Path>) {
         let Some(fd) = &self.fd else { return };
+        self.covered = true;
         let mut wanted: BTreeMap<PathBuf, Vec<Vec<u8>>> = BTreeMap::new();
         for file in files {
             let (Some(folder), Some(name)) = (file.parent(), file.file_name()) else {
@@ -87,7 +97,8 @@ impl Nudge {
                 }
                 // A missing folder or the kernel's watch limit: polling covers it.
                 Err(e) => {
-                    tracing::debug!(folder = %folder.display(), error = %e, "not watched by inotify")
+                    self.covered = false;
+                    tracing::debug!(folder = %folder.display(), error = %e, "not watched by inotify");
                 }
             }
         }
@@ -181,6 +192,7 @@ mod tests {
         std::fs::write(&file, "a").unwrap();
         let mut nudge = Nudge::new();
         nudge.watch([file.as_path()]);
+        assert!(nudge.covers());
 
         // Nothing happens: the wait runs its course.
         assert!(waited(&mut nudge, Duration::from_millis(100)) >= Duration::from_millis(100));
@@ -218,5 +230,8 @@ mod tests {
         assert_eq!(nudge.folders.len(), 2);
         nudge.watch([b.path().join("y").as_path()]);
         assert_eq!(nudge.folders.keys().collect::<Vec<_>>(), [b.path()]);
+        // A folder that does not exist cannot be watched: the watcher keeps polling.
+        nudge.watch([b.path().join("gone/z").as_path()]);
+        assert!(!nudge.covers());
     }
 }
