@@ -342,8 +342,9 @@ fn refresh_gauges(policy: &Policy) {
             metrics::gauge!("dpumesh_filter_degraded", &labels).set(f64::from(u8::from(degraded)));
         }
     }
-    metrics::gauge!("dpumesh_shared_state_entries")
-        .set(policy.runtime().shared_state().len() as f64);
+    let state = policy.runtime().shared_state();
+    metrics::gauge!("dpumesh_shared_state_entries").set(state.len() as f64);
+    metrics::counter!("dpumesh_shared_state_evicted_total").absolute(state.evictions());
     metrics::gauge!("dpumesh_workers").set(policy.pool().workers() as f64);
 }
 

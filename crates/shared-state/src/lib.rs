@@ -8,14 +8,20 @@
 //! Each operation is atomic for its key (it runs under the key's shard lock), and the
 //! decisions are made whole inside one call, so guests never loop on compare-and-swap.
 //! Keys are namespaced: a [`Namespace`] (one per filter) can only reach its own keys.
-//! Expired entries are removed lazily on access and by [`SharedState::sweep_expired`],
-//! and the store refuses new keys beyond its configured capacity rather than growing
-//! without bound.
+//! Expired entries are removed lazily on access and by [`SharedState::sweep_expired`].
+//! A full store makes room for a new key by evicting an entry with a time-to-live that
+//! was not used lately (CLOCK over the keys in the order they came: an entry used
+//! since the hand last passed gets a second chance), the way HAProxy's stick tables
+//! drop their oldest entries: a flood of new keys (rate-limit subjects) costs the
+//! idle ones their state, not the limit its effect. Entries without a time-to-live
+//! and byte values are never evicted: past them the store refuses new keys rather
+//! than growing without bound.
 
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use dashmap::DashMap;
 use dashmap::mapref::entry::Entry as MapEntry;
@@ -24,6 +30,11 @@ use dpumesh_clock::SharedClock;
 /// A full store sweeps at most this often (see [`SharedState::sweep_expired`]'s
 /// callers): a sweep of a million entries takes milliseconds.
 pub const FULL_SWEEP_GAP_MS: u64 = 250;
+
+/// Keys the eviction hand looks at for one new key, at most: past that the key is
+/// refused this time (every entry the hand passed lost its second chance, so the next
+/// new key finds one to evict).
+const EVICTION_LOOKS: usize = 64;
 
 /// Longest key a filter may use, in bytes.
 pub const MAX_KEY_LEN: usize = 256;
@@ -92,6 +103,8 @@ struct Slot {
     value: Value,
     /// Monotonic milliseconds at which the entry expires; 0 = never.
     expires_at_ms: u64,
+    /// Used since the eviction hand last passed it.
+    used: bool,
 }
 
 impl Slot {
@@ -119,6 +132,11 @@ pub struct SharedState {
     next_sweep: AtomicU64,
     /// Sweeps done so far.
     sweeps: AtomicU64,
+    /// The eviction hand's queue: typed keys in the order they came (a key may be
+    /// there twice, or gone from the store: the hand skips those).
+    clock_hand: Mutex<VecDeque<Key>>,
+    /// Entries evicted so far.
+    evictions: AtomicU64,
     namespaces: DashMap<Box<str>, u32>,
     next_namespace: AtomicU32,
     clock: SharedClock,
@@ -135,6 +153,8 @@ impl SharedState {
             live: AtomicUsize::new(0),
             next_sweep: AtomicU64::new(0),
             sweeps: AtomicU64::new(0),
+            clock_hand: Mutex::new(VecDeque::new()),
+            evictions: AtomicU64::new(0),
             namespaces: DashMap::new(),
             next_namespace: AtomicU32::new(0),
             clock,
@@ -190,6 +210,54 @@ impl SharedState {
     /// Sweeps done so far (by [`SharedState::sweep_expired`], whoever called it).
     pub fn sweeps(&self) -> u64 {
         self.sweeps.load(Ordering::Relaxed)
+    }
+
+    /// Entries evicted so far to make room for new keys.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Ordering::Relaxed)
+    }
+
+    /// Evicts one entry with a time-to-live not used since the hand last passed it;
+    /// whether one was. Runs before the new key's shard is locked (it locks others).
+    fn evict_one(&self) -> bool {
+        let now = self.now_ms();
+        let mut hand = self.clock_hand.lock().unwrap_or_else(|e| e.into_inner());
+        for _ in 0..EVICTION_LOOKS.min(hand.len()) {
+            let Some(key) = hand.pop_front() else { break };
+            let mut keep = false;
+            let removed = self
+                .entries
+                .remove_if_mut(&key, |_, slot| {
+                    if slot.expires_at_ms == 0 {
+                        // Never evicted: off the queue (a new insert puts it back).
+                        return false;
+                    }
+                    // An expired entry goes at once; a used one has its chance.
+                    keep = slot.used && slot.live(now);
+                    slot.used = false;
+                    !keep
+                })
+                .is_some();
+            if removed {
+                self.live.fetch_sub(1, Ordering::AcqRel);
+                self.evictions.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+            if keep {
+                hand.push_back(key);
+            }
+        }
+        false
+    }
+
+    /// Puts a new typed key on the eviction hand's queue (bounded: a queue twice the
+    /// store's size has lost its oldest keys to re-inserts and removals already).
+    fn queue(&self, key: Key) {
+        let mut hand = self.clock_hand.lock().unwrap_or_else(|e| e.into_inner());
+        if hand.len() >= self.limits.max_entries.saturating_mul(2).max(16) {
+            hand.pop_front();
+        }
+        hand.push_back(key);
     }
 
     /// A full store's sweep, if one is due: a sweep visits every entry, and a store
@@ -262,17 +330,26 @@ impl Namespace {
     ) -> Result<R, StateError> {
         let key = self.key(key)?;
         let state = &*self.state;
-        if state.len() >= state.limits.max_entries {
-            // Sweep before taking a shard lock: sweeping visits every shard.
+        if state.len() >= state.limits.max_entries && !state.entries.contains_key(&key) {
+            // Sweep (or evict) before taking a shard lock: both visit other shards.
             state.sweep_if_due();
+            if state.len() >= state.limits.max_entries {
+                state.evict_one();
+            }
         }
         let now = state.now_ms();
         match state.entries.entry(key) {
             MapEntry::Occupied(mut occupied) => {
                 let current = Some(*occupied.get()).filter(|slot| slot.live(now));
+                let renewed = current.is_none();
                 let (next, result) = f(current, now)?;
                 match next {
-                    Some(slot) => {
+                    Some(mut slot) => {
+                        // An expired entry made anew is a new key to the hand.
+                        slot.used = !renewed;
+                        if renewed && slot.expires_at_ms != 0 {
+                            state.queue(occupied.key().clone());
+                        }
                         occupied.insert(slot);
                     }
                     None => {
@@ -286,7 +363,11 @@ impl Namespace {
                 let (next, result) = f(None, now)?;
                 if let Some(slot) = next {
                     state.reserve()?;
+                    let key = vacant.key().clone();
                     vacant.insert(slot);
+                    if slot.expires_at_ms != 0 {
+                        state.queue(key);
+                    }
                 }
                 Ok(result)
             }
@@ -301,12 +382,14 @@ impl Namespace {
             Some(Slot {
                 value: Value::Int(v),
                 expires_at_ms,
+                ..
             }) => {
                 let next = v.saturating_add(delta);
                 Ok((
                     Some(Slot {
                         value: Value::Int(next),
                         expires_at_ms,
+                        used: false,
                     }),
                     next,
                 ))
@@ -316,6 +399,7 @@ impl Namespace {
                 Some(Slot {
                     value: Value::Int(delta),
                     expires_at_ms: expiry(now, ttl_ms),
+                    used: false,
                 }),
                 delta,
             )),
@@ -357,6 +441,7 @@ impl Namespace {
                 let slot = Slot {
                     value: Value::Int(desired),
                     expires_at_ms: expiry(now, ttl_ms),
+                    used: false,
                 };
                 Ok((Some(slot), Ok(())))
             } else {
@@ -471,6 +556,7 @@ impl Namespace {
                     last_refill_ms: last_refill,
                 },
                 expires_at_ms,
+                used: false,
             };
             Ok((
                 Some(slot),

@@ -73,20 +73,76 @@ fn delete_removes_and_frees_capacity() {
 }
 
 #[test]
-fn full_store_sweeps_expired_entries_before_refusing() {
+fn a_full_store_sweeps_expired_entries_before_evicting_any() {
     let (clock, state) = store(2);
     let ns = state.namespace("a");
     ns.increment("x", 1, 10).unwrap();
-    ns.increment("y", 1, 0).unwrap();
-    assert_eq!(ns.increment("z", 1, 0), Err(StateError::Full));
-    clock.advance_ms(FULL_SWEEP_GAP_MS);
+    ns.increment("y", 1, 60_000).unwrap();
+    clock.advance_ms(20);
     assert_eq!(ns.increment("z", 1, 0), Ok(1));
+    assert_eq!(ns.get("y"), Ok(Some(1)), "y is live: the sweep made room");
+    assert_eq!(state.evictions(), 0);
     assert_eq!(state.len(), 2);
 }
 
-/// A store full of live entries refuses new keys at once: it is not swept again for
-/// each of them (a sweep visits every entry), only once the gap has passed, and no
-/// sooner than its first entry can expire.
+/// A flood of new keys evicts the entries nobody used lately, not the ones in use,
+/// and never an entry without a time-to-live.
+#[test]
+fn a_full_store_evicts_an_entry_not_used_lately() {
+    let (_clock, state) = store(3);
+    let ns = state.namespace("a");
+    ns.increment("busy", 1, 60_000).unwrap();
+    ns.increment("idle", 1, 60_000).unwrap();
+    ns.increment("forever", 1, 0).unwrap();
+    ns.increment("busy", 1, 60_000).unwrap();
+    assert_eq!(ns.increment("new", 1, 60_000), Ok(1));
+    assert_eq!(state.evictions(), 1);
+    assert_eq!(ns.get("idle"), Ok(None), "the idle entry made room");
+    assert_eq!(ns.get("busy"), Ok(Some(2)));
+    assert_eq!(ns.get("forever"), Ok(Some(1)));
+    assert_eq!(state.len(), 3);
+    // The next new key: "busy" lost its second chance when the hand passed it, and
+    // "new" was never used again.
+    assert_eq!(ns.increment("newer", 1, 60_000), Ok(1));
+    assert_eq!(state.evictions(), 2);
+    assert_eq!(ns.get("forever"), Ok(Some(1)));
+    // Entries without a time-to-live are never evicted: a store of them refuses.
+    let (_clock, state) = store(2);
+    let ns = state.namespace("a");
+    ns.increment("a", 1, 0).unwrap();
+    ns.increment("b", 1, 0).unwrap();
+    assert_eq!(ns.increment("c", 1, 60_000), Err(StateError::Full));
+}
+
+/// A rate limit under a flood of new subjects: the store stays at its bound, and the
+/// subjects in use keep their buckets.
+#[test]
+fn buckets_in_use_survive_a_flood_of_new_subjects() {
+    let (_clock, state) = store(100);
+    let ns = state.namespace("ratelimit");
+    let spec = BucketSpec {
+        capacity: 10,
+        refill_tokens: 1,
+        refill_interval_ms: 60_000,
+    };
+    for round in 0..50 {
+        // The regular subject spends a token each round.
+        let taken = ns.token_bucket_take("regular", spec, 1).unwrap();
+        assert_eq!(taken.allowed, round < 10, "round {round}");
+        for i in 0..20 {
+            ns.token_bucket_take(&format!("flood{round}-{i}"), spec, 1)
+                .unwrap();
+        }
+    }
+    assert_eq!(state.len(), 100);
+    assert!(state.evictions() >= 900);
+    let regular = ns.token_bucket_take("regular", spec, 1).unwrap();
+    assert!(!regular.allowed, "its bucket was kept: still empty");
+}
+
+/// A store full of live entries is not swept again for each new key (a sweep visits
+/// every entry): only once the gap has passed, and no sooner than its first entry can
+/// expire. Meanwhile new keys evict.
 #[test]
 fn a_full_store_of_live_entries_is_not_swept_for_every_new_key() {
     let (clock, state) = store(100);
@@ -96,22 +152,17 @@ fn a_full_store_of_live_entries_is_not_swept_for_every_new_key() {
     }
     let before = state.sweeps();
     for i in 0..1_000 {
-        assert_eq!(
-            ns.increment(&format!("new{i}"), 1, 60_000),
-            Err(StateError::Full)
-        );
+        assert_eq!(ns.increment(&format!("new{i}"), 1, 60_000), Ok(1));
     }
     assert_eq!(
         state.sweeps() - before,
         1,
-        "one sweep for a thousand refusals"
+        "one sweep for a thousand new keys"
     );
-    // Past the gap, but before anything expires: still no sweep.
-    clock.advance_ms(FULL_SWEEP_GAP_MS * 4);
-    assert_eq!(ns.increment("later", 1, 0), Err(StateError::Full));
-    assert_eq!(state.sweeps() - before, 1);
-    // Once the entries expired, the next new key sweeps them and gets in.
-    clock.advance_ms(60_000);
+    assert_eq!(state.evictions(), 1_000);
+    assert_eq!(state.len(), 100);
+    // Once the entries expired, the next new key sweeps them.
+    clock.advance_ms(60_000 + FULL_SWEEP_GAP_MS);
     assert_eq!(ns.increment("after", 1, 0), Ok(1));
     assert_eq!(state.sweeps() - before, 2);
     assert_eq!(state.len(), 1);
