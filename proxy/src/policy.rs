@@ -189,7 +189,8 @@ fn read_config(file: &Path) -> (Fingerprint, Result<LoadedConfig, ConfigError>) 
 
 /// The file's fingerprint as of now, for a watcher that last saw `last`: the text's
 /// hash and the stamps of the files `last` named, without parsing the text (the
-/// watcher looks four times a second; an idle node should not parse YAML that often).
+/// watcher looks on every inotify event and every poll; an idle node should not
+/// parse YAML that often).
 /// When the text changed the files it names may have too, and the reload that follows
 /// stamps them anew.
 fn look(file: &Path, last: &Fingerprint) -> Fingerprint {

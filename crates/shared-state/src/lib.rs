@@ -251,7 +251,8 @@ impl SharedState {
     }
 
     /// Puts a new typed key on the eviction hand's queue (bounded: a queue twice the
-    /// store's size has lost its oldest keys to re-inserts and removals already).
+    /// store's size has lost its oldest keys to re-inserts and removals already). One
+    /// lock a new key, not a request: a subject seen again finds its entry.
     fn queue(&self, key: Key) {
         let mut hand = self.clock_hand.lock().unwrap_or_else(|e| e.into_inner());
         if hand.len() >= self.limits.max_entries.saturating_mul(2).max(16) {
@@ -338,7 +339,9 @@ impl Namespace {
             }
         }
         let now = state.now_ms();
-        match state.entries.entry(key) {
+        // A new key with a time-to-live goes on the eviction hand's queue once its
+        // shard is unlocked: the hand locks shards while it holds the queue.
+        let (result, new_key) = match state.entries.entry(key) {
             MapEntry::Occupied(mut occupied) => {
                 let current = Some(*occupied.get()).filter(|slot| slot.live(now));
                 let renewed = current.is_none();
@@ -347,31 +350,35 @@ impl Namespace {
                     Some(mut slot) => {
                         // An expired entry made anew is a new key to the hand.
                         slot.used = !renewed;
-                        if renewed && slot.expires_at_ms != 0 {
-                            state.queue(occupied.key().clone());
-                        }
+                        let new_key =
+                            (renewed && slot.expires_at_ms != 0).then(|| occupied.key().clone());
                         occupied.insert(slot);
+                        (result, new_key)
                     }
                     None => {
                         occupied.remove();
                         state.live.fetch_sub(1, Ordering::AcqRel);
+                        (result, None)
                     }
                 }
-                Ok(result)
             }
             MapEntry::Vacant(vacant) => {
                 let (next, result) = f(None, now)?;
-                if let Some(slot) = next {
-                    state.reserve()?;
-                    let key = vacant.key().clone();
-                    vacant.insert(slot);
-                    if slot.expires_at_ms != 0 {
-                        state.queue(key);
+                match next {
+                    Some(slot) => {
+                        state.reserve()?;
+                        let new_key = (slot.expires_at_ms != 0).then(|| vacant.key().clone());
+                        vacant.insert(slot);
+                        (result, new_key)
                     }
+                    None => (result, None),
                 }
-                Ok(result)
             }
+        };
+        if let Some(key) = new_key {
+            state.queue(key);
         }
+        Ok(result)
     }
 
     /// Adds `delta` to the integer at `key` and returns the new value. A missing or
