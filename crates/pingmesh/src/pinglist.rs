@@ -156,7 +156,7 @@ pub fn inter_tor_grouped<'a>(
 ) -> Vec<Target> {
     let tuples = ecmp::tuples_needed(policy.ecmp_paths, policy.coverage);
     let me = gid_word(&prober.gid);
-    let mine = tor_word(&prober.tor_id);
+    let my_tor = tor_word(&prober.tor_id);
     let mut peers: &[Rnic] = &[];
     // The other ToRs in an order of this ToR's: every RNIC of the ToR computes the
     // same one, so they share the ToRs out without talking.
@@ -166,7 +166,7 @@ pub fn inter_tor_grouped<'a>(
         if first.tor_id == prober.tor_id {
             peers = rnics;
         } else {
-            let key = mix(mine ^ mix(tor_word(&first.tor_id)));
+            let key = mix(my_tor ^ mix(tor_word(&first.tor_id)));
             others.push((key, &first.tor_id, rnics));
         }
     }
@@ -183,13 +183,13 @@ pub fn inter_tor_grouped<'a>(
         let k = others.len() as u64;
         ((generation % k) * (window as u64 % k) % k) as usize
     };
-    let mine = (0..window.min(others.len()))
+    let duties = (0..window.min(others.len()))
         // ToR j is probed by the ranks j·probers … j·probers + probers − 1 (mod size).
         .filter(|j| (rank + size - (j * probers) % size) % size < probers)
         .map(|j| others[(turn + j) % others.len()]);
     let mut out = Vec::new();
     let mut keyed: Vec<(u64, usize)> = Vec::new();
-    for (_, _, rnics) in mine {
+    for (_, _, rnics) in duties {
         // A different order per prober and generation: the sample spreads over the
         // ToR's hosts and moves with the rotation. Only the first few are needed,
         // so they are selected, not sorted.
