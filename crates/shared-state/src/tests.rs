@@ -101,8 +101,8 @@ fn a_full_store_evicts_an_entry_not_used_lately() {
     assert_eq!(ns.get("busy"), Ok(Some(2)));
     assert_eq!(ns.get("forever"), Ok(Some(1)));
     assert_eq!(state.len(), 3);
-    // The next new key: "busy" lost its second chance when the hand passed it, and
-    // "new" was never used again.
+    // The next new key: the hand comes to "busy" first, and its second chance was
+    // spent when the hand last passed it, so it goes now (not "forever").
     assert_eq!(ns.increment("newer", 1, 60_000), Ok(1));
     assert_eq!(state.evictions(), 2);
     assert_eq!(ns.get("forever"), Ok(Some(1)));
@@ -142,7 +142,9 @@ fn buckets_in_use_survive_a_flood_of_new_subjects() {
 
 /// Workers adding new keys to a full store (each evicting) while others use theirs:
 /// the hand locks shards while holding its queue, and a new key is queued only once
-/// its shard is unlocked, so none of them waits on another for ever.
+/// its shard is unlocked, so none of them waits on another for ever. (A stress test:
+/// the earlier order, queueing under the shard lock, passed it too; the lock order is
+/// what rules the deadlock out.)
 #[test]
 fn a_full_store_evicts_under_contention_without_deadlock() {
     let (clock, state) = store(64);
