@@ -81,10 +81,62 @@ step() {
     echo "--- took $(($(date +%s) - started)) s: $what"
 }
 
+# The aarch64 build (test-arm64.sh --no-run), started in the background once the x86
+# tests are running: it is about eight minutes of CPU-bound compiling, and the x86 run
+# is about five minutes of mostly waiting processes (meshes starting, probes, clients),
+# so overlapping them shortens CI by minutes. The tests are made to pass on a busy
+# machine (`--under-load` runs them beside two CPU burners), and a compile at -j2 is
+# that load. Cargo holds its build lock while it compiles, not while test binaries run,
+# so the background build waits for the x86 `cargo test` to start its first binary
+# (or 120 s); the later cargo steps wait for the lock while it builds.
+arm64_build_pid=""
+arm64_build_log=target/arm64-build.log
+start_arm64_build() { # the x86 run's log
+    local x86_log=$1
+    # A log left by an earlier run must not start the build before cargo test locks.
+    : >"$x86_log"
+    (
+        for _ in $(seq 1 120); do
+            grep -q '^ *Running ' "$x86_log" 2>/dev/null && break
+            sleep 1
+        done
+        exec ./scripts/test-arm64.sh --no-run
+    ) >"$arm64_build_log" 2>&1 &
+    arm64_build_pid=$!
+}
+
+# Waits for the background aarch64 build and shows its output.
+finish_arm64_build() {
+    local rc=0
+    echo "==> the aarch64 build, started beside the x86 tests (log: $arm64_build_log)"
+    wait "$arm64_build_pid" || rc=$?
+    arm64_build_pid=""
+    grep -vE '^ *(Compiling|Checking|Building|Downloaded|Downloading) ' "$arm64_build_log" || true
+    return "$rc"
+}
+
+# `cargo test` with its output kept in a log too (the background build watches it).
+x86_tests() { # log args...
+    local log=$1
+    shift
+    cargo test --workspace --locked "$@" 2>&1 | tee "$log"
+}
+
 tests() {
     local more=()
     [ "$keep_going" = 1 ] && more=(--no-fail-fast)
-    step "cargo test" cargo test --workspace --locked "${more[@]}"
+    if [ "$under_load" = 0 ]; then
+        step "cargo test (build)" cargo test --workspace --locked --no-run
+        start_arm64_build target/x86-tests.log
+        step "cargo test" x86_tests target/x86-tests.log
+    else
+        step "cargo test" cargo test --workspace --locked "${more[@]}"
+    fi
+    # Neither needs cargo: they run while the aarch64 build goes on.
+    step "pytest (the Python host library: the seed's examples, errors, WSGI, ASGI)" \
+        python3 -m pytest -q host-lib/python/tests
+    step "deploy/ (Helm chart rendered by Helm, DPF manifests against the DPF CRDs, kustomize, Kubernetes schemas)" \
+        python3 -m pytest -q deploy/tests
     # --workspace, not -p dpumesh-runtime: the workspace's feature resolution, so the
     # build above is reused (-p alone resolved features anew and rebuilt wasmtime and
     # its dependencies, ~6 minutes of CI). Only the runtime has a test target `all`.
@@ -92,21 +144,27 @@ tests() {
         env DPUMESH_TEST_FUSED=1 cargo test --workspace --locked "${more[@]}" --test all -- chain:: faults:: claims::
     step "cargo test (verbs backend: with no RDMA device it says so)" \
         cargo test --locked "${more[@]}" -p dpumesh-fabric --features verbs --lib verbs
+    [ -z "$arm64_build_pid" ] || step "the DPU side for Arm64: the aarch64 cross-build" finish_arm64_build
     step "the DPU side for Arm64 (aarch64 cross-build, tests under qemu)" \
         ./scripts/test-arm64.sh "${more[@]}"
-    step "pytest (the Python host library: the seed's examples, errors, WSGI, ASGI)" \
-        python3 -m pytest -q host-lib/python/tests
-    step "deploy/ (Helm chart rendered by Helm, DPF manifests against the DPF CRDs, kustomize, Kubernetes schemas)" \
-        python3 -m pytest -q deploy/tests
     # A benchmark, not a test: this runs it so it cannot rot (its build is the debug
     # one cargo test just made: no new compile). Its figures are not judged.
     step "bench/scale.sh --quick (the scaling sweep runs: two short steps a dimension)" \
         ./bench/scale.sh --quick
 }
 
+# A failed step ends the suite: the background build goes with it.
+stop_arm64_build() {
+    if [ -n "$arm64_build_pid" ]; then
+        pkill -TERM -P "$arm64_build_pid" 2>/dev/null || true
+        kill "$arm64_build_pid" 2>/dev/null || true
+    fi
+}
+
 ./scripts/install-toolchain.sh
 
 if [ "$under_load" = 0 ]; then
+    trap stop_arm64_build EXIT
     lints
     prepare
     tests
