@@ -78,7 +78,9 @@ done
 [ ${#dims[@]} -gt 0 ] || dims=(connections bodies routes subjects filters keys tokens nodes)
 
 if [ "$quick" = 1 ]; then
-    DURATION="${DURATION:-1}"; WARMUP="${WARMUP:-1}"; IDLE="${IDLE:-1}"; PROFILE=debug
+    # No warm-up: the quick mode's figures are not judged, and its ~30 wrk runs would
+    # spend half a minute warming up (the issue asks for a quick mode under 2 minutes).
+    DURATION="${DURATION:-1}"; WARMUP="${WARMUP:-0}"; IDLE="${IDLE:-1}"; PROFILE=debug
     conn_steps=(100 500)
     body_steps=(1024 65536)
     route_steps=(100 1000)
@@ -252,7 +254,7 @@ measure() { # url connections who [also] [lua script]
     local url=$1 conns=$2 who=$3 also=${4:-none} script=${5:-}
     local args=(-t1 -c"$conns" -H "authorization: Bearer $TOKEN")
     [ -n "$script" ] && args+=(-s "$script")
-    wrk "${args[@]}" -d"${WARMUP}s" "$url" >/dev/null
+    if [ "$WARMUP" -gt 0 ]; then wrk "${args[@]}" -d"${WARMUP}s" "$url" >/dev/null; fi
     local b1 b2 a1 a2 out
     b1=$(cpu $($who)); b2=$(cpu $($also))
     out=$(wrk "${args[@]}" -d"${DURATION}s" --latency "$url")
