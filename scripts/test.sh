@@ -9,6 +9,9 @@
 #                                     are printed at the end and kept in
 #                                     target/under-load/run-N.log
 #
+# In the plain run, the aarch64 build runs in the background beside the x86 tests
+# (see start_arm64_build; docs/testing.md, "Where CI's time goes").
+#
 # Under load, the lints (fmt, clippy) are left out: they measure nothing in time. Every
 # test step runs: the end-to-end tests (real processes, kills, restarts, network
 # namespaces, the browser), the timing-adjacent ones (deadlines, timeouts, Pingmesh's
