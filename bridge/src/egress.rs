@@ -2,12 +2,16 @@
 //! request in absolute form (`GET http://user/me`, as `HTTP_PROXY` clients send) or
 //! with the service in `Host` is a call to that service through the mesh, made as the
 //! bridge's service (the node knows the pod, so the callee's chain sees its identity).
-//! Answers come back as the mesh gave them (any status, trailers included).
+//! Answers come back as the mesh gave them (any status, trailers included); one
+//! whose body streams (a download, server-sent events) is forwarded as it comes, at
+//! the server's pace: a server that stops reading stops the callee, and one that
+//! hangs up ends the call.
 
 use std::convert::Infallible;
 
 use dpumesh_head::whole_body::WholeBody;
-use dpumesh_host::{HttpRequest, HttpResponse, Outbound};
+use dpumesh_host::body::RequestBody;
+use dpumesh_host::{HttpRequest, Outbound};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -40,8 +44,8 @@ pub async fn serve(listener: tokio::net::TcpListener, outbound: Outbound) {
     }
 }
 
-fn plain(status: StatusCode, text: String) -> Response<WholeBody> {
-    let mut response = Response::new(WholeBody::bytes(format!("{text}\n")));
+fn plain(status: StatusCode, text: String) -> Response<RequestBody> {
+    let mut response = Response::new(RequestBody::Whole(WholeBody::bytes(format!("{text}\n"))));
     *response.status_mut() = status;
     response
 }
@@ -58,7 +62,7 @@ pub fn service_of(request: &Request<Incoming>) -> Option<String> {
     (!host.is_empty()).then_some(host)
 }
 
-async fn call(outbound: &Outbound, request: Request<Incoming>) -> Response<WholeBody> {
+async fn call(outbound: &Outbound, request: Request<Incoming>) -> Response<RequestBody> {
     let Some(service) = service_of(&request) else {
         return plain(
             StatusCode::BAD_REQUEST,
@@ -97,20 +101,7 @@ async fn call(outbound: &Outbound, request: Request<Incoming>) -> Response<Whole
         let _ = tx.send(answer);
     });
     match rx.await {
-        Ok(Ok(HttpResponse {
-            status,
-            headers,
-            body,
-            trailers,
-            // An egress call's answer arrives whole.
-            stream: _,
-        })) => {
-            let mut response = Response::new(WholeBody::new(body, trailers));
-            *response.status_mut() =
-                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
-            *response.headers_mut() = headers;
-            response
-        }
+        Ok(Ok(answer)) => answer.into_http(),
         Ok(Err(why)) => plain(StatusCode::BAD_GATEWAY, format!("egress: {why}")),
         Err(_) => plain(
             StatusCode::BAD_GATEWAY,

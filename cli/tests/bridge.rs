@@ -34,6 +34,28 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.reply(200, b"hello from an unmodified server\n", [("x-legacy", "1")])
         elif self.path.startswith("/whoami"):
             self.reply(200, (self.headers.get("x-forwarded-client-cert") or "none").encode())
+        elif self.path.startswith("/fetch/") or self.path.startswith("/fetch-first/"):
+            # /fetch/<service>/<path>: the service's answer through the mesh, passed
+            # on as it comes (chunked); /fetch-first/ reads 64 KiB of it, then hangs up.
+            first = self.path.startswith("/fetch-first/")
+            target = "http://" + self.path.split("/", 2)[2]
+            call = urllib.request.Request(
+                target, headers={"authorization": self.headers.get("authorization", "")})
+            with urllib.request.urlopen(call, timeout=30) as answer:
+                if first:
+                    got = len(answer.read(65536))
+                    answer.close()
+                    self.reply(200, ("read %d bytes\n" % got).encode())
+                    return
+                self.send_response(answer.status)
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                while True:
+                    data = answer.read(65536)
+                    if not data:
+                        break
+                    self.wfile.write(b"%x\r\n" % len(data) + data + b"\r\n")
+                self.wfile.write(b"0\r\n\r\n")
         elif self.path.startswith("/via-mesh"):
             # Through HTTP_PROXY (the bridge's egress port), as any client library.
             call = urllib.request.Request(
@@ -169,7 +191,7 @@ fn unmodified_servers_join_through_a_bridge() {
         m.replacen(
             "services:\n",
             &format!(
-                "services:\n  legacy: {{nodes: [node1], command: [python3, legacy.py, '{legacy}'], bridge: {{to: 127.0.0.1:{legacy}, protocol: http1, egress: 127.0.0.1:{egress}}}}}\n  dead: {{nodes: [node1], bridge: {{to: 127.0.0.1:1}}}}\n  grpc: {{nodes: [node2], command: [grpc-interop, serve, 127.0.0.1:{grpc}], bridge: {{to: 127.0.0.1:{grpc}, protocol: grpc}}}}\n  py-grpc: {{nodes: [node2], command: [python3, py_grpc.py, '{py_grpc}'], bridge: {{to: 127.0.0.1:{py_grpc}, protocol: grpc}}}}\n"
+                "services:\n  legacy: {{nodes: [node1], command: [python3, legacy.py, '{legacy}'], bridge: {{to: 127.0.0.1:{legacy}, protocol: http1, egress: 127.0.0.1:{egress}}}}}\n  dead: {{nodes: [node1], bridge: {{to: 127.0.0.1:1}}}}\n  grpc: {{nodes: [node2], command: [grpc-interop, serve, 127.0.0.1:{grpc}], bridge: {{to: 127.0.0.1:{grpc}, protocol: grpc}}}}\n  py-grpc: {{nodes: [node2], command: [python3, py_grpc.py, '{py_grpc}'], bridge: {{to: 127.0.0.1:{py_grpc}, protocol: grpc}}}}\n  far: {{nodes: [node2], command: [hotel, frontend]}}\n"
             ),
             1,
         )
@@ -177,7 +199,7 @@ fn unmodified_servers_join_through_a_bridge() {
     let edit_policy = |p: String| {
         let p = p.replacen(
             "services:\n",
-            "services:\n  legacy: {chain: internal}\n  dead: {chain: internal}\n  grpc: {chain: internal}\n  py-grpc: {chain: internal}\n",
+            "services:\n  legacy: {chain: internal}\n  dead: {chain: internal}\n  grpc: {chain: internal}\n  py-grpc: {chain: internal}\n  far: {chain: internal}\n",
             1,
         );
         p.replacen(
@@ -243,6 +265,63 @@ fn unmodified_servers_join_through_a_bridge() {
     let seen: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let identity = seen["caller"]["identity"].as_str().unwrap_or_default();
     assert!(identity.ends_with("/legacy"), "the callee saw {identity:?}");
+
+    // Its calls' answers stream to it, from a pod of its node (case 3: the frontend)
+    // and from another node (case 1: `far`), larger than any slot of its pool.
+    let fetch = |path: &str| {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "--fail-with-body",
+                "--max-time",
+                "60",
+                "-H",
+                "host: legacy",
+                "-H",
+            ])
+            .arg(format!("authorization: Bearer {user}"))
+            .arg(format!("http://{}{path}", mesh.ingress))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{path}: {}{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout[..out.stdout.len().min(300)])
+        );
+        out.stdout
+    };
+    let len = 20 << 20;
+    for service in ["frontend", "far"] {
+        let body = fetch(&format!("/fetch/{service}/download?bytes={len}"));
+        assert_eq!(body.len(), len, "{service}: the whole download");
+        if let Some(i) = (0..len).find(|&i| body[i] != (i % 251) as u8) {
+            panic!("{service}: byte {i} of the download is wrong");
+        }
+    }
+    // Server-sent events through the same path.
+    let text = String::from_utf8(fetch("/fetch/far/events?count=3&every_ms=20")).unwrap();
+    for i in 0..3 {
+        assert!(text.contains(&format!("data: event {i}\n")), "{text}");
+    }
+    // A caller that hangs up mid-answer stops the callee: many more such calls than
+    // the caller's pool has slots (32 bodies) leave both serving.
+    for service in ["frontend", "far"] {
+        for _ in 0..40 {
+            let (status, _, body) = get(
+                "legacy",
+                &format!("/fetch-first/{service}/download?bytes={}", 1u64 << 30),
+                &format!("authorization: Bearer {user}\r\n"),
+            );
+            assert_eq!(
+                (status, body.as_slice()),
+                (200, &b"read 65536 bytes\n"[..]),
+                "{service}"
+            );
+        }
+        let body = fetch(&format!("/fetch/{service}/download?bytes=1000000"));
+        assert_eq!(body.len(), 1_000_000, "{service} after 40 callers hung up");
+    }
 
     // A server that is not there is a 502 that says so; the mesh serves on.
     let (status, _, body) = get("dead", "/", "");

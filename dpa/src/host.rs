@@ -76,8 +76,9 @@ pub struct Outgoing<'a> {
     /// The head (serialized).
     pub header: &'a [u8],
     pub body: &'a [u8],
-    /// For a response: the lane its request came on (so it reaches the shard that
-    /// holds the exchange). A request goes on the next lane in turn and ignores it.
+    /// For a response or a stream part: the lane its exchange came on (so it reaches
+    /// the shard that holds the exchange). A request goes on the next lane in turn
+    /// and ignores it.
     pub lane: u8,
 }
 
@@ -395,7 +396,9 @@ impl HostPort {
             });
         }
         let lanes = self.tx.len();
-        let lane = if msg.response {
+        // An answer, and any part of a stream (whichever way it flows), stays on the
+        // lane of its exchange: the shard that holds it.
+        let lane = if msg.response || msg.stream {
             if usize::from(msg.lane) >= lanes {
                 return Err(HostError::NoLane {
                     lane: msg.lane,

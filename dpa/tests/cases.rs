@@ -9,11 +9,13 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+#[path = "cases/streams.rs"]
+mod streams;
 
 use dpumesh_dpa::control::transport::Endpoint;
 use dpumesh_dpa::{
-    Buffer, Case, Descriptor, DescriptorStatus, Destination, Dpu, DpuConfig, DpuShard, HostPort,
-    Incoming, Outgoing, StreamPart, WakeMode,
+    Case, Descriptor, DescriptorStatus, Destination, Dpu, DpuConfig, DpuShard, HostPort, Incoming,
+    Outgoing, WakeMode,
 };
 
 const ROLE: &str = "DPUMESH_DPA_POD_ROLE";
@@ -954,96 +956,4 @@ fn a_node_runs_1_to_256_shards() {
         let e = Dpu::start(config, &Endpoint::Unix(dir.path().join("control.sock"))).unwrap_err();
         assert!(e.to_string().contains("1 to 256 shards"), "{e}");
     }
-}
-
-#[test]
-fn a_stream_part_comes_back_as_sent_a_cancel_reaches_its_pod_and_a_streamed_request_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let node = Dpu::start(
-        DpuConfig::new("streams"),
-        &Endpoint::Unix(dir.path().join("control.sock")),
-    )
-    .unwrap();
-    let mut port = node.take_shards().remove(0);
-    let mut pod = HostPort::connect(
-        &Endpoint::Unix(dir.path().join("control.sock")),
-        "streamer",
-        "svc-stream",
-    )
-    .unwrap();
-    let part = body(5000, 7);
-    let send = |pod: &mut HostPort, response: bool| {
-        // An answer goes back to pod 0 (outside the node); a request to a pod.
-        let dst = Destination::Pod(if response { 0 } else { pod.pod_id() });
-        pod.send(&Outgoing {
-            case: Case::ExternalToHost,
-            dst,
-            req_id: 41,
-            step_id: 2,
-            response,
-            status: StreamPart::Data.code(),
-            stream: true,
-            header: &[],
-            body: &part,
-            lane: 0,
-        })
-        .unwrap();
-    };
-    // A data part reaches the proxy as one; handed back, the pod hears `Sent` (its
-    // window) with the stream's ids.
-    send(&mut pod, true);
-    let d = loop {
-        if let Some(d) = port.recv(Duration::from_millis(50)).unwrap() {
-            break d;
-        }
-    };
-    assert_eq!(d.stream_part(), Some(StreamPart::Data));
-    assert_eq!(d.body.len, 5000);
-    let mut done = d;
-    done.kind.completion = true;
-    port.forward(&done).unwrap();
-    match recv(&mut pod) {
-        Incoming::Sent { descriptor } => {
-            assert_eq!((descriptor.req_id, descriptor.step_id), (41, 2))
-        }
-        other => panic!("expected the part back, got {other:?}"),
-    }
-    assert_eq!(pod.in_flight(), 0, "the part's slot is free again");
-
-    // The proxy's cancel notice (no buffers) is delivered, not freed.
-    let mut cancel = d;
-    cancel.header = Buffer::NONE;
-    cancel.body = Buffer::NONE;
-    cancel.kind.completion = true;
-    cancel.kind.error = true;
-    cancel.status = DescriptorStatus::Cancelled as u16;
-    port.forward(&cancel).unwrap();
-    match recv(&mut pod) {
-        Incoming::Error { descriptor, status } => {
-            assert_eq!(status, DescriptorStatus::Cancelled);
-            assert!(descriptor.kind.stream);
-            assert_eq!(descriptor.req_id, 41);
-        }
-        other => panic!("expected the cancel notice, got {other:?}"),
-    }
-
-    // A request that says it streams is refused, and its slot comes back. (The
-    // manager's intake runs on the shard's turns.)
-    send(&mut pod, false);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let refusal = loop {
-        assert!(
-            port.recv(Duration::from_millis(20)).unwrap().is_none(),
-            "a streamed request never reaches the proxy"
-        );
-        if let Some(incoming) = pod.try_recv().unwrap() {
-            break incoming;
-        }
-        assert!(Instant::now() < deadline, "no refusal within 20 s");
-    };
-    match refusal {
-        Incoming::Error { status, .. } => assert_eq!(status, DescriptorStatus::Malformed),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-    assert_eq!(pod.in_flight(), 0);
 }

@@ -260,6 +260,41 @@ impl Body for RequestBody {
     }
 }
 
+/// A body whose first bytes are at hand and whose rest comes as a stream: an answer
+/// that arrived in parts (what its opening carried, then the parts).
+pub(crate) struct Prefixed {
+    first: Option<Bytes>,
+    rest: Boxed,
+}
+
+impl Prefixed {
+    pub(crate) fn new(first: Bytes, rest: Boxed) -> Self {
+        Self {
+            first: (!first.is_empty()).then_some(first),
+            rest,
+        }
+    }
+}
+
+impl Body for Prefixed {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(first) = self.first.take() {
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
+        self.rest.as_mut().poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none() && self.rest.is_end_stream()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

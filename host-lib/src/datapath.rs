@@ -15,6 +15,13 @@
 //!   once the body yields it and while fewer than [`crate::body::STREAM_WINDOW_PARTS`]
 //!   of its parts are in flight; a part comes back (`Sent`) when the node passed it
 //!   on. A stream its receiver gave up (`Cancelled`) drops its body.
+//! - An answer to a call may stream too (a download, server-sent events, a gRPC
+//!   server stream): its opening, then its parts, each told to the node once taken
+//!   (`Taken`) so the node sends only a few ahead. A call made with
+//!   [`AnswerBody::Streamed`] completes at the opening, the rest of the body following
+//!   in [`HttpResponse::stream`]; a graph's call gets the body collected whole (up to
+//!   [`crate::LoopConfig::max_answer_body`], past it the call fails and the callee is
+//!   told to stop).
 //! - A node that goes away (stopped, crashed, killed) is noticed at once (its control
 //!   connection hangs up): calls in flight fail, answers to requests it delivered are
 //!   dropped, and the pod registers again, with backoff, until the node (or its
@@ -35,14 +42,14 @@ use dpumesh_dpa::{
 };
 use dpumesh_head::RequestHead;
 use dpumesh_head::wire::{self, ResponseHead};
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashMap, HashMapExt};
 use http::Method;
 use parking_lot::Mutex;
 
 use crate::http::{Caller, HttpRequest, HttpResponse};
-use crate::instream::{InStreams, Step};
+use crate::instream::{ANSWER_ENDED_EARLY, InStreams, REQUEST_ENDED_EARLY, Step, Whole};
 use crate::outstream::{OutStreams, Part};
-use crate::transport::{Event, IncomingId, Tag, Transport, TransportError, Waker};
+use crate::transport::{AnswerBody, Event, IncomingId, Tag, Transport, TransportError, Waker};
 
 /// How long a `Locate` answer is trusted.
 const LOCATE_TTL: Duration = Duration::from_secs(1);
@@ -110,8 +117,9 @@ struct Queued {
     stream: bool,
     header: Vec<u8>,
     body: Bytes,
-    /// For egress calls: the tag to fail if it cannot be sent at all.
-    tag: Option<Tag>,
+    /// For egress calls: the tag to fail if it cannot be sent at all, and how it
+    /// takes a streamed answer.
+    tag: Option<(Tag, AnswerBody)>,
     /// For responses: the lane the request came on.
     lane: u8,
 }
@@ -139,8 +147,9 @@ pub struct DataPathTransport {
     started: Instant,
     /// The requests handed to the handler and not answered yet.
     incoming: Unanswered,
-    /// Egress calls on the wire (failed if the node goes away with them).
-    calls: HashSet<Tag>,
+    /// Egress calls on the wire (failed if the node goes away with them), and how
+    /// each takes a streamed answer.
+    calls: HashMap<Tag, AnswerBody>,
     located: HashMap<String, (Case, Destination, Instant)>,
     /// Round robin over the pods of a service on this node.
     next_pod: usize,
@@ -159,6 +168,8 @@ pub struct DataPathTransport {
     stream_waker: std::task::Waker,
     /// Request bodies arriving in parts.
     in_streams: InStreams,
+    /// Answers to calls arriving in parts.
+    answers: InStreams,
     /// Which requests' bodies stream to the handler.
     wants_stream: fn(&HttpRequest) -> bool,
 }
@@ -336,7 +347,8 @@ impl DataPathTransport {
         });
         let stream_waker = std::task::Waker::from(Arc::new(WakeTransport(wake.clone())));
         Self {
-            in_streams: InStreams::new(stream_waker.clone(), 8 << 20),
+            in_streams: InStreams::new(stream_waker.clone(), 8 << 20, REQUEST_ENDED_EARLY),
+            answers: InStreams::new(stream_waker.clone(), 8 << 20, ANSWER_ENDED_EARLY),
             wants_stream: |_| false,
             stream_waker,
             streams: OutStreams::default(),
@@ -352,7 +364,7 @@ impl DataPathTransport {
                 next: 1,
                 lost_below: 0,
             },
-            calls: HashSet::new(),
+            calls: HashMap::new(),
             located: HashMap::new(),
             next_pod: 0,
             out: VecDeque::new(),
@@ -384,14 +396,14 @@ impl DataPathTransport {
             "the node went away: registering again"
         );
         port.abandon();
-        for tag in self.calls.drain() {
+        for (tag, _) in self.calls.drain() {
             self.failed.push(Event::Completion {
                 tag,
                 outcome: Err("the node went away with the call".to_owned()),
             });
         }
         for q in self.out.drain(..) {
-            if let Some(tag) = q.tag {
+            if let Some((tag, _)) = q.tag {
                 self.failed.push(Event::Completion {
                     tag,
                     outcome: Err("the node went away before the call left".to_owned()),
@@ -401,6 +413,7 @@ impl DataPathTransport {
         self.incoming.waiting.clear();
         self.streams.clear();
         self.in_streams.clear();
+        self.answers.clear();
         self.incoming.lost_below = self.incoming.next;
         self.located.clear();
         let me = std::thread::current();
@@ -544,8 +557,8 @@ impl DataPathTransport {
             });
             match sent {
                 Ok(()) => {
-                    if let Some(tag) = self.out.pop_front().and_then(|q| q.tag) {
-                        self.calls.insert(tag);
+                    if let Some((tag, answer)) = self.out.pop_front().and_then(|q| q.tag) {
+                        self.calls.insert(tag, answer);
                     }
                 }
                 Err(HostError::Ring(RingError::Full { .. }))
@@ -553,7 +566,7 @@ impl DataPathTransport {
                 Err(e) => {
                     let q = self.out.pop_front().expect("front");
                     match q.tag {
-                        Some(tag) => self.failed.push(Event::Completion {
+                        Some((tag, _)) => self.failed.push(Event::Completion {
                             tag,
                             outcome: Err(format!("data path refused the call: {e}")),
                         }),
@@ -572,6 +585,13 @@ impl DataPathTransport {
     /// Turns a received descriptor into an event.
     fn incoming(&mut self, incoming: Incoming, out: &mut Vec<Event>) {
         match incoming {
+            Incoming::Message {
+                descriptor,
+                header,
+                body,
+            } if descriptor.kind.response && descriptor.kind.stream => {
+                self.answer_part(descriptor, header, body, out);
+            }
             Incoming::Message {
                 descriptor,
                 header,
@@ -696,7 +716,8 @@ impl DataPathTransport {
                     self.too_large(&descriptor);
                     return;
                 }
-                self.in_streams.collect(descriptor, request);
+                self.in_streams
+                    .collect(descriptor, Whole::Request(Box::new(request)));
                 return;
             }
             Some(part) => part,
@@ -714,13 +735,141 @@ impl DataPathTransport {
             Step::Taken(opening) => {
                 self.tell_node(&opening, StreamPart::Taken);
             }
-            Step::Whole(opening, request) => self.hand_over(opening, *request, out),
+            Step::Whole(opening, Whole::Request(request)) => self.hand_over(opening, *request, out),
+            // The request streams hold requests only.
+            Step::Whole(_, Whole::Answer(_)) => {}
             Step::TooLarge(opening) => self.too_large(&opening),
             Step::Aborted(opening, why) => {
                 let (head, body) = plain(400, &why);
                 self.answer(&opening, &head, body);
             }
         }
+    }
+
+    /// An answer to a call arriving in parts: its opening, or a part of its body.
+    fn answer_part(
+        &mut self,
+        descriptor: Descriptor,
+        header: Vec<u8>,
+        body: Vec<u8>,
+        out: &mut Vec<Event>,
+    ) {
+        let tag = Tag {
+            req_id: descriptor.req_id,
+            step_id: descriptor.step_id,
+        };
+        let key = (descriptor.req_id, descriptor.step_id, descriptor.lane);
+        let part = match descriptor.stream_part() {
+            Some(StreamPart::Open) => {
+                let Some(&answer) = self.calls.get(&tag) else {
+                    // Nobody waits for it (its call failed here first): no more of it.
+                    self.tell_callee(&descriptor, StreamPart::Stop);
+                    return;
+                };
+                let head = match wire::decode_response(&header) {
+                    Ok(head) => head,
+                    Err(e) => {
+                        self.calls.remove(&tag);
+                        self.tell_callee(&descriptor, StreamPart::Stop);
+                        out.push(Event::Completion {
+                            tag,
+                            outcome: Err(format!("malformed response head: {e}")),
+                        });
+                        return;
+                    }
+                };
+                // What came with the head goes first; the parts follow it.
+                let mut response = HttpResponse {
+                    status: head.status,
+                    headers: head.headers,
+                    body: Bytes::from(body),
+                    trailers: http::HeaderMap::new(),
+                    stream: None,
+                };
+                match answer {
+                    AnswerBody::Streamed => {
+                        self.calls.remove(&tag);
+                        let stream = self.answers.stream(descriptor);
+                        response.stream = Some(crate::body::BodyStream::new(stream));
+                        out.push(Event::Completion {
+                            tag,
+                            outcome: Ok(response),
+                        });
+                    }
+                    AnswerBody::Whole => {
+                        if response.body.len() > self.answers.limit() {
+                            self.answer_too_large(&descriptor, tag, out);
+                            return;
+                        }
+                        self.answers
+                            .collect(descriptor, Whole::Answer(Box::new(response)));
+                    }
+                }
+                return;
+            }
+            Some(part) => part,
+            None => return,
+        };
+        let trailers = if header.is_empty() {
+            Ok(http::HeaderMap::new())
+        } else {
+            wire::decode_response(&header)
+                .map(|h| h.trailers)
+                .map_err(|e| format!("the answer's trailers are malformed: {e}"))
+        };
+        match self.answers.part(key, part, body, trailers) {
+            Step::Nothing => {}
+            Step::Taken(opening) => self.tell_callee(&opening, StreamPart::Taken),
+            Step::Whole(_, whole) => {
+                self.calls.remove(&tag);
+                if let Whole::Answer(response) = whole {
+                    out.push(Event::Completion {
+                        tag,
+                        outcome: Ok(*response),
+                    });
+                }
+            }
+            Step::TooLarge(opening) => self.answer_too_large(&opening, tag, out),
+            Step::Aborted(_, why) => {
+                self.calls.remove(&tag);
+                out.push(Event::Completion {
+                    tag,
+                    outcome: Err(why),
+                });
+            }
+        }
+    }
+
+    /// A streamed answer too large to collect whole: the call fails, and the callee
+    /// is told to stop.
+    fn answer_too_large(&mut self, opening: &Descriptor, tag: Tag, out: &mut Vec<Event>) {
+        self.calls.remove(&tag);
+        self.tell_callee(opening, StreamPart::Stop);
+        out.push(Event::Completion {
+            tag,
+            outcome: Err(format!(
+                "the answer's body exceeds the {}-byte limit of a call that takes answers whole (LoopConfig::max_answer_body)",
+                self.answers.limit()
+            )),
+        });
+    }
+
+    /// Tells the node what the pod did with an answer's streamed body (`Taken`,
+    /// `Stop`): on the call's ids, in the request's direction.
+    fn tell_callee(&mut self, opening: &Descriptor, part: StreamPart) {
+        self.push(Queued {
+            case: opening.case,
+            dst: Destination::Pod(opening.src_pod),
+            req_id: opening.req_id,
+            step_id: opening.step_id,
+            response: false,
+            status: part.code(),
+            stream: true,
+            header: Vec::new(),
+            body: Bytes::new(),
+            tag: None,
+            lane: opening.lane,
+        });
     }
 
     /// Tells the node what the pod did with a request's streamed body (`Taken`,
@@ -753,18 +902,28 @@ impl DataPathTransport {
         });
     }
 
-    /// Tells the node what handlers did with request bodies arriving in parts.
+    /// Tells the node what readers did with bodies arriving in parts (requests'
+    /// and answers').
     fn pump_in_streams(&mut self) {
-        if self.in_streams.len() == 0 {
-            return;
+        if self.in_streams.len() > 0 {
+            let (mut taken, mut stopped) = (Vec::new(), Vec::new());
+            self.in_streams.news(&mut taken, &mut stopped);
+            for opening in taken {
+                self.tell_node(&opening, StreamPart::Taken);
+            }
+            for opening in stopped {
+                self.tell_node(&opening, StreamPart::Stop);
+            }
         }
-        let (mut taken, mut stopped) = (Vec::new(), Vec::new());
-        self.in_streams.news(&mut taken, &mut stopped);
-        for opening in taken {
-            self.tell_node(&opening, StreamPart::Taken);
-        }
-        for opening in stopped {
-            self.tell_node(&opening, StreamPart::Stop);
+        if self.answers.len() > 0 {
+            let (mut taken, mut stopped) = (Vec::new(), Vec::new());
+            self.answers.news(&mut taken, &mut stopped);
+            for opening in taken {
+                self.tell_callee(&opening, StreamPart::Taken);
+            }
+            for opening in stopped {
+                self.tell_callee(&opening, StreamPart::Stop);
+            }
         }
     }
 
@@ -920,7 +1079,16 @@ impl Transport for DataPathTransport {
         self.started.elapsed()
     }
 
-    fn send_request(&mut self, tag: Tag, mut request: HttpRequest) -> Result<(), TransportError> {
+    fn send_request(&mut self, tag: Tag, request: HttpRequest) -> Result<(), TransportError> {
+        self.send_call(tag, request, AnswerBody::Whole)
+    }
+
+    fn send_call(
+        &mut self,
+        tag: Tag,
+        mut request: HttpRequest,
+        answer: AnswerBody,
+    ) -> Result<(), TransportError> {
         let prepared = to_head(&mut request).and_then(|(service, head)| {
             let bytes = wire::encode_request(&head).map_err(|e| e.to_string())?;
             let (case, dst) = self.locate(&service)?;
@@ -937,7 +1105,7 @@ impl Transport for DataPathTransport {
                 stream: false,
                 header,
                 body: request.body,
-                tag: Some(tag),
+                tag: Some((tag, answer)),
                 lane: 0,
             }),
             Err(e) => self.failed.push(Event::Completion {
@@ -1056,6 +1224,10 @@ impl Transport for DataPathTransport {
     fn stream_requests(&mut self, wants: fn(&HttpRequest) -> bool, whole_limit: usize) {
         self.wants_stream = wants;
         self.in_streams.set_limit(whole_limit);
+    }
+
+    fn answer_limit(&mut self, whole_limit: usize) {
+        self.answers.set_limit(whole_limit);
     }
 
     fn waker(&self) -> Waker {

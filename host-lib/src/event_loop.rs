@@ -67,7 +67,10 @@ impl std::fmt::Debug for Outbound {
 
 impl Outbound {
     /// Sends `request` (its URL names the service: `http://user/me`); `on_answer`
-    /// gets the response (any status, as the service or the mesh answered).
+    /// gets the response (any status, as the service or the mesh answered). An
+    /// answer whose body streams comes with its head, the rest of its body in
+    /// [`HttpResponse::stream`], read at the caller's pace: drop it to stop the
+    /// callee.
     pub fn call(
         &self,
         request: HttpRequest,
@@ -101,6 +104,10 @@ pub struct LoopConfig {
     /// The largest body collected whole for a handler (past it, the request is
     /// answered 413).
     pub max_request_body: usize,
+    /// The largest streamed answer collected whole for a graph's call (past it, the
+    /// call fails and the callee is told to stop). [`Outbound`] calls take streamed
+    /// answers as they come, of any size.
+    pub max_answer_body: usize,
 }
 
 impl Default for LoopConfig {
@@ -110,6 +117,7 @@ impl Default for LoopConfig {
             max_in_flight: MAX_SLOTS,
             stream_requests: |_| false,
             max_request_body: 8 << 20,
+            max_answer_body: 8 << 20,
         }
     }
 }
@@ -217,6 +225,7 @@ impl<T: Transport> EventLoop<T> {
     ) -> std::io::Result<Self> {
         let mut transport = transport;
         transport.stream_requests(config.stream_requests, config.max_request_body);
+        transport.answer_limit(config.max_answer_body);
         let (done_tx, done) = crossbeam_channel::unbounded();
         let pool = Pool::new(config.threads, done_tx, transport.waker(), scope)?;
         let tasks = Tasks::new(transport.waker());
@@ -432,7 +441,12 @@ impl<T: Transport> EventLoop<T> {
                 step_id,
             };
             self.stats.egress += 1;
-            match self.transport.send_request(tag, request) {
+            // The caller forwards the answer (a bridge's egress port): a streamed
+            // one reaches it as it comes.
+            match self
+                .transport
+                .send_call(tag, request, crate::AnswerBody::Streamed)
+            {
                 Ok(()) => {
                     self.outbound.2.insert(step_id, on_answer);
                 }

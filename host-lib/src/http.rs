@@ -125,9 +125,11 @@ pub struct HttpResponse {
     pub body: Bytes,
     /// Trailer fields sent after the body (gRPC's `grpc-status`); empty: none.
     pub trailers: HeaderMap,
-    /// The rest of the body, sent as it is made, after `body` (its trailers end it:
-    /// `trailers` is then not sent). Only a service's answer streams; an egress
-    /// call's response arrives whole.
+    /// The rest of the body, after `body`, as it is made (its trailers end it:
+    /// `trailers` is then empty). A service's answer streams when it sets this; an
+    /// egress call's answer comes with it only when the call asked to take
+    /// streamed answers as they come ([`crate::AnswerBody::Streamed`]): a graph's
+    /// calls get their answers whole.
     pub stream: Option<BodyStream>,
 }
 
@@ -179,6 +181,27 @@ impl HttpResponse {
     /// The body as text (lossy).
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// As an `http::Response` (for a proxy to forward): its body whole with its
+    /// trailers, or, for an answer that streams, `body` first and then the rest as it
+    /// comes. An invalid status is a 502.
+    pub fn into_http(self) -> http::Response<crate::body::RequestBody> {
+        use crate::body::RequestBody;
+        let body = match self.stream.as_ref().and_then(BodyStream::take) {
+            Some(rest) => {
+                RequestBody::Stream(Box::pin(crate::body::Prefixed::new(self.body, rest)))
+            }
+            None => RequestBody::Whole(dpumesh_head::whole_body::WholeBody::new(
+                self.body,
+                self.trailers,
+            )),
+        };
+        let mut response = http::Response::new(body);
+        *response.status_mut() =
+            http::StatusCode::from_u16(self.status).unwrap_or(http::StatusCode::BAD_GATEWAY);
+        *response.headers_mut() = self.headers;
+        response
     }
 }
 

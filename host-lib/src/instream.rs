@@ -1,17 +1,17 @@
-//! Request bodies that arrive in parts (uploads of any size, gRPC client streams):
-//! the node delivers the request's head as the stream's opening, then its body part
-//! by part, then its end (with the client's trailers) or an abort.
+//! Bodies that arrive in parts: requests' (uploads of any size, gRPC client streams)
+//! and the answers to the pod's own calls (downloads, server-sent events, gRPC server
+//! streams). The node delivers the head as the stream's opening, then the body part
+//! by part, then its end (with the trailers) or an abort.
 //!
-//! A handler that reads bodies as they come (the loop's `stream_requests` says which
-//! requests) gets the body as [`HttpRequest::stream`]: each part it takes is told to
-//! the node (`Taken`), which delivers no more than a few parts ahead of the reader, so
-//! a handler that reads slowly slows the client and nothing grows in the pod.
-//! Dropping the body before its end tells the node to stop (`Stop`). Other requests
-//! are collected whole before the handler runs (up to the loop's
-//! `max_request_body`, past it 413), so a handler written for whole bodies never sees
-//! half of one.
-//!
-//! [`HttpRequest::stream`]: crate::HttpRequest::stream
+//! A reader that takes bodies as they come (for requests, the loop's
+//! `stream_requests` says which; for answers, a call made with
+//! [`crate::AnswerBody::Streamed`]) gets the body as an `http_body::Body`: each part
+//! it takes is told to the node (`Taken`), which delivers no more than a few parts
+//! ahead of the reader, so a reader that is slow slows the sender and nothing grows
+//! in the pod. Dropping the body before its end tells the node to stop (`Stop`).
+//! Other bodies are collected whole first (up to a limit, past it the request is
+//! answered 413 or the call fails), so code written for whole bodies never sees half
+//! of one.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -26,7 +26,7 @@ use http_body::{Body, Frame};
 use parking_lot::Mutex;
 
 use crate::body::BoxError;
-use crate::http::HttpRequest;
+use crate::http::{HttpRequest, HttpResponse};
 
 /// A stream's key: the ids its opening came with, and its lane (each of the node's
 /// shards numbers its exchanges on its own).
@@ -49,7 +49,7 @@ struct News {
     dropped: Vec<Key>,
 }
 
-/// A request body arriving in parts, as a handler reads it.
+/// A body arriving in parts, as its reader reads it.
 pub(crate) struct RequestStream {
     key: Key,
     shared: Arc<Mutex<Shared>>,
@@ -113,13 +113,36 @@ impl Drop for RequestStream {
 }
 
 enum Mode {
-    /// Read by the handler as it comes.
+    /// Read by its reader as it comes.
     Stream(Arc<Mutex<Shared>>),
-    /// Collected whole for a handler that takes whole bodies.
-    Collect {
-        request: Box<HttpRequest>,
-        body: BytesMut,
-    },
+    /// Collected whole for code that takes whole bodies.
+    Collect { whole: Whole, body: BytesMut },
+}
+
+/// What a collected body completes: a request for a handler, or the answer to a
+/// call.
+pub(crate) enum Whole {
+    Request(Box<HttpRequest>),
+    Answer(Box<HttpResponse>),
+}
+
+impl Whole {
+    fn finish(&mut self, body: BytesMut, trailers: HeaderMap) {
+        match self {
+            Whole::Request(r) => {
+                r.body = body.freeze();
+                r.trailers = trailers;
+            }
+            Whole::Answer(a) => {
+                // After what the opening brought.
+                let mut all = BytesMut::with_capacity(a.body.len() + body.len());
+                all.extend_from_slice(&a.body);
+                all.extend_from_slice(&body);
+                a.body = all.freeze();
+                a.trailers = trailers;
+            }
+        }
+    }
 }
 
 struct Entry {
@@ -133,31 +156,44 @@ pub(crate) enum Step {
     Nothing,
     /// Tell the node the part was taken (collected: taken at once).
     Taken(Descriptor),
-    /// A collected request is whole: the handler gets it.
-    Whole(Descriptor, Box<HttpRequest>),
-    /// A collected request grew past the limit: answered 413, the rest refused.
+    /// A collected body is whole: the handler (or the caller) gets it.
+    Whole(Descriptor, Whole),
+    /// A collected body grew past the limit: the request is answered 413 (the call
+    /// fails), the rest refused.
     TooLarge(Descriptor),
-    /// A collected request's body was aborted: answered 400.
+    /// A collected body was aborted: the request is answered 400 (the call fails).
     Aborted(Descriptor, String),
 }
 
-/// The request bodies arriving in parts, by their opening's ids.
+/// The bodies arriving in parts (of one direction: requests, or answers), by their
+/// opening's ids.
 pub(crate) struct InStreams {
     open: HashMap<Key, Entry>,
     news: Arc<Mutex<News>>,
     wake: std::task::Waker,
     /// The most a collected body may hold.
     limit: usize,
+    /// What an aborted body's reader is told.
+    ended_early: &'static str,
 }
 
+/// What a reader of an aborted request body is told.
+pub(crate) const REQUEST_ENDED_EARLY: &str =
+    "the request body ended early (the client left or failed)";
+/// What a reader of an aborted answer is told.
+pub(crate) const ANSWER_ENDED_EARLY: &str =
+    "the answer's body ended early (the service gave it up, failed or left)";
+
 impl InStreams {
-    /// Bodies that wake `wake` (the transport's wait) when read or dropped.
-    pub fn new(wake: std::task::Waker, limit: usize) -> Self {
+    /// Bodies that wake `wake` (the transport's wait) when read or dropped; an
+    /// aborted one fails with `ended_early`.
+    pub fn new(wake: std::task::Waker, limit: usize, ended_early: &'static str) -> Self {
         Self {
             open: HashMap::new(),
             news: Arc::default(),
             wake,
             limit,
+            ended_early,
         }
     }
 
@@ -176,7 +212,7 @@ impl InStreams {
         self.open.len()
     }
 
-    /// A streamed request opened, for a handler that reads it as it comes: its body.
+    /// A body opened, for a reader that reads it as it comes: its body.
     pub fn stream(&mut self, opening: Descriptor) -> RequestStream {
         let key = (opening.req_id, opening.step_id, opening.lane);
         let shared = Arc::new(Mutex::new(Shared::default()));
@@ -196,15 +232,15 @@ impl InStreams {
         }
     }
 
-    /// A streamed request opened, for a handler that takes whole bodies.
-    pub fn collect(&mut self, opening: Descriptor, request: HttpRequest) {
+    /// A body opened, for code that takes whole bodies: `whole` gets it.
+    pub fn collect(&mut self, opening: Descriptor, whole: Whole) {
         let key = (opening.req_id, opening.step_id, opening.lane);
         self.open.insert(
             key,
             Entry {
                 opening,
                 mode: Mode::Collect {
-                    request: Box::new(request),
+                    whole,
                     body: BytesMut::new(),
                 },
             },
@@ -238,7 +274,7 @@ impl InStreams {
                 let mut s = shared.lock();
                 s.end = Some(match part {
                     StreamPart::End => trailers,
-                    _ => Err("the request body ended early (the client left or failed)".into()),
+                    _ => Err(self.ended_early.into()),
                 });
                 if let Some(w) = s.reader.take() {
                     w.wake();
@@ -262,7 +298,7 @@ impl InStreams {
             }
             (Mode::Collect { .. }, StreamPart::End) => {
                 let Some(Entry {
-                    mode: Mode::Collect { mut request, body },
+                    mode: Mode::Collect { mut whole, body },
                     ..
                 }) = self.open.remove(&key)
                 else {
@@ -270,22 +306,18 @@ impl InStreams {
                 };
                 match trailers {
                     Ok(t) => {
-                        request.body = body.freeze();
-                        request.trailers = t;
-                        Step::Whole(opening, request)
+                        whole.finish(body, t);
+                        Step::Whole(opening, whole)
                     }
                     Err(why) => Step::Aborted(opening, why),
                 }
             }
-            (Mode::Collect { .. }, _) => {
+            (Mode::Collect { .. }, StreamPart::Abort) => {
                 self.open.remove(&key);
-                Step::Aborted(
-                    opening,
-                    "the request body ended early (the client left or failed)".into(),
-                )
+                Step::Aborted(opening, self.ended_early.into())
             }
             // An opening or an acknowledgement is no part of a body coming in.
-            (Mode::Stream(_), _) => Step::Nothing,
+            (_, StreamPart::Open | StreamPart::Taken | StreamPart::Stop) => Step::Nothing,
         }
     }
 
@@ -310,7 +342,7 @@ impl InStreams {
         for (_, e) in self.open.drain() {
             if let Mode::Stream(shared) = e.mode {
                 let mut s = shared.lock();
-                s.end = Some(Err("the node went away with the request".into()));
+                s.end = Some(Err("the node went away mid-body".into()));
                 if let Some(w) = s.reader.take() {
                     w.wake();
                 }
@@ -332,7 +364,11 @@ mod tests {
 
     #[test]
     fn a_streamed_body_gives_its_parts_in_order_and_each_taken_is_told() {
-        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 1 << 20);
+        let mut streams = InStreams::new(
+            std::task::Waker::noop().clone(),
+            1 << 20,
+            REQUEST_ENDED_EARLY,
+        );
         let mut body = streams.stream(opening());
         let key = (7, 1, 0);
         for p in ["ab", "cd"] {
@@ -357,7 +393,11 @@ mod tests {
 
     #[test]
     fn a_reader_that_leaves_early_stops_the_stream() {
-        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 1 << 20);
+        let mut streams = InStreams::new(
+            std::task::Waker::noop().clone(),
+            1 << 20,
+            REQUEST_ENDED_EARLY,
+        );
         let body = streams.stream(opening());
         streams.part(
             (7, 1, 0),
@@ -382,27 +422,71 @@ mod tests {
 
     #[test]
     fn a_collected_body_comes_whole_or_past_its_limit_is_refused() {
-        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 4);
-        streams.collect(opening(), HttpRequest::post("/up", ""));
+        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 4, REQUEST_ENDED_EARLY);
+        streams.collect(
+            opening(),
+            Whole::Request(Box::new(HttpRequest::post("/up", ""))),
+        );
         let ok = Ok(HeaderMap::new());
         assert!(matches!(
             streams.part((7, 1, 0), StreamPart::Data, b"ab".to_vec(), ok.clone()),
             Step::Taken(_)
         ));
         match streams.part((7, 1, 0), StreamPart::End, Vec::new(), ok.clone()) {
-            Step::Whole(_, r) => assert_eq!(&r.body[..], b"ab"),
+            Step::Whole(_, Whole::Request(r)) => assert_eq!(&r.body[..], b"ab"),
             _ => panic!("the body is whole"),
         }
-        streams.collect(opening(), HttpRequest::post("/up", ""));
+        streams.collect(
+            opening(),
+            Whole::Request(Box::new(HttpRequest::post("/up", ""))),
+        );
         streams.part((7, 1, 0), StreamPart::Data, b"abc".to_vec(), ok.clone());
         assert!(matches!(
             streams.part((7, 1, 0), StreamPart::Data, b"de".to_vec(), ok.clone()),
             Step::TooLarge(_)
         ));
-        streams.collect(opening(), HttpRequest::post("/up", ""));
+        streams.collect(
+            opening(),
+            Whole::Request(Box::new(HttpRequest::post("/up", ""))),
+        );
         assert!(matches!(
             streams.part((7, 1, 0), StreamPart::Abort, Vec::new(), ok),
             Step::Aborted(..)
         ));
+    }
+
+    #[test]
+    fn a_collected_answer_comes_whole_after_what_its_opening_carried() {
+        let mut streams = InStreams::new(std::task::Waker::noop().clone(), 6, ANSWER_ENDED_EARLY);
+        let ok = Ok(HeaderMap::new());
+        let answer = || Whole::Answer(Box::new(HttpResponse::ok("ab")));
+        streams.collect(opening(), answer());
+        for part in ["cd", "ef"] {
+            assert!(matches!(
+                streams.part((7, 1, 0), StreamPart::Data, part.into(), ok.clone()),
+                Step::Taken(_)
+            ));
+        }
+        let mut t = HeaderMap::new();
+        t.insert("grpc-status", "0".parse().unwrap());
+        match streams.part((7, 1, 0), StreamPart::End, Vec::new(), Ok(t)) {
+            Step::Whole(_, Whole::Answer(a)) => {
+                assert_eq!(&a.body[..], b"abcdef");
+                assert_eq!(a.trailers["grpc-status"], "0");
+            }
+            _ => panic!("the answer is whole"),
+        }
+        // The limit counts the parts; an abort says the service gave the body up.
+        streams.collect(opening(), answer());
+        streams.part((7, 1, 0), StreamPart::Data, b"12345".to_vec(), ok.clone());
+        assert!(matches!(
+            streams.part((7, 1, 0), StreamPart::Data, b"67".to_vec(), ok.clone()),
+            Step::TooLarge(_)
+        ));
+        streams.collect(opening(), answer());
+        match streams.part((7, 1, 0), StreamPart::Abort, Vec::new(), ok) {
+            Step::Aborted(_, why) => assert_eq!(why, ANSWER_ENDED_EARLY),
+            _ => panic!("an abort fails the answer"),
+        }
     }
 }

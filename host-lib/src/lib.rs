@@ -56,4 +56,4 @@ pub use graph::{EgressStep, InternalStep, Step, Work, order, pipe};
 pub use http::{Caller, HttpRequest, HttpResponse};
 pub use pool::WorkerScope;
 pub use result::{Inputs, StepError, StepId, StepOutput, StepResult};
-pub use transport::{Event, IncomingId, Tag, Transport, TransportError};
+pub use transport::{AnswerBody, Event, IncomingId, Tag, Transport, TransportError};

@@ -55,6 +55,20 @@ pub enum TransportError {
     Other(String),
 }
 
+/// How an egress call takes an answer whose body streams (a download, server-sent
+/// events, a gRPC server stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AnswerBody {
+    /// Collected whole before the call completes, up to the transport's limit (past
+    /// it the call fails): what a graph's steps get, since a step's result is whole.
+    #[default]
+    Whole,
+    /// As it comes ([`HttpResponse::stream`]): the call completes with the head and
+    /// the body follows, read at the caller's pace (an [`crate::Outbound`] caller
+    /// forwarding it, as a bridge's egress port does).
+    Streamed,
+}
+
 /// Wakes a transport's `poll` from another thread.
 pub type Waker = Arc<dyn Fn() + Send + Sync>;
 
@@ -66,6 +80,19 @@ pub trait Transport: Send {
     /// Sends an egress request. A request that cannot be carried may instead come
     /// back as a failed completion.
     fn send_request(&mut self, tag: Tag, request: HttpRequest) -> Result<(), TransportError>;
+
+    /// Sends an egress request whose answer, if its body streams, is taken as
+    /// `answer` says. A transport whose answers always arrive whole sends it as
+    /// [`Transport::send_request`] does.
+    fn send_call(
+        &mut self,
+        tag: Tag,
+        request: HttpRequest,
+        answer: AnswerBody,
+    ) -> Result<(), TransportError> {
+        let _ = answer;
+        self.send_request(tag, request)
+    }
 
     /// Answers an incoming request.
     fn send_response(
@@ -92,4 +119,8 @@ pub trait Transport: Send {
     /// to `whole_limit` bytes); a transport whose bodies always arrive whole ignores
     /// it.
     fn stream_requests(&mut self, _wants: fn(&HttpRequest) -> bool, _whole_limit: usize) {}
+
+    /// The most a streamed answer collected whole ([`AnswerBody::Whole`]) may hold;
+    /// a transport whose answers always arrive whole ignores it.
+    fn answer_limit(&mut self, _whole_limit: usize) {}
 }

@@ -557,9 +557,17 @@ impl Descriptor {
         };
         let dst = if flags.contains(Flags::DST_POD) {
             let id = u32::from_le_bytes([raw.dst[0], raw.dst[1], raw.dst[2], raw.dst[3]]);
-            // Pod 0 is "from outside the node": only a response goes there (the proxy
-            // routes it back by its ids).
-            let zero_ok = flags.contains(Flags::RESPONSE);
+            // Pod 0 is "from outside the node": only what goes back goes there (the
+            // proxy routes it by its ids): a response, or what a pod did with a
+            // stream from outside (`Taken`, `Stop`).
+            let ack = flags.contains(Flags::STREAM)
+                && !flags.contains(Flags::ERROR)
+                && !flags.contains(Flags::COMPLETION)
+                && matches!(
+                    StreamPart::of(raw.status),
+                    Some(StreamPart::Taken | StreamPart::Stop)
+                );
+            let zero_ok = flags.contains(Flags::RESPONSE) || ack;
             if (id == 0 && !zero_ok) || raw.dst[4..].iter().any(|&b| b != 0) {
                 return Err(DescriptorError::PodDestination);
             }

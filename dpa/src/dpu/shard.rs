@@ -154,6 +154,32 @@ impl DpuShard {
         self.shared().pods.lock().get(&id).cloned()
     }
 
+    /// Copies a window of a streamed answer (`len` bytes at `at` in `slot`, a slot of
+    /// pod `pod`'s RX body pool the fabric holds) into a fresh slot of that pool, held
+    /// by the fabric until it is delivered: the window is free for the next part.
+    pub fn copy_rx_window(
+        &mut self,
+        pod: u32,
+        slot: Buffer,
+        at: u64,
+        len: u32,
+    ) -> Result<Buffer, crate::dma::manager::WindowCopyError> {
+        self.dma.copy_rx_window(pod, slot, at, len)
+    }
+
+    /// Copies the body of a stream part pod `src` sent (in its TX pool, claimed at
+    /// intake) into a fresh slot of pod `dst`'s RX body pool, held by the fabric
+    /// until it is delivered; the part is handed back to `src` apart, under its own
+    /// ids.
+    pub fn copy_tx_to_rx(
+        &mut self,
+        src: u32,
+        part: Buffer,
+        dst: u32,
+    ) -> Result<Buffer, crate::dma::manager::WindowCopyError> {
+        self.dma.copy_tx_to_rx(src, part, dst)
+    }
+
     /// Reserves a body slot in pod `pod`'s RX body pool for a body that arrives from
     /// outside the node (the fabric writes it there; case 2). Held by the fabric until
     /// the delivery hands it to the pod.

@@ -11,6 +11,7 @@ impl<F: Fabric> Reactor<F> {
         let live = self.pods.forget_departed();
         self.expire_streams(|pod| live.contains(&pod));
         self.expire_uploads(|pod| live.contains(&pod));
+        self.expire_call_streams(|pod| live.contains(&pod));
         for xid in self.table.at_departed_pods(|pod| live.contains(&pod)) {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,

@@ -274,6 +274,7 @@ pub(super) struct LinkLoss {
 /// (exchange ids, pods' request ids), so hashed with seeded foldhash rather than
 /// SipHash (which took ~1.5 % of the shard's samples).
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// Timers of ended exchanges (or replaced tries) the heap may hold beyond twice the
 /// live exchanges before they are dropped (see `ExchangeTable::compact_timers`).
@@ -286,6 +287,9 @@ pub(super) struct ExchangeTable {
     at_pod: FastMap<PodKey, u32>,
     transfers: FastMap<u64, Transfer>,
     orphans: FastMap<u32, Orphan>,
+    /// Ids of exchanges that left the table while a peer still names them in its
+    /// frames (a call's answer streaming in over a link): not given out again.
+    held: FastSet<u32>,
     timers: BinaryHeap<Reverse<(Instant, u32)>>,
     next_xid: u32,
     next_token: u64,
@@ -298,6 +302,7 @@ impl Default for ExchangeTable {
             at_pod: FastMap::default(),
             transfers: FastMap::default(),
             orphans: FastMap::default(),
+            held: FastSet::default(),
             timers: BinaryHeap::new(),
             next_xid: 1,
             next_token: 1,
@@ -363,7 +368,10 @@ impl ExchangeTable {
         loop {
             let xid = self.next_xid;
             self.next_xid = self.next_xid.wrapping_add(1).max(1);
-            if !self.exchanges.contains_key(&xid) && !self.orphans.contains_key(&xid) {
+            if !self.exchanges.contains_key(&xid)
+                && !self.orphans.contains_key(&xid)
+                && !self.held.contains(&xid)
+            {
                 return xid;
             }
         }
@@ -526,6 +534,17 @@ impl ExchangeTable {
     /// The operation under `token` completed.
     pub fn transfer_done(&mut self, token: u64) -> Option<Transfer> {
         self.transfers.remove(&token)
+    }
+
+    /// `xid` stays named by a peer after its exchange left the table: it is not given
+    /// to a new exchange until [`ExchangeTable::release_xid`].
+    pub fn hold_xid(&mut self, xid: u32) {
+        self.held.insert(xid);
+    }
+
+    /// The peer names `xid` no more.
+    pub fn release_xid(&mut self, xid: u32) {
+        self.held.remove(&xid);
     }
 
     /// Exchange `xid` was answered locally while its peer keeps what was lent to it.

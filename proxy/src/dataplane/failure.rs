@@ -6,6 +6,11 @@ impl<F: Fabric> Reactor<F> {
     /// The DMA manager could not carry a descriptor we handed it.
     pub(super) fn delivery_failed(&mut self, d: Descriptor) {
         let status = d.error_status();
+        if d.kind.response && d.kind.stream {
+            // A part of an answer streaming to a pod's call.
+            self.call_stream_undelivered(&d);
+            return;
+        }
         if d.kind.response {
             // A reply that could not reach its pod (it left, its pools are full): the
             // DMA manager freed what it held; the caller's own timeout answers it.
@@ -303,6 +308,7 @@ impl<F: Fabric> Reactor<F> {
         }
         self.streams_link_down(qp);
         self.uploads_link_down(qp);
+        self.call_streams_link_down(qp);
         for o in loss.orphans {
             self.release_rx(o.d.src_pod, o.reply_slot);
             self.hand_back(&o.d);

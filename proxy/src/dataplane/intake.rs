@@ -31,6 +31,9 @@ impl<F: Fabric> Reactor<F> {
                 }
             } else if d.kind.response {
                 self.pod_response(d);
+            } else if d.kind.stream {
+                // What the pod did with an answer streaming to its call.
+                self.call_stream_ack(d);
             } else {
                 self.pod_request(d);
             }
@@ -95,9 +98,12 @@ impl<F: Fabric> Reactor<F> {
             Message::UpChunk(c) => self.upload_chunk(qp, c),
             // This node streams no request bodies to its peers.
             Message::UpWindow { .. } | Message::UpCancel { .. } => {}
+            Message::Chunk(c) if self.call_streams.has_link_stream(qp, c.xid) => {
+                self.call_stream_chunk(qp, c);
+            }
             Message::Chunk(c) => {
-                // A peer's stream to a pod's call was cancelled (`peer_response`):
-                // its last frame frees what the call lent it.
+                // A peer's stream to a pod's call was given up (the caller stopped
+                // it): its last frame frees what the call lent it.
                 if !matches!(c.end, dpumesh_dpa::frame::ChunkEnd::More)
                     && let Some(o) = self.table.take_orphan(qp, c.xid)
                 {

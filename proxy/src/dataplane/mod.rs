@@ -60,6 +60,7 @@ use crate::callout::{Callouts, Target};
 use crate::policy::Policy;
 
 mod cache;
+mod call_stream;
 mod callouts;
 mod dispatch;
 mod event_loop;
@@ -382,6 +383,8 @@ struct Reactor<F: Fabric> {
     streams: stream::Streams,
     /// Streamed request bodies on their way from links to pods.
     uploads: upload::Uploads,
+    /// Streamed answers on their way to pods' calls.
+    call_streams: call_stream::CallStreams,
     topology: Topology,
     /// Where this node's own proxy is reached (mesh calls to services it runs).
     self_addr: SocketAddr,
@@ -560,6 +563,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             table: ExchangeTable::default(),
             streams: stream::Streams::default(),
             uploads: upload::Uploads::default(),
+            call_streams: call_stream::CallStreams::default(),
             topology,
             self_addr,
             waits,

@@ -103,15 +103,8 @@ impl<F: Fabric> Reactor<F> {
         };
         match exchange.origin {
             Origin::Pod { d: request } if d.kind.stream => {
-                // A pod's call gets its answer whole: streams reach the ingress's
-                // clients only, for now.
-                self.refuse_stream(&d);
-                let e = ProxyError::new(
-                    ErrorKind::BadResponse,
-                    "the service streamed its answer, and a call from a pod takes answers whole",
-                );
-                self.reply_pod(&request, &e.response_head(), e.body());
-                self.hand_back(&request);
+                // Case 3, streamed: part by part into the caller's pool.
+                self.open_call_stream_from_pod(request, &exchange, d);
             }
             Origin::Link {
                 qp,
@@ -335,7 +328,8 @@ impl<F: Fabric> Reactor<F> {
         // Decoded once: its status is always read.
         let decoded = wire::decode_response(&r.head).ok();
         let status = decoded.as_ref().map_or(502, |h| h.status);
-        if exchange.traits.grpc {
+        // A streamed gRPC answer's status comes in its trailers, at its end.
+        if exchange.traits.grpc && !matches!(r.body, ResponseBody::Stream) {
             let code = decoded.as_ref().map_or(2, dpumesh_head::grpc::status_of);
             self.meter
                 .response_metrics
@@ -388,16 +382,32 @@ impl<F: Fabric> Reactor<F> {
                 return;
             }
             ResponseBody::Stream => {
-                // A pod's call takes its answer whole (see `pod_response`): the
-                // peer is told to stop. Its reply slot may be written until the
-                // peer's last frame for the stream, which frees it (an orphan).
-                self.send_link(qp, Message::Cancel { xid: r.xid });
-                self.table.orphan(r.xid, Orphan { qp, d, reply_slot });
-                let e = ProxyError::new(
-                    ErrorKind::BadResponse,
-                    "the service streamed its answer, and a call from a pod takes answers whole",
+                // The body follows in windows of the reply slot, part by part into
+                // the caller's pool.
+                let header = match self.pods.port.alloc_header(&r.head) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        // No room for its head: the peer is told to stop; the reply
+                        // slot may be written until its last frame (an orphan).
+                        tracing::warn!(error = %e, "no header slot for a streamed answer to a call");
+                        self.send_link(qp, Message::Cancel { xid: r.xid });
+                        self.table.orphan(r.xid, Orphan { qp, d, reply_slot });
+                        let e = ProxyError::new(
+                            ErrorKind::Overloaded,
+                            format!("no header buffer for the answer: {e}"),
+                        );
+                        self.reply_pod(&d, &e.response_head(), e.body());
+                        return;
+                    }
+                };
+                self.open_call_stream_from_peer(
+                    (qp, r.xid, reply_slot),
+                    d,
+                    &exchange,
+                    (status, header),
                 );
-                self.reply_pod(&d, &e.response_head(), e.body());
+                // The peer read A's body before it answered: A's TX slot goes back.
+                self.hand_back(&d);
                 return;
             }
         };

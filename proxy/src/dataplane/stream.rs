@@ -157,6 +157,7 @@ impl<F: Fabric> Reactor<F> {
         };
         match self.streams.by_pod.get(&key) {
             Some(s) if s.pod == d.src_pod => self.stream_enqueue(key, d),
+            None if self.call_streams.has_pod_stream(&key) => self.call_stream_part(key, d),
             Some(_) => {
                 tracing::warn!(
                     pod = d.src_pod,
@@ -466,7 +467,7 @@ impl<F: Fabric> Reactor<F> {
 /// What tells the pod that sent `part` (any part of a stream: its ids and lane) that
 /// the stream is over: an error with `Cancelled` and no buffers, which the DMA
 /// manager delivers to the pod instead of freeing anything.
-fn cancel_notice(part: &Descriptor) -> Descriptor {
+pub(super) fn cancel_notice(part: &Descriptor) -> Descriptor {
     let mut notice = *part;
     notice.header = Buffer::NONE;
     notice.body = Buffer::NONE;

@@ -208,6 +208,35 @@ fn stream_parts_say_which_part_they_are_and_nothing_else() {
 }
 
 #[test]
+fn only_what_goes_back_is_addressed_to_pod_zero() {
+    // A caller's `Taken` / `Stop` for an answer from outside the node travels in the
+    // request's direction, to pod 0; so do nothing else's request-direction parts.
+    let to_outside = |status| Descriptor {
+        kind: Kind {
+            stream: true,
+            ..Kind::default()
+        },
+        status,
+        ..Descriptor::request(Case::ExternalToHost, 7, 3, 11, Destination::Pod(0))
+    };
+    for ack in [StreamPart::Taken, StreamPart::Stop] {
+        let d = to_outside(ack.code());
+        assert_eq!(Descriptor::decode(&d.encode(1)).unwrap(), d);
+    }
+    for other in [StreamPart::Data.code(), StreamPart::OPEN_REQUEST] {
+        assert_eq!(
+            Descriptor::decode(&to_outside(other).encode(1)),
+            Err(DescriptorError::PodDestination)
+        );
+    }
+    let request = Descriptor::request(Case::ExternalToHost, 7, 3, 11, Destination::Pod(0));
+    assert_eq!(
+        Descriptor::decode(&request.encode(1)),
+        Err(DescriptorError::PodDestination)
+    );
+}
+
+#[test]
 fn buffer_addresses_split_into_region_and_offset() {
     let a = addr(0xbeef, 0x1234_5678_9abc);
     assert_eq!(a.region(), 0xbeef);

@@ -20,14 +20,29 @@ impl<E: DmaEngine> DmaManager<E> {
             );
             return;
         }
-        if d.kind.stream && !d.kind.response {
-            // A request's body crosses whole for now: only answers stream.
+        if d.kind.stream
+            && !d.kind.response
+            && !matches!(d.stream_part(), Some(StreamPart::Taken | StreamPart::Stop))
+        {
+            // In the request's direction a pod only says what it did with an
+            // answer streaming to its call; a request's body crosses whole for now.
             self.refuse_to_pod(
                 pod_id,
                 &d,
                 Refusal::new(
                     DescriptorStatus::Malformed,
-                    "only answers stream: a request's body crosses whole",
+                    "a call's body crosses whole: in the request's direction a pod sends only Taken or Stop for an answer streaming to it",
+                ),
+            );
+            return;
+        }
+        if d.kind.stream && !d.kind.response && !(d.header.is_none() && d.body.is_none()) {
+            self.refuse_to_pod(
+                pod_id,
+                &d,
+                Refusal::new(
+                    DescriptorStatus::Malformed,
+                    "a stream's Taken or Stop carries no buffers",
                 ),
             );
             return;

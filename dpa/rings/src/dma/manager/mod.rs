@@ -37,15 +37,17 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, TryRecvError};
 
 use super::{CopyJob, DmaEngine};
-use crate::descriptor::{Buffer, Descriptor, DescriptorStatus, Destination, Kind};
+use crate::descriptor::{Buffer, Descriptor, DescriptorStatus, Destination, Kind, StreamPart};
 use crate::pool::{BufferPool, OwnerId, PoolError, SlotRef};
 use crate::ring::{Consumer, Producer, RingError};
 
 mod complete;
 mod intake;
 mod mirror;
+mod window;
 
 pub use mirror::{Known, MirrorPort, MirrorSides};
+pub use window::WindowCopyError;
 
 /// Descriptors taken from one ring per pass, so one busy pod cannot starve others.
 const BUDGET: usize = 32;
