@@ -2,6 +2,9 @@
 //! request in absolute form (`GET http://user/me`, as `HTTP_PROXY` clients send) or
 //! with the service in `Host` is a call to that service through the mesh, made as the
 //! bridge's service (the node knows the pod, so the callee's chain sees its identity).
+//! A request body of a stated length under [`WHOLE_BELOW`] goes whole; any other
+//! streams to the callee as the server sends it (an upload of any size, a gRPC
+//! client stream), at the callee's pace.
 //! Answers come back as the mesh gave them (any status, trailers included); one
 //! whose body streams (a download, server-sent events) is forwarded as it comes, at
 //! the server's pace: a server that stops reading stops the callee, and one that
@@ -13,12 +16,13 @@ use dpumesh_head::whole_body::WholeBody;
 use dpumesh_host::body::RequestBody;
 use dpumesh_host::{HttpRequest, Outbound};
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Limited};
+use http_body::Body as _;
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-/// The largest body the server may send in one call (the mesh's default `max_body`).
-pub const MAX_BODY: usize = 8 << 20;
+/// Bodies of a stated length below this go whole (one descriptor); others stream.
+pub const WHOLE_BELOW: u64 = 1 << 20;
 
 /// Serves the egress port until the runtime ends.
 pub async fn serve(listener: tokio::net::TcpListener, outbound: Outbound) {
@@ -75,17 +79,11 @@ async fn call(outbound: &Outbound, request: Request<Incoming>) -> Response<Reque
         .map_or("/", |p| p.as_str())
         .to_owned();
     let (parts, body) = request.into_parts();
-    let collected = match Limited::new(body, MAX_BODY).collect().await {
-        Ok(c) => c,
-        Err(e) => {
-            return plain(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "egress: the request body could not be read (at most {MAX_BODY} bytes): {e}"
-                ),
-            );
-        }
-    };
+    let stated = parts
+        .headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     let mut headers = parts.headers;
     for name in dpumesh_head::HOP_BY_HOP {
         headers.remove(name);
@@ -93,9 +91,23 @@ async fn call(outbound: &Outbound, request: Request<Incoming>) -> Response<Reque
     headers.remove("proxy-authorization");
     headers.remove(http::header::HOST);
     let mut call = HttpRequest::new(parts.method, format!("http://{service}{target}"));
+    if body.is_end_stream() || stated.is_some_and(|n| n < WHOLE_BELOW) {
+        let collected = match body.collect().await {
+            Ok(c) => c,
+            Err(e) => {
+                return plain(
+                    StatusCode::BAD_REQUEST,
+                    format!("egress: the request body could not be read: {e}"),
+                );
+            }
+        };
+        call.trailers = collected.trailers().cloned().unwrap_or_default();
+        call.body = collected.to_bytes();
+    } else {
+        // As the server sends it; a stated length goes with it.
+        call.stream = Some(dpumesh_host::body::BodyStream::new(body));
+    }
     call.headers = headers;
-    call.trailers = collected.trailers().cloned().unwrap_or_default();
-    call.body = collected.to_bytes();
     let (tx, rx) = tokio::sync::oneshot::channel();
     outbound.call(call, move |answer| {
         let _ = tx.send(answer);

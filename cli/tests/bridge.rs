@@ -16,7 +16,7 @@ use common::token;
 
 /// The unmodified server: Python's `http.server`, nothing of the mesh in it.
 const LEGACY: &str = r#"
-import http.server, sys, urllib.request
+import http.server, sys, urllib.request, zlib
 
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -56,6 +56,34 @@ class Handler(http.server.BaseHTTPRequestHandler):
                         break
                     self.wfile.write(b"%x\r\n" % len(data) + data + b"\r\n")
                 self.wfile.write(b"0\r\n\r\n")
+        elif self.path.startswith("/push/") or self.path.startswith("/push-abort/"):
+            # /push/<service>/<path>?bytes=N: N bytes sent to the service through the
+            # mesh as a chunked upload, with their CRC-32; /push-abort/ gives up
+            # after 1 MiB.
+            abort = self.path.startswith("/push-abort/")
+            target = self.path.split("/", 2)[2]
+            n = int(target.rsplit("bytes=", 1)[1])
+            part = bytes(i % 251 for i in range(251 * 261))
+            crc = [0]
+            def body():
+                sent = 0
+                while sent < n:
+                    if abort and sent >= (1 << 20):
+                        raise ConnectionAbortedError("the client gives up")
+                    chunk = part[: min(len(part), n - sent)]
+                    crc[0] = zlib.crc32(chunk, crc[0])
+                    sent += len(chunk)
+                    yield chunk
+            call = urllib.request.Request(
+                "http://" + target, data=body(), method="POST",
+                headers={"authorization": self.headers.get("authorization", "")})
+            try:
+                with urllib.request.urlopen(call, timeout=60) as answer:
+                    text = answer.read().decode().strip()
+            except Exception as e:
+                self.reply(200, ("aborted: %r\n" % e).encode())
+                return
+            self.reply(200, ("%s sent_crc32=%08x\n" % (text, crc[0])).encode())
         elif self.path.startswith("/via-mesh"):
             # Through HTTP_PROXY (the bridge's egress port), as any client library.
             call = urllib.request.Request(
@@ -321,6 +349,48 @@ fn unmodified_servers_join_through_a_bridge() {
         }
         let body = fetch(&format!("/fetch/{service}/download?bytes=1000000"));
         assert_eq!(body.len(), 1_000_000, "{service} after 40 callers hung up");
+    }
+
+    // Its calls' request bodies stream too: 20 MiB uploads (more than a slot) to a
+    // pod of its node and to another node arrive whole, and 40 callers that give up
+    // mid-upload (more than the callee's 32 body slots) leave both serving.
+    let auth = format!("authorization: Bearer {user}\r\n");
+    for service in ["frontend", "far"] {
+        let (status, _, body) = get(
+            "legacy",
+            &format!("/push/{service}/upload?bytes={len}"),
+            &auth,
+        );
+        let text = String::from_utf8_lossy(&body).into_owned();
+        assert_eq!(status, 200, "{service}: {text}");
+        let field = |name: &str| {
+            text.split_whitespace()
+                .find_map(|f| f.strip_prefix(name))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert_eq!(field("bytes="), len.to_string(), "{service}: {text}");
+        assert_eq!(field("crc32="), field("sent_crc32="), "{service}: {text}");
+        for _ in 0..40 {
+            let (status, _, body) = get(
+                "legacy",
+                &format!("/push-abort/{service}/upload?bytes={}", 1u64 << 30),
+                &auth,
+            );
+            let text = String::from_utf8_lossy(&body);
+            assert!(
+                status == 200 && text.starts_with("aborted: "),
+                "{service}: {status} {text}"
+            );
+        }
+        let (status, _, body) = get(
+            "legacy",
+            &format!("/push/{service}/upload?bytes=1000000"),
+            &auth,
+        );
+        let text = String::from_utf8_lossy(&body).into_owned();
+        assert_eq!(status, 200, "{service} after 40 callers gave up: {text}");
+        assert!(text.starts_with("bytes=1000000 "), "{service}: {text}");
     }
 
     // A server that is not there is a 502 that says so; the mesh serves on.

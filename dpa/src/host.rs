@@ -376,6 +376,11 @@ impl HostPort {
         &mut self.control
     }
 
+    /// The lanes (one per shard of the node) this pod sends and receives on.
+    pub fn lanes(&self) -> usize {
+        self.tx.len()
+    }
+
     /// Sends a message: the head and body go into TX slots, the descriptor into the
     /// TX SQ. On any failure nothing is sent and no slot stays taken.
     pub fn send(&mut self, msg: &Outgoing<'_>) -> Result<(), HostError> {

@@ -22,6 +22,11 @@
 //!   in [`HttpResponse::stream`]; a graph's call gets the body collected whole (up to
 //!   [`crate::LoopConfig::max_answer_body`], past it the call fails and the callee is
 //!   told to stop).
+//! - A call's request body may stream the other way (an upload of any size, a gRPC
+//!   client stream: [`HttpRequest::stream`] on the call): an opening with the head,
+//!   then its parts, on one lane, no more than [`crate::body::STREAM_WINDOW_PARTS`]
+//!   in flight; the node's `Cancelled` (the callee answered or stopped it, the call
+//!   failed) drops the body.
 //! - A node that goes away (stopped, crashed, killed) is noticed at once (its control
 //!   connection hangs up): calls in flight fail, answers to requests it delivered are
 //!   dropped, and the pod registers again, with backoff, until the node (or its
@@ -170,6 +175,10 @@ pub struct DataPathTransport {
     in_streams: InStreams,
     /// Answers to calls arriving in parts.
     answers: InStreams,
+    /// Calls' request bodies being sent in parts.
+    uploads: OutStreams,
+    /// The lane the last streamed call went on (its parts follow it there).
+    upload_lane: usize,
     /// Which requests' bodies stream to the handler.
     wants_stream: fn(&HttpRequest) -> bool,
 }
@@ -349,6 +358,8 @@ impl DataPathTransport {
         Self {
             in_streams: InStreams::new(stream_waker.clone(), 8 << 20, REQUEST_ENDED_EARLY),
             answers: InStreams::new(stream_waker.clone(), 8 << 20, ANSWER_ENDED_EARLY),
+            uploads: OutStreams::default(),
+            upload_lane: 0,
             wants_stream: |_| false,
             stream_waker,
             streams: OutStreams::default(),
@@ -414,6 +425,7 @@ impl DataPathTransport {
         self.streams.clear();
         self.in_streams.clear();
         self.answers.clear();
+        self.uploads.clear();
         self.incoming.lost_below = self.incoming.next;
         self.located.clear();
         let me = std::thread::current();
@@ -638,17 +650,39 @@ impl DataPathTransport {
                 }
             },
             Incoming::Sent { descriptor } => {
-                self.streams
-                    .sent((descriptor.req_id, descriptor.step_id, descriptor.lane));
+                // Which way the part went: an answer's, or a call's request body's
+                // (the ids of the two may be the same).
+                let key = (descriptor.req_id, descriptor.step_id, descriptor.lane);
+                if descriptor.kind.response {
+                    self.streams.sent(key);
+                } else {
+                    self.uploads.sent(key);
+                }
             }
             Incoming::Error { descriptor, status } if descriptor.kind.stream => {
                 // The stream's receiver left (or its node gave it up): stop making it.
                 let key = (descriptor.req_id, descriptor.step_id, descriptor.lane);
-                if self.streams.cancel(key) {
-                    tracing::debug!(?status, req = key.0, "a streamed answer was cancelled");
+                let response = descriptor.kind.response;
+                let stopped = if response {
+                    self.streams.cancel(key)
+                } else {
+                    self.uploads.cancel(key)
+                };
+                if stopped {
+                    tracing::debug!(
+                        ?status,
+                        req = key.0,
+                        response,
+                        "a streamed body was cancelled"
+                    );
                 }
-                self.out
-                    .retain(|q| !(q.stream && (q.req_id, q.step_id, q.lane) == key));
+                self.out.retain(|q| {
+                    !(q.stream
+                        && q.response == response
+                        && q.status != StreamPart::Taken.code()
+                        && q.status != StreamPart::Stop.code()
+                        && (q.req_id, q.step_id, q.lane) == key)
+                });
             }
             Incoming::Error { descriptor, status } => {
                 if descriptor.kind.response {
@@ -935,32 +969,33 @@ impl DataPathTransport {
         let mut parts = Vec::new();
         self.streams.poll(&self.stream_waker, &mut parts);
         for (request, part) in parts {
-            let (code, header, body) = match part {
-                Part::Data(b) => (StreamPart::Data.code(), Vec::new(), b),
-                Part::End(trailers) if trailers.is_empty() => {
-                    (StreamPart::End.code(), Vec::new(), Bytes::new())
-                }
-                Part::End(trailers) => {
-                    // The trailers ride as a head's trailer section.
-                    let head = ResponseHead {
-                        status: 200,
-                        headers: http::HeaderMap::new(),
-                        trailers,
-                    };
-                    match wire::encode_response(&head) {
-                        Ok(h) => (StreamPart::End.code(), h, Bytes::new()),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "a stream's trailers cannot be encoded");
-                            (StreamPart::Abort.code(), Vec::new(), Bytes::new())
-                        }
-                    }
-                }
-                Part::Abort(why) => {
-                    tracing::warn!(req = request.req_id, why, "a streamed answer failed");
-                    (StreamPart::Abort.code(), Vec::new(), Bytes::new())
-                }
-            };
+            let (code, header, body) = wire_part(part, request.req_id, "a streamed answer");
             self.push_reply(&request, code, true, header, body);
+        }
+    }
+
+    /// Sends what calls' streamed request bodies have ready, as parts.
+    fn pump_uploads(&mut self) {
+        if self.uploads.len() == 0 {
+            return;
+        }
+        let mut parts = Vec::new();
+        self.uploads.poll(&self.stream_waker, &mut parts);
+        for (call, part) in parts {
+            let (status, header, body) = wire_part(part, call.req_id, "a call's streamed body");
+            self.push(Queued {
+                case: call.case,
+                dst: call.dst,
+                req_id: call.req_id,
+                step_id: call.step_id,
+                response: false,
+                status,
+                stream: true,
+                header,
+                body,
+                tag: None,
+                lane: call.lane,
+            });
         }
     }
 
@@ -999,6 +1034,35 @@ impl DataPathTransport {
             }
         };
         self.push_reply(request, head.status, false, header, body);
+    }
+}
+
+/// A stream part as it travels: its status code, header (an end's trailers, as a
+/// head's trailer section) and body.
+fn wire_part(part: Part, req: u32, what: &str) -> (u16, Vec<u8>, Bytes) {
+    match part {
+        Part::Data(b) => (StreamPart::Data.code(), Vec::new(), b),
+        Part::End(trailers) if trailers.is_empty() => {
+            (StreamPart::End.code(), Vec::new(), Bytes::new())
+        }
+        Part::End(trailers) => {
+            let head = ResponseHead {
+                status: 200,
+                headers: http::HeaderMap::new(),
+                trailers,
+            };
+            match wire::encode_response(&head) {
+                Ok(h) => (StreamPart::End.code(), h, Bytes::new()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "{what}'s trailers cannot be encoded");
+                    (StreamPart::Abort.code(), Vec::new(), Bytes::new())
+                }
+            }
+        }
+        Part::Abort(why) => {
+            tracing::warn!(req, why, "{what} failed");
+            (StreamPart::Abort.code(), Vec::new(), Bytes::new())
+        }
     }
 }
 
@@ -1065,8 +1129,11 @@ fn to_head(request: &mut HttpRequest) -> Result<(String, RequestHead), String> {
     let mut head = RequestHead::new(request.method.as_str(), target);
     head.authority = authority;
     let mut headers = std::mem::take(&mut request.headers);
-    // Framing is the data path's: the body's length travels in the descriptor.
-    headers.remove(http::header::CONTENT_LENGTH);
+    // Framing is the data path's: a whole body's length travels in the descriptor
+    // (a streamed one's stated length goes with its head, for the callee to read).
+    if request.stream.is_none() {
+        headers.remove(http::header::CONTENT_LENGTH);
+    }
     headers.remove(http::header::TRANSFER_ENCODING);
     headers.remove(http::header::HOST);
     head.set_headers(headers);
@@ -1094,8 +1161,9 @@ impl Transport for DataPathTransport {
             let (case, dst) = self.locate(&service)?;
             Ok((case, dst, bytes))
         });
-        match prepared {
-            Ok((case, dst, header)) => self.push(Queued {
+        let streamed = request.stream.take().and_then(|s| s.take());
+        match (prepared, streamed) {
+            (Ok((case, dst, header)), None) => self.push(Queued {
                 case,
                 dst,
                 req_id: tag.req_id,
@@ -1108,7 +1176,34 @@ impl Transport for DataPathTransport {
                 tag: Some((tag, answer)),
                 lane: 0,
             }),
-            Err(e) => self.failed.push(Event::Completion {
+            (Ok((case, dst, header)), Some(rest)) => {
+                // Its parts follow it on its lane (the shard that will hold it), in
+                // turn over the lanes as plain calls go.
+                let lanes = self.port.as_ref().map_or(1, HostPort::lanes).max(1);
+                self.upload_lane = (self.upload_lane + 1) % lanes;
+                let lane = self.upload_lane as u8;
+                self.push(Queued {
+                    case,
+                    dst,
+                    req_id: tag.req_id,
+                    step_id: tag.step_id,
+                    response: false,
+                    status: StreamPart::OPEN_REQUEST,
+                    stream: true,
+                    header,
+                    // The opening carries the head only: every byte of the body is a
+                    // part, so each part's `Sent` names this stream.
+                    body: Bytes::new(),
+                    tag: Some((tag, answer)),
+                    lane,
+                });
+                let mut call = Descriptor::request(case, tag.req_id, tag.step_id, 0, dst);
+                call.lane = lane;
+                let body = crate::body::Prefixed::new(request.body, rest);
+                self.uploads.open(call, Box::pin(body), false);
+                self.pump_uploads();
+            }
+            (Err(e), _) => self.failed.push(Event::Completion {
                 tag,
                 outcome: Err(e),
             }),
@@ -1215,6 +1310,7 @@ impl Transport for DataPathTransport {
             }
         }
         self.pump_streams();
+        self.pump_uploads();
         self.pump_in_streams();
         self.flush();
         out.append(&mut self.failed);

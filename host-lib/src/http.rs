@@ -42,7 +42,9 @@ pub struct HttpRequest {
     /// The body as it arrives, for a received request whose body streams to a
     /// handler that reads bodies as they come (`LoopConfig::stream_requests`; `body`
     /// is then empty and the trailers come at the stream's end). Take it with
-    /// [`BodyStream::take`] and read it as an `http_body::Body`.
+    /// [`BodyStream::take`] and read it as an `http_body::Body`. On a call, the rest
+    /// of the body after `body`, sent as it is made (an upload of any size, a gRPC
+    /// client stream; its trailers end it, `trailers` is then not sent).
     pub stream: Option<BodyStream>,
 }
 

@@ -180,6 +180,19 @@ impl DpuShard {
         self.dma.copy_tx_to_rx(src, part, dst)
     }
 
+    /// Copies the body of a stream part pod `pod` sent (in its TX pool, claimed at
+    /// intake) to `at` within `buffer`, a slot of the same pool the fabric holds (a
+    /// streamed request's buffer, which a peer reads a window at a time).
+    pub fn copy_into_tx_window(
+        &mut self,
+        pod: u32,
+        part: Buffer,
+        buffer: Buffer,
+        at: u64,
+    ) -> Result<(), crate::dma::manager::WindowCopyError> {
+        self.dma.copy_into_tx_window(pod, part, buffer, at)
+    }
+
     /// Reserves a body slot in pod `pod`'s RX body pool for a body that arrives from
     /// outside the node (the fabric writes it there; case 2). Held by the fabric until
     /// the delivery hands it to the pod.

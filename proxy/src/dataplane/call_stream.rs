@@ -163,7 +163,7 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         // What the body had ready goes with the head, in a slot of the caller's.
-        let body = match self.callee_part_for(&d, request.src_pod) {
+        let body = match self.stream_part_into(&d, request.src_pod) {
             Ok(body) => body,
             Err(e) => {
                 tracing::warn!(error = %e, "a streamed answer's first part could not be copied to its caller");
@@ -191,17 +191,18 @@ impl<F: Fabric> Reactor<F> {
         self.forward(opening);
     }
 
-    /// A callee's part's body copied into a slot of the caller's (none without one);
-    /// the callee gets the part's slot back under its own ids.
-    fn callee_part_for(
+    /// A stream part's body (in its sender's TX pool) copied into a slot of pod
+    /// `to`'s RX pool (none without one); the sender gets the part's slot back under
+    /// its own ids (its window of parts in flight counts them).
+    pub(super) fn stream_part_into(
         &mut self,
         d: &Descriptor,
-        caller: u32,
+        to: u32,
     ) -> Result<Buffer, dpumesh_dpa::dma::manager::WindowCopyError> {
         if d.body.is_none() {
             return Ok(Buffer::NONE);
         }
-        let body = self.pods.port.copy_tx_to_rx(d.src_pod, d.body, caller)?;
+        let body = self.pods.port.copy_tx_to_rx(d.src_pod, d.body, to)?;
         let mut back = *d;
         back.header = Buffer::NONE;
         self.hand_back(&back);
@@ -345,7 +346,7 @@ impl<F: Fabric> Reactor<F> {
                         return;
                     }
                     if data {
-                        let body = match self.callee_part_for(&d, caller.src_pod) {
+                        let body = match self.stream_part_into(&d, caller.src_pod) {
                             Ok(body) => body,
                             Err(dpumesh_dpa::dma::manager::WindowCopyError::Pool(
                                 dpumesh_dpa::PoolError::Exhausted { .. },
@@ -380,6 +381,7 @@ impl<F: Fabric> Reactor<F> {
                     if let Some(s) = self.call_streams.remove(key) {
                         self.count_grpc(&s, ended.then(|| trailers.unwrap_or_default()));
                     }
+                    self.pod_upload_answer_over(key);
                     let out = if ended {
                         if !d.body.is_none() {
                             // An end carries no body: what it named goes back.
@@ -445,6 +447,7 @@ impl<F: Fabric> Reactor<F> {
                     let Some(s) = self.call_streams.remove(key) else {
                         return;
                     };
+                    self.pod_upload_answer_over(key);
                     let Source::Peer { xid, reply, .. } = s.source else {
                         return;
                     };
@@ -507,6 +510,7 @@ impl<F: Fabric> Reactor<F> {
             why,
             "a streamed answer to a call ended early"
         );
+        self.pod_upload_answer_over(key);
         self.call_stream_stop_source(&s);
         let grpc = match &close {
             Close::End(trailers) => Some(trailers.clone()),
@@ -578,6 +582,7 @@ impl<F: Fabric> Reactor<F> {
             .map(|(_, k)| *k)
             .collect();
         for key in keys {
+            self.pod_upload_answer_over(key);
             if let Some(s) = self.call_streams.remove(key)
                 && let Source::Peer { xid, reply, .. } = s.source
             {

@@ -12,6 +12,7 @@ impl<F: Fabric> Reactor<F> {
         self.expire_streams(|pod| live.contains(&pod));
         self.expire_uploads(|pod| live.contains(&pod));
         self.expire_call_streams(|pod| live.contains(&pod));
+        self.expire_pod_uploads(|pod| live.contains(&pod));
         for xid in self.table.at_departed_pods(|pod| live.contains(&pod)) {
             let e = ProxyError::new(
                 ErrorKind::LinkLost,
@@ -113,6 +114,7 @@ impl<F: Fabric> Reactor<F> {
                 out.req_id = xid;
                 out.step_id = exchange.attempt;
                 let original = d.header;
+                let caller = *d;
                 let key = (d.src_pod, xid, exchange.attempt);
                 // The DMA manager hands A's body back once it copied it, and the
                 // original head is freed here: neither is ours to complete later.
@@ -120,10 +122,15 @@ impl<F: Fabric> Reactor<F> {
                     d.header = Buffer::NONE;
                     d.body = Buffer::NONE;
                 }
-                self.table.at_pod(xid, key, pod);
                 if !original.is_none() {
                     let _ = self.pods.port.release_header(original);
                 }
+                if exchange.traits.streamed {
+                    // Its body follows part by part.
+                    self.deliver_pod_upload(xid, pod, &caller, out);
+                    return;
+                }
+                self.table.at_pod(xid, key, pod);
                 self.forward(out);
             }
             &Origin::Link {

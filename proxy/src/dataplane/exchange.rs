@@ -105,7 +105,7 @@ impl Exchange {
             body_at_hand: match &self.origin {
                 // A streamed body went to the pod part by part: it is not at hand.
                 Origin::Link { .. } => !self.traits.streamed,
-                Origin::Pod { .. } => !self.traits.had_body,
+                Origin::Pod { .. } => !self.traits.had_body && !self.traits.streamed,
             },
             at_pod: matches!(self.stage, Stage::Pod { .. }),
             deadline: self.deadline,

@@ -309,6 +309,7 @@ impl<F: Fabric> Reactor<F> {
         self.streams_link_down(qp);
         self.uploads_link_down(qp);
         self.call_streams_link_down(qp);
+        self.pod_uploads_link_down(qp);
         for o in loss.orphans {
             self.release_rx(o.d.src_pod, o.reply_slot);
             self.hand_back(&o.d);

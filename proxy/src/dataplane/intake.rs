@@ -32,8 +32,14 @@ impl<F: Fabric> Reactor<F> {
             } else if d.kind.response {
                 self.pod_response(d);
             } else if d.kind.stream {
-                // What the pod did with an answer streaming to its call.
-                self.call_stream_ack(d);
+                use dpumesh_dpa::StreamPart;
+                match d.stream_part() {
+                    // What the pod did with an answer streaming to its call.
+                    Some(StreamPart::Taken | StreamPart::Stop) => self.call_stream_ack(d),
+                    // A call whose body streams.
+                    Some(StreamPart::Open) => self.pod_request(d),
+                    _ => self.pod_upload_part(d),
+                }
             } else {
                 self.pod_request(d);
             }
@@ -96,8 +102,9 @@ impl<F: Fabric> Reactor<F> {
             Message::Window { xid, count } => self.stream_window(qp, xid, count),
             Message::Cancel { xid } => self.stream_cancel(qp, xid),
             Message::UpChunk(c) => self.upload_chunk(qp, c),
-            // This node streams no request bodies to its peers.
-            Message::UpWindow { .. } | Message::UpCancel { .. } => {}
+            // Of a pod's call whose body streams to the peer.
+            Message::UpWindow { xid, count } => self.pod_upload_window(qp, xid, count),
+            Message::UpCancel { xid } => self.pod_upload_refused(qp, xid),
             Message::Chunk(c) if self.call_streams.has_link_stream(qp, c.xid) => {
                 self.call_stream_chunk(qp, c);
             }
@@ -268,7 +275,19 @@ impl<F: Fabric> Reactor<F> {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             identity,
         };
-        self.admit(origin, head, None, RequestFlags::default(), None);
+        let flags = RequestFlags {
+            stream: d.kind.stream,
+            ..RequestFlags::default()
+        };
+        if !flags.stream {
+            self.admit(origin, head, None, flags, None);
+            return;
+        }
+        // Its parts wait from now on (the chain may send it on before `admit`
+        // returns).
+        self.pod_upload_open(&d);
+        let exchange = self.admit(origin, head, None, flags, None);
+        self.pod_upload_admitted(&d, exchange);
     }
 
     /// Routes a request and runs its chain (unless a peer proxy already did);

@@ -70,6 +70,7 @@ mod intake;
 mod layers;
 mod links;
 mod observing;
+mod pod_upload;
 mod pods;
 mod respond;
 pub mod response_metrics;
@@ -385,6 +386,8 @@ struct Reactor<F: Fabric> {
     uploads: upload::Uploads,
     /// Streamed answers on their way to pods' calls.
     call_streams: call_stream::CallStreams,
+    /// Streamed request bodies of pods' calls on their way to their callees.
+    pod_uploads: pod_upload::PodUploads,
     topology: Topology,
     /// Where this node's own proxy is reached (mesh calls to services it runs).
     self_addr: SocketAddr,
@@ -564,6 +567,7 @@ impl<F: Fabric + Clone> Reactor<F> {
             streams: stream::Streams::default(),
             uploads: upload::Uploads::default(),
             call_streams: call_stream::CallStreams::default(),
+            pod_uploads: pod_upload::PodUploads::default(),
             topology,
             self_addr,
             waits,

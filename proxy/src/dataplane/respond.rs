@@ -52,7 +52,7 @@ impl<F: Fabric> Reactor<F> {
         };
         // A streamed request body goes on while the answer streams (gRPC's
         // bidirectional calls), and is not wanted after a whole answer.
-        let answer_streams = d.kind.stream && matches!(exchange.origin, Origin::Link { .. });
+        let answer_streams = d.kind.stream;
         self.upload_exchange_over(&exchange, answer_streams);
         let upstream = pod_upstream(&exchange.service, d.src_pod);
         // A streamed gRPC answer's status comes in its trailers, at its end.
@@ -465,6 +465,7 @@ impl<F: Fabric> Reactor<F> {
             }
         };
         let deadline_ms = layers::timeout::peer_budget_ms(exchange.deadline, Instant::now());
+        let streamed = exchange.traits.streamed;
         let pod = d.src_pod;
         let Some(info) = self.pods.get(pod).cloned() else {
             self.drop_exchange(xid);
@@ -507,6 +508,19 @@ impl<F: Fabric> Reactor<F> {
                 .remote(regions.tx_pool.offset_of(d.body).unwrap_or_default()),
             len: d.body.len,
         });
+        // A body that streams is read from windows of a buffer of its own.
+        let (body, upload) = if streamed {
+            match self.pod_upload_buffer(pod) {
+                Ok((buffer, remote)) => (Some(remote), Some(buffer)),
+                Err(e) => {
+                    self.release_rx(pod, reply_buf);
+                    self.fail(xid, e);
+                    return;
+                }
+            }
+        } else {
+            (body, None)
+        };
         if let Some(exchange) = self.table.get_mut(xid) {
             exchange.stage = Stage::Peer {
                 qp,
@@ -519,6 +533,7 @@ impl<F: Fabric> Reactor<F> {
                 xid,
                 flags: RequestFlags {
                     policed: true,
+                    stream: streamed,
                     ..RequestFlags::default()
                 },
                 deadline_ms,
@@ -527,6 +542,9 @@ impl<F: Fabric> Reactor<F> {
                 head,
             }),
         );
+        if let Some(buffer) = upload {
+            self.pod_upload_to_peer(&d, (qp, xid), buffer);
+        }
     }
 
     pub(super) fn peer_link(&mut self, node: &str) -> Option<u32> {

@@ -361,6 +361,10 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         let Some(&key) = self.uploads.by_pod.get(&(to, d.req_id, d.step_id)) else {
+            if self.pod_uploads.has_pod_ack(&(to, d.req_id, d.step_id)) {
+                // Of a pod's call's body.
+                self.pod_upload_ack(d);
+            }
             return;
         };
         let Some(u) = self.uploads.by_link.get_mut(&key) else {
@@ -412,8 +416,9 @@ impl<F: Fabric> Reactor<F> {
         if !exchange.traits.streamed || answer_streams {
             return;
         }
-        if let Origin::Link { qp, xid, .. } = exchange.origin {
-            self.upload_cancel((qp, xid), true);
+        match exchange.origin {
+            Origin::Link { qp, xid, .. } => self.upload_cancel((qp, xid), true),
+            Origin::Pod { d } => self.pod_upload_exchange_over(&d, answer_streams),
         }
     }
 

@@ -84,7 +84,9 @@ impl<E: DmaEngine> DmaManager<E> {
         e.kind = Kind {
             completion: true,
             error: true,
-            response: false,
+            // A stream part's notice keeps its direction: a pod may send a stream
+            // each way under the same ids.
+            response: d.kind.stream && d.kind.response,
             stream: d.kind.stream,
         };
         e.status = status as u16;
@@ -102,11 +104,13 @@ impl<E: DmaEngine> DmaManager<E> {
         body: Buffer,
     ) {
         let mut c = *d;
-        // A stream part's completion says so: its sender counts what the receiver
-        // took (the stream's window).
+        // A stream part's completion says so, and which way the stream flows (a
+        // pod may send a stream each way under the same ids): its sender counts
+        // what the receiver took (the stream's window).
         c.kind = Kind {
             completion: true,
             stream: d.kind.stream,
+            response: d.kind.stream && d.kind.response,
             ..Kind::default()
         };
         c.header = header;
@@ -120,11 +124,12 @@ impl<E: DmaEngine> DmaManager<E> {
     pub(super) fn refuse_to_pod(&mut self, pod_id: u32, d: &Descriptor, refusal: Refusal) {
         tracing::debug!(pod = pod_id, req = d.req_id, step = d.step_id, status = ?refusal.status, detail = %refusal.detail, "refused a host descriptor");
         let mut e = *d;
-        // The error hands the named buffers back: the pod still owns them.
+        // The error hands the named buffers back: the pod still owns them. A stream
+        // part's keeps its direction.
         e.kind = Kind {
             completion: true,
             error: true,
-            response: false,
+            response: d.kind.stream && d.kind.response,
             stream: d.kind.stream,
         };
         e.status = refusal.status as u16;

@@ -20,23 +20,10 @@ impl<E: DmaEngine> DmaManager<E> {
             );
             return;
         }
-        if d.kind.stream
-            && !d.kind.response
-            && !matches!(d.stream_part(), Some(StreamPart::Taken | StreamPart::Stop))
+        if matches!(d.stream_part(), Some(StreamPart::Taken | StreamPart::Stop))
+            && !(d.header.is_none() && d.body.is_none())
         {
-            // In the request's direction a pod only says what it did with an
-            // answer streaming to its call; a request's body crosses whole for now.
-            self.refuse_to_pod(
-                pod_id,
-                &d,
-                Refusal::new(
-                    DescriptorStatus::Malformed,
-                    "a call's body crosses whole: in the request's direction a pod sends only Taken or Stop for an answer streaming to it",
-                ),
-            );
-            return;
-        }
-        if d.kind.stream && !d.kind.response && !(d.header.is_none() && d.body.is_none()) {
+            // What a pod did with a stream sent to it names nothing to move.
             self.refuse_to_pod(
                 pod_id,
                 &d,

@@ -11,7 +11,12 @@
 //!   is copied here rather than on delivery because a delivery hands the source's
 //!   slot back under the delivered descriptor's ids, and those are the caller's: the
 //!   callee must get its slot back under its own stream's ids (its window of parts
-//!   in flight counts them).
+//!   in flight counts them). The same holds for a pod's streamed request body going
+//!   to a pod of its node.
+//!
+//! A pod's streamed request body going to another node goes the other way: each part
+//! is copied from its TX slot into a window of one request buffer (a slot of the
+//! same pool the fabric holds), which the peer reads (`copy_into_tx_window`).
 
 use super::*;
 
@@ -145,5 +150,50 @@ impl<E: DmaEngine> DmaManager<E> {
                 Err(e)
             }
         }
+    }
+
+    /// Copies the body of `part` (a stream part pod `pod` sent, in its TX pool and
+    /// claimed at intake) to `at` within `buffer`, a slot of the same pool the fabric
+    /// holds (a streamed request's buffer, read by a peer a window at a time).
+    pub fn copy_into_tx_window(
+        &mut self,
+        pod: u32,
+        part: Buffer,
+        buffer: Buffer,
+        at: u64,
+    ) -> Result<(), WindowCopyError> {
+        let port = self
+            .pods
+            .get(&pod)
+            .ok_or(WindowCopyError::UnknownPod(pod))?;
+        let pool = &port.tx_body;
+        let size = pool.layout().slot_size;
+        if at + u64::from(part.len) > u64::from(size) {
+            return Err(WindowCopyError::OutOfSlot {
+                at,
+                len: part.len,
+                size,
+            });
+        }
+        let from = pool
+            .slot_of(part)
+            .map_err(|_| WindowCopyError::NotHandedOver(pod))?;
+        if pool.state(from.index).map(|s| s.1) != Some(OwnerId::DMA) {
+            return Err(WindowCopyError::NotHandedOver(pod));
+        }
+        let to = pool.slot_of(Buffer::new(buffer.addr, 0))?;
+        if pool.state(to.index).map(|s| s.1) != Some(OwnerId::FABRIC) {
+            return Err(WindowCopyError::NotTheFabrics(to.index));
+        }
+        let job = CopyJob {
+            src: pool.region(),
+            src_offset: pool.offset_of(part)?,
+            dst: pool.region(),
+            dst_offset: pool.offset_of(Buffer::new(buffer.addr, 0))? + at,
+            len: u64::from(part.len),
+        };
+        self.engine.copy(&[job])?;
+        self.count_copy(u64::from(part.len));
+        Ok(())
     }
 }
