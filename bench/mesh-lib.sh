@@ -165,6 +165,20 @@ grpc_run() { # name url pids [second pids]
 # cores idle under load is limited by its hand-offs, not by its CPU per request).
 # With WRK_CLOSE=1 every request asks for `connection: close`: each is a new
 # connection (over https, a new full TLS handshake: wrk does not resume sessions).
+paced() { # url rate pids: req/s answered and CPU us per request of the pids with h2load
+    # sending HTTP/1.1 at `rate` requests a second over 32 connections (an offered load,
+    # not as fast as the target answers): CPU per request at the same load on both sides
+    local url=$1 rate=$2 who=$3 before after out n
+    local per=$(( (rate + 31) / 32 ))
+    h2load --h1 -c32 --rps="$per" -D "${WARMUP:-2}" -H "authorization: Bearer $TOKEN" "$url" >/dev/null 2>&1 || true
+    before=$(cpu $($who))
+    out=$(h2load --h1 -c32 --rps="$per" -D "$DURATION" -H "authorization: Bearer $TOKEN" "$url" 2>&1)
+    after=$(cpu $($who))
+    n=$(awk '/^status codes:/ { print $3 }' <<<"$out")
+    [ -n "$n" ] && [ "$n" -gt 0 ] || { echo "-|-"; return; }
+    echo "$(echo "scale=0; $n / $DURATION" | bc)|$(echo "scale=2; ($after - $before) * 1000000 / $n" | bc)"
+}
+
 run() { # name url pids [second pids] [pids whose context switches count]
     local name=$1 url=$2 who=$3 also=${4:-none} sw=${5:-none}
     local before after before2 after2 s1 s2 i1 i2 out rps p50 p99 reqs non2xx

@@ -30,6 +30,8 @@
 #   (k) nginx (a), unmodified, joined to the mesh through a bridge (one mesh-file
 #       line), against nginx proxying to it (b): req/s and the host's CPU per request
 #       (the bridge + the server, against nginx proxying + serving: the sidecar cost),
+#       each as fast as it answers, then both at one offered load (h2load --h1 --rps:
+#       80 % of what the bridged row carried),
 # each under wrk -t1 -c32 -d${DURATION:-10}s after an unmeasured ${WARMUP:-3}s; then HTTP/2 with h2load -c32 -m10
 # against (c) serving h2 and (d).
 # Prints req/s, p50/p99, CPU per request of the peers and of the mesh's parts (the
@@ -252,6 +254,14 @@ if want k; then
     start_mesh shm bridge
     check http://127.0.0.1:18090/legacy/ping; check_policy http://127.0.0.1:18090/legacy/ping
     k=$(run "k dpumesh bridge to nginx" http://127.0.0.1:18090/legacy/ping bridge_pids mesh_pids all_mesh_pids)
+    # The same two at the same offered load (80 % of what the bridged row carried,
+    # which the bridge's path through the ingress and nodes on these 2 cores limits):
+    # CPU per request depends on the load (a saturated nginx batches its wake-ups), so
+    # the sidecar cost is compared at one rate too.
+    IFS='|' read -r _ rk_ _ <<<"$k"
+    pace=$(echo "scale=0; ${rk_%.*} * 8 / 10" | bc)
+    kp=$(paced http://127.0.0.1:18090/legacy/ping "$pace" bridge_pids)
+    bp=$(paced http://127.0.0.1:18081/ping "$pace" "pgrep -x nginx")
     stop_mesh
 fi
 
@@ -331,6 +341,11 @@ IFS='|' read -r _ rdj _ cdj mdj <<<"$dj"
 IFS='|' read -r _ rk _ _ ck _ mk _ _ <<<"$k"
 IFS='|' read -r _ _ _ _ cb _ _ _ _ <<<"$b"
 echo "bridged nginx k/b req/s: $(ratio "$rk" "$rb"), host CPU per request (bridge + nginx vs nginx proxy + origin): $ck vs $cb us ($(ratio "$ck" "$cb")), ingress + node $mk us"
+if [ -n "${kp:-}" ]; then
+    IFS='|' read -r rkp ckp <<<"$kp"
+    IFS='|' read -r rbp cbp <<<"$bp"
+    echo "  the same at one offered load (${pace}/s; answered: $rkp/s vs $rbp/s): $ckp vs $cbp us ($(ratio "$ckp" "$cbp"))"
+fi
 echo "gRPC unary j/j calls/s (mesh / HAProxy): $(ratio "$rdj" "$rcj"), service CPU per call $cdj us (tonic on TCP + HAProxy: $ccj us), ingress + node $mdj us"
 
 if want l; then
