@@ -757,13 +757,7 @@ impl DataPathTransport {
             Some(part) => part,
             None => return,
         };
-        let trailers = if header.is_empty() {
-            Ok(http::HeaderMap::new())
-        } else {
-            wire::decode_response(&header)
-                .map(|h| h.trailers)
-                .map_err(|e| format!("the request's trailers are malformed: {e}"))
-        };
+        let trailers = trailers_of(&header, "the request's");
         match self.in_streams.part(key, part, body, trailers) {
             Step::Nothing => {}
             Step::Taken(opening) => {
@@ -844,13 +838,7 @@ impl DataPathTransport {
             Some(part) => part,
             None => return,
         };
-        let trailers = if header.is_empty() {
-            Ok(http::HeaderMap::new())
-        } else {
-            wire::decode_response(&header)
-                .map(|h| h.trailers)
-                .map_err(|e| format!("the answer's trailers are malformed: {e}"))
-        };
+        let trailers = trailers_of(&header, "the answer's");
         match self.answers.part(key, part, body, trailers) {
             Step::Nothing => {}
             Step::Taken(opening) => self.tell_callee(&opening, StreamPart::Taken),
@@ -1035,6 +1023,17 @@ impl DataPathTransport {
         };
         self.push_reply(request, head.status, false, header, body);
     }
+}
+
+/// The trailers an end part carries in its header (a head's trailer section; none
+/// when it is empty), or why they cannot be read.
+fn trailers_of(header: &[u8], whose: &str) -> Result<http::HeaderMap, String> {
+    if header.is_empty() {
+        return Ok(http::HeaderMap::new());
+    }
+    wire::decode_response(header)
+        .map(|h| h.trailers)
+        .map_err(|e| format!("{whose} trailers are malformed: {e}"))
 }
 
 /// A stream part as it travels: its status code, header (an end's trailers, as a

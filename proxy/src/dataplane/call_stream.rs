@@ -346,30 +346,10 @@ impl<F: Fabric> Reactor<F> {
                         return;
                     }
                     if data {
-                        let body = match self.stream_part_into(&d, caller.src_pod) {
-                            Ok(body) => body,
-                            Err(dpumesh_dpa::dma::manager::WindowCopyError::Pool(
-                                dpumesh_dpa::PoolError::Exhausted { .. },
-                            )) => {
-                                // The caller's pool is full: tried again when it
-                                // takes a part, or at housekeeping.
-                                return;
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "a streamed answer's part could not be copied to its caller");
-                                self.call_stream_close(
-                                    key,
-                                    Close::Abort,
-                                    "its part could not be copied",
-                                );
-                                return;
-                            }
-                        };
-                        if let Some(s) = self.call_streams.by_caller.get_mut(&key) {
-                            s.queue.pop_front();
-                            s.at_caller += 1;
+                        let copied = self.stream_part_into(&d, caller.src_pod);
+                        if !self.deliver_copy(key, &caller, copied) {
+                            return;
                         }
-                        self.forward(to_caller(&caller, StreamPart::Data).with_body(body));
                         continue;
                     }
                     s.queue.pop_front();
@@ -416,30 +396,9 @@ impl<F: Fabric> Reactor<F> {
                         windows.offset(window),
                         len,
                     );
-                    let body = match copied {
-                        Ok(body) => body,
-                        Err(dpumesh_dpa::dma::manager::WindowCopyError::Pool(
-                            dpumesh_dpa::PoolError::Exhausted { .. },
-                        )) => {
-                            // The caller's pool is full: tried again when it takes a
-                            // part, or at housekeeping.
-                            return;
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "a streamed answer's part could not be copied out of its window");
-                            self.call_stream_close(
-                                key,
-                                Close::Abort,
-                                "its part could not be copied",
-                            );
-                            return;
-                        }
-                    };
-                    if let Some(s) = self.call_streams.by_caller.get_mut(&key) {
-                        s.queue.pop_front();
-                        s.at_caller += 1;
+                    if !self.deliver_copy(key, &caller, copied) {
+                        return;
                     }
-                    self.forward(to_caller(&caller, StreamPart::Data).with_body(body));
                     self.send_link(qp, Message::Window { xid, count: 1 });
                 }
                 Waiting::End(ref end) => {
@@ -470,6 +429,35 @@ impl<F: Fabric> Reactor<F> {
                 }
             }
         }
+    }
+
+    /// Delivers a part copied into a slot of the caller's (the queue's front) and
+    /// counts it at the caller; whether it did. A caller whose pool is full is tried
+    /// again when it takes a part, or at housekeeping; any other failure ends the
+    /// stream.
+    fn deliver_copy(
+        &mut self,
+        key: CallKey,
+        caller: &Descriptor,
+        copied: Result<Buffer, dpumesh_dpa::dma::manager::WindowCopyError>,
+    ) -> bool {
+        let body = match copied {
+            Ok(body) => body,
+            Err(dpumesh_dpa::dma::manager::WindowCopyError::Pool(
+                dpumesh_dpa::PoolError::Exhausted { .. },
+            )) => return false,
+            Err(e) => {
+                tracing::warn!(error = %e, "a streamed answer's part could not be copied to its caller");
+                self.call_stream_close(key, Close::Abort, "its part could not be copied");
+                return false;
+            }
+        };
+        if let Some(s) = self.call_streams.by_caller.get_mut(&key) {
+            s.queue.pop_front();
+            s.at_caller += 1;
+        }
+        self.forward(to_caller(caller, StreamPart::Data).with_body(body));
+        true
     }
 
     /// The end part for `caller`, with `trailers` (a head's trailer section; empty:
