@@ -102,6 +102,8 @@ def test_on_a_dpu_the_pod_takes_what_dpf_gives_it(helm, tmp_path, name):
     assert notes["k8s.v1.cni.cncf.io/networks"] == sds["annotations"]["k8s.v1.cni.cncf.io/networks"]
     for side in ("requests", "limits"):
         assert proxy["resources"][side]["nvidia.com/bf_sf"] == "1", side
+        # The DPU's RDMA device, which DOCA DMA and the Comch server open.
+        assert proxy["resources"][side]["rdma/rdma_shared_device_a"] == "1", side
     assert proxy["resources"]["requests"] == proxy["resources"]["limits"]
     # DPF's DPU selection, as required node affinity.
     required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import K8S, docs, kubernetes_validate, kustomize, render
+from conftest import K8S, ROOT, docs, kubernetes_validate, kustomize, render
 from test_chart import VALUES
 
 
@@ -79,6 +79,20 @@ def secret_readers(pod):
 
 # What the code uses: cores and memory, and on a DPU the chained SF.
 USED_RESOURCES = {"cpu", "memory", "nvidia.com/bf_sf"}
+# What the DOCA data path uses besides: the BlueField's RDMA device (DMA, Comch), on
+# the DPU's proxy and the host's agent.
+DOCA_RESOURCES = {"rdma/rdma_shared_device_a"}
+
+BLUEFIELD = ROOT / "deploy" / "k8s-bluefield"
+
+
+def runs_doca(pod):
+    """The DOCA data path's pods: the DPU proxy with the doca backend, the host agent."""
+    for c in pod["containers"]:
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        if env.get("DPUMESH_DATA_PATH") == "doca" or "DPUMESH_HOST_NODE" in env:
+            return True
+    return False
 
 
 def least_privilege(pod):
@@ -91,9 +105,10 @@ def least_privilege(pod):
         assert sc.get("allowPrivilegeEscalation") is False, c["name"]
         # A non-root user's added capabilities take no effect: none is asked for.
         assert sc.get("capabilities") == {"drop": ["ALL"]}, (c["name"], sc)
+        used = USED_RESOURCES | (DOCA_RESOURCES if runs_doca(pod) else set())
         for side in ("requests", "limits"):
             asked = set(c.get("resources", {}).get(side, {}))
-            assert asked <= USED_RESOURCES, (c["name"], side, asked - USED_RESOURCES)
+            assert asked <= used, (c["name"], side, asked - used)
     for v in pod.get("volumes", []):
         assert "HugePages" not in str(v.get("emptyDir", "")), v
         if "hostPath" in v:
@@ -106,6 +121,7 @@ def least_privilege(pod):
 
 def every_pod(helm, tmp_path):
     pods = [o for o in docs(kustomize(K8S)) if o["kind"] == "Deployment"]
+    pods += [o for o in docs(kustomize(BLUEFIELD)) if o["kind"] == "DaemonSet"]
     for name, values in VALUES.items():
         out = render(helm, values=values, tmp=tmp_path)
         assert out.returncode == 0, out.stderr
@@ -115,7 +131,7 @@ def every_pod(helm, tmp_path):
 
 def test_no_pod_needs_root_or_what_it_does_not_use(helm, tmp_path):
     pods = every_pod(helm, tmp_path)
-    assert len(pods) == 7
+    assert len(pods) == 8
     for pod in pods:
         least_privilege(pod)
 
@@ -162,3 +178,64 @@ def test_each_service_registers_with_the_node_the_mesh_file_places_it_on(helm):
         assert env["DPUMESH_REGISTER_PATIENCE"] == "forever", service
         mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert "/run/dpumesh" in mounts, service
+
+
+def test_on_bluefield_hosts_the_pods_register_with_the_host_agent(tmp_path):
+    """deploy/k8s-bluefield: the host cluster for the DOCA data path (the proxy on the
+    DPU): deploy/k8s with a host agent on each host whose DPU is in the mesh, and
+    every service pod registering on the agent's socket in the host folder."""
+    import yaml
+
+    text = kustomize(BLUEFIELD)
+    valid = kubernetes_validate(tmp_path, text)
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    objects = docs(text)
+    agents = [o for o in objects if o["kind"] == "DaemonSet"]
+    assert [a["metadata"]["name"] for a in agents] == ["dpumesh-host-agent"]
+    pod = agents[0]["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert agent["command"] == ["/usr/local/bin/dpumesh", "host"]
+    # Comch to the proxy's server, as the chart's values name it.
+    values = yaml.safe_load((ROOT / "deploy/helm/dpumesh-node/values.yaml").read_text())
+    pci, server = env["DPUMESH_HOST_NODE"].removeprefix("comch:").split(",")
+    assert server == values["dataPath"]["comch"]["server"]
+    assert pci.count(":") == 2 and "." in pci, pci
+    listen = env["DPUMESH_HOST_LISTEN"]
+    assert listen.startswith("/run/dpumesh/")
+    # On the hosts the service pods select, which it makes ready for them first.
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": "dpumesh.io/dpu", "operator": "Exists"}
+    ]
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert agent["resources"]["requests"]["rdma/rdma_shared_device_a"] == "1"
+    assert agent["image"] == "dpumesh/node-doca:0.1.0"
+    least_privilege(pod)
+    services = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].startswith("hotel-")
+    ]
+    assert len(services) == 3
+    for o in services:
+        spec = o["spec"]["template"]["spec"]
+        service_env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert service_env["DPUMESH_CONTROL"] == f"unix:{listen}", o["metadata"]["name"]
+        assert "dpumesh.io/dpu" in spec["nodeSelector"]
+        mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert "/run/dpumesh" in mounts
+    # The rest is deploy/k8s as it is.
+    base = {(o["kind"], o["metadata"]["name"]) for o in docs(kustomize(K8S))}
+    here = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert here - base == {("DaemonSet", "dpumesh-host-agent"), ("ServiceAccount", "dpumesh-host-agent")}
+    assert base <= here
+
+
+def test_an_agent_that_asks_for_a_device_the_software_path_has_is_caught():
+    import copy
+
+    pod = copy.deepcopy(
+        next(o for o in docs(kustomize(K8S)) if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+    )
+    pod["containers"][0]["resources"]["requests"]["rdma/rdma_shared_device_a"] = "1"
+    with pytest.raises(AssertionError, match="rdma"):
+        least_privilege(pod)
