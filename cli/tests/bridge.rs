@@ -294,6 +294,86 @@ fn unmodified_servers_join_through_a_bridge() {
     let identity = seen["caller"]["identity"].as_str().unwrap_or_default();
     assert!(identity.ends_with("/legacy"), "the callee saw {identity:?}");
 
+    calls_stream_both_ways(&mesh, &user);
+
+    // A server that is not there is a 502 that says so; the mesh serves on.
+    let (status, _, body) = get("dead", "/", "");
+    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("bridge:"));
+    assert_eq!(get("legacy", "/hello", "").0, 200);
+
+    // A CONNECT to the service is a tunnel to its server: curl through the ingress
+    // as its HTTP proxy (HTTP/1.1 CONNECT), then HTTP inside the tunnel.
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "30", "-p", "-x"])
+        .arg(format!("http://{}", mesh.ingress))
+        .arg(format!("http://legacy:{legacy}/hello"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "hello from an unmodified server\n",
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The same over HTTP/2 (a CONNECT stream), and the port the client names is the
+    // service's business: the bridge reaches its own server only.
+    let (status, inner) = h2_connect(
+        mesh.ingress,
+        "legacy:9",
+        b"GET /hello HTTP/1.1\r\nhost: legacy\r\nconnection: close\r\n\r\n",
+    );
+    let inner = String::from_utf8_lossy(&inner);
+    assert_eq!(status, 200);
+    assert!(
+        inner.ends_with("hello from an unmodified server\n"),
+        "{inner}"
+    );
+    // A server that is not there refuses the tunnel with the bridge's 502.
+    assert_eq!(h2_connect(mesh.ingress, "dead:80", b"").0, 502);
+
+    // A gRPC server on TCP behind a `grpc` bridge: the interop cases pass.
+    interop_cases(
+        mesh.ingress,
+        "grpc",
+        &[
+            "empty_unary",
+            "large_unary",
+            "client_streaming",
+            "server_streaming",
+            "empty_stream",
+            "status_code_and_message",
+            "custom_metadata",
+            "unimplemented_method",
+        ],
+    );
+    // A Python gRPC server (grpcio) the same way: its unary and one-way streaming
+    // methods, statuses, metadata both ways.
+    interop_cases(
+        mesh.ingress,
+        "py-grpc",
+        &[
+            "empty_unary",
+            "large_unary",
+            "client_streaming",
+            "server_streaming",
+            "custom_metadata",
+            "unimplemented_method",
+            "unary_unavailable",
+        ],
+    );
+}
+
+/// The bridged server's calls stream both ways through the mesh, to a pod of its
+/// node (case 3: the frontend) and to another node (case 1: `far`).
+fn calls_stream_both_ways(mesh: &Mesh, user: &str) {
+    let client = mesh.client();
+    let get = |host: &str, path: &str, extra: &str| {
+        client.raw(
+            format!("GET {path} HTTP/1.1\r\nhost: {host}\r\n{extra}connection: close\r\n\r\n")
+                .as_bytes(),
+        )
+    };
     // Its calls' answers stream to it, from a pod of its node (case 3: the frontend)
     // and from another node (case 1: `far`), larger than any slot of its pool.
     let fetch = |path: &str| {
@@ -392,71 +472,37 @@ fn unmodified_servers_join_through_a_bridge() {
         assert_eq!(status, 200, "{service} after 40 callers gave up: {text}");
         assert!(text.starts_with("bytes=1000000 "), "{service}: {text}");
     }
+}
 
-    // A server that is not there is a 502 that says so; the mesh serves on.
-    let (status, _, body) = get("dead", "/", "");
-    assert_eq!(status, 502, "{}", String::from_utf8_lossy(&body));
-    assert!(String::from_utf8_lossy(&body).contains("bridge:"));
-    assert_eq!(get("legacy", "/hello", "").0, 200);
-
-    // A CONNECT to the service is a tunnel to its server: curl through the ingress
-    // as its HTTP proxy (HTTP/1.1 CONNECT), then HTTP inside the tunnel.
-    let out = Command::new("curl")
-        .args(["-sS", "--max-time", "30", "-p", "-x"])
-        .arg(format!("http://{}", mesh.ingress))
-        .arg(format!("http://legacy:{legacy}/hello"))
-        .output()
-        .unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "hello from an unmodified server\n",
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The same over HTTP/2 (a CONNECT stream), and the port the client names is the
-    // service's business: the bridge reaches its own server only.
-    let (status, inner) = h2_connect(
-        mesh.ingress,
-        "legacy:9",
-        b"GET /hello HTTP/1.1\r\nhost: legacy\r\nconnection: close\r\n\r\n",
-    );
-    let inner = String::from_utf8_lossy(&inner);
-    assert_eq!(status, 200);
-    assert!(
-        inner.ends_with("hello from an unmodified server\n"),
-        "{inner}"
-    );
-    // A server that is not there refuses the tunnel with the bridge's 502.
-    assert_eq!(h2_connect(mesh.ingress, "dead:80", b"").0, 502);
-
-    // A gRPC server on TCP behind a `grpc` bridge: the interop cases pass.
-    interop_cases(
-        mesh.ingress,
-        "grpc",
-        &[
-            "empty_unary",
-            "large_unary",
-            "client_streaming",
-            "server_streaming",
-            "empty_stream",
-            "status_code_and_message",
-            "custom_metadata",
-            "unimplemented_method",
-        ],
-    );
-    // A Python gRPC server (grpcio) the same way: its unary and one-way streaming
-    // methods, statuses, metadata both ways.
-    interop_cases(
-        mesh.ingress,
-        "py-grpc",
-        &[
-            "empty_unary",
-            "large_unary",
-            "client_streaming",
-            "server_streaming",
-            "custom_metadata",
-            "unimplemented_method",
-            "unary_unavailable",
-        ],
-    );
+#[test]
+fn a_bridged_servers_calls_stream_through_the_bluefield_split() {
+    // The same calls with every node a DPU in software (DPUMESH_DATA_PATH=split): the
+    // pods' bodies reach the fabric only through their nodes' staging copies.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("legacy.py"), LEGACY).unwrap();
+    let (legacy, egress) = (free_port(), free_port());
+    let edit_mesh = move |m: String| {
+        m.replacen(
+            "services:\n",
+            &format!(
+                "services:\n  legacy: {{nodes: [node1], command: [python3, legacy.py, '{legacy}'], bridge: {{to: 127.0.0.1:{legacy}, protocol: http1, egress: 127.0.0.1:{egress}}}}}\n  far: {{nodes: [node2], command: [hotel, frontend]}}\n"
+            ),
+            1,
+        )
+    };
+    let edit_policy = |p: String| {
+        let p = p.replacen(
+            "services:\n",
+            "services:\n  legacy: {chain: internal}\n  far: {chain: internal}\n",
+            1,
+        );
+        p.replacen(
+            "routes:\n",
+            "routes:\n  - {host: legacy, service: legacy}\n",
+            1,
+        )
+    };
+    let (file, ingress) = mesh_files_with(dir.path(), edit_mesh, edit_policy);
+    let mesh = Mesh::start_env(dir, &file, ingress, &[("DPUMESH_DATA_PATH", "split")]);
+    calls_stream_both_ways(&mesh, &token("alice", &["user"]));
 }

@@ -47,4 +47,21 @@ fn the_hotel_runs_unchanged_through_host_agents_and_nodes_that_reach_it_only_by_
         want.reverse();
         assert!(got == want, "{len} B came back intact");
     }
+
+    // Streamed bodies both ways between the ingress and a pod across PCIe: parts
+    // through the node's staging copies of the pod's pools.
+    let (status, _, body) = mesh.get("/download?bytes=3000000", Some(&alice));
+    assert_eq!(status, 200);
+    assert_eq!(body.len(), 3_000_000);
+    assert!(
+        body.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8),
+        "the download's pattern"
+    );
+    let sent: Vec<u8> = (0..3_000_000usize).map(|i| (i * 13) as u8).collect();
+    let (status, _, body) = mesh.post("/upload", &alice, &sent);
+    assert_eq!(status, 200);
+    assert_eq!(
+        String::from_utf8_lossy(&body),
+        format!("bytes=3000000 crc32={:08x}\n", crc32fast::hash(&sent))
+    );
 }

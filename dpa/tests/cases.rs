@@ -9,6 +9,8 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
+#[path = "cases/staging.rs"]
+mod staging;
 #[path = "cases/streams.rs"]
 mod streams;
 

@@ -82,7 +82,7 @@ impl Shared {
             }
         }
         let built = self.adopted_ports(id, &ids, &layouts, &sides, peer);
-        let (mirrors, ports) = match built {
+        let (mirrors, staging, ports) = match built {
             Ok(done) => done,
             Err(e) => {
                 self.free_regions.lock().extend(ids);
@@ -106,12 +106,9 @@ impl Shared {
                 regions: ids,
                 exports: Vec::new(),
                 across_pcie: true,
-                host_bodies: match (&sides.pools[3], &sides.pools[1]) {
-                    (RemoteSide::Loopback(rx), RemoteSide::Loopback(tx)) => {
-                        Some([rx.clone(), tx.clone()])
-                    }
-                    _ => None,
-                },
+                // The fabric reaches its bodies in their staging copies here (the
+                // DPU's RDMA device does not reach the host's memory through them).
+                host_bodies: Some([staging.rx, staging.tx]),
                 leaving: false,
             },
         );
@@ -220,12 +217,13 @@ impl Shared {
         layouts: &[PoolLayout; 4],
         sides: &Sides,
         peer: &Peer,
-    ) -> Result<([BufferPool; 4], Vec<PodPort>), DpuError> {
+    ) -> Result<([BufferPool; 4], crate::dma::manager::Staging, Vec<PodPort>), DpuError> {
         let mirror = |k: usize| {
             BufferPool::create_sealed(&format!("{}-mirror", self.prefix), ids[k], layouts[k])
         };
         let mirrors = [mirror(0)?, mirror(1)?, mirror(2)?, mirror(3)?];
         let known = layouts.map(|l| Known::new(l.slot_count));
+        let staging = self.staging(id, &mirrors[3], &mirrors[1])?;
         // The DPU cannot write a host eventfd: the agent rings the pod's bell when
         // told. One frame per batch delivered to a pod that sleeps.
         let push = peer.push.clone();
@@ -241,9 +239,9 @@ impl Shared {
                 bell: sides.bell.clone(),
                 host_wake: Some(wake.clone()),
             };
-            ports.push(self.lane_port(id, k, &mirrors, &known, port_sides)?);
+            ports.push(self.lane_port(id, k, (&mirrors, &known), staging.clone(), port_sides)?);
         }
-        Ok((mirrors, ports))
+        Ok((mirrors, staging, ports))
     }
 }
 

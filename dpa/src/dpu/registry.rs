@@ -40,10 +40,10 @@ pub struct PodInfo {
     pub(super) exports: Vec<crate::dma::export::PciExport>,
     /// Its regions are across PCIe from the shards (`DpuConfig::across_pcie`).
     pub across_pcie: bool,
-    /// Across PCIe: the host's memory of its RX and TX body pools as the fabric
-    /// reaches it (on a BlueField, the imported regions registered with the RDMA
-    /// device: not built; in the software split, the host regions themselves).
-    /// `None` across PCIe: the fabric cannot reach its bodies on this build.
+    /// Across PCIe: where the fabric reaches its RX and TX bodies, the staging
+    /// copies of its body pools on this side (`dma::manager::Staging`), which the DMA
+    /// manager keeps in step with the host. `None` across PCIe: not reachable (a
+    /// pod registered without them).
     pub(super) host_bodies: Option<[Arc<crate::shm::SharedRegion>; 2]>,
     /// Its control connection closed: it is being let go (the shards may still hold
     /// bodies it sent), and its name is free for the process that replaces it.
@@ -57,7 +57,7 @@ impl PodInfo {
     }
 
     /// The memory the fabric writes the pod's RX bodies into: its pool's region, or
-    /// across PCIe the host's (`None`: not reachable by the fabric on this build).
+    /// across PCIe its staging copy (`None`: not reachable by the fabric).
     pub fn rx_body_memory(&self) -> Option<&Arc<crate::shm::SharedRegion>> {
         if !self.across_pcie {
             return Some(self.rx_body.region());
@@ -74,8 +74,8 @@ impl PodInfo {
         self.host_bodies.as_ref().map(|b| &b[1])
     }
 
-    /// Writes `bytes` into RX body slot `slot` where the pod reads them (across PCIe,
-    /// the host's memory: the mirror holds no bytes).
+    /// Writes `bytes` into RX body slot `slot` (across PCIe, into its staging copy,
+    /// which the delivery takes on to the host: the mirror holds no bytes).
     pub fn write_rx_body(&self, slot: SlotRef, bytes: &[u8]) -> Result<Buffer, PoolError> {
         let buffer = self
             .rx_body
@@ -87,7 +87,8 @@ impl PodInfo {
         Ok(buffer)
     }
 
-    /// Reads a TX body the pod sent (across PCIe, from the host's memory).
+    /// Reads a TX body the pod sent (across PCIe, from its staging copy, where the
+    /// DMA manager put it at intake).
     pub fn read_tx_body(&self, buffer: Buffer) -> Result<Vec<u8>, PoolError> {
         let memory = self
             .tx_body_memory()
@@ -98,7 +99,7 @@ impl PodInfo {
 
 fn unreachable_bodies(pod: u32) -> PoolError {
     PoolError::Layout(format!(
-        "pod {pod} is across PCIe and its body pools are not reachable from this node's memory (their RDMA registration is not built for DOCA)"
+        "pod {pod} is across PCIe and its body pools have no staging copy on this side"
     ))
 }
 
@@ -295,6 +296,11 @@ impl Shared {
         } else {
             None
         };
+        // Across PCIe the fabric reaches the pod's bodies on this side only.
+        let staging = match &mirrors {
+            Some((m, _)) => Some(self.staging(id, &m[3], &m[1])?),
+            None => None,
+        };
         for (k, ((tx, rx), handle)) in lanes.iter().zip(&self.shards).enumerate() {
             let port = match &mirrors {
                 None => PodPort {
@@ -310,10 +316,17 @@ impl Shared {
                         .with_bell(bell.clone()),
                     lane: k as u8,
                     mirror: None,
+                    staging: None,
                 },
-                Some((mirror, known)) => {
-                    self.mirrored_port(id, k, pools, mirror, known, (tx, rx), (&wake, &bell))?
-                }
+                Some((mirror, known)) => self.mirrored_port(
+                    id,
+                    k,
+                    pools,
+                    (mirror, known),
+                    staging.clone().expect("made with the mirrors"),
+                    (tx, rx),
+                    (&wake, &bell),
+                )?,
             };
             let _ = handle.commands.send(Command::AddPod(Box::new(port)));
             handle.bell.ring();
@@ -332,10 +345,7 @@ impl Shared {
                 regions: [tx_header.id(), tx_body.id(), rx_header.id(), rx_body.id()],
                 exports: hw,
                 across_pcie: self.config.across_pcie,
-                // The emulation maps the host's pools in this process.
-                host_bodies: mirrors
-                    .is_some()
-                    .then(|| [rx_body.region().clone(), tx_body.region().clone()]),
+                host_bodies: staging.map(|s| [s.rx, s.tx]),
                 leaving: false,
             },
         );
@@ -378,8 +388,8 @@ impl Shared {
         id: u32,
         k: usize,
         host_pools: [&BufferPool; 4],
-        mirrors: &[BufferPool; 4],
-        known: &[Arc<crate::dma::manager::Known>; 4],
+        (mirrors, known): (&[BufferPool; 4], &[Arc<crate::dma::manager::Known>; 4]),
+        staging: crate::dma::manager::Staging,
         (tx, rx): (&Ring, &Ring),
         (wake, bell): (&Ring, &Bell),
     ) -> Result<PodPort, DpuError> {
@@ -398,7 +408,28 @@ impl Shared {
             bell: side(bell.region()),
             host_wake: Some(Arc::new(move || host_wake.lock().wake())),
         };
-        self.lane_port(id, k, mirrors, known, sides)
+        self.lane_port(id, k, (mirrors, known), staging, sides)
+    }
+
+    /// The staging copies of a pod's RX and TX body pools across PCIe (regions of
+    /// this side's memory with the pools' layout: `dma::manager::Staging`).
+    pub(super) fn staging(
+        &self,
+        id: u32,
+        rx: &BufferPool,
+        tx: &BufferPool,
+    ) -> Result<crate::dma::manager::Staging, DpuError> {
+        let region = |pool: &BufferPool, what: &str| {
+            crate::shm::SharedRegion::create_sealed(
+                &format!("{}-pod{id}-{what}-staging", self.prefix),
+                pool.region().len(),
+            )
+            .map(Arc::new)
+        };
+        Ok(crate::dma::manager::Staging {
+            rx: region(rx, "rx")?,
+            tx: region(tx, "tx")?,
+        })
     }
 
     /// Lane `k`'s port of pod `id` across PCIe, over `sides`: mirror rings of the
@@ -407,8 +438,8 @@ impl Shared {
         &self,
         id: u32,
         k: usize,
-        mirrors: &[BufferPool; 4],
-        known: &[Arc<crate::dma::manager::Known>; 4],
+        (mirrors, known): (&[BufferPool; 4], &[Arc<crate::dma::manager::Known>; 4]),
+        staging: crate::dma::manager::Staging,
         sides: crate::dma::manager::MirrorSides,
     ) -> Result<PodPort, DpuError> {
         let capacity = self.config.pod.ring_capacity;
@@ -426,6 +457,7 @@ impl Shared {
             rx_sq: mirror_rx.producer(),
             lane: k as u8,
             mirror: Some(Box::new(port)),
+            staging: Some(staging),
         })
     }
 

@@ -167,7 +167,20 @@ impl DpuShard {
         self.dma.copy_rx_window(pod, slot, at, len)
     }
 
-    /// Copies the body of a stream part pod `src` sent (in its TX pool, claimed at
+    /// Copies `len` bytes at `from` of a TX body pod `pod` sent (claimed at intake)
+    /// into its staging copy when it is across PCIe, before the fabric reads them
+    /// (`dma::manager::Staging`); nothing for a pod this node maps.
+    pub fn stage_tx(
+        &mut self,
+        pod: u32,
+        body: Buffer,
+        from: u32,
+        len: u32,
+    ) -> Result<(), crate::dma::manager::WindowCopyError> {
+        self.dma.stage_tx(pod, body, from, len)
+    }
+
+    /// Copies a stream part pod `src` sent (in its TX body pool, claimed at
     /// intake) into a fresh slot of pod `dst`'s RX body pool, held by the fabric
     /// until it is delivered; the part is handed back to `src` apart, under its own
     /// ids.
@@ -181,16 +194,16 @@ impl DpuShard {
     }
 
     /// Copies the body of a stream part pod `pod` sent (in its TX pool, claimed at
-    /// intake) to `at` within `buffer`, a slot of the same pool the fabric holds (a
+    /// intake) to `at` within `buffer`, a slot of its RX pool the fabric holds (a
     /// streamed request's buffer, which a peer reads a window at a time).
-    pub fn copy_into_tx_window(
+    pub fn copy_into_window(
         &mut self,
         pod: u32,
         part: Buffer,
         buffer: Buffer,
         at: u64,
     ) -> Result<(), crate::dma::manager::WindowCopyError> {
-        self.dma.copy_into_tx_window(pod, part, buffer, at)
+        self.dma.copy_into_window(pod, part, buffer, at)
     }
 
     /// Reserves a body slot in pod `pod`'s RX body pool for a body that arrives from
@@ -201,11 +214,10 @@ impl DpuShard {
             .pod(pod)
             .ok_or_else(|| PoolError::Layout(format!("pod {pod} is not registered")))?;
         if info.rx_body_memory().is_none() {
-            // The fabric would write into the mirror, not the host's pool: that needs
-            // the host pool registered with the RDMA device (docs/data-path.md, layer 4;
-            // the software split reaches the host's memory itself).
+            // The fabric would write into the mirror, which holds no bytes: a pod
+            // across PCIe has a staging copy for this (docs/data-path.md, layer 4).
             return Err(PoolError::Layout(format!(
-                "pod {pod} is across PCIe: bodies from the fabric into its pools need their RDMA registration (not built for DOCA)"
+                "pod {pod} is across PCIe and has no staging copy of its bodies on this side"
             )));
         }
         let slot = info.rx_body.alloc(OwnerId::FABRIC)?;

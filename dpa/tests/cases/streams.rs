@@ -108,7 +108,7 @@ fn stream_parts_both_ways_come_back_as_sent_and_a_cancel_reaches_its_pod() {
 }
 
 /// Waits for the node's next descriptor for the proxy.
-fn next(port: &mut dpumesh_dpa::DpuShard) -> Descriptor {
+pub(super) fn next(port: &mut dpumesh_dpa::DpuShard) -> Descriptor {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if let Some(d) = port.recv(Duration::from_millis(50)).unwrap() {

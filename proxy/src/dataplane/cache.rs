@@ -267,6 +267,11 @@ impl<F: Fabric> Reactor<F> {
         let body = if body_len == 0 {
             Vec::new()
         } else {
+            // Across PCIe the node reads the body from its staging copy.
+            if let Err(e) = self.pods.port.stage_tx(d.src_pod, d.body, 0, d.body.len) {
+                tracing::warn!(error = %e, "a response to store could not be staged");
+                return;
+            }
             match self
                 .pods
                 .get(d.src_pod)

@@ -12,7 +12,8 @@
 //!   delivered under the try's. At most [`UPLOAD_PARTS`] parts are at the callee and
 //!   not taken (its `Taken`).
 //! - **Another node** (case 1): the call goes with `stream` and a request buffer, one
-//!   of the caller's TX slots that the fabric holds, cut into windows. Each part is
+//!   of the caller's RX slots that the fabric holds (the caller allocates its TX
+//!   slots itself), cut into windows. Each part is
 //!   copied into a free window and announced (`UpChunk`); the peer reads it and hands
 //!   the window back (`UpWindow`). The buffer goes back once the peer said
 //!   `UpCancel`, or after the end when every window came back, or with the link.
@@ -52,7 +53,7 @@ enum Sink {
         step_id: u32,
         at_pod: u8,
     },
-    /// A peer over link `qp` reads windows of `buffer` (a slot of the caller's TX
+    /// A peer over link `qp` reads windows of `buffer` (a slot of the caller's RX
     /// pool the fabric holds) under the call's exchange id `xid`; `busy` windows are
     /// announced and not handed back, the next one written is `next`.
     Peer {
@@ -242,7 +243,7 @@ impl<F: Fabric> Reactor<F> {
     }
 
     /// Case 1 for a call whose body streams: a request buffer for the peer to read
-    /// windows of (a slot of the caller's TX pool, held by the fabric), or why none.
+    /// windows of (a slot of the caller's RX pool, held by the fabric), or why none.
     pub(super) fn pod_upload_buffer(
         &mut self,
         caller: u32,
@@ -250,21 +251,23 @@ impl<F: Fabric> Reactor<F> {
         let Some(info) = self.pods.get(caller).cloned() else {
             return Err(ProxyError::new(ErrorKind::Internal, "the caller is gone"));
         };
-        let slot = info.tx_body.alloc(OwnerId::FABRIC).map_err(|e| {
+        // One of its RX slots: those are this side's to allocate (the pod allocates
+        // its TX slots itself, and across PCIe the host's words would not know).
+        let slot = info.rx_body.alloc(OwnerId::FABRIC).map_err(|e| {
             ProxyError::new(
                 ErrorKind::CallerOutOfBuffers,
                 format!("no buffer for the call's body: {e}"),
             )
         })?;
-        let buffer = Buffer::new(info.tx_body.addr(slot), info.tx_body.layout().slot_size);
+        let buffer = Buffer::new(info.rx_body.addr(slot), info.rx_body.layout().slot_size);
         let at = self
             .pods
             .regions(caller, &self.links.fabric, &self.links.pd)
             .and_then(|r| {
-                Some(r.tx.remote(r.tx_pool.offset_of(Buffer::new(buffer.addr, 0)).ok()?))
+                Some(r.rx.remote(r.rx_pool.offset_of(Buffer::new(buffer.addr, 0)).ok()?))
             });
         let Some(at) = at else {
-            let _ = info.tx_body.release(slot, OwnerId::FABRIC);
+            let _ = info.rx_body.release(slot, OwnerId::FABRIC);
             return Err(ProxyError::new(
                 ErrorKind::Internal,
                 "the caller's memory cannot be registered",
@@ -294,7 +297,7 @@ impl<F: Fabric> Reactor<F> {
                 qp,
                 up_end(xid, ChunkEnd::Abort("the caller gave its body up".into())),
             );
-            self.release_tx(caller.src_pod, buffer);
+            self.release_rx(caller.src_pod, buffer);
             return;
         };
         u.sink = Sink::Peer {
@@ -402,7 +405,7 @@ impl<F: Fabric> Reactor<F> {
                         if let Err(e) =
                             self.pods
                                 .port
-                                .copy_into_tx_window(caller.src_pod, d.body, buffer, at)
+                                .copy_into_window(caller.src_pod, d.body, buffer, at)
                         {
                             tracing::warn!(error = %e, "a call's body part could not be copied into its window");
                             self.pod_upload_cancel(key, "its part could not be copied");
@@ -460,7 +463,7 @@ impl<F: Fabric> Reactor<F> {
             && let Some(u) = self.pod_uploads.remove(key)
             && let Sink::Peer { buffer, .. } = u.sink
         {
-            self.release_tx(u.caller.src_pod, buffer);
+            self.release_rx(u.caller.src_pod, buffer);
         }
     }
 
@@ -521,7 +524,7 @@ impl<F: Fabric> Reactor<F> {
             return;
         };
         if let Sink::Peer { buffer, .. } = u.sink {
-            self.release_tx(u.caller.src_pod, buffer);
+            self.release_rx(u.caller.src_pod, buffer);
         }
         self.pod_upload_stop_caller(&u);
     }
@@ -617,7 +620,7 @@ impl<F: Fabric> Reactor<F> {
         for key in keys {
             if let Some(u) = self.pod_uploads.remove(key) {
                 if let Sink::Peer { buffer, .. } = u.sink {
-                    self.release_tx(u.caller.src_pod, buffer);
+                    self.release_rx(u.caller.src_pod, buffer);
                 }
                 self.pod_upload_stop_caller(&u);
             }
@@ -661,15 +664,6 @@ impl<F: Fabric> Reactor<F> {
         }
         for key in waiting {
             self.pod_upload_pump(key);
-        }
-    }
-
-    /// Frees a slot of pod `pod`'s TX body pool the fabric held.
-    fn release_tx(&mut self, pod: u32, slot: Buffer) {
-        if let Some(info) = self.pods.get(pod)
-            && let Ok(s) = info.tx_body.slot_of(Buffer::new(slot.addr, 0))
-        {
-            let _ = info.tx_body.release(s, OwnerId::FABRIC);
         }
     }
 }

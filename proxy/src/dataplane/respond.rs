@@ -180,6 +180,14 @@ impl<F: Fabric> Reactor<F> {
         d: &Descriptor,
         reply: RemoteBuf,
     ) -> Result<(), ProxyError> {
+        // Across PCIe the fabric reads the body from the node's staging copy.
+        if let Err(e) = self.pods.port.stage_tx(d.src_pod, d.body, 0, d.body.len) {
+            self.hand_back(d);
+            return Err(ProxyError::new(
+                ErrorKind::Internal,
+                format!("the service's response body could not be staged: {e}"),
+            ));
+        }
         let Some(regions) = self
             .pods
             .regions(d.src_pod, &self.links.fabric, &self.links.pd)
@@ -488,6 +496,20 @@ impl<F: Fabric> Reactor<F> {
             info.rx_body.addr(reply_slot),
             info.rx_body.layout().slot_size,
         );
+        // Across PCIe the peer reads a whole body from the node's staging copy (a
+        // streamed one from windows of its own buffer, staged part by part).
+        if !d.body.is_none()
+            && !streamed
+            && let Err(e) = self.pods.port.stage_tx(pod, d.body, 0, d.body.len)
+        {
+            self.release_rx(pod, reply_buf);
+            let e = ProxyError::new(
+                ErrorKind::Internal,
+                format!("the call's body could not be staged: {e}"),
+            );
+            self.fail(xid, e);
+            return;
+        }
         let at = self
             .pods
             .regions(pod, &self.links.fabric, &self.links.pd)

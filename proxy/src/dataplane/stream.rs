@@ -267,6 +267,16 @@ impl<F: Fabric> Reactor<F> {
         at: dpumesh_dpa::fabric::RemoteAddr,
         done: Option<Descriptor>,
     ) -> Result<(), ProxyError> {
+        // Across PCIe the fabric reads the part from the node's staging copy.
+        self.pods
+            .port
+            .stage_tx(d.src_pod, d.body, from, len)
+            .map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::Internal,
+                    format!("the service's stream part could not be staged: {e}"),
+                )
+            })?;
         let Some(regions) = self
             .pods
             .regions(d.src_pod, &self.links.fabric, &self.links.pd)

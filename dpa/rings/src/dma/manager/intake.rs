@@ -330,6 +330,10 @@ impl<E: DmaEngine> DmaManager<E> {
             let slot = pod.rx_body.slot_of(d.body)?;
             match pod.rx_body.state(slot.index) {
                 Some((_, holder)) if holder == OwnerId::PROXY || holder == OwnerId::FABRIC => {
+                    // Across PCIe the fabric (or the proxy) put it in the staging
+                    // copy: it reaches the host first.
+                    self.unstage_rx_body(dst, d.body)?;
+                    let pod = self.pods.get(&dst).expect("checked");
                     pod.rx_body.transfer(slot, holder, owner)?;
                     return Ok(d.body);
                 }

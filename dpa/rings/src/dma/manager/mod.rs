@@ -88,6 +88,26 @@ pub struct PodPort {
     /// The pod's regions are on the other side of PCIe: the pools and rings above are
     /// local mirrors, kept in step through the engine's reach ([`MirrorPort`]).
     pub mirror: Option<Box<MirrorPort>>,
+    /// Across PCIe: where the fabric reads and writes the pod's bodies ([`Staging`]).
+    pub staging: Option<Staging>,
+}
+
+/// A pod's body pools as the fabric reaches them when the pod is across PCIe: regions
+/// of this side's memory with the pools' layout (a body is at the same offset in
+/// both), which the fabric is registered on instead of the host's memory (on a
+/// BlueField, the DPU's RDMA device cannot reach host memory through it). The manager
+/// keeps them in step by DMA at the two points a body crosses: a TX body is copied
+/// from the host into `tx` when the proxy is about to give it to the fabric
+/// (`DmaManager::stage_tx`; a body that stays on the host is never staged), and an RX
+/// body the fabric (or the proxy) put into `rx` is copied to the host when it is
+/// delivered. Every shard's port of the pod shares them (a
+/// slot has one owner at a time).
+#[derive(Debug, Clone)]
+pub struct Staging {
+    /// The RX body pool's staging region.
+    pub rx: Arc<crate::shm::SharedRegion>,
+    /// The TX body pool's staging region.
+    pub tx: Arc<crate::shm::SharedRegion>,
 }
 
 /// What the node tells the manager.
