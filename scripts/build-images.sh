@@ -4,6 +4,14 @@
 #   dpumesh/ingress       the ingress                               (arm64, amd64)
 #   dpumesh/service-base  the runtime base for host-library services (arm64, amd64)
 #   dpumesh/hotel         the hotel sample on the service base      (arm64, amd64)
+# and with --doca, alone:
+#   dpumesh/node-doca     the node built with the `doca` feature, its DOCA and
+#                         rdma-core libraries staged beside it: the DPU proxy on a
+#                         BlueField (`--data-path doca`) and the host agent (`dpumesh
+#                         host`). Built where the DOCA SDK is installed (a BlueField,
+#                         or NVIDIA's DOCA development container): its libraries at
+#                         $DOCA_LIB_DIR (default /opt/mellanox/doca/lib/<multiarch>),
+#                         which the build links and the image carries.
 # Output: one OCI archive per image and architecture, and per image one multi-arch
 # archive (an OCI index of both), in target/images/out (or --out DIR).
 #
@@ -15,7 +23,7 @@
 # lacks a library fails here, not on the DPU.
 #
 #   scripts/build-images.sh [--arch amd64|arm64|all] [--profile release|dev]
-#                           [--no-build] [--out DIR]
+#                           [--no-build] [--out DIR] [--doca]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,13 +31,15 @@ arches=(amd64 arm64)
 profile=release
 build=1
 out=target/images/out
+doca=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --arch) shift; [ "$1" = all ] && arches=(amd64 arm64) || arches=("$1") ;;
         --profile) shift; profile="$1" ;;
         --no-build) build=0 ;;
         --out) shift; out="$1" ;;
-        *) echo "usage: $0 [--arch amd64|arm64|all] [--profile release|dev] [--no-build] [--out DIR]" >&2; exit 2 ;;
+        --doca) doca=1 ;;
+        *) echo "usage: $0 [--arch amd64|arm64|all] [--profile release|dev] [--no-build] [--out DIR] [--doca]" >&2; exit 2 ;;
     esac
     shift
 done
@@ -37,6 +47,21 @@ for a in "${arches[@]}"; do
     case "$a" in amd64|arm64) ;; *) echo "error: unknown architecture $a (amd64, arm64)" >&2; exit 2 ;; esac
 done
 case "$profile" in release) dir=release ;; dev) dir=debug ;; *) echo "error: profile $profile (release, dev)" >&2; exit 2 ;; esac
+# The DOCA libraries of each architecture asked for, before anything is built: the
+# `doca` build links them and its image carries them.
+doca_dir() { # multiarch
+    echo "${DOCA_LIB_DIR:-/opt/mellanox/doca/lib/$1}"
+}
+if [ "$doca" = 1 ]; then
+    for a in "${arches[@]}"; do
+        m=$([ "$a" = amd64 ] && echo x86_64-linux-gnu || echo aarch64-linux-gnu)
+        d="$(doca_dir "$m")"
+        ls "$d"/libdoca_common.so* >/dev/null 2>&1 || {
+            echo "error: the DOCA SDK's $a libraries are not at $d (no libdoca_common.so): build dpumesh/node-doca where DOCA is installed (a BlueField, or NVIDIA's DOCA development container), or set DOCA_LIB_DIR" >&2
+            exit 1
+        }
+    done
+fi
 
 version="$(sed -n 's/^appVersion: "\(.*\)"/\1/p' deploy/helm/dpumesh-node/Chart.yaml)"
 [ -n "$version" ] || { echo "error: no appVersion in the chart" >&2; exit 1; }
@@ -62,6 +87,12 @@ platform() {
         arm64) triple=aarch64-unknown-linux-gnu; libs=/usr/aarch64-linux-gnu/lib; multiarch=aarch64-linux-gnu
                strip=aarch64-linux-gnu-strip; emulate=(qemu-aarch64-static) ;;
     esac
+    # Where a binary's libraries are found; a doca build's also in DOCA's folder and
+    # rdma-core's (libibverbs, libmlx5).
+    lib_dirs=("$libs")
+    if [ "$doca" = 1 ]; then
+        lib_dirs+=("$(doca_dir "$multiarch")" "/usr/lib/$multiarch")
+    fi
     if [ "$1" = amd64 ] && [ "$(uname -m)" = x86_64 ]; then
         bin=target/$dir   # the host's own build, shared with the tests
     else
@@ -79,15 +110,26 @@ stage_binary() {
     interp="$(readelf -l "$binary" | sed -n 's/.*Requesting program interpreter: \(.*\)]/\1/p')"
     mkdir -p "$root$(dirname "$interp")"
     cp -L "$libs/$(basename "$interp")" "$root$interp"
+    stage_binary_libs "$binary" "$root"
+}
+
+# Copies every library $1 needs (recursively) into $2/lib/<multiarch>.
+stage_binary_libs() {
+    local binary="$1" root="$2"
+    mkdir -p "$root/lib/$multiarch"
     local todo=("$binary") seen=" "
     while [ ${#todo[@]} -gt 0 ]; do
         local next="${todo[0]}"; todo=("${todo[@]:1}")
         for lib in $(readelf -d "$next" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p'); do
             case "$seen" in *" $lib "*) continue ;; esac
             seen="$seen$lib "
-            [ -e "$libs/$lib" ] || { echo "error: $lib (needed by $next) not in $libs" >&2; exit 1; }
-            cp -L "$libs/$lib" "$root/lib/$multiarch/$lib"
-            todo+=("$libs/$lib")
+            local found=""
+            for d in "${lib_dirs[@]}"; do
+                [ -e "$d/$lib" ] && { found="$d/$lib"; break; }
+            done
+            [ -n "$found" ] || { echo "error: $lib (needed by $next) not in ${lib_dirs[*]}" >&2; exit 1; }
+            cp -L "$found" "$root/lib/$multiarch/$lib"
+            todo+=("$found")
         done
     done
 }
@@ -112,15 +154,52 @@ smoke() {
 image() {
     local name="$1" arch="$2" context="$3"; shift 3
     local tag="dpumesh/$name:$version-$arch"
+    # node-doca is the node's image with another root.
     buildah "${storage[@]}" bud --quiet --arch "$arch" --os linux --build-arg "VERSION=$version" "$@" \
-        -f "deploy/images/$name.Containerfile" -t "$tag" "$context" >/dev/null
+        -f "deploy/images/${name%-doca}.Containerfile" -t "$tag" "$context" >/dev/null
     buildah "${storage[@]}" push --quiet "$tag" "oci-archive:$out/dpumesh-$name-$version-$arch.tar:dpumesh/$name:$version" >/dev/null
     echo "  $out/dpumesh-$name-$version-$arch.tar"
+}
+
+# node-doca's root: the node's, its binary the doca build's, with the rdma-core
+# providers libibverbs loads at run time (dlopen: no binary names them) and their
+# configuration.
+stage_doca() {
+    local s="$1" r="$1/node-doca/rootfs" bin="target/doca/$triple/$dir"
+    if [ "$build" = 1 ]; then
+        cargo build --profile "$profile" --target "$triple" --target-dir target/doca -p dpumesh --features dpumesh/doca
+    fi
+    [ -x "$bin/dpumesh" ] || { echo "error: $bin/dpumesh is not built (drop --no-build)" >&2; exit 1; }
+    stage_base "$r"
+    stage_binary "$bin/dpumesh" "$r"
+    mkdir -p "$r/usr/share/dpumesh/filters" "$r/etc/dpumesh"
+    mkdir -p "$s/node-doca/rootfs-rw/var/cache/dpumesh" "$s/node-doca/rootfs-rw/run/dpumesh"
+    chmod 0750 "$s/node-doca/rootfs-rw/var/cache/dpumesh" "$s/node-doca/rootfs-rw/run/dpumesh"
+    for f in trace jwt rbac ratelimit circuit_breaker; do
+        cp "$filters/dpumesh_filter_$f.wasm" "$r/usr/share/dpumesh/filters/${f//_/-}.wasm"
+    done
+    local providers="/usr/lib/$multiarch/libibverbs"
+    [ -d "$providers" ] || { echo "error: no rdma-core providers at $providers (install rdma-core / ibverbs-providers)" >&2; exit 1; }
+    mkdir -p "$r$providers"
+    for p in "$providers"/*.so; do
+        stage_binary_libs "$p" "$r"
+        cp -L "$p" "$r$providers/"
+    done
+    [ -d /etc/libibverbs.d ] && cp -r /etc/libibverbs.d "$r/etc/"
+    smoke "$r" "$r/usr/bin/dpumesh" --version >/dev/null \
+        || { echo "error: the $arch node-doca image's dpumesh does not start" >&2; exit 1; }
 }
 
 for arch in "${arches[@]}"; do
     platform "$arch"
     echo "==> $arch ($triple, $profile)"
+    if [ "$doca" = 1 ]; then
+        s="$stage/$arch"
+        rm -rf "$s"
+        stage_doca "$s"
+        image node-doca "$arch" "$s/node-doca"
+        continue
+    fi
     if [ "$build" = 1 ]; then
         if [ "$bin" = "target/$dir" ]; then
             cargo build --profile "$profile" -p dpumesh -p dpumesh-sample-hotel
@@ -170,7 +249,9 @@ done
 # One archive per image holding every architecture built (an OCI image index).
 if [ ${#arches[@]} -gt 1 ]; then
     echo "==> multi-arch indexes"
-    for name in node ingress service-base hotel; do
+    names=(node ingress service-base hotel)
+    [ "$doca" = 1 ] && names=(node-doca)
+    for name in "${names[@]}"; do
         list="dpumesh/$name:$version"
         buildah "${storage[@]}" manifest rm "$list" >/dev/null 2>&1 || true
         buildah "${storage[@]}" manifest create "$list" >/dev/null

@@ -55,6 +55,8 @@ lints() {
     cargo clippy --locked -p dpumesh-proxy -p dpumesh --features dpumesh/doca -- -D warnings
     echo "==> cargo clippy (the same for aarch64, the BlueField's Arm cores)"
     cargo clippy --locked --target aarch64-unknown-linux-gnu -p dpumesh-dpa -p dpumesh-rings -p dpumesh-control --features dpumesh-dpa/doca --all-targets -- -D warnings
+    echo "==> cargo clippy (dpumesh node --data-path doca, dpumesh host on Comch: the commands, aarch64)"
+    cargo clippy --locked --target aarch64-unknown-linux-gnu -p dpumesh-proxy -p dpumesh --features dpumesh/doca -- -D warnings
     echo "==> cargo clippy (data path with the verbs backend)"
     cargo clippy --locked -p dpumesh-dpa -p dpumesh-fabric --features dpumesh-dpa/verbs --all-targets -- -D warnings
 }

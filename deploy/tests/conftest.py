@@ -13,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "dpumesh-node"
 DPF = ROOT / "deploy" / "dpf"
 K8S = ROOT / "deploy" / "k8s"
-# The Kubernetes version the manifests are validated for (inside DPF's supported range).
-KUBERNETES = "1.32.0"
+# The Kubernetes versions the manifests are validated for: the oldest DPF v25.10
+# supports (1.32-1.34) and the newest release kubernetes-validate knows (1.37), so a
+# field removed since, or one too new for DPF's clusters, is caught.
+KUBERNETES = ("1.32.0", "1.37.0")
 
 
 def crds_dir():
@@ -58,11 +60,17 @@ def docs(text):
 
 
 def kubernetes_validate(tmp, text):
+    """Validates `text` for each of KUBERNETES: the first refusal, or the last pass."""
     path = tmp / "rendered.yaml"
     path.write_text(text)
-    return run(
-        ["kubernetes-validate", "--strict", "--quiet", "-k", KUBERNETES, str(path)]
-    )
+    for version in KUBERNETES:
+        out = run(
+            ["kubernetes-validate", "--strict", "--quiet", "-k", version, str(path)]
+        )
+        if out.returncode != 0:
+            out.stderr = f"(Kubernetes {version}) {out.stderr}"
+            return out
+    return out
 
 
 def the(objects, kind):

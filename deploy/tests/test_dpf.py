@@ -155,6 +155,30 @@ def test_the_standalone_path_refers_to_what_it_ships():
                 assert len(selected(objs, "DPUServiceIPAM", ipam, ipam_labels)) == 1
 
 
+def chart_values(objs):
+    """The chart values each path gives DPF (its DPUServiceTemplate, or its
+    DPUService)."""
+    out = []
+    for kind in ("DPUServiceTemplate", "DPUService"):
+        for o in by_kind(objs, kind):
+            helm = o["spec"].get("helmChart", {})
+            if "values" in helm:
+                out.append((f"{kind}/{o['metadata']['name']}", helm["values"]))
+    return out
+
+
+@pytest.mark.parametrize("path", ["deployment", "standalone"])
+def test_the_doca_path_runs_the_image_built_with_doca(path):
+    # A build without the `doca` feature refuses `dataPath.backend: doca` at start:
+    # the values that select it name the image scripts/build-images.sh --doca builds.
+    objs = DEPLOYMENT_PATH if path == "deployment" else STANDALONE_PATH
+    given = chart_values(objs)
+    assert given, "the path gives the chart its values"
+    for where, values in given:
+        assert values["dataPath"]["backend"] == "doca", where
+        assert values["image"]["repository"].endswith("/node-doca"), where
+
+
 def test_a_selector_that_finds_nothing_is_caught():
     objs = [o for o in DEPLOYMENT_PATH if o["metadata"]["name"] != "dpumesh-pf0hpf"]
     with pytest.raises(AssertionError):

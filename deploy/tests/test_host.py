@@ -4,6 +4,7 @@ project ships (the host's and the chart's under each value set), what no pod may
 need: root, a capability, a hostPath it does not use, or a resource the code does
 not use; and each pod's user can read its keys. Each check is also shown failing."""
 
+import json
 import shutil
 
 import pytest
@@ -195,7 +196,13 @@ def test_on_bluefield_hosts_the_pods_register_with_the_host_agent(tmp_path):
     pod = agents[0]["spec"]["template"]["spec"]
     (agent,) = pod["containers"]
     env = {e["name"]: e.get("value") for e in agent["env"]}
-    assert agent["command"] == ["/usr/local/bin/dpumesh", "host"]
+    # The binary where the image has it (the node image's entry point), as `host`.
+    entry = [
+        line for line in (ROOT / "deploy/images/node.Containerfile").read_text().splitlines()
+        if line.startswith("ENTRYPOINT")
+    ]
+    binary = json.loads(entry[-1].removeprefix("ENTRYPOINT").strip())[0]
+    assert agent["command"] == [binary, "host"]
     # Comch to the proxy's server, as the chart's values name it.
     values = yaml.safe_load((ROOT / "deploy/helm/dpumesh-node/values.yaml").read_text())
     pci, server = env["DPUMESH_HOST_NODE"].removeprefix("comch:").split(",")

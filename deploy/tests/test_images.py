@@ -8,6 +8,8 @@ binary from the staged root through the image's own loader before it builds.
 
 import io
 import json
+import os
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -100,3 +102,14 @@ def test_the_script_builds_each_image_as_an_oci_archive(built):
     # The service base's layer is under the hotel binary's.
     assert "usr/bin/hotel" in files and "lib/x86_64-linux-gnu/libc.so.6" in files
     assert "usr/bin/dpumesh" not in files
+
+
+def test_the_doca_image_is_built_only_where_doca_is_and_says_so(tmp_path):
+    # dpumesh/node-doca links DOCA's libraries and carries them: without them the
+    # script stops before it builds anything, naming where it looked.
+    cmd = [str(ROOT / "scripts" / "build-images.sh"), "--doca", "--arch", "arm64", "--no-build", "--out", str(tmp_path)]
+    env = {**os.environ, "DOCA_LIB_DIR": str(tmp_path / "no-doca")}
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"the DOCA SDK's arm64 libraries are not at {tmp_path / 'no-doca'}" in done.stderr
+    assert not list(tmp_path.glob("*.tar"))
