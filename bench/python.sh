@@ -6,12 +6,17 @@
 #   (w) waitress, 4 threads, behind nginx with upstream keep-alive,
 #   (m) the same app on the mesh (`dpumesh up`, samples/hotel-py): the Python service
 #       behind the ingress and the nodes' DPU proxies (JWT, role, rate limit),
+#   (u) the same route in FastAPI (samples/hotel-py/ping_asgi.py) under uvicorn, 2
+#       workers (uvicorn[standard]: uvloop and httptools), behind nginx with upstream
+#       keep-alive,
+#   (a) that FastAPI app on the mesh (`python -m dpumesh.server --asgi`: every request
+#       a task of one asyncio loop that also drives the service's event loop),
 # each under wrk -t1 -c32 -d${DURATION:-10}s. Prints req/s, p50/p99 and the host CPU
 # per request: the WSGI server and nginx for g/t/w (both run on the host), the Python
 # service process for m (the ingress and the DPU proxies run off the host; their CPU
 # is printed beside it). Then the binding's overhead per step against the Rust library
-# (host-lib/python/bench/binding.py). Installs wrk, nginx (Debian), gunicorn and
-# waitress (PyPI) and the dpumesh package when missing.
+# (host-lib/python/bench/binding.py). Installs wrk, nginx (Debian), gunicorn,
+# waitress and uvicorn (PyPI) and the dpumesh package when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION="${DURATION:-10}"
@@ -24,6 +29,8 @@ done
 export PATH="$PATH:/usr/sbin"
 python3 -c "import gunicorn, waitress" 2>/dev/null \
     || pip3 install --quiet --disable-pip-version-check "gunicorn==23.0.0" "waitress==3.0.2"
+python3 -c "import uvicorn, uvloop, httptools" 2>/dev/null \
+    || pip3 install --quiet --disable-pip-version-check "uvicorn[standard]>=0.30,<1"
 
 echo "==> building dpumesh, the hotel sample and the Python package (release)"
 cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-test-artifacts
@@ -40,6 +47,9 @@ gunicorn --chdir "$app_dir" -w 2 -k gthread --threads 4 --keep-alive 30 -b 127.0
 pids+=($!)
 (cd "$app_dir" && exec waitress-serve --threads=4 --listen=127.0.0.1:18103 app:app) >/dev/null 2>&1 &
 pids+=($!)
+uvicorn --app-dir "$app_dir" --workers 2 --host 127.0.0.1 --port 18104 --log-level warning \
+    --no-access-log ping_asgi:app &
+pids+=($!)
 
 cat > "$work/nginx.conf" <<NGINX
 worker_processes 1;
@@ -52,6 +62,7 @@ http {
     upstream sync { server 127.0.0.1:18101; }
     upstream gthread { server 127.0.0.1:18102; keepalive 32; }
     upstream waitress { server 127.0.0.1:18103; keepalive 32; }
+    upstream uvicorn { server 127.0.0.1:18104; keepalive 32; }
     server { listen 127.0.0.1:18111; location / { proxy_pass http://sync; } }
     server {
         listen 127.0.0.1:18112;
@@ -60,6 +71,10 @@ http {
     server {
         listen 127.0.0.1:18113;
         location / { proxy_pass http://waitress; proxy_http_version 1.1; proxy_set_header Connection ""; }
+    }
+    server {
+        listen 127.0.0.1:18114;
+        location / { proxy_pass http://uvicorn; proxy_http_version 1.1; proxy_set_header Connection ""; }
     }
 }
 NGINX
@@ -71,10 +86,24 @@ sed -e 's/127.0.0.1:8010/127.0.0.1:18120/' -e 's/127.0.0.1:7111/127.0.0.1:18121/
     -e "s#^policy: ../hotel/policy.yaml#policy: $PWD/samples/hotel/policy.yaml#" \
     -e "s#dpumesh.server, \"app:app\"#dpumesh.server, --app-dir, $app_dir, \"app:app\"#" \
     samples/hotel-py/mesh.yaml > "$work/mesh.yaml"
-./target/release/dpumesh up --config "$work/mesh.yaml" > "$work/up.log" 2>&1 &
-up_pid=$!
-for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$work/up.log" && break; sleep 0.2; done
-grep -q "Ctrl-C stops" "$work/up.log" || { cat "$work/up.log"; echo "the mesh did not start"; exit 1; }
+# The same mesh with the FastAPI app as its frontend, on ports of its own (started
+# after the first one's measurement: one mesh runs at a time).
+sed -e 's/1812\([0-5]\)/1813\1/g' \
+    -e "s#dpumesh.server, --app-dir, $app_dir, \"app:app\"#dpumesh.server, --asgi, --app-dir, $app_dir, ping_asgi:app#" \
+    "$work/mesh.yaml" > "$work/mesh-asgi.yaml"
+grep -q "ping_asgi:app" "$work/mesh-asgi.yaml" || { echo "the ASGI mesh file was not made"; exit 1; }
+up() { # mesh file, log: starts `dpumesh up` and waits until it is ready
+    ./target/release/dpumesh up --config "$1" > "$2" 2>&1 &
+    up_pid=$!
+    for _ in $(seq 1 300); do grep -q "Ctrl-C stops" "$2" && break; sleep 0.2; done
+    grep -q "Ctrl-C stops" "$2" || { cat "$2"; echo "the mesh did not start"; exit 1; }
+}
+down() {
+    kill -INT "$up_pid" 2>/dev/null || true
+    wait "$up_pid" 2>/dev/null || true
+    up_pid=""
+}
+up "$work/mesh.yaml" "$work/up.log"
 
 tree() { # a pid and its children
     echo "$1"; pgrep -P "$1" || true
@@ -103,20 +132,25 @@ run() { # name url "server pids" "other host pids"
 }
 
 echo "==> measuring (wrk -t1 -c32 -d${DURATION}s each)"
-for port in 18111 18112 18113 18120; do check "http://127.0.0.1:$port/ping"; done
+for port in 18111 18112 18113 18114 18120; do check "http://127.0.0.1:$port/ping"; done
 g=$(run "g gunicorn sync x2 + nginx" http://127.0.0.1:18111/ping "tree ${pids[0]}" nginx_pids)
 t=$(run "t gunicorn gthread 2x4 + nginx" http://127.0.0.1:18112/ping "tree ${pids[1]}" nginx_pids)
 w=$(run "w waitress 4 threads + nginx" http://127.0.0.1:18113/ping "tree ${pids[2]}" nginx_pids)
 m=$(run "m dpumesh, Python service" http://127.0.0.1:18120/ping service_pid mesh_pids)
+u=$(run "u uvicorn x2 + nginx (FastAPI)" http://127.0.0.1:18114/ping "tree ${pids[3]}" nginx_pids)
+down
+up "$work/mesh-asgi.yaml" "$work/up-asgi.log"
+check "http://127.0.0.1:18130/ping"
+a=$(run "a dpumesh, FastAPI service" http://127.0.0.1:18130/ping service_pid mesh_pids)
 
 printf '\n%-34s %10s %9s %9s %16s %16s\n' target req/s p50 p99 "server us/req" "other us/req"
-for row in "$g" "$t" "$w" "$m"; do
+for row in "$g" "$t" "$w" "$m" "$u" "$a"; do
     IFS='|' read -r name rps p50 p99 s o non <<<"$row"
     [ "$non" != 0 ] && name="$name ($non non-2xx!)"
     printf '%-34s %10s %9s %9s %16s %16s\n' "$name" "$rps" "$p50" "$p99" "$s" "$o"
 done
-echo "(server: the WSGI server's processes, or the Python service pod on the mesh;"
-echo " other: nginx for g/t/w (on the host), the ingress + nodes for m (off the host))"
+echo "(server: the WSGI or ASGI server's processes, or the Python service pod on the mesh;"
+echo " other: nginx for g/t/w/u (on the host), the ingress + nodes for m/a (off the host))"
 best=""
 for row in "$g" "$t" "$w"; do
     IFS='|' read -r name _ _ _ s o _ <<<"$row"
@@ -126,10 +160,12 @@ done
 IFS='|' read -r _ rm _ _ sm _ _ <<<"$m"
 echo
 echo "host CPU per request: mesh Python service $sm us vs $bestname $best us (server + nginx): $(echo "scale=2; $sm / $best" | bc)x"
+IFS='|' read -r _ ru _ _ su ou _ <<<"$u"
+IFS='|' read -r _ ra _ _ sa _ _ <<<"$a"
+hu=$(echo "$su + $ou" | bc)
+echo "ASGI: mesh FastAPI service $sa us vs uvicorn + nginx $hu us: $(echo "scale=2; $sa / $hu" | bc)x host CPU, $(echo "scale=2; $ra / $ru" | bc)x req/s"
 
-kill -INT "$up_pid" 2>/dev/null || true
-wait "$up_pid" 2>/dev/null || true
-up_pid=""
+down
 echo
 echo "==> the binding per step against the Rust library (in-memory transport)"
 python3 host-lib/python/bench/binding.py "${BINDING_REQUESTS:-20000}" "${BINDING_ROUNDS:-5}"

@@ -166,3 +166,145 @@ fn the_rust_frontend_calls_a_fastapi_user_service() {
     let caller = v["user"]["caller"].as_str().unwrap_or_default();
     assert!(caller.ends_with("/sa/frontend"), "{v}");
 }
+
+/// The Rust hotel mesh with its `frontend` served by
+/// `python3 -m dpumesh.server --asgi front_asgi:app` (`cli/tests/python_apps`).
+fn hotel_with_fastapi_frontend() -> Mesh {
+    require_modules("dpumesh._native, fastapi");
+    let app_dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python_apps")
+        .canonicalize()
+        .unwrap();
+    Mesh::up_with(|m| {
+        let python = format!(
+            "frontend: {{nodes: [node1], command: [python3, -m, dpumesh.server, --asgi, --app-dir, {}, front_asgi:app]}}",
+            app_dir.display()
+        );
+        let edited = m.replace(
+            "frontend: {nodes: [node1], command: [hotel, frontend]}",
+            &python,
+        );
+        assert_ne!(edited, m, "the sample's frontend line is as expected");
+        edited
+    })
+}
+
+#[test]
+fn a_fastapi_service_serves_requests_concurrently_calls_the_mesh_and_streams() {
+    let mesh = hotel_with_fastapi_frontend();
+    let alice = token("alice", &["user"]);
+
+    // A request that waits for another is answered once the other is: served one at
+    // a time, the second would queue behind the first and the first time out.
+    let waiting = {
+        let (client, alice) = (Client(mesh.ingress), alice.clone());
+        std::thread::spawn(move || client.get("/hotels/wait", Some(&alice)))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (status, _, body) = mesh.get("/hotels/release", Some(&alice));
+    assert_eq!((status, body.as_slice()), (200, &b"releasing\n"[..]));
+    let (status, _, body) = waiting.join().unwrap();
+    assert_eq!(
+        (status, String::from_utf8_lossy(&body).as_ref()),
+        (200, "released\n")
+    );
+
+    // A handler awaits a call to the Rust user service through the mesh.
+    let (status, _, body) = mesh.get("/hotels/user?id=4", Some(&alice));
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["status"], 200, "{v}");
+    assert_eq!(v["user"]["name"], "guest-4", "{v}");
+    // Server-sent events: the first is at the client while the second waits for a
+    // request the client makes after reading it.
+    let mut s = std::net::TcpStream::connect(mesh.ingress).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    use std::io::{Read, Write};
+    write!(
+        s,
+        "GET /events/ticks HTTP/1.1\r\nhost: hotel\r\nauthorization: Bearer {alice}\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("data: first") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "the stream ended early: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(!String::from_utf8_lossy(&got).contains("data: second"));
+    let (status, _, _) = mesh.get("/hotels/tick", Some(&alice));
+    assert_eq!(status, 200);
+    s.read_to_end(&mut got).unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    assert!(text.contains("text/event-stream"), "{text}");
+    assert!(text.contains("data: second"), "{text}");
+
+    // A download larger than a stream's buffers, made as the client reads it.
+    let (status, _, body) = mesh.get("/download/big?mib=16", Some(&alice));
+    assert_eq!(status, 200);
+    assert_eq!(body.len(), 16 << 20, "the whole download arrives");
+    let block: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+    for (i, part) in body.chunks(65536).enumerate() {
+        assert!(
+            part == block.as_slice(),
+            "block {i} of the download is intact"
+        );
+    }
+
+    // An upload past the loop's whole-body limit (8 MiB), read part by part as it
+    // arrives: with its length over h2c, chunked over HTTP/1.1.
+    let sent: Vec<u8> = (0..(20u32 << 20))
+        .map(|i| (i * 7 + i / 4093) as u8)
+        .collect();
+    let file = mesh._dir.path().join("upload");
+    std::fs::write(&file, &sent).unwrap();
+    for args in [
+        &["--http2-prior-knowledge"][..],
+        &["-H", "transfer-encoding: chunked"],
+    ] {
+        let out = Command::new("curl")
+            .args(["-s", "--fail-with-body", "--max-time", "120", "-H"])
+            .arg(format!("authorization: Bearer {alice}"))
+            .arg("--data-binary")
+            .arg(format!("@{}", file.display()))
+            .args(args)
+            .arg(format!("http://{}/upload/count", mesh.ingress))
+            .output()
+            .expect("curl runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {text}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["bytes"], sent.len(), "{args:?}: {v}");
+        assert_eq!(v["crc32"], crc32fast::hash(&sent), "{args:?}: {v}");
+        assert!(v["parts"].as_u64().unwrap() > 1, "it came in parts: {v}");
+    }
+
+    // Answers of 5xx last: the sample's circuit breaker counts them.
+    // A call the mesh cannot carry comes back as the mesh's answer, not a hang.
+    let (status, _, _) = mesh.get("/hotels/nowhere", Some(&alice));
+    assert!(status >= 400, "{status}");
+    // Graphs are for WSGI handlers: said (FastAPI answers its own 500 for the
+    // exception, whose text is in the pod's log), not a hang.
+    let (status, _, body) = mesh.get("/hotels/graph", Some(&alice));
+    assert_eq!(status, 500, "{}", String::from_utf8_lossy(&body));
+    wait(
+        "the pod's log names the mistake",
+        std::time::Duration::from_secs(5),
+        &|| mesh.log.lock().unwrap().contains("answers by itself"),
+    );
+
+    // A header HTTP does not allow is the app's error, said; nothing is injected.
+    let (status, headers, body) = mesh.get("/hotels/badheader", Some(&alice));
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("invalid value for header x-bad"), "{text}");
+    assert_eq!(header(&headers, "x-injected"), None);
+}

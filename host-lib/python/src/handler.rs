@@ -9,6 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::graph::{Helpers, error_text, is_graph, node};
+use crate::reader::BodyReader;
+use crate::reply::Reply;
 use crate::result::{header_map, header_text};
 
 /// Pool threads keep one interpreter thread state for their whole life: attached once,
@@ -24,6 +26,25 @@ pub(crate) fn worker_scope() -> dpumesh_host::WorkerScope {
 pub(crate) struct PyHandler {
     dispatch: Py<PyAny>,
     helpers: Arc<Helpers>,
+    /// The dispatcher takes a sixth argument, the request's [`Reply`], and may
+    /// answer later through it (returning `None`): an ASGI app served concurrently.
+    deferred: bool,
+}
+
+/// What the dispatcher made of a request.
+enum Outcome {
+    /// Answer with this.
+    Answer(Box<HttpResponse>),
+    /// The graph's nodes were added to the context.
+    Graph,
+    /// The answer comes through the request's reply.
+    Later,
+}
+
+impl Outcome {
+    fn answer(response: HttpResponse) -> Self {
+        Self::Answer(Box::new(response))
+    }
 }
 
 fn text(status: u16, body: String) -> HttpResponse {
@@ -35,25 +56,55 @@ impl PyHandler {
         Ok(Self {
             dispatch,
             helpers: Helpers::load(py)?,
+            deferred: false,
+        })
+    }
+
+    /// A handler whose dispatcher may answer later, through a [`Reply`].
+    pub(crate) fn deferred(py: Python<'_>, dispatch: Py<PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            deferred: true,
+            ..Self::new(py, dispatch)?
         })
     }
 
     /// Builds `ctx`'s graph (or its one answer) from what the app did.
     pub(crate) fn handle(&self, ctx: &mut ExecutionContext) {
-        let answer = Python::attach(|py| self.dispatch(py, ctx));
-        if let Some(response) = answer {
-            ctx.respond(move |_| Ok::<_, std::convert::Infallible>(response));
+        let (reply, later) = match self.deferred {
+            true => {
+                let (reply, answer) = crate::reply::deferred();
+                (Some(reply), Some(answer))
+            }
+            false => (None, None),
+        };
+        match Python::attach(|py| self.dispatch(py, ctx, reply)) {
+            Outcome::Answer(response) => {
+                ctx.respond(move |_| Ok::<_, std::convert::Infallible>(*response));
+            }
+            Outcome::Graph => {}
+            Outcome::Later => {
+                // An asynchronous step on the loop's thread: it holds no thread while
+                // the app works. Only a deferred handler answers later.
+                if let Some(answer) = later {
+                    ctx.respond_future(move |_| answer);
+                }
+            }
         }
     }
 
-    /// Adds the graph's nodes to `ctx`, or returns the response to answer with.
-    fn dispatch(&self, py: Python<'_>, ctx: &mut ExecutionContext) -> Option<HttpResponse> {
+    /// Adds the graph's nodes to `ctx`, or says what to answer with.
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        ctx: &mut ExecutionContext,
+        reply: Option<Reply>,
+    ) -> Outcome {
         let request = ctx.request();
         let headers = PyList::empty(py);
         for (name, value) in &request.headers {
             let pair = PyTuple::new(py, [name.as_str().to_owned(), header_text(value)]);
             if let Err(e) = pair.and_then(|p| headers.append(p)) {
-                return Some(text(
+                return Outcome::answer(text(
                     500,
                     format!(
                         "cannot hand the request to Python: {}\n",
@@ -62,7 +113,24 @@ impl PyHandler {
                 ));
             }
         }
-        let body = PyBytes::new(py, &request.body);
+        // A deferred dispatcher reads a streamed body as it comes; the others get
+        // bodies whole (the loop collects them: it streams none to them).
+        let streamed = match &reply {
+            Some(_) => request.stream.as_ref().and_then(|s| s.take()),
+            None => None,
+        };
+        let body = match streamed {
+            Some(stream) => match Bound::new(py, BodyReader::new(stream)) {
+                Ok(reader) => reader.into_any(),
+                Err(e) => {
+                    return Outcome::answer(text(
+                        500,
+                        format!("cannot hand the body to Python: {}\n", error_text(py, &e)),
+                    ));
+                }
+            },
+            None => PyBytes::new(py, &request.body).into_any(),
+        };
         let caller = request.caller.as_ref().map(|c| {
             (
                 c.scheme.as_str(),
@@ -71,52 +139,59 @@ impl PyHandler {
                 c.identity.as_deref(),
             )
         });
-        let args = (
-            request.method.as_str(),
-            request.url.as_str(),
-            headers,
-            body,
-            caller,
-        );
-        let value = match self.dispatch.bind(py).call1(args) {
+        let (method, url) = (request.method.as_str(), request.url.as_str());
+        let deferred = reply.is_some();
+        let called = match reply {
+            Some(reply) => self
+                .dispatch
+                .bind(py)
+                .call1((method, url, headers, body, caller, reply)),
+            None => self
+                .dispatch
+                .bind(py)
+                .call1((method, url, headers, body, caller)),
+        };
+        let value = match called {
             Ok(v) => v,
             Err(e) => {
                 // The dispatcher catches the app's exceptions; this is its own failure.
                 e.print(py);
-                return Some(text(
+                return Outcome::answer(text(
                     500,
                     format!("dpumesh dispatcher failed: {}\n", error_text(py, &e)),
                 ));
             }
         };
+        if deferred && value.is_none() {
+            return Outcome::Later;
+        }
         if is_graph(&value) {
             let nodes = value.try_iter().and_then(|it| {
                 it.map(|n| node(py, &n?, &self.helpers))
                     .collect::<PyResult<Vec<_>>>()
             });
-            match nodes {
+            return match nodes {
                 Ok(nodes) => {
                     for n in nodes {
                         ctx.add(n);
                     }
-                    None
+                    Outcome::Graph
                 }
-                Err(e) => Some(text(
+                Err(e) => Outcome::answer(text(
                     500,
                     format!("the handler's graph is not valid: {}\n", error_text(py, &e)),
                 )),
-            }
-        } else {
-            Some(response(&value).unwrap_or_else(|e| {
-                text(
-                    500,
-                    format!(
-                        "the handler's response is not valid: {}\n",
-                        error_text(py, &e)
-                    ),
-                )
-            }))
+            };
         }
+        Outcome::answer(response(&value).unwrap_or_else(|e| {
+            text(
+                500,
+                format!(
+                    "the handler's response is not valid: {}\n",
+                    error_text(py, &e)
+                ),
+            )
+        }))
     }
 }
 

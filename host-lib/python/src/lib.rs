@@ -5,6 +5,9 @@
 
 mod graph;
 mod handler;
+mod reactor;
+mod reader;
+mod reply;
 mod result;
 mod serve;
 mod store;
@@ -16,6 +19,9 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<result::PyStepResult>()?;
     m.add_class::<testing::TestMesh>()?;
+    m.add_class::<reactor::Reactor>()?;
+    m.add_class::<reply::Reply>()?;
+    m.add_class::<reader::BodyReader>()?;
     m.add_class::<store::PyStoreClient>()?;
     m.add_class::<store::PyStoreBuffer>()?;
     m.add_class::<store::PyTransfer>()?;

@@ -20,7 +20,7 @@ const TURN: Duration = Duration::from_millis(50);
 /// How long stopping waits for internal steps still running.
 pub(crate) const SHUTDOWN_PATIENCE: Duration = Duration::from_secs(5);
 
-fn init_logging() {
+pub(crate) fn init_logging() {
     // The transport reports registration and node restarts through `tracing`.
     let filter = tracing_subscriber::EnvFilter::try_from_env("DPUMESH_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
@@ -29,6 +29,15 @@ fn init_logging() {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .try_init();
+}
+
+/// How long registering waits for the node (`DPUMESH_REGISTER_PATIENCE`).
+pub(crate) fn patience() -> PyResult<Option<Duration>> {
+    match std::env::var("DPUMESH_REGISTER_PATIENCE") {
+        Ok(text) => dpumesh_host::datapath::parse_patience(&text)
+            .map_err(|e| PyValueError::new_err(format!("DPUMESH_REGISTER_PATIENCE: {e}"))),
+        Err(_) => Ok(Some(dpumesh_host::datapath::REGISTER_PATIENCE)),
+    }
 }
 
 /// Serves `dispatch` as pod `pod` of `service`, registered at `control`, until a
@@ -45,11 +54,7 @@ pub(crate) fn serve(
     init_logging();
     let endpoint = Endpoint::from_str(control)
         .map_err(|e| PyValueError::new_err(format!("control endpoint {control:?}: {e}")))?;
-    let patience = match std::env::var("DPUMESH_REGISTER_PATIENCE") {
-        Ok(text) => dpumesh_host::datapath::parse_patience(&text)
-            .map_err(|e| PyValueError::new_err(format!("DPUMESH_REGISTER_PATIENCE: {e}")))?,
-        Err(_) => Some(dpumesh_host::datapath::REGISTER_PATIENCE),
-    };
+    let patience = patience()?;
     let handler = PyHandler::new(py, dispatch)?;
     let transport = py
         .detach(|| DataPathTransport::connect_patiently(&endpoint, pod, service, patience))

@@ -164,7 +164,7 @@ impl TestMesh {
             // A streamed answer, read to its end as a client would (its producer
             // may need the interpreter: released meanwhile).
             let rest = py
-                .detach(|| read_stream(stream))
+                .detach(|| read_stream(stream, usize::MAX))
                 .map_err(|e| PyRuntimeError::new_err(format!("the streamed answer failed: {e}")))?;
             body.extend_from_slice(&rest);
         }
@@ -274,11 +274,12 @@ pub(crate) fn bench_rust(py: Python<'_>, kind: &str, n: usize) -> PyResult<f64> 
 }
 
 /// A streamed body's bytes to its end, waiting on this thread (woken by the body's
-/// producer).
-fn read_stream(
+/// producer); past `limit` bytes, an error (the body is dropped: its producer stops).
+pub(crate) fn read_stream(
     mut body: std::pin::Pin<
         Box<dyn http_body::Body<Data = bytes::Bytes, Error = dpumesh_host::body::BoxError> + Send>,
     >,
+    limit: usize,
 ) -> Result<Vec<u8>, String> {
     struct Unpark(std::thread::Thread);
     impl std::task::Wake for Unpark {
@@ -296,6 +297,9 @@ fn read_stream(
             std::task::Poll::Ready(Some(Err(e))) => return Err(e.to_string()),
             std::task::Poll::Ready(Some(Ok(frame))) => {
                 if let Ok(data) = frame.into_data() {
+                    if out.len() + data.len() > limit {
+                        return Err(format!("the streamed answer is over {limit} bytes"));
+                    }
                     out.extend_from_slice(&data);
                 }
             }

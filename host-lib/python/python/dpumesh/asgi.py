@@ -1,11 +1,14 @@
 """A request from the data path handed to an ASGI app (FastAPI, Starlette), and what
 the app answered: ``python -m dpumesh.server --asgi app:app``.
 
-The app runs on the service's event-loop thread, on an asyncio loop of its own that
-the dispatcher drives one request at a time (the request arrived whole; the answer is
-sent whole). The app's lifespan runs once: ``startup`` before the first request,
-``shutdown`` when the server stops. A handler may still use ``get_context()`` to
-schedule a graph, as a WSGI handler does.
+The server runs each request as a task of its own on one asyncio loop that also
+drives the service's event loop (:mod:`dpumesh.asgi_serve`): requests are served
+concurrently, streamed answers stream. Here are the scope, the lifespan (``startup``
+before the first request, ``shutdown`` when the server stops) and the dispatcher that
+``TestMesh(app, asgi=True)`` uses, which runs one request at a time to its end (the
+request arrived whole; the answer is collected whole) on the virtual clock; there a
+handler may still use ``get_context()`` to schedule a graph, as a WSGI handler does.
+An app that calls other services uses :func:`call`.
 """
 
 from __future__ import annotations
@@ -18,11 +21,21 @@ from urllib.parse import unquote_to_bytes
 from .context import ExecutionContext, current
 from .wsgi import split_host
 
-__all__ = ["AsgiDispatcher", "scope_for"]
+__all__ = ["AsgiDispatcher", "call", "scope_for"]
 
 log = logging.getLogger("dpumesh")
 
 _TEXT = [("content-type", "text/plain; charset=utf-8")]
+
+
+async def call(method: str, url: str, *, headers: Optional[dict] = None, body: Any = None) -> Any:
+    """Calls another service through the mesh, as this service: ``await
+    call("GET", "http://user/me")`` gives a result with ``status``, ``headers``,
+    ``body``, ``text`` and ``json()``, or raises ``MeshCallError`` when no answer came.
+    Only while ``python -m dpumesh.server --asgi`` serves the app."""
+    from .asgi_serve import call as mesh_call
+
+    return await mesh_call(method, url, headers=headers, body=body)
 
 
 def scope_for(
@@ -39,16 +52,19 @@ def scope_for(
     ``(scheme, address, port, identity)`` as the mesh says it.
 
     ``client`` and ``scheme`` come from the mesh, never from ``X-Forwarded-For`` or
-    ``X-Forwarded-Proto``; ``content-length`` is the body's own length (it arrived
-    whole); ``extensions["dpumesh"]["caller_identity"]`` is the calling workload's
+    ``X-Forwarded-Proto``; ``content-length`` is the body's own length when it arrived
+    whole (``body`` is bytes), the client's when it streams (the ingress framed the
+    body by it: one that does not match is cut, and the app sees a disconnect); ``extensions["dpumesh"]["caller_identity"]`` is the calling workload's
     SPIFFE ID when a pod of the mesh called."""
     path, _, query = target.partition("?")
+    whole = isinstance(body, (bytes, bytearray))
     raw_headers = [
         (name.encode("latin-1"), value.encode("latin-1"))
         for name, value in headers
-        if name != "content-length"
+        if name != "content-length" or not whole
     ]
-    raw_headers.append((b"content-length", str(len(body)).encode()))
+    if whole:
+        raw_headers.append((b"content-length", str(len(body)).encode()))
     host, port = server, 80
     for name, value in headers:
         if name == "host":

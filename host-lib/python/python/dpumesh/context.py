@@ -26,6 +26,9 @@ _local = threading.local()
 #: Set while a dpumesh server runs in this process (``get_context`` outside a handler
 #: is then a mistake, not "not on the mesh").
 _serving = threading.Event()
+#: Why ``get_context`` has no context for this process's handlers, if it never has
+#: one (an ASGI app served concurrently: it answers by itself).
+_no_graphs: Optional[str] = None
 
 
 class _Frame:
@@ -193,6 +196,8 @@ def get_context() -> Optional[ExecutionContext]:
     ``dpumesh.server``. ``None`` when the app is not served by dpumesh (plain Flask,
     tests), so ``if ctx is not None:`` keeps one handler working in both."""
     ctx = getattr(_local, "ctx", None)
+    if ctx is None and _no_graphs is not None:
+        raise RuntimeError(_no_graphs)
     if ctx is None and _serving.is_set():
         raise RuntimeError(
             "dpumesh.server.get_context() was called outside a request handler "

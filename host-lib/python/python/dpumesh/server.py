@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 from . import _native
 from .context import _serving, get_context
-from .asgi import AsgiDispatcher
+from .asgi_serve import ConcurrentDispatcher
 from .wsgi import Dispatcher
 
 __all__ = ["get_context", "run", "main"]
@@ -50,10 +50,15 @@ def run(
     pod = pod or os.environ.get("DPUMESH_POD") or f"{service}-{os.getpid()}"
     if threads is None:
         threads = int(os.environ.get("DPUMESH_THREADS", "2"))
-    dispatcher = AsgiDispatcher(app, service) if asgi else Dispatcher(app, service)
+    dispatcher = ConcurrentDispatcher(app, service) if asgi else Dispatcher(app, service)
     _serving.set()
     try:
-        _native.serve(dispatcher, control, pod, service, threads)
+        if asgi:
+            # One asyncio loop serves every request concurrently and drives the
+            # service's event loop (dpumesh.asgi_serve); SIGINT/SIGTERM end it.
+            dispatcher.serve(control, pod, service)
+        else:
+            _native.serve(dispatcher, control, pod, service, threads)
     finally:
         _serving.clear()
         if asgi:
