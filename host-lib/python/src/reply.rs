@@ -64,14 +64,13 @@ impl Reply {
     ) -> PyResult<bool> {
         let headers = header_map(&headers, "the ASGI app's response")?;
         let mut state = self.shared.state.lock();
-        let State::Waiting(_) = &*state else {
-            return match &*state {
-                State::Done => Ok(false),
-                _ => Err(PyRuntimeError::new_err("the response was started twice")),
-            };
-        };
-        let State::Waiting(tx) = std::mem::replace(&mut *state, State::Done) else {
-            unreachable!("matched above")
+        let tx = match std::mem::replace(&mut *state, State::Done) {
+            State::Waiting(tx) => tx,
+            State::Done => return Ok(false),
+            streaming @ State::Streaming(_) => {
+                *state = streaming;
+                return Err(PyRuntimeError::new_err("the response was started twice"));
+            }
         };
         let mut response = if more {
             // Four parts wait at most: the app is slowed to its client's pace.
