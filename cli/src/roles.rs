@@ -431,6 +431,7 @@ fn ingress_settings(mesh: &MeshFile) -> dpumesh_ingress::Settings {
         body_timeout: i.body_timeout(),
         header_timeout: i.header_timeout(),
         idle_timeout: i.idle_timeout(),
+        park_after: i.park_after(),
         max_headers: i.max_headers(),
         request_timeout: i.request_timeout(),
         slots: i.slots(),

@@ -167,6 +167,39 @@ impl Handshake {
     }
 }
 
+impl Handshake {
+    /// An HTTP/1.1 GET that keeps the connection: its status and body (read to its
+    /// `content-length`).
+    fn get_kept(&mut self, path: &str, host: &str, token: &str) -> (u16, String) {
+        let req =
+            format!("GET {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {token}\r\n\r\n");
+        self.stream.write_all(req.as_bytes()).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = self.stream.read(&mut buf).expect("an answer within 10 s");
+            assert!(n > 0, "closed before the answer: {got:?}");
+            got.extend_from_slice(&buf[..n]);
+            let text = String::from_utf8_lossy(&got).into_owned();
+            let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                continue;
+            };
+            let length: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (name, value) = l.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse().ok())?
+                })
+                .expect("a content-length");
+            if body.len() >= length {
+                let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+                return (status, body.to_owned());
+            }
+        }
+    }
+}
+
 fn rustls_certs(pem: &str) -> Vec<CertificateDer<'static>> {
     use rustls::pki_types::pem::PemObject;
     CertificateDer::pem_slice_iter(pem.as_bytes())
@@ -351,6 +384,29 @@ fn https_at_the_ingress() {
         .get("/partners", "www.test", "-")
         .unwrap();
     assert_ne!(status, 403, "the partner passes the identity rule");
+    // A kept-alive HTTPS connection quiet past `park_after` (250 ms) is parked and
+    // taken up again: served, with its TLS session's identity still its own.
+    let parks = || {
+        common::mesh::metric_sum(
+            mesh.ingress_admin.unwrap(),
+            "dpumesh_ingress_connections_parked_total",
+        )
+    };
+    let parked_before = parks();
+    let mut kept = h1.connect(ingress, "www.test").unwrap();
+    for _ in 0..2 {
+        let (status, body) = kept.get_kept("/headers", "www.test", &alice);
+        assert_eq!(status, 200, "{body}");
+        let seen: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(seen["caller"]["identity"], PARTNER, "{seen}");
+        std::thread::sleep(Duration::from_millis(600));
+    }
+    let parked = parks();
+    assert!(
+        parked >= parked_before + 2.0,
+        "parked after each answer: {parked_before} then {parked}"
+    );
+    drop(kept);
     // Without it, the rule denies.
     let (_, status, _) = curl(
         ingress,

@@ -240,8 +240,18 @@ fn slow_clients_are_cut_off_and_do_not_hold_the_ingress() {
     kept.set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     let mut buf = [0u8; 4096];
+    let admin = mesh.ingress_admin.unwrap();
+    let parks = || metric_sum(admin, "dpumesh_ingress_connections_parked_total");
+    let parked_before = parks();
     for quiet in [Duration::ZERO, Duration::from_millis(2_000)] {
         std::thread::sleep(quiet);
+        if !quiet.is_zero() {
+            // Quiet past `park_after` (250 ms): parked, its hyper connection and
+            // buffers freed; the request below is served by a new one.
+            let parked = metric_sum(admin, "dpumesh_ingress_connections_parked");
+            assert!(parked >= 1.0, "the quiet connection is parked: {parked}");
+            assert!(parks() > parked_before);
+        }
         kept.write_all(request.as_bytes()).unwrap();
         let n = kept.read(&mut buf).unwrap();
         let answer = String::from_utf8_lossy(&buf[..n]);

@@ -396,6 +396,11 @@ impl<T> Sniff<T> {
     pub fn tracker(&self) -> &Tracker {
         &self.tracker
     }
+
+    /// The stream, its tracker dropped.
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Sniff<T> {

@@ -110,6 +110,9 @@ pub struct Settings {
     pub header_timeout: Duration,
     /// How long a client connection with no request open is kept.
     pub idle_timeout: Duration,
+    /// How long an HTTP/1 connection with no request open keeps its buffers before
+    /// it is parked (`idle`).
+    pub park_after: Duration,
     /// Most header fields in a request head (more: 431).
     pub max_headers: usize,
     /// Time to get an answer.
@@ -439,22 +442,109 @@ async fn serve<F: Fabric>(listener: TcpListener, state: Rc<State<F>>) {
     }
 }
 
+/// A client stream the ingress can wait on bare while its connection is parked
+/// (`idle`).
+pub(crate) trait Parkable:
+    tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static
+{
+    /// Ready when the client sent something or closed (or for nothing: the
+    /// connection is then parked again at once).
+    fn readable(&self) -> impl std::future::Future<Output = std::io::Result<()>> + '_;
+}
+
+impl Parkable for tokio::net::TcpStream {
+    fn readable(&self) -> impl std::future::Future<Output = std::io::Result<()>> + '_ {
+        tokio::net::TcpStream::readable(self)
+    }
+}
+
+/// rustls holds no record hyper could have read when the connection was parked (its
+/// last read was pending): the socket says when one comes.
+impl Parkable for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
+    fn readable(&self) -> impl std::future::Future<Output = std::io::Result<()>> + '_ {
+        self.get_ref().0.readable()
+    }
+}
+
 /// Serves one client connection (plaintext, or TLS with its `session`) until it
-/// closes.
-async fn connection<F: Fabric, IO>(
+/// closes: with hyper while requests come, parked between them once idle for
+/// `park_after` (`idle`'s doc).
+async fn connection<F: Fabric, IO: Parkable>(
+    mut stream: IO,
+    state: Rc<State<F>>,
+    peer: SocketAddr,
+    session: Option<Rc<tls::Session>>,
+) {
+    let settings = &state.routing.settings;
+    let timeouts = idle::Timeouts {
+        head: settings.header_timeout,
+        idle: settings.idle_timeout,
+        park: settings.park_after,
+    };
+    let activity = idle::Activity::new();
+    let mut resumed = false;
+    loop {
+        let dock: idle::Dock<IO> = Arc::new(parking_lot::Mutex::new(None));
+        // Boxed: hyper's connection (its buffers, and its state inline in this
+        // future) is allocated while it serves and freed when it is parked; the task
+        // of a parked connection holds the stream and its clock.
+        Box::pin(served(
+            stream,
+            state.clone(),
+            peer,
+            session.clone(),
+            &activity,
+            timeouts,
+            dock.clone(),
+            resumed,
+        ))
+        .await;
+        let Some(parked) = dock.lock().take() else {
+            return;
+        };
+        stream = parked;
+        let gauge = metrics::gauge!("dpumesh_ingress_connections_parked");
+        gauge.increment(1.0);
+        let idle_out =
+            hyper::rt::Timer::sleep_until(&state.header_timer, activity.idle_deadline(timeouts));
+        let woke = tokio::select! {
+            r = stream.readable() => r.is_ok(),
+            () = idle_out => {
+                metrics::counter!("dpumesh_ingress_connections_timed_out_total", "clock" => "idle")
+                    .increment(1);
+                false
+            }
+        };
+        gauge.decrement(1.0);
+        if !woke {
+            // Closed as hyper would have: a TLS stream says close_notify. Bounded: a
+            // client that reads nothing cannot hold it.
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                tokio::io::AsyncWriteExt::shutdown(&mut stream),
+            )
+            .await;
+            return;
+        }
+        resumed = true;
+    }
+}
+
+/// One hyper connection over `stream`, until the client closes it, it is cut off, or
+/// it is parked (the stream left in `dock`).
+#[allow(clippy::too_many_arguments)]
+async fn served<F: Fabric, IO: Parkable>(
     stream: IO,
     state: Rc<State<F>>,
     peer: SocketAddr,
     session: Option<Rc<tls::Session>>,
-) where
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-{
+    activity: &Arc<idle::Activity>,
+    timeouts: idle::Timeouts,
+    dock: idle::Dock<IO>,
+    resumed: bool,
+) {
     let settings = &state.routing.settings;
     let (max_head, max_headers) = (settings.max_head, settings.max_headers);
-    let timeouts = idle::Timeouts {
-        head: settings.header_timeout,
-        idle: settings.idle_timeout,
-    };
     // Which HTTP/1 requests on this connection had both framings (hyper drops the
     // Content-Length before the handler could see it).
     // Shared with the connection's reader, which an upgrade (a WebSocket) hands to
@@ -462,14 +552,16 @@ async fn connection<F: Fabric, IO>(
     let ambiguous = Arc::new(parking_lot::Mutex::new(framing::Ambiguous::default()));
     let stream = framing::Sniff::new(stream, framing::Tracker::new(max_head, ambiguous.clone()));
     // The reader times heads and idle spells (hyper's own header timer would also
-    // close a kept-alive connection between requests).
-    let activity = idle::Activity::new();
+    // close a kept-alive connection between requests), and parks the connection.
     let stream = idle::Watched::new(
         stream,
         activity.clone(),
         state.header_timer.clone(),
         timeouts,
+        dock,
+        resumed,
     );
+    let activity = activity.clone();
     let alpn = session.as_ref().map_or(tls::Alpn::None, |s| s.alpn);
     let served = std::cell::Cell::new(0u64);
     let service = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -511,9 +603,11 @@ async fn connection<F: Fabric, IO>(
         .max_header_list_size(max_head as u32);
     // What ALPN agreed is what is spoken (a client that said http/1.1 does not get
     // HTTP/2 by sending its preface, nor the reverse).
+    // A parked connection was HTTP/1, and stays so.
     let builder = match alpn {
         tls::Alpn::H2 => builder.http2_only(),
         tls::Alpn::Http1 => builder.http1_only(),
+        tls::Alpn::None if resumed => builder.http1_only(),
         tls::Alpn::None => builder,
     };
     let _ = builder

@@ -12,6 +12,7 @@
 //!   body_timeout: 10s              # a body not received in time: 408
 //!   header_timeout: 10s            # a head not received in time: connection closed
 //!   idle_timeout: 60s              # a connection with no request open: closed
+//!   park_after: 250ms              # an idle HTTP/1 connection gives its buffers back
 //!   max_headers: 100               # more header fields: 431
 //!   request_timeout: 30s           # no answer in time: 504
 //!   slots: 128                     # requests in flight
@@ -55,6 +56,11 @@ pub struct IngressConfig {
     /// How long a client connection with no request open is kept (default 60 s):
     /// HTTP/1 between requests, HTTP/2 with no stream.
     pub idle_timeout: Option<Span>,
+    /// How long an HTTP/1 connection with no request open keeps its reader's and
+    /// writer's buffers (default 250 ms): past it the connection is parked, holding
+    /// its socket and clocks only, and taken up again when the client sends. A
+    /// connection busy with requests never waits that long.
+    pub park_after: Option<Span>,
     /// Most header fields in a head (default 100; more: 431).
     pub max_headers: Option<usize>,
     /// Time to get an answer (default 30 s).
@@ -98,6 +104,9 @@ impl IngressConfig {
     }
     pub fn idle_timeout(&self) -> Duration {
         self.idle_timeout.map_or(Duration::from_secs(60), |s| s.0)
+    }
+    pub fn park_after(&self) -> Duration {
+        self.park_after.map_or(Duration::from_millis(250), |s| s.0)
     }
     pub fn max_headers(&self) -> usize {
         self.max_headers.unwrap_or(100)

@@ -66,27 +66,35 @@ pub fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
 
 /// One shard of an ingress with `policy`, its service `svc` on `node`.
 pub fn ingress(policy: PathBuf, node: SocketAddr) -> Ingress {
-    Ingress::start(
-        ShmFabric::new(),
-        Settings {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            max_head: 32 << 10,
-            max_body: 4096,
-            body_timeout: Duration::from_secs(5),
-            header_timeout: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(60),
-            max_headers: 100,
-            request_timeout: Duration::from_secs(1),
-            slots: 4,
-            slots_per_client: 4,
-            threads: Some(1),
-            policy,
-            services: BTreeMap::from([("svc".to_owned(), vec![node])]),
-            admin: None,
-            path: Default::default(),
-            eject: None,
-            tls: None,
-        },
-    )
-    .unwrap()
+    ingress_with(policy, node, |_| {})
+}
+
+/// [`ingress`] with its settings changed by `change`.
+pub fn ingress_with(
+    policy: PathBuf,
+    node: SocketAddr,
+    change: impl FnOnce(&mut Settings),
+) -> Ingress {
+    let mut settings = Settings {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        max_head: 32 << 10,
+        max_body: 4096,
+        body_timeout: Duration::from_secs(5),
+        header_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(60),
+        park_after: Duration::from_millis(250),
+        max_headers: 100,
+        request_timeout: Duration::from_secs(1),
+        slots: 4,
+        slots_per_client: 4,
+        threads: Some(1),
+        policy,
+        services: BTreeMap::from([("svc".to_owned(), vec![node])]),
+        admin: None,
+        path: Default::default(),
+        eject: None,
+        tls: None,
+    };
+    change(&mut settings);
+    Ingress::start(ShmFabric::new(), settings).unwrap()
 }
