@@ -174,29 +174,9 @@ impl Handshake {
         let req =
             format!("GET {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {token}\r\n\r\n");
         self.stream.write_all(req.as_bytes()).unwrap();
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        loop {
-            let n = self.stream.read(&mut buf).expect("an answer within 10 s");
-            assert!(n > 0, "closed before the answer: {got:?}");
-            got.extend_from_slice(&buf[..n]);
-            let text = String::from_utf8_lossy(&got).into_owned();
-            let Some((head, body)) = text.split_once("\r\n\r\n") else {
-                continue;
-            };
-            let length: usize = head
-                .lines()
-                .find_map(|l| {
-                    let (name, value) = l.split_once(':')?;
-                    name.eq_ignore_ascii_case("content-length")
-                        .then(|| value.trim().parse().ok())?
-                })
-                .expect("a content-length");
-            if body.len() >= length {
-                let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-                return (status, body.to_owned());
-            }
-        }
+        let (status, _, body) =
+            common::mesh::read_response(&mut self.stream).expect("an answer within 10 s");
+        (status, String::from_utf8_lossy(&body).into_owned())
     }
 }
 

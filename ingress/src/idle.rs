@@ -75,6 +75,12 @@ impl Why {
     }
 }
 
+/// Counts a connection cut off by clock `why`.
+pub fn timed_out(why: Why) {
+    metrics::counter!("dpumesh_ingress_connections_timed_out_total", "clock" => why.label())
+        .increment(1);
+}
+
 /// Where a parked connection's stream is left for the ingress to wait on.
 pub type Dock<T> = Arc<Mutex<Option<T>>>;
 
@@ -313,8 +319,7 @@ impl<T> Watched<T> {
                 Some(Why::Park)
             }
             Some(why) => {
-                metrics::counter!("dpumesh_ingress_connections_timed_out_total", "clock" => why.label())
-                    .increment(1);
+                timed_out(why);
                 Some(why)
             }
             None => {

@@ -475,12 +475,7 @@ async fn connection<F: Fabric, IO: Parkable>(
     peer: SocketAddr,
     session: Option<Rc<tls::Session>>,
 ) {
-    let settings = &state.routing.settings;
-    let timeouts = idle::Timeouts {
-        head: settings.header_timeout,
-        idle: settings.idle_timeout,
-        park: settings.park_after,
-    };
+    let timeouts = timeouts(&state.routing.settings);
     let activity = idle::Activity::new();
     let mut resumed = false;
     loop {
@@ -494,7 +489,6 @@ async fn connection<F: Fabric, IO: Parkable>(
             peer,
             session.clone(),
             &activity,
-            timeouts,
             dock.clone(),
             resumed,
         ))
@@ -510,8 +504,7 @@ async fn connection<F: Fabric, IO: Parkable>(
         let woke = tokio::select! {
             r = stream.readable() => r.is_ok(),
             () = idle_out => {
-                metrics::counter!("dpumesh_ingress_connections_timed_out_total", "clock" => "idle")
-                    .increment(1);
+                idle::timed_out(idle::Why::Idle);
                 false
             }
         };
@@ -530,16 +523,23 @@ async fn connection<F: Fabric, IO: Parkable>(
     }
 }
 
+/// A connection's clocks, from the settings.
+fn timeouts(settings: &Settings) -> idle::Timeouts {
+    idle::Timeouts {
+        head: settings.header_timeout,
+        idle: settings.idle_timeout,
+        park: settings.park_after,
+    }
+}
+
 /// One hyper connection over `stream`, until the client closes it, it is cut off, or
 /// it is parked (the stream left in `dock`).
-#[allow(clippy::too_many_arguments)]
 async fn served<F: Fabric, IO: Parkable>(
     stream: IO,
     state: Rc<State<F>>,
     peer: SocketAddr,
     session: Option<Rc<tls::Session>>,
     activity: &Arc<idle::Activity>,
-    timeouts: idle::Timeouts,
     dock: idle::Dock<IO>,
     resumed: bool,
 ) {
@@ -557,7 +557,7 @@ async fn served<F: Fabric, IO: Parkable>(
         stream,
         activity.clone(),
         state.header_timer.clone(),
-        timeouts,
+        timeouts(settings),
         dock,
         resumed,
     );

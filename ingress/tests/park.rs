@@ -27,12 +27,7 @@ fn ingress(
     let got = Arc::new(AtomicUsize::new(0));
     let node = common::fake_node(Arc::new(AtomicBool::new(false)), got.clone());
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "chains: {open: []}\nservices: {svc: {chain: open}}\nroutes: [{service: svc}]\n",
-    )
-    .unwrap();
+    let policy = common::open_policy(dir.path());
     let ingress = common::ingress_with(policy, node, |s| {
         s.park_after = PARK;
         s.idle_timeout = IDLE;

@@ -112,12 +112,7 @@ fn a_request_in_flight_when_the_ingress_stops_gets_503_shutting_down() {
     let got = Arc::new(AtomicUsize::new(0));
     let node = common::fake_node(hold, got.clone());
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "chains: {open: []}\nservices: {svc: {chain: open}}\nroutes: [{service: svc}]\n",
-    )
-    .unwrap();
+    let policy = common::open_policy(dir.path());
     let ingress = common::ingress(policy, node);
     let addr = ingress.addr();
     let client = std::thread::spawn(move || {

@@ -268,7 +268,7 @@ impl Drop for Mesh {
 
 /// Reads one HTTP/1.1 response: content-length framed (a whole answer) or chunked (a
 /// streamed one).
-pub fn read_response(s: &mut TcpStream) -> Option<Reply> {
+pub fn read_response(s: &mut impl Read) -> Option<Reply> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 65536];
     let head_end = loop {

@@ -64,6 +64,17 @@ pub fn fake_node(hold: Arc<AtomicBool>, got: Arc<AtomicUsize>) -> SocketAddr {
     addr
 }
 
+/// A policy file in `dir` routing every request to service `svc`, with no filter.
+pub fn open_policy(dir: &std::path::Path) -> PathBuf {
+    let policy = dir.join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "chains: {open: []}\nservices: {svc: {chain: open}}\nroutes: [{service: svc}]\n",
+    )
+    .unwrap();
+    policy
+}
+
 /// One shard of an ingress with `policy`, its service `svc` on `node`.
 pub fn ingress(policy: PathBuf, node: SocketAddr) -> Ingress {
     ingress_with(policy, node, |_| {})
