@@ -93,7 +93,8 @@ if [ "$quick" = 1 ]; then
     IDLE_NODES="${IDLE_NODES:-2}"
 else
     DURATION="${DURATION:-10}"; WARMUP="${WARMUP:-2}"; IDLE="${IDLE:-5}"; PROFILE=release
-    conn_steps=(100 1000 3000 10000)
+    # CONN_STEPS="100 10000": other steps (an A/B of two builds or settings at a few).
+    read -r -a conn_steps <<<"${CONN_STEPS:-100 1000 3000 10000}"
     body_steps=(0 1024 65536 1048576 8388608)
     route_steps=(100 1000 10000 50000)
     subject_steps=(1 1000 100000 1000000)
