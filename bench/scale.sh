@@ -60,6 +60,8 @@
 # --quick: two steps a dimension, 1 s each, on the debug build the test suite
 # already made (the suite runs it so the script cannot rot; its figures mean
 # nothing). Without it: the release build, every step, DURATION (10 s) each.
+# SCALE_BUILT=1 (with --quick): the caller has just made that build, so no cargo runs
+# (the suite runs the sweep while the aarch64 build holds cargo's lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -121,7 +123,7 @@ python3 -c "import matplotlib" 2>/dev/null || ./scripts/install-python.sh >/dev/
 echo "==> building dpumesh and the hotel sample ($PROFILE)"
 if [ "$PROFILE" = release ]; then
     cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-test-artifacts
-else
+elif [ "${SCALE_BUILT:-0}" != 1 ]; then
     # The test suite's own build, resolved as it resolves features (`-p` alone resolves
     # them anew: a rebuild of dpumesh, three minutes of CI after the suite).
     cargo test --workspace --locked --no-run -q

@@ -136,30 +136,51 @@ tests() {
     [ "$keep_going" = 1 ] && more=(--no-fail-fast)
     if [ "$under_load" = 0 ]; then
         step "cargo test (build)" cargo test --workspace --locked --no-run
+        runtime_all=$(runtime_all_binary)
         start_arm64_build target/x86-tests.log
         step "cargo test" x86_tests target/x86-tests.log
     else
         step "cargo test" cargo test --workspace --locked "${more[@]}"
+        runtime_all=$(runtime_all_binary)
     fi
-    # Neither needs cargo: they run while the aarch64 build goes on.
+    # None of the next four runs cargo: they run while the aarch64 build holds its lock
+    # (before, the fused tests and the sweep waited for it: about three minutes of CI).
     step "pytest (the Python host library: the seed's examples, errors, WSGI, ASGI)" \
         python3 -m pytest -q host-lib/python/tests
     step "deploy/ (Helm chart rendered by Helm, DPF manifests against the DPF CRDs, kustomize, Kubernetes schemas)" \
         python3 -m pytest -q deploy/tests
-    # --workspace, not -p dpumesh-runtime: the workspace's feature resolution, so the
-    # build above is reused (-p alone resolved features anew and rebuilt wasmtime and
-    # its dependencies, ~6 minutes of CI). Only the runtime has a test target `all`.
+    # The binary cargo test built and ran above, run again as cargo would run it (from
+    # its package's directory): only the runtime has a test target `all`.
     step "the runtime's chain and fault tests again, every test chain fused into one component" \
-        env DPUMESH_TEST_FUSED=1 cargo test --workspace --locked "${more[@]}" --test all -- chain:: faults:: claims::
+        env -C runtime DPUMESH_TEST_FUSED=1 "$runtime_all" chain:: faults:: claims::
+    # A benchmark, not a test: this runs it so it cannot rot (its build is the debug
+    # one cargo test just made, SCALE_BUILT=1: no cargo). Its figures are not judged.
+    step "bench/scale.sh --quick (the scaling sweep runs: two short steps a dimension)" \
+        env SCALE_BUILT=1 ./bench/scale.sh --quick
+    [ -z "$arm64_build_pid" ] || step "the DPU side for Arm64: the aarch64 cross-build" finish_arm64_build
     step "cargo test (verbs backend: with no RDMA device it says so)" \
         cargo test --locked "${more[@]}" -p dpumesh-fabric --features verbs --lib verbs
-    [ -z "$arm64_build_pid" ] || step "the DPU side for Arm64: the aarch64 cross-build" finish_arm64_build
     step "the DPU side for Arm64 (aarch64 cross-build, tests under qemu)" \
         ./scripts/test-arm64.sh "${more[@]}"
-    # A benchmark, not a test: this runs it so it cannot rot (its build is the debug
-    # one cargo test just made: no new compile). Its figures are not judged.
-    step "bench/scale.sh --quick (the scaling sweep runs: two short steps a dimension)" \
-        ./bench/scale.sh --quick
+}
+
+# The runtime's `all` test binary as the workspace's test build made it (asking cargo
+# again is a no-op build, and gives the path with its hash). --workspace, not
+# -p dpumesh-runtime: the workspace's feature resolution, so that build is the one
+# reused (-p alone resolved features anew and rebuilt wasmtime, ~6 minutes of CI).
+runtime_all_binary() {
+    cargo test --workspace --locked --no-run --message-format=json -q 2>/dev/null | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and t.get("name") == "all" \
+            and "dpumesh-runtime" in m.get("package_id", "") and m.get("executable"):
+        print(m["executable"])
+        break
+else:
+    sys.exit("the runtime'"'"'s test binary `all` is not in the test build")
+'
 }
 
 # A failed step ends the suite: the background build goes with it.
@@ -184,7 +205,6 @@ fi
 prepare
 echo "==> building every test once, before the load starts"
 cargo test --workspace --locked --no-run
-DPUMESH_TEST_FUSED=1 cargo test --workspace --locked --test all --no-run
 cargo test --locked -p dpumesh-fabric --features verbs --lib --no-run
 ./scripts/test-arm64.sh --no-run
 
