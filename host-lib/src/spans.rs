@@ -9,7 +9,10 @@ use std::time::SystemTime;
 
 use dpumesh_traces::context::{self, TraceContext};
 use dpumesh_traces::{Exporter, SpanHead, SpanKind, Value};
-use http::HeaderValue;
+use http::{HeaderName, HeaderValue};
+
+// Named once: a name given as text is parsed and hashed anew at every lookup.
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 use crate::http::{HttpRequest, HttpResponse};
 
@@ -40,15 +43,25 @@ impl RequestTrace {
     pub(crate) fn begin(exporter: &Exporter, request: &HttpRequest) -> Self {
         let parent = request
             .headers
-            .get("traceparent")
+            .get(&TRACEPARENT)
             .and_then(|v| v.to_str().ok())
             .and_then(TraceContext::parse);
+        let server = context::start(parent.as_ref(), exporter.ratio());
+        // What only the span needs is copied only for a sampled trace.
+        let (method, path) = if server.sampled {
+            (
+                request.method.as_str().to_owned(),
+                request.url.split('?').next().unwrap_or("").to_owned(),
+            )
+        } else {
+            (String::new(), String::new())
+        };
         Self {
-            server: context::start(parent.as_ref(), exporter.ratio()),
+            server,
             parent,
             start: SystemTime::now(),
-            method: request.method.as_str().to_owned(),
-            path: request.url.split('?').next().unwrap_or("").to_owned(),
+            method,
+            path,
             calls: Vec::new(),
             steps: Vec::new(),
         }
@@ -58,7 +71,7 @@ impl RequestTrace {
     pub(crate) fn on_send(&mut self, node: usize, part: usize, request: &mut HttpRequest) {
         let ctx = self.server.child();
         if let Ok(value) = HeaderValue::from_bytes(&ctx.traceparent_bytes()) {
-            request.headers.insert("traceparent", value);
+            request.headers.insert(TRACEPARENT.clone(), value);
         }
         if !self.server.sampled {
             return;

@@ -8,7 +8,12 @@ use std::time::SystemTime;
 
 use dpumesh_traces::context::{self, TraceContext};
 use dpumesh_traces::{Exporter, SpanHead};
-use http::{HeaderValue, Method, Request, Uri};
+use http::{HeaderName, HeaderValue, Method, Request, Uri};
+
+// Named once: a name given as text is parsed and hashed anew at every lookup, and the
+// ingress looks these up on every request while tracing is on.
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+static TRACESTATE: HeaderName = HeaderName::from_static("tracestate");
 
 /// A request's span while it runs.
 pub(crate) struct Traced {
@@ -26,16 +31,16 @@ impl Traced {
     pub(crate) fn begin<B>(traces: &Exporter, req: &mut Request<B>, peer: SocketAddr) -> Self {
         let parent = req
             .headers()
-            .get("traceparent")
+            .get(&TRACEPARENT)
             .and_then(|v| v.to_str().ok())
             .and_then(TraceContext::parse);
         let ctx = context::start(parent.as_ref(), traces.ratio());
         if let Ok(value) = HeaderValue::from_bytes(&ctx.traceparent_bytes()) {
-            req.headers_mut().insert("traceparent", value);
+            req.headers_mut().insert(TRACEPARENT.clone(), value);
         }
         if parent.is_none() {
             // `tracestate` belongs to a valid parent only (W3C Trace Context).
-            req.headers_mut().remove("tracestate");
+            req.headers_mut().remove(&TRACESTATE);
         }
         Self {
             ctx,

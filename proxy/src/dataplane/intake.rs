@@ -349,7 +349,7 @@ impl<F: Fabric> Reactor<F> {
             trace_parent: match (&self.topology.observer.traces, &route) {
                 (Some(_), Some(_)) => head
                     .headers()
-                    .get("traceparent")
+                    .get(&TRACEPARENT)
                     .and_then(|v| v.to_str().ok())
                     .and_then(dpumesh_traces::TraceContext::parse),
                 _ => None,

@@ -84,6 +84,10 @@ use exchange::{
 };
 use layers::breaker::{failure_kind, node_upstream, pod_upstream};
 
+/// Named once: a name given as text is parsed and hashed anew at every lookup, and a
+/// node looks this one up twice a request while tracing is on.
+static TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+
 /// Where the other nodes are and what runs where.
 #[derive(Debug, Clone, Default)]
 pub struct Topology {

@@ -145,7 +145,7 @@ fn span(
     let parent = exchange.seen.trace_parent;
     let out = head
         .headers()
-        .get("traceparent")
+        .get(&TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(TraceContext::parse);
     let ctx = match (out, parent) {
