@@ -171,15 +171,18 @@ tests() {
 runtime_all_binary() {
     cargo test --workspace --locked --no-run --message-format=json -q 2>/dev/null | python3 -c '
 import json, sys
+found = None
+# Every line is read (no early exit): cargo, writing into a closed pipe, would fail
+# the pipeline.
 for line in sys.stdin:
     m = json.loads(line)
     t = m.get("target", {})
     if m.get("reason") == "compiler-artifact" and t.get("name") == "all" \
             and "dpumesh-runtime" in m.get("package_id", "") and m.get("executable"):
-        print(m["executable"])
-        break
-else:
+        found = m["executable"]
+if not found:
     sys.exit("the runtime'"'"'s test binary `all` is not in the test build")
+print(found)
 '
 }
 
