@@ -5,6 +5,8 @@
 #   off     no OTLP endpoint: the mesh carries no trace context of its own,
 #   ratio0  OTEL_TRACES_SAMPLER_ARG=0: contexts carried, no span written,
 #   ratio1  every request sampled: three spans a request written and posted,
+#   refused ratio 1 with nothing listening at the endpoint: spans written, every post
+#           refused at connect (what writing costs without sending),
 # to a collector stand-in on the same cores (nginx answering 200 to every post, after
 # reading its body: the least a collector does).
 # Prints a row a mode and round (req/s, p50, p99, CPU per request of the ingress and
@@ -33,6 +35,8 @@ cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-test-arti
 . bench/mesh-lib.sh
 TOKEN="$(python3 bench/token.py "$SECRET")"
 collector=127.0.0.1:18318
+# Nothing listens there (the mode `refused`).
+closed=127.0.0.1:18319
 cat > "$work/nginx.conf" <<EOF
 worker_processes 1;
 pid $work/nginx.pid;
@@ -58,7 +62,8 @@ start_mode() { # mode
         off) ;;
         ratio0) export OTEL_EXPORTER_OTLP_ENDPOINT="http://$collector" OTEL_TRACES_SAMPLER_ARG=0 ;;
         ratio1) export OTEL_EXPORTER_OTLP_ENDPOINT="http://$collector" OTEL_TRACES_SAMPLER_ARG=1 ;;
-        *) echo "unknown mode $1 (off, ratio0, ratio1)"; exit 2 ;;
+        refused) export OTEL_EXPORTER_OTLP_ENDPOINT="http://$closed" OTEL_TRACES_SAMPLER_ARG=1 ;;
+        *) echo "unknown mode $1 (off, ratio0, ratio1, refused)"; exit 2 ;;
     esac
     start_mesh shm
     unset OTEL_EXPORTER_OTLP_ENDPOINT OTEL_TRACES_SAMPLER_ARG
