@@ -33,3 +33,15 @@ cpu() { # utime+stime in seconds of the given pids
     done
     echo "scale=4; $t / $(getconf CLK_TCK)" | bc
 }
+
+# Starts nginx (one worker, its pid and error log in the scratch folder, no access
+# log) with what stdin holds inside its `http` block; cleanup stops it.
+start_nginx() {
+    {
+        printf 'worker_processes 1;\npid %s/nginx.pid;\nerror_log %s/nginx-error.log;\n' "$work" "$work"
+        printf 'events { worker_connections 1024; }\nhttp {\n    access_log off;\n'
+        cat
+        printf '}\n'
+    } > "$work/nginx.conf"
+    nginx -c "$work/nginx.conf"
+}

@@ -65,13 +65,7 @@ cargo build --release -q -p dpumesh -p dpumesh-sample-hotel -p dpumesh-sample-gr
 
 TOKEN="$(python3 bench/token.py "$SECRET")"
 
-cat > "$work/nginx.conf" <<NGINX
-worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/nginx-error.log;
-events { worker_connections 1024; }
-http {
-    access_log off;
+start_nginx <<NGINX
     keepalive_requests 1000000;
     upstream origin { server 127.0.0.1:18080; keepalive 64; }
     server { listen 127.0.0.1:18080; location / { return 200 "pong\n"; } }
@@ -79,9 +73,7 @@ http {
         listen 127.0.0.1:18081;
         location / { proxy_pass http://origin; proxy_http_version 1.1; proxy_set_header Connection ""; }
     }
-}
 NGINX
-nginx -c "$work/nginx.conf"
 
 # One certificate for both TLS terminators (ECDSA P-256, as the mesh's own).
 mkdir -p "$work/tls"

@@ -51,13 +51,7 @@ uvicorn --app-dir "$app_dir" --workers 2 --host 127.0.0.1 --port 18104 --log-lev
     --no-access-log ping_asgi:app &
 pids+=($!)
 
-cat > "$work/nginx.conf" <<NGINX
-worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/nginx-error.log;
-events { worker_connections 1024; }
-http {
-    access_log off;
+start_nginx <<NGINX
     keepalive_requests 1000000;
     upstream sync { server 127.0.0.1:18101; }
     upstream gthread { server 127.0.0.1:18102; keepalive 32; }
@@ -76,9 +70,7 @@ http {
         listen 127.0.0.1:18114;
         location / { proxy_pass http://uvicorn; proxy_http_version 1.1; proxy_set_header Connection ""; }
     }
-}
 NGINX
-nginx -c "$work/nginx.conf"
 
 sed -e 's/127.0.0.1:8010/127.0.0.1:18120/' -e 's/127.0.0.1:7111/127.0.0.1:18121/' \
     -e 's/127.0.0.1:7112/127.0.0.1:18122/' -e 's/127.0.0.1:9111/127.0.0.1:18123/' \

@@ -37,22 +37,14 @@ TOKEN="$(python3 bench/token.py "$SECRET")"
 collector=127.0.0.1:18318
 # Nothing listens there (the mode `refused`).
 closed=127.0.0.1:18319
-cat > "$work/nginx.conf" <<EOF
-worker_processes 1;
-pid $work/nginx.pid;
-error_log $work/nginx-error.log;
-events { worker_connections 1024; }
-http {
-    access_log off;
+start_nginx <<EOF
     client_max_body_size 64m;
     client_body_buffer_size 16m;
     server {
         listen $collector;
         location /v1/traces { return 200; }
     }
-}
 EOF
-nginx -c "$work/nginx.conf"
 collector_pids() { cat "$work/nginx.pid"; pgrep -P "$(cat "$work/nginx.pid")"; }
 
 # The mesh in one mode: its environment is every process's (`dpumesh up` passes it on).
